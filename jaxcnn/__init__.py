@@ -1,0 +1,11 @@
+"""jaxcnn: pure-functional convolutional networks for JAX.
+
+Plain functions over plain arrays (NHWC images, HWIO kernels), layers as
+``(init, apply)`` pairs, a model zoo, mixed-precision policies and a
+config-driven trainer.
+"""
+from jaxcnn import functional, layers, models, precision, interop
+from jaxcnn.summary import summary
+
+__version__ = "0.1.0"
+__all__ = ["functional", "layers", "models", "precision", "interop", "summary", "__version__"]

@@ -1,0 +1,37 @@
+"""Stateless ops on arrays: convolution, pooling, normalisation, activations, losses.
+
+Everything here is a pure, jit-able function of arrays and static arguments.
+Images are NHWC, convolution kernels HWIO ``(KH, KW, C_in // groups, C_out)``,
+dense weights ``(in, out)``.  Semantics follow PyTorch wherever PyTorch has the
+op (integer padding, ``ceil_mode``, ``count_include_pad``, first-max-wins in
+max-pool gradients, label smoothing); shape errors are ``ValueError`` raised at
+trace time, naming the op and the shapes.
+
+Convolution and pooling take ``impl="auto"|"xla"|"pallas"``; ``"auto"`` runs
+XLA until the Pallas kernels (step 4) exist.
+
+Typical use::
+
+    from jaxcnn import functional as F
+    y = F.relu(F.conv2d(x, w, b, padding=1))
+"""
+from jaxcnn.functional.activation import (
+    elu, gelu, hardswish, leaky_relu, log_softmax, relu, relu6, sigmoid, silu, softmax, tanh)
+from jaxcnn.functional.conv import conv2d, conv_transpose2d
+from jaxcnn.functional.dropout import dropout
+from jaxcnn.functional.linear import linear
+from jaxcnn.functional.loss import cross_entropy, top_k_accuracy, top_k_correct
+from jaxcnn.functional.norm import batch_norm, batch_norm_train, group_norm, layer_norm
+from jaxcnn.functional.pool import (
+    adaptive_avg_pool2d, avg_pool2d, global_avg_pool2d, max_pool2d)
+
+__all__ = [
+    "conv2d", "conv_transpose2d",
+    "max_pool2d", "avg_pool2d", "adaptive_avg_pool2d", "global_avg_pool2d",
+    "linear",
+    "batch_norm", "batch_norm_train", "layer_norm", "group_norm",
+    "dropout",
+    "relu", "relu6", "leaky_relu", "elu", "gelu", "silu", "hardswish", "sigmoid", "tanh",
+    "softmax", "log_softmax",
+    "cross_entropy", "top_k_correct", "top_k_accuracy",
+]

@@ -1,0 +1,118 @@
+"""Argument normalisation and validation shared by the functional ops.
+
+Every helper takes the op's name so that an error says which call was wrong
+(``"conv2d: ..."``).  All checks run on static Python values and shapes, so
+they fire at trace time.
+"""
+from __future__ import annotations
+
+import numbers
+
+import numpy as np
+
+IMPLS = ("auto", "xla", "pallas")
+
+Pads = tuple[tuple[int, int], tuple[int, int]]
+
+
+def is_int(value) -> bool:
+    # bool is an Integral too, but `stride=True` is surely a mistake.
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_int_pair(value) -> bool:
+    return isinstance(value, (tuple, list)) and len(value) == 2 and all(is_int(v) for v in value)
+
+
+def pair(value, name: str, op: str, *, minimum: int = 1) -> tuple[int, int]:
+    """``(a, b)`` from an int or a pair of ints, each at least ``minimum``."""
+    if is_int(value):
+        out = (int(value), int(value))
+    elif _is_int_pair(value):
+        out = (int(value[0]), int(value[1]))
+    else:
+        raise ValueError(f"{op}: {name} must be an int or a pair of ints, got {value!r}")
+    if min(out) < minimum:
+        raise ValueError(f"{op}: {name} must be >= {minimum}, got {value!r}")
+    return out
+
+
+def padding_spec(padding, op: str, *, allow_strings: bool = True) -> str | Pads:
+    """``"SAME"``, ``"VALID"`` or explicit ``((top, bottom), (left, right))``.
+
+    Accepts an int (all four sides), ``(ph, pw)`` (symmetric per axis), the
+    explicit nested form, or the strings ``"SAME"``/``"VALID"`` (any case).
+    """
+    if isinstance(padding, str):
+        if allow_strings and padding.upper() in ("SAME", "VALID"):
+            return padding.upper()
+    elif is_int(padding) or _is_int_pair(padding):
+        ph, pw = pair(padding, "padding", op, minimum=0)
+        return ((ph, ph), (pw, pw))
+    elif (isinstance(padding, (tuple, list)) and len(padding) == 2
+          and all(_is_int_pair(p) for p in padding)):
+        pads = tuple((int(lo), int(hi)) for lo, hi in padding)
+        if min(min(p) for p in pads) < 0:
+            raise ValueError(f"{op}: padding must be non-negative, got {padding!r}")
+        return pads
+    forms = "an int, (ph, pw), ((top, bottom), (left, right))"
+    forms += ", 'SAME' or 'VALID'" if allow_strings else ""
+    raise ValueError(f"{op}: padding must be {forms}; got {padding!r}")
+
+
+def explicit_pads(spec: str | Pads, in_hw, window_hw, stride_hw) -> Pads:
+    """Resolves ``"SAME"``/``"VALID"`` to per-side pads with XLA's meaning.
+
+    ``"SAME"`` gives ``ceil(size / stride)`` outputs, padding the total needed
+    split with the extra element (if odd) at the end; ``window_hw`` is the
+    dilated window extent.
+    """
+    if spec == "VALID":
+        return ((0, 0), (0, 0))
+    if spec == "SAME":
+        pads = []
+        for n, k, s in zip(in_hw, window_hw, stride_hw):
+            out = -(-n // s)
+            total = max((out - 1) * s + k - n, 0)
+            pads.append((total // 2, total - total // 2))
+        return tuple(pads)
+    return spec
+
+
+def dilated(kernel_hw, dilation_hw) -> tuple[int, int]:
+    """Extent of a dilated window: ``(k - 1) * d + 1`` per axis."""
+    return tuple((k - 1) * d + 1 for k, d in zip(kernel_hw, dilation_hw))
+
+
+def check_window_fits(op: str, x_shape, window_hw, pads: Pads, what: str = "window") -> None:
+    """Raises if the (dilated) window is larger than the padded input."""
+    padded = tuple(n + lo + hi for n, (lo, hi) in zip(x_shape[1:3], pads))
+    if any(k > p for k, p in zip(window_hw, padded)):
+        raise ValueError(
+            f"{op}: {what} {tuple(window_hw)} (dilated extent) is larger than the padded "
+            f"input {padded} (x shape {tuple(x_shape)}, padding {pads})")
+
+
+def check_rank(op: str, name: str, shape, rank: int, layout: str) -> None:
+    """Raises unless ``shape`` has ``rank`` dimensions."""
+    if len(shape) != rank:
+        raise ValueError(f"{op}: {name} must have rank {rank} {layout}, got shape {tuple(shape)}")
+
+
+def check_impl(op: str, impl: str) -> str:
+    """Returns the backend to run for ``impl`` (only ``"xla"`` today)."""
+    if impl not in IMPLS:
+        raise ValueError(f"{op}: impl must be one of {IMPLS}, got {impl!r}")
+    if impl == "pallas":
+        raise NotImplementedError(
+            f"{op}: impl='pallas' is not available yet; the Pallas kernels arrive with "
+            f"step 4. Use impl='auto' or impl='xla'.")
+    return "xla"
+
+
+def lowest(dtype):
+    """The identity of ``max`` for ``dtype``: -inf for floats, the minimum for ints."""
+    dtype = np.dtype(dtype)
+    if np.issubdtype(dtype, np.integer):
+        return np.array(np.iinfo(dtype).min, dtype)
+    return np.array(-np.inf, dtype)

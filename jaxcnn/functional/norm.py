@@ -1,0 +1,164 @@
+"""Normalisation ops: batch (inference and training forms), layer and group norm.
+
+Statistics are computed in float32 (float64 for float64 inputs) whatever the
+input dtype, and outputs come back in the input's dtype.  Variances are the
+biased (population) ones, the ones used to normalise.
+"""
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+
+
+def _acc_dtype(x):
+    return jnp.promote_types(x.dtype, jnp.float32)
+
+
+def _check_channel_vector(op: str, name: str, v, channels: int, x_shape) -> None:
+    if v is not None and tuple(jnp.shape(v)) != (channels,):
+        raise ValueError(
+            f"{op}: {name} must have shape ({channels},) for x shape {tuple(x_shape)}, "
+            f"got {tuple(jnp.shape(v))}")
+
+
+def _affine(y, scale, bias):
+    if scale is not None:
+        y = y * scale
+    if bias is not None:
+        y = y + bias
+    return y
+
+
+def batch_norm(x, mean, var, scale=None, bias=None, *, eps=1e-5):
+    """Batch normalisation with given statistics (inference form), over the last axis.
+
+    ``y = (x - mean) / sqrt(var + eps) * scale + bias``.
+
+    Arguments:
+        x: input ``(..., C)``, e.g. NHWC.
+        mean, var: per-channel statistics ``(C,)``.
+        scale, bias: optional per-channel affine parameters ``(C,)``.
+        eps: added to the variance.
+
+    Returns:
+        Same shape and dtype as ``x``.
+    """
+    op = "batch_norm"
+    x_shape = tuple(jnp.shape(x))
+    if not x_shape:
+        raise ValueError(f"{op}: x must have a channel axis, got shape {x_shape}")
+    for name, v in (("mean", mean), ("var", var), ("scale", scale), ("bias", bias)):
+        _check_channel_vector(op, name, v, x_shape[-1], x_shape)
+    acc = _acc_dtype(x)
+    inv = lax.rsqrt(jnp.asarray(var, acc) + eps)
+    y = (x.astype(acc) - jnp.asarray(mean, acc)) * inv
+    return _affine(y, scale, bias).astype(x.dtype)
+
+
+def batch_norm_train(x, scale=None, bias=None, *, eps=1e-5, axis_name=None):
+    """Batch normalisation with the batch's own statistics (training form).
+
+    The statistics are taken per channel over every axis but the last.  With
+    ``axis_name`` (inside ``pmap``/``shard_map``/``vmap`` over that axis) they
+    are the statistics of the global batch: the per-shard means are averaged
+    with ``lax.pmean``, then so are the per-shard variances about the global
+    mean (``var_i + (mean_i - mean)**2``).  Two small collectives instead of
+    one, to avoid the cancellation of ``E[x**2] - E[x]**2``; every shard must
+    hold the same number of elements.
+
+    Arguments:
+        x: input ``(..., C)``, e.g. NHWC.
+        scale, bias: optional per-channel affine parameters ``(C,)``.
+        eps: added to the variance.
+        axis_name: name of a mapped axis to synchronise statistics over, or
+            ``None`` for local statistics.
+
+    Returns:
+        ``(y, mean, var)``: ``y`` like ``x``; ``mean`` and ``var`` of shape
+        ``(C,)`` in float32 (float64 for float64 inputs), ``var`` biased.
+    """
+    op = "batch_norm_train"
+    x_shape = tuple(jnp.shape(x))
+    if len(x_shape) < 2:
+        raise ValueError(f"{op}: x must have rank >= 2 (batch..., C), got shape {x_shape}")
+    for name, v in (("scale", scale), ("bias", bias)):
+        _check_channel_vector(op, name, v, x_shape[-1], x_shape)
+    xa = x.astype(_acc_dtype(x))
+    axes = tuple(range(len(x_shape) - 1))
+    mean = jnp.mean(xa, axis=axes)
+    var = jnp.mean(jnp.square(xa - mean), axis=axes)
+    if axis_name is not None:
+        local_mean = mean
+        mean = lax.pmean(local_mean, axis_name)
+        var = lax.pmean(var + jnp.square(local_mean - mean), axis_name)
+    y = (xa - mean) * lax.rsqrt(var + eps)
+    return _affine(y, scale, bias).astype(x.dtype), mean, var
+
+
+def layer_norm(x, scale=None, bias=None, *, axes=-1, eps=1e-5):
+    """Layer normalisation over ``axes`` (PyTorch ``LayerNorm`` when they are trailing).
+
+    Arguments:
+        x: input of any rank.
+        scale, bias: optional affine parameters shaped like the normalised axes,
+            ``tuple(x.shape[a] for a in sorted(axes))``.
+        axes: int or tuple of ints, the axes to normalise over.
+        eps: added to the variance.
+
+    Returns:
+        Same shape and dtype as ``x``.
+    """
+    op = "layer_norm"
+    x_shape = tuple(jnp.shape(x))
+    axes = (axes,) if isinstance(axes, int) else tuple(axes)
+    if not axes or any(not -len(x_shape) <= a < len(x_shape) for a in axes):
+        raise ValueError(f"{op}: axes {axes} out of range for x shape {x_shape}")
+    axes = tuple(sorted({a % len(x_shape) for a in axes}))
+    param_shape = tuple(x_shape[a] for a in axes)
+    bshape = tuple(n if i in axes else 1 for i, n in enumerate(x_shape))
+    for name, v in (("scale", scale), ("bias", bias)):
+        if v is not None and tuple(jnp.shape(v)) != param_shape:
+            raise ValueError(
+                f"{op}: {name} must have shape {param_shape} for x shape {x_shape} and "
+                f"axes {axes}, got {tuple(jnp.shape(v))}")
+    xa = x.astype(_acc_dtype(x))
+    mean = jnp.mean(xa, axis=axes, keepdims=True)
+    var = jnp.mean(jnp.square(xa - mean), axis=axes, keepdims=True)
+    y = (xa - mean) * lax.rsqrt(var + eps)
+    y = _affine(y, None if scale is None else scale.reshape(bshape),
+                None if bias is None else bias.reshape(bshape))
+    return y.astype(x.dtype)
+
+
+def group_norm(x, num_groups, scale=None, bias=None, *, eps=1e-5):
+    """Group normalisation (PyTorch ``GroupNorm``), channels last.
+
+    Channel ``c`` belongs to group ``c // (C // num_groups)``; each sample's
+    group is normalised over its channels and all spatial positions.
+
+    Arguments:
+        x: input ``(N, ..., C)``, e.g. NHWC.
+        num_groups: number of groups; divides ``C``.
+        scale, bias: optional per-channel affine parameters ``(C,)``.
+        eps: added to the variance.
+
+    Returns:
+        Same shape and dtype as ``x``.
+    """
+    op = "group_norm"
+    x_shape = tuple(jnp.shape(x))
+    if len(x_shape) < 2:
+        raise ValueError(f"{op}: x must have rank >= 2 (N, ..., C), got shape {x_shape}")
+    c = x_shape[-1]
+    if not isinstance(num_groups, int) or num_groups < 1 or c % num_groups:
+        raise ValueError(
+            f"{op}: num_groups={num_groups!r} must be a positive int dividing the "
+            f"{c} channels of x shape {x_shape}")
+    for name, v in (("scale", scale), ("bias", bias)):
+        _check_channel_vector(op, name, v, c, x_shape)
+    xg = x.astype(_acc_dtype(x)).reshape(*x_shape[:-1], num_groups, c // num_groups)
+    axes = tuple(range(1, len(x_shape) - 1)) + (len(x_shape),)
+    mean = jnp.mean(xg, axis=axes, keepdims=True)
+    var = jnp.mean(jnp.square(xg - mean), axis=axes, keepdims=True)
+    y = ((xg - mean) * lax.rsqrt(var + eps)).reshape(x_shape)
+    return _affine(y, scale, bias).astype(x.dtype)

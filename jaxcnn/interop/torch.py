@@ -1,0 +1,234 @@
+"""Convert zoo-model parameters to and from PyTorch ``state_dict`` form.
+
+The zoo models mirror torchvision's module paths, so the mapping is read off
+the model itself: :func:`~jaxcnn.layers.base.record_layers` around an
+abstract ``init`` reports every leaf layer's dotted path, kind and shapes, and
+
+* a parameter's PyTorch name is ``path + "." + leaf`` with the leaf renamed
+  (``w``->``weight``, ``b``->``bias``, ``scale``->``weight``,
+  ``mean``->``running_mean``, ``var``->``running_var``,
+  ``count``->``num_batches_tracked``);
+* its layout is converted by the layer's kind: ``conv2d`` OIHW <-> HWIO,
+  ``conv_transpose2d`` ``(C_in, C_out/g, KH, KW)`` <-> ``(KH, KW, C_in, C_out/g)``,
+  ``linear`` ``(out, in)`` <-> ``(in, out)``;
+* the first ``linear`` layer after a ``flatten`` of an ``(N, H, W, C)`` input with
+  ``H * W > 1`` also has its input rows permuted, because PyTorch flattens
+  NCHW (index ``c*H*W + h*W + w``) and we flatten NHWC (``(h*W + w)*C + c``).
+
+PyTorch is never imported at module import: state dicts are read through
+duck typing (``.detach().cpu().numpy()`` or ``np.asarray``), and
+:func:`to_torch_state_dict` imports it only when called.
+"""
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxcnn import models
+from jaxcnn.interop.arrays import tree_items, unflatten
+from jaxcnn.layers.base import Layer, record_layers
+
+# Our leaf name -> PyTorch's; the order is PyTorch's order within a module
+# (parameters, then buffers).
+_TORCH_LEAF = {"w": "weight", "scale": "weight", "b": "bias", "bias": "bias",
+               "mean": "running_mean", "var": "running_var", "count": "num_batches_tracked"}
+_TORCH_ORDER = ("weight", "bias", "running_mean", "running_var", "num_batches_tracked")
+
+
+class _Entry(NamedTuple):
+    collection: str          # "params" or "state"
+    path: str                # our dotted path, e.g. "layer1.0.conv1.w"
+    torch_name: str          # e.g. "layer1.0.conv1.weight"
+    shape: tuple             # our shape
+    dtype: np.dtype          # our dtype
+    torch_shape: tuple
+    to_ours: Callable[[np.ndarray], np.ndarray]
+    to_torch: Callable[[np.ndarray], np.ndarray]
+
+
+def _identity(a):
+    return a
+
+
+def _layout(kind: str, leaf: str, shape: tuple, flatten_hwc):
+    """``(torch_shape, to_ours, to_torch)`` for one parameter of a ``kind`` layer."""
+    if leaf == "w" and kind == "conv2d":        # (O, I/g, KH, KW) <-> (KH, KW, I/g, O)
+        kh, kw, i, o = shape
+        return (o, i, kh, kw), (lambda t: t.transpose(2, 3, 1, 0)), (lambda a: a.transpose(3, 2, 0, 1))
+    if leaf == "w" and kind == "conv_transpose2d":   # (I, O/g, KH, KW) <-> (KH, KW, I, O/g)
+        kh, kw, i, o = shape
+        swap = (lambda a: a.transpose(2, 3, 0, 1))    # its own inverse
+        return (i, o, kh, kw), swap, swap
+    if leaf == "w" and kind == "linear":
+        n_in, n_out = shape
+        if flatten_hwc is None:
+            return (n_out, n_in), (lambda t: t.T), (lambda a: a.T)
+        h, w, c = flatten_hwc
+        return ((n_out, n_in),
+                lambda t: t.reshape(n_out, c, h, w).transpose(2, 3, 1, 0).reshape(n_in, n_out),
+                lambda a: a.reshape(h, w, c, n_out).transpose(3, 2, 0, 1).reshape(n_out, n_in))
+    return shape, _identity, _identity
+
+
+def _entries(model, input_shape, model_options) -> tuple[str, list[_Entry]]:
+    """Build the model and list every parameter and state array with its
+    PyTorch name and layout conversion, in PyTorch's ``state_dict`` order."""
+    if isinstance(model, Layer):
+        if input_shape is None or model_options:
+            raise ValueError("a Layer needs input_shape=... and takes no model options")
+        label = model.kind
+    else:
+        label = model
+        input_shape = input_shape or models.default_input_shape(model)
+        model = models.get(model, **model_options)
+    with record_layers() as records:
+        params, state = jax.eval_shape(lambda k: model.init(k, tuple(input_shape))[:2],
+                                       jax.random.PRNGKey(0))
+    entries, flatten_input = [], None
+    for rec in records:
+        if rec.kind == "flatten":
+            flatten_input = rec.input_shape
+            continue
+        flatten_hwc = None
+        if rec.kind == "linear" and flatten_input is not None:
+            if len(flatten_input) == 4 and flatten_input[1] * flatten_input[2] > 1:
+                flatten_hwc = flatten_input[1:]
+                if rec.input_shape[-1] != np.prod(flatten_hwc):
+                    raise ValueError(
+                        f"{label}: linear layer {rec.path!r} follows a flatten of "
+                        f"{flatten_input} but takes {rec.input_shape[-1]} features; cannot "
+                        f"map PyTorch's NCHW flatten order onto it")
+            flatten_input = None
+        found = []
+        for collection, tree in (("params", rec.params), ("state", rec.state)):
+            for leaf_path, leaf in tree_items(tree):
+                leaf_name = leaf_path.rsplit(".", 1)[-1]
+                if leaf_name not in _TORCH_LEAF:
+                    raise ValueError(f"{label}: no PyTorch name for {collection} leaf "
+                                     f"{leaf_path!r} of {rec.kind} layer {rec.path!r}")
+                torch_leaf = leaf_path[:-len(leaf_name)] + _TORCH_LEAF[leaf_name]
+                shape = tuple(leaf.shape)
+                torch_shape, to_ours, to_torch = _layout(rec.kind, leaf_name, shape, flatten_hwc)
+                found.append(_Entry(collection, ".".join(filter(None, [rec.path, leaf_path])),
+                                    ".".join(filter(None, [rec.path, torch_leaf])), shape,
+                                    np.dtype(leaf.dtype), torch_shape, to_ours, to_torch))
+        found.sort(key=lambda e: _TORCH_ORDER.index(e.torch_name.rsplit(".", 1)[-1]))
+        entries += found
+    _check_paths(label, entries, params, state)
+    return label, entries
+
+
+def _check_paths(label, entries, params, state):
+    """The records must account for exactly the model's parameter tree (they
+    would not if a combinator stored a child under another name than its scope)."""
+    for collection, tree in (("params", params), ("state", state)):
+        recorded = {e.path for e in entries if e.collection == collection}
+        actual = {p for p, _ in tree_items(tree)}
+        if recorded != actual:
+            raise ValueError(f"{label}: recorded layer paths do not match the {collection} "
+                             f"tree: only recorded {sorted(recorded - actual)[:5]}, "
+                             f"only in tree {sorted(actual - recorded)[:5]}")
+
+
+def _to_numpy(value) -> np.ndarray:
+    """A NumPy view of a torch tensor (duck-typed) or any array-like; the
+    caller copies (``jnp.array``) after converting the layout."""
+    if hasattr(value, "detach"):
+        value = value.detach().cpu()
+        if str(value.dtype) == "torch.bfloat16":     # NumPy has no bfloat16: widen exactly
+            value = value.float()
+        value = value.numpy()
+    return np.asarray(value)
+
+
+def from_torch_state_dict(model, state_dict, *, input_shape=None, **model_options):
+    """Parameters and state of a zoo model from a PyTorch ``state_dict``.
+
+    Arguments:
+        model: a registry name (``"resnet50"``...) or a Layer whose paths follow
+            PyTorch's module names.
+        state_dict: mapping of PyTorch names to tensors (torch tensors or
+            anything ``np.asarray`` accepts), e.g. ``torch_model.state_dict()``.
+        input_shape: input shape used for the abstract ``init``; default
+            ``models.default_input_shape(name)``; required for a Layer.
+        **model_options: passed to ``models.get`` (``num_classes``, ``cifar_stem``...).
+
+    Returns:
+        ``(params, state)``: nested dicts of ``jax.Array`` in our layouts and
+        dtypes, ready for ``model.apply``.
+
+    Raises:
+        ValueError: naming the keys that are missing, unexpected, or shaped
+            differently from what the model needs.
+    """
+    label, entries = _entries(model, input_shape, model_options)
+    expected = {e.torch_name for e in entries}
+    missing = [e.torch_name for e in entries if e.torch_name not in state_dict]
+    unexpected = sorted(set(state_dict) - expected)
+    if missing or unexpected:
+        raise ValueError(f"{label}: state_dict does not match the model: missing keys "
+                         f"{missing}, unexpected keys {unexpected}")
+    flat = {"params": {}, "state": {}}
+    for e in entries:
+        array = _to_numpy(state_dict[e.torch_name])
+        if tuple(array.shape) != e.torch_shape:
+            raise ValueError(f"{label}: state_dict[{e.torch_name!r}] has shape "
+                             f"{tuple(array.shape)}, expected {e.torch_shape} "
+                             f"(for our {e.collection} {e.path!r} of shape {e.shape})")
+        flat[e.collection][e.path] = jnp.array(e.to_ours(array), dtype=e.dtype)   # copies
+    return unflatten(flat["params"]), unflatten(flat["state"])
+
+
+def to_torch_state_dict(model, params, state, *, input_shape=None, **model_options) -> dict:
+    """A PyTorch ``state_dict`` for a zoo model's ``(params, state)``.
+
+    Arguments:
+        model: a registry name or a Layer, as in :func:`from_torch_state_dict`.
+        params: the model's parameters (nested dicts of arrays).
+        state: the model's state (BatchNorm statistics), ``{}`` if none.
+        input_shape: as in :func:`from_torch_state_dict`.
+        **model_options: passed to ``models.get``.
+
+    Returns:
+        ``{torch name: tensor}`` in PyTorch's ``state_dict`` order: torch
+        tensors when torch can be imported (``num_batches_tracked`` as int64,
+        as PyTorch keeps it), NumPy arrays otherwise.  Load it with
+        ``torch_model.load_state_dict(...)``.
+
+    Raises:
+        ValueError: naming missing, unexpected or mis-shaped entries of
+            ``params``/``state``.
+    """
+    label, entries = _entries(model, input_shape, model_options)
+    given = {"params": dict(tree_items(params)), "state": dict(tree_items(state or {}))}
+    problems = []
+    for collection in given:
+        wanted = {e.path for e in entries if e.collection == collection}
+        problems += [f"missing {collection} {p!r}" for p in sorted(wanted - set(given[collection]))]
+        problems += [f"unexpected {collection} {p!r}" for p in sorted(set(given[collection]) - wanted)]
+    if problems:
+        raise ValueError(f"{label}: params/state do not match the model: " + "; ".join(problems))
+    try:
+        import torch
+    except ImportError:
+        torch = None
+    out = {}
+    for e in entries:
+        array = np.asarray(given[e.collection][e.path])
+        if tuple(array.shape) != e.shape:
+            raise ValueError(f"{label}: {e.collection} {e.path!r} has shape {array.shape}, "
+                             f"expected {e.shape}")
+        array = np.array(e.to_torch(array), order="C")   # a copy; keeps 0-d arrays 0-d
+        if e.torch_name.endswith("num_batches_tracked"):
+            array = array.astype(np.int64)
+        out[e.torch_name] = array if torch is None else _to_tensor(torch, array)
+    return out
+
+
+def _to_tensor(torch, array: np.ndarray):
+    if array.dtype.kind == "V":       # bfloat16/float8 have no NumPy bridge: go through float32
+        return torch.from_numpy(array.astype(np.float32)).to(getattr(torch, array.dtype.name))
+    return torch.from_numpy(array)

@@ -1,0 +1,135 @@
+"""The Layer protocol: a named pair of pure functions.
+
+A ``Layer`` is, in the spirit of optax's ``GradientTransformation``, a
+NamedTuple of two pure functions::
+
+    init(key, input_shape) -> (params, state, output_shape)
+    apply(params, state, x, *, train=False, rng=None, policy=None) -> (y, new_state)
+
+``input_shape`` and ``output_shape`` are full shapes including the batch
+dimension, e.g. ``(N, H, W, C)`` for images (NHWC).  ``init`` is shape driven:
+it never runs a forward pass.  ``params`` holds trained arrays, ``state`` the
+non-trained ones (BatchNorm running statistics); both are nested dicts with
+readable keys, and a layer without any returns ``{}``.
+
+Besides the two functions a Layer carries a little static description that
+tools (``jaxcnn.summary``, interop, export) read: ``kind`` (``"conv2d"``,
+``"batch_norm"``, ``"serial"``...), ``config`` (its hyper-parameters as a
+plain dict) and ``children`` (``(name, Layer)`` pairs for combinators).
+
+While a :func:`record_layers` context is active, every leaf layer created
+with :func:`leaf` reports each ``init`` call (its dotted path, kind, config,
+shapes and parameters), which is how the summary and the PyTorch name mapping
+see inside a model without running it.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Any, Callable, NamedTuple
+
+import jax
+
+Shape = tuple[int, ...]
+Params = dict
+State = dict
+
+
+class Layer(NamedTuple):
+    """A layer: ``init``/``apply`` pure functions plus a static description.
+
+    Arguments:
+        init: ``(key, input_shape) -> (params, state, output_shape)``.
+        apply: ``(params, state, x, *, train=False, rng=None, policy=None)
+            -> (y, new_state)``.
+        kind: short name of the layer type, e.g. ``"conv2d"``; combinators use
+            ``"serial"``, ``"residual"``, ``"parallel"``.
+        config: the layer's hyper-parameters as a plain dict (read-only).
+        children: ``(name, Layer)`` pairs for combinators, ``()`` for leaves.
+    """
+
+    init: Callable[..., tuple[Params, State, Shape]]
+    apply: Callable[..., tuple[Any, State]]
+    kind: str = "layer"
+    config: dict | None = None
+    children: tuple = ()
+
+
+class LayerRecord(NamedTuple):
+    """What one leaf layer's ``init`` reported while recording."""
+
+    path: str            # dotted path, e.g. "layer1.0.conv1" ("" for the root)
+    kind: str
+    config: dict
+    input_shape: Shape
+    output_shape: Shape
+    params: Params
+    state: State
+    layer: Layer
+
+
+class _Recorder(threading.local):
+    def __init__(self):
+        self.scopes: list[str] = []
+        self.records: list[LayerRecord] | None = None
+
+
+_REC = _Recorder()
+
+
+@contextlib.contextmanager
+def name_scope(name: str):
+    """Push ``name`` on the path used for records; combinators wrap children's
+    ``init`` calls in it so records carry dotted paths like ``layer1.0.conv1``."""
+    _REC.scopes.append(str(name))
+    try:
+        yield
+    finally:
+        _REC.scopes.pop()
+
+
+@contextlib.contextmanager
+def record_layers():
+    """Collect a :class:`LayerRecord` for every leaf ``init`` run inside.
+
+    Usage::
+
+        with record_layers() as records:
+            jax.eval_shape(lambda k: model.init(k, shape)[:2], key)
+        for r in records: ...
+    """
+    outer_records, outer_scopes = _REC.records, _REC.scopes
+    _REC.records, _REC.scopes = [], []
+    try:
+        yield _REC.records
+    finally:
+        _REC.records, _REC.scopes = outer_records, outer_scopes
+
+
+def current_path() -> str:
+    return ".".join(_REC.scopes)
+
+
+def leaf(kind: str, init: Callable, apply: Callable, config: dict | None = None) -> Layer:
+    """Build a leaf Layer whose ``init`` reports itself to :func:`record_layers`."""
+    config = dict(config or {})
+
+    def recorded_init(key, input_shape):
+        input_shape = tuple(int(d) for d in input_shape)
+        params, state, output_shape = init(key, input_shape)
+        output_shape = tuple(int(d) for d in output_shape)
+        if _REC.records is not None:
+            _REC.records.append(
+                LayerRecord(current_path(), kind, config, input_shape, output_shape,
+                            params, state, layer))
+        return params, state, output_shape
+
+    layer = Layer(recorded_init, apply, kind, config, ())
+    return layer
+
+
+def split_rng(rng, n: int):
+    """``n`` independent keys derived from ``rng`` (``None`` stays ``None``)."""
+    if rng is None:
+        return [None] * n
+    return [jax.random.fold_in(rng, i) for i in range(n)]

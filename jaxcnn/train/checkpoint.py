@@ -1,0 +1,488 @@
+"""Train-state checkpoints: orbax-checkpoint underneath, an integrity manifest on top.
+
+orbax does the writing: one directory per step, written under a temporary name
+(`<step>.orbax-checkpoint-tmp`), given a `commit_success.txt` marker and then
+renamed, so a checkpoint is visible only when complete; it also does async saves,
+multi-host coordination, retention and restoring onto other shardings. What orbax
+does not do is notice damaged bytes, so every checkpoint carries a JSON manifest
+(path, shape, dtype and sha256 of each array, computed from the host copy at save
+time) that is checked on every restore before the state is handed back.
+
+Layout of one checkpoint::
+
+    <directory>/<step>/commit_success.txt   orbax's commit marker
+    <directory>/<step>/state/               the pytree (orbax StandardSave: OCDBT + zarr)
+    <directory>/<step>/meta/metadata        JSON: format, step, arrays manifest, metrics, config
+    <directory>/<step>/metrics/metrics      orbax's copy of the ranking metric (keep_best only)
+
+No pickle anywhere: arrays are tensorstore files, everything else is JSON.
+"""
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import logging
+import math
+import os
+import re
+import shutil
+import time
+from pathlib import Path
+from typing import Any, Mapping
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from orbax.checkpoint import checkpoint_managers as ocp_managers
+
+logger = logging.getLogger(__name__)
+
+_STATE, _META = "state", "meta"
+_FORMAT = 1
+# orbax 0.12 writes this file into the step directory before the final rename
+# (and uses it alone as the marker on filesystems without atomic rename), so a
+# step directory without it was not produced by a completed save.
+_COMMIT_MARKER = "commit_success.txt"
+_TMP_MARK = ".orbax-checkpoint-tmp"
+_QUARANTINE_SUFFIX = ".corrupt"
+_RANK_KEY = "rank"
+_ENTRY_KEYS = {"path", "shape", "dtype", "sha256"}
+
+
+class CheckpointError(Exception):
+    """A checkpoint could not be saved or restored; the message names the path and the cause."""
+
+
+class CheckpointCorruptError(CheckpointError):
+    """The files of a checkpoint are damaged or incomplete (as opposed to not matching the target)."""
+
+
+def _path_name(keypath) -> str:
+    return jax.tree_util.keystr(keypath, simple=True, separator="/") or "<root>"
+
+
+def _as_array(name: str, x):
+    """Leaves are stored as arrays; Python and NumPy scalars become 0-d NumPy arrays."""
+    if isinstance(x, jax.Array):
+        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+            raise TypeError(
+                f"checkpoint leaf {name!r} is a typed PRNG key ({x.dtype}); store "
+                "jax.random.key_data(key) (a uint32 array) instead")
+        return x
+    if isinstance(x, np.ndarray):
+        return x
+    if isinstance(x, (np.generic, bool, int, float)):
+        return np.asarray(x)
+    raise TypeError(f"checkpoint leaf {name!r} has unsupported type {type(x).__name__}; "
+                    "expected a jax.Array, numpy array or scalar")
+
+
+def _named_leaves(tree) -> tuple[list[tuple[str, Any]], Any]:
+    pairs, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    return [(_path_name(kp), x) for kp, x in pairs], treedef
+
+
+def _sha256(x) -> str | None:
+    """sha256 of the array's bytes (C order) from a host copy; None when this process cannot see all of it."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        return None
+    host = np.ascontiguousarray(np.asarray(jax.device_get(x)))
+    return hashlib.sha256(host.reshape(-1).view(np.uint8)).hexdigest()
+
+
+def _describe(name: str, x) -> dict:
+    return {"path": name, "shape": list(x.shape), "dtype": str(np.dtype(x.dtype)), "sha256": _sha256(x)}
+
+
+def _abstract(name: str, x):
+    """Restore target for one leaf: NumPy leaves come back as NumPy, everything else as jax.Array."""
+    if isinstance(x, jax.ShapeDtypeStruct):
+        # Without a sharding orbax falls back to the one saved in the checkpoint (or to
+        # NumPy when that file is gone); the default device keeps the result predictable.
+        if x.sharding is None:
+            x = jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=jax.sharding.SingleDeviceSharding(jax.local_devices()[0]))
+        return x
+    if isinstance(x, jax.Array):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+    return _as_array(name, x)  # orbax reads only the shape and dtype of a NumPy target
+
+
+def _metric_value(metrics: Mapping | None, key: str) -> float | None:
+    if not metrics or key not in metrics:
+        return None
+    value = float(metrics[key])
+    return value if math.isfinite(value) else None
+
+
+def _jsonable(metrics: Mapping | None) -> dict | None:
+    if metrics is None:
+        return None
+    out = {}
+    for k, v in metrics.items():
+        try:
+            value = float(v)
+        except (TypeError, ValueError):
+            raise TypeError(f"metric {k!r} is not a number: {v!r}") from None
+        # Strict JSON has no NaN/inf; "nan", "inf" and "-inf" read back through float().
+        out[str(k)] = value if math.isfinite(value) else repr(value)
+    return out
+
+
+# tensorstore (which writes the arrays) reports OS errors as ValueError with this tag.
+_OS_ERROR_CODE = re.compile(r"os_error_code='?(\d+)")
+
+
+def _errno_of(exc: BaseException) -> int | None:
+    """The OS error number behind a failed write: from an OSError in the chain or tensorstore's message."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, OSError) and exc.errno is not None:
+            return exc.errno
+        if match := _OS_ERROR_CODE.search(str(exc)):
+            return int(match.group(1))
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+class CheckpointManager:
+    """Keeps the last `keep` train-state checkpoints in `directory` (plus the best one).
+
+    Arguments:
+        directory: folder holding one sub-folder per saved step; created if missing.
+        keep: how many of the most recent checkpoints to keep (>= 1).
+        keep_best: also keep the checkpoint with the best `best_metric`, however old.
+        best_metric: key in the `metrics` passed to `save` that ranks checkpoints.
+        best_mode: "max" or "min": whether a larger or smaller metric is better.
+        on_error: what a failed save does: "stop" raises `CheckpointError`, "warn"
+            logs a warning and returns False. Previous checkpoints stay intact either way.
+        async_save: write in a background thread (`save` returns once the arrays are
+            copied to host); errors then surface in the next `save` or in `wait`.
+
+    A state is any pytree (nested dicts, tuples, NamedTuples such as optax states)
+    of jax/NumPy arrays; scalars are stored as 0-d NumPy arrays, typed PRNG keys
+    are refused (store `jax.random.key_data(key)`).
+    """
+
+    def __init__(self, directory, *, keep: int = 3, keep_best: bool = False,
+                 best_metric: str = "eval/top1", best_mode: str = "max",
+                 on_error: str = "stop", async_save: bool = False):
+        if keep < 1:
+            raise ValueError(f"keep must be >= 1, got {keep}")
+        if best_mode not in ("max", "min"):
+            raise ValueError(f"best_mode must be 'max' or 'min', got {best_mode!r}")
+        if on_error not in ("stop", "warn"):
+            raise ValueError(f"on_error must be 'stop' or 'warn', got {on_error!r}")
+        self.directory = Path(directory).absolute()
+        self.keep, self.keep_best = keep, keep_best
+        self.best_metric, self.best_mode, self.on_error = best_metric, best_mode, on_error
+        self._warned: set[str] = set()
+        self.directory.mkdir(parents=True, exist_ok=True)
+        for tmp in sorted(self.directory.glob(f"*{_TMP_MARK}*")):
+            logger.warning("ignoring half-written checkpoint %s (an interrupted save); removing it", tmp)
+
+        policies = [ocp_managers.LatestN(keep)]
+        best_fn = None
+        if keep_best:
+            # orbax ranks ascending and keeps the last n; checkpoints saved without
+            # the metric carry the worst possible value so they never rank as best.
+            best_fn = lambda m: m[_RANK_KEY]  # noqa: E731
+            policies.append(ocp_managers.BestN(get_metric_fn=best_fn, reverse=best_mode == "min", n=1,
+                                               keep_checkpoints_without_metrics=False))
+        options = ocp.CheckpointManagerOptions(
+            enable_async_checkpointing=async_save, create=True, cleanup_tmp_directories=True,
+            best_fn=best_fn, best_mode=best_mode,
+            preservation_policy=ocp_managers.AnyPreservationPolicy(policies))
+        self._mgr = ocp.CheckpointManager(self.directory, options=options, item_names=(_STATE, _META))
+
+    # -- listing ---------------------------------------------------------------------------
+
+    def _step_path(self, step: int) -> Path:
+        return self.directory / str(step)
+
+    def _warn_once(self, message: str):
+        if message not in self._warned:
+            self._warned.add(message)
+            logger.warning("%s", message)
+
+    def all_steps(self) -> list[int]:
+        """Steps of the committed checkpoints, ascending.
+
+        A step directory without orbax's commit marker or without the manifest is a
+        half-written save: it is left out with a warning naming its path. Checking the
+        array bytes needs a full read and happens in `restore`.
+        """
+        steps = []
+        for step in self._mgr.all_steps():
+            path = self._step_path(step)
+            if not (path / _COMMIT_MARKER).is_file():
+                self._warn_once(f"ignoring half-written checkpoint {path}: no {_COMMIT_MARKER}")
+            elif not (path / _META).is_dir():
+                self._warn_once(f"ignoring checkpoint {path}: its manifest ({_META}/) is missing")
+            else:
+                steps.append(step)
+        return sorted(steps)
+
+    def _listed_steps(self) -> list[int]:
+        """Every step directory orbax lists, damaged ones included, newest first."""
+        return sorted(self._mgr.all_steps(), reverse=True)
+
+    def latest_step(self) -> int | None:
+        """The newest committed step, or None when there is none."""
+        steps = self.all_steps()
+        return steps[-1] if steps else None
+
+    def metadata(self, step: int) -> dict:
+        """The JSON saved with `step`: {"format", "step", "arrays", "metrics", "config"}."""
+        path = self._step_path(step)
+        try:
+            meta = self._mgr.restore(step, args=ocp.args.Composite(**{_META: ocp.args.JsonRestore()}))[_META]
+        except Exception as e:  # noqa: BLE001 - any failure to read it means the same thing
+            raise CheckpointCorruptError(
+                f"manifest of checkpoint {path} is missing or unreadable ({type(e).__name__}: {e})") from e
+        arrays = meta.get("arrays") if isinstance(meta, dict) else None
+        if (not isinstance(meta, dict) or meta.get("format") != _FORMAT or not isinstance(arrays, list)
+                or not all(isinstance(e, dict) and _ENTRY_KEYS <= e.keys() for e in arrays)):
+            raise CheckpointCorruptError(f"manifest of checkpoint {path} is malformed (format {_FORMAT} expected)")
+        return meta
+
+    def best_step(self) -> int | None:
+        """The step whose saved metrics have the best finite `best_metric` (latest on ties), or None."""
+        best = None
+        for step in self.all_steps():
+            try:
+                value = _metric_value(self.metadata(step).get("metrics"), self.best_metric)
+            except CheckpointError as e:
+                self._warn_once(str(e))
+                continue
+            if value is None:
+                continue
+            if best is None or (value >= best[0] if self.best_mode == "max" else value <= best[0]):
+                best = (value, step)
+        return None if best is None else best[1]
+
+    # -- saving ----------------------------------------------------------------------------
+
+    def save(self, step: int, state, *, metrics: Mapping | None = None,
+             config_dict: Mapping | None = None, force: bool = False) -> bool:
+        """Saves `state` as checkpoint `step`; returns whether a checkpoint was written.
+
+        Arguments:
+            step: training step (>= 0). Without `force`, a step not newer than the latest
+                saved one is skipped (returns False, with a warning).
+            state: the pytree to store (see the class docstring).
+            metrics: optional {name: number}, stored in the manifest; `best_metric` ranks
+                checkpoints for `keep_best`.
+            config_dict: optional JSON-serialisable resolved config, stored in the manifest.
+            force: save even if `step` is not newer than the latest checkpoint (a step
+                that already exists still raises `CheckpointError`).
+
+        Returns False (on_error="warn") or raises `CheckpointError` (on_error="stop") when
+        writing fails, e.g. with a full disk; the previous checkpoints are kept.
+        """
+        step = int(step)
+        if not force and not self._mgr.should_save(step):
+            logger.warning("not saving checkpoint for step %d in %s: latest saved step is %s",
+                           step, self.directory, self._mgr.latest_step())
+            return False
+        leaves, treedef = _named_leaves(state)
+        leaves = [(name, _as_array(name, x)) for name, x in leaves]
+        meta = {"format": _FORMAT, "step": step, "arrays": [_describe(n, x) for n, x in leaves],
+                "metrics": _jsonable(metrics), "config": config_dict}
+        try:
+            json.dumps(meta, allow_nan=False)
+        except (TypeError, ValueError) as e:
+            raise TypeError(f"config_dict/metrics for step {step} are not JSON-serialisable: {e}") from None
+        rank = None
+        if self.keep_best:
+            value = _metric_value(metrics, self.best_metric)
+            worst = -math.inf if self.best_mode == "max" else math.inf
+            rank = {_RANK_KEY: worst if value is None else value}
+        args = ocp.args.Composite(**{_STATE: ocp.args.StandardSave(treedef.unflatten([x for _, x in leaves])),
+                                     _META: ocp.args.JsonSave(meta)})
+        try:
+            return bool(self._mgr.save(step, args=args, metrics=rank, force=force))
+        except ocp.checkpoint_manager.StepAlreadyExistsError as e:
+            raise CheckpointError(f"checkpoint for step {step} already exists at {self._step_path(step)}") from e
+        except Exception as e:  # noqa: BLE001 - the state was validated above: what fails here is the write
+            return self._save_failed(step, e)
+
+    def _save_failed(self, step: int | None, exc: Exception) -> bool:
+        if step is not None and jax.process_index() == 0:
+            self._remove_partial(step)
+        code = _errno_of(exc)
+        cause = f"{type(exc).__name__}: {str(exc)[:500]}"
+        if code is not None:
+            cause = f"{errno.errorcode.get(code, 'errno')} (errno {code}): {os.strerror(code)}; {cause}"
+        what = "a background checkpoint save" if step is None else f"saving checkpoint step {step}"
+        message = f"{what} to {self.directory} failed: {cause}; previous checkpoints are kept"
+        if self.on_error == "stop":
+            raise CheckpointError(message) from exc
+        logger.warning("%s", message)
+        return False
+
+    def _remove_partial(self, step: int):
+        """Deletes the temporary directory of a failed save, which would otherwise sit on a full disk.
+
+        tensorstore writes of the other arrays are still in flight when the error reaches
+        us and may recreate files, so removal repeats until the directory stays gone.
+        """
+        quiet = 0
+        for _ in range(100):
+            leftovers = list(self.directory.glob(f"{step}{_TMP_MARK}*"))
+            for tmp in leftovers:
+                shutil.rmtree(tmp, ignore_errors=True)
+            quiet = 0 if leftovers else quiet + 1
+            if quiet == 3:
+                return
+            time.sleep(0.05)
+        logger.warning("could not remove the partial checkpoint of step %d in %s; it is removed at the next start",
+                       step, self.directory)
+
+    def wait(self):
+        """Blocks until a background save has finished (a no-op for synchronous saves)."""
+        try:
+            self._mgr.wait_until_finished()
+        except Exception as e:  # noqa: BLE001
+            self._save_failed(None, e)
+
+    def close(self):
+        """Waits for pending saves and releases orbax's resources."""
+        self._mgr.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info):
+        self.close()
+
+    # -- restoring -------------------------------------------------------------------------
+
+    def restore(self, step: int | None = None, *, target) -> tuple[int, Any]:
+        """Restores a checkpoint onto the structure, shapes, dtypes and shardings of `target`.
+
+        Arguments:
+            step: the step to restore; None restores the newest checkpoint that passes
+                every check, falling back to older ones (each rejected one is logged
+                with its path; damaged ones newer than the one restored are renamed to
+                `<step>.corrupt` so that later saves of those steps are possible, while
+                ones that merely do not match `target` are left in place).
+            target: a pytree like the saved state, of arrays or `jax.ShapeDtypeStruct`s
+                (with `sharding` to restore sharded). NumPy leaves come back as NumPy.
+
+        Returns:
+            (step, state) with `state` verified against the manifest: same paths, shapes
+            and dtypes as `target`, and each array's sha256 equal to the saved one.
+
+        Raises:
+            CheckpointError: no checkpoint, an explicit `step` that fails a check, or (step
+                None) no checkpoint that passes; the message names the path and the fault.
+        """
+        if step is not None:
+            return int(step), self._load(int(step), target)
+        failures = []
+        # orbax's own listing, so that half-written directories are reported and moved aside too.
+        for candidate in self._listed_steps():
+            try:
+                state = self._load(candidate, target)
+            except CheckpointError as e:
+                logger.warning("%s; trying an older checkpoint", e)
+                failures.append((candidate, e))
+                continue
+            self._quarantine([s for s, e in failures if isinstance(e, CheckpointCorruptError)])
+            return candidate, state
+        if not failures:
+            raise CheckpointError(f"no checkpoint to restore in {self.directory}")
+        raise CheckpointError(f"no usable checkpoint in {self.directory}: "
+                              + "; ".join(str(e) for _, e in failures))
+
+    def _load(self, step: int, target):
+        path = self._step_path(step)
+        if not path.is_dir():
+            raise CheckpointError(f"no checkpoint for step {step}: {path} does not exist")
+        if not (path / _COMMIT_MARKER).is_file():
+            raise CheckpointCorruptError(f"checkpoint {path} is half-written: no {_COMMIT_MARKER}")
+        saved = {entry["path"]: entry for entry in self.metadata(step)["arrays"]}
+        named, treedef = _named_leaves(target)
+        abstract = [_abstract(name, x) for name, x in named]
+        self._check_matches(path, saved, [(name, a) for (name, _), a in zip(named, abstract)])
+        try:
+            restored = self._mgr.restore(step, args=ocp.args.Composite(
+                **{_STATE: ocp.args.StandardRestore(treedef.unflatten(abstract))}))[_STATE]
+        except Exception as e:  # noqa: BLE001 - a failed read of committed files is damage
+            raise CheckpointCorruptError(
+                f"checkpoint {path / _STATE} could not be read ({type(e).__name__}: {e})") from e
+        for name, x in _named_leaves(restored)[0]:
+            entry = saved[name]
+            if list(x.shape) != entry["shape"] or str(np.dtype(x.dtype)) != entry["dtype"]:
+                raise CheckpointCorruptError(f"checkpoint {path / _STATE}: array {name!r} read back as "
+                                             f"{x.dtype}{list(x.shape)}, saved as {entry['dtype']}{entry['shape']}")
+            digest = entry["sha256"] and _sha256(x)
+            if digest and digest != entry["sha256"]:
+                raise CheckpointCorruptError(f"checkpoint {path / _STATE}: array {name!r} fails its sha256 "
+                                             f"check (saved {entry['sha256'][:16]}..., read {digest[:16]}...)")
+        return restored
+
+    @staticmethod
+    def _check_matches(path: Path, saved: dict, target: list):
+        problems = []
+        for name, x in target:
+            entry = saved.get(name)
+            if entry is None:
+                problems.append(f"{name!r} is in the target but not in the checkpoint")
+            elif entry["shape"] != list(x.shape) or entry["dtype"] != str(np.dtype(x.dtype)):
+                problems.append(f"{name!r} is {entry['dtype']}{tuple(entry['shape'])} in the checkpoint, "
+                                f"{np.dtype(x.dtype)}{tuple(x.shape)} in the target")
+        wanted = dict(target)
+        problems += [f"{name!r} is in the checkpoint but not in the target" for name in saved if name not in wanted]
+        if problems:
+            more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
+            raise CheckpointError(f"checkpoint {path} does not match the target: "
+                                  + "; ".join(problems[:5]) + more)
+
+    def _quarantine(self, steps: list[int]):
+        """Renames damaged step directories so orbax no longer counts them (it skips newer steps otherwise)."""
+        if not steps or jax.process_index() != 0:
+            return
+        for step in steps:
+            path = self._step_path(step)
+            aside, n = path.with_name(path.name + _QUARANTINE_SUFFIX), 1
+            while aside.exists():  # the same step was damaged before
+                n += 1
+                aside = path.with_name(f"{path.name}{_QUARANTINE_SUFFIX}-{n}")
+            try:
+                path.rename(aside)
+                logger.warning("moved damaged checkpoint %s to %s", path, aside)
+            except OSError as e:
+                logger.warning("could not move damaged checkpoint %s aside: %s", path, e)
+        self._mgr.reload()
+
+
+def restore_for_resume(manager: CheckpointManager, target, resume: str = "auto"):
+    """Restores the state to resume training from, following the `resume` policy.
+
+    Arguments:
+        manager: the run's `CheckpointManager`.
+        target: pytree giving structure, shapes, dtypes and shardings (see `restore`).
+        resume: "auto" resumes from the newest good checkpoint, or returns None when the
+            directory has none; "must" is "auto" but raises when there is none; "never"
+            returns None without looking.
+
+    Returns:
+        (step, state) or None.
+
+    Raises:
+        CheckpointError: resume="must" and no checkpoint, or checkpoints exist but none
+            is usable (damaged, or not matching `target`): starting afresh over them is
+            not a decision to take silently.
+    """
+    if resume not in ("auto", "must", "never"):
+        raise ValueError(f"resume must be 'auto', 'must' or 'never', got {resume!r}")
+    if resume == "never":
+        return None
+    if not manager._listed_steps():
+        if resume == "must":
+            raise CheckpointError(f"resume='must' but there is no checkpoint in {manager.directory}")
+        return None
+    return manager.restore(target=target)

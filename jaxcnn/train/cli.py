@@ -1,0 +1,159 @@
+"""Command lines: ``jaxcnn-train`` and ``jaxcnn-eval``.
+
+Bad input (config, data files, checkpoints) ends the program with exit code 2
+and one line on stderr naming the bad thing; no traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+# Exit codes: 0 success, 1 training stopped (non-finite loss), 2 bad input,
+# 128 + signal number when SIGTERM/SIGINT stopped the run after a checkpoint.
+EXIT_BAD_INPUT = 2
+
+
+def _bad_input_errors():
+    from jaxcnn.data import DataError
+    from jaxcnn.train.checkpoint import CheckpointError
+    from jaxcnn.train.config import ConfigError
+    return (ConfigError, DataError, CheckpointError)
+
+
+def _fail(prog: str, message: str) -> int:
+    print(f"{prog}: error: {message}", file=sys.stderr)
+    return EXIT_BAD_INPUT
+
+
+def default_workdir(config_path: str) -> str:
+    """``runs/<config file stem>`` under the current directory."""
+    stem = os.path.splitext(os.path.basename(config_path))[0]
+    return os.path.join("runs", stem)
+
+
+def _train_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="jaxcnn-train",
+        description="Train a jaxcnn model from a YAML config, e.g. "
+                    "`jaxcnn-train configs/mnist_cnn.yaml train.epochs=2 optim.lr=3e-4`.")
+    p.add_argument("config", help="YAML run config (may name a `base:` config)")
+    p.add_argument("overrides", nargs="*", metavar="key=value",
+                   help="dotted overrides applied after the file, e.g. data.batch_size=64")
+    p.add_argument("--workdir", default=None,
+                   help="run directory (default: logging.workdir, else runs/<config name>)")
+    p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    p.add_argument("--dry-run", action="store_true",
+                   help="build model, data and optimiser, print the summary, trace one step "
+                        "with jax.eval_shape, and exit")
+    return p
+
+
+def dry_run(cfg, stream=None) -> None:
+    """Build everything, print the model summary, and trace one train step
+    abstractly (``jax.eval_shape``): no parameters are allocated."""
+    import jax
+    import numpy as np
+
+    from jaxcnn import summary
+    from jaxcnn.train.loop import abstract_state, batch_fn, build_run
+    from jaxcnn.train.step import make_train_step
+
+    stream = stream or sys.stdout
+    run = build_run(cfg)
+    print(summary(run.model, (1,) + tuple(run.input_shape[1:])), file=stream)
+    state = abstract_state(run)
+    batch = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype),
+                                   batch_fn(run)(0))
+    step = make_train_step(run.model, run.tx, policy=run.policy,
+                           label_smoothing=cfg.optim.label_smoothing, schedule=run.schedule)
+    _, metrics = jax.eval_shape(step, state, batch)
+    print(f"dry run ok: model {cfg.model.name}, input {run.input_shape}, "
+          f"{run.total_steps} steps ({run.steps_per_epoch}/epoch), policy {run.policy.to_string()}, "
+          f"step metrics {sorted(metrics)}", file=stream)
+
+
+def train_main(argv=None) -> int:
+    """Entry point of ``jaxcnn-train``."""
+    args = _train_parser().parse_intermixed_args(argv)
+    try:
+        from jaxcnn.train.config import load_config, to_dict
+        cfg = load_config(args.config, args.overrides)
+        if args.print_config:
+            import yaml
+            sys.stdout.write(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+            return 0
+        if args.dry_run:
+            dry_run(cfg)
+            return 0
+        from jaxcnn.train.loop import TrainingStopped, train
+        workdir = args.workdir or cfg.logging.workdir or default_workdir(args.config)
+        try:
+            result = train(cfg, workdir, argv=[sys.argv[0]] + list(argv if argv is not None else sys.argv[1:]),
+                           config_path=os.path.abspath(args.config))
+        except TrainingStopped as e:
+            print(f"jaxcnn-train: stopped: {e}", file=sys.stderr)
+            return 1
+    except _bad_input_errors() as e:
+        return _fail("jaxcnn-train", str(e))
+    except KeyboardInterrupt:
+        print("jaxcnn-train: interrupted", file=sys.stderr)
+        return 130
+    if "stopped_by" in result:
+        import signal
+        return 128 + int(getattr(signal, result["stopped_by"]))
+    return 0
+
+
+def _eval_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="jaxcnn-eval",
+        description="Evaluate a finished or running training run on its test set.")
+    p.add_argument("run_dir", help="a run directory written by jaxcnn-train")
+    p.add_argument("overrides", nargs="*", metavar="key=value",
+                   help="dotted overrides of the run's config (e.g. data.path=...)")
+    p.add_argument("--step", type=int, default=None,
+                   help="checkpoint step to evaluate (default: the latest good one)")
+    p.add_argument("--json", action="store_true", help="print the metrics as one JSON object")
+    return p
+
+
+def eval_main(argv=None) -> int:
+    """Entry point of ``jaxcnn-eval``."""
+    args = _eval_parser().parse_intermixed_args(argv)
+    try:
+        import jax
+
+        from jaxcnn.train.checkpoint import CheckpointError, CheckpointManager
+        from jaxcnn.train.config import load_config
+        from jaxcnn.train.loop import abstract_state, build_run, evaluate, matmul_precision
+        from jaxcnn.train.step import make_eval_step
+
+        cfg_path = os.path.join(args.run_dir, "config.resolved.yaml")
+        if not os.path.isfile(cfg_path):
+            return _fail("jaxcnn-eval", f"{cfg_path} does not exist: not a jaxcnn run directory")
+        cfg = load_config(cfg_path, args.overrides)
+        run = build_run(cfg)
+        ckpt_dir = os.path.join(args.run_dir, "checkpoints")
+        manager = CheckpointManager(ckpt_dir)
+        if manager.latest_step() is None:
+            raise CheckpointError(f"{ckpt_dir}: no complete checkpoint to evaluate")
+        step, state = manager.restore(args.step, target=abstract_state(run))
+        manager.close()
+        with matmul_precision(cfg):
+            result = evaluate(run, jax.jit(make_eval_step(run.model, policy=run.policy)),
+                              state.params, state.state)
+        result["step"] = step
+    except _bad_input_errors() as e:
+        return _fail("jaxcnn-eval", str(e))
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(f"step {step}: loss {result['loss']:.4f}  top-1 {result['top1']:.4f}  "
+              f"top-5 {result['top5']:.4f}  ({result['count']} images)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(train_main())

@@ -1,0 +1,772 @@
+"""Run configuration: a YAML file, its ``base:`` includes and dotted overrides.
+
+A run is described by one YAML file (``configs/*.yaml``) plus command-line
+overrides such as ``train.steps=100`` or ``optim.schedule.name=cosine``.
+Loading goes:
+
+1. read the file with ``yaml.safe_load``; if it has ``base: other.yaml`` (or a
+   list of files), load those first (paths relative to the including file,
+   nested bases allowed, cycles rejected) and deep-merge this file over them;
+2. apply the overrides in order, each value parsed with ``yaml.safe_load``
+   (so ``mesh.data=-1`` is an int, ``optim.schedule.milestones=[30,60]`` a list
+   and ``data.path=`` is null);
+3. check everything against :data:`SCHEMA` before any compute: unknown keys,
+   wrong types, out-of-range values and missing required keys raise
+   :class:`ConfigError`, whose one-line message names the dotted key, the bad
+   value, what was expected and which file or override it came from.
+
+The result is an immutable :class:`Config` with attribute access
+(``cfg.optim.schedule.name``); :func:`to_dict` turns it back into plain dicts
+and lists for ``yaml.safe_dump``, and loading that dump gives an equal config.
+
+Durations (``optim.schedule.warmup``, ``train.eval_every``, ``checkpoint.every``,
+``logging.log_every``, milestones) are an int number of steps or a string with
+a unit: ``"500st"``/``"500 steps"`` or ``"3ep"``/``"0.5 epochs"``.  They are
+stored as an int (steps) or the canonical ``"<N>ep"`` and turned into steps by
+:func:`resolve_duration` once the data pipeline knows the epoch length.  The
+run length itself is ``train.steps`` or ``train.epochs`` (exactly one); a layer
+that sets one of them (a file over its base, or an override) clears the other.
+
+The schema is hand-written rather than pydantic/dataclass-based so that error
+messages, YAML quirks and the printed key reference stay under our control.
+"""
+from __future__ import annotations
+
+import difflib
+import math
+import os
+import re
+from collections.abc import Mapping
+from typing import Any, NamedTuple, Sequence
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration problem, found before any compute starts.
+
+    Attributes:
+        path: dotted key the problem is about (``""`` for the whole file).
+        source: the file or override the key came from, when known.
+    """
+
+    def __init__(self, message: str, *, path: str = "", source: str | None = None):
+        self.path = path
+        self.source = source
+        if source:
+            message = f"{message} [from {source}]"
+        super().__init__(message.replace("\n", " "))
+
+
+# --------------------------------------------------------------------- schema
+
+class Field(NamedTuple):
+    """One config key: its type, default, constraints and one-line doc.
+
+    ``type`` is one of ``int``, ``float``, ``bool``, ``str``, ``duration``,
+    ``list`` (items checked by ``item``, optional exact ``length``) or ``dict``
+    (string keys; values checked by ``item`` when given, else any YAML data).
+    ``low``/``high`` bound numbers, durations (``low`` only, 0 or > 0) and the
+    length of strings; ``extra`` lists values accepted outside the range.
+    """
+
+    type: str
+    default: Any
+    doc: str
+    choices: tuple = ()
+    low: float | None = None
+    high: float | None = None
+    open_low: bool = False
+    open_high: bool = False
+    nullable: bool = False
+    required: bool = False
+    extra: tuple = ()
+    item: "Field | None" = None
+    length: int | None = None
+
+
+_f = Field  # short name keeps the schema table readable
+
+
+_POS_INT = dict(low=1)
+_POS_FLOAT = dict(low=0.0, open_low=True)
+_UNIT = dict(low=0.0, high=1.0)          # [0, 1]
+_UNIT_OPEN_HIGH = dict(low=0.0, high=1.0, open_high=True)
+
+SCHEMA: dict[str, dict] = {
+    "model": {
+        "name": _f("str", None, "model registry name (jaxcnn.models.names())", required=True, low=1),
+        "num_classes": _f("int", None, "classifier outputs; null = the model's default", nullable=True, **_POS_INT),
+        "options": _f("dict", {}, "extra keyword arguments for the model constructor, e.g. {cifar_stem: true}"),
+    },
+    "data": {
+        "source": _f("str", "mnist", "dataset", choices=("mnist", "cifar10", "npz", "synthetic")),
+        "path": _f("str", None, "dataset file/directory (relative to the working directory); "
+                   "null = packaged MNIST sample for mnist", nullable=True, low=1),
+        "batch_size": _f("int", 128, "global training batch size (all devices together)", **_POS_INT),
+        "eval_batch_size": _f("int", None, "global evaluation batch size; null = batch_size", nullable=True, **_POS_INT),
+        "image_size": _f("list", None, "synthetic image shape [H, W, C]; null = the model's default input shape",
+                         nullable=True, length=3, item=_f("int", None, "dimension", **_POS_INT)),
+        "num_train": _f("int", 1024, "synthetic: number of training images", **_POS_INT),
+        "num_eval": _f("int", 256, "synthetic: number of evaluation images", low=0),
+        "num_classes": _f("int", None, "synthetic: number of label classes; null = model.num_classes or 10",
+                          nullable=True, low=2),
+        "augment": {
+            "crop_padding": _f("int", 0, "random crop: pad each side by this many pixels, crop back at a random "
+                                 "offset (0 = off)", low=0),
+            "flip": _f("bool", False, "random horizontal flip"),
+        },
+        "normalize": _f("bool", True, "subtract the per-channel mean and divide by the std of the dataset"),
+        "prefetch": _f("int", 2, "batches prepared ahead on a background thread (0 = none)", low=0),
+        "seed": _f("int", None, "seed of shuffling and augmentation; null = train.seed", nullable=True, low=0),
+    },
+    "optim": {
+        "name": _f("str", "adamw", "optimiser", choices=("sgd", "adam", "adamw", "lars", "lamb")),
+        "lr": _f("float", 1e-3, "peak learning rate", **_POS_FLOAT),
+        "momentum": _f("float", 0.9, "sgd/lars momentum (0 = plain sgd)", **_UNIT_OPEN_HIGH),
+        "nesterov": _f("bool", False, "Nesterov momentum (sgd, lars)"),
+        "b1": _f("float", 0.9, "adam-family first-moment decay", **_UNIT_OPEN_HIGH),
+        "b2": _f("float", 0.999, "adam-family second-moment decay", **_UNIT_OPEN_HIGH),
+        "eps": _f("float", 1e-8, "adam-family denominator epsilon; lars trust-ratio epsilon", low=0.0),
+        "weight_decay": _f("float", 0.0, "weight decay: L2 added to the gradient for sgd/adam/lars, "
+                           "decoupled for adamw/lamb", low=0.0),
+        "mask_weight_decay": _f("bool", True, "no weight decay (and no lars trust ratio) on parameters "
+                                "with ndim <= 1: biases and norm scales"),
+        "trust_coefficient": _f("float", 1e-3, "lars trust coefficient", **_POS_FLOAT),
+        "grad_clip_norm": _f("float", None, "clip gradients to this global norm first; null = no clipping",
+                             nullable=True, **_POS_FLOAT),
+        "mu_dtype": _f("str", None, "dtype of the first-moment/momentum buffer; null = parameter dtype",
+                       nullable=True, choices=("bf16", "f32")),
+        "label_smoothing": _f("float", 0.0, "label smoothing of the cross-entropy loss", **_UNIT_OPEN_HIGH),
+        "schedule": {
+            "name": _f("str", "constant", "learning-rate schedule",
+                       choices=("constant", "step", "multistep", "cosine", "onecycle")),
+            "warmup": _f("duration", 0, "linear warm-up length (not for onecycle)", low=0),
+            "warmup_init_fraction": _f("float", 0.0, "warm-up starts at this fraction of lr", **_UNIT),
+            "decay_rate": _f("float", 0.1, "step/multistep: factor applied at each decay", low=0.0, high=1.0,
+                             open_low=True),
+            "decay_every": _f("duration", None, "step: decay every this long (required for step)",
+                              nullable=True, low=0, open_low=True),
+            "milestones": _f("list", [], "multistep: decay at these durations from the start (required)",
+                             item=_f("duration", None, "milestone", low=0, open_low=True)),
+            "final_lr_fraction": _f("float", 0.0, "cosine: final learning rate as a fraction of lr", **_UNIT),
+            "pct_start": _f("float", 0.3, "onecycle: fraction of the run spent increasing the lr",
+                            low=0.0, high=1.0, open_low=True, open_high=True),
+            "div_factor": _f("float", 25.0, "onecycle: initial lr = lr / div_factor", low=1.0),
+            "final_div_factor": _f("float", 1e4, "onecycle: final lr = initial lr / final_div_factor", low=1.0),
+        },
+    },
+    "train": {
+        "steps": _f("int", None, "run length in optimiser steps (set exactly one of steps/epochs)",
+                    nullable=True, **_POS_INT),
+        "epochs": _f("float", None, "run length in epochs, fractions allowed (exactly one of steps/epochs)",
+                     nullable=True, **_POS_FLOAT),
+        "seed": _f("int", 0, "seed of parameter initialisation and dropout", low=0),
+        "eval_every": _f("duration", "1ep", "evaluate this often; null = only at the end", nullable=True,
+                         low=0, open_low=True),
+        "nan_policy": _f("str", "stop", "non-finite loss: stop the run, or skip the update",
+                         choices=("stop", "skip")),
+    },
+    "checkpoint": {
+        "enabled": _f("bool", True, "save train-state checkpoints"),
+        "every": _f("duration", "1ep", "save this often (and at the end)", low=0, open_low=True),
+        "keep": _f("int", 3, "number of recent checkpoints kept", **_POS_INT),
+        "keep_best": _f("bool", False, "also keep the checkpoint with the best evaluation accuracy"),
+        "resume": _f("str", "auto", "auto: resume if a checkpoint exists; must: fail without one; never",
+                     choices=("auto", "must", "never")),
+        "on_error": _f("str", "stop", "a failed save stops the run or only warns", choices=("stop", "warn")),
+        "format": _f("str", "npz", "file format of the final parameters", choices=("npz", "safetensors")),
+    },
+    "precision": {
+        "policy": _f("str", "fp32", "preset (fp32, bf16, bf16_params, fp16) or 'p=f32,c=bf16,o=f32'", low=1),
+        "loss_scale": _f("str", "auto", "loss scaling; auto = what the policy needs (dynamic for fp16, "
+                          "none otherwise)", choices=("auto", "none", "static", "dynamic")),
+        "loss_scale_init": _f("float", 2.0 ** 15, "initial (or static) loss scale", **_POS_FLOAT),
+        "growth_interval": _f("int", 2000, "dynamic: finite steps before the scale grows", **_POS_INT),
+        "growth_factor": _f("float", 2.0, "dynamic: scale multiplier after growth_interval finite steps",
+                            low=1.0, open_low=True),
+        "backoff_factor": _f("float", 0.5, "dynamic: scale multiplier after a non-finite step",
+                             low=0.0, high=1.0, open_low=True, open_high=True),
+        "min_scale": _f("float", 1.0, "dynamic: lower bound of the scale", **_POS_FLOAT),
+        "max_scale": _f("float", 2.0 ** 24, "dynamic: upper bound of the scale", **_POS_FLOAT),
+        "matmul_precision": _f("str", "default", "jax_default_matmul_precision",
+                               choices=("default", "high", "highest")),
+        "overrides": _f("dict", {}, "per layer kind policy, e.g. {batch_norm: f32}",
+                        item=_f("str", None, "policy", low=1)),
+    },
+    "mesh": {
+        "data": _f("int", -1, "devices on the data axis; -1 = all devices left over", extra=(-1,), **_POS_INT),
+        "model": _f("int", 1, "devices on the model axis", **_POS_INT),
+    },
+    "parallel": {
+        "strategy": _f("str", "jit", "how the step is distributed", choices=("shard_map", "pmap", "jit")),
+        "sync_batch_norm": _f("bool", True, "BatchNorm statistics over the global batch, not per device"),
+        "fsdp": _f("bool", False, "shard parameters and optimiser state over the data axis"),
+        "rules": _f("dict", {}, "logical parameter axis -> mesh axis (data, model) or null; "
+                    "merged over the built-in rules",
+                    item=_f("str", None, "mesh axis", nullable=True, choices=("data", "model"))),
+    },
+    "distributed": {
+        "mode": _f("str", "auto", "jax.distributed.initialize: auto-detect, always, or never",
+                   choices=("auto", "on", "off")),
+        "coordinator_address": _f("str", None, "'host:port' of process 0; null = auto-detect",
+                                  nullable=True, low=1),
+        "num_processes": _f("int", None, "number of processes; null = auto-detect", nullable=True, **_POS_INT),
+        "process_id": _f("int", None, "this process's index; null = auto-detect", nullable=True, low=0),
+        "timeout_s": _f("float", 300.0, "seconds to wait for the other processes", **_POS_FLOAT),
+    },
+    "logging": {
+        "log_every": _f("duration", 50, "print and record training metrics this often", low=0, open_low=True),
+        "progress": _f("str", "auto", "progress display: auto = bar on a terminal, lines otherwise",
+                       choices=("auto", "bar", "lines", "none")),
+        "tensorboard": _f("bool", False, "also write TensorBoard event files"),
+        "workdir": _f("str", None, "run directory (config, metrics, checkpoints); null = the trainer picks one",
+                      nullable=True, low=1),
+    },
+}
+
+# Keys of which a config sets exactly one; setting one in a later layer
+# (a file over its base, an override) clears the other.
+_EXCLUSIVE = {("train", "steps"): "epochs", ("train", "epochs"): "steps"}
+
+
+# ------------------------------------------------------------------ Config
+
+class Config(Mapping):
+    """Immutable nested configuration with attribute and item access.
+
+    ``cfg.optim.lr``, ``cfg["optim"]["lr"]`` and ``**cfg.model.options`` all
+    work; lists are stored as tuples.  Compares equal to an equal ``Config``;
+    hashable.
+    """
+
+    __slots__ = ("_data", "_path")
+
+    def __init__(self, data: Mapping, path: str = ""):
+        frozen = {k: _freeze(v, _join(path, k)) for k, v in data.items()}
+        object.__setattr__(self, "_data", frozen)
+        object.__setattr__(self, "_path", path)
+
+    def __getattr__(self, name):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        try:
+            return self._data[name]
+        except KeyError:
+            hint = _suggest(name, list(self._data))
+            raise AttributeError(f"config {self._path or 'root'!r} has no key {name!r}{hint}") from None
+
+    def __setattr__(self, name, value):
+        raise AttributeError("Config is immutable; use with_overrides(cfg, ['key=value'])")
+
+    def __getitem__(self, key):
+        return self._data[key]
+
+    def __iter__(self):
+        return iter(self._data)
+
+    def __len__(self):
+        return len(self._data)
+
+    def __hash__(self):
+        return hash(tuple(self._data.items()))
+
+    def __repr__(self):
+        return f"Config({to_dict(self)!r})"
+
+    def __reduce__(self):
+        return (Config, (to_dict(self), self._path))
+
+
+def _freeze(value, path):
+    if isinstance(value, Mapping):
+        return Config(value, path)
+    if isinstance(value, (list, tuple)):
+        return tuple(_freeze(v, path) for v in value)
+    return value
+
+
+def to_dict(cfg) -> Any:
+    """Plain ``dict``/``list``/scalar copy of a :class:`Config` (or any value
+    inside one), ready for ``yaml.safe_dump``."""
+    if isinstance(cfg, Mapping):
+        return {k: to_dict(v) for k, v in cfg.items()}
+    if isinstance(cfg, (list, tuple)):
+        return [to_dict(v) for v in cfg]
+    return cfg
+
+
+# ----------------------------------------------------------------- loading
+
+def load_config(path: str | os.PathLike, overrides: Sequence[str] = ()) -> Config:
+    """Load, merge, override and validate a run configuration.
+
+    Arguments:
+        path: YAML file; may name ``base:`` files to merge under it.
+        overrides: ``"dotted.key=value"`` strings applied after all files, in
+            order (see :func:`parse_overrides`).
+
+    Returns:
+        The validated :class:`Config`, every key of :data:`SCHEMA` present.
+
+    Raises:
+        ConfigError: unreadable or malformed file, base cycle, bad override or
+            any schema violation; the message names key, value and source.
+    """
+    sources: dict[str, str] = {}
+    raw = _load_file(os.fspath(path), sources, ())
+    _apply_overrides(raw, overrides, sources)
+    return _validate(raw, sources, default_source=os.fspath(path))
+
+
+def config_from_dict(data: Mapping, overrides: Sequence[str] = (), *, source: str | None = None) -> Config:
+    """Validate a plain nested dict (e.g. a checkpoint's resolved config).
+
+    Arguments:
+        data: nested mapping in the YAML layout; ``base`` is not allowed.
+        overrides: ``"dotted.key=value"`` strings applied on top.
+        source: name used in error messages (default ``"<dict>"``).
+    """
+    source = source or "<dict>"
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"config must be a mapping, got {type(data).__name__}", source=source)
+    if "base" in data:
+        raise ConfigError("'base' includes are only supported in files", path="base", source=source)
+    raw = _copy(data)
+    sources: dict[str, str] = {}
+    _record_sources(raw, "", source, sources)
+    _apply_overrides(raw, overrides, sources)
+    return _validate(raw, sources, default_source=source)
+
+
+def with_overrides(cfg: Config, overrides: Sequence[str]) -> Config:
+    """A new validated config: ``cfg`` with ``"dotted.key=value"`` overrides applied."""
+    return config_from_dict(to_dict(cfg), overrides, source="<config>")
+
+
+def _copy(value):
+    if isinstance(value, Mapping):
+        return {k: _copy(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_copy(v) for v in value]
+    return value
+
+
+def _load_file(path: str, sources: dict, stack: tuple) -> dict:
+    real = os.path.realpath(path)
+    if real in stack:
+        chain = " -> ".join(os.path.relpath(p) for p in stack + (real,))
+        raise ConfigError(f"base include cycle: {chain}", path="base", source=path)
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as e:
+        where = f" (included from {os.path.relpath(stack[-1])})" if stack else ""
+        raise ConfigError(f"cannot read config file {path!r}{where}: {e.strerror or e}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        at = f":{mark.line + 1}:{mark.column + 1}" if mark is not None else ""
+        problem = getattr(e, "problem", None) or str(e)
+        raise ConfigError(f"{path}{at}: YAML syntax error: {problem}") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"top level must be a mapping of sections, got {type(data).__name__}", source=path)
+    bases = data.pop("base", None)
+    if bases is None:
+        bases = []
+    elif isinstance(bases, str):
+        bases = [bases]
+    if not isinstance(bases, list) or not all(isinstance(b, str) and b for b in bases):
+        raise ConfigError(f"base: expected a file name or a list of file names, got {bases!r}",
+                          path="base", source=path)
+    merged: dict = {}
+    for base in bases:
+        base_path = os.path.join(os.path.dirname(path), os.path.expanduser(base))
+        _merge(merged, _load_file(base_path, sources, stack + (real,)), sources, None)
+    _merge(merged, data, sources, path)
+    return merged
+
+
+def _record_sources(tree, prefix, source, sources):
+    for key, value in tree.items():
+        path = _join(prefix, str(key))
+        sources[path] = source
+        if isinstance(value, dict):
+            _record_sources(value, path, source, sources)
+
+
+def _merge(lower: dict, upper: dict, sources: dict, source: str | None, prefix: str = ""):
+    """Deep-merge ``upper`` into ``lower`` in place: mappings merge, anything
+    else replaces.  ``source`` (when not None) is recorded for upper's keys."""
+    for key, value in upper.items():
+        path = _join(prefix, str(key))
+        other = _EXCLUSIVE.get((prefix, key))
+        if other is not None and value is not None and other not in upper:
+            lower.pop(other, None)
+        if source is not None:
+            sources[path] = source
+        if isinstance(value, dict) and isinstance(lower.get(key), dict):
+            _merge(lower[key], value, sources, source, path)
+        else:
+            lower[key] = _copy(value)
+            if source is not None and isinstance(value, dict):
+                _record_sources(value, path, source, sources)
+
+
+# --------------------------------------------------------------- overrides
+
+_KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
+
+
+def parse_overrides(overrides: Sequence[str]) -> list[tuple[str, Any]]:
+    """Parse ``"dotted.key=value"`` strings.
+
+    The value is read with ``yaml.safe_load``: ``3`` is an int, ``1.0e-3``/``1e-3``
+    a float (float keys accept both), ``true`` a bool, ``[30, 60]`` a list,
+    ``{cifar_stem: true}`` a mapping, an empty value null; anything else a string.
+
+    Arguments:
+        overrides: the strings, e.g. ``["train.steps=100", "optim.name=sgd"]``.
+
+    Returns:
+        ``[(dotted_key, value), ...]`` in the given order (later ones win).
+
+    Raises:
+        ConfigError: missing ``=``, malformed key or unparsable value.
+    """
+    if isinstance(overrides, str):
+        raise ConfigError(f"overrides must be a list of strings, got the string {overrides!r}")
+    return [_parse_override(text) for text in overrides]
+
+
+def _parse_override(text) -> tuple[str, Any]:
+    if not isinstance(text, str):
+        raise ConfigError(f"override must be a string 'key=value', got {text!r}")
+    key, sep, value_text = text.partition("=")
+    key = key.strip()
+    if not sep:
+        raise ConfigError(f"override {text!r}: expected 'dotted.key=value' (no '=' found)")
+    if not _KEY_RE.match(key):
+        raise ConfigError(f"override {text!r}: {key!r} is not a dotted key like 'optim.lr'")
+    if key == "base" or key.startswith("base."):
+        raise ConfigError(f"override {text!r}: 'base' can only be set inside a config file")
+    try:
+        value = yaml.safe_load(value_text)
+    except yaml.YAMLError as e:
+        problem = getattr(e, "problem", None) or str(e)
+        raise ConfigError(f"override {text!r}: cannot parse value {value_text!r} as YAML: {problem}") from None
+    return key, value
+
+
+def _apply_overrides(raw: dict, overrides: Sequence[str], sources: dict):
+    for text in overrides:
+        key, value = _parse_override(text)
+        source = f"override {text!r}"
+        parts = key.split(".")
+        node, prefix = raw, ""
+        for part in parts[:-1]:
+            prefix = _join(prefix, part)
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            elif not isinstance(child, dict):
+                raise ConfigError(f"{key}: cannot set a key inside {prefix}, which is {_short(child)}, "
+                                  "not a mapping", path=key, source=source)
+            node = child
+        _merge(node, {parts[-1]: value}, sources, source, ".".join(parts[:-1]))
+
+
+# -------------------------------------------------------------- validation
+
+def _validate(raw: dict, sources: dict, default_source: str) -> Config:
+    def source_of(path):
+        path = re.sub(r"\[\d+\]", "", path)  # list items come from their list's source
+        probe = path
+        while probe:
+            if probe in sources:
+                return sources[probe]
+            probe = probe.rpartition(".")[0]
+        under = [s for p, s in sources.items() if p.startswith(path + ".")]
+        return under[0] if under else default_source
+
+    resolved = _validate_section(raw, SCHEMA, "", source_of)
+    _cross_checks(resolved, source_of)
+    return Config(resolved)
+
+
+def _validate_section(raw, schema: dict, prefix: str, source_of) -> dict:
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{prefix}: expected a mapping of keys, got {_short(raw)}",
+                          path=prefix, source=source_of(prefix))
+    for key in raw:
+        if key not in schema:
+            path = _join(prefix, str(key))
+            raise ConfigError(f"unknown {'key' if prefix else 'section'} {path!r}{_suggest_path(str(key), prefix)}",
+                              path=path, source=source_of(path))
+    out = {}
+    for key, spec in schema.items():
+        path = _join(prefix, key)
+        if isinstance(spec, dict):
+            out[key] = _validate_section(raw.get(key), spec, path, source_of)
+        elif key in raw:
+            out[key] = _check(spec, raw[key], path, source_of)
+        elif spec.required:
+            raise ConfigError(f"{path}: missing required key ({spec.doc})", path=path, source=source_of(path))
+        else:
+            out[key] = _copy(spec.default)
+    return out
+
+
+_FLOAT_TEXT = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
+_DURATION_TEXT = re.compile(r"^\s*(\d+\.?\d*|\.\d+)\s*(ep|epoch|epochs|st|step|steps)\s*$")
+
+
+def _check(spec: Field, value, path: str, source_of):
+    def fail(problem=None):
+        message = problem or f"expected {_expected(spec)}, got {_short(value)}"
+        raise ConfigError(f"{path}: {message}", path=path, source=source_of(path))
+
+    if value is None:
+        if spec.nullable:
+            return None
+        fail(f"missing required key ({spec.doc})" if spec.required else None)
+    kind = spec.type
+    if kind == "int":
+        # bool is an int subclass in Python; `true` must not pass as 1.
+        if not isinstance(value, int) or isinstance(value, bool):
+            fail()
+    elif kind == "float":
+        # YAML 1.1 reads 1e-3 (no dot) as a string; accept that spelling.
+        if isinstance(value, str) and _FLOAT_TEXT.match(value.strip()):
+            value = float(value)
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+            fail()
+        value = float(value)
+    elif kind == "bool":
+        if not isinstance(value, bool):
+            fail()
+    elif kind == "str":
+        # YAML 1.1 reads bare on/off as booleans; map them back for on/off choices.
+        if isinstance(value, bool) and "on" in spec.choices:
+            value = "on" if value else "off"
+        if not isinstance(value, str):
+            fail()
+    elif kind == "duration":
+        value = _parse_duration(value, fail)
+    elif kind == "list":
+        if not isinstance(value, (list, tuple)):
+            fail()
+        if spec.length is not None and len(value) != spec.length:
+            fail(f"expected a list of {spec.length} items, got {_short(value)}")
+        return [_check(spec.item, v, f"{path}[{i}]", source_of) for i, v in enumerate(value)]
+    elif kind == "dict":
+        if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+            fail("expected a mapping with string keys, got " + _short(value))
+        if spec.item is None:
+            return _copy(value)
+        return {k: _check(spec.item, v, _join(path, k), source_of) for k, v in value.items()}
+    else:  # pragma: no cover - schema typo
+        raise AssertionError(f"bad schema type {kind!r} for {path}")
+
+    if spec.choices and value not in spec.choices:
+        fail(f"expected {_expected(spec)}, got {_short(value)}"
+             + _suggest(str(value), [str(c) for c in spec.choices]))
+    if value in spec.extra:
+        return value
+    amount = value
+    if kind == "duration":
+        amount = value if isinstance(value, int) else float(value[:-2])
+    elif kind == "str":
+        amount = len(value)
+    if not _in_range(spec, amount):
+        fail()
+    return value
+
+
+def _in_range(spec: Field, x) -> bool:
+    if spec.low is not None and (x < spec.low or (spec.open_low and x == spec.low)):
+        return False
+    if spec.high is not None and (x > spec.high or (spec.open_high and x == spec.high)):
+        return False
+    return True
+
+
+def _parse_duration(value, fail):
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, str):
+        m = _DURATION_TEXT.match(value)
+        if m:
+            number, unit = m.groups()
+            if unit.startswith("ep"):
+                return f"{float(number):g}ep"
+            if float(number).is_integer():
+                return int(float(number))
+            fail(f"expected a whole number of steps, got {value!r}")
+    fail()
+
+
+def _expected(spec: Field) -> str:
+    if spec.type == "str":
+        text = "one of " + ", ".join(map(repr, spec.choices)) if spec.choices else (
+            "a non-empty string" if spec.low else "a string")
+    else:
+        text = {
+            "int": "an int", "float": "a float", "bool": "a bool (true/false)", "dict": "a mapping",
+            "duration": "a duration (int steps, '<N>st' or '<N>ep')",
+            "list": f"a list of {spec.length or 'any number of'} {spec.item.type if spec.item else ''} items",
+        }[spec.type]
+        bounds = []
+        if spec.low is not None:
+            bounds.append(f"{'>' if spec.open_low else '>='} {spec.low:g}")
+        if spec.high is not None:
+            bounds.append(f"{'<' if spec.open_high else '<='} {spec.high:g}")
+        if bounds:
+            text += " " + " and ".join(bounds)
+        if spec.extra:
+            text += " or " + " or ".join(map(repr, spec.extra))
+    if spec.nullable:
+        text += " or null"
+    return text
+
+
+def _cross_checks(cfg: dict, source_of):
+    def fail(path, message):
+        raise ConfigError(f"{path}: {message}", path=path, source=source_of(path))
+
+    train, data, optim, model = cfg["train"], cfg["data"], cfg["optim"], cfg["model"]
+    if (train["steps"] is None) == (train["epochs"] is None):
+        fail("train.steps", "set exactly one of train.steps or train.epochs "
+             f"(got steps={train['steps']!r}, epochs={train['epochs']!r})")
+    if data["source"] in ("cifar10", "npz") and data["path"] is None:
+        fail("data.path", f"data.source={data['source']!r} needs data.path (a "
+             f"{'directory' if data['source'] == 'cifar10' else '.npz file'}), got null")
+    if (data["num_classes"] is not None and model["num_classes"] is not None
+            and data["num_classes"] > model["num_classes"]):
+        fail("data.num_classes", f"{data['num_classes']} label classes do not fit a model with "
+             f"model.num_classes={model['num_classes']}")
+    sched = optim["schedule"]
+    if sched["name"] == "step" and sched["decay_every"] is None:
+        fail("optim.schedule.decay_every", "schedule 'step' needs decay_every (a duration), got null")
+    if sched["name"] == "multistep" and not sched["milestones"]:
+        fail("optim.schedule.milestones", "schedule 'multistep' needs a non-empty list of milestones")
+    if sched["name"] == "onecycle" and sched["warmup"] != 0:
+        fail("optim.schedule.warmup", f"onecycle warms up by itself (pct_start); expected 0, "
+             f"got {sched['warmup']!r}")
+    if optim["name"] == "sgd" and optim["nesterov"] and optim["momentum"] == 0:
+        fail("optim.nesterov", "Nesterov momentum needs optim.momentum > 0")
+    prec = cfg["precision"]
+    if prec["loss_scale"] in ("static", "dynamic") and not prec["min_scale"] <= prec["loss_scale_init"] <= prec["max_scale"]:
+        fail("precision.loss_scale_init", f"expected min_scale ({prec['min_scale']:g}) <= loss_scale_init "
+             f"<= max_scale ({prec['max_scale']:g}), got {prec['loss_scale_init']:g}")
+    dist = cfg["distributed"]
+    if (dist["process_id"] is not None and dist["num_processes"] is not None
+            and dist["process_id"] >= dist["num_processes"]):
+        fail("distributed.process_id", f"expected < num_processes ({dist['num_processes']}), "
+             f"got {dist['process_id']}")
+    address = dist["coordinator_address"]
+    if address is not None:
+        host, _, port = address.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            fail("distributed.coordinator_address", f"expected 'host:port', got {address!r}")
+
+
+# ---------------------------------------------------------------- durations
+
+def resolve_duration(value: int | str | None, steps_per_epoch: int | None) -> int | None:
+    """Turn a duration into a number of steps.
+
+    Arguments:
+        value: int steps, ``"<N>st"``/``"<N> steps"``, ``"<N>ep"``/``"<N> epochs"``
+            (N may be fractional for epochs), or None (returned unchanged).
+        steps_per_epoch: optimiser steps in one epoch; needed only for epochs.
+
+    Returns:
+        Steps; epochs are rounded to the nearest step, at least 1 when N > 0.
+    """
+    if value is None:
+        return None
+
+    def fail(problem=None):
+        raise ConfigError(problem or f"expected a duration (int steps, '<N>st' or '<N>ep'), got {value!r}")
+
+    parsed = _parse_duration(value, fail)
+    if isinstance(parsed, int):
+        if parsed < 0:
+            fail(f"a duration cannot be negative, got {value!r}")
+        return parsed
+    if (not isinstance(steps_per_epoch, int) or isinstance(steps_per_epoch, bool)
+            or steps_per_epoch < 1):
+        fail(f"duration {value!r} is in epochs but steps_per_epoch={steps_per_epoch!r}")
+    epochs = float(parsed[:-2])
+    return max(1, round(epochs * steps_per_epoch)) if epochs > 0 else 0
+
+
+def train_steps(train_cfg, steps_per_epoch: int | None) -> int:
+    """Total optimiser steps of the run, from ``train.steps`` or ``train.epochs``."""
+    if train_cfg.steps is not None:
+        return train_cfg.steps
+    return resolve_duration(f"{train_cfg.epochs:g}ep", steps_per_epoch)
+
+
+# -------------------------------------------------------------- reference
+
+def describe_schema() -> str:
+    """Every key as one line ``dotted.key: type = default -- doc`` (for ``--help``)."""
+    lines = []
+
+    def walk(schema, prefix):
+        for key, spec in schema.items():
+            path = _join(prefix, key)
+            if isinstance(spec, dict):
+                walk(spec, path)
+                continue
+            default = "(required)" if spec.required else yaml.safe_dump(spec.default, default_flow_style=True,
+                                                                         width=1000).strip().removesuffix("...").strip()
+            lines.append(f"{path}: {_expected(spec)} = {default} -- {spec.doc}")
+
+    walk(SCHEMA, "")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------- helpers
+
+def _join(prefix: str, key: str) -> str:
+    return f"{prefix}.{key}" if prefix else key
+
+
+def _short(value, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _suggest(word: str, candidates: list[str]) -> str:
+    close = difflib.get_close_matches(word, candidates, n=1, cutoff=0.6)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def _suggest_path(key: str, prefix: str) -> str:
+    """The same key in another section (it was put in the wrong place), else
+    a close spelling in this section."""
+    elsewhere = []
+
+    def walk(schema, path):
+        for k, spec in schema.items():
+            if k == key and path != prefix:
+                elsewhere.append(_join(path, k))
+            if isinstance(spec, dict):
+                walk(spec, _join(path, k))
+
+    walk(SCHEMA, "")
+    if elsewhere:
+        return f"; did you mean {elsewhere[0]!r}?"
+    node = SCHEMA
+    for part in prefix.split(".") if prefix else ():
+        node = node[part]
+    close = difflib.get_close_matches(key, list(node), n=1, cutoff=0.6)
+    return f"; did you mean {_join(prefix, close[0])!r}?" if close else ""

@@ -1,0 +1,401 @@
+"""The training loop: config -> data -> model -> step -> loop.
+
+Read top to bottom, :func:`train` is one training run: it builds a
+:class:`Run` (model, data, optimiser, policy, loss scale) from a validated
+config, restores or initialises the :class:`TrainState`, and loops over pure
+``train_step`` calls, logging, evaluating and checkpointing between them.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import signal
+import subprocess
+import sys
+import time
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import yaml
+
+from jaxcnn import interop, models
+from jaxcnn import precision as P
+from jaxcnn.data import (Prefetcher, SyntheticSpec, eval_batches, load_dataset, steps_per_epoch,
+                         synthetic_batch, synthetic_dataset, train_batch)
+from jaxcnn.train.checkpoint import CheckpointError, CheckpointManager, restore_for_resume
+from jaxcnn.train.config import ConfigError, resolve_duration, to_dict, train_steps
+from jaxcnn.train.metrics import MetricsWriter, Progress
+from jaxcnn.train.optim import build_optimizer
+from jaxcnn.train.state import TrainState, create_train_state
+from jaxcnn.train.step import make_eval_step, make_train_step
+
+
+# Synthetic training sets up to this many bytes (uint8 pixels) are generated once and
+# held in memory; larger ones (ImageNet-shaped throughput runs) are made per step.
+_SYNTHETIC_IN_MEMORY_BYTES = 256 * 2**20
+
+
+class TrainingStopped(RuntimeError):
+    """Training stopped early: a non-finite loss under ``nan_policy: stop``."""
+
+
+class Run(NamedTuple):
+    """Everything a run builds from its config before the first step."""
+
+    cfg: Any
+    model: Any
+    dataset: Any            # a jaxcnn.data.Dataset, or None for on-the-fly synthetic batches
+    synthetic: Any          # SyntheticSpec when batches are generated per step, else None
+    input_shape: tuple      # (global batch, H, W, C)
+    num_classes: int
+    steps_per_epoch: int
+    total_steps: int
+    tx: Any
+    schedule: Any
+    policy: Any
+    loss_scale: Any
+    data_seed: int
+
+
+def _model_defaults(name: str):
+    try:
+        return models.default_input_shape(name)
+    except (KeyError, ValueError) as e:
+        raise ConfigError(f"model.name: {e}", path="model.name") from None
+
+
+def build_run(cfg) -> Run:
+    """Build model, data, optimiser, policy and loss scale from a validated config.
+
+    Raises ``ConfigError`` (or ``jaxcnn.data.DataError``) for anything the
+    config asks that cannot be done, before any computation.
+    """
+    if cfg.model.name not in models.names():
+        from difflib import get_close_matches
+        close = get_close_matches(cfg.model.name, models.names(), n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ConfigError(f"model.name: unknown model {cfg.model.name!r}{hint}; expected one of "
+                          f"{models.names()}", path="model.name")
+    try:
+        policy = P.get_policy(cfg.precision.policy, dict(cfg.precision.overrides))
+    except ValueError as e:
+        raise ConfigError(f"precision.policy: {e}", path="precision.policy") from None
+    data_seed = cfg.train.seed if cfg.data.seed is None else cfg.data.seed
+    batch_size = cfg.data.batch_size
+
+    dataset, synthetic = None, None
+    if cfg.data.source == "synthetic":
+        image_shape = tuple(cfg.data.image_size or _model_defaults(cfg.model.name)[1:])
+        num_classes = cfg.data.num_classes or cfg.model.num_classes or 10
+        spec = SyntheticSpec(image_shape=image_shape, num_classes=num_classes)
+        if cfg.data.num_train * int(np.prod(image_shape)) <= _SYNTHETIC_IN_MEMORY_BYTES:
+            # Small enough to hold: a fixed set the model can fit, with a test split to evaluate.
+            dataset = synthetic_dataset(spec, num_train=cfg.data.num_train,
+                                        num_test=cfg.data.num_eval, seed=data_seed)
+        else:
+            synthetic = spec  # throughput runs: fresh images every step, never materialised
+        per_epoch = max(1, cfg.data.num_train // batch_size)
+    else:
+        path = cfg.data.path
+        if path is not None and not os.path.exists(path):
+            raise ConfigError(f"data.path: {path!r} does not exist", path="data.path")
+        dataset = load_dataset(cfg.data.source, path)
+        image_shape = dataset.image_shape
+        num_classes = dataset.num_classes
+        if cfg.model.num_classes is not None and cfg.model.num_classes < num_classes:
+            raise ConfigError(f"model.num_classes: {cfg.model.num_classes} is smaller than the "
+                              f"dataset's {num_classes} classes", path="model.num_classes")
+        num_classes = cfg.model.num_classes or num_classes
+        if len(dataset.x_train) < batch_size:
+            raise ConfigError(f"data.batch_size: {batch_size} is larger than the training set "
+                              f"({len(dataset.x_train)} images)", path="data.batch_size")
+        per_epoch = steps_per_epoch(len(dataset.x_train), batch_size)
+
+    model = models.get(cfg.model.name, num_classes=num_classes, **dict(cfg.model.options))
+    total = train_steps(cfg.train, per_epoch)
+    tx, schedule = build_optimizer(cfg.optim, total_steps=total, steps_per_epoch=per_epoch)
+    kind = cfg.precision.loss_scale
+    if kind == "auto":
+        kind = policy.default_loss_scale
+    hparams = {}
+    if kind in ("static", "dynamic"):
+        hparams["scale"] = cfg.precision.loss_scale_init
+    if kind == "dynamic":
+        hparams.update(growth_interval=cfg.precision.growth_interval,
+                       growth_factor=cfg.precision.growth_factor,
+                       backoff_factor=cfg.precision.backoff_factor,
+                       min_scale=cfg.precision.min_scale, max_scale=cfg.precision.max_scale)
+    loss_scale = P.make_loss_scale(kind, **hparams)
+    return Run(cfg, model, dataset, synthetic, (batch_size,) + tuple(image_shape), num_classes,
+               per_epoch, total, tx, schedule, policy, loss_scale, data_seed)
+
+
+def batch_fn(run: Run):
+    """``step -> batch`` (host numpy arrays) for the run's training data."""
+    cfg = run.cfg
+    if run.synthetic is not None:
+        return lambda step: synthetic_batch(run.synthetic, step, seed=run.data_seed,
+                                            batch_size=cfg.data.batch_size)
+    augment = {"crop_padding": cfg.data.augment.crop_padding, "flip": cfg.data.augment.flip}
+    return lambda step: train_batch(run.dataset, step, seed=run.data_seed,
+                                    batch_size=cfg.data.batch_size, augment=augment)
+
+
+def init_state(run: Run) -> TrainState:
+    """A fresh :class:`TrainState` from ``train.seed``."""
+    return create_train_state(run.model, run.tx, jax.random.PRNGKey(run.cfg.train.seed),
+                              run.input_shape, loss_scale=run.loss_scale, policy=run.policy)
+
+
+def abstract_state(run: Run):
+    """Shapes and dtypes of the :class:`TrainState`, without allocating it."""
+    return jax.eval_shape(lambda: init_state(run))
+
+
+def evaluate(run: Run, eval_step, params, model_state) -> dict:
+    """Loss, top-1 and top-5 over the whole test set (nothing dropped)."""
+    if run.dataset is None:
+        return {}
+    cfg = run.cfg
+    batch_size = cfg.data.eval_batch_size or cfg.data.batch_size
+    mean, std = (run.dataset.mean, run.dataset.std) if cfg.data.normalize else (None, None)
+    totals = None
+    for batch in eval_batches(run.dataset.x_test, run.dataset.y_test, batch_size, mean=mean, std=std):
+        sums = eval_step(params, model_state, batch)
+        totals = sums if totals is None else jax.tree_util.tree_map(jnp.add, totals, sums)
+    if totals is None:
+        return {}
+    totals = jax.device_get(totals)
+    count = max(float(totals["count"]), 1.0)
+    return {"loss": float(totals["loss_sum"]) / count, "top1": float(totals["top1_sum"]) / count,
+            "top5": float(totals["top5_sum"]) / count, "count": int(totals["count"])}
+
+
+def run_metadata(argv, config_path) -> dict:
+    """What ran, where: ``run_meta.json``."""
+    def version(name):
+        try:
+            from importlib.metadata import version as v
+            return v(name)
+        except Exception:  # not installed: record the absence
+            return None
+
+    commit = None
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
+                             cwd=os.path.dirname(os.path.abspath(__file__)))
+        commit = out.stdout.strip() or None if out.returncode == 0 else None
+    except (OSError, subprocess.SubprocessError):
+        commit = None
+    return {
+        "argv": list(argv or sys.argv), "config": config_path, "start_time": time.time(),
+        "host": platform.node(), "python": platform.python_version(),
+        "versions": {n: version(n) for n in ("jaxcnn", "jax", "jaxlib", "optax", "orbax-checkpoint",
+                                             "numpy")},
+        "backend": jax.default_backend(),
+        "devices": [str(d) for d in jax.devices()], "process_count": jax.process_count(),
+        "git_commit": commit,
+    }
+
+
+class _StopSignal:
+    """Turns SIGTERM/SIGINT into a flag read at the next step boundary."""
+
+    def __init__(self):
+        self.signum = None
+        self._old = {}
+
+    def __enter__(self):
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            try:
+                self._old[sig] = signal.signal(sig, self._handle)
+            except ValueError:  # not the main thread: leave signals alone
+                pass
+        return self
+
+    def _handle(self, signum, frame):
+        if self.signum is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt  # a second Ctrl-C means now
+        self.signum = signum
+
+    def __exit__(self, *exc):
+        for sig, handler in self._old.items():
+            signal.signal(sig, handler)
+
+
+def matmul_precision(cfg):
+    """``precision.matmul_precision`` as a context for tracing; "default" leaves JAX's setting."""
+    name = cfg.precision.matmul_precision
+    return P.matmul_precision_context(None if name == "default" else name)
+
+
+def _summarise(history: list[dict]) -> dict:
+    """Mean loss/top-1 over the interval; last value of the rest."""
+    out = {k: float(np.mean([h[k] for h in history])) for k in ("loss", "top1", "grad_norm")}
+    last = history[-1]
+    out.update(lr=float(last["lr"]), loss_scale=float(last["loss_scale"]),
+               skipped=int(last["skipped"]))
+    return out
+
+
+def train(cfg, workdir: str, *, argv=None, config_path=None, stream=None) -> dict:
+    """Run training as ``cfg`` says, writing everything under ``workdir``.
+
+    Returns the final evaluation metrics (and ``stopped_by`` when a signal
+    ended the run early).  Raises ``ConfigError``/``DataError``/
+    ``CheckpointError`` for bad input, before any compute where possible.
+    """
+    stream = stream or sys.stdout
+    run = build_run(cfg)
+    is_main = jax.process_index() == 0
+    os.makedirs(workdir, exist_ok=True)
+    if is_main:
+        with open(os.path.join(workdir, "config.resolved.yaml"), "w", encoding="utf-8") as f:
+            yaml.safe_dump(to_dict(cfg), f, sort_keys=False)
+        with open(os.path.join(workdir, "run_meta.json"), "w", encoding="utf-8") as f:
+            json.dump(run_metadata(argv, config_path), f, indent=2)
+
+    def say(text):
+        if is_main:
+            print(text, file=stream, flush=True)
+
+    say(f"[jaxcnn] model {cfg.model.name}  data {cfg.data.source} "
+        f"({'synthetic' if run.dataset is None else f'{len(run.dataset.x_train)} train / {len(run.dataset.x_test)} test'})"
+        f"  batch {cfg.data.batch_size}  steps {run.total_steps} ({run.steps_per_epoch}/epoch)")
+    say(f"[jaxcnn] policy {run.policy.to_string()}  loss scale {type(run.loss_scale).__name__}"
+        f"  optimiser {cfg.optim.name} lr {cfg.optim.lr:g} ({cfg.optim.schedule.name})"
+        f"  backend {jax.default_backend()} x{jax.device_count()}  workdir {workdir}")
+
+    manager = None
+    if cfg.checkpoint.enabled:
+        manager = CheckpointManager(os.path.join(workdir, "checkpoints"), keep=cfg.checkpoint.keep,
+                                    keep_best=cfg.checkpoint.keep_best, best_metric="eval/top1",
+                                    on_error=cfg.checkpoint.on_error)
+    state = None
+    if manager is not None:
+        restored = restore_for_resume(manager, abstract_state(run), cfg.checkpoint.resume)
+        if restored is not None:
+            step, state = restored
+            say(f"[jaxcnn] resumed from step {step}: {manager.directory}/{step}")
+    if state is None:
+        state = init_state(run)
+    start = int(state.step)
+
+    train_step = jax.jit(make_train_step(
+        run.model, run.tx, policy=run.policy, label_smoothing=cfg.optim.label_smoothing,
+        schedule=run.schedule, skip_nonfinite=cfg.train.nan_policy == "skip"), donate_argnums=0)
+    eval_step = jax.jit(make_eval_step(run.model, policy=run.policy))
+
+    def every(value):
+        return resolve_duration(value, run.steps_per_epoch) if value is not None else None
+
+    log_every = every(cfg.logging.log_every)
+    eval_every = every(cfg.train.eval_every)
+    ckpt_every = every(cfg.checkpoint.every)
+    metrics = MetricsWriter(workdir, tensorboard=cfg.logging.tensorboard, enabled=is_main)
+    progress = Progress(run.total_steps, start, mode=cfg.logging.progress, enabled=is_main,
+                        stream=stream)
+    make_batch = batch_fn(run)
+    prefetch = Prefetcher(make_batch, size=max(1, cfg.data.prefetch), start=start,
+                          stop=run.total_steps) if cfg.data.prefetch else None
+    batches = iter(prefetch) if prefetch is not None else map(make_batch, range(start, run.total_steps))
+
+    history, last_eval, stopped_by = [], {}, None
+    interval_start, interval_steps, compile_s = None, 0, None
+    images_per_step = cfg.data.batch_size
+
+    def save(step, eval_metrics=None):
+        if manager is None:
+            return
+        ok = manager.save(step, state, metrics={"eval/top1": eval_metrics["top1"]} if eval_metrics else None,
+                          config_dict=to_dict(cfg))
+        if not ok:
+            progress.message(f"[jaxcnn] warning: checkpoint at step {step} was not saved")
+
+    try:
+        with _StopSignal() as stop, matmul_precision(cfg):
+            for step in range(start, run.total_steps):
+                batch = next(batches)
+                if compile_s is None:
+                    t0 = time.perf_counter()
+                    state, m = train_step(state, batch)
+                    jax.block_until_ready(m)
+                    compile_s = time.perf_counter() - t0
+                    progress.message(f"[jaxcnn] first step (compilation included) took {compile_s:.1f} s")
+                    interval_start, interval_steps = time.perf_counter(), 0
+                else:
+                    state, m = train_step(state, batch)
+                    interval_steps += 1
+                history.append(m)
+                done = step + 1
+                if done % log_every == 0 or done == run.total_steps:
+                    history = jax.device_get(history)
+                    bad = [i for i, h in enumerate(history) if not math.isfinite(float(h["loss"]))]
+                    if bad and cfg.train.nan_policy == "stop":
+                        first = done - len(history) + bad[0] + 1
+                        last_ckpt = manager.latest_step() if manager is not None else None
+                        raise TrainingStopped(
+                            f"non-finite loss at step {first}; train.nan_policy is 'stop'; last good "
+                            f"checkpoint: {'none' if last_ckpt is None else os.path.join(manager.directory, str(last_ckpt))}")
+                    now = time.perf_counter()
+                    elapsed = now - interval_start
+                    step_time = elapsed / interval_steps if interval_steps else float("nan")
+                    img_s = images_per_step / step_time if interval_steps else float("nan")
+                    values = _summarise(history)
+                    values.update(epoch=done / run.steps_per_epoch, img_per_s=img_s,
+                                  step_time_ms=step_time * 1000)
+                    eta = (run.total_steps - done) * (step_time if interval_steps else 0.0)
+                    metrics.write(done, "train", values)
+                    progress.update(done, done / run.steps_per_epoch, values, img_per_s=img_s,
+                                    step_time=step_time, eta_s=eta)
+                    history, interval_start, interval_steps = [], time.perf_counter(), 0
+                evaluated = False
+                if eval_every and done % eval_every == 0 and done != run.total_steps:
+                    last_eval = evaluate(run, eval_step, state.params, state.state)
+                    if last_eval:
+                        metrics.write(done, "eval", last_eval)
+                        progress.message(f"[jaxcnn] eval at step {done}: loss {last_eval['loss']:.4f}  "
+                                         f"top-1 {last_eval['top1']:.4f}  top-5 {last_eval['top5']:.4f}")
+                    evaluated = True
+                if ckpt_every and done % ckpt_every == 0 and done != run.total_steps:
+                    save(done, last_eval if evaluated else None)
+                if stop.signum is not None and done != run.total_steps:
+                    stopped_by = signal.Signals(stop.signum).name
+                    save(done)
+                    progress.message(f"[jaxcnn] {stopped_by} received: checkpoint saved at step {done}, "
+                                     "stopping")
+                    break
+                if evaluated or (ckpt_every and done % ckpt_every == 0):
+                    interval_start = time.perf_counter()  # eval/save time is not step time
+    finally:
+        if prefetch is not None:
+            prefetch.close()
+        progress.close()
+
+    result = {"step": int(state.step)}
+    if stopped_by is None:
+        with matmul_precision(cfg):
+            final = evaluate(run, eval_step, state.params, state.state)
+        if final:
+            metrics.write(int(state.step), "eval", final)
+        save(int(state.step), final or None)
+        if is_main:
+            fmt = cfg.checkpoint.format
+            path = os.path.join(workdir, f"params.{fmt}")
+            params_host = jax.device_get((state.params, state.state))
+            (interop.save_npz if fmt == "npz" else interop.save_safetensors)(path, *params_host)
+        result.update(final)
+        if final:
+            say(f"[jaxcnn] final eval at step {int(state.step)}: loss {final['loss']:.4f}  "
+                f"top-1 {final['top1']:.4f}  top-5 {final['top5']:.4f}  ({final['count']} images)")
+    else:
+        result["stopped_by"] = stopped_by
+    if manager is not None:
+        manager.wait()
+        manager.close()
+    metrics.close()
+    return result

@@ -1,0 +1,134 @@
+"""What the user sees: metrics.jsonl, TensorBoard events and progress output."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from typing import Mapping
+
+
+def _plain(value):
+    """A JSON-friendly Python scalar from a numpy/jax scalar."""
+    if hasattr(value, "item"):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)  # JSON has no NaN/Inf; keep them readable
+    return value
+
+
+class MetricsWriter:
+    """Appends one JSON object per record to ``metrics.jsonl`` (and TensorBoard
+    events when ``tensorboardX`` is installed and asked for).
+
+    Only the process that should write (process 0) creates one with
+    ``enabled=True``; the others get a writer that does nothing.
+    """
+
+    def __init__(self, workdir: str, *, tensorboard: bool = False, enabled: bool = True):
+        self.enabled = enabled
+        self._tb = None
+        self._file = None
+        if not enabled:
+            return
+        self._file = open(os.path.join(workdir, "metrics.jsonl"), "a", encoding="utf-8")
+        if tensorboard:
+            try:
+                from tensorboardX import SummaryWriter
+            except ImportError:
+                print("[jaxcnn] logging.tensorboard is on but tensorboardX is not installed; "
+                      "writing metrics.jsonl only", file=sys.stderr)
+            else:
+                self._tb = SummaryWriter(os.path.join(workdir, "tb"))
+
+    def write(self, step: int, kind: str, values: Mapping):
+        if not self.enabled:
+            return
+        record = {"step": int(step), "kind": kind, "time": round(time.time(), 3)}
+        record.update({k: _plain(v) for k, v in values.items()})
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        if self._tb is not None:
+            for k, v in values.items():
+                v = _plain(v)
+                if isinstance(v, (int, float)):
+                    self._tb.add_scalar(f"{kind}/{k}", v, int(step))
+
+    def close(self):
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+
+
+def read_metrics(path: str) -> list[dict]:
+    """The records of a ``metrics.jsonl`` file (or of a run directory)."""
+    if os.path.isdir(path):
+        path = os.path.join(path, "metrics.jsonl")
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def format_eta(seconds: float) -> str:
+    seconds = max(0, int(seconds))
+    h, rem = divmod(seconds, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h:d}:{m:02d}:{s:02d}" if h else f"{m:d}:{s:02d}"
+
+
+class Progress:
+    """A progress bar on a terminal (tqdm), one line per log interval otherwise.
+
+    Arguments:
+        total_steps: the run's last step.
+        start_step: the step training starts (or resumes) from.
+        mode: ``"auto"`` (bar on a TTY with tqdm installed, else lines),
+            ``"bar"``, ``"lines"`` or ``"none"``.
+        enabled: False on processes other than 0.
+    """
+
+    def __init__(self, total_steps: int, start_step: int = 0, *, mode: str = "auto",
+                 enabled: bool = True, stream=None):
+        self.total = total_steps
+        self.stream = stream or sys.stdout
+        self.mode = mode if enabled else "none"
+        self._bar = None
+        if self.mode in ("auto", "bar"):
+            try:
+                from tqdm import tqdm
+            except ImportError:
+                tqdm = None
+            tty = hasattr(self.stream, "isatty") and self.stream.isatty()
+            if tqdm is not None and (self.mode == "bar" or tty):
+                self._bar = tqdm(total=total_steps, initial=start_step, file=self.stream,
+                                 unit="step", dynamic_ncols=True)
+            self.mode = "bar" if self._bar is not None else "lines"
+
+    def update(self, step: int, epoch: float, values: Mapping, *, img_per_s: float,
+               step_time: float, eta_s: float):
+        if self.mode == "bar":
+            self._bar.n = step
+            self._bar.set_postfix(loss=f"{values['loss']:.4f}", acc=f"{values['top1']:.3f}",
+                                  img_s=f"{img_per_s:,.0f}", refresh=False)
+            self._bar.refresh()
+        elif self.mode == "lines":
+            print(f"step {step}/{self.total}  epoch {epoch:.2f}  loss {values['loss']:.4f}  "
+                  f"acc {values['top1']:.4f}  lr {values['lr']:.3g}  img/s {img_per_s:,.0f}  "
+                  f"step {step_time * 1000:.1f} ms  eta {format_eta(eta_s)}",
+                  file=self.stream, flush=True)
+
+    def message(self, text: str):
+        if self.mode == "none":
+            return
+        if self._bar is not None:
+            self._bar.write(text, file=self.stream)
+        else:
+            print(text, file=self.stream, flush=True)
+
+    def close(self):
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None

@@ -1,0 +1,60 @@
+"""The training state: the one pytree a step consumes and a checkpoint stores."""
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+
+class TrainState(NamedTuple):
+    """Everything that changes during training, as a pytree of arrays.
+
+    Arguments:
+        step: int32 scalar, the number of optimiser steps taken.
+        params: the model's trainable parameters (nested dicts).
+        state: the model's non-trained variables (BatchNorm statistics).
+        opt_state: the optax optimiser state.
+        loss_scale: the loss-scale state (see ``jaxcnn.precision``).
+        rng: uint32 key data; the key for step ``s`` is ``fold_in(rng, s)``,
+            so a resumed run draws the same dropout masks as an uninterrupted one.
+        skipped: int32 scalar, steps skipped for non-finite gradients.
+    """
+
+    step: Any
+    params: Any
+    state: Any
+    opt_state: Any
+    loss_scale: Any
+    rng: Any
+    skipped: Any
+
+
+def create_train_state(model, tx, key, input_shape, *, loss_scale, policy=None) -> TrainState:
+    """Initialise a model and its optimiser.
+
+    Arguments:
+        model: a ``jaxcnn.layers.Layer``.
+        tx: an ``optax.GradientTransformation``.
+        key: a PRNG key (typed or raw); split into init and dropout keys.
+        input_shape: the model's input shape ``(N, H, W, C)``.
+        loss_scale: the initial loss-scale state.
+        policy: optional ``Policy``; parameters are stored in its ``param_dtype``.
+    """
+    init_key, dropout_key = jax.random.split(key)
+    params, state, _ = model.init(init_key, input_shape)
+    if policy is not None:
+        params = policy.cast_to_param(params)
+    return TrainState(
+        step=jnp.zeros((), jnp.int32),
+        params=params,
+        state=state,
+        opt_state=tx.init(params),
+        loss_scale=loss_scale,
+        rng=jax.random.key_data(dropout_key) if _is_typed_key(dropout_key) else dropout_key,
+        skipped=jnp.zeros((), jnp.int32),
+    )
+
+
+def _is_typed_key(key) -> bool:
+    return jnp.issubdtype(key.dtype, jax.dtypes.prng_key)

@@ -1,0 +1,112 @@
+"""Pure train and eval steps.
+
+``train_step(state, batch) -> (state, metrics)`` is a pure function of a
+:class:`TrainState` and a batch ``{"image": (N, H, W, C), "label": (N,)}``;
+the ``parallel`` package wraps it for many devices, the loop only calls it.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from jaxcnn import functional as F
+from jaxcnn import precision as P
+from jaxcnn.train.state import TrainState
+
+
+def _loss_policy(policy):
+    return None if policy is None else policy.for_layer("loss")
+
+
+def make_train_step(model, tx: optax.GradientTransformation, *, policy=None,
+                    label_smoothing: float = 0.0, schedule: Callable | None = None,
+                    skip_nonfinite: bool = False, axis_name: str | None = None):
+    """Build ``train_step(state, batch) -> (state, metrics)``.
+
+    Arguments:
+        model: the ``Layer`` to train.
+        tx: the optax optimiser.
+        policy: mixed-precision ``Policy`` or None (compute in the parameters' dtype).
+        label_smoothing: passed to the cross-entropy loss.
+        schedule: learning-rate schedule, only used to report ``lr``.
+        skip_nonfinite: leave params, optimiser and model state unchanged on a
+            step whose gradients are not finite (always done under dynamic loss
+            scaling).
+        axis_name: when the step runs under ``shard_map``/``pmap`` over a data
+            axis, gradients, metrics and BatchNorm statistics are averaged over it.
+
+    Metrics: ``loss`` (unscaled, float32), ``top1`` (batch accuracy),
+    ``grad_norm``, ``lr``, ``loss_scale``, ``finite`` (1.0 when the step was
+    applied) and ``skipped`` (steps skipped so far).
+    """
+    loss_policy = _loss_policy(policy)
+
+    def loss_fn(params, model_state, batch, rng, loss_scale):
+        logits, new_model_state = model.apply(
+            params, model_state, batch["image"], train=True, rng=rng, policy=policy)
+        logits = P.cast_for(loss_policy, "loss", logits)
+        loss = F.cross_entropy(logits, batch["label"], label_smoothing=label_smoothing)
+        return loss_scale.scale(loss), (loss, logits, new_model_state)
+
+    def train_step(state: TrainState, batch):
+        rng = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
+        grads, (loss, logits, new_model_state) = jax.grad(loss_fn, has_aux=True)(
+            state.params, state.state, batch, rng, state.loss_scale)
+        grads = state.loss_scale.unscale(grads)
+        top1 = F.top_k_accuracy(logits, batch["label"], k=1)
+        if axis_name is not None:
+            grads, loss, top1 = jax.lax.pmean((grads, loss, top1), axis_name)
+        finite = P.all_finite(grads)
+        updates, new_opt_state = tx.update(grads, state.opt_state, state.params)
+        new_params = optax.apply_updates(state.params, updates)
+        new_loss_scale = state.loss_scale.adjust(finite)
+        if skip_nonfinite or isinstance(state.loss_scale, P.DynamicLossScale):
+            new_params, new_opt_state, new_model_state = P.select_tree(
+                finite, (new_params, new_opt_state, new_model_state),
+                (state.params, state.opt_state, state.state))
+        skipped = state.skipped + jnp.where(finite, 0, 1).astype(jnp.int32)
+        new_state = TrainState(state.step + 1, new_params, new_model_state, new_opt_state,
+                               new_loss_scale, state.rng, skipped)
+        metrics = {
+            "loss": loss.astype(jnp.float32),
+            "top1": top1.astype(jnp.float32),
+            "grad_norm": optax.tree.norm(grads).astype(jnp.float32),
+            "lr": jnp.asarray(schedule(state.step) if schedule is not None else 0.0, jnp.float32),
+            "loss_scale": jnp.asarray(P.current_scale(state.loss_scale), jnp.float32),
+            "finite": finite.astype(jnp.float32),
+            "skipped": skipped,
+        }
+        return new_state, metrics
+
+    return train_step
+
+
+def make_eval_step(model, *, policy=None):
+    """Build ``eval_step(params, state, batch) -> sums``.
+
+    ``batch`` may carry a boolean ``"mask"`` (padding of the last batch); the
+    result holds sums over real examples only: ``loss_sum``, ``top1_sum``,
+    ``top5_sum`` and ``count``, so any number of batches add up exactly.
+    """
+    loss_policy = _loss_policy(policy)
+
+    def eval_step(params, model_state, batch):
+        logits, _ = model.apply(params, model_state, batch["image"], train=False, policy=policy)
+        logits = P.cast_for(loss_policy, "loss", logits).astype(jnp.float32)
+        labels = batch["label"]
+        mask = batch.get("mask")
+        if mask is None:
+            mask = jnp.ones(labels.shape, bool)
+        loss = F.cross_entropy(logits, labels, reduction="none")
+        k5 = min(5, logits.shape[-1])
+        return {
+            "loss_sum": jnp.sum(jnp.where(mask, loss, 0.0)),
+            "top1_sum": jnp.sum(mask & F.top_k_correct(logits, labels, k=1)).astype(jnp.float32),
+            "top5_sum": jnp.sum(mask & F.top_k_correct(logits, labels, k=k5)).astype(jnp.float32),
+            "count": jnp.sum(mask).astype(jnp.float32),
+        }
+
+    return eval_step

@@ -1,0 +1,8 @@
+#!/usr/bin/env python3
+"""Same as ``jaxcnn-train``: ``python scripts/train.py configs/mnist_cnn.yaml [key=value ...]``."""
+import sys
+
+from jaxcnn.train.cli import train_main
+
+if __name__ == "__main__":
+    sys.exit(train_main())

@@ -1,0 +1,13 @@
+"""Test setup shared by the whole suite.
+
+Eight host CPU devices are requested before JAX is imported anywhere, so the
+multi-device tests can build meshes on a CPU-only machine.
+"""
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+
+jax.config.update("jax_default_matmul_precision", "highest")

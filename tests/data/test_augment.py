@@ -1,0 +1,90 @@
+"""Random crop and flip: against a per-image reference, determinism, settings parsing."""
+import numpy as np
+import pytest
+
+from jaxcnn.data import Augment, Dataset, as_augment, augment_draws, batch_indices, crop_and_flip, train_batch
+
+
+def _reference(image, oy, ox, flip, pad):
+    # Shift by (pad - oy, pad - ox) with zero fill, then mirror: written pixel by pixel.
+    h, w, _ = image.shape
+    out = np.zeros_like(image)
+    for i in range(h):
+        for j in range(w):
+            jj = w - 1 - j if flip else j
+            si, sj = i + oy - pad, jj + ox - pad
+            if 0 <= si < h and 0 <= sj < w:
+                out[i, j] = image[si, sj]
+    return out
+
+
+@pytest.mark.parametrize("dtype", [np.uint8, np.float32])
+def test_crop_and_flip_matches_reference(rng, dtype):
+    images = rng.integers(1, 256, (12, 7, 6, 2)).astype(dtype)
+    offsets = rng.integers(0, 7, (12, 2))
+    flips = rng.random(12) < 0.5
+    got = crop_and_flip(images, offsets, flips, 3)
+    assert got.dtype == dtype and got.shape == images.shape
+    for b in range(12):
+        np.testing.assert_array_equal(got[b], _reference(images[b], *offsets[b], flips[b], 3))
+
+
+def test_flip_alone_reverses_width(rng):
+    images = rng.integers(0, 256, (3, 4, 5, 1), dtype=np.uint8)
+    got = crop_and_flip(images, np.zeros((3, 2), int), np.array([True, False, True]), 0)
+    np.testing.assert_array_equal(got[0], images[0, :, ::-1])
+    np.testing.assert_array_equal(got[1], images[1])
+    np.testing.assert_array_equal(got[2], images[2, :, ::-1])
+
+
+def test_extreme_offsets_shift_in_zero_rows_and_columns():
+    image = np.arange(1, 17, dtype=np.uint8).reshape(1, 4, 4, 1)
+    top_left = crop_and_flip(image, np.array([[0, 0]]), np.array([False]), 2)[0, ..., 0]
+    np.testing.assert_array_equal(top_left[:2], 0)
+    np.testing.assert_array_equal(top_left[:, :2], 0)
+    np.testing.assert_array_equal(top_left[2:, 2:], image[0, :2, :2, 0])
+    bottom_right = crop_and_flip(image, np.array([[4, 4]]), np.array([False]), 2)[0, ..., 0]
+    np.testing.assert_array_equal(bottom_right[:2, :2], image[0, 2:, 2:, 0])
+    assert not bottom_right[2:].any() and not bottom_right[:, 2:].any()
+
+
+def test_draws_are_deterministic_and_cover_the_range():
+    augment = Augment(crop_padding=4, flip=True)
+    offsets, flips = augment_draws(5, 11, 4096, augment)
+    again = augment_draws(5, 11, 4096, augment)
+    np.testing.assert_array_equal(offsets, again[0])
+    np.testing.assert_array_equal(flips, again[1])
+    assert offsets.min() == 0 and offsets.max() == 8
+    assert 0.45 < flips.mean() < 0.55
+    assert not np.array_equal(offsets, augment_draws(5, 12, 4096, augment)[0])
+    assert not augment_draws(5, 11, 64, Augment(crop_padding=4, flip=False))[1].any()
+
+
+def test_train_batch_augmentation_is_reproducible_and_correct(rng):
+    x = rng.integers(1, 256, (20, 8, 8, 3), dtype=np.uint8)
+    dataset = Dataset(x, np.zeros(20, np.int32), x[:2], np.zeros(2, np.int32), 10, "toy").with_stats()
+    augment = Augment(crop_padding=4, flip=True)
+    batch = train_batch(dataset, 3, seed=9, batch_size=8, augment=augment)
+    again = train_batch(dataset, 3, seed=9, batch_size=8, augment=augment)
+    np.testing.assert_array_equal(batch["image"], again["image"])
+    indices = batch_indices(20, 8, 9, 3)
+    offsets, flips = augment_draws(9, 3, 8, augment)
+    for b in range(8):
+        raw = _reference(x[indices[b]], *offsets[b], flips[b], 4)
+        expected = (raw / 255 - dataset.mean) / dataset.std
+        np.testing.assert_allclose(batch["image"][b], expected, rtol=1e-5, atol=1e-5)
+    plain = train_batch(dataset, 3, seed=9, batch_size=8, augment=False)
+    assert not np.array_equal(plain["image"], batch["image"])
+
+
+def test_as_augment():
+    assert as_augment(None) == Augment() and not as_augment(False).active
+    assert as_augment({"crop_padding": 4, "flip": True}) == Augment(4, True)
+    with pytest.raises(ValueError, match=r"unknown keys \['pad'\]"):
+        as_augment({"pad": 4})
+    with pytest.raises(ValueError, match="crop_padding must be a non-negative int"):
+        as_augment(Augment(crop_padding=-1))
+    with pytest.raises(ValueError, match="flip must be a bool"):
+        as_augment({"flip": "yes"})
+    with pytest.raises(ValueError, match="expected None, False, Augment or a mapping"):
+        as_augment(True)

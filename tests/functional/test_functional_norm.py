@@ -1,0 +1,188 @@
+"""Normalisation ops against numpy float64 references and PyTorch, incl. synced batch stats."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+from jax.test_util import check_grads
+
+from jaxcnn import functional as F
+
+RTOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}   # relative to max(|expected|, 1)
+GRAD_RTOL = 1e-5
+NUMERIC_GRAD_TOL = 2e-2
+
+
+def assert_close(actual, expected, rtol):
+    actual = np.asarray(actual, np.float64)
+    expected = np.asarray(expected, np.float64)
+    assert actual.shape == expected.shape, (actual.shape, expected.shape)
+    scale = max(np.max(np.abs(expected), initial=0.0), 1.0)
+    err = np.max(np.abs(actual - expected), initial=0.0)
+    assert err <= rtol * scale, f"max abs error {err} > {rtol} * {scale}"
+
+
+def normalise_ref(x, axes, eps):
+    x = np.asarray(x, np.float64)
+    mean = x.mean(axis=axes, keepdims=True)
+    var = ((x - mean) ** 2).mean(axis=axes, keepdims=True)
+    return (x - mean) / np.sqrt(var + eps), mean, var
+
+
+def data(seed, shape, offset=3.0):
+    # A non-zero mean makes variance bugs (E[x^2] cancellation, missing centring) visible.
+    return (np.random.default_rng(seed).standard_normal(shape) * 2 + offset).astype(np.float32)
+
+
+def test_batch_norm_inference_form():
+    x, mean, var = data(0, (2, 3, 3, 4)), data(1, (4,)), np.abs(data(2, (4,)))
+    scale, bias = data(3, (4,)), data(4, (4,))
+    y = F.batch_norm(x, mean, var, scale, bias, eps=1e-3)
+    expected = (x.astype(np.float64) - mean) / np.sqrt(var.astype(np.float64) + 1e-3) * scale + bias
+    assert_close(y, expected, RTOL[jnp.float32])
+    assert_close(F.batch_norm(x, mean, var), (x - mean.astype(np.float64)) / np.sqrt(var + 1e-5),
+                 RTOL[jnp.float32])
+
+
+def test_batch_norm_train_statistics_and_output():
+    x, scale, bias = data(5, (4, 5, 3, 6)), data(6, (6,)), data(7, (6,))
+    y, mean, var = F.batch_norm_train(x, scale, bias, eps=1e-5)
+    z, m, v = normalise_ref(x, (0, 1, 2), 1e-5)
+    assert mean.dtype == var.dtype == jnp.float32
+    assert_close(mean, m.ravel(), RTOL[jnp.float32])
+    assert_close(var, v.ravel(), RTOL[jnp.float32])           # biased variance
+    assert_close(y, z * scale + bias, RTOL[jnp.float32])
+
+
+def test_batch_norm_train_bf16_output_dtype_and_float32_stats():
+    x = data(8, (8, 4, 4, 3))
+    y, mean, var = F.batch_norm_train(jnp.asarray(x, jnp.bfloat16))
+    assert y.dtype == jnp.bfloat16 and mean.dtype == jnp.float32
+    xb = np.asarray(jnp.asarray(x, jnp.bfloat16), np.float32)
+    z, m, _ = normalise_ref(xb, (0, 1, 2), 1e-5)
+    assert_close(mean, m.ravel(), RTOL[jnp.float32])
+    assert_close(y, z, RTOL[jnp.bfloat16])
+
+
+def test_batch_norm_train_synced_under_vmap_equals_whole_batch():
+    x = data(9, (4, 3, 5, 5, 2))           # 4 "devices" x 3 images each
+    per_device = jax.vmap(lambda xi: F.batch_norm_train(xi, axis_name="batch"), axis_name="batch")
+    y, mean, var = per_device(jnp.asarray(x))
+    z, m, v = normalise_ref(x.reshape(12, 5, 5, 2), (0, 1, 2), 1e-5)
+    for d in range(4):
+        assert_close(mean[d], m.ravel(), RTOL[jnp.float32])
+        assert_close(var[d], v.ravel(), RTOL[jnp.float32])
+    assert_close(y.reshape(12, 5, 5, 2), z, RTOL[jnp.float32])
+    # Without the axis name each device would normalise with its own statistics.
+    _, local_mean, _ = jax.vmap(F.batch_norm_train)(jnp.asarray(x))
+    assert np.max(np.abs(np.asarray(local_mean) - m.ravel())) > 1e-2
+
+
+def test_batch_norm_train_synced_under_shard_map_with_gradients():
+    devices = jax.devices()[:4]
+    assert len(devices) == 4, "conftest asks for 8 host devices"
+    mesh = jax.sharding.Mesh(np.array(devices), ("data",))
+    x, scale = jnp.asarray(data(10, (8, 3, 3, 5))), jnp.asarray(data(11, (5,)))
+    g = jnp.asarray(data(12, (8, 3, 3, 5), offset=0.0))
+
+    def sharded(x, scale):
+        return jax.shard_map(
+            lambda x, s: F.batch_norm_train(x, s, axis_name="data"), mesh=mesh,
+            in_specs=(P("data"), P()), out_specs=(P("data"), P(), P()))(x, scale)
+
+    def whole(x, scale):
+        return F.batch_norm_train(x, scale)
+
+    (y, mean, var), vjp_s = jax.vjp(sharded, x, scale)
+    (y_ref, mean_ref, var_ref), vjp_w = jax.vjp(whole, x, scale)
+    assert_close(y, y_ref, RTOL[jnp.float32])
+    assert_close(mean, mean_ref, RTOL[jnp.float32])
+    assert_close(var, var_ref, RTOL[jnp.float32])
+    zeros = jnp.zeros((5,))
+    for a, b in zip(vjp_s((g, zeros, zeros)), vjp_w((g, zeros, zeros))):
+        assert_close(a, b, 1e-4)
+
+
+def test_layer_norm_axes_and_affine():
+    x = data(13, (2, 4, 3, 5))
+    scale, bias = data(14, (5,)), data(15, (5,))
+    z, _, _ = normalise_ref(x, (3,), 1e-5)
+    assert_close(F.layer_norm(x, scale, bias), z * scale + bias, RTOL[jnp.float32])
+    s3, b3 = data(16, (4, 3, 5)), data(17, (4, 3, 5))
+    z, _, _ = normalise_ref(x, (1, 2, 3), 1e-6)
+    assert_close(F.layer_norm(x, s3, b3, axes=(1, 2, -1), eps=1e-6), z * s3 + b3, RTOL[jnp.float32])
+    # Non-trailing axes: the parameters broadcast over the others.
+    s1 = data(18, (4, 3))
+    z, _, _ = normalise_ref(x, (1, 2), 1e-5)
+    assert_close(F.layer_norm(x, s1, axes=(2, 1)), z * s1[None, :, :, None], RTOL[jnp.float32])
+
+
+def test_group_norm_matches_reference():
+    x = data(19, (2, 3, 4, 6))
+    scale, bias = data(20, (6,)), data(21, (6,))
+    # Channel c is in group c // (C / G): reshape the channel axis as (G, C / G).
+    xg = x.reshape(2, 3, 4, 3, 2)
+    z, _, _ = normalise_ref(xg, (1, 2, 4), 1e-5)
+    assert_close(F.group_norm(x, 3, scale, bias), z.reshape(x.shape) * scale + bias, RTOL[jnp.float32])
+    # One group = layer norm over (H, W, C); C groups = instance norm.
+    z, _, _ = normalise_ref(x, (1, 2, 3), 1e-5)
+    assert_close(F.group_norm(x, 1), z, RTOL[jnp.float32])
+    z, _, _ = normalise_ref(x, (1, 2), 1e-5)
+    assert_close(F.group_norm(x, 6), z, RTOL[jnp.float32])
+
+
+def test_norm_gradients_numerically():
+    x, s, b = (jnp.asarray(data(22, (3, 2, 2, 4))), jnp.asarray(data(23, (4,))),
+               jnp.asarray(data(24, (4,))))
+    tol = dict(order=1, modes=("rev",), atol=NUMERIC_GRAD_TOL, rtol=NUMERIC_GRAD_TOL, eps=1e-2)
+    check_grads(lambda x, s, b: F.batch_norm_train(x, s, b)[0], (x, s, b), **tol)
+    check_grads(lambda x, s, b: F.layer_norm(x, s, b), (x, s, b), **tol)
+    check_grads(lambda x, s, b: F.group_norm(x, 2, s, b), (x, s, b), **tol)
+
+
+ERRORS = [
+    (lambda: F.batch_norm(np.zeros((2, 3)), np.zeros(4), np.zeros(3)), r"batch_norm: mean must have shape \(3,\).*\(2, 3\).*\(4,\)"),
+    (lambda: F.batch_norm_train(np.zeros((2, 3)), np.zeros(2)), r"batch_norm_train: scale must have shape \(3,\)"),
+    (lambda: F.batch_norm_train(np.zeros(3)), r"batch_norm_train: x must have rank >= 2"),
+    (lambda: F.layer_norm(np.zeros((2, 3)), np.zeros(2)), r"layer_norm: scale must have shape \(3,\)"),
+    (lambda: F.layer_norm(np.zeros((2, 3)), axes=2), r"layer_norm: axes \(2,\) out of range for x shape \(2, 3\)"),
+    (lambda: F.group_norm(np.zeros((2, 4, 4, 6)), 4), r"group_norm: num_groups=4 must be a positive int dividing the 6 channels"),
+    (lambda: F.group_norm(np.zeros((2, 4, 4, 6)), 3, np.zeros(3)), r"group_norm: scale must have shape \(6,\)"),
+]
+
+
+@pytest.mark.parametrize("call,match", ERRORS)
+def test_bad_arguments_raise(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+@pytest.mark.torch
+def test_norms_match_torch_with_gradients():
+    torch = pytest.importorskip("torch")
+    tf = torch.nn.functional
+    x, s, b = data(25, (4, 5, 3, 6)), data(26, (6,)), data(27, (6,))
+    g = data(28, x.shape, offset=0.0)
+    to_nchw = lambda a: torch.tensor(a.transpose(0, 3, 1, 2), requires_grad=True)
+    cases = {
+        "batch_norm_train": (lambda x, s, b: F.batch_norm_train(x, s, b, eps=1e-3)[0],
+                             lambda xt, st, bt: tf.batch_norm(xt, None, None, st, bt, training=True, eps=1e-3)),
+        "group_norm": (lambda x, s, b: F.group_norm(x, 3, s, b),
+                       lambda xt, st, bt: tf.group_norm(xt, 3, st, bt)),
+    }
+    for name, (ours, theirs) in cases.items():
+        y, vjp = jax.vjp(ours, x, s, b)
+        grads = vjp(jnp.asarray(g))
+        xt, st, bt = to_nchw(x), torch.tensor(s, requires_grad=True), torch.tensor(b, requires_grad=True)
+        yt = theirs(xt, st, bt)
+        yt.backward(torch.tensor(g.transpose(0, 3, 1, 2)))
+        assert_close(y, yt.detach().numpy().transpose(0, 2, 3, 1), RTOL[jnp.float32])
+        assert_close(grads[0], xt.grad.numpy().transpose(0, 2, 3, 1), 1e-4)
+        assert_close(grads[1], st.grad.numpy(), 1e-4)
+        assert_close(grads[2], bt.grad.numpy(), GRAD_RTOL)
+    # LayerNorm over (H, W, C) = torch's normalized_shape=(C, H, W) in NCHW.
+    s3, b3 = data(29, (5, 3, 6)), data(30, (5, 3, 6))
+    y = F.layer_norm(x, s3, b3, axes=(1, 2, 3))
+    yt = tf.layer_norm(torch.tensor(x.transpose(0, 3, 1, 2)), (6, 5, 3),
+                       torch.tensor(s3.transpose(2, 0, 1)), torch.tensor(b3.transpose(2, 0, 1)))
+    assert_close(y, yt.numpy().transpose(0, 2, 3, 1), RTOL[jnp.float32])

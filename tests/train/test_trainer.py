@@ -1,0 +1,232 @@
+"""End-to-end tests of the trainer: tiny real runs of the CLI on every data source."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import yaml
+
+from jaxcnn.interop import load_npz
+from jaxcnn.train.cli import eval_main, train_main
+from jaxcnn.train.metrics import read_metrics
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+CONFIGS = os.path.join(ROOT, "configs")
+
+# A small, fast run on the packaged MNIST digits: lenet5 at batch 32.
+FAST = ["model.name=lenet5", "data.batch_size=32", "data.eval_batch_size=500", "data.prefetch=1",
+        "logging.log_every=1", "logging.progress=lines", "optim.name=adam", "optim.lr=0.002",
+        "optim.schedule.name=constant", "train.eval_every=null"]
+
+
+def _write_cifar(directory, rng, n_train=640, n_test=32):
+    """CIFAR-10 binary files (label byte + 3x32x32 CHW bytes per record) whose images carry
+    their label as a brightness level, so a model can learn them."""
+    os.makedirs(directory, exist_ok=True)
+
+    def records(count):
+        labels = rng.integers(0, 10, count).astype(np.uint8)
+        pixels = rng.integers(0, 40, (count, 3, 32, 32)) + labels[:, None, None, None] * 20
+        rows = np.concatenate([labels[:, None], pixels.reshape(count, -1).astype(np.uint8)], axis=1)
+        return rows.tobytes()
+
+    for i in range(1, 6):
+        with open(os.path.join(directory, f"data_batch_{i}.bin"), "wb") as f:
+            f.write(records(n_train // 5))
+    with open(os.path.join(directory, "test_batch.bin"), "wb") as f:
+        f.write(records(n_test))
+    return directory
+
+
+def _losses(workdir):
+    return [r["loss"] for r in read_metrics(workdir) if r["kind"] == "train"]
+
+
+def test_same_seed_same_losses_and_loss_falls(tmp_path, capsys):
+    args = [os.path.join(CONFIGS, "mnist_cnn.yaml"), *FAST, "train.steps=24",
+            "checkpoint.enabled=false"]
+    assert train_main(args + ["--workdir", str(tmp_path / "a")]) == 0
+    assert train_main(args + ["--workdir", str(tmp_path / "b")]) == 0
+    a, b = _losses(tmp_path / "a"), _losses(tmp_path / "b")
+    assert len(a) == 24 and a == b
+    assert np.mean(a[-4:]) < 0.75 * np.mean(a[:4])
+    out = capsys.readouterr().out
+    assert "final eval at step 24" in out and "img/s" in out
+    for name in ("config.resolved.yaml", "run_meta.json", "metrics.jsonl", "params.npz"):
+        assert (tmp_path / "a" / name).is_file()
+    meta = json.loads((tmp_path / "a" / "run_meta.json").read_text())
+    assert meta["versions"]["jax"] and meta["devices"]
+    final = [r for r in read_metrics(tmp_path / "a") if r["kind"] == "eval"][-1]
+    assert final["count"] == 2000 and final["top1"] > 0.5
+
+
+def test_sigterm_then_resume_is_bitwise_equal_to_uninterrupted(tmp_path):
+    common = [os.path.join(CONFIGS, "mnist_cnn.yaml"), *FAST, "train.steps=14",
+              "checkpoint.every=2", "checkpoint.keep=2"]
+    # Uninterrupted reference, in process.
+    assert train_main(common + ["--workdir", str(tmp_path / "ref")]) == 0
+
+    # The same run in a subprocess, stopped by SIGTERM once a checkpoint exists.
+    work = tmp_path / "run"
+    cmd = [sys.executable, "-m", "jaxcnn.train.cli", *common, "--workdir", str(work)]
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 240
+    while time.time() < deadline and proc.poll() is None:
+        if (work / "checkpoints" / "4").is_dir():
+            proc.send_signal(signal.SIGTERM)
+            break
+        time.sleep(0.05)
+    out, _ = proc.communicate(timeout=240)
+    assert proc.returncode == 128 + signal.SIGTERM, out
+    assert "SIGTERM received: checkpoint saved" in out
+    assert not (work / "params.npz").exists()
+
+    # Resume (checkpoint.resume=must) and finish in process.
+    assert train_main(common + ["checkpoint.resume=must", "--workdir", str(work)]) == 0
+    ref_params, ref_state = load_npz(tmp_path / "ref" / "params.npz")
+    params, state = load_npz(work / "params.npz")
+    flat_ref = dict(_flatten(ref_params))
+    flat = dict(_flatten(params))
+    assert flat_ref.keys() == flat.keys()
+    for k in flat_ref:
+        np.testing.assert_array_equal(flat[k], flat_ref[k], err_msg=k)
+    steps = [r["step"] for r in read_metrics(work) if r["kind"] == "train"]
+    assert steps[-1] == 14
+
+
+def _flatten(tree, prefix=""):
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            yield from _flatten(v, f"{prefix}{k}.")
+        else:
+            yield prefix + k, np.asarray(v)
+
+
+def test_resume_must_without_checkpoint_fails_cleanly(tmp_path, capsys):
+    code = train_main([os.path.join(CONFIGS, "mnist_cnn.yaml"), *FAST, "train.steps=2",
+                       "checkpoint.resume=must", "--workdir", str(tmp_path / "w")])
+    assert code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "checkpoint" in err[0].lower()
+
+
+@pytest.mark.parametrize("override, needle", [
+    ("optim.lr=-1", "optim.lr"),
+    ("optim.lrr=0.1", "did you mean 'optim.lr'"),
+    ("train.steps=abc", "train.steps"),
+    ("data.source=imagenet", "data.source"),
+    ("model.name=resnet19", "resnet18"),
+    ("data.path=/nonexistent/dir", "/nonexistent/dir"),
+    ("precision.policy=p=f99", "precision.policy"),
+])
+def test_config_errors_exit_2_with_one_line(tmp_path, capsys, override, needle):
+    code = train_main([os.path.join(CONFIGS, "mnist_cnn.yaml"), override,
+                       "--workdir", str(tmp_path / "w")])
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert code == 2, captured.err
+    assert len(lines) == 1 and needle in lines[0] and "Traceback" not in captured.err
+
+
+@pytest.mark.parametrize("damage, needle", [
+    ("magic", "magic"),
+    ("truncate", "train-images"),
+    ("labels", "label"),
+])
+def test_corrupt_mnist_files_exit_2(tmp_path, capsys, damage, needle):
+    import gzip
+    import shutil
+
+    from jaxcnn.data import packaged_mnist_dir
+    data = tmp_path / "mnist"
+    data.mkdir()
+    with packaged_mnist_dir() as src:
+        for name in os.listdir(src):
+            if name.endswith(".gz"):
+                shutil.copy(os.path.join(src, name), data / name)
+    images = data / "train-images-idx3-ubyte.gz"
+    labels = data / "train-labels-idx1-ubyte.gz"
+    if damage == "magic":
+        raw = bytearray(gzip.decompress(images.read_bytes()))
+        raw[3] = 0x02
+        images.write_bytes(gzip.compress(bytes(raw)))
+    elif damage == "truncate":
+        raw = gzip.decompress(images.read_bytes())
+        images.write_bytes(gzip.compress(raw[: len(raw) // 2]))
+    else:
+        raw = bytearray(gzip.decompress(labels.read_bytes()))
+        raw[8] = 42
+        labels.write_bytes(gzip.compress(bytes(raw)))
+    code = train_main([os.path.join(CONFIGS, "mnist_cnn.yaml"), f"data.path={data}",
+                       "--workdir", str(tmp_path / "w")])
+    err = capsys.readouterr().err
+    assert code == 2 and needle in err.lower() and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_print_config_round_trips(tmp_path, capsys):
+    assert train_main([os.path.join(CONFIGS, "mnist_cnn.yaml"), "optim.lr=0.01", "--print-config"]) == 0
+    resolved = yaml.safe_load(capsys.readouterr().out)
+    assert resolved["optim"]["lr"] == 0.01 and resolved["model"]["name"] == "mnist_cnn"
+
+
+@pytest.fixture(scope="module")
+def cifar_dir(tmp_path_factory):
+    return _write_cifar(str(tmp_path_factory.mktemp("cifar")), np.random.default_rng(0))
+
+
+@pytest.mark.parametrize("config", sorted(f for f in os.listdir(CONFIGS) if f.endswith(".yaml")))
+def test_every_shipped_config_dry_runs(config, cifar_dir, capsys):
+    args = [os.path.join(CONFIGS, config), "--dry-run"]
+    if "cifar10" in config:
+        args.append(f"data.path={cifar_dir}")
+    assert train_main(args) == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    assert "dry run ok" in out and "Total MACs" in out
+
+
+def _tiny_npz(path, rng):
+    labels = rng.integers(0, 4, 96)
+    x = (rng.random((96, 10, 10)) * 60 + labels[:, None, None] * 50).astype(np.uint8)
+    np.savez(path, x_train=x[:64], y_train=labels[:64], x_test=x[64:], y_test=labels[64:])
+    return path
+
+
+@pytest.mark.parametrize("source", ["cifar10", "npz", "synthetic"])
+def test_each_data_source_trains(tmp_path, cifar_dir, source):
+    rng = np.random.default_rng(1)
+    args = [os.path.join(CONFIGS, "mnist_cnn.yaml"), *FAST, "model.name=mnist_cnn", "train.steps=16",
+            "checkpoint.enabled=false", "data.batch_size=16", f"data.source={source}",
+            "model.num_classes=10"]
+    if source == "cifar10":
+        args.append(f"data.path={cifar_dir}")
+    elif source == "npz":
+        args.append(f"data.path={_tiny_npz(tmp_path / 'd.npz', rng)}")
+    else:
+        args += ["data.image_size=[12,12,3]", "data.num_train=32", "data.num_eval=16",
+                 "data.num_classes=4"]
+    assert train_main(args + ["--workdir", str(tmp_path / "w")]) == 0
+    losses = _losses(tmp_path / "w")
+    assert np.mean(losses[-4:]) < np.mean(losses[:4]), losses
+
+
+def test_eval_cli_and_plot(tmp_path, capsys):
+    work = tmp_path / "w"
+    assert train_main([os.path.join(CONFIGS, "mnist_cnn.yaml"), *FAST, "train.steps=4",
+                       "checkpoint.every=2", "--workdir", str(work)]) == 0
+    final = [r for r in read_metrics(work) if r["kind"] == "eval"][-1]
+    capsys.readouterr()
+    assert eval_main([str(work), "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["step"] == 4 and result["count"] == 2000
+    assert result["top1"] == pytest.approx(final["top1"]) and result["loss"] == pytest.approx(final["loss"], rel=1e-5)
+    assert eval_main([str(tmp_path / "nothing")]) == 2
+    pytest.importorskip("matplotlib")
+    from jaxcnn.train.plot import main as plot_main
+    assert plot_main([str(work)]) == 0
+    assert (work / "curves.png").stat().st_size > 1000
