@@ -83,7 +83,8 @@ def parse_dtype(name_or_dtype) -> Any:
             "bfloat16 or float16") from None
 
 
-def _cast_floating(tree, dtype):
+def cast_floating(tree, dtype):
+    """Cast the floating-point leaves of ``tree`` to ``dtype``; others untouched."""
     def cast(x):
         if isinstance(x, (jax.Array, np.ndarray)) and jnp.issubdtype(x.dtype, jnp.floating):
             return x.astype(dtype)
@@ -203,15 +204,15 @@ class Policy(NamedTuple):
 
     def cast_to_compute(self, tree):
         """Cast the floating leaves of ``tree`` to ``compute_dtype``; others untouched."""
-        return _cast_floating(tree, self.compute_dtype)
+        return cast_floating(tree, self.compute_dtype)
 
     def cast_to_param(self, tree):
         """Cast the floating leaves of ``tree`` to ``param_dtype``; others untouched."""
-        return _cast_floating(tree, self.param_dtype)
+        return cast_floating(tree, self.param_dtype)
 
     def cast_to_output(self, tree):
         """Cast the floating leaves of ``tree`` to ``output_dtype``; others untouched."""
-        return _cast_floating(tree, self.output_dtype)
+        return cast_floating(tree, self.output_dtype)
 
 
 PRESETS = {

@@ -1,6 +1,28 @@
-"""Pallas kernels for jaxcnn's convolution and pooling ops.
+"""Pallas kernels for jaxcnn's convolution and pooling ops (NHWC, HWIO).
 
-Empty for now: the kernels (each with a ``jax.custom_vjp`` wrapper) arrive
-with step 4.  Until then ``jaxcnn.functional`` ops raise
-``NotImplementedError`` for ``impl="pallas"`` and run XLA for ``impl="auto"``.
+Written for the Pallas Triton lowering (NVIDIA GPUs); on other backends the
+same kernels run in the Pallas interpreter (``interpret=True``), which is for
+testing, not speed.  Every op is a ``jax.custom_vjp`` with Pallas backward
+kernels and an XLA backward selectable with ``backward="xla"``.
+
+- :func:`conv2d`: implicit-GEMM convolution (groups=1) or depthwise
+  (groups == channels), float32/bfloat16 with float32 accumulation, any
+  stride/padding/dilation, fused bias + residual + ReLU epilogue and an
+  optional fused BatchNorm-apply + ReLU on the input.
+- :func:`bn_relu_conv2d`, :func:`bn_relu_conv2d_train`, :func:`fold_batch_norm`:
+  the BatchNorm+ReLU+conv fusion, inference and training forms.
+- :func:`max_pool2d`, :func:`avg_pool2d`: PyTorch pooling semantics.
+- :mod:`pallas_kernels.autotune`: per-shape tile choice and the
+  kernel-vs-XLA verdict behind ``impl="auto"`` in :mod:`jaxcnn.functional`.
+
+Kernels never import :mod:`jaxcnn.layers`; they reuse only
+:mod:`jaxcnn.functional`'s argument and output-size arithmetic.
 """
+from pallas_kernels import autotune
+from pallas_kernels._common import BlockConfig
+from pallas_kernels.conv_op import conv2d
+from pallas_kernels.fused import bn_relu_conv2d, bn_relu_conv2d_train, fold_batch_norm
+from pallas_kernels.pool import avg_pool2d, max_pool2d
+
+__all__ = ["conv2d", "bn_relu_conv2d", "bn_relu_conv2d_train", "fold_batch_norm",
+           "max_pool2d", "avg_pool2d", "BlockConfig", "autotune"]

@@ -9,6 +9,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
+from jaxcnn.functional import _args
+
 
 def _acc_dtype(x):
     return jnp.promote_types(x.dtype, jnp.float32)
@@ -150,7 +152,7 @@ def group_norm(x, num_groups, scale=None, bias=None, *, eps=1e-5):
     if len(x_shape) < 2:
         raise ValueError(f"{op}: x must have rank >= 2 (N, ..., C), got shape {x_shape}")
     c = x_shape[-1]
-    if not isinstance(num_groups, int) or num_groups < 1 or c % num_groups:
+    if not _args.is_int(num_groups) or num_groups < 1 or c % num_groups:
         raise ValueError(
             f"{op}: num_groups={num_groups!r} must be a positive int dividing the "
             f"{c} channels of x shape {x_shape}")

@@ -39,7 +39,7 @@ def _pool_geometry(op, x, kernel_size, stride, padding, dilation, ceil_mode):
     window = _args.dilated(kernel, dilation)
     pads = _args.explicit_pads(spec, x_shape[1:3], window, stride)
     if not isinstance(spec, str):
-        # PyTorch's rule; it keeps every window overlapping the input.
+        # PyTorch's rule; without dilation it keeps every window overlapping the input.
         for k, p in zip(kernel, pads):
             if max(p) > k // 2:
                 raise ValueError(
@@ -57,9 +57,10 @@ def max_pool2d(x, kernel_size, *, stride=None, padding=0, dilation=1, ceil_mode=
                impl="auto"):
     """Max pooling with PyTorch ``MaxPool2d`` semantics, in NHWC.
 
-    Padding is filled with ``-inf`` (the dtype's minimum for integers). In the
-    gradient each window's incoming gradient goes to the first maximum in
-    row-major window order, as in PyTorch.
+    Padding is filled with ``-inf`` (the dtype's minimum for integers), so a
+    dilated window whose taps all land in the padding yields ``-inf``, as in
+    PyTorch. In the gradient each window's incoming gradient goes to the first
+    maximum in row-major window order, as in PyTorch.
 
     Arguments:
         x: input ``(N, H, W, C)``.
@@ -107,7 +108,7 @@ def _dilated_max_pool(x, kernel, stride, dilation, run_pads, out_hw):
         lax.slice(xp, (0, i * dh, j * dw, 0),
                   (n, i * dh + (oh - 1) * sh + 1, j * dw + (ow - 1) * sw + 1, c), (1, sh, sw, 1))
         for i in range(kernel[0]) for j in range(kernel[1])])
-    first = taps.shape[0] - 1 - jnp.argmax(taps[::-1], axis=0)
+    first = jnp.argmax(taps, axis=0)
     return jnp.take_along_axis(taps, first[None], axis=0)[0]
 
 

@@ -57,7 +57,8 @@ def _layout(kind: str, leaf: str, shape: tuple, flatten_hwc):
     """``(torch_shape, to_ours, to_torch)`` for one parameter of a ``kind`` layer."""
     if leaf == "w" and kind == "conv2d":        # (O, I/g, KH, KW) <-> (KH, KW, I/g, O)
         kh, kw, i, o = shape
-        return (o, i, kh, kw), (lambda t: t.transpose(2, 3, 1, 0)), (lambda a: a.transpose(3, 2, 0, 1))
+        return ((o, i, kh, kw), (lambda t: t.transpose(2, 3, 1, 0)),
+                (lambda a: a.transpose(3, 2, 0, 1)))
     if leaf == "w" and kind == "conv_transpose2d":   # (I, O/g, KH, KW) <-> (KH, KW, I, O/g)
         kh, kw, i, o = shape
         swap = (lambda a: a.transpose(2, 3, 0, 1))    # its own inverse
@@ -207,8 +208,9 @@ def to_torch_state_dict(model, params, state, *, input_shape=None, **model_optio
     problems = []
     for collection in given:
         wanted = {e.path for e in entries if e.collection == collection}
-        problems += [f"missing {collection} {p!r}" for p in sorted(wanted - set(given[collection]))]
-        problems += [f"unexpected {collection} {p!r}" for p in sorted(set(given[collection]) - wanted)]
+        have = set(given[collection])
+        problems += [f"missing {collection} {p!r}" for p in sorted(wanted - have)]
+        problems += [f"unexpected {collection} {p!r}" for p in sorted(have - wanted)]
     if problems:
         raise ValueError(f"{label}: params/state do not match the model: " + "; ".join(problems))
     try:

@@ -6,12 +6,41 @@ in with; BatchNorm's running statistics are float32 state.
 """
 from __future__ import annotations
 
+import contextlib
+import threading
+
 import jax
 import jax.numpy as jnp
 
 from jaxcnn import functional as F
 from jaxcnn.layers._common import cast_in, cast_out, check_min_rank, prod
 from jaxcnn.layers.base import Layer, leaf
+
+
+class _DefaultAxis(threading.local):
+    name = None
+
+
+_DEFAULT_AXIS = _DefaultAxis()
+
+
+@contextlib.contextmanager
+def batch_norm_axis_name(axis_name: str | None):
+    """While active, BatchNorm layers built without ``axis_name`` use this one.
+
+    Lets a parallel strategy sync the statistics of any model over its data
+    axis when it traces the step, without rebuilding the model; it is read
+    while tracing, so wrap the traced function's body, not the call of a
+    jitted function.
+
+    Arguments:
+        axis_name: a mapped axis name (``shard_map``/``pmap``), or None.
+    """
+    outer, _DEFAULT_AXIS.name = _DEFAULT_AXIS.name, axis_name
+    try:
+        yield
+    finally:
+        _DEFAULT_AXIS.name = outer
 
 
 def _affine_params(channels: int):
@@ -34,7 +63,8 @@ def BatchNorm(*, momentum: float | None = 0.1, eps: float = 1e-5, axis_name=None
         momentum: weight of the new batch in the running statistics, or None.
         eps: added to the variance before the square root.
         axis_name: name of a mapped axis (``pmap``/``shard_map``) over which the
-            batch statistics are averaged, so that devices agree (SyncBatchNorm).
+            batch statistics are averaged, so that devices agree (SyncBatchNorm);
+            None takes the one set by :func:`batch_norm_axis_name` when tracing, if any.
 
     Returns:
         A Layer of kind ``"batch_norm"``: input ``(N, ..., C)``, output of the same
@@ -64,15 +94,16 @@ def BatchNorm(*, momentum: float | None = 0.1, eps: float = 1e-5, axis_name=None
             x, (params, (mean, var)) = cast_in(policy, "batch_norm", x, (params, stats))
             y = F.batch_norm(x, mean, var, params["scale"], params["bias"], eps=eps)
             return cast_out(policy, "batch_norm", y, in_dtype), state
+        axis = axis_name if axis_name is not None else _DEFAULT_AXIS.name
         n = prod(x.shape[:-1])
-        if axis_name is not None:
-            n = n * jax.lax.psum(1, axis_name)
+        if axis is not None:
+            n = n * jax.lax.psum(1, axis)
         elif n < 2:
             raise ValueError(f"{name}: expected more than 1 value per channel when training, "
                              f"got input shape {tuple(x.shape)}")
         x, params = cast_in(policy, "batch_norm", x, params)
         y, mean, var = F.batch_norm_train(x, params["scale"], params["bias"], eps=eps,
-                                          axis_name=axis_name)
+                                          axis_name=axis)
         count = state["count"] + 1
         m = momentum if momentum is not None else 1.0 / count.astype(jnp.float32)
         unbiased = var.astype(jnp.float32) * (n / (n - 1))

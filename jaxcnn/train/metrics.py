@@ -79,6 +79,14 @@ def format_eta(seconds: float) -> str:
     return f"{h:d}:{m:02d}:{s:02d}" if h else f"{m:d}:{s:02d}"
 
 
+def _scale_note(values: Mapping) -> str:
+    """`` scale S skipped N`` under loss scaling (scale != 1 or skipped steps), else ``""``."""
+    scale, skipped = values.get("loss_scale", 1.0), values.get("skipped", 0)
+    if scale == 1.0 and not skipped:
+        return ""
+    return f"  scale {scale:g}  skipped {skipped}"
+
+
 class Progress:
     """A progress bar on a terminal (tqdm), one line per log interval otherwise.
 
@@ -111,13 +119,15 @@ class Progress:
                step_time: float, eta_s: float):
         if self.mode == "bar":
             self._bar.n = step
+            extra = {"scale": f"{values['loss_scale']:g}", "skipped": values["skipped"]} \
+                if _scale_note(values) else {}
             self._bar.set_postfix(loss=f"{values['loss']:.4f}", acc=f"{values['top1']:.3f}",
-                                  img_s=f"{img_per_s:,.0f}", refresh=False)
+                                  img_s=f"{img_per_s:,.0f}", refresh=False, **extra)
             self._bar.refresh()
         elif self.mode == "lines":
             print(f"step {step}/{self.total}  epoch {epoch:.2f}  loss {values['loss']:.4f}  "
                   f"acc {values['top1']:.4f}  lr {values['lr']:.3g}  img/s {img_per_s:,.0f}  "
-                  f"step {step_time * 1000:.1f} ms  eta {format_eta(eta_s)}",
+                  f"step {step_time * 1000:.1f} ms  eta {format_eta(eta_s)}{_scale_note(values)}",
                   file=self.stream, flush=True)
 
     def message(self, text: str):

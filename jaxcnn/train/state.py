@@ -6,6 +6,8 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jaxcnn import precision as P
+
 
 class TrainState(NamedTuple):
     """Everything that changes during training, as a pytree of arrays.
@@ -14,7 +16,8 @@ class TrainState(NamedTuple):
         step: int32 scalar, the number of optimiser steps taken.
         params: the model's trainable parameters (nested dicts).
         state: the model's non-trained variables (BatchNorm statistics).
-        opt_state: the optax optimiser state.
+        opt_state: the optax optimiser state (a :class:`MasterCopyState` when
+            the policy keeps a float32 master copy of low-precision parameters).
         loss_scale: the loss-scale state (see ``jaxcnn.precision``).
         rng: uint32 key data; the key for step ``s`` is ``fold_in(rng, s)``,
             so a resumed run draws the same dropout masks as an uninterrupted one.
@@ -30,6 +33,16 @@ class TrainState(NamedTuple):
     skipped: Any
 
 
+class MasterCopyState(NamedTuple):
+    """Optimiser state under a policy with a master copy (``bf16_params``):
+    the optimiser updates ``master`` (float32) and the stored low-precision
+    parameters are re-cast from it after every step, so small updates
+    accumulate instead of rounding away."""
+
+    master: Any
+    inner: Any
+
+
 def create_train_state(model, tx, key, input_shape, *, loss_scale, policy=None) -> TrainState:
     """Initialise a model and its optimiser.
 
@@ -43,13 +56,19 @@ def create_train_state(model, tx, key, input_shape, *, loss_scale, policy=None) 
     """
     init_key, dropout_key = jax.random.split(key)
     params, state, _ = model.init(init_key, input_shape)
-    if policy is not None:
-        params = policy.cast_to_param(params)
+    if policy is not None and policy.needs_master_copy:
+        master = P.cast_floating(params, policy.master_dtype)
+        opt_state = MasterCopyState(master, tx.init(master))
+        params = policy.cast_to_param(master)
+    else:
+        if policy is not None:
+            params = policy.cast_to_param(params)
+        opt_state = tx.init(params)
     return TrainState(
         step=jnp.zeros((), jnp.int32),
         params=params,
         state=state,
-        opt_state=tx.init(params),
+        opt_state=opt_state,
         loss_scale=loss_scale,
         rng=jax.random.key_data(dropout_key) if _is_typed_key(dropout_key) else dropout_key,
         skipped=jnp.zeros((), jnp.int32),

@@ -14,7 +14,7 @@ import optax
 
 from jaxcnn import functional as F
 from jaxcnn import precision as P
-from jaxcnn.train.state import TrainState
+from jaxcnn.train.state import MasterCopyState, TrainState
 
 
 def _loss_policy(policy):
@@ -60,8 +60,16 @@ def make_train_step(model, tx: optax.GradientTransformation, *, policy=None,
         if axis_name is not None:
             grads, loss, top1 = jax.lax.pmean((grads, loss, top1), axis_name)
         finite = P.all_finite(grads)
-        updates, new_opt_state = tx.update(grads, state.opt_state, state.params)
-        new_params = optax.apply_updates(state.params, updates)
+        if isinstance(state.opt_state, MasterCopyState):
+            master = state.opt_state.master
+            grads = P.cast_floating(grads, policy.master_dtype)
+            updates, inner = tx.update(grads, state.opt_state.inner, master)
+            master = optax.apply_updates(master, updates)
+            new_opt_state = MasterCopyState(master, inner)
+            new_params = policy.cast_to_param(master)
+        else:
+            updates, new_opt_state = tx.update(grads, state.opt_state, state.params)
+            new_params = optax.apply_updates(state.params, updates)
         new_loss_scale = state.loss_scale.adjust(finite)
         if skip_nonfinite or isinstance(state.loss_scale, P.DynamicLossScale):
             new_params, new_opt_state, new_model_state = P.select_tree(

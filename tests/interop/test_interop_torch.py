@@ -42,6 +42,17 @@ def test_every_model_is_covered():
     assert {c[0] for c in CASES} == set(models.names())
 
 
+@pytest.mark.parametrize("name", models.names())
+def test_default_parameter_count_matches_pytorch(name):
+    with torch.device("meta"):          # shapes only: no 138M-parameter allocation
+        net = torch_zoo.build(name)
+    model = models.get(name)
+    params, _ = jax.eval_shape(lambda k: model.init(k, models.default_input_shape(name))[:2],
+                               jax.random.PRNGKey(0))
+    n_ours = sum(int(np.prod(p.shape)) for p in jax.tree_util.tree_leaves(params))
+    assert n_ours == sum(p.numel() for p in net.parameters())
+
+
 @pytest.mark.parametrize("case", CASES, ids=[_id(c) for c in CASES])
 def test_logits_and_round_trip_match_pytorch(case):
     _check_against_pytorch(*case)

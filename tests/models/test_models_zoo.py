@@ -56,7 +56,8 @@ def test_counts_follow_options():
     # Changing the classifier width of VGG-16 only changes the classifier.
     params, _ = _abstract_init(models.get("vgg16", classifier_width=64, num_classes=10),
                                (1, 32, 32, 3))
-    convs = PARAM_COUNTS["vgg16"] - (25088 * 4096 + 4096) - (4096 * 4096 + 4096) - (4096 * 1000 + 1000)
+    convs = (PARAM_COUNTS["vgg16"] - (25088 * 4096 + 4096) - (4096 * 4096 + 4096)
+             - (4096 * 1000 + 1000))
     assert _count(params) == convs + (25088 * 64 + 64) + (64 * 64 + 64) + (64 * 10 + 10)
     # MobileNetV2 at half width: channels rounded to multiples of 8 (torchvision: 1,968,680).
     params, _ = _abstract_init(models.get("mobilenet_v2", width_mult=0.5), (1, 224, 224, 3))
@@ -169,13 +170,15 @@ def test_jitted_eval_and_train_forward(name, options, shape):
     x = jax.random.normal(jax.random.PRNGKey(2), shape)
 
     @jax.jit
-    def both(params, state, x, rng):         # one compilation for both modes
+    def both(params, state, x, rngs):        # one compilation for both modes
         y_eval, s_eval = model.apply(params, state, x)
-        y_train, s_train = model.apply(params, state, x, train=True, rng=rng)
-        y_train2, _ = model.apply(params, state, x, train=True, rng=jax.random.fold_in(rng, 1))
-        return y_eval, s_eval, y_train, s_train, y_train2
+        y_train, s_train = jax.vmap(
+            lambda r: model.apply(params, state, x, train=True, rng=r))(rngs)
+        return y_eval, s_eval, y_train, s_train
 
-    y_eval, s_eval, y_train, s_train, y_train2 = both(params, state, x, jax.random.PRNGKey(3))
+    y_eval, s_eval, y_trains, s_trains = both(params, state, x,
+                                              jax.random.split(jax.random.PRNGKey(3), 2))
+    (y_train, y_train2), s_train = y_trains, jax.tree_util.tree_map(lambda a: a[0], s_trains)
     n_classes = options.get("num_classes", 10)
     for y in (y_eval, y_train):
         assert y.shape == (shape[0], n_classes) and y.dtype == jnp.float32

@@ -1,0 +1,20 @@
+"""Data and model parallelism over one ``(data, model)`` device mesh.
+
+* :mod:`~jaxcnn.parallel.mesh`: the mesh from ``mesh: {data: -1, model: 1}``.
+* :mod:`~jaxcnn.parallel.rules`: logical axis names of parameters and the rule
+  table that maps them to mesh axes (model parallelism, fsdp).
+* :mod:`~jaxcnn.parallel.strategies`: a pure train step under ``shard_map``,
+  ``pmap`` or ``jit`` with ``NamedSharding``.
+* :mod:`~jaxcnn.parallel.distributed`: multi-process runs.
+* :mod:`~jaxcnn.parallel.plan`: :func:`setup`, all of it for the training loop.
+"""
+from jaxcnn.parallel.distributed import DistributedError, global_batch, initialize
+from jaxcnn.parallel.mesh import DATA, MODEL, check_batch, make_mesh, mesh_from_config, mesh_shape
+from jaxcnn.parallel.plan import ParallelPlan, setup
+from jaxcnn.parallel.rules import DEFAULT_RULES, logical_axes, partition_spec
+from jaxcnn.parallel.strategies import STRATEGIES, per_device, wrap_train_step
+
+__all__ = ["DATA", "MODEL", "DEFAULT_RULES", "STRATEGIES", "DistributedError", "ParallelPlan",
+           "check_batch", "global_batch", "initialize", "logical_axes", "make_mesh",
+           "mesh_from_config", "mesh_shape", "partition_spec", "per_device", "setup",
+           "wrap_train_step"]

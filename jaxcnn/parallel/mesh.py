@@ -1,0 +1,97 @@
+"""The device mesh: one ``jax.sharding.Mesh`` with named axes ``("data", "model")``.
+
+``mesh: {data: -1, model: 1}`` in a config becomes a mesh over all devices
+(of every process) whose ``data`` axis takes whatever ``model`` leaves; every
+size problem is a :class:`jaxcnn.train.config.ConfigError` naming the key.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+from jaxcnn.train.config import ConfigError
+
+DATA, MODEL = "data", "model"
+AXES = (DATA, MODEL)
+
+
+def mesh_shape(data: int, model: int, device_count: int) -> tuple[int, int]:
+    """Resolve ``-1`` and check that the axis sizes use exactly ``device_count`` devices.
+
+    Arguments:
+        data: devices on the data axis, or -1 for all the model axis leaves.
+        model: devices on the model axis (>= 1).
+        device_count: devices available.
+
+    Returns:
+        ``(data, model)`` as positive ints with ``data * model == device_count``.
+
+    Raises:
+        ConfigError: naming ``mesh.model`` or ``mesh.data`` when the sizes do not fit.
+    """
+    if model < 1:
+        raise ConfigError(f"mesh.model: expected a positive int, got {model}", path="mesh.model")
+    if model > device_count or device_count % model:
+        raise ConfigError(f"mesh.model: {model} does not divide the {device_count} available devices",
+                          path="mesh.model")
+    if data == -1:
+        data = device_count // model
+    if data < 1 or data * model != device_count:
+        raise ConfigError(f"mesh.data: data x model = {data} x {model} = {data * model} devices, but "
+                          f"{device_count} are available (use mesh.data=-1 to take the rest)",
+                          path="mesh.data")
+    return data, model
+
+
+def make_mesh(data: int = -1, model: int = 1, *, devices: Sequence | None = None) -> Mesh:
+    """A ``(data, model)`` mesh over ``devices`` (all devices of all processes by default).
+
+    Both axes are ``AxisType.Auto`` (classic GSPMD propagation): the newer
+    ``jax.make_mesh`` default, Explicit, would put shardings into the types and
+    reject ops without a sharding rule (convolutions on sharded channels).
+
+    Arguments:
+        data: data-axis size or -1.
+        model: model-axis size.
+        devices: the devices to use, in mesh order; None = ``jax.devices()``.
+
+    Returns:
+        A ``jax.sharding.Mesh`` with axis names ``("data", "model")``.
+    """
+    count = len(jax.devices()) if devices is None else len(devices)
+    shape = mesh_shape(data, model, count)
+    auto = (jax.sharding.AxisType.Auto,) * 2
+    if devices is None:
+        return jax.make_mesh(shape, AXES, axis_types=auto)
+    return Mesh(np.asarray(list(devices), dtype=object).reshape(shape), AXES, axis_types=auto)
+
+
+def mesh_from_config(cfg, *, devices: Sequence | None = None) -> Mesh:
+    """:func:`make_mesh` from a config's ``mesh`` section (``cfg.mesh.data``, ``cfg.mesh.model``)."""
+    return make_mesh(cfg.mesh.data, cfg.mesh.model, devices=devices)
+
+
+def check_batch(mesh: Mesh, batch_size: int, *, path: str = "data.batch_size") -> None:
+    """Check that a global batch splits evenly over the data axis and the processes.
+
+    Arguments:
+        mesh: the mesh.
+        batch_size: the global batch size.
+        path: the config key to name in the error.
+
+    Raises:
+        ConfigError: when ``batch_size`` is not a multiple of the data-axis size
+            or of the number of processes.
+    """
+    data = mesh.shape[DATA]
+    if batch_size % data:
+        raise ConfigError(f"{path}: global batch {batch_size} does not divide over the {data} devices "
+                          f"of the mesh's data axis (mesh.data={data}); use a multiple of {data}",
+                          path=path)
+    procs = jax.process_count()
+    if batch_size % procs:
+        raise ConfigError(f"{path}: global batch {batch_size} does not divide over {procs} processes",
+                          path=path)

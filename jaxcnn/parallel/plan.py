@@ -1,0 +1,139 @@
+"""One object that knows how a run is spread over devices.
+
+``plan = setup(cfg, model, input_shape)`` reads the ``mesh`` and ``parallel``
+sections and gives the training loop all it needs::
+
+    plan = setup(cfg, run.model, run.input_shape, abstract_state(run))
+    train_step = plan.wrap_step(make_train_step(..., axis_name=plan.step_axis_name))
+    state = plan.shard_state(init_state(run))    # or manager.restore(target=plan.abstract_state)
+    prefetch = Prefetcher(make_batch, device_put=plan.put_batch)
+    state, metrics = train_step(state, batch)
+"""
+from __future__ import annotations
+
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jaxcnn.parallel import rules as R
+from jaxcnn.parallel import strategies as S
+from jaxcnn.parallel.distributed import global_batch
+from jaxcnn.parallel.mesh import DATA, MODEL, check_batch, make_mesh
+from jaxcnn.train.config import ConfigError
+
+
+class ParallelPlan:
+    """Mesh, shardings and step wrapper of one run.
+
+    Arguments:
+        mesh: the ``(data, model)`` mesh.
+        model: the model Layer (its layer kinds give the parameters' logical axes).
+        input_shape: the model's global input shape ``(B, H, W, C)``.
+        abstract_state: the ``TrainState`` as ``ShapeDtypeStruct``s (``jax.eval_shape``
+            of its initialisation); fixes where every leaf lives.
+        strategy: ``"shard_map"``, ``"pmap"`` or ``"jit"``.
+        rules: logical axis -> mesh axis overrides (merged over ``rules.DEFAULT_RULES``).
+        fsdp: shard large parameters and optimiser moments over ``data`` too.
+        sync_batch_norm: BatchNorm statistics over the global batch.
+
+    Raises:
+        ConfigError: for a combination the strategy cannot run (naming the key).
+    """
+
+    def __init__(self, mesh: Mesh, model, input_shape, abstract_state, *, strategy: str = "shard_map",
+                 rules=None, fsdp: bool = False, sync_batch_norm: bool = True):
+        if strategy not in S.STRATEGIES:
+            raise ConfigError(f"parallel.strategy: expected one of {S.STRATEGIES}, got {strategy!r}",
+                              path="parallel.strategy")
+        if strategy == "pmap" and (mesh.shape[MODEL] > 1 or fsdp or jax.process_count() > 1):
+            raise ConfigError("parallel.strategy: pmap runs single-process data parallelism only "
+                              f"(mesh.model={mesh.shape[MODEL]}, parallel.fsdp={fsdp}, "
+                              f"{jax.process_count()} processes); use shard_map or jit",
+                              path="parallel.strategy")
+        if strategy == "jit" and not sync_batch_norm:
+            raise ConfigError("parallel.sync_batch_norm: false needs strategy shard_map or pmap; jit "
+                              "always normalises with the statistics of the global batch",
+                              path="parallel.sync_batch_norm")
+        check_batch(mesh, input_shape[0])
+        self.mesh, self.strategy, self.fsdp, self.sync_batch_norm = mesh, strategy, fsdp, sync_batch_norm
+        self.rules = R.merge_rules(rules)
+        self.params_axes, self.state_axes = R.logical_axes(model, input_shape)
+        self.state_shardings = self._shardings(abstract_state)
+        self.abstract_state = jax.tree_util.tree_map(
+            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+            abstract_state, self.state_shardings)
+
+    @property
+    def step_axis_name(self) -> str | None:
+        """``axis_name`` for ``make_train_step``: ``"data"``, or None under ``jit``."""
+        return S.step_axis_name(self.strategy)
+
+    @property
+    def replicated(self) -> NamedSharding:
+        return NamedSharding(self.mesh, P())
+
+    def _shardings(self, abstract_state):
+        # Params and model state by the rules, optimiser moments like their params,
+        # everything else (step, rng, loss scale) replicated.
+        params = R.tree_shardings(self.params_axes, abstract_state.params, self.mesh, self.rules,
+                                  fsdp=self.fsdp)
+        state = R.tree_shardings(self.state_axes, abstract_state.state, self.mesh, self.rules,
+                                 fsdp=self.fsdp)
+        opt = R.follow_params(abstract_state.opt_state, abstract_state.params, params, self.mesh)
+        rest = {name: jax.tree_util.tree_map(lambda _: self.replicated, getattr(abstract_state, name))
+                for name in abstract_state._fields if name not in ("params", "state", "opt_state")}
+        return type(abstract_state)(params=params, state=state, opt_state=opt, **rest)
+
+    def shard_state(self, state):
+        """Place a (host or single-device) ``TrainState`` on the mesh."""
+        return jax.device_put(state, self.state_shardings)
+
+    def batch_sharding(self) -> NamedSharding:
+        return S.batch_sharding(self.mesh)
+
+    def put_batch(self, local_batch):
+        """This process's share of a training batch -> what the wrapped step takes
+        (global arrays split over ``data``; for ``pmap`` host arrays with a leading
+        device axis).  Use it as the ``Prefetcher``'s ``device_put``."""
+        if self.strategy == "pmap":
+            return S.pmap_batch(local_batch, self.mesh.devices.size)
+        return global_batch(local_batch, self.batch_sharding())
+
+    def put_eval_batch(self, local_batch):
+        """This process's share of an evaluation batch -> global arrays split over ``data``."""
+        return global_batch(local_batch, self.batch_sharding())
+
+    def wrap_step(self, train_step, *, donate: bool = True):
+        """``train_step`` (built with ``axis_name=self.step_axis_name``) distributed over the mesh."""
+        return S.wrap_train_step(train_step, self.strategy, self.mesh, self.state_shardings,
+                                 sync_batch_norm=self.sync_batch_norm, donate=donate)
+
+    def wrap_eval(self, eval_step):
+        """``eval_step(params, model_state, batch)`` jitted with the state's shardings
+        (a global program under every strategy; its sums come back replicated)."""
+        sh = self.state_shardings
+        return jax.jit(eval_step, in_shardings=(sh.params, sh.state, self.batch_sharding()),
+                       out_shardings=self.replicated)
+
+
+def setup(cfg, model, input_shape, abstract_state, *, devices=None) -> ParallelPlan:
+    """The :class:`ParallelPlan` of a validated config.
+
+    Arguments:
+        cfg: the config (``mesh``, ``parallel`` and ``data`` sections are read).
+        model: the model Layer.
+        input_shape: the global input shape ``(B, H, W, C)``.
+        abstract_state: the ``TrainState`` as ``ShapeDtypeStruct``s.
+        devices: restrict the mesh to these devices (default: all).
+
+    Raises:
+        ConfigError: mesh sizes that do not fit the devices, a batch that does
+            not divide over the data axis, or a strategy that cannot run the config.
+    """
+    mesh = make_mesh(cfg.mesh.data, cfg.mesh.model, devices=devices)
+    plan = ParallelPlan(mesh, model, input_shape, abstract_state, strategy=cfg.parallel.strategy,
+                        rules=dict(cfg.parallel.rules), fsdp=cfg.parallel.fsdp,
+                        sync_batch_norm=cfg.parallel.sync_batch_norm)
+    eval_batch = cfg.data.eval_batch_size or cfg.data.batch_size
+    check_batch(mesh, eval_batch, path="data.eval_batch_size" if cfg.data.eval_batch_size else
+                "data.batch_size")
+    return plan

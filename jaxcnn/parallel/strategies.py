@@ -1,0 +1,118 @@
+"""Wrapping a pure ``train_step(state, batch) -> (state, metrics)`` for a mesh.
+
+Three strategies, the same numbers (up to float32 reduction order):
+
+* ``shard_map`` (default): every device runs the step on its slice of the
+  batch; the step averages gradients and metrics with ``lax.pmean`` over
+  ``data`` (build it with ``make_train_step(..., axis_name="data")``) and
+  BatchNorm averages its statistics there too.  Only ``data`` is manual: the
+  ``model`` axis stays automatic, so model-parallel and fsdp shardings of the
+  state are handled by XLA (gathered on entry, re-split on exit).
+* ``pmap``: the legacy form of the same per-device program; data parallel only.
+* ``jit``: one global program; ``jit`` with ``NamedSharding`` in/out shardings
+  and XLA's SPMD partitioner inserts every collective (build the step with
+  ``axis_name=None``).  BatchNorm statistics are those of the global batch.
+
+``shard_map`` runs with ``check_vma=False``: with the check on, JAX transposes
+the implicit broadcast of replicated parameters into a ``psum``, so gradients
+would arrive already summed and the step's ``pmean`` would be wrong.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jaxcnn.layers.norm import batch_norm_axis_name
+from jaxcnn.parallel.mesh import DATA
+
+STRATEGIES = ("shard_map", "pmap", "jit")
+
+try:  # jax >= 0.6 has jax.shard_map; older versions only the experimental one
+    _shard_map = jax.shard_map
+except AttributeError:  # pragma: no cover - depends on the installed jax
+    from jax.experimental.shard_map import shard_map as _exp_shard_map
+
+    def _shard_map(f, *, mesh, in_specs, out_specs, axis_names, check_vma):
+        auto = frozenset(mesh.axis_names) - frozenset(axis_names)
+        return _exp_shard_map(f, mesh, in_specs, out_specs, check_rep=check_vma, auto=auto)
+
+
+def step_axis_name(strategy: str) -> str | None:
+    """The ``axis_name`` to build the step with: ``"data"`` for per-device strategies."""
+    return None if strategy == "jit" else DATA
+
+
+def per_device(train_step, *, axis_name: str = DATA, sync_batch_norm: bool = True):
+    """The per-device program shared by ``shard_map`` and ``pmap``.
+
+    Each device draws its own dropout masks (the index on ``axis_name`` is folded
+    into the rng; the state keeps the shared key).  Without ``sync_batch_norm``
+    each device normalises with its own statistics and the running statistics
+    are averaged over devices after the step, so the state stays replicated.
+
+    Arguments:
+        train_step: ``(state, batch) -> (state, metrics)`` built with ``axis_name``.
+        axis_name: the mapped data axis.
+        sync_batch_norm: BatchNorm statistics over the global batch.
+    """
+    def step(state, batch):
+        shared_rng = state.rng
+        key = jax.random.fold_in(jax.random.wrap_key_data(shared_rng), jax.lax.axis_index(axis_name))
+        state = state._replace(rng=jax.random.key_data(key))
+        ctx = batch_norm_axis_name(axis_name) if sync_batch_norm else contextlib.nullcontext()
+        with ctx:
+            new_state, metrics = train_step(state, batch)
+        if not sync_batch_norm:
+            new_state = new_state._replace(state=jax.tree_util.tree_map(
+                lambda x: jax.lax.pmean(x, axis_name) if jnp.issubdtype(x.dtype, jnp.floating) else x,
+                new_state.state))
+        return new_state._replace(rng=shared_rng), metrics
+
+    return step
+
+
+def wrap_train_step(train_step, strategy: str, mesh: Mesh, state_shardings, *,
+                    sync_batch_norm: bool = True, donate: bool = True):
+    """Distribute ``train_step`` over ``mesh``.
+
+    Arguments:
+        train_step: built with ``axis_name=step_axis_name(strategy)``.
+        strategy: ``"shard_map"``, ``"pmap"`` or ``"jit"``.
+        mesh: the ``(data, model)`` mesh.
+        state_shardings: a ``TrainState`` of ``NamedSharding`` (where the state lives).
+        sync_batch_norm: see :func:`per_device` (``jit`` always uses global statistics).
+        donate: let the step reuse the input state's buffers (not for ``pmap``).
+
+    Returns:
+        ``step(state, batch) -> (state, metrics)``, taking the batch as placed by
+        :func:`batch_sharding` / ``pmap_batch`` and returning replicated metrics.
+    """
+    replicated = NamedSharding(mesh, P())
+    donate_argnums = (0,) if donate else ()
+    if strategy == "jit":
+        return jax.jit(train_step, in_shardings=(state_shardings, batch_sharding(mesh)),
+                       out_shardings=(state_shardings, replicated), donate_argnums=donate_argnums)
+    program = per_device(train_step, sync_batch_norm=sync_batch_norm)
+    if strategy == "shard_map":
+        mapped = _shard_map(program, mesh=mesh, in_specs=(P(), P(DATA)), out_specs=(P(), P()),
+                            axis_names={DATA}, check_vma=False)
+        return jax.jit(mapped, in_shardings=(state_shardings, batch_sharding(mesh)),
+                       out_shardings=(state_shardings, replicated), donate_argnums=donate_argnums)
+    if strategy == "pmap":
+        devices = list(mesh.devices.reshape(-1))
+        return jax.pmap(program, axis_name=DATA, in_axes=(None, 0), out_axes=(None, None),
+                        devices=devices)
+    raise ValueError(f"unknown parallel strategy {strategy!r}; expected one of {STRATEGIES}")
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+    """Batches split on their leading axis over ``data`` (replicated over ``model``)."""
+    return NamedSharding(mesh, P(DATA))
+
+
+def pmap_batch(batch, n_devices: int):
+    """Reshape a host batch ``(B, ...)`` to ``(n_devices, B // n_devices, ...)`` for ``pmap``."""
+    return jax.tree_util.tree_map(lambda x: x.reshape((n_devices, -1) + tuple(x.shape[1:])), batch)

@@ -1,0 +1,309 @@
+"""Per-shape block-size tuning, cached in a JSON file per device kind.
+
+Every kernel launch asks :func:`config_for` for its :class:`BlockConfig`,
+keyed by the kernel's name and static geometry.  The answer comes from, in
+order: an active :func:`override` (used while tuning), the cache entry for
+this device kind, or a heuristic default.
+
+:func:`tune_op` times candidate configs for each kernel an op launches (it
+finds them by tracing the op and recording the lookups), keeps the fastest,
+then times the tuned op against XLA, forward and forward+backward.
+``impl="auto"`` in :mod:`jaxcnn.functional` asks :func:`prefers_pallas`,
+which is False off GPUs and otherwise True only where that measurement said
+the kernel was faster (tuning on first use unless ``JAXCNN_AUTOTUNE=0``).
+
+The cache lives at ``$JAXCNN_AUTOTUNE_CACHE`` (default
+``~/.cache/jaxcnn/autotune.json``); it is written atomically (temporary file
++ rename) and a corrupt file is ignored with a warning.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import statistics
+import tempfile
+import time
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels._common import BlockConfig, ConvGeometry, pow2_block
+
+_VERSION = 1
+_SMS = 132  # streaming multiprocessors of an H100; only sizes the default split
+_memo: dict = {}
+_overrides: dict = {}
+_recorders: list = []
+
+
+def cache_path() -> str:
+    """The cache file: ``$JAXCNN_AUTOTUNE_CACHE`` or ``~/.cache/jaxcnn/autotune.json``."""
+    return os.environ.get("JAXCNN_AUTOTUNE_CACHE") or os.path.join(
+        os.path.expanduser("~"), ".cache", "jaxcnn", "autotune.json")
+
+
+def device_kind() -> str:
+    """The device kind the cache is keyed by (e.g. ``"NVIDIA H100 80GB HBM3"``, ``"cpu"``)."""
+    return jax.devices()[0].device_kind
+
+
+def load_cache(path: str | None = None) -> dict:
+    """The cache as ``{device_kind: {"kernels": {...}, "ops": {...}}}``; {} if absent or corrupt."""
+    path = path or cache_path()
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as e:
+        warnings.warn(f"autotune cache {path} is unreadable ({e}); ignoring it", stacklevel=2)
+        return {}
+    ok = (isinstance(data, dict) and data.get("version") == _VERSION
+          and isinstance(data.get("devices"), dict)
+          and all(isinstance(v, dict) and isinstance(v.get("kernels", {}), dict)
+                  and isinstance(v.get("ops", {}), dict) for v in data["devices"].values()))
+    if not ok:
+        warnings.warn(f"autotune cache {path} has an unexpected layout; ignoring it",
+                      stacklevel=2)
+        return {}
+    return data["devices"]
+
+
+def save_cache(devices: dict, path: str | None = None) -> None:
+    """Writes the cache atomically: a temporary file in the same folder, then a rename."""
+    path = path or cache_path()
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".autotune-", suffix=".json")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump({"version": _VERSION, "devices": devices}, f, indent=1, sort_keys=True)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+    _memo.pop(path, None)
+
+
+def _entries() -> dict:
+    path = cache_path()
+    if path not in _memo:
+        _memo[path] = load_cache(path)
+    return _memo[path].get(device_kind(), {})
+
+
+def kernel_key(kernel: str, g: ConvGeometry, co: int, dtype) -> str:
+    """Cache key of one kernel launch: its name, geometry, output channels, dtype."""
+    dims = ",".join(f"{k}={v}" for k, v in g._asdict().items())
+    return f"{kernel}|{dims},co={co}|{jnp.dtype(dtype).name}"
+
+
+def default_config(kernel: str, g: ConvGeometry, co: int, interpret: bool) -> BlockConfig:
+    """Heuristic tiles. The interpreter favours few, large blocks (each grid step is slow)."""
+    family, part = kernel.rsplit("_", 1)
+    bm = 128 if interpret else 64
+    hi = 128 if interpret else 64
+    if family == "dense":
+        c_out, c_red = (g.c, co) if part == "dgrad" else (co, g.c)
+        cfg = BlockConfig(block_m=bm, block_n=pow2_block(c_out, 16, hi),
+                          block_k=pow2_block(c_red, 16, 64 if interpret else 32))
+    else:
+        cfg = BlockConfig(block_m=bm, block_n=pow2_block(g.c, 16, hi), block_k=16)
+    if part == "wgrad":
+        chunks = -(-g.m_out // cfg.block_m)
+        tiles = g.taps * -(-co // cfg.block_n) * (-(-g.c // cfg.block_k) if family == "dense" else 1)
+        want = 2 if interpret else pow2_block(-(-2 * _SMS // tiles), 1, 64)
+        cfg = BlockConfig(**{**cfg.to_dict(), "split": max(1, min(want, chunks))})
+    return cfg
+
+
+def config_for(kernel: str, g: ConvGeometry, co: int, dtype, interpret: bool) -> BlockConfig:
+    """The tiles for one kernel launch: override, else cached, else default."""
+    key = kernel_key(kernel, g, co, dtype)
+    for rec in _recorders:
+        rec[key] = (kernel, g, co)
+    if key in _overrides:
+        return _overrides[key]
+    cached = _entries().get("kernels", {}).get(key)
+    if cached is not None:
+        try:
+            return BlockConfig.from_dict(cached)
+        except (TypeError, ValueError) as e:
+            warnings.warn(f"autotune cache entry {key!r} is invalid ({e}); using the default")
+    return default_config(kernel, g, co, interpret)
+
+
+@contextlib.contextmanager
+def override(configs: dict):
+    """Within the block, :func:`config_for` returns ``configs[key]`` for those keys."""
+    saved = dict(_overrides)
+    _overrides.update(configs)
+    try:
+        yield
+    finally:
+        _overrides.clear()
+        _overrides.update(saved)
+
+
+@contextlib.contextmanager
+def _recording():
+    rec: dict = {}
+    _recorders.append(rec)
+    try:
+        yield rec
+    finally:
+        _recorders.remove(rec)
+
+
+def candidates(kernel: str, g: ConvGeometry, co: int) -> list[BlockConfig]:
+    """Configs worth timing for one kernel (deduplicated after fitting the shape)."""
+    family, part = kernel.rsplit("_", 1)
+    base = default_config(kernel, g, co, interpret=False)
+    if family == "dense":
+        tiles = [(64, 64, 32, 4, 2), (128, 64, 32, 4, 3), (64, 128, 32, 4, 3),
+                 (128, 128, 32, 8, 3), (128, 128, 64, 8, 2), (32, 64, 64, 4, 2),
+                 (64, 32, 64, 4, 3), (128, 32, 32, 4, 4)]
+    else:
+        tiles = [(32, 32, 16, 4, 2), (64, 32, 16, 4, 2), (128, 32, 16, 4, 2),
+                 (64, 64, 16, 4, 2), (128, 16, 16, 4, 2), (32, 128, 16, 4, 2),
+                 (256, 64, 16, 8, 2)]
+    splits = (1, 4, 16, 64) if part == "wgrad" else (base.split,)
+    out = []
+    for bm, bn, bk, warps, stages in tiles:
+        if family == "dense":
+            c_out, c_red = (g.c, co) if part == "dgrad" else (co, g.c)
+        else:
+            c_out, c_red = g.c, 16
+        bn, bk = min(bn, pow2_block(c_out, 16, 128)), min(bk, pow2_block(c_red, 16, 64))
+        for split in splits:
+            split = max(1, min(split, -(-g.m_out // bm)))
+            cfg = BlockConfig(bm, bn, bk, warps, stages, split)
+            if cfg not in out:
+                out.append(cfg)
+    return out
+
+
+def time_call(fn, *args, repeats: int = 5) -> float:
+    """Median wall time (seconds) of ``fn(*args)`` after a compile-and-warm-up call."""
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _random_like(args, seed=0):
+    rng = np.random.default_rng(seed)
+    out = []
+    for a in args:
+        if a is None:
+            out.append(None)
+        elif jnp.issubdtype(a.dtype, jnp.floating):
+            out.append(jnp.asarray(rng.standard_normal(a.shape), a.dtype))
+        else:
+            out.append(jnp.asarray(rng.integers(-8, 8, a.shape), a.dtype))
+    return out
+
+
+def _loss_grad(fn):
+    def loss(*args):
+        return jnp.sum(fn(*args).astype(jnp.float32) ** 2)
+    return jax.jit(jax.grad(loss, argnums=0))
+
+
+def op_key(op: str, arrays, static: dict) -> str:
+    """Cache key of a whole op call: its name, array shapes/dtypes and static arguments."""
+    shapes = ";".join("none" if a is None else f"{jnp.dtype(a.dtype).name}{list(a.shape)}"
+                      for a in arrays)
+    kw = ",".join(f"{k}={static[k]!r}" for k in sorted(static))
+    return f"{op}|{shapes}|{kw}"
+
+
+def tune_op(op: str, arrays, static: dict, *, timer=time_call, candidate_fn=candidates) -> dict:
+    """Tunes every kernel ``pallas_kernels.<op>`` launches, then races it against XLA.
+
+    Arguments:
+        op: ``"conv2d"``, ``"max_pool2d"`` or ``"avg_pool2d"``.
+        arrays: the op's array arguments (concrete or abstract; only shapes and
+            dtypes are used, random data is timed).
+        static: its keyword arguments (stride, padding, ...).
+        timer: ``timer(fn, *args) -> seconds``.
+        candidate_fn: ``candidate_fn(kernel, g, co) -> [BlockConfig]``.
+
+    Returns:
+        The op's cache entry ``{"pallas_s", "xla_s", "pallas_grad_s", "xla_grad_s",
+        "pallas_faster"}``; kernel choices and this entry are saved to the cache.
+    """
+    import pallas_kernels  # the ops import this module
+    from jaxcnn import functional
+
+    def run_pallas(*a):
+        return getattr(pallas_kernels, op)(*a, **static)
+
+    def run_xla(*a):
+        return getattr(functional, op)(*a, **static, impl="xla")
+
+    args = _random_like(arrays)
+    differentiable = jnp.issubdtype(args[0].dtype, jnp.floating)
+
+    def bench(kernel):
+        # A fresh function each time, so the trace sees the current override.
+        if kernel.endswith("fwd") or not differentiable:
+            return jax.jit(lambda *a: run_pallas(*a))
+        return _loss_grad(lambda *a: run_pallas(*a))
+
+    with _recording() as launched:
+        jax.eval_shape(run_pallas, *args)
+    chosen: dict = {}
+    for key, (kernel, g, co) in sorted(launched.items()):
+        best = None
+        for cfg in candidate_fn(kernel, g, co):
+            with override({**chosen, key: cfg}):
+                try:
+                    t = timer(bench(kernel), *args)
+                except Exception as e:  # a config the compiler rejects is skipped
+                    warnings.warn(f"autotune: {kernel} {cfg} failed: {type(e).__name__}: {e}")
+                    continue
+            if best is None or t < best[0]:
+                best = (t, cfg)
+        if best is not None:
+            chosen[key] = best[1]
+    with override(chosen):
+        entry = {"pallas_s": timer(bench("fwd"), *args), "xla_s": timer(jax.jit(run_xla), *args)}
+        if differentiable:
+            entry["pallas_grad_s"] = timer(bench("grad"), *args)
+            entry["xla_grad_s"] = timer(_loss_grad(run_xla), *args)
+    entry["pallas_faster"] = bool(entry["pallas_s"] < entry["xla_s"] and entry.get(
+        "pallas_grad_s", 0.0) <= entry.get("xla_grad_s", 0.0))
+    devices = load_cache()
+    mine = devices.setdefault(device_kind(), {"kernels": {}, "ops": {}})
+    mine.setdefault("kernels", {}).update({k: c.to_dict() for k, c in chosen.items()})
+    mine.setdefault("ops", {})[op_key(op, arrays, static)] = entry
+    save_cache(devices)
+    return entry
+
+
+def measured_faster(op: str, arrays, static: dict) -> bool | None:
+    """The cached verdict for this op call on this device kind (None if never measured)."""
+    entry = _entries().get("ops", {}).get(op_key(op, arrays, static))
+    return None if entry is None else bool(entry.get("pallas_faster", False))
+
+
+def prefers_pallas(op: str, arrays, static: dict) -> bool:
+    """Whether ``impl="auto"`` should run the Pallas kernel for this call.
+
+    Always False unless the default backend is a GPU; there, the cached
+    measurement decides, tuning now if there is none (unless
+    ``JAXCNN_AUTOTUNE=0``, then False).
+    """
+    if jax.default_backend() != "gpu":
+        return False
+    verdict = measured_faster(op, arrays, static)
+    if verdict is None and os.environ.get("JAXCNN_AUTOTUNE", "1") != "0":
+        verdict = tune_op(op, arrays, static)["pallas_faster"]
+    return bool(verdict)

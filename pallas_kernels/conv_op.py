@@ -1,0 +1,167 @@
+"""``conv2d``: the Pallas convolution with its fused epilogue/prologue and custom VJP.
+
+Dense (groups=1) convolutions run the implicit-GEMM kernels of
+:mod:`pallas_kernels.conv` and :mod:`pallas_kernels.conv_grad`; depthwise ones
+(groups == C_in == C_out) those of :mod:`pallas_kernels.depthwise`.  Pallas
+calls cannot be differentiated by JAX, so the whole op is a
+``jax.custom_vjp`` whose backward runs the Pallas dgrad/wgrad kernels
+(``backward="pallas"``) or XLA's convolution gradients (``backward="xla"``).
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxcnn.functional import _args
+from pallas_kernels import _common as cm
+from pallas_kernels import autotune
+from pallas_kernels.conv import conv_forward
+from pallas_kernels.conv_grad import conv_dgrad, conv_wgrad
+from pallas_kernels.depthwise import depthwise_dgrad, depthwise_forward, depthwise_wgrad
+
+BACKWARDS = ("pallas", "xla")
+_DIMS = ("NHWC", "HWIO", "NHWC")
+
+
+def conv2d(x, w, b=None, *, stride=1, padding=0, dilation=1, groups=1, residual=None,
+           relu=False, input_scale=None, input_shift=None, backward="pallas", config=None,
+           interpret=None, precision=None):
+    """Convolution (PyTorch ``Conv2d`` semantics, NHWC/HWIO) run by Pallas kernels.
+
+    Computes ``relu?(conv(x_in, w) + b + residual)`` where
+    ``x_in = relu(x * input_scale + input_shift)`` when the fused input
+    BatchNorm+ReLU is given (padding applied after it, so padded zeros stay
+    zero), else ``x``.  Accumulation is float32; the result has ``x.dtype``.
+
+    Arguments:
+        x: ``(N, H, W, C_in)``, float32 or bfloat16.
+        w: ``(KH, KW, C_in // groups, C_out)``, same dtype as ``x``.
+        b: optional ``(C_out,)`` bias.
+        stride, padding, dilation: as in :func:`jaxcnn.functional.conv2d`.
+        groups: 1, or ``C_in`` with ``C_out == C_in`` (depthwise).
+        residual: optional ``(N, H_out, W_out, C_out)`` added before the ReLU.
+        relu: apply ReLU to the result.
+        input_scale, input_shift: optional ``(C_in,)`` each (both or neither).
+        backward: ``"pallas"`` (dgrad/wgrad kernels) or ``"xla"``.
+        config: a :class:`~pallas_kernels.BlockConfig` for every kernel, or a
+            dict ``{"fwd"|"dgrad"|"wgrad": BlockConfig}``; None takes the
+            autotuner's cached choice or a default.
+        interpret: run in the Pallas interpreter; None means "unless on a GPU".
+        precision: ``jax.lax.Precision`` for the in-kernel dots (GPU float32
+            dots default to TF32; ``HIGHEST`` asks for full float32).
+
+    Returns:
+        ``(N, H_out, W_out, C_out)`` in ``x.dtype``.
+
+    Raises:
+        ValueError: on malformed arguments or mismatched shapes/dtypes.
+        NotImplementedError: for grouped convolutions other than depthwise.
+    """
+    op = "pallas_kernels.conv2d"
+    x_shape, w_shape = tuple(jnp.shape(x)), tuple(jnp.shape(w))
+    _args.check_rank(op, "x", x_shape, 4, "(N, H, W, C)")
+    _args.check_rank(op, "w", w_shape, 4, "(KH, KW, C_in // groups, C_out)")
+    if x.dtype != w.dtype or x.dtype not in (jnp.float32, jnp.bfloat16):
+        raise ValueError(f"{op}: x and w must share a dtype, float32 or bfloat16; got "
+                         f"{x.dtype} and {w.dtype}")
+    if backward not in BACKWARDS:
+        raise ValueError(f"{op}: backward must be one of {BACKWARDS}, got {backward!r}")
+    if (input_scale is None) != (input_shift is None):
+        raise ValueError(f"{op}: give both input_scale and input_shift, or neither")
+    c, co = x_shape[3], w_shape[3]
+    if groups == 1 and w_shape[2] == c:
+        kind = "dense"
+    elif groups == c and co == c and w_shape[2] == 1:
+        kind = "depthwise"
+    else:
+        raise NotImplementedError(
+            f"{op}: only groups=1 and depthwise (groups == C_in == C_out) have kernels; got "
+            f"groups={groups!r}, x shape {x_shape}, w shape {w_shape}")
+    stride = _args.pair(stride, "stride", op)
+    dilation = _args.pair(dilation, "dilation", op)
+    window = _args.dilated(w_shape[:2], dilation)
+    pads = _args.explicit_pads(_args.padding_spec(padding, op), x_shape[1:3], window, stride)
+    _args.check_window_fits(op, x_shape, window, pads, what="kernel")
+    out_hw = tuple((n + lo + hi - k) // s + 1
+                   for n, (lo, hi), k, s in zip(x_shape[1:3], pads, window, stride))
+    for name, v, shape in (("b", b, (co,)), ("residual", residual, (x_shape[0], *out_hw, co)),
+                           ("input_scale", input_scale, (c,)), ("input_shift", input_shift, (c,))):
+        if v is not None and tuple(jnp.shape(v)) != shape:
+            raise ValueError(f"{op}: {name} must have shape {shape}, got {tuple(jnp.shape(v))}")
+    g = cm.geometry(x_shape, w_shape[:2], stride, dilation, pads, out_hw)
+    interpret = cm.interpret_default(interpret)
+    cfgs = _configs(kind, g, co, x.dtype, config, interpret)
+    static = (kind, g, pads, cfgs, bool(relu), backward, interpret, precision)
+    return _conv(static, x, w, b, residual, input_scale, input_shift)
+
+
+def _configs(kind, g, co, dtype, config, interpret):
+    if isinstance(config, cm.BlockConfig):
+        return (config,) * 3
+    config = dict(config or {})
+    unknown = set(config) - {"fwd", "dgrad", "wgrad"}
+    if unknown:
+        raise ValueError(f"pallas_kernels.conv2d: unknown config keys {sorted(unknown)}")
+    return tuple(config.get(part) or autotune.config_for(f"{kind}_{part}", g, co, dtype, interpret)
+                 for part in ("fwd", "dgrad", "wgrad"))
+
+
+def _forward(static, x, w, b, residual, scale, shift):
+    kind, g, _, (cfg, _, _), relu, _, interpret, precision = static
+    if kind == "dense":
+        return conv_forward(x, w, b, residual, scale, shift, g=g, cfg=cfg, relu=relu,
+                            interpret=interpret, precision=precision)
+    return depthwise_forward(x, w, b, residual, scale, shift, g=g, cfg=cfg, relu=relu,
+                             interpret=interpret)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _conv(static, x, w, b, residual, scale, shift):
+    return _forward(static, x, w, b, residual, scale, shift)
+
+
+def _conv_fwd(static, x, w, b, residual, scale, shift):
+    y = _forward(static, x, w, b, residual, scale, shift)
+    return y, (x, w, b, residual, scale, shift, y if static[4] else None)
+
+
+def _conv_bwd(static, saved, dy):
+    kind, g, pads, (_, cfg_d, cfg_w), relu, backward, interpret, precision = static
+    x, w, b, residual, scale, shift, y = saved
+    if relu:
+        dy = jnp.where(y > 0, dy, jnp.zeros_like(dy))
+    db = None if b is None else jnp.sum(dy.astype(cm.F32), axis=(0, 1, 2)).astype(b.dtype)
+    dres = None if residual is None else dy.astype(residual.dtype)
+    if backward == "xla":
+        x_in = x if scale is None else _bn_relu(x, scale, shift).astype(x.dtype)
+        conv = functools.partial(
+            lax.conv_general_dilated, window_strides=(g.sh, g.sw), padding=pads,
+            rhs_dilation=(g.dh, g.dw), dimension_numbers=_DIMS,
+            feature_group_count=1 if kind == "dense" else g.c)
+        _, vjp = jax.vjp(conv, x_in, w)
+        dx, dw = vjp(dy)
+    elif kind == "dense":
+        dx = conv_dgrad(dy, w, g=g, cfg=cfg_d, interpret=interpret, precision=precision)
+        dw = conv_wgrad(x, dy, scale, shift, g=g, cfg=cfg_w, interpret=interpret,
+                        precision=precision)
+    else:
+        dx = depthwise_dgrad(dy, w, g=g, cfg=cfg_d, interpret=interpret)
+        dw = depthwise_wgrad(x, dy, scale, shift, g=g, cfg=cfg_w, interpret=interpret)
+    dw = dw.astype(w.dtype)
+    if scale is None:
+        return dx, dw, db, dres, None, None
+    # Through relu(x * scale + shift), elementwise; cheap next to the convolution.
+    dx_pre = jnp.where(_bn_relu(x, scale, shift) > 0, dx.astype(cm.F32), 0.0)
+    dscale = jnp.sum(dx_pre * x.astype(cm.F32), axis=(0, 1, 2)).astype(scale.dtype)
+    dshift = jnp.sum(dx_pre, axis=(0, 1, 2)).astype(shift.dtype)
+    return (dx_pre * scale.astype(cm.F32)).astype(x.dtype), dw, db, dres, dscale, dshift
+
+
+def _bn_relu(x, scale, shift):
+    return jnp.maximum(x.astype(cm.F32) * scale.astype(cm.F32) + shift.astype(cm.F32), 0.0)
+
+
+_conv.defvjp(_conv_fwd, _conv_bwd)

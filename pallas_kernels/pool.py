@@ -1,0 +1,247 @@
+"""Max and average pooling kernels, forward and backward, with PyTorch semantics.
+
+Output sizes, ``ceil_mode`` overhang and the average divisor come from
+:mod:`jaxcnn.functional.pool` (imported, not re-derived), so both
+implementations agree by construction on the arithmetic.
+
+Each program owns ``(block_m pixels, block_n channels)`` and loops over the
+window's taps in row-major order.  Max pooling also writes the tap index of
+the first maximum (a strict ``>`` keeps the earliest on ties, as PyTorch and
+XLA do); its backward is a gather, not a scatter: every input pixel sums the
+incoming gradients of the windows whose recorded tap points at it, so no
+atomics are needed and the result is deterministic.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+
+from jaxcnn.functional import _args
+from jaxcnn.functional import pool as fpool
+from pallas_kernels import _common as cm
+from pallas_kernels import autotune
+from pallas_kernels._common import F32, BlockConfig, ConvGeometry
+from pallas_kernels.conv_op import BACKWARDS
+
+
+def _grid(rows: int, g: ConvGeometry, cfg: BlockConfig):
+    return (pl.cdiv(rows, cfg.block_m), pl.cdiv(g.c, cfg.block_n))
+
+
+def _max_kernel(x_ref, y_ref, arg_ref, *, g: ConvGeometry, cfg: BlockConfig, lowest):
+    m = cm.arange_block(0, cfg.block_m)
+    cols = cm.arange_block(1, cfg.block_n)
+    m_ok, col_ok = m < g.m_out, cols < g.c
+    n, oh, ow = cm.split_pixels(m, g.oh, g.ow)
+    shape = (cfg.block_m, cfg.block_n)
+
+    def step(tap, carry):
+        best, arg = carry
+        rows, ok = cm.input_rows(n, oh, ow, tap // g.kw, tap % g.kw, g)
+        v = cm.gather(x_ref, rows[:, None], cols[None, :],
+                      (ok & m_ok)[:, None] & col_ok[None, :], lowest)
+        better = v > best
+        return jnp.where(better, v, best), jnp.where(better, tap, arg)
+
+    init = (jnp.full(shape, lowest, x_ref.dtype), jnp.zeros(shape, jnp.int32))
+    best, arg = lax.fori_loop(0, g.taps, step, init)
+    cm.store_block(y_ref, best, m_ok, col_ok)
+    cm.store_block(arg_ref, arg, m_ok, col_ok)
+
+
+def _max_backward_kernel(dy_ref, arg_ref, dx_ref, *, g: ConvGeometry, cfg: BlockConfig):
+    r = cm.arange_block(0, cfg.block_m)
+    cols = cm.arange_block(1, cfg.block_n)
+    r_ok, col_ok = r < g.m_in, cols < g.c
+    n, ih, iw = cm.split_pixels(r, g.h, g.w)
+
+    def step(tap, acc):
+        rows, ok = cm.output_rows(n, ih, iw, tap // g.kw, tap % g.kw, g)
+        mask = (ok & r_ok)[:, None] & col_ok[None, :]
+        arg = cm.gather(arg_ref, rows[:, None], cols[None, :], mask, -1)
+        d = cm.gather(dy_ref, rows[:, None], cols[None, :], mask, 0.0)
+        return acc + jnp.where(arg == tap, d.astype(F32), 0.0)
+
+    acc = lax.fori_loop(0, g.taps, step, jnp.zeros((cfg.block_m, cfg.block_n), F32))
+    cm.store_block(dx_ref, acc, r_ok, col_ok)
+
+
+def _avg_kernel(x_ref, div_ref, y_ref, *, g: ConvGeometry, cfg: BlockConfig):
+    m = cm.arange_block(0, cfg.block_m)
+    cols = cm.arange_block(1, cfg.block_n)
+    m_ok, col_ok = m < g.m_out, cols < g.c
+    n, oh, ow = cm.split_pixels(m, g.oh, g.ow)
+
+    def step(tap, acc):
+        rows, ok = cm.input_rows(n, oh, ow, tap // g.kw, tap % g.kw, g)
+        v = cm.gather(x_ref, rows[:, None], cols[None, :],
+                      (ok & m_ok)[:, None] & col_ok[None, :], 0.0)
+        return acc + v.astype(F32)
+
+    acc = lax.fori_loop(0, g.taps, step, jnp.zeros((cfg.block_m, cfg.block_n), F32))
+    div = cm.gather1d(div_ref, oh * g.ow + ow, m_ok, 1.0)
+    cm.store_block(y_ref, acc / div[:, None], m_ok, col_ok)
+
+
+def _avg_backward_kernel(dy_ref, div_ref, dx_ref, *, g: ConvGeometry, cfg: BlockConfig):
+    r = cm.arange_block(0, cfg.block_m)
+    cols = cm.arange_block(1, cfg.block_n)
+    r_ok, col_ok = r < g.m_in, cols < g.c
+    n, ih, iw = cm.split_pixels(r, g.h, g.w)
+
+    def step(tap, acc):
+        rows, ok = cm.output_rows(n, ih, iw, tap // g.kw, tap % g.kw, g)
+        ok = ok & r_ok
+        d = cm.gather(dy_ref, rows[:, None], cols[None, :], ok[:, None] & col_ok[None, :], 0.0)
+        div = cm.gather1d(div_ref, rows % (g.oh * g.ow), ok, 1.0)
+        return acc + d.astype(F32) / div[:, None]
+
+    acc = lax.fori_loop(0, g.taps, step, jnp.zeros((cfg.block_m, cfg.block_n), F32))
+    cm.store_block(dx_ref, acc, r_ok, col_ok)
+
+
+def _call(kernel, ops, out_shapes, rows, g, cfg, interpret, name):
+    spec = cm.block2d(cfg.block_m, cfg.block_n)
+    return pl.pallas_call(
+        kernel,
+        out_shape=out_shapes,
+        grid=_grid(rows, g, cfg),
+        in_specs=[cm.ANY] * len(ops),
+        out_specs=[spec] * len(out_shapes) if isinstance(out_shapes, list) else spec,
+        compiler_params=cfg.compiler_params(),
+        interpret=interpret,
+        name=name,
+    )(*ops)
+
+
+def _setup(op, x, kernel_size, stride, padding, dilation, ceil_mode, backward, config,
+           interpret):
+    if backward not in BACKWARDS:
+        raise ValueError(f"{op}: backward must be one of {BACKWARDS}, got {backward!r}")
+    kernel, stride, dilation, pads, run_pads, out_hw = fpool._pool_geometry(
+        op, x, kernel_size, stride, padding, dilation, ceil_mode)
+    g = cm.geometry(tuple(x.shape), kernel, stride, dilation, run_pads, out_hw)
+    interpret = cm.interpret_default(interpret)
+    name = op.split(".")[-1]
+    if isinstance(config, BlockConfig):
+        cfgs = (config, config)
+    else:
+        cfgs = tuple(autotune.config_for(f"{name}_{part}", g, g.c, x.dtype, interpret)
+                     for part in ("fwd", "bwd"))
+    return g, pads, cfgs, interpret
+
+
+def max_pool2d(x, kernel_size, *, stride=None, padding=0, dilation=1, ceil_mode=False,
+               backward="pallas", config=None, interpret=None):
+    """Max pooling as :func:`jaxcnn.functional.max_pool2d`, run by Pallas kernels.
+
+    Arguments:
+        x: ``(N, H, W, C)``, floating point or integer.
+        kernel_size, stride, padding, dilation, ceil_mode: as in
+            :func:`jaxcnn.functional.max_pool2d`.
+        backward: ``"pallas"`` or ``"xla"`` (the XLA op's gradient).
+        config: a :class:`~pallas_kernels.BlockConfig` for both kernels, or None.
+        interpret: run in the Pallas interpreter; None means "unless on a GPU".
+
+    Returns:
+        ``(N, H_out, W_out, C)`` in ``x.dtype``; the gradient goes to the
+        first maximum of each window (row-major order).
+    """
+    g, _, cfgs, interpret = _setup("pallas_kernels.max_pool2d", x, kernel_size, stride,
+                                   padding, dilation, ceil_mode, backward, config, interpret)
+    xla = functools.partial(fpool.max_pool2d, kernel_size=kernel_size, stride=stride,
+                            padding=padding, dilation=dilation, ceil_mode=ceil_mode,
+                            impl="xla")
+    return _max_pool((g, cfgs, interpret, backward, xla), x)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _max_pool(static, x):
+    return _max_pool_fwd(static, x)[0]
+
+
+def _max_pool_fwd(static, x):
+    g, (cfg, _), interpret, _, _ = static
+    lowest = _args.lowest(x.dtype)
+    y, arg = _call(functools.partial(_max_kernel, g=g, cfg=cfg, lowest=lowest),
+                   [x.reshape(g.m_in, g.c)],
+                   [jax.ShapeDtypeStruct((g.m_out, g.c), x.dtype),
+                    jax.ShapeDtypeStruct((g.m_out, g.c), jnp.int32)],
+                   g.m_out, g, cfg, interpret, "jaxcnn_max_pool_fwd")
+    return y.reshape(g.n, g.oh, g.ow, g.c), (x, arg)
+
+
+def _max_pool_bwd(static, saved, dy):
+    g, (_, cfg), interpret, backward, xla = static
+    x, arg = saved
+    if backward == "xla":
+        return jax.vjp(xla, x)[1](dy)
+    dx = _call(functools.partial(_max_backward_kernel, g=g, cfg=cfg),
+               [dy.reshape(g.m_out, g.c), arg],
+               jax.ShapeDtypeStruct((g.m_in, g.c), dy.dtype),
+               g.m_in, g, cfg, interpret, "jaxcnn_max_pool_bwd")
+    return (dx.reshape(x.shape),)
+
+
+_max_pool.defvjp(_max_pool_fwd, _max_pool_bwd)
+
+
+def avg_pool2d(x, kernel_size, *, stride=None, padding=0, ceil_mode=False,
+               count_include_pad=True, backward="pallas", config=None, interpret=None):
+    """Average pooling as :func:`jaxcnn.functional.avg_pool2d`, run by Pallas kernels.
+
+    Arguments:
+        x: ``(N, H, W, C)``, floating point.
+        kernel_size, stride, padding, ceil_mode, count_include_pad: as in
+            :func:`jaxcnn.functional.avg_pool2d`.
+        backward: ``"pallas"`` or ``"xla"``.
+        config: a :class:`~pallas_kernels.BlockConfig` for both kernels, or None.
+        interpret: run in the Pallas interpreter; None means "unless on a GPU".
+
+    Returns:
+        ``(N, H_out, W_out, C)`` in ``x.dtype`` (sums in float32).
+    """
+    op = "pallas_kernels.avg_pool2d"
+    g, pads, cfgs, interpret = _setup(op, x, kernel_size, stride, padding, 1, ceil_mode,
+                                      backward, config, interpret)
+    ch, cw = (fpool._window_counts(n, lo, hi, k, s, o, count_include_pad)
+              for n, (lo, hi), k, s, o in zip((g.h, g.w), pads, (g.kh, g.kw), (g.sh, g.sw),
+                                               (g.oh, g.ow)))
+    divisor = jnp.asarray(np.outer(ch, cw).reshape(-1), F32)
+    xla = functools.partial(fpool.avg_pool2d, kernel_size=kernel_size, stride=stride,
+                            padding=padding, ceil_mode=ceil_mode,
+                            count_include_pad=count_include_pad, impl="xla")
+    return _avg_pool((g, cfgs, interpret, backward, xla), x, divisor)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _avg_pool(static, x, divisor):
+    return _avg_pool_fwd(static, x, divisor)[0]
+
+
+def _avg_pool_fwd(static, x, divisor):
+    g, (cfg, _), interpret, _, _ = static
+    y = _call(functools.partial(_avg_kernel, g=g, cfg=cfg), [x.reshape(g.m_in, g.c), divisor],
+              jax.ShapeDtypeStruct((g.m_out, g.c), x.dtype), g.m_out, g, cfg, interpret,
+              "jaxcnn_avg_pool_fwd")
+    return y.reshape(g.n, g.oh, g.ow, g.c), divisor
+
+
+def _avg_pool_bwd(static, saved, dy):
+    g, (_, cfg), interpret, backward, xla = static
+    divisor, x_shape = saved, (g.n, g.h, g.w, g.c)
+    if backward == "xla":
+        return jax.vjp(xla, jnp.zeros(x_shape, dy.dtype))[1](dy)[0], jnp.zeros_like(divisor)
+    dx = _call(functools.partial(_avg_backward_kernel, g=g, cfg=cfg),
+               [dy.reshape(g.m_out, g.c), divisor],
+               jax.ShapeDtypeStruct((g.m_in, g.c), dy.dtype), g.m_in, g, cfg, interpret,
+               "jaxcnn_avg_pool_bwd")
+    return dx.reshape(x_shape), jnp.zeros_like(divisor)
+
+
+_avg_pool.defvjp(_avg_pool_fwd, _avg_pool_bwd)

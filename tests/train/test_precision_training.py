@@ -1,0 +1,184 @@
+"""Mixed precision through layers and the trainer: dtypes under every preset,
+fp16 overflow skipping, loss-scale checkpointing and bf16 vs fp32 accuracy."""
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxcnn import layers as L
+from jaxcnn import precision as P
+from jaxcnn.train.checkpoint import CheckpointManager
+from jaxcnn.train.cli import train_main
+from jaxcnn.train.config import load_config
+from jaxcnn.train.loop import build_run, init_state
+from jaxcnn.train.metrics import read_metrics
+from jaxcnn.train.state import MasterCopyState
+from jaxcnn.train.step import make_train_step
+
+CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                       "configs")
+PRESETS = ["fp32", "bf16", "bf16_params", "fp16"]
+FP32_KINDS = {"batch_norm", "layer_norm", "group_norm", "softmax"}
+
+# Every layer type, with an input shape it accepts.
+LAYERS = {
+    "conv2d": (L.Conv2D(4, 3, padding=1), (2, 6, 6, 3)),
+    "conv2d_depthwise": (L.Conv2D(3, 3, groups=3), (2, 6, 6, 3)),
+    "conv_transpose2d": (L.ConvTranspose2D(4, 3, stride=2), (2, 5, 5, 3)),
+    "linear": (L.Linear(5), (2, 7)),
+    "batch_norm": (L.BatchNorm(), (4, 3, 3, 3)),
+    "layer_norm": (L.LayerNorm(), (2, 3, 3, 4)),
+    "group_norm": (L.GroupNorm(2), (2, 3, 3, 4)),
+    "dropout": (L.Dropout(0.5), (2, 8)),
+    "max_pool2d": (L.MaxPool2D(2), (2, 4, 4, 3)),
+    "avg_pool2d": (L.AvgPool2D(3, stride=2, padding=1), (2, 5, 5, 3)),
+    "adaptive_avg_pool2d": (L.AdaptiveAvgPool2D(2), (2, 5, 5, 3)),
+    "global_avg_pool2d": (L.GlobalAvgPool2D(), (2, 4, 4, 3)),
+    "flatten": (L.Flatten(), (2, 3, 3, 2)),
+    "identity": (L.Identity(), (2, 5)),
+    "relu": (L.Relu(), (2, 5)), "relu6": (L.Relu6(), (2, 5)), "leaky_relu": (L.LeakyRelu(), (2, 5)),
+    "elu": (L.Elu(), (2, 5)), "gelu": (L.Gelu(), (2, 5)), "gelu_tanh": (L.Gelu(approximate=True), (2, 5)),
+    "silu": (L.Silu(), (2, 5)), "hardswish": (L.Hardswish(), (2, 5)), "sigmoid": (L.Sigmoid(), (2, 5)),
+    "tanh": (L.Tanh(), (2, 5)), "softmax": (L.Softmax(), (2, 5)), "log_softmax": (L.LogSoftmax(), (2, 5)),
+    "serial": (L.serial(L.Conv2D(4, 3), L.BatchNorm(), L.Relu()), (2, 5, 5, 3)),
+    "residual": (L.residual(L.Conv2D(3, 3, padding=1), L.BatchNorm(), shortcut=L.Identity(),
+                            activation=L.Relu()), (2, 5, 5, 3)),
+    "parallel": (L.parallel(L.Conv2D(2, 1), L.MaxPool2D(3, stride=1, padding=1)), (2, 5, 5, 3)),
+}
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+@pytest.mark.parametrize("name", sorted(LAYERS))
+def test_layer_dtypes_under_every_preset(name, preset):
+    layer, shape = LAYERS[name]
+    policy = P.get_policy(preset)
+    params, state, out_shape = layer.init(jax.random.PRNGKey(0), shape)
+    params = policy.cast_to_param(params)
+    for leaf in jax.tree_util.tree_leaves(params):
+        assert leaf.dtype == policy.param_dtype, (name, preset)
+    # Mid-network, activations arrive in the compute dtype.
+    x = jax.random.normal(jax.random.PRNGKey(1), shape).astype(policy.compute_dtype)
+    rng = jax.random.PRNGKey(2)
+
+    def run(p, x):
+        y, new_state = layer.apply(p, state, x, train=True, rng=rng, policy=policy)
+        return y, new_state
+
+    y, new_state = run(params, x)
+    assert y.shape == out_shape
+    assert y.dtype == policy.compute_dtype, (name, preset, y.dtype)
+    for leaf in jax.tree_util.tree_leaves(new_state):  # BatchNorm statistics stay float32
+        if jnp.issubdtype(leaf.dtype, jnp.floating):
+            assert leaf.dtype == jnp.float32
+    grads = jax.grad(lambda p, x: jnp.sum(run(p, x)[0].astype(jnp.float32)), argnums=(0, 1))(params, x)
+    for leaf in jax.tree_util.tree_leaves(grads[0]):
+        assert leaf.dtype == policy.param_dtype
+    assert grads[1].dtype == policy.compute_dtype
+    assert all(bool(jnp.all(jnp.isfinite(g.astype(jnp.float32))))
+               for g in jax.tree_util.tree_leaves(grads))
+
+
+def test_norm_layers_compute_in_float32_under_bf16():
+    """A bf16 BatchNorm whose statistics were computed in bf16 would differ visibly from f32."""
+    layer, shape = LAYERS["batch_norm"]
+    params, state, _ = layer.init(jax.random.PRNGKey(0), shape)
+    x = (jax.random.normal(jax.random.PRNGKey(1), shape) * 0.01 + 300.0)
+    y16, s16 = layer.apply(params, state, x.astype(jnp.bfloat16), train=True, policy=P.get_policy("bf16"))
+    y32, s32 = layer.apply(params, state, x.astype(jnp.bfloat16).astype(jnp.float32), train=True)
+    np.testing.assert_allclose(np.asarray(s16["mean"]), np.asarray(s32["mean"]), rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(y16, np.float32), np.asarray(y32), atol=2e-2)
+
+
+def _tiny_run(policy, extra=()):
+    cfg = load_config(os.path.join(CONFIGS, "mnist_cnn.yaml"),
+                      [f"precision.policy={policy}", "data.batch_size=16", "train.steps=100",
+                       "optim.name=adam", "optim.lr=1e-3", "optim.schedule.name=constant", *extra])
+    return build_run(cfg)
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_train_step_dtypes(preset):
+    run = _tiny_run(preset)
+    state = init_state(run)
+    policy = run.policy
+    for leaf in jax.tree_util.tree_leaves(state.params):
+        assert leaf.dtype == policy.param_dtype
+    if policy.needs_master_copy:
+        assert isinstance(state.opt_state, MasterCopyState)
+        assert all(leaf.dtype == jnp.float32 for leaf in jax.tree_util.tree_leaves(state.opt_state.master))
+    step = jax.jit(make_train_step(run.model, run.tx, policy=policy, schedule=run.schedule))
+    batch = {"image": jnp.zeros((16, 28, 28, 1)) + 0.1, "label": jnp.arange(16) % 10}
+    new, metrics = step(state, batch)
+    for before, after in zip(jax.tree_util.tree_leaves(state.params), jax.tree_util.tree_leaves(new.params)):
+        assert after.dtype == before.dtype
+    assert metrics["loss"].dtype == jnp.float32 and np.isfinite(float(metrics["loss"]))
+    logits, _ = run.model.apply(new.params, new.state, batch["image"], policy=policy)
+    assert logits.dtype == policy.compute_dtype
+    assert policy.cast_to_output(logits).dtype == policy.output_dtype
+
+
+def test_master_copy_keeps_small_updates():
+    """bf16 params updated directly would round a 1e-4 relative update away; the master keeps it."""
+    run = _tiny_run("bf16_params", ["optim.name=sgd", "optim.lr=1e-4", "optim.momentum=0"])
+    state = init_state(run)
+    step = jax.jit(make_train_step(run.model, run.tx, policy=run.policy))
+    batch = {"image": jnp.ones((16, 28, 28, 1)), "label": jnp.arange(16) % 10}
+    master0 = state.opt_state.master
+    for _ in range(3):
+        state, _ = step(state, batch)
+    moved = jax.tree_util.tree_map(lambda a, b: jnp.any(a != b), master0, state.opt_state.master)
+    assert all(bool(m) for m in jax.tree_util.tree_leaves(moved))
+    recast = run.policy.cast_to_param(state.opt_state.master)
+    for a, b in zip(jax.tree_util.tree_leaves(recast), jax.tree_util.tree_leaves(state.params)):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+def test_fp16_overflow_step_is_skipped_and_scale_round_trips(tmp_path):
+    run = _tiny_run("fp16", ["precision.loss_scale_init=1024", "precision.growth_interval=1000"])
+    assert isinstance(run.loss_scale, P.DynamicLossScale)
+    state = init_state(run)
+    step = jax.jit(make_train_step(run.model, run.tx, policy=run.policy, schedule=run.schedule))
+    rng = np.random.default_rng(0)
+    images = rng.normal(size=(16, 28, 28, 1)).astype(np.float32)
+    batch = {"image": images, "label": np.arange(16, dtype=np.int32) % 10}
+    losses = []
+    for i in range(12):
+        if i == 5:  # inject an overflow: fp16 activations of 1e5-scaled inputs become inf
+            before = state
+            state, m = step(state, {"image": images * 1e5, "label": batch["label"]})
+            assert float(m["finite"]) == 0.0 and int(m["skipped"]) == 1
+            assert float(P.current_scale(state.loss_scale)) == 512.0  # halved from 1024
+            for a, b in zip(jax.tree_util.tree_leaves((before.params, before.opt_state, before.state)),
+                            jax.tree_util.tree_leaves((state.params, state.opt_state, state.state))):
+                np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+            continue
+        state, m = step(state, batch)
+        assert float(m["finite"]) == 1.0
+        losses.append(float(m["loss"]))
+    assert int(state.skipped) == 1 and losses[-1] < 0.5 * losses[0]
+    manager = CheckpointManager(tmp_path / "ckpt", keep=1)
+    manager.save(int(state.step), state)
+    manager.wait()
+    _, restored = manager.restore(target=jax.eval_shape(lambda: state))
+    manager.close()
+    assert float(P.current_scale(restored.loss_scale)) == 512.0
+    assert int(restored.loss_scale.counter) == int(state.loss_scale.counter)
+    assert int(restored.skipped) == 1
+    assert restored.loss_scale.min_scale == state.loss_scale.min_scale
+
+
+def test_bf16_matches_fp32_accuracy_on_short_mnist_run(tmp_path):
+    """Shortened version of the README's full bf16-vs-fp32 comparison."""
+    accuracy = {}
+    for policy in ("fp32", "bf16"):
+        work = tmp_path / policy
+        assert train_main([os.path.join(CONFIGS, "mnist_cnn.yaml"), f"precision.policy={policy}",
+                           "train.steps=120", "data.batch_size=64", "checkpoint.enabled=false",
+                           "train.eval_every=null", "logging.log_every=40", "logging.progress=none",
+                           "--workdir", str(work)]) == 0
+        final = [r for r in read_metrics(work) if r["kind"] == "eval"][-1]
+        accuracy[policy] = final["top1"]
+    assert accuracy["fp32"] > 0.93
+    assert abs(accuracy["bf16"] - accuracy["fp32"]) <= 0.01, accuracy
