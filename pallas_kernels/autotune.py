@@ -304,6 +304,18 @@ def prefers_pallas(op: str, arrays, static: dict) -> bool:
     if jax.default_backend() != "gpu":
         return False
     verdict = measured_faster(op, arrays, static)
-    if verdict is None and os.environ.get("JAXCNN_AUTOTUNE", "1") != "0":
+    if verdict is None and os.environ.get("JAXCNN_AUTOTUNE", "1") != "0" and _supported(
+            op, arrays, static):
         verdict = tune_op(op, arrays, static)["pallas_faster"]
     return bool(verdict)
+
+
+def _supported(op: str, arrays, static: dict) -> bool:
+    """Whether a kernel exists for this call (e.g. not for grouped, non-depthwise convs)."""
+    import pallas_kernels
+    abstract = [None if a is None else jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays]
+    try:
+        jax.eval_shape(lambda *a: getattr(pallas_kernels, op)(*a, **static), *abstract)
+    except (NotImplementedError, ValueError):
+        return False
+    return True

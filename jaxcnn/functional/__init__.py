@@ -7,8 +7,9 @@ op (integer padding, ``ceil_mode``, ``count_include_pad``, first-max-wins in
 max-pool gradients, label smoothing); shape errors are ``ValueError`` raised at
 trace time, naming the op and the shapes.
 
-Convolution and pooling take ``impl="auto"|"xla"|"pallas"``; ``"auto"`` runs
-XLA until the Pallas kernels (step 4) exist.
+Convolution and pooling take ``impl="auto"|"xla"|"pallas"``: ``"pallas"`` runs
+the :mod:`pallas_kernels` kernels (interpreted off GPUs), ``"auto"`` runs XLA
+except on a GPU where the autotuner measured the kernel faster for the shape.
 
 Typical use::
 

@@ -6,6 +6,7 @@ they fire at trace time.
 """
 from __future__ import annotations
 
+import functools
 import numbers
 
 import numpy as np
@@ -100,14 +101,26 @@ def check_rank(op: str, name: str, shape, rank: int, layout: str) -> None:
 
 
 def check_impl(op: str, impl: str) -> str:
-    """Returns the backend to run for ``impl`` (only ``"xla"`` today)."""
+    """Returns ``impl`` after checking it is one of :data:`IMPLS`."""
     if impl not in IMPLS:
         raise ValueError(f"{op}: impl must be one of {IMPLS}, got {impl!r}")
-    if impl == "pallas":
-        raise NotImplementedError(
-            f"{op}: impl='pallas' is not available yet; the Pallas kernels arrive with "
-            f"step 4. Use impl='auto' or impl='xla'.")
-    return "xla"
+    return impl
+
+
+def pallas_op(op: str, impl: str, arrays, static: dict):
+    """The Pallas kernel to run for this call, or None to run XLA.
+
+    ``"pallas"`` always picks ``pallas_kernels.<op>`` (interpreted off GPUs);
+    ``"auto"`` picks it only where its autotuner measured it faster than XLA
+    for this shape on this GPU kind (never on CPU); ``"xla"`` never does.
+    """
+    if check_impl(op, impl) == "xla":
+        return None
+    # Imported here: pallas_kernels itself imports jaxcnn.functional.
+    import pallas_kernels
+    if impl == "auto" and not pallas_kernels.autotune.prefers_pallas(op, arrays, static):
+        return None
+    return functools.partial(getattr(pallas_kernels, op), **static)
 
 
 def lowest(dtype):

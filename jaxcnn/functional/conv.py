@@ -30,7 +30,9 @@ def conv2d(x, w, b=None, *, stride=1, padding=0, dilation=1, groups=1, impl="aut
             ``ceil(H / sh)`` rows, the odd extra pad at the bottom/right).
         dilation: int or ``(dh, dw)``, each >= 1.
         groups: number of groups; divides both ``C_in`` and ``C_out``.
-        impl: ``"auto"`` or ``"xla"`` (``"pallas"`` is not available yet).
+        impl: ``"xla"``; ``"pallas"`` (:func:`pallas_kernels.conv2d`, groups=1 or
+            depthwise only); or ``"auto"``: XLA unless on a GPU where the
+            autotuner measured the kernel faster for this shape.
 
     Returns:
         ``(N, H_out, W_out, C_out)`` with
@@ -62,7 +64,10 @@ def conv2d(x, w, b=None, *, stride=1, padding=0, dilation=1, groups=1, impl="aut
     window = _args.dilated(w_shape[:2], dilation)
     pads = _args.explicit_pads(_args.padding_spec(padding, op), x_shape[1:3], window, stride)
     _args.check_window_fits(op, x_shape, window, pads, what="kernel")
-    _args.check_impl(op, impl)
+    kernel = _args.pallas_op(op, impl, (x, w, b), dict(
+        stride=stride, padding=pads, dilation=dilation, groups=groups))
+    if kernel is not None:
+        return kernel(x, w, b)
 
     y = lax.conv_general_dilated(
         x, w, window_strides=stride, padding=pads, rhs_dilation=dilation,

@@ -72,7 +72,9 @@ def max_pool2d(x, kernel_size, *, stride=None, padding=0, dilation=1, ceil_mode=
         dilation: int or ``(dh, dw)``.
         ceil_mode: round the output size up instead of down; a last window must
             still start inside the input or the top/left padding.
-        impl: ``"auto"`` or ``"xla"`` (``"pallas"`` is not available yet).
+        impl: ``"xla"``, ``"pallas"`` (the :mod:`pallas_kernels` kernel) or
+            ``"auto"`` (XLA unless the autotuner measured the kernel faster on
+            this GPU for this shape).
 
     Returns:
         ``(N, H_out, W_out, C)``.
@@ -84,7 +86,11 @@ def max_pool2d(x, kernel_size, *, stride=None, padding=0, dilation=1, ceil_mode=
     op = "max_pool2d"
     kernel, stride, dilation, _, run_pads, out_hw = _pool_geometry(
         op, x, kernel_size, stride, padding, dilation, ceil_mode)
-    _args.check_impl(op, impl)
+    kernel_fn = _args.pallas_op(op, impl, (x,), dict(
+        kernel_size=kernel, stride=stride, padding=padding, dilation=dilation,
+        ceil_mode=ceil_mode))
+    if kernel_fn is not None:
+        return kernel_fn(x)
     if dilation != (1, 1):
         return _dilated_max_pool(x, kernel, stride, dilation, run_pads, out_hw)
     # The gradient of reduce_window's max (select-and-scatter with >=) keeps the
@@ -140,7 +146,9 @@ def avg_pool2d(x, kernel_size, *, stride=None, padding=0, ceil_mode=False,
             most half the kernel size; or ``"SAME"``/``"VALID"`` (XLA's meaning).
         ceil_mode: round the output size up instead of down.
         count_include_pad: count zero padding in the divisor.
-        impl: ``"auto"`` or ``"xla"`` (``"pallas"`` is not available yet).
+        impl: ``"xla"``, ``"pallas"`` (the :mod:`pallas_kernels` kernel) or
+            ``"auto"`` (XLA unless the autotuner measured the kernel faster on
+            this GPU for this shape).
 
     Returns:
         ``(N, H_out, W_out, C)``.
@@ -152,7 +160,11 @@ def avg_pool2d(x, kernel_size, *, stride=None, padding=0, ceil_mode=False,
     op = "avg_pool2d"
     kernel, stride, _, pads, run_pads, out_hw = _pool_geometry(
         op, x, kernel_size, stride, padding, 1, ceil_mode)
-    _args.check_impl(op, impl)
+    kernel_fn = _args.pallas_op(op, impl, (x,), dict(
+        kernel_size=kernel, stride=stride, padding=padding, ceil_mode=ceil_mode,
+        count_include_pad=count_include_pad))
+    if kernel_fn is not None:
+        return kernel_fn(x)
     acc = jnp.promote_types(x.dtype, jnp.float32)
     summed = lax.reduce_window(
         x.astype(acc), np.array(0, acc), lax.add, (1, *kernel, 1), (1, *stride, 1),

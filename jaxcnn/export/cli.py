@@ -1,0 +1,124 @@
+"""``jaxcnn-export``: export a trained run or a parameter file.
+
+    jaxcnn-export runs/mnist_cnn --format onnx --out mnist.onnx
+    jaxcnn-export runs/mnist_cnn --format stablehlo --quantize int8 --out mnist_int8.stablehlo
+    jaxcnn-export weights.npz --model resnet18 --model-option cifar_stem=true \\
+        --input-shape 32,32,3 --format onnx --fold-bn --layout nchw --out r18.onnx
+
+Bad input (a run directory without parameters, a corrupt parameter file, a
+layer ONNX export does not support) ends with exit code 2 and one line on
+stderr; no traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import yaml
+
+EXIT_BAD_INPUT = 2
+
+
+def _batch(text: str):
+    if text == "dynamic":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive int or 'dynamic', got {text!r}")
+    return value
+
+
+def _shape(text: str):
+    try:
+        dims = tuple(int(d) for d in text.split(","))
+    except ValueError:
+        dims = ()
+    if len(dims) != 3 or min(dims) < 1:
+        raise argparse.ArgumentTypeError(f"expected H,W,C (three positive ints), got {text!r}")
+    return dims
+
+
+def _option(text: str):
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected key=value, got {text!r}")
+    return key, yaml.safe_load(value)
+
+
+def _sparsity(text: str):
+    value = float(text)
+    if not 0.0 <= value < 1.0:
+        raise argparse.ArgumentTypeError(f"expected a fraction in [0, 1), got {text!r}")
+    return value
+
+
+def parser() -> argparse.ArgumentParser:
+    """The ``jaxcnn-export`` argument parser."""
+    p = argparse.ArgumentParser(
+        prog="jaxcnn-export",
+        description="Export a jaxcnn run directory (or a .npz/.safetensors parameter file "
+                    "with --model) to StableHLO, ONNX, npz or safetensors, optionally pruned, "
+                    "BatchNorm-folded or int8-quantised.")
+    p.add_argument("source", metavar="RUN_DIR_OR_PARAMS")
+    p.add_argument("--format", required=True, choices=("stablehlo", "onnx", "npz", "safetensors"))
+    p.add_argument("--out", required=True, help="output file")
+    p.add_argument("--model", default=None, help="zoo model name (required with a parameter file)")
+    p.add_argument("--num-classes", type=int, default=None,
+                   help="classifier width (default: the run's, else read from the parameters)")
+    p.add_argument("--model-option", type=_option, action="append", default=[],
+                   metavar="KEY=VALUE", help="model option, e.g. cifar_stem=true (repeatable)")
+    p.add_argument("--input-shape", type=_shape, default=None, metavar="H,W,C",
+                   help="image shape (default: the run's data, else the model's usual input)")
+    p.add_argument("--batch", type=_batch, default="dynamic",
+                   help="batch size N, or 'dynamic' (default) for a symbolic batch")
+    p.add_argument("--layout", choices=("nhwc", "nchw"), default="nhwc",
+                   help="input layout of the exported model (default nhwc)")
+    p.add_argument("--fold-bn", action="store_true", help="fold BatchNorm into the conv before it")
+    p.add_argument("--quantize", choices=("int8",), default=None,
+                   help="post-training int8 quantisation (needs a run directory for calibration)")
+    p.add_argument("--calibration-batches", type=int, default=4,
+                   help="training batches used to calibrate activation ranges (default 4)")
+    p.add_argument("--prune", type=_sparsity, default=None, metavar="SPARSITY",
+                   help="magnitude-prune this fraction of the conv/linear weights")
+    p.add_argument("--prune-scope", choices=("global", "layer"), default="global")
+    p.add_argument("--prune-structure", choices=("unstructured", "channel"),
+                   default="unstructured")
+    p.add_argument("--fine-tune-steps", type=int, default=0,
+                   help="masked fine-tuning steps after pruning (run directory only)")
+    p.add_argument("--fine-tune-lr", type=float, default=None,
+                   help="fine-tuning peak learning rate (default: the run's / 10)")
+    p.add_argument("--opset", type=int, default=17, help="ONNX opset (>= 17)")
+    p.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    return p
+
+
+def main(argv=None) -> int:
+    """Entry point of ``jaxcnn-export``; returns the exit code."""
+    args = parser().parse_args(argv)
+    from jaxcnn.export.pipeline import export
+    log = None if args.json else print
+    try:
+        report = export(
+            args.source, args.out, format=args.format, model=args.model,
+            num_classes=args.num_classes, model_options=dict(args.model_option),
+            image_shape=args.input_shape, batch=args.batch, layout=args.layout,
+            fold_bn=args.fold_bn, quantize=args.quantize,
+            calibration_count=args.calibration_batches, prune=args.prune,
+            prune_scope=args.prune_scope, prune_structure=args.prune_structure,
+            fine_tune_steps=args.fine_tune_steps, fine_tune_lr=args.fine_tune_lr,
+            opset=args.opset, log=log)
+    except (ValueError, OSError) as e:  # ExportError, ConfigError, DataError, file readers
+        message = " ".join(str(e).split())  # one line, even for multi-line messages
+        print(f"jaxcnn-export: error: {message}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    if args.json:
+        print(json.dumps(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,265 @@
+"""From a run directory or a parameter file to an exported model.
+
+:func:`load_source` turns ``RUN_DIR`` (written by ``jaxcnn-train``: its
+``config.resolved.yaml`` names the model, its ``params.npz`` or
+``params.safetensors`` holds the trained parameters) or a bare parameter
+file plus a model name into a model, its parameters and its input shape.
+:func:`export` is what ``jaxcnn-export`` runs: optional pruning (and
+fine-tuning), BatchNorm folding and int8 quantisation, then one output format.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Callable, NamedTuple
+
+import jax
+
+from jaxcnn import interop, models
+from jaxcnn.export._tree import ExportError
+from jaxcnn.export.fold import fold_batch_norm
+from jaxcnn.export.onnx_export import MIN_OPSET, export_onnx
+from jaxcnn.export.prune import fine_tune, magnitude_prune, sparsity_report
+from jaxcnn.export.quantize import quantize_int8
+from jaxcnn.export.stablehlo import export_stablehlo
+from jaxcnn.layers.base import record_layers
+
+FORMATS = ("stablehlo", "onnx", "npz", "safetensors")
+_PARAM_FILES = ("params.npz", "params.safetensors")
+_DATASET_SHAPES = {"mnist": (28, 28, 1), "cifar10": (32, 32, 3)}
+
+
+class Source(NamedTuple):
+    """A model with its parameters, ready to export.
+
+    Arguments:
+        name: zoo model name.
+        model: the Layer tree.
+        params, state: NumPy trees.
+        image_shape: ``(H, W, C)`` of one input image.
+        cfg: the run's config when loaded from a run directory, else None.
+    """
+
+    name: str
+    model: Any
+    params: dict
+    state: dict
+    image_shape: tuple
+    cfg: Any
+
+
+def _load_params(path, like):
+    if path.endswith(".npz"):
+        return interop.load_npz(path, like=like)
+    if path.endswith(".safetensors"):
+        return interop.load_safetensors(path, like=like)
+    raise ExportError(f"{path}: unknown parameter file type; expected .npz or .safetensors")
+
+
+def _last_weight_path(model, image_shape):
+    """Dotted path of the last layer with a weight ``w`` (the classifier)."""
+    with record_layers() as records:
+        jax.eval_shape(lambda k: model.init(k, (1,) + tuple(image_shape))[:2],
+                       jax.random.PRNGKey(0))
+    paths = [r.path for r in records if "w" in r.params]
+    return paths[-1] if paths else None
+
+
+def _infer_num_classes(name, options, params_path, image_shape):
+    """The classifier's width, read from the parameter file's last weight."""
+    path = _last_weight_path(models.get(name, **options), image_shape)
+    params, _ = _load_params(params_path, None)
+    node = params
+    for part in (path or "").split("."):
+        node = node.get(part, {}) if isinstance(node, dict) else {}
+    if not isinstance(node, dict) or not hasattr(node.get("w"), "shape"):
+        raise ExportError(f"{params_path}: no weight 'params/{path}.w' for model {name!r}'s "
+                          "classifier; is --model right?")
+    return int(node["w"].shape[-1])
+
+
+def _image_shape_from_config(cfg):
+    if cfg.data.image_size:
+        return tuple(int(d) for d in cfg.data.image_size)
+    if cfg.data.source in _DATASET_SHAPES:
+        return _DATASET_SHAPES[cfg.data.source]
+    if cfg.data.source == "synthetic":
+        return models.default_input_shape(cfg.model.name)[1:]
+    from jaxcnn.data import load_dataset
+    return tuple(load_dataset(cfg.data.source, cfg.data.path).image_shape)
+
+
+def load_source(source, *, model: str | None = None, num_classes: int | None = None,
+                model_options: dict | None = None, image_shape=None) -> Source:
+    """Load a run directory or a parameter file.
+
+    Arguments:
+        source: a run directory (``config.resolved.yaml`` + ``params.npz`` or
+            ``params.safetensors``) or a ``.npz``/``.safetensors`` parameter file.
+        model: zoo model name; required for a parameter file, must match the
+            run's for a run directory.
+        num_classes: classifier width; default: the run's config, else read from
+            the parameter file.
+        model_options: extra model options (e.g. ``{"cifar_stem": True}``),
+            added to the run's.
+        image_shape: ``(H, W, C)``; default: the run's data, else the model's
+            usual input.
+
+    Returns:
+        A :class:`Source`. Raises :class:`ExportError` (or ``ValueError`` from
+        the file readers) naming the file or key at fault.
+    """
+    source = os.fspath(source)
+    options = dict(model_options or {})
+    cfg = None
+    if os.path.isdir(source):
+        cfg_path = os.path.join(source, "config.resolved.yaml")
+        if not os.path.isfile(cfg_path):
+            raise ExportError(f"{cfg_path} does not exist: not a jaxcnn run directory")
+        from jaxcnn.train.config import load_config
+        cfg = load_config(cfg_path)
+        found = [os.path.join(source, f) for f in _PARAM_FILES
+                 if os.path.isfile(os.path.join(source, f))]
+        if not found:
+            raise ExportError(f"{source}: run directory has no parameters "
+                              f"({' or '.join(_PARAM_FILES)}); has training finished?")
+        params_path = found[0]
+        if model is not None and model != cfg.model.name:
+            raise ExportError(f"--model {model!r} does not match the run's model "
+                              f"{cfg.model.name!r}")
+        model = cfg.model.name
+        options = {**dict(cfg.model.options), **options}
+        num_classes = num_classes or cfg.model.num_classes or cfg.data.num_classes
+        image_shape = image_shape or _image_shape_from_config(cfg)
+    elif os.path.isfile(source):
+        params_path = source
+        if model is None:
+            raise ExportError(f"{source}: a parameter file needs --model NAME "
+                              f"(one of {models.names()})")
+    else:
+        raise ExportError(f"{source}: no such run directory or parameter file")
+    if model not in models.names():
+        raise ExportError(f"unknown model {model!r}; known models: {models.names()}")
+    image_shape = tuple(int(d) for d in (image_shape or models.default_input_shape(model)[1:]))
+    if len(image_shape) != 3:
+        raise ExportError(f"image shape must be (H, W, C), got {image_shape}")
+    if num_classes is None:
+        num_classes = _infer_num_classes(model, options, params_path, image_shape)
+    net = models.get(model, num_classes=num_classes, **options)
+    like = jax.eval_shape(lambda k: net.init(k, (1,) + image_shape)[:2], jax.random.PRNGKey(0))
+    params, state = _load_params(params_path, like)
+    return Source(model, net, params, state, image_shape, cfg)
+
+
+def _dataset(cfg):
+    from jaxcnn.train.loop import build_run
+    run = build_run(cfg)
+    if run.dataset is None:
+        raise ExportError("the run's data is generated per step; calibration and accuracy "
+                          "need a dataset")
+    return run
+
+
+def calibration_batches(cfg, count: int, batch_size: int | None = None):
+    """The first ``count`` batches of the run's training images, normalised as in
+    training but not augmented: ``[(N, H, W, C) float32]``."""
+    from jaxcnn.data import eval_batches
+    run = _dataset(cfg)
+    ds, bs = run.dataset, batch_size or cfg.data.batch_size
+    mean, std = (ds.mean, ds.std) if cfg.data.normalize else (None, None)
+    n = min(len(ds.x_train), count * bs)
+    return [b["image"] for b in eval_batches(ds.x_train[:n], ds.y_train[:n], bs, mean=mean, std=std)]
+
+
+def evaluate_model(cfg, model, params, state) -> dict:
+    """Loss, top-1 and top-5 of ``model`` on the run's test set (eval mode)."""
+    from jaxcnn.train.loop import evaluate, matmul_precision
+    from jaxcnn.train.step import make_eval_step
+    run = _dataset(cfg)
+    with matmul_precision(cfg):
+        return evaluate(run, jax.jit(make_eval_step(model)), params, state)
+
+
+def export(source, out, *, format: str, model: str | None = None, num_classes=None,
+           model_options=None, image_shape=None, batch="dynamic", layout: str = "nhwc",
+           fold_bn: bool = False, quantize: str | None = None, calibration_count: int = 4,
+           prune: float | None = None, prune_scope: str = "global",
+           prune_structure: str = "unstructured", fine_tune_steps: int = 0,
+           fine_tune_lr: float | None = None, opset: int = MIN_OPSET,
+           log: Callable[[str], None] | None = None) -> dict:
+    """Load, optionally prune / fold / quantise, and write one export format.
+
+    Arguments:
+        source, model, num_classes, model_options, image_shape: as :func:`load_source`.
+        out: output file.
+        format: ``"stablehlo"``, ``"onnx"``, ``"npz"`` or ``"safetensors"``
+            (the last two write ``(params, state)`` of the transformed model).
+        batch: int or ``"dynamic"``; layout: ``"nhwc"`` or ``"nchw"``
+            (StableHLO and ONNX).
+        fold_bn: fold BatchNorm into the preceding convolution.
+        quantize: None or ``"int8"`` (folds BatchNorm; needs a run directory
+            for ``calibration_count`` batches of training images).
+        prune: sparsity in ``[0, 1)`` or None; prune_scope, prune_structure: see
+            :func:`jaxcnn.export.prune.magnitude_prune`.
+        fine_tune_steps: steps of masked fine-tuning after pruning (run directory
+            only); fine_tune_lr: its peak learning rate (default: the run's / 10).
+        opset: ONNX opset.
+        log: called with progress lines (None: silent).
+
+    Returns:
+        A report: ``{"out", "format", "model", ...}`` with ``sparsity`` and
+        ``accuracy`` entries (before/after, when a run directory gives test data).
+    """
+    say = log or (lambda _: None)
+    if format not in FORMATS:
+        raise ExportError(f"format must be one of {FORMATS}, got {format!r}")
+    if quantize not in (None, "int8"):
+        raise ExportError(f"quantize must be 'int8', got {quantize!r}")
+    src = load_source(source, model=model, num_classes=num_classes, model_options=model_options,
+                      image_shape=image_shape)
+    net, params, state, cfg = src.model, src.params, src.state, src.cfg
+    needs_run = [flag for flag, on in (("--quantize", quantize), ("--fine-tune-steps",
+                                                                  fine_tune_steps)) if on]
+    if needs_run and cfg is None:
+        raise ExportError(f"{' and '.join(needs_run)} need training data: pass a run directory, "
+                          "not a parameter file")
+    report = {"out": os.fspath(out), "format": format, "model": src.name,
+              "image_shape": list(src.image_shape), "accuracy": {}}
+    has_data = cfg is not None and cfg.data.source != "synthetic"
+
+    def accuracy(label, m, p, s):
+        if has_data:
+            report["accuracy"][label] = evaluate_model(cfg, m, p, s)["top1"]
+            say(f"top-1 {label}: {report['accuracy'][label]:.4f}")
+
+    if prune or quantize:
+        accuracy("original", net, params, state)
+    if prune:
+        params, masks = magnitude_prune(net, params, prune, scope=prune_scope,
+                                        structure=prune_structure)
+        accuracy("pruned", net, params, state)
+        if fine_tune_steps:
+            from jaxcnn.train.config import with_overrides
+            lr = fine_tune_lr if fine_tune_lr is not None else cfg.optim.lr / 10
+            params, state = fine_tune(with_overrides(cfg, [f"optim.lr={lr}"]), net, params, state,
+                                      masks, steps=fine_tune_steps)
+            accuracy("fine_tuned", net, params, state)
+        report["sparsity"] = sparsity_report(net, params)
+        say(f"sparsity: {report['sparsity']['prunable_sparsity']:.4f} of conv/linear weights, "
+            f"{report['sparsity']['total_sparsity']:.4f} of all parameters")
+    if fold_bn and not quantize:
+        net, params, state = fold_batch_norm(net, params, state)
+    if quantize:
+        batches = calibration_batches(cfg, calibration_count)
+        net, params, state = quantize_int8(net, params, state, batches)
+        accuracy("int8", net, params, state)
+    if format == "stablehlo":
+        export_stablehlo(net, params, state, src.image_shape, batch=batch, layout=layout, path=out)
+    elif format == "onnx":
+        export_onnx(net, params, state, src.image_shape, path=out, batch=batch, layout=layout,
+                    opset=opset, model_name=src.name)
+    else:
+        host = jax.device_get((params, state))
+        (interop.save_npz if format == "npz" else interop.save_safetensors)(out, *host)
+    say(f"wrote {format} to {out}")
+    return report
+

@@ -1,0 +1,40 @@
+"""Helpers shared by the Pallas kernel tests (CPU, interpret mode).
+
+Interpret-mode programs are slow to compile, so each case compiles one
+function (forward and VJP together) at XLA's lowest optimisation level.
+In interpret mode Pallas fills every output buffer with NaN (the dtype's
+minimum for integers) before the kernel runs; ``test_pallas_poison.py``
+checks that, so the finiteness checks below catch any unwritten element.
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# Largest error allowed, relative to max(1, max |reference|). float32 kernels
+# accumulate in a different order than XLA; bfloat16 results are rounded to
+# 8 significant bits (relative step 2**-8) after float32 accumulation.
+TOLERANCE = {jnp.dtype(jnp.float32): 2e-5, jnp.dtype(jnp.bfloat16): 2e-2}
+
+
+def fast_run(fn, *args):
+    """``jax.jit(fn)(*args)`` compiled with XLA optimisations off (interpret mode compiles slowly)."""
+    compiled = jax.jit(fn).trace(*args).lower().compile(
+        {"xla_backend_optimization_level": 0})
+    return compiled(*args)
+
+
+def assert_close(got, want, dtype, what):
+    """Finite everywhere (nothing left unwritten) and within the dtype's tolerance."""
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    assert got.shape == want.shape, f"{what}: shape {got.shape} != {want.shape}"
+    assert np.isfinite(got).all(), f"{what}: {np.sum(~np.isfinite(got))} non-finite elements"
+    scale = max(1.0, float(np.abs(want).max()))
+    err = float(np.abs(got - want).max()) / scale
+    assert err <= TOLERANCE[jnp.dtype(dtype)], f"{what}: relative error {err:.3g} ({dtype})"
+
+
+def vjp_all(fn, args, cotangent_key):
+    """``(y, grads)`` of ``fn`` at ``args`` with a random cotangent (float args only)."""
+    y, vjp = jax.vjp(fn, *args)
+    ct = jax.random.normal(cotangent_key, y.shape, jnp.float32).astype(y.dtype)
+    return y, vjp(ct)
