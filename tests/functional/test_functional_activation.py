@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from jaxcnn import functional as F
+from numeric import assert_close
 
 RTOL = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2}   # relative to max(|expected|, 1)
 GRAD_RTOL = 1e-5
@@ -31,15 +32,6 @@ REFERENCES = {
     "sigmoid": (F.sigmoid, lambda x: 1 / (1 + np.exp(-x))),
     "tanh": (F.tanh, np.tanh),
 }
-
-
-def assert_close(actual, expected, rtol):
-    actual = np.asarray(actual, np.float64)
-    expected = np.asarray(expected, np.float64)
-    assert actual.shape == expected.shape, (actual.shape, expected.shape)
-    scale = max(np.max(np.abs(expected), initial=0.0), 1.0)
-    err = np.max(np.abs(actual - expected), initial=0.0)
-    assert err <= rtol * scale, f"max abs error {err} > {rtol} * {scale}"
 
 
 @pytest.mark.parametrize("name", sorted(REFERENCES))

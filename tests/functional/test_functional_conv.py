@@ -7,6 +7,7 @@ from hypothesis import given, settings, strategies as st
 from jax.test_util import check_grads
 
 from jaxcnn import functional as F
+from numeric import assert_close
 
 # Relative-to-max error bounds. fp32 against a float64 loop (the conftest
 # sets jax_default_matmul_precision=highest); bf16 keeps 8 mantissa bits.
@@ -15,16 +16,6 @@ GRAD_RTOL = 1e-5          # jax vs torch autograd, both fp32
 NUMERIC_GRAD_TOL = 2e-2   # check_grads' finite differences in fp32
 
 SETTINGS = settings(max_examples=20, deadline=None)
-
-
-def assert_close(actual, expected, rtol):
-    """max |a - e| <= rtol * max(|e|, 1): a relative error over the whole array."""
-    actual = np.asarray(actual, np.float64)
-    expected = np.asarray(expected, np.float64)
-    assert actual.shape == expected.shape, (actual.shape, expected.shape)
-    scale = max(np.max(np.abs(expected), initial=0.0), 1.0)
-    err = np.max(np.abs(actual - expected), initial=0.0)
-    assert err <= rtol * scale, f"max abs error {err} > {rtol} * {scale}"
 
 
 def same_pads(n, k_eff, s):

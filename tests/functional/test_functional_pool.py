@@ -7,21 +7,13 @@ from hypothesis import given, settings, strategies as st
 from jax.test_util import check_grads
 
 from jaxcnn import functional as F
+from numeric import assert_close
 
 RTOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}   # relative to max(|expected|, 1)
 GRAD_RTOL = 1e-5
 NUMERIC_GRAD_TOL = 2e-2
 
 SETTINGS = settings(max_examples=25, deadline=None)
-
-
-def assert_close(actual, expected, rtol):
-    actual = np.asarray(actual, np.float64)
-    expected = np.asarray(expected, np.float64)
-    assert actual.shape == expected.shape, (actual.shape, expected.shape)
-    scale = max(np.max(np.abs(expected), initial=0.0), 1.0)
-    err = np.max(np.abs(actual - expected), initial=0.0)
-    assert err <= rtol * scale, f"max abs error {err} > {rtol} * {scale}"
 
 
 def torch_out_size(n, lo, hi, k, s, d, ceil_mode):
