@@ -16,6 +16,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
@@ -127,11 +128,23 @@ def geometry(x_shape, window, stride, dilation, pads, out_hw) -> ConvGeometry:
                         dilation[0], dilation[1], pads[0][0], pads[1][0], out_hw[0], out_hw[1])
 
 
+def divmod_static(a, b: int):
+    """``(a // b, a % b)`` for non-negative ``a`` and a static ``b >= 1``.
+
+    Plain ``lax.div``/``lax.rem`` (truncating, which equals flooring here):
+    ``jnp``'s floor-division wrappers trip the Triton lowering's type checks.
+    """
+    if b == 1:
+        return a, jnp.zeros_like(a)
+    b = jnp.asarray(b, a.dtype)
+    return lax.div(a, b), lax.rem(a, b)
+
+
 def split_pixels(m, oh: int, ow: int):
     """Flat pixel indices ``m`` -> ``(n, row, col)`` for an ``(oh, ow)`` image."""
-    col = m % ow
-    rest = m // ow
-    return rest // oh, rest % oh, col
+    rest, col = divmod_static(m, ow)
+    n, row = divmod_static(rest, oh)
+    return n, row, col
 
 
 def input_rows(n, oh, ow, i, j, g: ConvGeometry):
@@ -155,10 +168,9 @@ def output_rows(n, ih, iw, i, j, g: ConvGeometry):
     """
     th = ih + g.pt - i * g.dh
     tw = iw + g.pl - j * g.dw
-    th0, tw0 = jnp.maximum(th, 0), jnp.maximum(tw, 0)
-    oh, ow = th0 // g.sh, tw0 // g.sw
-    valid = ((th >= 0) & (tw >= 0) & (th0 % g.sh == 0) & (tw0 % g.sw == 0)
-             & (oh < g.oh) & (ow < g.ow))
+    (oh, rh), (ow, rw) = divmod_static(jnp.maximum(th, 0), g.sh), divmod_static(
+        jnp.maximum(tw, 0), g.sw)
+    valid = (th >= 0) & (tw >= 0) & (rh == 0) & (rw == 0) & (oh < g.oh) & (ow < g.ow)
     return jnp.where(valid, (n * g.oh + oh) * g.ow + ow, 0), valid
 
 

@@ -36,8 +36,8 @@ def _forward_kernel(*refs, g: ConvGeometry, co: int, cfg: BlockConfig, has_bias:
     n_chunks = pl.cdiv(g.c, bk)
 
     def step(t, acc):
-        tap, kc = t // n_chunks, t % n_chunks
-        rows, ok = cm.input_rows(n, oh, ow, tap // g.kw, tap % g.kw, g)
+        tap, kc = cm.divmod_static(t, n_chunks)
+        rows, ok = cm.input_rows(n, oh, ow, *cm.divmod_static(tap, g.kw), g)
         ok = ok & m_ok
         k = kc * bk + jnp.arange(bk)
         k_ok = k < g.c

@@ -36,8 +36,8 @@ def _dgrad_kernel(dy_ref, w_ref, o_ref, *, g: ConvGeometry, co: int, cfg: BlockC
     n_chunks = pl.cdiv(co, bk)
 
     def step(t, acc):
-        tap, kc = t // n_chunks, t % n_chunks
-        rows, ok = cm.output_rows(n, ih, iw, tap // g.kw, tap % g.kw, g)
+        tap, kc = cm.divmod_static(t, n_chunks)
+        rows, ok = cm.output_rows(n, ih, iw, *cm.divmod_static(tap, g.kw), g)
         ok = ok & r_ok
         k = kc * bk + jnp.arange(bk)  # output channels
         k_ok = k < co
@@ -93,7 +93,7 @@ def _wgrad_kernel(*refs, g: ConvGeometry, co: int, cfg: BlockConfig, has_bn: boo
         m = (first + q) * bm + jnp.arange(bm)
         m_ok = m < g.m_out
         n, oh, ow = cm.split_pixels(m, g.oh, g.ow)
-        rows, ok = cm.input_rows(n, oh, ow, tap // g.kw, tap % g.kw, g)
+        rows, ok = cm.input_rows(n, oh, ow, *cm.divmod_static(tap, g.kw), g)
         a_mask = (ok & m_ok)[:, None] & k_ok[None, :]
         a = cm.gather(x_ref, rows[:, None], k[None, :], a_mask, 0.0)
         if has_bn:

@@ -43,7 +43,7 @@ def _forward_kernel(*refs, g: ConvGeometry, cfg: BlockConfig, has_bias: bool, ha
     n, oh, ow = cm.split_pixels(m, g.oh, g.ow)
 
     def step(tap, acc):
-        rows, ok = cm.input_rows(n, oh, ow, tap // g.kw, tap % g.kw, g)
+        rows, ok = cm.input_rows(n, oh, ow, *cm.divmod_static(tap, g.kw), g)
         mask = (ok & m_ok)[:, None] & col_ok[None, :]
         a = cm.gather(x_ref, rows[:, None], cols[None, :], mask, 0.0)
         if has_bn:
@@ -86,7 +86,7 @@ def _dgrad_kernel(dy_ref, w_ref, o_ref, *, g: ConvGeometry, cfg: BlockConfig):
     n, ih, iw = cm.split_pixels(r, g.h, g.w)
 
     def step(tap, acc):
-        rows, ok = cm.output_rows(n, ih, iw, tap // g.kw, tap % g.kw, g)
+        rows, ok = cm.output_rows(n, ih, iw, *cm.divmod_static(tap, g.kw), g)
         mask = (ok & r_ok)[:, None] & col_ok[None, :]
         d = cm.gather(dy_ref, rows[:, None], cols[None, :], mask, 0.0)
         return acc + d.astype(F32) * _taps_of(w_ref, tap, cols, col_ok)
@@ -126,7 +126,7 @@ def _wgrad_kernel(*refs, g: ConvGeometry, cfg: BlockConfig, has_bn: bool):
         m = (first + q) * bm + jnp.arange(bm)
         m_ok = m < g.m_out
         n, oh, ow = cm.split_pixels(m, g.oh, g.ow)
-        rows, ok = cm.input_rows(n, oh, ow, tap // g.kw, tap % g.kw, g)
+        rows, ok = cm.input_rows(n, oh, ow, *cm.divmod_static(tap, g.kw), g)
         mask = (ok & m_ok)[:, None] & col_ok[None, :]
         a = cm.gather(x_ref, rows[:, None], cols[None, :], mask, 0.0)
         if has_bn:

@@ -42,7 +42,7 @@ def _max_kernel(x_ref, y_ref, arg_ref, *, g: ConvGeometry, cfg: BlockConfig, low
 
     def step(tap, carry):
         best, arg = carry
-        rows, ok = cm.input_rows(n, oh, ow, tap // g.kw, tap % g.kw, g)
+        rows, ok = cm.input_rows(n, oh, ow, *cm.divmod_static(tap, g.kw), g)
         v = cm.gather(x_ref, rows[:, None], cols[None, :],
                       (ok & m_ok)[:, None] & col_ok[None, :], lowest)
         better = v > best
@@ -61,7 +61,7 @@ def _max_backward_kernel(dy_ref, arg_ref, dx_ref, *, g: ConvGeometry, cfg: Block
     n, ih, iw = cm.split_pixels(r, g.h, g.w)
 
     def step(tap, acc):
-        rows, ok = cm.output_rows(n, ih, iw, tap // g.kw, tap % g.kw, g)
+        rows, ok = cm.output_rows(n, ih, iw, *cm.divmod_static(tap, g.kw), g)
         mask = (ok & r_ok)[:, None] & col_ok[None, :]
         arg = cm.gather(arg_ref, rows[:, None], cols[None, :], mask, -1)
         d = cm.gather(dy_ref, rows[:, None], cols[None, :], mask, 0.0)
@@ -78,7 +78,7 @@ def _avg_kernel(x_ref, div_ref, y_ref, *, g: ConvGeometry, cfg: BlockConfig):
     n, oh, ow = cm.split_pixels(m, g.oh, g.ow)
 
     def step(tap, acc):
-        rows, ok = cm.input_rows(n, oh, ow, tap // g.kw, tap % g.kw, g)
+        rows, ok = cm.input_rows(n, oh, ow, *cm.divmod_static(tap, g.kw), g)
         v = cm.gather(x_ref, rows[:, None], cols[None, :],
                       (ok & m_ok)[:, None] & col_ok[None, :], 0.0)
         return acc + v.astype(F32)
@@ -95,10 +95,10 @@ def _avg_backward_kernel(dy_ref, div_ref, dx_ref, *, g: ConvGeometry, cfg: Block
     n, ih, iw = cm.split_pixels(r, g.h, g.w)
 
     def step(tap, acc):
-        rows, ok = cm.output_rows(n, ih, iw, tap // g.kw, tap % g.kw, g)
+        rows, ok = cm.output_rows(n, ih, iw, *cm.divmod_static(tap, g.kw), g)
         ok = ok & r_ok
         d = cm.gather(dy_ref, rows[:, None], cols[None, :], ok[:, None] & col_ok[None, :], 0.0)
-        div = cm.gather1d(div_ref, rows % (g.oh * g.ow), ok, 1.0)
+        div = cm.gather1d(div_ref, cm.divmod_static(rows, g.oh * g.ow)[1], ok, 1.0)
         return acc + d.astype(F32) / div[:, None]
 
     acc = lax.fori_loop(0, g.taps, step, jnp.zeros((cfg.block_m, cfg.block_n), F32))

@@ -7,7 +7,7 @@ from jax import lax
 
 import pallas_kernels as pk
 from jaxcnn import functional as F
-from pallas_testlib import assert_close, fast_run, vjp_all
+from pallas_testlib import assert_close, fast_run, normal, vjp_all
 
 BF16, F32 = jnp.bfloat16, jnp.float32
 _DIMS = ("NHWC", "HWIO", "NHWC")
@@ -31,10 +31,10 @@ def _lax_conv(x, w, b, residual=None, *, stride, padding, dilation, groups=1, re
 
 def _check(x_shape, k, c_out, dtype, *, stride=1, padding=0, dilation=1, groups=1,
            config=None, backward="pallas", bias=True, seed=0):
-    keys = jax.random.split(jax.random.key(seed), 4)
-    x = jax.random.normal(keys[0], x_shape, F32).astype(dtype)
-    w = jax.random.normal(keys[1], (k, k, x_shape[3] // groups, c_out), F32).astype(dtype)
-    b = jax.random.normal(keys[2], (c_out,), F32).astype(dtype) if bias else None
+    rng = np.random.default_rng(seed)
+    x = normal(rng, x_shape, dtype)
+    w = normal(rng, (k, k, x_shape[3] // groups, c_out), dtype)
+    b = normal(rng, (c_out,), dtype) if bias else None
     conv = dict(stride=stride, padding=padding, dilation=dilation, groups=groups)
 
     def kernel(x, w, b):
@@ -43,8 +43,8 @@ def _check(x_shape, k, c_out, dtype, *, stride=1, padding=0, dilation=1, groups=
     def reference(x, w, b):
         return _lax_conv(x, w, b, **conv)
 
-    got_y, got_g = fast_run(lambda *a: vjp_all(kernel, a, keys[3]), x, w, b)
-    want_y, want_g = jax.jit(lambda *a: vjp_all(reference, a, keys[3]))(
+    got_y, got_g = fast_run(lambda *a: vjp_all(kernel, a), x, w, b)
+    want_y, want_g = jax.jit(lambda *a: vjp_all(reference, a))(
         x.astype(F32), w.astype(F32), None if b is None else b.astype(F32))
     assert got_y.dtype == dtype
     assert_close(got_y, want_y, dtype, "output")
@@ -88,16 +88,14 @@ def test_depthwise_matches_lax(x_shape, k, stride, padding, dilation, dtype, con
 
 @pytest.mark.parametrize("groups", [1, 6])
 def test_epilogue_bias_residual_relu(groups):
-    keys = jax.random.split(jax.random.key(1), 5)
-    x = jax.random.normal(keys[0], (2, 9, 7, 6))
-    w = jax.random.normal(keys[1], (3, 3, 6 // groups, 6))
-    b = jax.random.normal(keys[2], (6,))
-    res = jax.random.normal(keys[3], (2, 5, 4, 6))
+    rng = np.random.default_rng(1)
+    x, w = normal(rng, (2, 9, 7, 6)), normal(rng, (3, 3, 6 // groups, 6))
+    b, res = normal(rng, (6,)), normal(rng, (2, 5, 4, 6))
     conv = dict(stride=2, padding=1, groups=groups, relu=True)
     got_y, got_g = fast_run(lambda *a: vjp_all(
-        lambda x, w, b, r: pk.conv2d(x, w, b, residual=r, **conv), a, keys[4]), x, w, b, res)
+        lambda x, w, b, r: pk.conv2d(x, w, b, residual=r, **conv), a), x, w, b, res)
     want_y, want_g = vjp_all(
-        lambda x, w, b, r: _lax_conv(x, w, b, r, dilation=1, **conv), (x, w, b, res), keys[4])
+        lambda x, w, b, r: _lax_conv(x, w, b, r, dilation=1, **conv), (x, w, b, res))
     assert (np.asarray(want_y) == 0).mean() > 0.2  # the ReLU really clips
     assert_close(got_y, want_y, F32, "output")
     for name, got, want in zip(("dx", "dw", "db", "dresidual"), got_g, want_g):
@@ -105,8 +103,8 @@ def test_epilogue_bias_residual_relu(groups):
 
 
 def test_functional_dispatch_runs_the_kernel():
-    x = jax.random.normal(jax.random.key(2), (1, 6, 5, 3))
-    w = jax.random.normal(jax.random.key(3), (3, 3, 3, 4))
+    rng = np.random.default_rng(2)
+    x, w = normal(rng, (1, 6, 5, 3)), normal(rng, (3, 3, 3, 4))
     kw = dict(stride=2, padding="SAME")
     assert "pallas_call" in str(jax.make_jaxpr(lambda x, w: F.conv2d(x, w, **kw, impl="pallas"))(x, w))
     for impl in ("auto", "xla"):  # auto never picks a kernel on CPU
@@ -118,8 +116,8 @@ def test_functional_dispatch_runs_the_kernel():
 
 def test_weight_gradient_split_is_a_fixed_order_sum():
     """Different splits give the same weight gradient up to float32 rounding."""
-    x = jax.random.normal(jax.random.key(4), (2, 9, 8, 4))
-    w = jax.random.normal(jax.random.key(5), (3, 3, 4, 8))
+    rng = np.random.default_rng(4)
+    x, w = normal(rng, (2, 9, 8, 4)), normal(rng, (3, 3, 4, 8))
     grads = []
     for split in (1, 4):
         cfg = pk.BlockConfig(32, 16, 16, split=split)

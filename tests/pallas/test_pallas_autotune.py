@@ -1,0 +1,86 @@
+"""The autotuner's cache (path, atomic writes, corruption) and its kernel-vs-XLA verdict."""
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallas_kernels as pk
+from jaxcnn import functional as F
+from pallas_kernels import autotune
+from pallas_kernels._common import geometry
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    path = tmp_path / "sub" / "tune.json"
+    monkeypatch.setenv("JAXCNN_AUTOTUNE_CACHE", str(path))
+    return path
+
+
+def test_cache_path_default_and_env(monkeypatch, tmp_path):
+    monkeypatch.delenv("JAXCNN_AUTOTUNE_CACHE", raising=False)
+    assert autotune.cache_path() == os.path.join(
+        os.path.expanduser("~"), ".cache", "jaxcnn", "autotune.json")
+    monkeypatch.setenv("JAXCNN_AUTOTUNE_CACHE", str(tmp_path / "x.json"))
+    assert autotune.cache_path() == str(tmp_path / "x.json")
+
+
+def test_save_is_atomic_and_round_trips(cache):
+    data = {"cpu": {"kernels": {"k": {"block_m": 32}}, "ops": {}}}
+    autotune.save_cache(data)
+    assert autotune.load_cache() == data
+    assert os.listdir(cache.parent) == ["tune.json"]  # no temporary file left behind
+    assert json.loads(cache.read_text())["version"] == 1
+
+
+@pytest.mark.parametrize("text", ["{not json", '{"version": 1, "devices": []}', "[1, 2]"])
+def test_corrupt_cache_warns_and_is_ignored(cache, text):
+    cache.parent.mkdir()
+    cache.write_text(text)
+    with pytest.warns(UserWarning, match="autotune cache"):
+        assert autotune.load_cache() == {}
+
+
+def test_config_for_uses_cache_then_default(cache):
+    g = geometry((1, 8, 8, 4), (3, 3), (1, 1), (1, 1), ((1, 1), (1, 1)), (8, 8))
+    key = autotune.kernel_key("dense_fwd", g, 8, jnp.float32)
+    default = autotune.config_for("dense_fwd", g, 8, jnp.float32, interpret=True)
+    assert default == autotune.default_config("dense_fwd", g, 8, interpret=True)
+    chosen = pk.BlockConfig(32, 16, 16, num_warps=8)
+    autotune.save_cache({autotune.device_kind(): {"kernels": {key: chosen.to_dict()}}})
+    assert autotune.config_for("dense_fwd", g, 8, jnp.float32, interpret=True) == chosen
+    with autotune.override({key: pk.BlockConfig(16, 16, 16)}):
+        assert autotune.config_for("dense_fwd", g, 8, jnp.float32, True).block_m == 16
+    autotune.save_cache({autotune.device_kind(): {"kernels": {key: {"block_m": 24}}}})
+    with pytest.warns(UserWarning, match="invalid"):
+        assert autotune.config_for("dense_fwd", g, 8, jnp.float32, True) == default
+
+
+def test_tune_op_keeps_the_fastest_and_records_the_verdict(cache):
+    """A fake clock makes each block_m=32 and the Pallas op faster; every candidate still runs."""
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((1, 6, 6, 4)), jnp.float32)
+    static = dict(kernel_size=2)
+    ran = []
+
+    def timer(fn, *args):
+        jax.block_until_ready(fn(*args))
+        ran.append(1)
+        is_pallas = "pallas_call" in str(jax.make_jaxpr(fn)(*args))
+        fast = sum(c.block_m == 32 for c in autotune._overrides.values())
+        return (0.5 if is_pallas else 1.0) / (1 + fast)
+
+    def two_candidates(kernel, g, co):
+        return [pk.BlockConfig(64, 16), pk.BlockConfig(32, 16)]
+
+    entry = autotune.tune_op("avg_pool2d", (x,), static, timer=timer,
+                             candidate_fn=two_candidates)
+    assert entry["pallas_faster"] and len(ran) == 2 * 2 + 4
+    saved = autotune.load_cache()[autotune.device_kind()]
+    assert {c["block_m"] for c in saved["kernels"].values()} == {32}
+    assert len(saved["kernels"]) == 2  # forward and backward kernels
+    assert autotune.measured_faster("avg_pool2d", (x,), static)
+    assert not autotune.prefers_pallas("avg_pool2d", (x,), static)  # never on CPU
+    assert "pallas_call" not in str(jax.make_jaxpr(lambda x: F.avg_pool2d(x, 2))(x))
