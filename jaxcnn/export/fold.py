@@ -84,9 +84,9 @@ def fold_batch_norm(model, params, state):
     return rewrite(model, params, state, seq_fn=seq_fn)
 
 
-def count_batch_norms(model, path: str = "") -> list[str]:
+def batch_norm_paths(model, path: str = "") -> list[str]:
     """Paths of the BatchNorm layers left in ``model``."""
     if model.kind == "batch_norm":
         return [path]
     return [p for name, child in model.children
-            for p in count_batch_norms(child, child_path(path, name))]
+            for p in batch_norm_paths(child, child_path(path, name))]

@@ -1,0 +1,125 @@
+"""End to end on MNIST: mnist_cnn trained briefly with the trainer (in process,
+on the packaged 10,000-digit sample), then folded, int8-quantised and pruned
+with fine-tuning; accuracy is measured on the 2,000 test digits (one digit =
+0.05 percentage points).  Also the ``jaxcnn-export`` command line and its
+bad-input errors (exit code 2, one line on stderr)."""
+import os
+import shutil
+
+import numpy as np
+import pytest
+from export_cases import onnx_run
+
+from jaxcnn import interop
+from jaxcnn import layers as L
+from jaxcnn.export import (calibration_batches, evaluate_model, fine_tune, fold_batch_norm,
+                           load_source, load_stablehlo, magnitude_prune, quantize_int8,
+                           sparsity_report)
+from jaxcnn.export.cli import main
+from jaxcnn.models import registry
+from jaxcnn.train.cli import train_main
+from jaxcnn.train.config import with_overrides
+
+TRAIN_STEPS = 60
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("mnist_run"))
+    rc = train_main(["configs/mnist_cnn.yaml", f"train.steps={TRAIN_STEPS}",
+                     "checkpoint.enabled=false", "train.eval_every=null", "--workdir", path])
+    assert rc == 0
+    return path
+
+
+@pytest.fixture(scope="module")
+def trained(run_dir):
+    src = load_source(run_dir)
+    acc = evaluate_model(src.cfg, src.model, src.params, src.state)["top1"]
+    assert acc > 0.9, "the short training run should reach 90%"
+    return src, acc
+
+
+def test_fold_and_int8_accuracy(trained):
+    src, acc = trained
+    folded = fold_batch_norm(src.model, src.params, src.state)   # no BatchNorm: unchanged
+    assert evaluate_model(src.cfg, *folded)["top1"] == acc
+    qmodel, qparams, qstate = quantize_int8(src.model, src.params, src.state,
+                                            calibration_batches(src.cfg, 4))
+    acc8 = evaluate_model(src.cfg, qmodel, qparams, qstate)["top1"]
+    print(f"float {acc:.4f}  int8 {acc8:.4f}")
+    assert acc - acc8 <= 0.005
+
+
+def test_prune_half_and_fine_tune(trained):
+    src, acc = trained
+    params, masks = magnitude_prune(src.model, src.params, 0.5)
+    cfg = with_overrides(src.cfg, [f"optim.lr={src.cfg.optim.lr / 10}"])
+    params, state = fine_tune(cfg, src.model, params, src.state, masks, steps=20)
+    report = sparsity_report(src.model, params)
+    assert report["prunable_sparsity"] >= 0.5          # fine-tuning kept the zeros
+    acc_p = evaluate_model(src.cfg, src.model, params, state)["top1"]
+    print(f"float {acc:.4f}  50% pruned + 20 steps {acc_p:.4f}")
+    assert acc - acc_p <= 0.005
+
+
+def test_cli_onnx_and_int8_stablehlo(trained, run_dir, tmp_path, capsys):
+    src, _ = trained
+    x = np.concatenate(calibration_batches(src.cfg, 1, batch_size=64))
+    out = str(tmp_path / "m.onnx")
+    assert main([run_dir, "--format", "onnx", "--out", out]) == 0
+    import onnx
+    ref = np.asarray(src.model.apply(src.params, src.state, x)[0])
+    got = onnx_run(onnx.load(out), x)
+    np.testing.assert_allclose(got, ref, rtol=0, atol=1e-4 * np.abs(ref).max())
+    out = str(tmp_path / "q.stablehlo")
+    assert main([run_dir, "--format", "stablehlo", "--quantize", "int8", "--out", out]) == 0
+    assert "top-1 int8" in capsys.readouterr().out
+    q = np.asarray(load_stablehlo(out).call(x))
+    assert np.mean(q.argmax(-1) == ref.argmax(-1)) >= 0.95
+
+
+def test_cli_pruned_safetensors(run_dir, tmp_path):
+    out = str(tmp_path / "p.safetensors")
+    assert main([run_dir, "--format", "safetensors", "--prune", "0.5", "--prune-scope", "layer",
+                 "--out", out, "--json"]) == 0
+    params, _ = interop.load_safetensors(out)
+    for layer in ("conv1", "conv2", "fc1", "fc2"):
+        assert np.mean(params[layer]["w"] == 0) == pytest.approx(0.5, abs=1e-3)
+
+
+def _fails(argv, capsys, match):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("jaxcnn-export: error:"), err
+    assert match in err, err
+
+
+def test_bad_inputs(run_dir, tmp_path, capsys, monkeypatch):
+    empty = tmp_path / "no_params"
+    empty.mkdir()
+    shutil.copy(os.path.join(run_dir, "config.resolved.yaml"), empty)
+    _fails([str(empty), "--format", "onnx", "--out", str(tmp_path / "a.onnx")], capsys,
+           "no parameters")
+    _fails([str(tmp_path), "--format", "onnx", "--out", str(tmp_path / "a.onnx")], capsys,
+           "not a jaxcnn run directory")
+    corrupt = tmp_path / "corrupt.npz"
+    corrupt.write_bytes(b"PK\x03\x04 this is not a zip archive")
+    _fails([str(corrupt), "--model", "mnist_cnn", "--format", "onnx", "--out",
+            str(tmp_path / "a.onnx")], capsys, "corrupt.npz")
+    _fails([os.path.join(run_dir, "params.npz"), "--format", "onnx", "--out",
+            str(tmp_path / "a.onnx")], capsys, "--model")
+    _fails([os.path.join(run_dir, "params.npz"), "--model", "lenet5", "--format", "onnx",
+            "--out", str(tmp_path / "a.onnx")], capsys, "params/")
+    # a model with a layer ONNX export does not know
+    def gn_net(*, num_classes=3):
+        return L.serial(("conv", L.Conv2D(4, 3)), ("norm", L.GroupNorm(2)), L.Flatten(),
+                        ("fc", L.Linear(num_classes)))
+    monkeypatch.setitem(registry._MODELS, "gn_net", registry._Entry(gn_net, (1, 6, 6, 1)))
+    model = gn_net()
+    params, state, _ = model.init(__import__("jax").random.PRNGKey(0), (1, 6, 6, 1))
+    interop.save_npz(tmp_path / "gn.npz", params, state)
+    _fails([str(tmp_path / "gn.npz"), "--model", "gn_net", "--format", "onnx", "--out",
+            str(tmp_path / "gn.onnx")], capsys, "'norm' of kind 'group_norm'")
+    _fails([str(tmp_path / "gn.npz"), "--model", "gn_net", "--format", "onnx", "--quantize",
+            "int8", "--out", str(tmp_path / "gn.onnx")], capsys, "run directory")
