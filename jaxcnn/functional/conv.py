@@ -4,7 +4,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
-from jaxcnn.functional import _args
+from jaxcnn.functional import _args, _cpu_lowering
 
 _DIMS = ("NHWC", "HWIO", "NHWC")
 
@@ -32,7 +32,10 @@ def conv2d(x, w, b=None, *, stride=1, padding=0, dilation=1, groups=1, impl="aut
         groups: number of groups; divides both ``C_in`` and ``C_out``.
         impl: ``"xla"``; ``"pallas"`` (:func:`pallas_kernels.conv2d`, groups=1 or
             depthwise only); or ``"auto"``: XLA unless on a GPU where the
-            autotuner measured the kernel faster for this shape.
+            autotuner measured the kernel faster for this shape; on a CPU,
+            large convolutions whose weight gradient XLA would give to
+            YNNPACK get an im2col-matmul weight gradient instead
+            (:mod:`jaxcnn.functional._cpu_lowering`).
 
     Returns:
         ``(N, H_out, W_out, C_out)`` with
@@ -69,9 +72,14 @@ def conv2d(x, w, b=None, *, stride=1, padding=0, dilation=1, groups=1, impl="aut
     if kernel is not None:
         return kernel(x, w, b)
 
-    y = lax.conv_general_dilated(
-        x, w, window_strides=stride, padding=pads, rhs_dilation=dilation,
-        dimension_numbers=_DIMS, feature_group_count=groups)
+    y = None
+    if impl == "auto":
+        y = _cpu_lowering.conv2d(x, w, stride=stride, pads=pads, dilation=dilation,
+                                 groups=groups)
+    if y is None:
+        y = lax.conv_general_dilated(
+            x, w, window_strides=stride, padding=pads, rhs_dilation=dilation,
+            dimension_numbers=_DIMS, feature_group_count=groups)
     return y if b is None else y + b
 
 

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxcnn.functional import _args
+from jaxcnn.functional import _args, _cpu_lowering
 
 
 def _out_size(n: int, lo: int, hi: int, window: int, stride: int, ceil_mode: bool) -> int:
@@ -74,7 +74,8 @@ def max_pool2d(x, kernel_size, *, stride=None, padding=0, dilation=1, ceil_mode=
             still start inside the input or the top/left padding.
         impl: ``"xla"``, ``"pallas"`` (the :mod:`pallas_kernels` kernel) or
             ``"auto"`` (XLA unless the autotuner measured the kernel faster on
-            this GPU for this shape).
+            this GPU for this shape; on a CPU, unpadded pooling with stride =
+            window runs as a reshape, see :mod:`jaxcnn.functional._cpu_lowering`).
 
     Returns:
         ``(N, H_out, W_out, C)``.
@@ -91,6 +92,10 @@ def max_pool2d(x, kernel_size, *, stride=None, padding=0, dilation=1, ceil_mode=
         ceil_mode=ceil_mode))
     if kernel_fn is not None:
         return kernel_fn(x)
+    if impl == "auto":
+        y = _cpu_lowering.max_pool2d(x, kernel, stride, dilation, run_pads, out_hw)
+        if y is not None:
+            return y
     if dilation != (1, 1):
         return _dilated_max_pool(x, kernel, stride, dilation, run_pads, out_hw)
     # The gradient of reduce_window's max (select-and-scatter with >=) keeps the

@@ -14,6 +14,8 @@ Open MPI or a TPU pod for whatever is unset); ``off`` never.
 from __future__ import annotations
 
 import os
+import socket
+import time
 
 import jax
 
@@ -76,24 +78,47 @@ def initialize(dist_cfg) -> bool:
         raise ConfigError(f"distributed.process_id: {pid} is not in [0, num_processes={n})",
                           path="distributed.process_id")
     timeout = max(1, int(round(dist_cfg.timeout_s)))
+    address = opts["coordinator_address"]
+    if address is not None and pid not in (None, 0):
+        # XLA aborts the whole process (no Python exception) when it cannot reach the
+        # coordinator, so a worker first checks that something listens there.
+        _wait_for_coordinator(address, timeout, pid, n)
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     try:
         jax.distributed.initialize(initialization_timeout=timeout, heartbeat_timeout_seconds=timeout,
                                    **opts)
     except (RuntimeError, ValueError) as e:  # XlaRuntimeError is a RuntimeError
-        where = opts["coordinator_address"] or "the auto-detected coordinator"
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise DistributedError(
-            f"jax.distributed could not connect process {pid} of {n} to coordinator {where} "
-            f"within {timeout} s (distributed.timeout_s); is process 0 running and the address "
-            f"reachable? ({first})") from None
+            f"jax.distributed could not start process {pid} of {n} with coordinator "
+            f"{address or '(auto-detected)'}: {first}") from None
     return True
+
+
+def _wait_for_coordinator(address: str, timeout: int, pid, n) -> None:
+    host, _, port = address.rpartition(":")
+    host = host.strip("[]")
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with socket.create_connection((host, int(port)), timeout=1.0):
+                return
+        except OSError as e:
+            if time.monotonic() >= deadline:
+                raise DistributedError(
+                    f"process {pid} of {n} could not reach coordinator {address} within {timeout} s "
+                    f"(distributed.timeout_s): {e.strerror or e}; is process 0 running and the "
+                    "address reachable from here?") from None
+            time.sleep(0.25)
 
 
 def is_initialized() -> bool:
     """Whether ``jax.distributed`` has been initialised in this process."""
-    from jax._src import distributed as _dist  # no public query exists in jax 0.10/0.11
-    return _dist.global_state.client is not None
+    try:  # no public query in jax 0.10/0.11 that does not start the backend
+        from jax._src import distributed as _dist
+        return _dist.global_state.client is not None
+    except (ImportError, AttributeError):
+        return False
 
 
 def global_batch(local_batch, sharding):
@@ -111,3 +136,16 @@ def global_batch(local_batch, sharding):
         lambda x: jax.make_array_from_process_local_data(
             sharding, x, (x.shape[0] * jax.process_count(),) + tuple(x.shape[1:])),
         local_batch)
+
+
+def to_host(tree):
+    """A pytree of (possibly sharded, multi-process) arrays as whole NumPy arrays.
+
+    In a multi-process run every process must call it (it is a collective):
+    arrays that no process sees whole are gathered with
+    ``multihost_utils.process_allgather``.
+    """
+    if jax.process_count() == 1:
+        return jax.device_get(tree)
+    from jax.experimental import multihost_utils
+    return multihost_utils.process_allgather(tree, tiled=True)

@@ -18,16 +18,19 @@ DATA, MODEL = "data", "model"
 AXES = (DATA, MODEL)
 
 
-def mesh_shape(data: int, model: int, device_count: int) -> tuple[int, int]:
-    """Resolve ``-1`` and check that the axis sizes use exactly ``device_count`` devices.
+def mesh_shape(data: int, model: int, device_count: int, *, allow_subset: bool = False) -> tuple[int, int]:
+    """Resolve ``-1`` and check that the axis sizes fit ``device_count`` devices.
 
     Arguments:
         data: devices on the data axis, or -1 for all the model axis leaves.
         model: devices on the model axis (>= 1).
         device_count: devices available.
+        allow_subset: accept explicit sizes that use fewer devices than there
+            are (single-process runs: the mesh takes the first ones).
 
     Returns:
-        ``(data, model)`` as positive ints with ``data * model == device_count``.
+        ``(data, model)`` as positive ints with ``data * model == device_count``
+        (``<=`` with ``allow_subset``).
 
     Raises:
         ConfigError: naming ``mesh.model`` or ``mesh.data`` when the sizes do not fit.
@@ -39,7 +42,8 @@ def mesh_shape(data: int, model: int, device_count: int) -> tuple[int, int]:
                           path="mesh.model")
     if data == -1:
         data = device_count // model
-    if data < 1 or data * model != device_count:
+    fits = data * model <= device_count if allow_subset else data * model == device_count
+    if data < 1 or not fits:
         raise ConfigError(f"mesh.data: data x model = {data} x {model} = {data * model} devices, but "
                           f"{device_count} are available (use mesh.data=-1 to take the rest)",
                           path="mesh.data")
@@ -56,17 +60,20 @@ def make_mesh(data: int = -1, model: int = 1, *, devices: Sequence | None = None
     Arguments:
         data: data-axis size or -1.
         model: model-axis size.
-        devices: the devices to use, in mesh order; None = ``jax.devices()``.
+        devices: the devices to use, in mesh order; None = ``jax.devices()``
+            (in a single process, explicit sizes may take only the first ones).
 
     Returns:
         A ``jax.sharding.Mesh`` with axis names ``("data", "model")``.
     """
-    count = len(jax.devices()) if devices is None else len(devices)
-    shape = mesh_shape(data, model, count)
+    subset = devices is None and jax.process_count() == 1
+    devices = list(jax.devices() if devices is None else devices)
+    shape = mesh_shape(data, model, len(devices), allow_subset=subset)
     auto = (jax.sharding.AxisType.Auto,) * 2
-    if devices is None:
+    if shape[0] * shape[1] == len(jax.devices()):
         return jax.make_mesh(shape, AXES, axis_types=auto)
-    return Mesh(np.asarray(list(devices), dtype=object).reshape(shape), AXES, axis_types=auto)
+    devices = devices[:shape[0] * shape[1]]
+    return Mesh(np.asarray(devices, dtype=object).reshape(shape), AXES, axis_types=auto)
 
 
 def mesh_from_config(cfg, *, devices: Sequence | None = None) -> Mesh:

@@ -12,6 +12,7 @@ sections and gives the training loop all it needs::
 from __future__ import annotations
 
 import jax
+import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxcnn.parallel import rules as R
@@ -99,7 +100,21 @@ class ParallelPlan:
         return global_batch(local_batch, self.batch_sharding())
 
     def put_eval_batch(self, local_batch):
-        """This process's share of an evaluation batch -> global arrays split over ``data``."""
+        """This process's share of an evaluation batch -> global arrays split over ``data``.
+
+        A batch that does not split evenly is padded with zero rows whose
+        ``"mask"`` is False (a mask of all True is added when missing), so sums
+        over masked rows, as ``make_eval_step`` takes them, are unchanged.
+        """
+        per_process = max(1, self.mesh.shape[DATA] // jax.process_count())
+        rows = len(local_batch["label"])
+        pad = -rows % per_process
+        if pad or "mask" not in local_batch:
+            local_batch = dict(local_batch)
+            local_batch.setdefault("mask", np.ones(rows, bool))
+            local_batch = {k: np.concatenate([np.asarray(v), np.zeros((pad,) + np.shape(v)[1:],
+                                                                      np.asarray(v).dtype)])
+                           for k, v in local_batch.items()}
         return global_batch(local_batch, self.batch_sharding())
 
     def wrap_step(self, train_step, *, donate: bool = True):
@@ -130,10 +145,6 @@ def setup(cfg, model, input_shape, abstract_state, *, devices=None) -> ParallelP
             not divide over the data axis, or a strategy that cannot run the config.
     """
     mesh = make_mesh(cfg.mesh.data, cfg.mesh.model, devices=devices)
-    plan = ParallelPlan(mesh, model, input_shape, abstract_state, strategy=cfg.parallel.strategy,
+    return ParallelPlan(mesh, model, input_shape, abstract_state, strategy=cfg.parallel.strategy,
                         rules=dict(cfg.parallel.rules), fsdp=cfg.parallel.fsdp,
                         sync_batch_norm=cfg.parallel.sync_batch_norm)
-    eval_batch = cfg.data.eval_batch_size or cfg.data.batch_size
-    check_batch(mesh, eval_batch, path="data.eval_batch_size" if cfg.data.eval_batch_size else
-                "data.batch_size")
-    return plan

@@ -34,7 +34,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxcnn.layers.base import record_layers
-from jaxcnn.parallel.mesh import DATA
+from jaxcnn.parallel.mesh import DATA, MODEL
+from jaxcnn.train.config import ConfigError
 
 DEFAULT_RULES: dict[str, str | None] = {"kh": None, "kw": None, "in": None, "out": "model"}
 
@@ -85,9 +86,20 @@ def logical_axes(model, input_shape) -> tuple[Any, Any]:
 
 
 def merge_rules(overrides: Mapping[str, str | None] | None = None) -> dict[str, str | None]:
-    """:data:`DEFAULT_RULES` with ``overrides`` (the config's ``parallel.rules``) on top."""
+    """:data:`DEFAULT_RULES` with ``overrides`` (the config's ``parallel.rules``) on top.
+
+    Raises:
+        ConfigError: an override names an unknown logical axis or mesh axis.
+    """
     rules = dict(DEFAULT_RULES)
-    rules.update(dict(overrides or {}))
+    for name, target in dict(overrides or {}).items():
+        if name not in DEFAULT_RULES:
+            raise ConfigError(f"parallel.rules.{name}: unknown logical axis {name!r}; expected one of "
+                              f"{sorted(DEFAULT_RULES)}", path=f"parallel.rules.{name}")
+        if target not in (None, DATA, MODEL):
+            raise ConfigError(f"parallel.rules.{name}: expected 'data', 'model' or null, got {target!r}",
+                              path=f"parallel.rules.{name}")
+        rules[name] = target
     return rules
 
 

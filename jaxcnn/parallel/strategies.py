@@ -13,12 +13,19 @@ Three strategies, the same numbers (up to float32 reduction order):
   and XLA's SPMD partitioner inserts every collective (build the step with
   ``axis_name=None``).  BatchNorm statistics are those of the global batch.
 
+On the CPU backend with several (emulated) devices at most
+:data:`CPU_MAX_IN_FLIGHT` steps are left queued: XLA:CPU runs each device's
+share on a shared thread pool, and with many multi-device steps queued an
+all-reduce can wait past XLA's 40 s rendezvous limit, which aborts the process
+(seen with jax 0.10.2 and 0.11.2 on 2 cores).
+
 ``shard_map`` runs with ``check_vma=False``: with the check on, JAX transposes
 the implicit broadcast of replicated parameters into a ``psum``, so gradients
 would arrive already summed and the step's ``pmean`` would be wrong.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 
 import jax
@@ -29,6 +36,7 @@ from jaxcnn.layers.norm import batch_norm_axis_name
 from jaxcnn.parallel.mesh import DATA
 
 STRATEGIES = ("shard_map", "pmap", "jit")
+CPU_MAX_IN_FLIGHT = 2
 
 try:  # jax >= 0.6 has jax.shard_map; older versions only the experimental one
     _shard_map = jax.shard_map
@@ -90,6 +98,14 @@ def wrap_train_step(train_step, strategy: str, mesh: Mesh, state_shardings, *,
         ``step(state, batch) -> (state, metrics)``, taking the batch as placed by
         :func:`batch_sharding` / ``pmap_batch`` and returning replicated metrics.
     """
+    step = _compile(train_step, strategy, mesh, state_shardings, sync_batch_norm, donate)
+    devices = mesh.devices.reshape(-1)
+    if devices.size > 1 and devices[0].platform == "cpu":
+        return _bounded(step, CPU_MAX_IN_FLIGHT)
+    return step
+
+
+def _compile(train_step, strategy, mesh, state_shardings, sync_batch_norm, donate):
     replicated = NamedSharding(mesh, P())
     donate_argnums = (0,) if donate else ()
     if strategy == "jit":
@@ -106,6 +122,21 @@ def wrap_train_step(train_step, strategy: str, mesh: Mesh, state_shardings, *,
         return jax.pmap(program, axis_name=DATA, in_axes=(None, 0), out_axes=(None, None),
                         devices=devices)
     raise ValueError(f"unknown parallel strategy {strategy!r}; expected one of {STRATEGIES}")
+
+
+def _bounded(step, max_in_flight: int):
+    """``step`` that waits for the metrics of the step ``max_in_flight`` calls back
+    before returning, so no more than that many steps are ever queued."""
+    pending = collections.deque()
+
+    def call(state, batch):
+        new_state, metrics = step(state, batch)
+        pending.append(metrics)
+        if len(pending) > max_in_flight:
+            jax.block_until_ready(pending.popleft())
+        return new_state, metrics
+
+    return call
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:

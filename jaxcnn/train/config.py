@@ -199,7 +199,7 @@ SCHEMA: dict[str, dict] = {
         "model": _f("int", 1, "devices on the model axis", **_POS_INT),
     },
     "parallel": {
-        "strategy": _f("str", "jit", "how the step is distributed", choices=("shard_map", "pmap", "jit")),
+        "strategy": _f("str", "shard_map", "how the step is distributed", choices=("shard_map", "pmap", "jit")),
         "sync_batch_norm": _f("bool", True, "BatchNorm statistics over the global batch, not per device"),
         "fsdp": _f("bool", False, "shard parameters and optimiser state over the data axis"),
         "rules": _f("dict", {}, "logical parameter axis -> mesh axis (data, model) or null; "
@@ -352,6 +352,43 @@ def _copy(value):
     return value
 
 
+# A run config holds a few hundred values. These caps stop a hostile file before it is merged
+# (merging copies every value): a huge file, or YAML aliases that expand a few lines into
+# billions of values (the "billion laughs").
+MAX_CONFIG_BYTES = 1 << 20
+MAX_CONFIG_VALUES = 100_000
+
+
+def _check_expanded_size(data, where: str):
+    """Raises ConfigError when ``data`` holds more than MAX_CONFIG_VALUES values once YAML aliases
+    are expanded, or an alias that contains itself. Shared nodes are counted once per use but
+    visited once, so the check itself stays cheap."""
+    sizes, open_nodes = {}, set()
+
+    def size(value) -> int:
+        if not isinstance(value, (dict, list)):
+            return 1
+        key = id(value)
+        if key in sizes:
+            return sizes[key]
+        if key in open_nodes:
+            raise ConfigError(f"{where}: a YAML alias refers to itself")
+        open_nodes.add(key)
+        children = value.values() if isinstance(value, dict) else value
+        total = 1 + sum(size(child) for child in children)
+        open_nodes.discard(key)
+        if total > MAX_CONFIG_VALUES:
+            raise ConfigError(f"{where}: holds more than {MAX_CONFIG_VALUES} values once YAML aliases are "
+                              "expanded; not a run config")
+        sizes[key] = total
+        return total
+
+    try:
+        size(data)
+    except RecursionError:
+        raise ConfigError(f"{where}: YAML nested too deeply") from None
+
+
 def _load_file(path: str, sources: dict, stack: tuple) -> dict:
     real = os.path.realpath(path)
     if real in stack:
@@ -359,10 +396,15 @@ def _load_file(path: str, sources: dict, stack: tuple) -> dict:
         raise ConfigError(f"base include cycle: {chain}", path="base", source=path)
     try:
         with open(path, encoding="utf-8") as f:
-            text = f.read()
+            text = f.read(MAX_CONFIG_BYTES + 1)
     except OSError as e:
         where = f" (included from {os.path.relpath(stack[-1])})" if stack else ""
         raise ConfigError(f"cannot read config file {path!r}{where}: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config file {path!r} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+    if len(text) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"config file {path!r} is larger than {MAX_CONFIG_BYTES} characters; "
+                          "not a run config")
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:
@@ -370,6 +412,9 @@ def _load_file(path: str, sources: dict, stack: tuple) -> dict:
         at = f":{mark.line + 1}:{mark.column + 1}" if mark is not None else ""
         problem = getattr(e, "problem", None) or str(e)
         raise ConfigError(f"{path}{at}: YAML syntax error: {problem}") from None
+    except RecursionError:
+        raise ConfigError(f"{path}: YAML nested too deeply") from None
+    _check_expanded_size(data, path)
     if data is None:
         data = {}
     if not isinstance(data, dict):
@@ -458,6 +503,9 @@ def _parse_override(text) -> tuple[str, Any]:
     except yaml.YAMLError as e:
         problem = getattr(e, "problem", None) or str(e)
         raise ConfigError(f"override {text!r}: cannot parse value {value_text!r} as YAML: {problem}") from None
+    except RecursionError:
+        raise ConfigError(f"override {text!r}: value nested too deeply") from None
+    _check_expanded_size(value, f"override {text!r}")
     return key, value
 
 

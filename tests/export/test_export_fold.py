@@ -54,6 +54,7 @@ def test_fold_pair_formula():
     np.testing.assert_allclose(x @ w2.reshape(-1, 4).astype(np.float64) + b2, y_ref, rtol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["mobilenet_v2", "vgg16_bn"])
 def test_zoo_models_with_batchnorm(zoo_case, name):
     case = zoo_case(name)

@@ -32,6 +32,7 @@ assert not any(m.startswith("jaxcnn") for m in sys.modules), "the child imported
 """
 
 
+@pytest.mark.slow
 def test_zoo_models_reload_in_a_fresh_process(zoo_case, tmp_path):
     names = sorted(ZOO)
     here = {}

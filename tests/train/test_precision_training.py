@@ -176,7 +176,7 @@ def test_bf16_matches_fp32_accuracy_on_short_mnist_run(tmp_path):
         work = tmp_path / policy
         assert train_main([os.path.join(CONFIGS, "mnist_cnn.yaml"), f"precision.policy={policy}",
                            "train.steps=120", "data.batch_size=64", "checkpoint.enabled=false",
-                           "train.eval_every=null", "logging.log_every=40", "logging.progress=none",
+                           "train.eval_every=null", "logging.log_every=40", "logging.progress=none", "mesh.data=1",
                            "--workdir", str(work)]) == 0
         final = [r for r in read_metrics(work) if r["kind"] == "eval"][-1]
         accuracy[policy] = final["top1"]

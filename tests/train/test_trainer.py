@@ -18,7 +18,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 CONFIGS = os.path.join(ROOT, "configs")
 
 # A small, fast run on the packaged MNIST digits: lenet5 at batch 32.
-FAST = ["model.name=lenet5", "data.batch_size=32", "data.eval_batch_size=500", "data.prefetch=1",
+# One device: these tests are about the trainer, tests/parallel covers meshes.
+FAST = ["mesh.data=1", "model.name=lenet5", "data.batch_size=32", "data.eval_batch_size=500", "data.prefetch=1",
         "logging.log_every=1", "logging.progress=lines", "optim.name=adam", "optim.lr=0.002",
         "optim.schedule.name=constant", "train.eval_every=null"]
 

@@ -1,0 +1,228 @@
+"""CPU lowerings behind ``impl="auto"``: convolution weight gradients, 2x2-style
+max pooling, and the XLA flag that keeps convolutions off YNNPACK.
+
+Why (measured on a 2-core AMD EPYC, jaxlib 0.10.2 and 0.11.2, float32, batch
+128; docs/BENCHMARKS.md has the numbers): XLA:CPU gives some convolutions to
+YNNPACK (``__ynn_fusion``) and the rest to Eigen.  For the weight gradient
+YNNPACK is 3-8x slower than building the im2col patches and multiplying
+(mnist_cnn's conv2: 1.23 s against 0.41 s under load; Eigen does the same in
+0.16 s), while its forward and input-gradient convolutions are on par with
+the alternatives (the patch matrix costs a full write of ``KH*KW`` times the
+input, which is what a forward im2col would pay too).  So the forward and the
+input gradient stay ``lax.conv_general_dilated``, and only the weight
+gradient is rewritten, and only for shapes where XLA's own choice for it is
+YNNPACK (read from the compiled HLO, once per shape): with
+``--xla_cpu_experimental_ynn_fusion_type=individual_dot`` in ``XLA_FLAGS``,
+or a jaxlib that stops doing so, every convolution stays XLA's.
+
+Importing this module therefore adds that flag to ``XLA_FLAGS`` (unless
+``XLA_FLAGS`` already sets ``xla_cpu_experimental_ynn_fusion_type``, the
+environment sets ``JAXCNN_CPU_XLA_FLAGS=0``, or the jaxlib is not one where the
+flag was checked to exist: an unknown flag aborts XLA).  It takes effect only
+if no JAX computation has run yet in the process (XLA reads its flags once);
+when it does not, the per-shape weight-gradient rewrite below still applies.
+With the flag, mnist_cnn's whole training step is about 2x faster than
+without it and than with the rewrite alone.
+
+The rewrite is a ``jax.custom_jvp`` whose tangent is linear in the tangents
+``conv(dx, w) + patches(x) @ dw``; transposing it for the gradient gives
+XLA's own input-gradient convolution and ``patches(x)^T @ dy`` for ``w``, so
+forward mode, reverse mode and higher derivatives all work.
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.custom_derivatives import SymbolicZero
+
+_DIMS = ("NHWC", "HWIO", "NHWC")
+
+# Convolutions smaller than this many multiply-adds (forward) keep XLA's lowering:
+# the difference is a fraction of a millisecond and the shape check costs a compile.
+MIN_MACS = 2 ** 24
+
+
+# Keeps YNNPACK for matrix multiplications only (XLA's default also gives it
+# some convolutions); the jaxlib minor versions where this flag was checked.
+XLA_CPU_FLAG = "--xla_cpu_experimental_ynn_fusion_type=individual_dot"
+_FLAG_CHECKED_JAXLIB = ((0, 10), (0, 11))
+
+
+def configure_xla_flags(environ=os.environ) -> bool:
+    """Adds :data:`XLA_CPU_FLAG` to ``environ["XLA_FLAGS"]`` where it is safe.
+
+    Returns True when the flag was added.  See the module docstring for when
+    it is left out and when it takes effect.
+    """
+    import jaxlib
+
+    current = environ.get("XLA_FLAGS", "")
+    version = tuple(int(p) for p in jaxlib.__version__.split(".")[:2])
+    if (environ.get("JAXCNN_CPU_XLA_FLAGS", "1") == "0"
+            or "xla_cpu_experimental_ynn_fusion_type" in current
+            or version not in _FLAG_CHECKED_JAXLIB):
+        return False
+    environ["XLA_FLAGS"] = f"{current} {XLA_CPU_FLAG}".strip()
+    return True
+
+
+configure_xla_flags()
+
+
+def _xla_conv(x, w, stride, pads, dilation):
+    return lax.conv_general_dilated(x, w, window_strides=stride, padding=pads,
+                                    rhs_dilation=dilation, dimension_numbers=_DIMS)
+
+
+def patches(x, kernel_hw, stride, pads, dilation):
+    """The im2col matrix of ``x`` for a convolution, tap-major.
+
+    Arguments:
+        x: input ``(N, H, W, C)``.
+        kernel_hw: ``(KH, KW)``.
+        stride, dilation: ``(sh, sw)``, ``(dh, dw)``.
+        pads: ``((top, bottom), (left, right))``, non-negative.
+
+    Returns:
+        ``(N, OH, OW, KH * KW * C)`` where entry ``(n, i, j, (a * KW + b) * C + c)``
+        is the padded input at ``(n, i * sh + a * dh, j * sw + b * dw, c)``,
+        so ``patches @ w.reshape(KH * KW * C, C_out)`` is the convolution.
+    """
+    (kh, kw), (sh, sw), (dh, dw) = kernel_hw, stride, dilation
+    xp = jnp.pad(x, ((0, 0), *pads, (0, 0)))
+    n, h, wd, c = xp.shape
+    oh = (h - dh * (kh - 1) - 1) // sh + 1
+    ow = (wd - dw * (kw - 1) - 1) // sw + 1
+    taps = [lax.slice(xp, (0, a * dh, b * dw, 0),
+                      (n, a * dh + (oh - 1) * sh + 1, b * dw + (ow - 1) * sw + 1, c),
+                      (1, sh, sw, 1))
+            for a in range(kh) for b in range(kw)]
+    return jnp.concatenate(taps, axis=-1) if len(taps) > 1 else taps[0]
+
+
+def _patches_matmul(x, w, stride, pads, dilation):
+    """The convolution as ``patches(x) @ w``, accumulated in at least float32."""
+    kh, kw, c, o = w.shape
+    cols = patches(x, (kh, kw), stride, pads, dilation)
+    acc = jnp.promote_types(w.dtype, jnp.float32)
+    y = lax.dot_general(cols, w.reshape(kh * kw * c, o), (((3,), (0,)), ((), ())),
+                        preferred_element_type=acc)
+    return y.astype(jnp.result_type(x.dtype, w.dtype))
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3, 4))
+def _conv_patch_wgrad(x, w, stride, pads, dilation):
+    return _xla_conv(x, w, stride, pads, dilation)
+
+
+def _conv_patch_wgrad_jvp(stride, pads, dilation, primals, tangents):
+    x, w = primals
+    dx, dw = tangents
+    y = _xla_conv(x, w, stride, pads, dilation)
+    parts = []
+    if not isinstance(dx, SymbolicZero):
+        parts.append(_xla_conv(dx, w, stride, pads, dilation))
+    if not isinstance(dw, SymbolicZero):
+        parts.append(_patches_matmul(x, dw, stride, pads, dilation))
+    return y, functools.reduce(jnp.add, parts) if parts else jnp.zeros_like(y)
+
+
+_conv_patch_wgrad.defjvp(_conv_patch_wgrad_jvp, symbolic_zeros=True)
+
+
+@functools.lru_cache(maxsize=None)
+def xla_wgrad_uses_ynnpack(x_shape, w_shape, dtype, stride, pads, dilation) -> bool:
+    """Whether XLA:CPU lowers this convolution's weight gradient to YNNPACK.
+
+    Compiles (never runs) the weight gradient alone, on abstract shapes, and
+    looks for a YNNPACK fusion in the optimised HLO; cached per shape.
+    """
+    x = jax.ShapeDtypeStruct(x_shape, dtype)
+    w = jax.ShapeDtypeStruct(w_shape, dtype)
+    y = jax.eval_shape(lambda x, w: _xla_conv(x, w, stride, pads, dilation), x, w)
+
+    def wgrad(x, dy):
+        return jax.vjp(lambda w_: _xla_conv(x, w_, stride, pads, dilation),
+                       jnp.zeros(w_shape, dtype))[1](dy)[0]
+
+    hlo = jax.jit(wgrad).lower(x, y).compile().as_text()
+    return "ynn_fusion" in hlo
+
+
+def conv2d(x, w, *, stride, pads, dilation, groups):
+    """``conv2d`` without bias for ``impl="auto"`` on the CPU, or None for plain XLA.
+
+    Arguments:
+        x: input ``(N, H, W, C_in)``; w: kernel ``(KH, KW, C_in // groups, C_out)``.
+        stride, dilation: ``(sh, sw)``, ``(dh, dw)``; pads: explicit
+            ``((top, bottom), (left, right))``, as validated by ``conv2d``.
+        groups: feature groups.
+
+    Returns:
+        ``(N, OH, OW, C_out)``, or None when this shape keeps XLA's lowering
+        (not on a CPU, grouped, non-float, small, negative pads, or a weight
+        gradient XLA does not give to YNNPACK).
+    """
+    if jax.default_backend() != "cpu" or groups != 1:
+        return None
+    if not all(isinstance(d, int) for d in (*x.shape, *w.shape)):
+        return None  # symbolic dimensions (jax.export with a dynamic batch) keep XLA's lowering
+    if not (jnp.issubdtype(x.dtype, jnp.floating) and x.dtype == w.dtype):
+        return None
+    pads = tuple(tuple(int(p) for p in pair) for pair in pads)
+    if any(p < 0 for pair in pads for p in pair):
+        return None
+    kh, kw, c, o = w.shape
+    n, h, wd, _ = x.shape
+    (sh, sw), (dh, dw) = stride, dilation
+    oh = (h + sum(pads[0]) - dh * (kh - 1) - 1) // sh + 1
+    ow = (wd + sum(pads[1]) - dw * (kw - 1) - 1) // sw + 1
+    if n * oh * ow * kh * kw * c * o < MIN_MACS:
+        return None
+    if not xla_wgrad_uses_ynnpack(tuple(x.shape), tuple(w.shape), np.dtype(x.dtype),
+                                  stride, pads, dilation):
+        return None
+    return _conv_patch_wgrad(x, w, stride, pads, dilation)
+
+
+def max_pool2d(x, kernel, stride, dilation, run_pads, out_hw):
+    """Non-overlapping max pooling as a reshape, for ``impl="auto"`` on the CPU.
+
+    XLA:CPU's ``reduce_window`` backward (select-and-scatter) took 237 ms of
+    mnist_cnn's step against 18 ms for this form (fwd+bwd, 128x24x24x64, 2x2).
+    When the stride equals the window, there is no dilation and no padding,
+    the windows tile the (cropped) input, so a reshape exposes each window's
+    taps; a running ``where`` over them in row-major order keeps the first
+    maximum (a later tap wins only if strictly greater, or NaN where the best
+    so far is not), so the gradient goes to the first maximum as in PyTorch,
+    and NaN propagates as in ``lax.max``.
+
+    Arguments:
+        x: input ``(N, H, W, C)``.
+        kernel, stride, dilation: validated ``(h, w)`` pairs.
+        run_pads: the pads ``max_pool2d`` would run with; out_hw: ``(OH, OW)``.
+
+    Returns:
+        ``(N, OH, OW, C)``, or None when this pooling keeps XLA's lowering.
+    """
+    if jax.default_backend() != "cpu" or not jnp.issubdtype(x.dtype, jnp.floating):
+        return None
+    if (tuple(stride) != tuple(kernel) or tuple(dilation) != (1, 1)
+            or any(p for pair in run_pads for p in pair)):
+        return None
+    (kh, kw), (oh, ow) = kernel, out_hw
+    n, c = x.shape[0], x.shape[3]
+    windows = x[:, :oh * kh, :ow * kw].reshape(n, oh, kh, ow, kw, c)
+    y = windows[:, :, 0, :, 0]
+    for a in range(kh):
+        for b in range(kw):
+            if a or b:
+                tap = windows[:, :, a, :, b]
+                later_wins = (tap > y) | (jnp.isnan(tap) & ~jnp.isnan(y))
+                y = jnp.where(later_wins, tap, y)
+    return y

@@ -1,0 +1,113 @@
+"""Data-parallel scaling: training throughput on 1, 2, 4, 8 devices and the
+efficiency relative to one device.
+
+    python scripts/bench_scaling.py [--model mnist_cnn] [--strategy shard_map]
+        [--devices 1,2,4,8] [--per-device-batch 32] [--mode weak|strong] [--steps 10]
+
+On a CPU-only machine the devices are emulated
+(``--xla_force_host_platform_device_count``) and all share the same cores, so
+the numbers measure the overhead of the parallel program (collectives,
+partitioning), not a real speed-up: ideal efficiency is then about
+``cores / devices`` at best.  On real accelerators the same command measures
+true scaling.  Weak scaling (default) keeps the per-device batch fixed; strong
+scaling keeps the global batch fixed (``--per-device-batch`` x the largest count).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+
+def _parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="mnist_cnn", help="a jaxcnn.models name")
+    p.add_argument("--options", default="{}", help="model options as JSON, e.g. '{\"cifar_stem\": true}'")
+    p.add_argument("--image-size", default=None, help="H,W,C (default: the model's own)")
+    p.add_argument("--num-classes", type=int, default=10)
+    p.add_argument("--strategy", default="shard_map", choices=("shard_map", "pmap", "jit"))
+    p.add_argument("--devices", default="1,2,4,8", help="comma-separated device counts")
+    p.add_argument("--per-device-batch", type=int, default=32)
+    p.add_argument("--mode", default="weak", choices=("weak", "strong"))
+    p.add_argument("--steps", type=int, default=10, help="timed steps per device count")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps (compilation) per device count")
+    p.add_argument("--json", action="store_true", help="print the rows as JSON lines too")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = _parse_args(argv)
+    counts = [int(c) for c in args.devices.split(",")]
+    if not os.environ.get("JAX_PLATFORMS") or os.environ["JAX_PLATFORMS"] == "cpu":
+        # Emulate devices on the CPU; must be set before jax is imported.
+        flag = f"--xla_force_host_platform_device_count={max(counts)}"
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + flag).strip()
+    import jax
+    import numpy as np
+    import optax
+
+    from jaxcnn import models
+    from jaxcnn import precision as P
+    from jaxcnn.parallel import ParallelPlan, make_mesh
+    from jaxcnn.train.state import create_train_state
+    from jaxcnn.train.step import make_train_step
+
+    if max(counts) > jax.device_count():
+        print(f"bench_scaling: asked for {max(counts)} devices, only {jax.device_count()} exist",
+              file=sys.stderr)
+        return 2
+    model = models.get(args.model, num_classes=args.num_classes, **json.loads(args.options))
+    image = (tuple(int(x) for x in args.image_size.split(",")) if args.image_size
+             else models.default_input_shape(args.model)[1:])
+    tx = optax.sgd(0.01, momentum=0.9)
+    rows = []
+    for n in counts:
+        batch = args.per_device_batch * (n if args.mode == "weak" else max(counts))
+        shape = (batch,) + image
+
+        def init(shape=shape):
+            return create_train_state(model, tx, jax.random.PRNGKey(0), shape,
+                                      loss_scale=P.make_loss_scale("none"))
+
+        plan = ParallelPlan(make_mesh(n, 1, devices=jax.devices()[:n]), model, shape,
+                            jax.eval_shape(init), strategy=args.strategy)
+        step = plan.wrap_step(make_train_step(model, tx, axis_name=plan.step_axis_name))
+        state = jax.jit(init, out_shardings=plan.state_shardings)()
+        rng = np.random.default_rng(0)
+        host = {"image": rng.normal(size=shape).astype(np.float32),
+                "label": rng.integers(0, args.num_classes, batch).astype(np.int32)}
+        placed = plan.put_batch(host)
+        t0 = time.perf_counter()
+        for _ in range(args.warmup):
+            state, m = step(state, placed)
+        jax.block_until_ready(m)
+        compile_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        for _ in range(args.steps):
+            state, m = step(state, placed)
+        jax.block_until_ready((state, m))
+        step_s = (time.perf_counter() - t0) / args.steps
+        rows.append({"devices": n, "global_batch": batch, "step_ms": step_s * 1e3,
+                     "img_per_s": batch / step_s, "compile_s": compile_s})
+    base = rows[0]["img_per_s"] / rows[0]["devices"]
+    for r in rows:
+        r["speedup"] = r["img_per_s"] / rows[0]["img_per_s"]
+        # Weak scaling: throughput vs n x one device; strong: time-to-batch vs n x faster.
+        r["efficiency"] = r["img_per_s"] / (base * r["devices"])
+    print(f"model {args.model} {image}  strategy {args.strategy}  {args.mode} scaling  "
+          f"per-device batch {args.per_device_batch}  backend {jax.default_backend()} "
+          f"({os.cpu_count()} host cores)")
+    print(f"{'devices':>7} {'batch':>6} {'step ms':>9} {'img/s':>9} {'speedup':>8} {'efficiency':>10}")
+    for r in rows:
+        print(f"{r['devices']:>7} {r['global_batch']:>6} {r['step_ms']:>9.1f} {r['img_per_s']:>9.1f} "
+              f"{r['speedup']:>8.2f} {r['efficiency']:>10.2f}")
+    if args.json:
+        for r in rows:
+            print(json.dumps(r))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

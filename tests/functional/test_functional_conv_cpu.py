@@ -1,0 +1,258 @@
+"""The CPU lowerings behind impl="auto" (jaxcnn.functional._cpu_lowering):
+forward values and gradients against lax.conv_general_dilated / reduce_window."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+from jax import lax
+
+from jaxcnn import functional as F
+from jaxcnn.functional import _cpu_lowering as C
+from numeric import assert_close
+
+# fp32 against fp32 lax (conftest: matmul precision "highest"); the two sum
+# in different orders, so a few ulps of the largest term.  bf16 against the
+# fp32 reference: 8 mantissa bits, sums over up to ~100 terms.
+RTOL = {jnp.float32: 2e-5, jnp.bfloat16: 3e-2}
+SETTINGS = settings(max_examples=10, deadline=None)
+POOL_SETTINGS = settings(max_examples=6, deadline=None)
+DIMS = ("NHWC", "HWIO", "NHWC")
+
+
+def lax_conv(x, w, stride, pads, dilation):
+    return lax.conv_general_dilated(x, w, stride, pads, rhs_dilation=dilation,
+                                    dimension_numbers=DIMS)
+
+
+def patch_conv(x, w, stride, pads, dilation):
+    return C._conv_patch_wgrad(x, w, stride, pads, dilation)
+
+
+def random_case(seed, n, hw, c, o, k, dtype=jnp.float32):
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.standard_normal((n, *hw, c)), dtype)
+    w = jnp.asarray(rng.standard_normal((*k, c, o)) / np.sqrt(k[0] * k[1] * c), dtype)
+    return x, w
+
+
+geometry = st.fixed_dictionaries({
+    "k": st.tuples(st.integers(1, 3), st.integers(1, 3)),
+    "stride": st.tuples(st.integers(1, 2), st.integers(1, 2)),
+    "dilation": st.tuples(st.integers(1, 2), st.integers(1, 2)),
+    "pads": st.tuples(st.tuples(st.integers(0, 2), st.integers(0, 2)),
+                      st.tuples(st.integers(0, 2), st.integers(0, 2))),
+    "c": st.integers(1, 5), "o": st.integers(1, 6), "seed": st.integers(0, 2**31 - 1),
+})
+
+
+def test_patches_against_a_loop():
+    x, _ = random_case(0, 2, (6, 7), 3, 1, (1, 1))
+    kh, kw, (sh, sw), (dh, dw), pads = 2, 3, (2, 1), (1, 2), ((1, 0), (2, 1))
+    cols = np.asarray(C.patches(x, (kh, kw), (sh, sw), pads, (dh, dw)))
+    xp = np.pad(np.asarray(x), ((0, 0), *pads, (0, 0)))
+    oh = (xp.shape[1] - dh * (kh - 1) - 1) // sh + 1
+    ow = (xp.shape[2] - dw * (kw - 1) - 1) // sw + 1
+    assert cols.shape == (2, oh, ow, kh * kw * 3)
+    for i in range(oh):
+        for j in range(ow):
+            for a in range(kh):
+                for b in range(kw):
+                    got = cols[:, i, j, (a * kw + b) * 3:(a * kw + b + 1) * 3]
+                    np.testing.assert_array_equal(got, xp[:, i * sh + a * dh, j * sw + b * dw])
+
+
+@SETTINGS
+@given(geometry)
+def test_patch_wgrad_conv_matches_lax_forward_and_gradients(g):
+    x, w = random_case(g["seed"], 2, (7, 6), g["c"], g["o"], g["k"])
+    args = (g["stride"], g["pads"], g["dilation"])
+    window = [(k - 1) * d + 1 for k, d in zip(g["k"], g["dilation"])]
+    if any(n + sum(p) < win for n, p, win in zip((7, 6), g["pads"], window)):
+        return  # kernel larger than the padded input: conv2d rejects it before lowering
+    y_ref, vjp_ref = jax.vjp(lambda x, w: lax_conv(x, w, *args), x, w)
+    y, vjp = jax.vjp(lambda x, w: patch_conv(x, w, *args), x, w)
+    assert_close(y, y_ref, RTOL[jnp.float32])
+    dy = jnp.asarray(np.random.default_rng(g["seed"] + 1).standard_normal(y.shape), jnp.float32)
+    for got, want in zip(vjp(dy), vjp_ref(dy)):
+        assert_close(got, want, RTOL[jnp.float32])
+
+
+def test_gradient_with_respect_to_one_argument_only():
+    x, w = random_case(1, 3, (9, 9), 4, 5, (3, 3))
+    args = ((1, 1), ((1, 1), (1, 1)), (1, 1))
+
+    def loss(conv):
+        return lambda x, w: jnp.sum(jnp.sin(conv(x, w, *args)))
+
+    for argnums in (0, 1):
+        got = jax.jit(jax.grad(loss(patch_conv), argnums=argnums))(x, w)
+        want = jax.grad(loss(lax_conv), argnums=argnums)(x, w)
+        assert_close(got, want, RTOL[jnp.float32])
+
+
+def test_forward_mode_and_second_order():
+    x, w = random_case(2, 2, (8, 8), 3, 4, (3, 3))
+    tx, tw = random_case(3, 2, (8, 8), 3, 4, (3, 3))
+    args = ((2, 2), ((1, 0), (0, 1)), (1, 1))
+    _, t = jax.jvp(lambda x, w: patch_conv(x, w, *args), (x, w), (tx, tw))
+    _, t_ref = jax.jvp(lambda x, w: lax_conv(x, w, *args), (x, w), (tx, tw))
+    assert_close(t, t_ref, RTOL[jnp.float32])
+
+    def gw_norm(conv):
+        return lambda x: jnp.sum(jax.grad(lambda w: jnp.sum(conv(x, w, *args) ** 2))(w) ** 2)
+
+    assert_close(jax.grad(gw_norm(patch_conv))(x), jax.grad(gw_norm(lax_conv))(x),
+                 RTOL[jnp.float32])
+
+
+def test_bfloat16_gradients_close_to_float32():
+    x, w = random_case(4, 2, (10, 10), 8, 8, (3, 3))
+    args = ((1, 1), ((1, 1), (1, 1)), (1, 1))
+    dy = jnp.asarray(np.random.default_rng(5).standard_normal((2, 10, 10, 8)), jnp.float32)
+    y, vjp = jax.vjp(lambda x, w: patch_conv(x, w, *args), x.astype(jnp.bfloat16),
+                     w.astype(jnp.bfloat16))
+    assert y.dtype == jnp.bfloat16
+    _, vjp_ref = jax.vjp(lambda x, w: lax_conv(x, w, *args), x, w)
+    for got, want in zip(vjp(dy.astype(jnp.bfloat16)), vjp_ref(dy)):
+        assert got.dtype == jnp.bfloat16
+        assert_close(got, want, RTOL[jnp.bfloat16])
+
+
+@pytest.mark.parametrize("force_rewrite", [False, True])
+def test_auto_conv2d_matches_xla_on_a_large_shape(force_rewrite, monkeypatch):
+    # Above MIN_MACS, so "auto" asks XLA where it lowers the weight gradient
+    # (or is told YNNPACK, to force the rewrite); either way values and
+    # gradients, bias included, equal impl="xla".
+    x, w = random_case(6, 16, (18, 18), 16, 32, (3, 3))
+    b = jnp.linspace(-1.0, 1.0, 32)
+    assert 16 * 16 * 16 * 9 * 16 * 32 >= C.MIN_MACS
+    if force_rewrite:
+        monkeypatch.setattr(C, "xla_wgrad_uses_ynnpack", lambda *args: True)
+    else:
+        assert isinstance(C.xla_wgrad_uses_ynnpack(
+            (16, 18, 18, 16), (3, 3, 16, 32), np.dtype(np.float32), (1, 1),
+            ((0, 0), (0, 0)), (1, 1)), bool)
+
+    def loss(impl):
+        return lambda x, w, b: jnp.sum(jnp.tanh(F.conv2d(x, w, b, padding=1, impl=impl)))
+
+    if force_rewrite:
+        assert "custom_jvp" in str(jax.make_jaxpr(loss("auto"))(x, w, b))
+    got = jax.jit(jax.value_and_grad(loss("auto"), argnums=(0, 1, 2)))(x, w, b)
+    want = jax.value_and_grad(loss("xla"), argnums=(0, 1, 2))(x, w, b)
+    for a, e in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+        assert_close(a, e, RTOL[jnp.float32])
+
+
+def test_auto_keeps_xla_for_small_grouped_and_impl_xla():
+    x, w = random_case(7, 2, (6, 6), 4, 4, (3, 3))
+    pads = ((0, 0), (0, 0))
+    assert C.conv2d(x, w, stride=(1, 1), pads=pads, dilation=(1, 1), groups=1) is None
+    big_x, big_w = random_case(8, 64, (20, 20), 32, 32, (3, 3))
+    assert C.conv2d(big_x, big_w[:, :, :16], stride=(1, 1), pads=pads, dilation=(1, 1),
+                    groups=2) is None
+    jaxpr = str(jax.make_jaxpr(lambda x, w: F.conv2d(x, w, impl="xla"))(big_x, big_w))
+    assert "custom_jvp" not in jaxpr
+
+
+def test_configure_xla_flags():
+    env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    added = C.configure_xla_flags(env)
+    import jaxlib
+    checked = tuple(int(p) for p in jaxlib.__version__.split(".")[:2]) in C._FLAG_CHECKED_JAXLIB
+    assert added == checked
+    if checked:
+        assert env["XLA_FLAGS"] == f"--xla_force_host_platform_device_count=8 {C.XLA_CPU_FLAG}"
+        assert not C.configure_xla_flags(env)  # already set: left alone
+        assert env["XLA_FLAGS"].count("ynn_fusion_type") == 1
+    off = {"JAXCNN_CPU_XLA_FLAGS": "0"}
+    assert not C.configure_xla_flags(off) and "XLA_FLAGS" not in off
+    own = {"XLA_FLAGS": "--xla_cpu_experimental_ynn_fusion_type="}
+    assert not C.configure_xla_flags(own)
+    assert own["XLA_FLAGS"] == "--xla_cpu_experimental_ynn_fusion_type="
+
+
+# ---- max pooling ---------------------------------------------------------------------------
+
+pool_geometry = st.fixed_dictionaries({
+    "k": st.tuples(st.integers(1, 3), st.integers(1, 3)),
+    "h": st.integers(3, 7), "w": st.integers(3, 7), "c": st.integers(1, 3),
+    "seed": st.integers(0, 2**31 - 1),
+})
+
+
+def first_max_pool_ref(x, k):
+    """Forward and first-max-wins input gradient (of sum(y * g)) by loops, float64."""
+    x = np.asarray(x, np.float64)
+    n, h, w, c = x.shape
+    oh, ow = h // k[0], w // k[1]
+    y = np.zeros((n, oh, ow, c))
+    where = np.zeros((n, oh, ow, c, 2), int)
+    for i in range(oh):
+        for j in range(ow):
+            win = x[:, i * k[0]:(i + 1) * k[0], j * k[1]:(j + 1) * k[1]].reshape(n, -1, c)
+            first = np.argmax(win, axis=1)  # numpy's argmax returns the first maximum
+            y[:, i, j] = np.take_along_axis(win, first[:, None], 1)[:, 0]
+            where[:, i, j, :, 0] = i * k[0] + first // k[1]
+            where[:, i, j, :, 1] = j * k[1] + first % k[1]
+    return y, where
+
+
+@POOL_SETTINGS
+@given(pool_geometry)
+def test_max_pool_reshape_matches_reduce_window_and_first_max_gradient(g):
+    k = g["k"]
+    if g["h"] < k[0] or g["w"] < k[1]:
+        return
+    rng = np.random.default_rng(g["seed"])
+    # Few distinct values, so most windows hold ties.
+    x = jnp.asarray(rng.integers(-2, 3, (2, g["h"], g["w"], g["c"])), jnp.float32)
+
+    def pool(impl):
+        return lambda x: F.max_pool2d(x, k, impl=impl)
+
+    assert "reduce_window" not in str(jax.make_jaxpr(pool("auto"))(x))  # the reshape form ran
+    y_ref, where = first_max_pool_ref(x, k)
+    gy = rng.standard_normal(y_ref.shape).astype(np.float32)
+
+    def forward_backward(x):
+        y, vjp = jax.vjp(pool("auto"), x)
+        return y, vjp(gy)[0]
+
+    y, dx = jax.jit(forward_backward)(x)
+    y_xla, vjp_xla = jax.vjp(jax.jit(pool("xla")), x)
+    np.testing.assert_array_equal(y, y_xla)
+    np.testing.assert_array_equal(y, y_ref)
+    np.testing.assert_array_equal(dx, vjp_xla(gy)[0])
+    want = np.zeros(x.shape)
+    n, oh, ow, c = y.shape
+    for b in range(n):
+        for i in range(oh):
+            for j in range(ow):
+                for ch in range(c):
+                    r, s = where[b, i, j, ch]
+                    want[b, r, s, ch] += gy[b, i, j, ch]
+    np.testing.assert_array_equal(dx, want)
+
+
+def test_max_pool_reshape_propagates_nan_and_inf():
+    x = np.zeros((1, 4, 4, 1), np.float32)
+    x[0, 0, 1, 0] = np.nan
+    x[0, 2, 2, 0] = -np.inf
+    x[0, 3, 3, 0] = np.inf
+    x[0, 0, 2:4, 0] = -np.inf
+    y = F.max_pool2d(jnp.asarray(x), 2, impl="auto")
+    np.testing.assert_array_equal(y, F.max_pool2d(jnp.asarray(x), 2, impl="xla"))
+    assert np.isnan(y[0, 0, 0, 0]) and y[0, 1, 1, 0] == np.inf and y[0, 0, 1, 0] == 0
+
+
+@pytest.mark.parametrize("kwargs", [dict(kernel_size=2, padding=1), dict(kernel_size=3, stride=2),
+                                    dict(kernel_size=2, dilation=2),
+                                    dict(kernel_size=2, ceil_mode=True)])
+def test_max_pool_other_geometries_keep_reduce_window(kwargs):
+    x = jnp.asarray(np.random.default_rng(9).standard_normal((2, 7, 7, 3)), jnp.float32)
+    jaxpr = str(jax.make_jaxpr(lambda x: F.max_pool2d(x, impl="auto", **kwargs))(x))
+    assert "reduce_window" in jaxpr or "argmax" in jaxpr
+    np.testing.assert_array_equal(F.max_pool2d(x, impl="auto", **kwargs),
+                                  F.max_pool2d(x, impl="xla", **kwargs))

@@ -1,0 +1,172 @@
+"""Multi-process runs on 127.0.0.1: two processes with 4 CPU devices each (gloo collectives)."""
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import types
+
+import numpy as np
+import pytest
+
+from jaxcnn import parallel
+from jaxcnn.interop import load_npz
+from jaxcnn.train.config import ConfigError
+
+from _helpers import MOMENTUM, batches, max_diff, model_and_shape, plan_for, run_plan
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+WORKER = os.path.join(HERE, "_mp_worker.py")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env():
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([ROOT, HERE, env.get("PYTHONPATH", "")])
+    env.pop("XLA_FLAGS", None)  # the worker asks for 4 devices itself
+    return env
+
+
+def _start(port, pid, steps, out_dir, timeout_s):
+    return subprocess.Popen([sys.executable, WORKER, str(port), str(pid), str(steps), str(out_dir),
+                             str(timeout_s)], env=_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def _finish(procs, limit):
+    outs = []
+    for p in procs:
+        try:
+            out, err = p.communicate(timeout=limit)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            out, err = p.communicate()
+        outs.append((p.returncode, out, err))
+    return outs
+
+
+def test_two_processes_train_like_one_process_with_eight_devices(tmp_path):
+    steps = 2
+    port = _free_port()
+    procs = [_start(port, pid, steps, tmp_path, 60) for pid in (0, 1)]
+    results = _finish(procs, 300)
+    for rc, out, err in results:
+        assert rc == 0, err[-3000:]
+    with open(tmp_path / "losses.json") as f:
+        losses = json.load(f)
+    params, _ = load_npz(tmp_path / "params.npz")
+    model, shape = model_and_shape("mnist_cnn")
+    ref_losses, ref = run_plan(plan_for(model, MOMENTUM, shape, "shard_map"), model, MOMENTUM, shape,
+                               batches(shape, steps))
+    np.testing.assert_allclose(losses, ref_losses, rtol=2e-5, atol=2e-5)
+    assert max_diff(params, ref.params) < 2e-5
+
+
+def test_killing_one_process_stops_the_other_within_the_timeout(tmp_path):
+    timeout_s = 5
+    port = _free_port()
+    survivor, victim = (_start(port, pid, 0, tmp_path, timeout_s) for pid in (0, 1))
+    try:
+        deadline = time.monotonic() + 240
+        line = ""
+        while "step 1" not in line and time.monotonic() < deadline:
+            line = survivor.stdout.readline()
+            assert line or survivor.poll() is None, survivor.stderr.read()[-3000:]
+        assert "step 1" in line, "the two processes never trained a step"
+        victim.kill()
+        killed_at = time.monotonic()
+        (rc, _, err), = _finish([survivor], 6 * timeout_s + 30)
+        elapsed = time.monotonic() - killed_at
+    finally:
+        for p in (survivor, victim):
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    assert rc != 0
+    assert elapsed < 6 * timeout_s + 30
+    # JAX's coordination service names the missing process instead of hanging in a collective.
+    assert "stopped sending heartbeats" in err or "another task died" in err, err[-3000:]
+
+
+def test_unreachable_coordinator_is_a_clear_error():
+    port = _free_port()  # nobody listens there
+    code = ("import types, sys; from jaxcnn import parallel\n"
+            "cfg = types.SimpleNamespace(mode='on', coordinator_address='127.0.0.1:%d',"
+            " num_processes=2, process_id=1, timeout_s=3)\n"
+            "try:\n    parallel.initialize(cfg)\n"
+            "except parallel.DistributedError as e:\n    print(e); sys.exit(3)\n" % port)
+    t0 = time.monotonic()
+    p = subprocess.run([sys.executable, "-c", code], env=_env(), capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 3, p.stderr[-3000:]
+    assert f"could not reach coordinator 127.0.0.1:{port} within 3 s" in p.stdout
+    assert "\n" not in p.stdout.strip()
+    assert time.monotonic() - t0 < 60
+
+
+def test_modes_and_settings(monkeypatch):
+    off = types.SimpleNamespace(mode="off", coordinator_address="127.0.0.1:1", num_processes=2,
+                                process_id=0, timeout_s=1)
+    assert parallel.initialize(off) is False
+    auto = types.SimpleNamespace(mode="auto", coordinator_address=None, num_processes=None,
+                                 process_id=None, timeout_s=1)
+    for var in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
+        monkeypatch.delenv(var, raising=False)
+    assert parallel.initialize(auto) is False  # one process: nothing to do
+    monkeypatch.setenv("JAX_NUM_PROCESSES", "4")
+    monkeypatch.setenv("JAX_PROCESS_ID", "2")
+    monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "10.0.0.1:1234")
+    from jaxcnn.parallel.distributed import settings
+    assert settings(auto) == {"coordinator_address": "10.0.0.1:1234", "num_processes": 4, "process_id": 2}
+    monkeypatch.setenv("JAX_NUM_PROCESSES", "four")
+    with pytest.raises(ConfigError, match="JAX_NUM_PROCESSES='four' is not a valid int"):
+        settings(auto)
+    monkeypatch.setenv("JAX_NUM_PROCESSES", "2")
+    monkeypatch.setenv("JAX_PROCESS_ID", "5")
+    with pytest.raises(ConfigError, match=r"distributed.process_id: 5 is not in \[0, num_processes=2\)"):
+        parallel.initialize(auto)
+
+
+def _cli(workdir, extra_env, *overrides):
+    env = _env()
+    env.update(extra_env)
+    return subprocess.Popen(
+        [sys.executable, "-m", "jaxcnn.train.cli", os.path.join(ROOT, "configs", "mnist_cnn.yaml"),
+         "train.steps=3", "data.batch_size=16", "logging.log_every=1", "train.eval_every=null",
+         "logging.progress=lines", "precision.matmul_precision=highest", "distributed.timeout_s=60",
+         *overrides, "--workdir", str(workdir)],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+@pytest.mark.slow
+def test_trainer_cli_two_processes_match_one(tmp_path):
+    """The whole trainer: two processes (4 devices each) write one metrics.jsonl
+    (process 0 only), one checkpoint (through orbax, both processes) and the same
+    losses and final evaluation as one 8-device process."""
+    port = _free_port()
+    two = [_cli(tmp_path / "two", {"XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+                                   "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}",
+                                   "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": str(pid)})
+           for pid in (0, 1)]
+    results = _finish(two, 600)
+    one = _finish([_cli(tmp_path / "one", {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"})], 600)
+    for rc, out, err in results + one:
+        assert rc == 0, err[-3000:]
+    assert "processes 2" in results[0][1] and "[jaxcnn]" not in results[1][1]  # only process 0 prints
+    from jaxcnn.train.metrics import read_metrics
+    a, b = read_metrics(str(tmp_path / "two")), read_metrics(str(tmp_path / "one"))
+    assert [r["kind"] for r in a] == [r["kind"] for r in b] == ["train"] * 3 + ["eval"]
+    for ra, rb in zip(a, b):
+        for key in ("loss", "top1"):
+            assert abs(ra[key] - rb[key]) < 2e-5, (ra, rb)
+    assert sorted(os.listdir(tmp_path / "two" / "checkpoints")) == ["3"]
+    pa, _ = load_npz(tmp_path / "two" / "params.npz")
+    pb, _ = load_npz(tmp_path / "one" / "params.npz")
+    assert max_diff(pa, pb) < 2e-5

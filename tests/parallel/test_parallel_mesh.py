@@ -1,0 +1,54 @@
+"""Mesh construction and its configuration errors."""
+import jax
+import pytest
+
+from jaxcnn import parallel
+from jaxcnn.train.config import ConfigError, config_from_dict
+
+
+def test_minus_one_fills_the_data_axis():
+    mesh = parallel.make_mesh(-1, 2)
+    assert mesh.axis_names == ("data", "model")
+    assert dict(mesh.shape) == {"data": 4, "model": 2}
+    assert mesh.devices.size == jax.device_count() == 8
+    assert dict(parallel.make_mesh(-1, 1).shape) == {"data": 8, "model": 1}
+    assert dict(parallel.make_mesh(2, 4).shape) == {"data": 2, "model": 4}
+
+
+def test_mesh_over_a_subset_of_devices():
+    mesh = parallel.make_mesh(-1, 1, devices=jax.devices()[:4])
+    assert dict(mesh.shape) == {"data": 4, "model": 1}
+    assert list(mesh.devices.reshape(-1)) == jax.devices()[:4]
+
+
+@pytest.mark.parametrize("data,model,key,words", [
+    (-1, 3, "mesh.model", "3 does not divide the 8"),
+    (-1, 16, "mesh.model", "16 does not divide the 8"),
+    (4, 4, "mesh.data", "4 x 4 = 16 devices, but 8"),
+])
+def test_sizes_that_do_not_fit_name_the_key(data, model, key, words):
+    with pytest.raises(ConfigError, match=key) as err:
+        parallel.make_mesh(data, model)
+    assert words in str(err.value) and err.value.path == key
+    assert "\n" not in str(err.value)
+
+
+def test_explicit_sizes_may_use_the_first_devices():
+    mesh = parallel.make_mesh(3, 2)
+    assert dict(mesh.shape) == {"data": 3, "model": 2}
+    assert list(mesh.devices.flat) == jax.devices()[:6]
+    assert dict(parallel.make_mesh(1, 1).shape) == {"data": 1, "model": 1}
+
+
+def test_global_batch_must_divide_over_data():
+    mesh = parallel.make_mesh(-1, 2)
+    parallel.check_batch(mesh, 12)
+    with pytest.raises(ConfigError, match=r"data.batch_size: global batch 10 does not divide over the 4 "):
+        parallel.check_batch(mesh, 10)
+
+
+def test_mesh_from_config_and_default_strategy():
+    cfg = config_from_dict({"model": {"name": "mnist_cnn"}, "train": {"steps": 1},
+                            "data": {"source": "synthetic"}}, ["mesh.model=2"])
+    assert cfg.parallel.strategy == "shard_map"
+    assert dict(parallel.mesh_from_config(cfg).shape) == {"data": 4, "model": 2}
