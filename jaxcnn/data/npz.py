@@ -8,6 +8,7 @@ zip directory records before NumPy allocates room for it.
 import math
 import os
 import zipfile
+import zlib
 
 import numpy as np
 
@@ -30,8 +31,8 @@ def _check_headers(path, max_bytes):
             info = members.get(key + ".npy")
             if info is None:
                 raise DataError(f"{path}: missing array {key!r} (has {sorted(n[:-4] for n in members)})")
-            with archive.open(info) as member:
-                try:
+            try:
+                with archive.open(info) as member:
                     version = np.lib.format.read_magic(member)
                     if version == (1, 0):
                         shape, _, dtype = np.lib.format.read_array_header_1_0(member)
@@ -39,9 +40,12 @@ def _check_headers(path, max_bytes):
                         shape, _, dtype = np.lib.format.read_array_header_2_0(member)
                     else:
                         raise ValueError(f"unsupported .npy format version {version}")
-                except ValueError as err:
-                    raise DataError(f"{path}: array {key!r} has a bad .npy header ({err})") from err
-                header_bytes = member.tell()
+                    header_bytes = member.tell()
+            except ValueError as err:
+                raise DataError(f"{path}: array {key!r} has a bad .npy header ({err})") from err
+            except (OSError, EOFError, zlib.error, zipfile.BadZipFile, NotImplementedError, RuntimeError) as err:
+                # A damaged or unsupported (compressed with an unknown method, encrypted) zip member.
+                raise DataError(f"{path}: cannot read array {key!r} ({type(err).__name__}: {err})") from err
             if dtype.hasobject:
                 raise DataError(f"{path}: array {key!r} has dtype {dtype}, which needs pickle; refused")
             nbytes = math.prod(shape) * dtype.itemsize
@@ -98,7 +102,7 @@ def load_npz(path, *, num_classes=None, name=None, max_bytes=DEFAULT_MAX_BYTES) 
     try:
         with np.load(path, allow_pickle=False) as archive:
             arrays = {key: archive[key] for key in KEYS}
-    except (OSError, ValueError, zipfile.BadZipFile) as err:
+    except (OSError, ValueError, EOFError, zlib.error, zipfile.BadZipFile, NotImplementedError, RuntimeError) as err:
         raise DataError(f"{path}: cannot read ({err})") from err
     x_train, x_test = (_images(path, k, arrays[k]) for k in ("x_train", "x_test"))
     y_train, y_test = (_labels(path, k, arrays[k]) for k in ("y_train", "y_test"))

@@ -46,6 +46,8 @@ _FORMAT = 1
 _COMMIT_MARKER = "commit_success.txt"
 _TMP_MARK = ".orbax-checkpoint-tmp"
 _QUARANTINE_SUFFIX = ".corrupt"
+_MISMATCH_SUFFIX = ".mismatch"
+_LINK_SUFFIX = ".symlink"
 _RANK_KEY = "rank"
 _ENTRY_KEYS = {"path", "shape", "dtype", "sha256"}
 
@@ -181,6 +183,7 @@ class CheckpointManager:
         self.directory.mkdir(parents=True, exist_ok=True)
         for tmp in sorted(self.directory.glob(f"*{_TMP_MARK}*")):
             logger.warning("ignoring half-written checkpoint %s (an interrupted save); removing it", tmp)
+        self._set_aside_links()
 
         policies = [ocp_managers.LatestN(keep)]
         best_fn = None
@@ -195,6 +198,25 @@ class CheckpointManager:
             best_fn=best_fn, best_mode=best_mode,
             preservation_policy=ocp_managers.AnyPreservationPolicy(policies))
         self._mgr = ocp.CheckpointManager(self.directory, options=options, item_names=(_STATE, _META))
+
+    def _set_aside_links(self):
+        """Renames step entries that are symbolic links to `<step>.symlink`.
+
+        Checkpoints are never written as links, and orbax would restore from a link's target and,
+        at retention time, try to delete through it (failing the save that triggered the cleanup).
+        Renaming moves the link only; whatever it points to is never read or deleted.
+        """
+        if jax.process_index() != 0:
+            return
+        for entry in sorted(self.directory.iterdir()):
+            if entry.name.isdigit() and entry.is_symlink():
+                aside = entry.with_name(entry.name + _LINK_SUFFIX)
+                try:
+                    entry.rename(aside)
+                    logger.warning("checkpoint entry %s is a symbolic link (to %s), which is never written here; "
+                                   "moved it to %s without touching its target", entry, os.readlink(aside), aside)
+                except OSError as e:
+                    logger.warning("could not move the symbolic link %s aside: %s", entry, e)
 
     # -- listing ---------------------------------------------------------------------------
 
@@ -441,19 +463,19 @@ class CheckpointManager:
             raise CheckpointError(f"checkpoint {path} does not match the target: "
                                   + "; ".join(problems[:5]) + more)
 
-    def _quarantine(self, steps: list[int]):
+    def _quarantine(self, steps: list[int], suffix: str = _QUARANTINE_SUFFIX, what: str = "damaged"):
         """Renames damaged step directories so orbax no longer counts them (it skips newer steps otherwise)."""
         if not steps or jax.process_index() != 0:
             return
         for step in steps:
             path = self._step_path(step)
-            aside, n = path.with_name(path.name + _QUARANTINE_SUFFIX), 1
+            aside, n = path.with_name(path.name + suffix), 1
             while aside.exists():  # the same step was damaged before
                 n += 1
-                aside = path.with_name(f"{path.name}{_QUARANTINE_SUFFIX}-{n}")
+                aside = path.with_name(f"{path.name}{suffix}-{n}")
             try:
                 path.rename(aside)
-                logger.warning("moved damaged checkpoint %s to %s", path, aside)
+                logger.warning("moved %s checkpoint %s to %s", what, path, aside)
             except OSError as e:
                 logger.warning("could not move damaged checkpoint %s aside: %s", path, e)
         self._mgr.reload()
@@ -470,7 +492,9 @@ def restore_for_resume(manager: CheckpointManager, target, resume: str = "auto")
             returns None without looking.
 
     Returns:
-        (step, state) or None.
+        (step, state) or None. Newer checkpoints passed over because they do not match
+        `target` are renamed to `<step>.mismatch` (damaged ones to `<step>.corrupt`, see
+        `CheckpointManager.restore`), so that the resumed run can save those steps again.
 
     Raises:
         CheckpointError: resume="must" and no checkpoint, or checkpoints exist but none
@@ -485,4 +509,9 @@ def restore_for_resume(manager: CheckpointManager, target, resume: str = "auto")
         if resume == "must":
             raise CheckpointError(f"resume='must' but there is no checkpoint in {manager.directory}")
         return None
-    return manager.restore(target=target)
+    step, state = manager.restore(target=target)
+    # Newer checkpoints that do not match this run (another model's) would make orbax refuse every
+    # save of this run up to their step: move them aside as well.
+    manager._quarantine([s for s in manager._listed_steps() if s > step], _MISMATCH_SUFFIX,
+                        "non-matching")
+    return step, state

@@ -10,7 +10,7 @@ import json
 import os
 import sys
 
-# Exit codes: 0 success, 1 training stopped (non-finite loss), 2 bad input,
+# Exit codes: 0 success, 1 training stopped (non-finite loss, a lost peer process), 2 bad input,
 # 128 + signal number when SIGTERM/SIGINT stopped the run after a checkpoint.
 EXIT_BAD_INPUT = 2
 
@@ -20,6 +20,11 @@ def _bad_input_errors():
     from jaxcnn.train.checkpoint import CheckpointError
     from jaxcnn.train.config import ConfigError
     return (ConfigError, DataError, CheckpointError)
+
+
+def _distributed_error():
+    from jaxcnn.parallel.distributed import DistributedError
+    return DistributedError
 
 
 def _fail(prog: str, message: str) -> int:
@@ -57,15 +62,16 @@ def dry_run(cfg, stream=None) -> None:
     import numpy as np
 
     from jaxcnn import summary
-    from jaxcnn.train.loop import abstract_state, batch_fn, build_run
+    from jaxcnn.train.loop import abstract_state, build_run
     from jaxcnn.train.step import make_train_step
 
     stream = stream or sys.stdout
     run = build_run(cfg)
     print(summary(run.model, (1,) + tuple(run.input_shape[1:])), file=stream)
     state = abstract_state(run)
-    batch = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype),
-                                   batch_fn(run)(0))
+    # Shapes only: making a real batch would allocate it, whatever data.batch_size asks.
+    batch = {"image": jax.ShapeDtypeStruct(run.input_shape, np.float32),
+             "label": jax.ShapeDtypeStruct(run.input_shape[:1], np.int32)}
     step = make_train_step(run.model, run.tx, policy=run.policy,
                            label_smoothing=cfg.optim.label_smoothing, schedule=run.schedule)
     _, metrics = jax.eval_shape(step, state, batch)
@@ -97,6 +103,9 @@ def train_main(argv=None) -> int:
             return 1
     except _bad_input_errors() as e:
         return _fail("jaxcnn-train", str(e))
+    except _distributed_error() as e:  # a peer process is missing: one line, exit 1, no traceback
+        print(f"jaxcnn-train: error: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("jaxcnn-train: interrupted", file=sys.stderr)
         return 130

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import yaml
 
-from jaxcnn import interop, models
+from jaxcnn import interop, models, parallel
 from jaxcnn import precision as P
 from jaxcnn.data import (Prefetcher, SyntheticSpec, eval_batches, load_dataset, steps_per_epoch,
                          synthetic_batch, synthetic_dataset, train_batch)
@@ -92,12 +92,21 @@ def build_run(cfg) -> Run:
         image_shape = tuple(cfg.data.image_size or _model_defaults(cfg.model.name)[1:])
         num_classes = cfg.data.num_classes or cfg.model.num_classes or 10
         spec = SyntheticSpec(image_shape=image_shape, num_classes=num_classes)
-        if cfg.data.num_train * int(np.prod(image_shape)) <= _SYNTHETIC_IN_MEMORY_BYTES:
+        image_bytes = int(np.prod(image_shape))
+        if cfg.data.num_train * image_bytes <= _SYNTHETIC_IN_MEMORY_BYTES:
+            if (cfg.data.num_train + cfg.data.num_eval) * image_bytes > 2 * _SYNTHETIC_IN_MEMORY_BYTES:
+                raise ConfigError(f"data.num_eval: {cfg.data.num_eval} synthetic test images of shape "
+                                  f"{image_shape} would take more than the "
+                                  f"{2 * _SYNTHETIC_IN_MEMORY_BYTES >> 20} MiB held in memory",
+                                  path="data.num_eval")
             # Small enough to hold: a fixed set the model can fit, with a test split to evaluate.
             dataset = synthetic_dataset(spec, num_train=cfg.data.num_train,
                                         num_test=cfg.data.num_eval, seed=data_seed)
         else:
             synthetic = spec  # throughput runs: fresh images every step, never materialised
+        if cfg.data.num_train < batch_size:
+            raise ConfigError(f"data.batch_size: {batch_size} is larger than the training set "
+                              f"(data.num_train={cfg.data.num_train})", path="data.batch_size")
         per_epoch = max(1, cfg.data.num_train // batch_size)
     else:
         path = cfg.data.path
@@ -115,7 +124,15 @@ def build_run(cfg) -> Run:
                               f"({len(dataset.x_train)} images)", path="data.batch_size")
         per_epoch = steps_per_epoch(len(dataset.x_train), batch_size)
 
-    model = models.get(cfg.model.name, num_classes=num_classes, **dict(cfg.model.options))
+    try:
+        model = models.get(cfg.model.name, num_classes=num_classes, **dict(cfg.model.options))
+    except (TypeError, ValueError) as e:  # unknown or ill-typed options
+        raise ConfigError(f"model.options: {e}", path="model.options") from None
+    try:  # shape-only: a too-small image fails here, not as a traceback from inside a layer
+        jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), (batch_size,) + tuple(image_shape)))
+    except ValueError as e:
+        raise ConfigError(f"model {cfg.model.name!r} cannot take {tuple(image_shape)} images "
+                          f"(data.image_size or the dataset): {e}", path="data.image_size") from None
     total = train_steps(cfg.train, per_epoch)
     tx, schedule = build_optimizer(cfg.optim, total_steps=total, steps_per_epoch=per_epoch)
     kind = cfg.precision.loss_scale
@@ -137,12 +154,17 @@ def build_run(cfg) -> Run:
 def batch_fn(run: Run):
     """``step -> batch`` (host numpy arrays) for the run's training data."""
     cfg = run.cfg
+    share = {"process_index": jax.process_index(), "process_count": jax.process_count()}
     if run.synthetic is not None:
         return lambda step: synthetic_batch(run.synthetic, step, seed=run.data_seed,
-                                            batch_size=cfg.data.batch_size)
+                                            batch_size=cfg.data.batch_size, **share)
     augment = {"crop_padding": cfg.data.augment.crop_padding, "flip": cfg.data.augment.flip}
-    return lambda step: train_batch(run.dataset, step, seed=run.data_seed,
-                                    batch_size=cfg.data.batch_size, augment=augment)
+    dataset = run.dataset
+    if not cfg.data.normalize:  # unit scale only, as in evaluate()
+        channels = dataset.image_shape[-1]
+        dataset = dataset._replace(mean=np.zeros(channels, np.float32), std=np.ones(channels, np.float32))
+    return lambda step: train_batch(dataset, step, seed=run.data_seed,
+                                    batch_size=cfg.data.batch_size, augment=augment, **share)
 
 
 def init_state(run: Run) -> TrainState:
@@ -164,7 +186,8 @@ def evaluate(run: Run, eval_step, params, model_state) -> dict:
     batch_size = cfg.data.eval_batch_size or cfg.data.batch_size
     mean, std = (run.dataset.mean, run.dataset.std) if cfg.data.normalize else (None, None)
     totals = None
-    for batch in eval_batches(run.dataset.x_test, run.dataset.y_test, batch_size, mean=mean, std=std):
+    for batch in eval_batches(run.dataset.x_test, run.dataset.y_test, batch_size, mean=mean, std=std,
+                              process_index=jax.process_index(), process_count=jax.process_count()):
         sums = eval_step(params, model_state, batch)
         totals = sums if totals is None else jax.tree_util.tree_map(jnp.add, totals, sums)
     if totals is None:
@@ -250,7 +273,9 @@ def train(cfg, workdir: str, *, argv=None, config_path=None, stream=None) -> dic
     ``CheckpointError`` for bad input, before any compute where possible.
     """
     stream = stream or sys.stdout
+    parallel.initialize(cfg.distributed)  # before anything touches a device
     run = build_run(cfg)
+    plan = parallel.setup(cfg, run.model, run.input_shape, abstract_state(run))
     is_main = jax.process_index() == 0
     os.makedirs(workdir, exist_ok=True)
     if is_main:
@@ -269,6 +294,8 @@ def train(cfg, workdir: str, *, argv=None, config_path=None, stream=None) -> dic
     say(f"[jaxcnn] policy {run.policy.to_string()}  loss scale {type(run.loss_scale).__name__}"
         f"  optimiser {cfg.optim.name} lr {cfg.optim.lr:g} ({cfg.optim.schedule.name})"
         f"  backend {jax.default_backend()} x{jax.device_count()}  workdir {workdir}")
+    say(f"[jaxcnn] mesh data {plan.mesh.shape['data']} x model {plan.mesh.shape['model']}  "
+        f"strategy {plan.strategy}  fsdp {plan.fsdp}  processes {jax.process_count()}")
 
     manager = None
     if cfg.checkpoint.enabled:
@@ -277,18 +304,22 @@ def train(cfg, workdir: str, *, argv=None, config_path=None, stream=None) -> dic
                                     on_error=cfg.checkpoint.on_error)
     state = None
     if manager is not None:
-        restored = restore_for_resume(manager, abstract_state(run), cfg.checkpoint.resume)
+        restored = restore_for_resume(manager, plan.abstract_state, cfg.checkpoint.resume)
         if restored is not None:
             step, state = restored
             say(f"[jaxcnn] resumed from step {step}: {manager.directory}/{step}")
-    if state is None:
-        state = init_state(run)
+    if state is None:  # created in place, already sharded (no full copy on one device)
+        state = jax.jit(lambda: init_state(run), out_shardings=plan.state_shardings)()
     start = int(state.step)
 
-    train_step = jax.jit(make_train_step(
+    train_step = plan.wrap_step(make_train_step(
         run.model, run.tx, policy=run.policy, label_smoothing=cfg.optim.label_smoothing,
-        schedule=run.schedule, skip_nonfinite=cfg.train.nan_policy == "skip"), donate_argnums=0)
-    eval_step = jax.jit(make_eval_step(run.model, policy=run.policy))
+        schedule=run.schedule, skip_nonfinite=cfg.train.nan_policy == "skip",
+        axis_name=plan.step_axis_name))
+    sharded_eval = plan.wrap_eval(make_eval_step(run.model, policy=run.policy))
+
+    def eval_step(params, model_state, batch):
+        return sharded_eval(params, model_state, plan.put_eval_batch(batch))
 
     def every(value):
         return resolve_duration(value, run.steps_per_epoch) if value is not None else None
@@ -300,17 +331,31 @@ def train(cfg, workdir: str, *, argv=None, config_path=None, stream=None) -> dic
     progress = Progress(run.total_steps, start, mode=cfg.logging.progress, enabled=is_main,
                         stream=stream)
     make_batch = batch_fn(run)
-    prefetch = Prefetcher(make_batch, size=max(1, cfg.data.prefetch), start=start,
-                          stop=run.total_steps) if cfg.data.prefetch else None
-    batches = iter(prefetch) if prefetch is not None else map(make_batch, range(start, run.total_steps))
+    prefetch = Prefetcher(make_batch, size=max(1, cfg.data.prefetch), start=start, stop=run.total_steps,
+                          device_put=plan.put_batch) if cfg.data.prefetch else None
+    batches = iter(prefetch) if prefetch is not None else (
+        plan.put_batch(make_batch(s)) for s in range(start, run.total_steps))
 
     history, last_eval, stopped_by = [], {}, None
     interval_start, interval_steps, compile_s = None, 0, None
     images_per_step = cfg.data.batch_size
 
+    def check_finite(done):
+        """Stops (nan_policy stop) at the first non-finite loss among the steps since the last check."""
+        nonlocal history
+        history = jax.device_get(history)
+        bad = [i for i, h in enumerate(history) if not math.isfinite(float(h["loss"]))]
+        if bad and cfg.train.nan_policy == "stop":
+            first = done - len(history) + bad[0] + 1
+            last_ckpt = manager.latest_step() if manager is not None else None
+            raise TrainingStopped(
+                f"non-finite loss at step {first}; train.nan_policy is 'stop'; last good "
+                f"checkpoint: {'none' if last_ckpt is None else os.path.join(manager.directory, str(last_ckpt))}")
+
     def save(step, eval_metrics=None):
         if manager is None:
             return
+        check_finite(step)
         ok = manager.save(step, state, metrics={"eval/top1": eval_metrics["top1"]} if eval_metrics else None,
                           config_dict=to_dict(cfg))
         if not ok:
@@ -333,14 +378,7 @@ def train(cfg, workdir: str, *, argv=None, config_path=None, stream=None) -> dic
                 history.append(m)
                 done = step + 1
                 if done % log_every == 0 or done == run.total_steps:
-                    history = jax.device_get(history)
-                    bad = [i for i, h in enumerate(history) if not math.isfinite(float(h["loss"]))]
-                    if bad and cfg.train.nan_policy == "stop":
-                        first = done - len(history) + bad[0] + 1
-                        last_ckpt = manager.latest_step() if manager is not None else None
-                        raise TrainingStopped(
-                            f"non-finite loss at step {first}; train.nan_policy is 'stop'; last good "
-                            f"checkpoint: {'none' if last_ckpt is None else os.path.join(manager.directory, str(last_ckpt))}")
+                    check_finite(done)
                     now = time.perf_counter()
                     elapsed = now - interval_start
                     step_time = elapsed / interval_steps if interval_steps else float("nan")
@@ -383,11 +421,13 @@ def train(cfg, workdir: str, *, argv=None, config_path=None, stream=None) -> dic
         if final:
             metrics.write(int(state.step), "eval", final)
         save(int(state.step), final or None)
+        params_host = parallel.to_host((state.params, state.state))  # all processes take part
         if is_main:
             fmt = cfg.checkpoint.format
             path = os.path.join(workdir, f"params.{fmt}")
-            params_host = jax.device_get((state.params, state.state))
-            (interop.save_npz if fmt == "npz" else interop.save_safetensors)(path, *params_host)
+            partial = os.path.join(workdir, f"params.partial.{fmt}")
+            (interop.save_npz if fmt == "npz" else interop.save_safetensors)(partial, *params_host)
+            os.replace(partial, path)
         result.update(final)
         if final:
             say(f"[jaxcnn] final eval at step {int(state.step)}: loss {final['loss']:.4f}  "
