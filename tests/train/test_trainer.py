@@ -231,3 +231,15 @@ def test_eval_cli_and_plot(tmp_path, capsys):
     from jaxcnn.train.plot import main as plot_main
     assert plot_main([str(work)]) == 0
     assert (work / "curves.png").stat().st_size > 1000
+
+
+def test_tensorboard_events_and_progress_bar(tmp_path, capsys):
+    pytest.importorskip("tensorboardX")
+    work = tmp_path / "tb"
+    assert train_main([os.path.join(CONFIGS, "mnist_cnn.yaml"), *FAST, "train.steps=3",
+                       "checkpoint.enabled=false", "logging.tensorboard=true", "logging.progress=bar",
+                       "--workdir", str(work)]) == 0
+    events = [f for f in os.listdir(work / "tb") if f.startswith("events.out.tfevents")]
+    assert events and (work / "tb" / events[0]).stat().st_size > 100
+    out = capsys.readouterr()
+    assert "3/3" in out.out + out.err  # tqdm's bar
