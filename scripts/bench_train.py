@@ -73,6 +73,22 @@ def median_step(run_steps, steps: int, reps: int, warmup: int) -> float:
     return statistics.median(times)
 
 
+def median_jitted_step(step, carry, data, args) -> float:
+    """:func:`median_step` for a compiled ``step(carry, data) -> (carry, out)``; the carry
+    is threaded through every call (its buffers are donated) and ``out`` is waited on once
+    per run."""
+    holder = [carry]
+
+    def run_steps(n):
+        c = holder[0]
+        for _ in range(n):
+            c, out = step(c, data)
+        jax.block_until_ready(out)
+        holder[0] = c
+
+    return median_step(run_steps, args.steps, args.reps, args.warmup)
+
+
 def host_batch(case, seed=0):
     _, _, batch, hwc, classes, _ = CASES[case]
     return synthetic_batch(SyntheticSpec(hwc, classes), 0, seed=seed, batch_size=batch)
@@ -90,16 +106,7 @@ def bench_jaxcnn(case, args, bf16):
     data = jax.device_put(host_batch(case))
     step = jax.jit(make_train_step(model, tx, policy=policy), donate_argnums=0)
     step = step.lower(state, data).compile()
-    holder = [state]
-
-    def run_steps(n):
-        s = holder[0]
-        for _ in range(n):
-            s, m = step(s, data)
-        jax.block_until_ready(m)
-        holder[0] = s
-
-    return median_step(run_steps, args.steps, args.reps, args.warmup)
+    return median_jitted_step(step, state, data, args)
 
 
 # ---- PyTorch --------------------------------------------------------------------------------
@@ -270,16 +277,7 @@ def bench_flax(case, args, bf16):
 
     carry = (params, stats, tx.init(params), jax.random.PRNGKey(1))
     step = jax.jit(train_step, donate_argnums=0).lower(carry, data).compile()
-    holder = [carry]
-
-    def run_steps(n):
-        c = holder[0]
-        for _ in range(n):
-            c, loss = step(c, data)
-        jax.block_until_ready(loss)
-        holder[0] = c
-
-    return median_step(run_steps, args.steps, args.reps, args.warmup)
+    return median_jitted_step(step, carry, data, args)
 
 
 # ---- input pipeline -------------------------------------------------------------------------

@@ -26,7 +26,7 @@ from jaxcnn import interop, models, parallel
 from jaxcnn import precision as P
 from jaxcnn.data import (Prefetcher, SyntheticSpec, eval_batches, load_dataset, steps_per_epoch,
                          synthetic_batch, synthetic_dataset, train_batch)
-from jaxcnn.train.checkpoint import CheckpointError, CheckpointManager, restore_for_resume
+from jaxcnn.train.checkpoint import CheckpointManager, restore_for_resume
 from jaxcnn.train.config import ConfigError, resolve_duration, to_dict, train_steps
 from jaxcnn.train.metrics import MetricsWriter, Progress
 from jaxcnn.train.optim import build_optimizer
@@ -211,7 +211,7 @@ def run_metadata(argv, config_path) -> dict:
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
                              cwd=os.path.dirname(os.path.abspath(__file__)))
-        commit = out.stdout.strip() or None if out.returncode == 0 else None
+        commit = (out.stdout.strip() or None) if out.returncode == 0 else None
     except (OSError, subprocess.SubprocessError):
         commit = None
     return {
