@@ -80,7 +80,7 @@ def conv2d(x, w, b=None, *, stride=1, padding=0, dilation=1, groups=1, impl="aut
         y = lax.conv_general_dilated(
             x, w, window_strides=stride, padding=pads, rhs_dilation=dilation,
             dimension_numbers=_DIMS, feature_group_count=groups)
-    return y if b is None else y + b
+    return y if b is None else y + _cpu_lowering.channel_broadcast(b, y.shape)
 
 
 def conv_transpose2d(x, w, b=None, *, stride=1, padding=0, output_padding=0, dilation=1,
@@ -161,4 +161,4 @@ def conv_transpose2d(x, w, b=None, *, stride=1, padding=0, output_padding=0, dil
     y = lax.conv_general_dilated(
         x, wf, window_strides=(1, 1), padding=conv_pads, lhs_dilation=stride,
         rhs_dilation=dilation, dimension_numbers=_DIMS, feature_group_count=groups)
-    return y if b is None else y + b
+    return y if b is None else y + _cpu_lowering.channel_broadcast(b, y.shape)

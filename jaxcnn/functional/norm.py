@@ -10,6 +10,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxcnn.functional import _args
+from jaxcnn.functional._cpu_lowering import channel_broadcast, channel_mean
 
 
 def _acc_dtype(x):
@@ -52,9 +53,20 @@ def batch_norm(x, mean, var, scale=None, bias=None, *, eps=1e-5):
     for name, v in (("mean", mean), ("var", var), ("scale", scale), ("bias", bias)):
         _check_channel_vector(op, name, v, x_shape[-1], x_shape)
     acc = _acc_dtype(x)
-    inv = lax.rsqrt(jnp.asarray(var, acc) + eps)
-    y = (x.astype(acc) - jnp.asarray(mean, acc)) * inv
-    return _affine(y, scale, bias).astype(x.dtype)
+    centred = x.astype(acc) - channel_broadcast(jnp.asarray(mean, acc), x_shape)
+    return _scale_shift(centred, lax.rsqrt(jnp.asarray(var, acc) + eps), scale, bias).astype(x.dtype)
+
+
+def _scale_shift(centred, factor, scale, bias):
+    """``centred * factor * scale + bias`` with per-channel ``factor``, ``scale`` and ``bias``.
+
+    The per-channel vectors are combined first and broadcast with ``channel_broadcast``,
+    so their gradients are the fast per-channel reductions (see ``_cpu_lowering``).
+    """
+    if scale is not None:
+        factor = factor * scale
+    y = centred * channel_broadcast(factor.astype(centred.dtype), centred.shape)
+    return y if bias is None else y + channel_broadcast(bias.astype(centred.dtype), centred.shape)
 
 
 def batch_norm_train(x, scale=None, bias=None, *, eps=1e-5, axis_name=None):
@@ -86,15 +98,16 @@ def batch_norm_train(x, scale=None, bias=None, *, eps=1e-5, axis_name=None):
     for name, v in (("scale", scale), ("bias", bias)):
         _check_channel_vector(op, name, v, x_shape[-1], x_shape)
     xa = x.astype(_acc_dtype(x))
-    axes = tuple(range(len(x_shape) - 1))
-    mean = jnp.mean(xa, axis=axes)
-    var = jnp.mean(jnp.square(xa - mean), axis=axes)
+    mean = channel_mean(xa)
+    centred = xa - channel_broadcast(mean, x_shape)
+    var = channel_mean(jnp.square(centred))
     if axis_name is not None:
         local_mean = mean
         mean = lax.pmean(local_mean, axis_name)
         var = lax.pmean(var + jnp.square(local_mean - mean), axis_name)
-    y = (xa - mean) * lax.rsqrt(var + eps)
-    return _affine(y, scale, bias).astype(x.dtype), mean, var
+        centred = xa - channel_broadcast(mean, x_shape)
+    y = _scale_shift(centred, lax.rsqrt(var + eps), scale, bias)
+    return y.astype(x.dtype), mean, var
 
 
 def layer_norm(x, scale=None, bias=None, *, axes=-1, eps=1e-5):

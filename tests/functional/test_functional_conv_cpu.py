@@ -29,6 +29,15 @@ def patch_conv(x, w, stride, pads, dilation):
     return C._conv_patch_wgrad(x, w, stride, pads, dilation)
 
 
+def stored_conv(x, w, stride, pads, dilation):
+    return C._conv_stored_input(x, w, stride, pads, dilation)
+
+
+# Both custom_jvp rewrites of the convolution: im2col weight gradient, and XLA's own
+# with the input fenced off.
+REWRITES = pytest.mark.parametrize("conv", [patch_conv, stored_conv], ids=["patches", "stored"])
+
+
 def random_case(seed, n, hw, c, o, k, dtype=jnp.float32):
     rng = np.random.default_rng(seed)
     x = jnp.asarray(rng.standard_normal((n, *hw, c)), dtype)
@@ -62,23 +71,25 @@ def test_patches_against_a_loop():
                     np.testing.assert_array_equal(got, xp[:, i * sh + a * dh, j * sw + b * dw])
 
 
+@REWRITES
 @SETTINGS
-@given(geometry)
-def test_patch_wgrad_conv_matches_lax_forward_and_gradients(g):
+@given(g=geometry)
+def test_rewritten_conv_matches_lax_forward_and_gradients(conv, g):
     x, w = random_case(g["seed"], 2, (7, 6), g["c"], g["o"], g["k"])
     args = (g["stride"], g["pads"], g["dilation"])
     window = [(k - 1) * d + 1 for k, d in zip(g["k"], g["dilation"])]
     if any(n + sum(p) < win for n, p, win in zip((7, 6), g["pads"], window)):
         return  # kernel larger than the padded input: conv2d rejects it before lowering
     y_ref, vjp_ref = jax.vjp(lambda x, w: lax_conv(x, w, *args), x, w)
-    y, vjp = jax.vjp(lambda x, w: patch_conv(x, w, *args), x, w)
+    y, vjp = jax.vjp(lambda x, w: conv(x, w, *args), x, w)
     assert_close(y, y_ref, RTOL[jnp.float32])
     dy = jnp.asarray(np.random.default_rng(g["seed"] + 1).standard_normal(y.shape), jnp.float32)
     for got, want in zip(vjp(dy), vjp_ref(dy)):
         assert_close(got, want, RTOL[jnp.float32])
 
 
-def test_gradient_with_respect_to_one_argument_only():
+@REWRITES
+def test_gradient_with_respect_to_one_argument_only(conv):
     x, w = random_case(1, 3, (9, 9), 4, 5, (3, 3))
     args = ((1, 1), ((1, 1), (1, 1)), (1, 1))
 
@@ -86,23 +97,24 @@ def test_gradient_with_respect_to_one_argument_only():
         return lambda x, w: jnp.sum(jnp.sin(conv(x, w, *args)))
 
     for argnums in (0, 1):
-        got = jax.jit(jax.grad(loss(patch_conv), argnums=argnums))(x, w)
+        got = jax.jit(jax.grad(loss(conv), argnums=argnums))(x, w)
         want = jax.grad(loss(lax_conv), argnums=argnums)(x, w)
         assert_close(got, want, RTOL[jnp.float32])
 
 
-def test_forward_mode_and_second_order():
+@REWRITES
+def test_forward_mode_and_second_order(conv):
     x, w = random_case(2, 2, (8, 8), 3, 4, (3, 3))
     tx, tw = random_case(3, 2, (8, 8), 3, 4, (3, 3))
     args = ((2, 2), ((1, 0), (0, 1)), (1, 1))
-    _, t = jax.jvp(lambda x, w: patch_conv(x, w, *args), (x, w), (tx, tw))
+    _, t = jax.jvp(lambda x, w: conv(x, w, *args), (x, w), (tx, tw))
     _, t_ref = jax.jvp(lambda x, w: lax_conv(x, w, *args), (x, w), (tx, tw))
     assert_close(t, t_ref, RTOL[jnp.float32])
 
     def gw_norm(conv):
         return lambda x: jnp.sum(jax.grad(lambda w: jnp.sum(conv(x, w, *args) ** 2))(w) ** 2)
 
-    assert_close(jax.grad(gw_norm(patch_conv))(x), jax.grad(gw_norm(lax_conv))(x),
+    assert_close(jax.grad(gw_norm(conv))(x), jax.grad(gw_norm(lax_conv))(x),
                  RTOL[jnp.float32])
 
 
@@ -137,8 +149,11 @@ def test_auto_conv2d_matches_xla_on_a_large_shape(force_rewrite, monkeypatch):
     def loss(impl):
         return lambda x, w, b: jnp.sum(jnp.tanh(F.conv2d(x, w, b, padding=1, impl=impl)))
 
-    if force_rewrite:
-        assert "custom_jvp" in str(jax.make_jaxpr(loss("auto"))(x, w, b))
+    assert "custom_jvp" in str(jax.make_jaxpr(loss("auto"))(x, w, b))
+    jaxpr = str(jax.make_jaxpr(jax.grad(loss("auto"), argnums=1))(x, w, b))
+    # without YNNPACK the weight gradient is XLA's, reading the fenced input
+    assert ("cond" in jaxpr) != (force_rewrite or C.xla_wgrad_uses_ynnpack(
+        (16, 18, 18, 16), (3, 3, 16, 32), np.dtype(np.float32), (1, 1), ((1, 1), (1, 1)), (1, 1)))
     got = jax.jit(jax.value_and_grad(loss("auto"), argnums=(0, 1, 2)))(x, w, b)
     want = jax.value_and_grad(loss("xla"), argnums=(0, 1, 2))(x, w, b)
     for a, e in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
@@ -154,6 +169,18 @@ def test_auto_keeps_xla_for_small_grouped_and_impl_xla():
                     groups=2) is None
     jaxpr = str(jax.make_jaxpr(lambda x, w: F.conv2d(x, w, impl="xla"))(big_x, big_w))
     assert "custom_jvp" not in jaxpr
+
+
+def test_fence_returns_its_input_bitwise():
+    for first in (1.5, -0.0, np.nan):
+        x = np.random.default_rng(11).standard_normal((2, 3, 4)).astype(np.float32)
+        x[0, 0, 0] = first
+        got = np.asarray(jax.jit(C._fence)(jnp.asarray(x)))
+        # the NaN branch adds 0.0: only the sign of a zero could change, and x has none there
+        np.testing.assert_array_equal(got, x)
+        assert np.signbit(got[0, 0, 0]) == np.signbit(x[0, 0, 0]) or np.isnan(first)
+    hlo = jax.jit(lambda x: C._fence(x * 2.0).T).lower(jnp.ones((8, 4))).compile().as_text()
+    assert "conditional" in hlo  # XLA kept the fence
 
 
 def test_configure_xla_flags():
@@ -236,6 +263,26 @@ def test_max_pool_reshape_matches_reduce_window_and_first_max_gradient(g):
     np.testing.assert_array_equal(dx, want)
 
 
+def test_max_pool_reshape_forward_mode_and_second_order():
+    rng = np.random.default_rng(12)
+    x = jnp.asarray(rng.integers(-2, 3, (2, 6, 4, 3)), jnp.float32)  # ties in most windows
+    t = jnp.asarray(rng.standard_normal(x.shape), jnp.float32)
+
+    def pool(impl):
+        return lambda x: F.max_pool2d(x, (2, 2), impl=impl)
+
+    y, ty = jax.jvp(pool("auto"), (x,), (t,))
+    y_ref, ty_ref = jax.jvp(pool("xla"), (x,), (t,))
+    np.testing.assert_array_equal(y, y_ref)
+    np.testing.assert_array_equal(ty, ty_ref)
+    xs = x + 0.01 * t  # distinct values, so second derivatives are well defined
+
+    def curvature(impl):
+        return lambda x: jnp.sum(jax.grad(lambda x: jnp.sum(jnp.sin(pool(impl)(x))))(x) * x)
+
+    assert_close(jax.grad(curvature("auto"))(xs), jax.grad(curvature("xla"))(xs), RTOL[jnp.float32])
+
+
 def test_max_pool_reshape_propagates_nan_and_inf():
     x = np.zeros((1, 4, 4, 1), np.float32)
     x[0, 0, 1, 0] = np.nan
@@ -256,3 +303,52 @@ def test_max_pool_other_geometries_keep_reduce_window(kwargs):
     assert "reduce_window" in jaxpr or "argmax" in jaxpr
     np.testing.assert_array_equal(F.max_pool2d(x, impl="auto", **kwargs),
                                   F.max_pool2d(x, impl="xla", **kwargs))
+
+
+# ---- per-channel reductions and broadcasts ---------------------------------------------------
+
+@settings(max_examples=12, deadline=None)
+@given(shape=st.lists(st.integers(1, 9), min_size=1, max_size=3).map(tuple),
+       c=st.sampled_from([1, 3, 64, 600, 1500]), seed=st.integers(0, 2**31 - 1))
+def test_channel_sum_mean_broadcast_against_numpy(shape, c, seed):
+    rng = np.random.default_rng(seed)
+    shape = shape + (c,)
+    x = rng.standard_normal(shape).astype(np.float32)
+    v = rng.standard_normal(c).astype(np.float32)
+    axes = tuple(range(len(shape) - 1))
+    scale = np.abs(x).sum(axes) + 1.0  # a sum's rounding error grows with the sum of |terms|
+    np.testing.assert_allclose(C.channel_sum(jnp.asarray(x)), x.astype(np.float64).sum(axes),
+                               rtol=0, atol=float(np.max(scale)) * 1e-6)
+    np.testing.assert_allclose(C.channel_mean(jnp.asarray(x)), x.astype(np.float64).mean(axes),
+                               rtol=0, atol=float(np.max(scale)) * 1e-6 / max(1, x.size // c))
+    np.testing.assert_array_equal(C.channel_broadcast(jnp.asarray(v), shape), np.broadcast_to(v, shape))
+    # the gradient of the broadcast is the channel sum; of the sum, the broadcast
+    g = rng.standard_normal(shape).astype(np.float32)
+    _, vjp = jax.vjp(lambda v: C.channel_broadcast(v, shape), jnp.asarray(v))
+    np.testing.assert_allclose(vjp(jnp.asarray(g))[0], g.astype(np.float64).sum(axes),
+                               rtol=0, atol=float(np.max(np.abs(g).sum(axes) + 1)) * 1e-6)
+    _, vjp = jax.vjp(C.channel_sum, jnp.asarray(x))
+    np.testing.assert_array_equal(vjp(jnp.asarray(v))[0], np.broadcast_to(v, shape))
+
+
+def test_channel_fold_choice():
+    assert C._fold((128, 32, 32, 64)) == 16           # 1024 lanes
+    assert C._fold((7, 64)) == 7                        # the largest divisor that fits
+    assert C._fold((13 * 17, 100)) == 0                 # no divisor of 221 in 2..10: XLA's form
+    assert C._fold((4, 4, 600)) == 0                    # wide enough already
+    assert C._fold((64,)) == 0
+
+
+def test_bias_and_batchnorm_gradients_use_the_folded_reduction():
+    x = jnp.ones((8, 6, 6, 16))
+    g = C._fold(x.shape)
+    view = f"tensor<{288 // g}x{g * 16}xf32>"  # (rows / g, g * C), reduced over its rows
+
+    def reduced_views(f, *args):
+        hlo = jax.jit(f).lower(*args).as_text()
+        return [line for line in hlo.splitlines() if "reduce" in line and f"({view}" in line]
+
+    bias_grad = jax.grad(lambda b: jnp.sum(jnp.sin(F.conv2d(x, jnp.ones((1, 1, 16, 16)), b))))
+    assert reduced_views(bias_grad, jnp.ones(16))
+    bn_grad = jax.grad(lambda s, b: jnp.sum(jnp.sin(F.batch_norm_train(x * s, s, b)[0])), argnums=(0, 1))
+    assert len(reduced_views(bn_grad, jnp.ones(16), jnp.ones(16))) >= 4  # mean, var, d scale, d bias
