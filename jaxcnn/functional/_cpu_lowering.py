@@ -127,24 +127,34 @@ def _patches_matmul(x, w, stride, pads, dilation):
     return y.astype(jnp.result_type(x.dtype, w.dtype))
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3, 4))
-def _conv_patch_wgrad(x, w, stride, pads, dilation):
-    return _xla_conv(x, w, stride, pads, dilation)
+def _conv_with_weight_tangent(weight_tangent):
+    """XLA's convolution, value and input tangent, with its weight tangent replaced.
+
+    Returns ``conv(x, w, stride, pads, dilation)``, a ``jax.custom_jvp`` whose tangent is
+    ``conv(dx, w) + weight_tangent(x, dw, stride, pads, dilation)``; both terms are linear
+    in the tangents, so the gradient is their transpose and forward mode works too.
+    """
+    @functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3, 4))
+    def conv(x, w, stride, pads, dilation):
+        return _xla_conv(x, w, stride, pads, dilation)
+
+    def conv_jvp(stride, pads, dilation, primals, tangents):
+        x, w = primals
+        dx, dw = tangents
+        y = _xla_conv(x, w, stride, pads, dilation)
+        parts = []
+        if not isinstance(dx, SymbolicZero):
+            parts.append(_xla_conv(dx, w, stride, pads, dilation))
+        if not isinstance(dw, SymbolicZero):
+            parts.append(weight_tangent(x, dw, stride, pads, dilation))
+        return y, functools.reduce(jnp.add, parts) if parts else jnp.zeros_like(y)
+
+    conv.defjvp(conv_jvp, symbolic_zeros=True)
+    return conv
 
 
-def _conv_patch_wgrad_jvp(stride, pads, dilation, primals, tangents):
-    x, w = primals
-    dx, dw = tangents
-    y = _xla_conv(x, w, stride, pads, dilation)
-    parts = []
-    if not isinstance(dx, SymbolicZero):
-        parts.append(_xla_conv(dx, w, stride, pads, dilation))
-    if not isinstance(dw, SymbolicZero):
-        parts.append(_patches_matmul(x, dw, stride, pads, dilation))
-    return y, functools.reduce(jnp.add, parts) if parts else jnp.zeros_like(y)
-
-
-_conv_patch_wgrad.defjvp(_conv_patch_wgrad_jvp, symbolic_zeros=True)
+# The weight gradient as ``patches(x)^T @ dy`` (for shapes XLA gives to YNNPACK).
+_conv_patch_wgrad = _conv_with_weight_tangent(_patches_matmul)
 
 
 def _fence(x):
@@ -159,34 +169,14 @@ def _fence(x):
     return lax.cond(jnp.isnan(first), lambda v: v + jnp.zeros((), v.dtype), lambda v: v, x)
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3, 4))
-def _conv_stored_input(x, w, stride, pads, dilation):
-    return _xla_conv(x, w, stride, pads, dilation)
-
-
-def _conv_stored_input_jvp(stride, pads, dilation, primals, tangents):
-    """XLA's own convolutions, with the input fenced off from the weight gradient.
-
-    XLA:CPU computes a weight gradient as a convolution over transposed copies of ``x``
-    and ``dy``, and fuses the elementwise chain that produced ``x`` (BatchNorm, ReLU,
-    the residual add: up to three blocks' worth in a ResNet) into that transpose,
-    recomputing it with a strided access pattern (40-90 ms per 128x32x32x64 input in a
-    ResNet-18 step, against 3 ms for transposing a stored array).  A fence makes the
-    transpose read the
-    stored ``x`` instead (see :func:`_fence`).
-    """
-    x, w = primals
-    dx, dw = tangents
-    y = _xla_conv(x, w, stride, pads, dilation)
-    parts = []
-    if not isinstance(dx, SymbolicZero):
-        parts.append(_xla_conv(dx, w, stride, pads, dilation))
-    if not isinstance(dw, SymbolicZero):
-        parts.append(_xla_conv(_fence(x), dw, stride, pads, dilation))
-    return y, functools.reduce(jnp.add, parts) if parts else jnp.zeros_like(y)
-
-
-_conv_stored_input.defjvp(_conv_stored_input_jvp, symbolic_zeros=True)
+# XLA's own weight gradient, reading a fenced copy of the input.  XLA:CPU computes a
+# weight gradient as a convolution over transposed copies of ``x`` and ``dy``, and fuses
+# the elementwise chain that produced ``x`` (BatchNorm, ReLU, the residual add: up to three
+# blocks' worth in a ResNet) into that transpose, recomputing it with a strided access
+# pattern (40-90 ms per 128x32x32x64 input in a ResNet-18 step, against 3 ms for
+# transposing a stored array).
+_conv_stored_input = _conv_with_weight_tangent(
+    lambda x, dw, stride, pads, dilation: _xla_conv(_fence(x), dw, stride, pads, dilation))
 
 
 @functools.lru_cache(maxsize=None)
