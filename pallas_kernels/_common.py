@@ -174,6 +174,33 @@ def output_rows(n, ih, iw, i, j, g: ConvGeometry):
     return jnp.where(valid, (n * g.oh + oh) * g.ow + ow, 0), valid
 
 
+def channel_tile(cfg: BlockConfig, g: ConvGeometry, *, inverse: bool = False):
+    """This program's tile of a per-channel (depthwise or pooling) kernel.
+
+    Grid axis 0 walks blocks of ``cfg.block_m`` flat output pixels (input pixels with
+    ``inverse``), axis 1 blocks of ``cfg.block_n`` channels.  Returns
+    ``(pixels, rows, row_ok, cols, col_ok)``: ``rows`` the flat pixel indices,
+    ``pixels`` them as ``(n, row, col)``, and the masks of those inside the array.
+    """
+    rows = arange_block(0, cfg.block_m)
+    cols = arange_block(1, cfg.block_n)
+    count, (h, w) = (g.m_in, (g.h, g.w)) if inverse else (g.m_out, (g.oh, g.ow))
+    return split_pixels(rows, h, w), rows, rows < count, cols, cols < g.c
+
+
+def tap_rows(pixels, tap, row_ok, col_ok, g: ConvGeometry, *, inverse: bool = False):
+    """Rows of tap ``tap`` (flat ``i * KW + j``) for a block of pixels, and the tile mask.
+
+    ``pixels`` is ``(n, row, col)`` of output pixels (the input rows they read, as
+    :func:`input_rows`) or, with ``inverse``, of input pixels (the output rows that read
+    them, as :func:`output_rows`).  Returns ``(rows, mask)``: ``mask`` is the
+    ``(rows, cols)`` tile of valid taps within ``row_ok`` and ``col_ok``, ready for
+    :func:`gather` as ``gather(ref, rows[:, None], cols[None, :], mask, other)``.
+    """
+    rows, ok = (output_rows if inverse else input_rows)(*pixels, *divmod_static(tap, g.kw), g)
+    return rows, (ok & row_ok)[:, None] & col_ok[None, :]
+
+
 def gather(ref, idx0, idx1, mask, other):
     """``ref[idx0, idx1]`` (broadcast) where ``mask``, ``other`` elsewhere.
 

@@ -93,8 +93,7 @@ def _wgrad_kernel(*refs, g: ConvGeometry, co: int, cfg: BlockConfig, has_bn: boo
         m = (first + q) * bm + jnp.arange(bm)
         m_ok = m < g.m_out
         n, oh, ow = cm.split_pixels(m, g.oh, g.ow)
-        rows, ok = cm.input_rows(n, oh, ow, *cm.divmod_static(tap, g.kw), g)
-        a_mask = (ok & m_ok)[:, None] & k_ok[None, :]
+        rows, a_mask = cm.tap_rows((n, oh, ow), tap, m_ok, k_ok, g)
         a = cm.gather(x_ref, rows[:, None], k[None, :], a_mask, 0.0)
         if has_bn:
             a = cm.bn_relu(a, s_ref, t_ref, k, k_ok, a_mask)

@@ -37,14 +37,10 @@ def _forward_kernel(*refs, g: ConvGeometry, cfg: BlockConfig, has_bias: bool, ha
     r_ref = refs.pop(0) if has_res else None
     s_ref, t_ref = (refs.pop(0), refs.pop(0)) if has_bn else (None, None)
     (o_ref,) = refs
-    m = cm.arange_block(0, cfg.block_m)
-    cols = cm.arange_block(1, cfg.block_n)
-    m_ok, col_ok = m < g.m_out, cols < g.c
-    n, oh, ow = cm.split_pixels(m, g.oh, g.ow)
+    (n, oh, ow), m, m_ok, cols, col_ok = cm.channel_tile(cfg, g)
 
     def step(tap, acc):
-        rows, ok = cm.input_rows(n, oh, ow, *cm.divmod_static(tap, g.kw), g)
-        mask = (ok & m_ok)[:, None] & col_ok[None, :]
+        rows, mask = cm.tap_rows((n, oh, ow), tap, m_ok, col_ok, g)
         a = cm.gather(x_ref, rows[:, None], cols[None, :], mask, 0.0)
         if has_bn:
             a = cm.bn_relu(a, s_ref, t_ref, cols, col_ok, mask)
@@ -80,14 +76,10 @@ def depthwise_forward(x, w, b, residual, scale, shift, *, g: ConvGeometry, cfg: 
 
 
 def _dgrad_kernel(dy_ref, w_ref, o_ref, *, g: ConvGeometry, cfg: BlockConfig):
-    r = cm.arange_block(0, cfg.block_m)
-    cols = cm.arange_block(1, cfg.block_n)
-    r_ok, col_ok = r < g.m_in, cols < g.c
-    n, ih, iw = cm.split_pixels(r, g.h, g.w)
+    (n, ih, iw), _, r_ok, cols, col_ok = cm.channel_tile(cfg, g, inverse=True)
 
     def step(tap, acc):
-        rows, ok = cm.output_rows(n, ih, iw, *cm.divmod_static(tap, g.kw), g)
-        mask = (ok & r_ok)[:, None] & col_ok[None, :]
+        rows, mask = cm.tap_rows((n, ih, iw), tap, r_ok, col_ok, g, inverse=True)
         d = cm.gather(dy_ref, rows[:, None], cols[None, :], mask, 0.0)
         return acc + d.astype(F32) * _taps_of(w_ref, tap, cols, col_ok)
 
@@ -126,8 +118,7 @@ def _wgrad_kernel(*refs, g: ConvGeometry, cfg: BlockConfig, has_bn: bool):
         m = (first + q) * bm + jnp.arange(bm)
         m_ok = m < g.m_out
         n, oh, ow = cm.split_pixels(m, g.oh, g.ow)
-        rows, ok = cm.input_rows(n, oh, ow, *cm.divmod_static(tap, g.kw), g)
-        mask = (ok & m_ok)[:, None] & col_ok[None, :]
+        rows, mask = cm.tap_rows((n, oh, ow), tap, m_ok, col_ok, g)
         a = cm.gather(x_ref, rows[:, None], cols[None, :], mask, 0.0)
         if has_bn:
             a = cm.bn_relu(a, s_ref, t_ref, cols, col_ok, mask)

@@ -34,17 +34,13 @@ def _grid(rows: int, g: ConvGeometry, cfg: BlockConfig):
 
 
 def _max_kernel(x_ref, y_ref, arg_ref, *, g: ConvGeometry, cfg: BlockConfig, lowest):
-    m = cm.arange_block(0, cfg.block_m)
-    cols = cm.arange_block(1, cfg.block_n)
-    m_ok, col_ok = m < g.m_out, cols < g.c
-    n, oh, ow = cm.split_pixels(m, g.oh, g.ow)
+    (n, oh, ow), _, m_ok, cols, col_ok = cm.channel_tile(cfg, g)
     shape = (cfg.block_m, cfg.block_n)
 
     def step(tap, carry):
         best, arg = carry
-        rows, ok = cm.input_rows(n, oh, ow, *cm.divmod_static(tap, g.kw), g)
-        v = cm.gather(x_ref, rows[:, None], cols[None, :],
-                      (ok & m_ok)[:, None] & col_ok[None, :], lowest)
+        rows, mask = cm.tap_rows((n, oh, ow), tap, m_ok, col_ok, g)
+        v = cm.gather(x_ref, rows[:, None], cols[None, :], mask, lowest)
         better = v > best
         return jnp.where(better, v, best), jnp.where(better, tap, arg)
 
@@ -55,14 +51,10 @@ def _max_kernel(x_ref, y_ref, arg_ref, *, g: ConvGeometry, cfg: BlockConfig, low
 
 
 def _max_backward_kernel(dy_ref, arg_ref, dx_ref, *, g: ConvGeometry, cfg: BlockConfig):
-    r = cm.arange_block(0, cfg.block_m)
-    cols = cm.arange_block(1, cfg.block_n)
-    r_ok, col_ok = r < g.m_in, cols < g.c
-    n, ih, iw = cm.split_pixels(r, g.h, g.w)
+    (n, ih, iw), _, r_ok, cols, col_ok = cm.channel_tile(cfg, g, inverse=True)
 
     def step(tap, acc):
-        rows, ok = cm.output_rows(n, ih, iw, *cm.divmod_static(tap, g.kw), g)
-        mask = (ok & r_ok)[:, None] & col_ok[None, :]
+        rows, mask = cm.tap_rows((n, ih, iw), tap, r_ok, col_ok, g, inverse=True)
         arg = cm.gather(arg_ref, rows[:, None], cols[None, :], mask, -1)
         d = cm.gather(dy_ref, rows[:, None], cols[None, :], mask, 0.0)
         return acc + jnp.where(arg == tap, d.astype(F32), 0.0)
@@ -72,15 +64,11 @@ def _max_backward_kernel(dy_ref, arg_ref, dx_ref, *, g: ConvGeometry, cfg: Block
 
 
 def _avg_kernel(x_ref, div_ref, y_ref, *, g: ConvGeometry, cfg: BlockConfig):
-    m = cm.arange_block(0, cfg.block_m)
-    cols = cm.arange_block(1, cfg.block_n)
-    m_ok, col_ok = m < g.m_out, cols < g.c
-    n, oh, ow = cm.split_pixels(m, g.oh, g.ow)
+    (n, oh, ow), _, m_ok, cols, col_ok = cm.channel_tile(cfg, g)
 
     def step(tap, acc):
-        rows, ok = cm.input_rows(n, oh, ow, *cm.divmod_static(tap, g.kw), g)
-        v = cm.gather(x_ref, rows[:, None], cols[None, :],
-                      (ok & m_ok)[:, None] & col_ok[None, :], 0.0)
+        rows, mask = cm.tap_rows((n, oh, ow), tap, m_ok, col_ok, g)
+        v = cm.gather(x_ref, rows[:, None], cols[None, :], mask, 0.0)
         return acc + v.astype(F32)
 
     acc = lax.fori_loop(0, g.taps, step, jnp.zeros((cfg.block_m, cfg.block_n), F32))
@@ -89,10 +77,7 @@ def _avg_kernel(x_ref, div_ref, y_ref, *, g: ConvGeometry, cfg: BlockConfig):
 
 
 def _avg_backward_kernel(dy_ref, div_ref, dx_ref, *, g: ConvGeometry, cfg: BlockConfig):
-    r = cm.arange_block(0, cfg.block_m)
-    cols = cm.arange_block(1, cfg.block_n)
-    r_ok, col_ok = r < g.m_in, cols < g.c
-    n, ih, iw = cm.split_pixels(r, g.h, g.w)
+    (n, ih, iw), _, r_ok, cols, col_ok = cm.channel_tile(cfg, g, inverse=True)
 
     def step(tap, acc):
         rows, ok = cm.output_rows(n, ih, iw, *cm.divmod_static(tap, g.kw), g)
