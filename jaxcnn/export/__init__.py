@@ -7,7 +7,8 @@
 * :func:`fold_batch_norm`: BatchNorm folded into the preceding convolution;
 * :func:`quantize_int8`: post-training int8 (per-channel weights, calibrated
   activations, integer convolutions), exported to ONNX in QDQ form;
-* :func:`magnitude_prune`, :func:`fine_tune`, :func:`sparsity_report`;
+* :func:`magnitude_prune`, :func:`sparsity_report`, and :func:`fine_tune`, which
+  prunes a trained run and fine-tunes it with the trainer (``prune:`` config);
 * :func:`export`: all of it from a run directory or parameter file, as the
   ``jaxcnn-export`` command line does (:mod:`jaxcnn.export.cli`).
 """

@@ -5,6 +5,9 @@
     jaxcnn-export weights.npz --model resnet18 --model-option cifar_stem=true \\
         --input-shape 32,32,3 --format onnx --fold-bn --layout nchw --out r18.onnx
 
+    jaxcnn-export runs/mnist_cnn --format onnx --prune 0.5 --fine-tune-steps 100 \\
+        --out mnist_sparse.onnx      # fine-tunes with jaxcnn-train's loop in mnist_sparse_finetune/
+
 Bad input (a run directory without parameters, a corrupt parameter file, a
 layer ONNX export does not support) ends with exit code 2 and one line on
 stderr; no traceback.
@@ -49,6 +52,16 @@ def _option(text: str):
     return key, yaml.safe_load(value)
 
 
+def _positive(text: str):
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive int, got {text!r}")
+    return value
+
+
 def _sparsity(text: str):
     value = float(text)
     if not 0.0 <= value < 1.0:
@@ -87,10 +100,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--prune-scope", choices=("global", "layer"), default="global")
     p.add_argument("--prune-structure", choices=("unstructured", "channel"),
                    default="unstructured")
-    p.add_argument("--fine-tune-steps", type=int, default=0,
-                   help="masked fine-tuning steps after pruning (run directory only)")
+    p.add_argument("--fine-tune-steps", type=_positive, default=0,
+                   help="after --prune, fine-tune this many steps with the trainer, pruned "
+                        "weights held at zero (run directory only)")
     p.add_argument("--fine-tune-lr", type=float, default=None,
                    help="fine-tuning peak learning rate (default: the run's / 10)")
+    p.add_argument("--fine-tune-dir", default=None,
+                   help="the fine-tune's run directory (default: OUT without its extension "
+                        "+ '_finetune')")
     p.add_argument("--opset", type=int, default=17, help="ONNX opset (>= 17)")
     p.add_argument("--json", action="store_true", help="print the report as one JSON object")
     return p
@@ -100,6 +117,8 @@ def main(argv=None) -> int:
     """Entry point of ``jaxcnn-export``; returns the exit code."""
     args = parser().parse_args(argv)
     from jaxcnn.export.pipeline import export
+    from jaxcnn.train.checkpoint import CheckpointError
+    from jaxcnn.train.loop import TrainingStopped
     log = None if args.json else print
     try:
         report = export(
@@ -110,11 +129,15 @@ def main(argv=None) -> int:
             calibration_count=args.calibration_batches, prune=args.prune,
             prune_scope=args.prune_scope, prune_structure=args.prune_structure,
             fine_tune_steps=args.fine_tune_steps, fine_tune_lr=args.fine_tune_lr,
-            opset=args.opset, log=log)
-    except (ValueError, OSError) as e:  # ExportError, ConfigError, DataError, file readers
+            fine_tune_dir=args.fine_tune_dir, opset=args.opset, log=log,
+            train_stream=sys.stderr if args.json else sys.stdout)
+    except (ValueError, OSError, CheckpointError) as e:  # ExportError, ConfigError, DataError, files
         message = " ".join(str(e).split())  # one line, even for multi-line messages
         print(f"jaxcnn-export: error: {message}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except TrainingStopped as e:  # the fine-tune hit a non-finite loss
+        print(f"jaxcnn-export: stopped: {e}", file=sys.stderr)
+        return 1
     if args.json:
         print(json.dumps(report))
     return 0

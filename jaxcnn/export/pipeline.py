@@ -5,7 +5,8 @@
 ``params.safetensors`` holds the trained parameters) or a bare parameter
 file plus a model name into a model, its parameters and its input shape.
 :func:`export` is what ``jaxcnn-export`` runs: optional pruning (and
-fine-tuning), BatchNorm folding and int8 quantisation, then one output format.
+fine-tuning through the trainer), BatchNorm folding and int8 quantisation, then
+one output format.
 """
 from __future__ import annotations
 
@@ -184,8 +185,8 @@ def export(source, out, *, format: str, model: str | None = None, num_classes=No
            fold_bn: bool = False, quantize: str | None = None, calibration_count: int = 4,
            prune: float | None = None, prune_scope: str = "global",
            prune_structure: str = "unstructured", fine_tune_steps: int = 0,
-           fine_tune_lr: float | None = None, opset: int = MIN_OPSET,
-           log: Callable[[str], None] | None = None) -> dict:
+           fine_tune_lr: float | None = None, fine_tune_dir=None, opset: int = MIN_OPSET,
+           log: Callable[[str], None] | None = None, train_stream=None) -> dict:
     """Load, optionally prune / fold / quantise, and write one export format.
 
     Arguments:
@@ -200,10 +201,14 @@ def export(source, out, *, format: str, model: str | None = None, num_classes=No
             for ``calibration_count`` batches of training images).
         prune: sparsity in ``[0, 1)`` or None; prune_scope, prune_structure: see
             :func:`jaxcnn.export.prune.magnitude_prune`.
-        fine_tune_steps: steps of masked fine-tuning after pruning (run directory
-            only); fine_tune_lr: its peak learning rate (default: the run's / 10).
+        fine_tune_steps: steps of fine-tuning after pruning, through the trainer
+            (:func:`jaxcnn.export.prune.fine_tune`; run directory only);
+            fine_tune_lr: its peak learning rate (default: the run's / 10);
+            fine_tune_dir: its run directory (default: ``out`` without its
+            extension, plus ``_finetune``); what is exported is its result.
         opset: ONNX opset.
         log: called with progress lines (None: silent).
+        train_stream: where the fine-tune's trainer prints (default ``sys.stdout``).
 
     Returns:
         A report: ``{"out", "format", "model", ...}`` with ``sparsity`` and
@@ -222,6 +227,11 @@ def export(source, out, *, format: str, model: str | None = None, num_classes=No
     if needs_run and cfg is None:
         raise ExportError(f"{' and '.join(needs_run)} need training data: pass a run directory, "
                           "not a parameter file")
+    if fine_tune_steps and not prune:
+        raise ExportError("--fine-tune-steps fine-tunes a pruned model: add --prune SPARSITY")
+    if fine_tune_steps and (model_options or num_classes or image_shape):
+        raise ExportError("--fine-tune-steps trains the run's own model on its own data; leave out "
+                          "--model-option, --num-classes and --input-shape")
     report = {"out": os.fspath(out), "format": format, "model": src.name,
               "image_shape": list(src.image_shape), "accuracy": {}}
     has_data = cfg is not None and cfg.data.source != "synthetic"
@@ -231,23 +241,30 @@ def export(source, out, *, format: str, model: str | None = None, num_classes=No
             report["accuracy"][label] = evaluate_model(cfg, m, p, s)["top1"]
             say(f"top-1 {label}: {report['accuracy'][label]:.4f}")
 
-    if prune or quantize:
+    if prune or quantize or fold_bn:
         accuracy("original", net, params, state)
     if prune:
-        params, masks = magnitude_prune(net, params, prune, scope=prune_scope,
-                                        structure=prune_structure)
+        params, _ = magnitude_prune(net, params, prune, scope=prune_scope,
+                                    structure=prune_structure)
         accuracy("pruned", net, params, state)
         if fine_tune_steps:
-            from jaxcnn.train.config import with_overrides
-            lr = fine_tune_lr if fine_tune_lr is not None else cfg.optim.lr / 10
-            params, state = fine_tune(with_overrides(cfg, [f"optim.lr={lr}"]), net, params, state,
-                                      masks, steps=fine_tune_steps)
-            accuracy("fine_tuned", net, params, state)
+            workdir = os.fspath(fine_tune_dir or os.path.splitext(os.fspath(out))[0] + "_finetune")
+            say(f"fine-tuning for {fine_tune_steps} steps in {workdir}")
+            result = fine_tune(source, workdir, sparsity=prune, steps=fine_tune_steps,
+                               scope=prune_scope, structure=prune_structure, lr=fine_tune_lr,
+                               stream=train_stream)
+            tuned = load_source(workdir)
+            net, params, state = tuned.model, tuned.params, tuned.state
+            report["fine_tune"] = {"workdir": workdir, "steps": fine_tune_steps}
+            if has_data and "top1" in result:
+                report["accuracy"]["fine_tuned"] = result["top1"]
+                say(f"top-1 fine_tuned: {result['top1']:.4f}")
         report["sparsity"] = sparsity_report(net, params)
         say(f"sparsity: {report['sparsity']['prunable_sparsity']:.4f} of conv/linear weights, "
             f"{report['sparsity']['total_sparsity']:.4f} of all parameters")
     if fold_bn and not quantize:
         net, params, state = fold_batch_norm(net, params, state)
+        accuracy("folded", net, params, state)
     if quantize:
         batches = calibration_batches(cfg, calibration_count)
         net, params, state = quantize_int8(net, params, state, batches)

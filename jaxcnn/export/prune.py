@@ -1,4 +1,4 @@
-"""Magnitude pruning of convolution and linear weights, and a masked fine-tune.
+"""Magnitude pruning of convolution and linear weights, and fine-tuning through the trainer.
 
 * ``structure="unstructured"``: the individual weights of smallest ``|w|``
   are zeroed;
@@ -10,12 +10,21 @@
 RMS, so layers of different fan-in compare fairly; every layer keeps at
 least one channel); ``scope="layer"`` prunes each layer to the same
 sparsity.  Masks are a flat ``{"layer.path.w": bool array}`` dict (True =
-kept); :func:`fine_tune` trains with the trainer's step and optimiser while
-keeping pruned weights at exactly zero.
+kept).  Training a pruned model is the trainer's job: its ``prune:`` config
+section calls :func:`magnitude_prune` on the run's initial parameters
+(``model.init_from``) and chains :func:`mask_updates` after the optimiser, so
+pruned weights stay at exactly zero; :func:`fine_tune` sets that up for a
+trained run directory and calls :func:`jaxcnn.train.loop.train`.
 """
 from __future__ import annotations
 
+import os
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 
 from jaxcnn.export._tree import ExportError, child_path, get_path, leaves
 from jaxcnn.interop.arrays import flatten, unflatten
@@ -130,52 +139,108 @@ def sparsity_report(model, params) -> dict:
             "total_sparsity": total_zeros / max(total, 1)}
 
 
-def fine_tune(cfg, model, params, state, masks: dict, *, steps: int, seed: int = 0):
-    """Train a pruned model for ``steps`` steps, pruned weights held at zero.
-
-    Uses the trainer's pieces: the run's data, optimiser (built from
-    ``cfg.optim`` for a run of ``steps`` steps, so set ``optim.lr`` in ``cfg``
-    for a gentler fine-tune), precision policy and ``make_train_step``; the
-    optimiser's updates are multiplied by the masks, so weight decay and
-    momentum cannot revive a pruned weight.
+class PruneMask(NamedTuple):
+    """Optimiser state of :func:`mask_updates`.
 
     Arguments:
-        cfg: a validated run config (e.g. a run directory's resolved config).
-        model: the Layer tree; params/state its (pruned) trees.
-        masks: from :func:`magnitude_prune`.
-        steps: number of optimiser steps (>= 1).
-        seed: dropout seed.
+        keep: a tree shaped like the parameters (their dtype), 1 where a
+            weight trains and 0 where it was pruned.  It lives in the train
+            state, so checkpoints carry it and a resumed run keeps its masks.
+    """
+
+    keep: Any
+
+
+def mask_updates() -> optax.GradientTransformation:
+    """An optax transformation that zeroes the updates of pruned weights.
+
+    Chained after the optimiser (``optax.chain(tx, mask_updates())``), it
+    acts on the final updates, so neither weight decay nor momentum can move
+    a pruned weight off zero.  ``init`` keeps everything (all ones); set the
+    masks in the initial state with :func:`with_keep`.
+    """
+    def init(params):
+        return PruneMask(jax.tree_util.tree_map(jnp.ones_like, params))
+
+    def update(updates, state, params=None):
+        del params
+        # where, not a product: a pruned weight's update is 0 even if the raw one is not finite
+        masked = jax.tree_util.tree_map(
+            lambda u, k: jnp.where(k != 0, u, jnp.zeros((), u.dtype)), updates, state.keep)
+        return masked, state
+
+    return optax.GradientTransformation(init, update)
+
+
+def keep_tree(params, masks: dict):
+    """The ``keep`` tree of :class:`PruneMask` for ``params``: float32 ones,
+    with the leaves named in ``masks`` (from :func:`magnitude_prune`) set to them."""
+    flat = {k: np.ones(v.shape, np.float32) for k, v in flatten(params).items()}
+    for key, mask in masks.items():
+        if key not in flat:
+            raise ExportError(f"mask for {key!r} matches no parameter")
+        flat[key] = np.asarray(mask, np.float32)
+    return unflatten(flat)
+
+
+def with_keep(opt_state, keep):
+    """``opt_state`` with the ``keep`` of every :class:`PruneMask` in it replaced
+    by ``keep`` (cast to the dtype it had)."""
+    def put(node):
+        if not isinstance(node, PruneMask):
+            return node
+        return PruneMask(jax.tree_util.tree_map(lambda old, new: jnp.asarray(new, old.dtype),
+                                                node.keep, keep))
+
+    return jax.tree_util.tree_map(put, opt_state, is_leaf=lambda n: isinstance(n, PruneMask))
+
+
+def fine_tune(run_dir, workdir, *, sparsity: float, steps: int, scope: str = "global",
+              structure: str = "unstructured", lr: float | None = None, stream=None) -> dict:
+    """Prune a trained run and fine-tune it with the trainer.
+
+    The run's resolved config is reused with ``model.init_from`` set to the
+    run, ``prune.{amount,scope,structure}`` to the arguments, ``train.steps``
+    to ``steps`` (the learning-rate schedule spans the fine-tune) and
+    ``optim.lr`` to ``lr``; :func:`jaxcnn.train.loop.train` then prunes the
+    run's parameters exactly as :func:`magnitude_prune` does and trains with
+    pruned weights held at zero, with the trainer's data pipeline, logging,
+    evaluation, checkpoints and parallel plan.
+
+    Arguments:
+        run_dir: a finished ``jaxcnn-train`` run directory.
+        workdir: the fine-tune's run directory: new or empty, or holding the
+            same fine-tune (which then resumes, or only re-evaluates when finished).
+        sparsity, scope, structure: as :func:`magnitude_prune`.
+        steps: optimiser steps (>= 1).
+        lr: peak learning rate; default: the run's ``optim.lr`` / 10.
+        stream: where the trainer prints (default ``sys.stdout``).
 
     Returns:
-        ``(params, state)`` after fine-tuning, as host NumPy trees.
+        The trainer's final metrics (``loss``, ``top1``, ``top5``, ``count``,
+        ``step``; none of the first four for per-step synthetic data); the
+        fine-tuned parameters are in ``workdir``.
     """
-    import jax
-    import jax.numpy as jnp
-    import optax
+    from jaxcnn.train.config import config_from_dict, load_config, to_dict
+    from jaxcnn.train.loop import train
 
-    from jaxcnn.train.config import with_overrides
-    from jaxcnn.train.loop import batch_fn, build_run, matmul_precision
-    from jaxcnn.train.state import TrainState
-    from jaxcnn.train.step import make_train_step
-
-    if steps < 1:
-        raise ExportError(f"fine-tune steps must be >= 1, got {steps}")
-    cfg = with_overrides(cfg, [f"train.steps={int(steps)}"])  # the schedule spans the fine-tune
-    run = build_run(cfg)
-    keep = unflatten({k: v.astype(np.float32) for k, v in
-                      {**{k: np.ones((), np.float32) for k in flatten(params)}, **masks}.items()})
-    tx = optax.chain(run.tx, optax.stateless(
-        lambda updates, _: jax.tree_util.tree_map(lambda u, m: u * m.astype(u.dtype), updates, keep)))
-    params = jax.tree_util.tree_map(jnp.asarray, params)
-    train_state = TrainState(step=jnp.zeros((), jnp.int32), params=params,
-                             state=jax.tree_util.tree_map(jnp.asarray, state),
-                             opt_state=tx.init(params), loss_scale=run.loss_scale,
-                             rng=jax.random.key_data(jax.random.key(seed)),
-                             skipped=jnp.zeros((), jnp.int32))
-    step = jax.jit(make_train_step(model, tx, policy=run.policy,
-                                   label_smoothing=cfg.optim.label_smoothing))
-    make_batch = batch_fn(run)
-    with matmul_precision(cfg):
-        for i in range(steps):
-            train_state, _ = step(train_state, make_batch(i))
-    return jax.device_get((train_state.params, train_state.state))
+    if not isinstance(steps, int) or steps < 1:
+        raise ExportError(f"fine-tune steps must be an int >= 1, got {steps!r}")
+    cfg_path = os.path.join(os.fspath(run_dir), "config.resolved.yaml")
+    if not os.path.isfile(cfg_path):
+        raise ExportError(f"{cfg_path} does not exist: fine-tuning needs a jaxcnn run directory")
+    workdir = os.fspath(workdir)
+    raw = to_dict(load_config(cfg_path))
+    raw["model"]["init_from"] = os.path.abspath(run_dir)
+    raw["prune"] = {"amount": sparsity, "scope": scope, "structure": structure}
+    raw["train"].update(steps=steps, epochs=None)
+    raw["optim"]["lr"] = lr if lr is not None else raw["optim"]["lr"] / 10
+    raw["checkpoint"]["resume"] = "auto"
+    raw["logging"]["workdir"] = os.path.abspath(workdir)
+    cfg = config_from_dict(raw, source=f"fine-tune of {run_dir}")
+    if os.path.isdir(workdir) and os.listdir(workdir):
+        previous = os.path.join(workdir, "config.resolved.yaml")
+        if not os.path.isfile(previous) or load_config(previous) != cfg:
+            raise ExportError(f"{workdir} is not empty and does not hold this fine-tune; remove it "
+                              "or choose another fine-tune directory")
+    return train(cfg, workdir, stream=stream)

@@ -98,6 +98,10 @@ SCHEMA: dict[str, dict] = {
         "name": _f("str", None, "model registry name (jaxcnn.models.names())", required=True, low=1),
         "num_classes": _f("int", None, "classifier outputs; null = the model's default", nullable=True, **_POS_INT),
         "options": _f("dict", {}, "extra keyword arguments for the model constructor, e.g. {cifar_stem: true}"),
+        "init_from": _f("str", None, "start from these parameters instead of a random init: a .npz/.safetensors "
+                        "file (params and state, as jaxcnn-train writes them) or a run directory; checked "
+                        "against the model before any compute; null = random init from train.seed",
+                        nullable=True, low=1),
     },
     "data": {
         "source": _f("str", "mnist", "dataset", choices=("mnist", "cifar10", "npz", "synthetic")),
@@ -166,6 +170,15 @@ SCHEMA: dict[str, dict] = {
                          low=0, open_low=True),
         "nan_policy": _f("str", "stop", "non-finite loss: stop the run, or skip the update",
                          choices=("stop", "skip")),
+    },
+    "prune": {
+        "amount": _f("float", 0.0, "magnitude-prune this fraction of the conv2d/linear weights (or output "
+                     "channels) of the initial parameters and hold them at exactly zero while training "
+                     "(0 = off)", **_UNIT_OPEN_HIGH),
+        "scope": _f("str", "global", "rank the weights of all layers together, or prune each layer alike",
+                    choices=("global", "layer")),
+        "structure": _f("str", "unstructured", "prune single weights, or whole output channels (never "
+                        "those of the last layer)", choices=("unstructured", "channel")),
     },
     "checkpoint": {
         "enabled": _f("bool", True, "save train-state checkpoints"),

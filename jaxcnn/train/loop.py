@@ -20,6 +20,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import yaml
 
 from jaxcnn import interop, models, parallel
@@ -30,7 +31,7 @@ from jaxcnn.train.checkpoint import CheckpointManager, restore_for_resume
 from jaxcnn.train.config import ConfigError, resolve_duration, to_dict, train_steps
 from jaxcnn.train.metrics import MetricsWriter, Progress
 from jaxcnn.train.optim import build_optimizer
-from jaxcnn.train.state import TrainState, create_train_state
+from jaxcnn.train.state import MasterCopyState, TrainState, create_train_state
 from jaxcnn.train.step import make_eval_step, make_train_step
 
 
@@ -135,6 +136,9 @@ def build_run(cfg) -> Run:
                           f"(data.image_size or the dataset): {e}", path="data.image_size") from None
     total = train_steps(cfg.train, per_epoch)
     tx, schedule = build_optimizer(cfg.optim, total_steps=total, steps_per_epoch=per_epoch)
+    if cfg.prune.amount > 0:  # pruned weights get no updates; the masks live in the state
+        from jaxcnn.export.prune import mask_updates
+        tx = optax.chain(tx, mask_updates())
     kind = cfg.precision.loss_scale
     if kind == "auto":
         kind = policy.default_loss_scale
@@ -167,10 +171,97 @@ def batch_fn(run: Run):
                                     batch_size=cfg.data.batch_size, augment=augment, **share)
 
 
-def init_state(run: Run) -> TrainState:
-    """A fresh :class:`TrainState` from ``train.seed``."""
-    return create_train_state(run.model, run.tx, jax.random.PRNGKey(run.cfg.train.seed),
-                              run.input_shape, loss_scale=run.loss_scale, policy=run.policy)
+def init_state(run: Run, start=None, keep=None) -> TrainState:
+    """A fresh :class:`TrainState` from ``train.seed``.
+
+    Arguments:
+        run: from :func:`build_run`.
+        start: ``(params, model_state)`` to start from instead of the random
+            initialisation (see :func:`initial_params`), or None.
+        keep: the pruning masks (a params-shaped tree of 0/1) for the optimiser
+            state's ``PruneMask`` (``prune.amount > 0``), or None.
+    """
+    model = run.model
+    if start is not None:  # the same state, with the model's init giving these trees
+        model = model._replace(init=lambda key, shape: (start[0], start[1], None))
+    state = create_train_state(model, run.tx, jax.random.PRNGKey(run.cfg.train.seed),
+                               run.input_shape, loss_scale=run.loss_scale, policy=run.policy)
+    if keep is not None:
+        from jaxcnn.export.prune import with_keep
+        state = state._replace(opt_state=with_keep(state.opt_state, keep))
+    return state
+
+
+_PARAM_FILES = ("params.npz", "params.safetensors")
+
+
+def load_init_from(run: Run):
+    """Read ``model.init_from`` and check it against the model, before any compute.
+
+    Returns:
+        ``(params, model_state)`` as NumPy trees in the model's dtypes.
+
+    Raises:
+        ConfigError: naming the file and the missing, unexpected, mis-shaped
+            or non-float key.
+    """
+    path = run.cfg.model.init_from
+
+    def fail(message):
+        raise ConfigError(f"model.init_from: {message}", path="model.init_from")
+
+    if os.path.isdir(path):
+        found = [os.path.join(path, f) for f in _PARAM_FILES if os.path.isfile(os.path.join(path, f))]
+        if not found:
+            fail(f"{path!r} is a directory without {' or '.join(_PARAM_FILES)}; has its training "
+                 "finished?")
+        path = found[0]
+    elif not os.path.isfile(path):
+        fail(f"{path!r} does not exist")
+    like = jax.eval_shape(lambda: run.model.init(jax.random.PRNGKey(0), run.input_shape)[:2])
+    load = {".npz": interop.load_npz, ".safetensors": interop.load_safetensors}.get(
+        os.path.splitext(path)[1])
+    if load is None:
+        fail(f"{path!r}: expected a .npz or .safetensors parameter file or a run directory")
+    try:
+        trees = load(path, like=like)
+    except (ValueError, OSError) as e:
+        fail(str(e))
+
+    def cast(keypath, x, want):
+        if jnp.issubdtype(want.dtype, jnp.floating) != jnp.issubdtype(x.dtype, jnp.floating):
+            where = "params" if keypath[0].idx == 0 else "state"
+            fail(f"{path}: key '{where}/{'.'.join(str(k.key) for k in keypath[1:])}' has dtype "
+                 f"{x.dtype}, expected {want.dtype}")
+        return np.asarray(x, want.dtype)
+
+    return jax.tree_util.tree_map_with_path(cast, trees, tuple(like))
+
+
+def initial_params(run: Run, loaded=None):
+    """What a fresh run starts from: the loaded ``model.init_from`` trees, pruned
+    as the ``prune`` section says (from the random initialisation when nothing
+    was loaded).
+
+    Returns:
+        ``(start, keep)``: ``(params, model_state)`` host trees or None (plain
+        random init), and the pruning masks for :func:`init_state` or None.
+    """
+    cfg = run.cfg
+    if cfg.prune.amount == 0:
+        return loaded, None
+    from jaxcnn.export import ExportError
+    from jaxcnn.export.prune import keep_tree, magnitude_prune
+    if loaded is None:
+        fresh = jax.jit(lambda: init_state(run))()
+        params = fresh.opt_state.master if isinstance(fresh.opt_state, MasterCopyState) else fresh.params
+        loaded = jax.device_get((params, fresh.state))
+    try:
+        params, masks = magnitude_prune(run.model, loaded[0], cfg.prune.amount, scope=cfg.prune.scope,
+                                        structure=cfg.prune.structure)
+    except ExportError as e:
+        raise ConfigError(f"prune.amount: {e}", path="prune.amount") from None
+    return (params, loaded[1]), keep_tree(params, masks)
 
 
 def abstract_state(run: Run):
@@ -275,6 +366,7 @@ def train(cfg, workdir: str, *, argv=None, config_path=None, stream=None) -> dic
     stream = stream or sys.stdout
     parallel.initialize(cfg.distributed)  # before anything touches a device
     run = build_run(cfg)
+    loaded = load_init_from(run) if cfg.model.init_from else None
     plan = parallel.setup(cfg, run.model, run.input_shape, abstract_state(run))
     is_main = jax.process_index() == 0
     os.makedirs(workdir, exist_ok=True)
@@ -309,7 +401,16 @@ def train(cfg, workdir: str, *, argv=None, config_path=None, stream=None) -> dic
             step, state = restored
             say(f"[jaxcnn] resumed from step {step}: {manager.directory}/{step}")
     if state is None:  # created in place, already sharded (no full copy on one device)
-        state = jax.jit(lambda: init_state(run), out_shardings=plan.state_shardings)()
+        trees, keep = initial_params(run, loaded)
+        state = jax.jit(lambda t, k: init_state(run, t, k), out_shardings=plan.state_shardings)(
+            trees, keep)
+        if cfg.model.init_from:
+            say(f"[jaxcnn] parameters from {cfg.model.init_from}")
+        if keep is not None:
+            leaves = jax.tree_util.tree_leaves(keep)
+            say(f"[jaxcnn] prune {cfg.prune.amount:g} ({cfg.prune.scope}, {cfg.prune.structure}): "
+                f"{sum(int(np.sum(k == 0)) for k in leaves)} of {sum(k.size for k in leaves)} "
+                "parameters held at zero")
     start = int(state.step)
 
     train_step = plan.wrap_step(make_train_step(

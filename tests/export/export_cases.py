@@ -4,7 +4,9 @@ Every zoo model is built with 7 classes and a small input (VGG/AlexNet with a
 32-wide classifier, which keeps the 512*7*7 -> width layer but not its 100M
 weights).  BatchNorm statistics, affine parameters and biases are randomised
 so that folding and export cannot pass by accident with the identity
-statistics a fresh model has.
+statistics a fresh model has.  The zoo cases draw their weights with NumPy
+from the shapes ``jax.eval_shape`` gives: compiling the models' own
+initialisers would take most of the time of the whole-zoo tests.
 """
 import jax
 import numpy as np
@@ -56,6 +58,23 @@ def init_model(model, image_shape, seed=0, jit=False):
     return randomize(jax.device_get(params), jax.device_get(state), seed)
 
 
+def random_init(model, image_shape, seed=0):
+    """Randomised ``(params, state)`` without running the model's initialisers:
+    weights ``w`` uniform in +-1/sqrt(fan_in) (PyTorch's default range, fan_in =
+    all axes but the last), the rest as :func:`randomize` draws them."""
+    like = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), (1,) + tuple(image_shape))[:2])
+    rng = np.random.default_rng(seed)
+
+    def leaf(path, v):
+        if path[-1].key == "w":
+            bound = 1.0 / np.sqrt(max(int(np.prod(v.shape[:-1])), 1))
+            return rng.uniform(-bound, bound, v.shape).astype(v.dtype)
+        return np.zeros(v.shape, v.dtype)
+
+    params, state = (jax.tree_util.tree_map_with_path(leaf, t) for t in like)
+    return randomize(params, state, seed)
+
+
 def eval_logits(model, params, state, x):
     return np.asarray(jax.jit(lambda p, s, x: model.apply(p, s, x, train=False)[0])(
         params, state, x))
@@ -66,7 +85,7 @@ class ZooCase:
         options, self.image_shape = ZOO[name]
         self.name = name
         self.model = models.get(name, num_classes=7, **options)
-        self.params, self.state = init_model(self.model, self.image_shape, jit=True)
+        self.params, self.state = random_init(self.model, self.image_shape)
         self.x = np.random.default_rng(1).normal(size=(2,) + self.image_shape).astype(np.float32)
         self.logits = eval_logits(self.model, self.params, self.state, self.x)
 

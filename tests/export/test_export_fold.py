@@ -3,7 +3,7 @@ to float32 rounding (max error <= 1e-5 of the output scale), no BatchNorm is
 left where one follows a conv/linear layer, and the result is a normal model."""
 import numpy as np
 import pytest
-from export_cases import eval_logits, init_model
+from export_cases import eval_logits, init_model, random_init
 
 from jaxcnn import layers as L
 from jaxcnn import models
@@ -21,7 +21,7 @@ def _assert_same(model, params, state, x):
 
 def test_resnet18_cifar_stem_folds_exactly():
     model = models.get("resnet18", num_classes=10, cifar_stem=True)
-    params, state = init_model(model, (16, 16, 3), jit=True)
+    params, state = random_init(model, (16, 16, 3))
     x = np.random.default_rng(0).normal(size=(4, 16, 16, 3)).astype(np.float32)
     f_model, f_params, f_state = _assert_same(model, params, state, x)
     assert batch_norm_paths(model) and not batch_norm_paths(f_model)
@@ -54,7 +54,6 @@ def test_fold_pair_formula():
     np.testing.assert_allclose(x @ w2.reshape(-1, 4).astype(np.float64) + b2, y_ref, rtol=1e-5)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("name", ["mobilenet_v2", "vgg16_bn"])
 def test_zoo_models_with_batchnorm(zoo_case, name):
     case = zoo_case(name)

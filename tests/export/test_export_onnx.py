@@ -25,12 +25,7 @@ def assert_close(out, ref, rtol=RTOL):
     assert err <= rtol * scale, f"max error {err:g} vs output scale {scale:g}"
 
 
-# Three models in the normal suite; the whole zoo with `pytest -m slow`.
-FAST_ZOO = ("lenet5", "mnist_cnn", "resnet18")
-
-
-@pytest.mark.parametrize("name", [n if n in FAST_ZOO else pytest.param(n, marks=pytest.mark.slow)
-                                  for n in sorted(ZOO)])
+@pytest.mark.parametrize("name", sorted(ZOO))
 def test_zoo_model_matches_onnxruntime(zoo_case, name):
     case = zoo_case(name)
     proto = export_onnx(case.model, case.params, case.state, case.image_shape)
