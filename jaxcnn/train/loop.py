@@ -509,7 +509,8 @@ def train(cfg, workdir: str, *, argv=None, config_path=None, stream=None) -> dic
                                      "stopping")
                     break
                 if evaluated or (ckpt_every and done % ckpt_every == 0):
-                    interval_start = time.perf_counter()  # eval/save time is not step time
+                    # eval/save time is not step time; the interval's img/s counts the steps after it
+                    interval_start, interval_steps = time.perf_counter(), 0
     finally:
         if prefetch is not None:
             prefetch.close()
