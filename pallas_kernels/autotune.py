@@ -9,8 +9,9 @@ this device kind, or a heuristic default.
 finds them by tracing the op and recording the lookups), keeps the fastest,
 then times the tuned op against XLA, forward and forward+backward.
 ``impl="auto"`` in :mod:`jaxcnn.functional` asks :func:`prefers_pallas`,
-which is False off GPUs and otherwise True only where that measurement said
-the kernel was faster (tuning on first use unless ``JAXCNN_AUTOTUNE=0``).
+which says no off GPUs and otherwise yes only where that measurement said
+the kernel was faster, separately for the forward pass alone and for forward
+plus backward (tuning on first use unless ``JAXCNN_AUTOTUNE=0``).
 
 The cache lives at ``$JAXCNN_AUTOTUNE_CACHE`` (default
 ``~/.cache/jaxcnn/autotune.json``); it is written atomically (temporary file
@@ -37,6 +38,7 @@ _SMS = 132  # streaming multiprocessors of an H100; only sizes the default split
 _memo: dict = {}
 _overrides: dict = {}
 _recorders: list = []
+_op_recorders: list = []
 
 
 def cache_path() -> str:
@@ -162,15 +164,16 @@ def candidates(kernel: str, g: ConvGeometry, co: int) -> list[BlockConfig]:
     """Configs worth timing for one kernel (deduplicated after fitting the shape)."""
     family, part = kernel.rsplit("_", 1)
     base = default_config(kernel, g, co, interpret=False)
-    if family == "dense":
-        tiles = [(64, 64, 32, 4, 2), (128, 64, 32, 4, 3), (64, 128, 32, 4, 3),
-                 (128, 128, 32, 8, 3), (128, 128, 64, 8, 2), (32, 64, 64, 4, 2),
-                 (64, 32, 64, 4, 3), (128, 32, 32, 4, 4)]
-    else:
+    if family == "dense":  # implicit GEMM: wide reduction chunks feed the tensor cores
+        tiles = [(64, 64, 32, 4, 2), (128, 64, 32, 4, 3), (128, 64, 64, 4, 3),
+                 (128, 128, 64, 8, 3), (64, 128, 64, 4, 3), (256, 64, 64, 8, 3),
+                 (64, 64, 64, 4, 4), (128, 128, 32, 8, 4)]
+    else:  # depthwise and pooling: elementwise over (pixels, channels) tiles
         tiles = [(32, 32, 16, 4, 2), (64, 32, 16, 4, 2), (128, 32, 16, 4, 2),
-                 (64, 64, 16, 4, 2), (128, 16, 16, 4, 2), (32, 128, 16, 4, 2),
+                 (64, 64, 16, 4, 2), (256, 32, 16, 8, 2), (32, 128, 16, 4, 2),
                  (256, 64, 16, 8, 2)]
-    splits = (1, 4, 16, 64) if part == "wgrad" else (base.split,)
+    # Weight gradients: the default split and four times it (more programs, shorter sums).
+    splits = (base.split, 4 * base.split) if part == "wgrad" else (base.split,)
     out = []
     for bm, bn, bk, warps, stages in tiles:
         if family == "dense":
@@ -237,10 +240,14 @@ def tune_op(op: str, arrays, static: dict, *, timer=time_call, candidate_fn=cand
 
     Returns:
         The op's cache entry ``{"pallas_s", "xla_s", "pallas_grad_s", "xla_grad_s",
-        "pallas_faster"}``; kernel choices and this entry are saved to the cache.
+        "fwd_faster", "grad_faster", "pallas_faster"}``; kernel choices and this
+        entry are saved to the cache, keyed as :mod:`jaxcnn.functional` looks it
+        up (see :func:`canonical_call`).
     """
     import pallas_kernels  # the ops import this module
     from jaxcnn import functional
+
+    arrays, static = canonical_call(op, arrays, static)
 
     def run_pallas(*a):
         return getattr(pallas_kernels, op)(*a, **static)
@@ -278,8 +285,10 @@ def tune_op(op: str, arrays, static: dict, *, timer=time_call, candidate_fn=cand
         if differentiable:
             entry["pallas_grad_s"] = timer(bench("grad"), *args)
             entry["xla_grad_s"] = timer(_loss_grad(run_xla), *args)
-    entry["pallas_faster"] = bool(entry["pallas_s"] < entry["xla_s"] and entry.get(
-        "pallas_grad_s", 0.0) <= entry.get("xla_grad_s", 0.0))
+    entry["fwd_faster"] = bool(entry["pallas_s"] < entry["xla_s"])
+    entry["grad_faster"] = bool(entry["pallas_grad_s"] < entry["xla_grad_s"]) if (
+        differentiable) else entry["fwd_faster"]
+    entry["pallas_faster"] = entry["fwd_faster"] and entry["grad_faster"]
     devices = load_cache()
     mine = devices.setdefault(device_kind(), {"kernels": {}, "ops": {}})
     mine.setdefault("kernels", {}).update({k: c.to_dict() for k, c in chosen.items()})
@@ -288,26 +297,73 @@ def tune_op(op: str, arrays, static: dict, *, timer=time_call, candidate_fn=cand
     return entry
 
 
-def measured_faster(op: str, arrays, static: dict) -> bool | None:
-    """The cached verdict for this op call on this device kind (None if never measured)."""
+def canonical_call(op: str, arrays, static: dict):
+    """``(arrays, static)`` as :mod:`jaxcnn.functional`'s ``op`` hands them to the kernel.
+
+    ``jaxcnn.functional.conv2d(x, w, padding=1)`` asks about ``(x, w, None)``
+    with ``padding=((1, 1), (1, 1))``, ``stride=(1, 1)``, ...: the form cache
+    keys must use, whatever form the caller of :func:`tune_op` wrote.  Found
+    by tracing the functional op abstractly; calls it does not send to a
+    kernel come back unchanged.
+    """
+    from jaxcnn import functional
+    abstract = [None if a is None else jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays]
+    seen: list = []
+    _op_recorders.append(seen)
+    try:
+        jax.eval_shape(lambda *a: getattr(functional, op)(*a, **static, impl="auto"), *abstract)
+    except (TypeError, ValueError):
+        return arrays, static
+    finally:
+        _op_recorders.remove(seen)
+    for name, got_arrays, got_static in seen:
+        if name == op:
+            return got_arrays, got_static
+    return arrays, static
+
+
+def verdict(op: str, arrays, static: dict) -> tuple[bool, bool] | None:
+    """``(forward faster, forward+backward faster)`` cached for this op call on this
+    device kind, or None if never measured."""
     entry = _entries().get("ops", {}).get(op_key(op, arrays, static))
-    return None if entry is None else bool(entry.get("pallas_faster", False))
+    if entry is None:
+        return None
+    both = bool(entry.get("pallas_faster", False))
+    if "fwd_faster" not in entry and {"pallas_s", "xla_s"} <= entry.keys():
+        entry = {**entry, "fwd_faster": entry["pallas_s"] < entry["xla_s"],
+                 "grad_faster": entry.get("pallas_grad_s", 0.0) < entry.get("xla_grad_s", 0.0)}
+    return bool(entry.get("fwd_faster", both)), bool(entry.get("grad_faster", both))
 
 
-def prefers_pallas(op: str, arrays, static: dict) -> bool:
-    """Whether ``impl="auto"`` should run the Pallas kernel for this call.
+def measured_faster(op: str, arrays, static: dict) -> bool | None:
+    """Whether the kernel won both forward and forward+backward (None if never measured);
+    ``static`` in any form the functional op accepts."""
+    v = verdict(op, *canonical_call(op, arrays, static))
+    return None if v is None else v[0] and v[1]
 
-    Always False unless the default backend is a GPU; there, the cached
-    measurement decides, tuning now if there is none (unless
+
+def prefers_pallas(op: str, arrays, static: dict) -> tuple[bool, bool]:
+    """Whether ``impl="auto"`` should run the kernel: ``(for the forward pass, for training)``.
+
+    The first says whether to run the Pallas forward when the op is not
+    differentiated; the second whether to run the Pallas forward and backward
+    when it is (a kernel can lose alone and win with its backward, or the
+    reverse).  Both False unless the default backend is a GPU; there, the
+    cached measurement decides, tuning now if there is none (unless
     ``JAXCNN_AUTOTUNE=0``, then False).
     """
+    if _op_recorders:  # canonical_call is asking what the op would look up
+        for seen in _op_recorders:
+            seen.append((op, tuple(arrays), dict(static)))
+        return False, False
     if jax.default_backend() != "gpu":
-        return False
-    verdict = measured_faster(op, arrays, static)
-    if verdict is None and os.environ.get("JAXCNN_AUTOTUNE", "1") != "0" and _supported(
+        return False, False
+    v = verdict(op, arrays, static)
+    if v is None and os.environ.get("JAXCNN_AUTOTUNE", "1") != "0" and _supported(
             op, arrays, static):
-        verdict = tune_op(op, arrays, static)["pallas_faster"]
-    return bool(verdict)
+        entry = tune_op(op, arrays, static)
+        v = entry["fwd_faster"], entry["grad_faster"]
+    return (False, False) if v is None else v
 
 
 def _supported(op: str, arrays, static: dict) -> bool:

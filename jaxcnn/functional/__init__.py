@@ -9,13 +9,15 @@ trace time, naming the op and the shapes.
 
 Convolution and pooling take ``impl="auto"|"xla"|"pallas"``: ``"pallas"`` runs
 the :mod:`pallas_kernels` kernels (interpreted off GPUs), ``"auto"`` runs XLA
-except on a GPU where the autotuner measured the kernel faster for the shape.
+except on a GPU where the autotuner measured the kernel faster for the shape;
+``with default_impl("xla"):`` changes what ``"auto"`` means while tracing.
 
 Typical use::
 
     from jaxcnn import functional as F
     y = F.relu(F.conv2d(x, w, b, padding=1))
 """
+from jaxcnn.functional._args import default_impl
 from jaxcnn.functional.activation import (
     elu, gelu, hardswish, leaky_relu, log_softmax, relu, relu6, sigmoid, silu, softmax, tanh)
 from jaxcnn.functional.conv import conv2d, conv_transpose2d
@@ -27,6 +29,7 @@ from jaxcnn.functional.pool import (
     adaptive_avg_pool2d, avg_pool2d, global_avg_pool2d, max_pool2d)
 
 __all__ = [
+    "default_impl",
     "conv2d", "conv_transpose2d",
     "max_pool2d", "avg_pool2d", "adaptive_avg_pool2d", "global_avg_pool2d",
     "linear",

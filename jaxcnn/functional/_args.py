@@ -6,9 +6,12 @@ they fire at trace time.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import numbers
+import threading
 
+import jax
 import numpy as np
 
 IMPLS = ("auto", "xla", "pallas")
@@ -107,20 +110,71 @@ def check_impl(op: str, impl: str) -> str:
     return impl
 
 
+_scope = threading.local()
+
+
+@contextlib.contextmanager
+def default_impl(impl: str):
+    """Within the block (at trace time), ops called with ``impl="auto"`` use ``impl``.
+
+    Lets a whole model, whose layers call the ops with the default ``"auto"``,
+    be traced with ``"xla"`` or ``"pallas"`` kernels, e.g. to compare the two::
+
+        with F.default_impl("xla"):
+            step = jax.jit(train_step).lower(state, batch).compile()
+
+    An explicit ``impl="xla"`` or ``"pallas"`` in a call is left as given.  On
+    the CPU, ``"xla"`` here also keeps the CPU lowerings of ``"auto"``.
+    """
+    check_impl("default_impl", impl)
+    saved = getattr(_scope, "impl", "auto")
+    _scope.impl = impl
+    try:
+        yield
+    finally:
+        _scope.impl = saved
+
+
 def pallas_op(op: str, impl: str, arrays, static: dict):
     """The Pallas kernel to run for this call, or None to run XLA.
 
     ``"pallas"`` always picks ``pallas_kernels.<op>`` (interpreted off GPUs);
     ``"auto"`` picks it only where its autotuner measured it faster than XLA
-    for this shape on this GPU kind (never on CPU); ``"xla"`` never does.
+    for this shape on this GPU kind (never on CPU), unless :func:`default_impl`
+    says otherwise; ``"xla"`` never does.
     """
-    if check_impl(op, impl) == "xla":
+    if check_impl(op, impl) == "auto":
+        impl = getattr(_scope, "impl", "auto")
+    if impl == "xla":
         return None
     # Imported here: pallas_kernels itself imports jaxcnn.functional.
     import pallas_kernels
-    if impl == "auto" and not pallas_kernels.autotune.prefers_pallas(op, arrays, static):
-        return None
-    return functools.partial(getattr(pallas_kernels, op), **static)
+    kernel = functools.partial(getattr(pallas_kernels, op), **static)
+    if impl == "pallas":
+        return kernel
+    forward, training = pallas_kernels.autotune.prefers_pallas(op, arrays, static)
+    if forward == training:
+        return kernel if forward else None
+    from jaxcnn import functional  # the XLA form of the same call
+    xla = functools.partial(getattr(functional, op), **static, impl="xla")
+    return _split_by_use(kernel if forward else xla, xla if forward else kernel)
+
+
+def _split_by_use(primal, trained):
+    """Runs ``primal`` where the op is not differentiated, and ``trained`` with its own
+    backward where it is (each chosen where the autotuner measured it faster)."""
+    @jax.custom_vjp
+    def run(*arrays):
+        return primal(*arrays)
+
+    def run_fwd(*arrays):
+        return jax.vjp(trained, *arrays)  # the VJP closure is a pytree of residuals
+
+    def run_bwd(vjp, ct):
+        return vjp(ct)
+
+    run.defvjp(run_fwd, run_bwd)
+    return run
 
 
 def lowest(dtype):

@@ -85,10 +85,11 @@ def max_pool2d(x, kernel_size, *, stride=None, padding=0, dilation=1, ceil_mode=
             malformed arguments.
     """
     op = "max_pool2d"
-    kernel, stride, dilation, _, run_pads, out_hw = _pool_geometry(
+    kernel, stride, dilation, pads, run_pads, out_hw = _pool_geometry(
         op, x, kernel_size, stride, padding, dilation, ceil_mode)
-    kernel_fn = _args.pallas_op(op, impl, (x,), dict(
-        kernel_size=kernel, stride=stride, padding=padding, dilation=dilation,
+    kernel_fn = _args.pallas_op(op, impl, (x,), dict(  # one form per call: the tuning-cache key
+        kernel_size=kernel, stride=stride, padding=padding if isinstance(padding, str) else pads,
+        dilation=dilation,
         ceil_mode=ceil_mode))
     if kernel_fn is not None:
         return kernel_fn(x)
@@ -166,7 +167,8 @@ def avg_pool2d(x, kernel_size, *, stride=None, padding=0, ceil_mode=False,
     kernel, stride, _, pads, run_pads, out_hw = _pool_geometry(
         op, x, kernel_size, stride, padding, 1, ceil_mode)
     kernel_fn = _args.pallas_op(op, impl, (x,), dict(
-        kernel_size=kernel, stride=stride, padding=padding, ceil_mode=ceil_mode,
+        kernel_size=kernel, stride=stride,
+        padding=padding if isinstance(padding, str) else pads, ceil_mode=ceil_mode,
         count_include_pad=count_include_pad))
     if kernel_fn is not None:
         return kernel_fn(x)

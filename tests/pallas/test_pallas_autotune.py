@@ -82,5 +82,43 @@ def test_tune_op_keeps_the_fastest_and_records_the_verdict(cache):
     assert {c["block_m"] for c in saved["kernels"].values()} == {32}
     assert len(saved["kernels"]) == 2  # forward and backward kernels
     assert autotune.measured_faster("avg_pool2d", (x,), static)
-    assert not autotune.prefers_pallas("avg_pool2d", (x,), static)  # never on CPU
-    assert "pallas_call" not in str(jax.make_jaxpr(lambda x: F.avg_pool2d(x, 2))(x))
+    # Keyed as jaxcnn.functional looks it up: normalised pairs and explicit padding.
+    arrays, canon = autotune.canonical_call("avg_pool2d", (x,), static)
+    assert canon["kernel_size"] == (2, 2) and canon["stride"] == (2, 2)
+    assert autotune.verdict("avg_pool2d", arrays, canon) == (True, True)
+    assert autotune.verdict("avg_pool2d", (x,), static) is None  # the raw form is not a key
+    on_gpu = jax.default_backend() == "gpu"  # never on CPU; on a GPU, the verdict
+    assert autotune.prefers_pallas("avg_pool2d", (x,), canon) == (on_gpu, on_gpu)
+    assert ("pallas_call" in str(jax.make_jaxpr(lambda x: F.avg_pool2d(x, 2))(x))) == on_gpu
+
+
+def test_canonical_call_matches_what_conv2d_asks():
+    x, w = jnp.zeros((2, 9, 9, 4), jnp.bfloat16), jnp.zeros((3, 3, 4, 8), jnp.bfloat16)
+    arrays, static = autotune.canonical_call("conv2d", (x, w), dict(padding=1, stride=2))
+    assert [None if a is None else a.shape for a in arrays] == [x.shape, w.shape, None]
+    assert static == dict(stride=(2, 2), padding=((1, 1), (1, 1)), dilation=(1, 1), groups=1)
+
+
+@pytest.mark.parametrize("forward, training", [(True, False), (False, True)])
+def test_auto_splits_forward_and_training_choices(monkeypatch, forward, training):
+    """Where the kernel wins only alone or only with its backward, auto runs it only there;
+    values and gradients equal XLA's either way."""
+    monkeypatch.setattr(autotune, "prefers_pallas", lambda *a: (forward, training))
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(np.maximum(np.round(rng.standard_normal((2, 7, 7, 3)) * 2), 0), jnp.float32)
+    kw = dict(kernel_size=3, stride=2, padding=1)
+
+    def pool(x, impl):
+        return F.max_pool2d(x, **kw, impl=impl)
+
+    def has_kernel(fn, *a):
+        return "pallas_call" in str(jax.make_jaxpr(fn)(*a))
+
+    def loss(impl):
+        return lambda x: jnp.sum(pool(x, impl) * jnp.arange(3.0))
+
+    assert has_kernel(lambda x: pool(x, "auto"), x) == forward
+    np.testing.assert_array_equal(jax.jit(lambda x: pool(x, "auto"))(x), pool(x, "xla"))
+    grad = jax.jit(jax.grad(loss("auto")))(x)
+    np.testing.assert_array_equal(grad, jax.grad(loss("xla"))(x))
+    assert has_kernel(jax.grad(loss("auto")), x) == training

@@ -69,6 +69,8 @@ def test_functional_dispatch_runs_the_kernel():
     x = _ties((1, 6, 6, 3), F32)
     for op in (F.max_pool2d, F.avg_pool2d):
         assert "pallas_call" in str(jax.make_jaxpr(lambda x: op(x, 2, impl="pallas"))(x))
-        assert "pallas_call" not in str(jax.make_jaxpr(lambda x: op(x, 2, impl="auto"))(x))
+        assert "pallas_call" not in str(jax.make_jaxpr(lambda x: op(x, 2, impl="xla"))(x))
+        if jax.default_backend() == "cpu":  # on a GPU auto may pick it, where measured faster
+            assert "pallas_call" not in str(jax.make_jaxpr(lambda x: op(x, 2, impl="auto"))(x))
     with pytest.raises(ValueError, match="backward"):
         pk.max_pool2d(x, 2, backward="torch")
