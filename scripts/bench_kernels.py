@@ -1,18 +1,40 @@
-"""Times the Pallas kernels against XLA, per shape: forward and forward+backward.
+#!/usr/bin/env python3
+"""Times the Pallas kernels against XLA (cuDNN on a GPU), per shape, in the same run.
 
 Usage::
 
-    python scripts/bench_kernels.py [--force] [--tune] [--dtype bfloat16] [--repeats 20] [--batch 32]
+    python scripts/bench_kernels.py [--tune] [--dtype bfloat16] [--groups resnet50,pool]
+                                    [--batch N] [--repeats 20] [--json out.json] [--force]
 
-Prints one row per shape: op, shape, Pallas time, XLA time and their ratio
-(XLA / Pallas: above 1 means the kernel is faster).  On a CPU backend the
-kernels run in the Pallas interpreter, which is no benchmark, so the script
-says so and exits 0 unless ``--force``.  ``--tune`` runs the autotuner for
-each shape first (and so fills the cache ``impl="auto"`` reads).
+Shapes (batch 256 unless ``--batch``; the MNIST CNN at 128):
+
+- ``resnet50``: ResNet-50's 3x3 convolutions (56²x64, 28²x128, 14²x256, 7²x512);
+- ``stem``: the 7x7 stride-2 stem on 224²x3;
+- ``mobilenet``: MobileNetV2's depthwise 3x3 layers (stride 1 and 2);
+- ``mnist``: the MNIST CNN's two convolutions;
+- ``pool``: ResNet's 3x3 stride-2 max-pool on 112²x64;
+- ``fused``: BatchNorm-apply + ReLU fused into the 3x3 convolution's input
+  load (``pallas_kernels.bn_relu_conv2d``) against XLA's ``conv(relu(x*s+t))``.
+
+Per shape it prints the forward time of the kernel and of XLA, their ratio
+(XLA / Pallas: above 1 means the kernel is faster), the kernel's TFLOP/s and
+GB/s (minimum traffic: inputs read once, output written once), the fraction of
+the roofline it reaches (the larger of FLOPs / peak and bytes / measured
+bandwidth, over the measured time), and the forward+backward times and ratio.
+The bandwidth is measured in the same run (an elementwise pass over 1 GiB);
+the peak FLOP/s comes from the device-kind table (dense bf16, TF32 for
+float32).  ``--tune`` runs the autotuner for each shape first and so fills
+the cache ``impl="auto"`` reads.
+
+On a CPU backend the kernels run in the Pallas interpreter, which is no
+benchmark: the script says so and exits 0 unless ``--force``.
 """
 from __future__ import annotations
 
 import argparse
+import json
+import math
+import platform
 import sys
 
 import jax
@@ -22,29 +44,101 @@ import pallas_kernels as pk
 from jaxcnn import functional as F
 from pallas_kernels import autotune
 
-# (op, x shape NHWC, static kwargs, weight shape HWIO or None): ResNet/MobileNet-like layers.
+# Dense peak FLOP/s by device-kind substring: (bf16, TF32).
+PEAKS = {"H100": (989e12, 494e12), "H200": (989e12, 494e12), "A100": (312e12, 156e12)}
+
+# (group, name, op, x shape NHWC, static kwargs, weight shape HWIO or None, batch)
+_R = dict(padding=1)
 SHAPES = [
-    ("conv2d", (32, 56, 56, 64), dict(padding=1), (3, 3, 64, 64)),
-    ("conv2d", (32, 28, 28, 128), dict(stride=2, padding=1), (3, 3, 128, 256)),
-    ("conv2d", (32, 56, 56, 256), dict(), (1, 1, 256, 64)),
-    ("conv2d", (32, 224, 224, 3), dict(stride=2, padding=3), (7, 7, 3, 64)),
-    ("conv2d", (32, 56, 56, 144), dict(padding=1, groups=144), (3, 3, 1, 144)),
-    ("conv2d", (32, 28, 28, 192), dict(stride=2, padding=1, groups=192), (3, 3, 1, 192)),
-    ("max_pool2d", (32, 112, 112, 64), dict(kernel_size=3, stride=2, padding=1), None),
-    ("avg_pool2d", (32, 56, 56, 256), dict(kernel_size=2), None),
+    ("resnet50", "res3x3 56x64", "conv2d", (56, 56, 64), _R, (3, 3, 64, 64), 256),
+    ("resnet50", "res3x3 28x128", "conv2d", (28, 28, 128), _R, (3, 3, 128, 128), 256),
+    ("resnet50", "res3x3 14x256", "conv2d", (14, 14, 256), _R, (3, 3, 256, 256), 256),
+    ("resnet50", "res3x3 7x512", "conv2d", (7, 7, 512), _R, (3, 3, 512, 512), 256),
+    ("stem", "stem 7x7/2", "conv2d", (224, 224, 3), dict(stride=2, padding=3), (7, 7, 3, 64), 256),
+    ("mobilenet", "dw 112x32", "conv2d", (112, 112, 32), dict(padding=1, groups=32),
+     (3, 3, 1, 32), 256),
+    ("mobilenet", "dw 112x96/2", "conv2d", (112, 112, 96), dict(stride=2, padding=1, groups=96),
+     (3, 3, 1, 96), 256),
+    ("mobilenet", "dw 56x144", "conv2d", (56, 56, 144), dict(padding=1, groups=144),
+     (3, 3, 1, 144), 256),
+    ("mobilenet", "dw 56x144/2", "conv2d", (56, 56, 144), dict(stride=2, padding=1, groups=144),
+     (3, 3, 1, 144), 256),
+    ("mobilenet", "dw 28x192", "conv2d", (28, 28, 192), dict(padding=1, groups=192),
+     (3, 3, 1, 192), 256),
+    ("mobilenet", "dw 14x384", "conv2d", (14, 14, 384), dict(padding=1, groups=384),
+     (3, 3, 1, 384), 256),
+    ("mobilenet", "dw 14x576", "conv2d", (14, 14, 576), dict(padding=1, groups=576),
+     (3, 3, 1, 576), 256),
+    ("mobilenet", "dw 7x960", "conv2d", (7, 7, 960), dict(padding=1, groups=960),
+     (3, 3, 1, 960), 256),
+    ("mnist", "mnist conv1", "conv2d", (28, 28, 1), {}, (3, 3, 1, 32), 128),
+    ("mnist", "mnist conv2", "conv2d", (26, 26, 32), {}, (3, 3, 32, 64), 128),
+    ("pool", "maxpool 3x3/2", "max_pool2d", (112, 112, 64),
+     dict(kernel_size=3, stride=2, padding=1), None, 256),
+    ("fused", "bnrelu+3x3 56x64", "bn_relu_conv2d", (56, 56, 64), _R, (3, 3, 64, 64), 256),
+    ("fused", "bnrelu+3x3 28x128", "bn_relu_conv2d", (28, 28, 128), _R, (3, 3, 128, 128), 256),
+    ("fused", "bnrelu+3x3 14x256", "bn_relu_conv2d", (14, 14, 256), _R, (3, 3, 256, 256), 256),
 ]
+GROUPS = sorted({s[0] for s in SHAPES})
 
 
-def _args(x_shape, w_shape, dtype):
-    key_x, key_w = jax.random.split(jax.random.key(0))
-    x = jax.random.normal(key_x, x_shape, jnp.float32).astype(dtype)
-    if w_shape is None:
-        return (x,)
-    return x, jax.random.normal(key_w, w_shape, jnp.float32).astype(dtype)
+def out_hw(x_shape, kw, w_shape):
+    """(H_out, W_out) of a conv or pool call."""
+    k = w_shape[:2] if w_shape is not None else (kw["kernel_size"],) * 2
+    s, p = kw.get("stride", 1), kw.get("padding", 0)
+    return tuple((n + 2 * p - kk) // s + 1 for n, kk in zip(x_shape[1:3], k))
 
 
-def _grad_of(fn):
-    return jax.jit(jax.grad(lambda *a: jnp.sum(fn(*a).astype(jnp.float32) ** 2)))
+def work(op, x_shape, kw, w_shape, itemsize):
+    """(forward FLOPs, minimum forward bytes) of one call."""
+    n, _, _, c = x_shape
+    ho, wo = out_hw(x_shape, kw, w_shape)
+    if w_shape is None:  # pooling: compares, not FLOPs
+        return 0, itemsize * (math.prod(x_shape) + n * ho * wo * c)
+    kh, kw_, ci, co = w_shape
+    flops = 2 * n * ho * wo * co * kh * kw_ * ci
+    nbytes = itemsize * (math.prod(x_shape) + math.prod(w_shape) + n * ho * wo * co)
+    return flops, nbytes
+
+
+def measure_bandwidth(repeats: int, mib: int = 1024) -> float:
+    """Bytes/s of an elementwise pass (read + write) over ``mib`` MiB, as HBM bandwidth."""
+    x = jnp.ones((mib << 18,), jnp.float32)
+    f = jax.jit(lambda a: a * 2)
+    return 2 * x.nbytes / autotune.time_call(f, x, repeats=repeats)
+
+
+def _args(op, x_shape, w_shape, dtype):
+    kx, kw, ks = jax.random.split(jax.random.key(0), 3)
+    x = jax.random.normal(kx, x_shape, jnp.float32).astype(dtype)
+    if op == "max_pool2d":
+        return (jax.nn.relu(x),)  # many ties, as after a ReLU
+    w = (jax.random.normal(kw, w_shape, jnp.float32) / math.sqrt(math.prod(w_shape[:3])))
+    args = (x, w.astype(dtype))
+    if op == "bn_relu_conv2d":
+        c = x_shape[-1]
+        args += (1 + 0.1 * jax.random.normal(ks, (c,)), 0.1 * jax.random.normal(kx, (c,)))
+    return args
+
+
+def _fns(op, kw):
+    """(Pallas forward, XLA forward) taking the same positional arrays."""
+    if op == "bn_relu_conv2d":
+        def kernel(x, w, scale, shift):
+            return pk.bn_relu_conv2d(x, w, scale=scale, shift=shift, **kw)
+
+        def xla(x, w, scale, shift):
+            a = jax.nn.relu(x.astype(jnp.float32) * scale + shift).astype(x.dtype)
+            return F.conv2d(a, w, **kw, impl="xla")
+        return kernel, xla
+    return (lambda *a: getattr(pk, op)(*a, **kw),
+            lambda *a: getattr(F, op)(*a, **kw, impl="xla"))
+
+
+def _grad_of(fn, n_args):
+    def loss(*a):
+        return jnp.sum(fn(*a).astype(jnp.float32) ** 2)
+    return jax.jit(jax.grad(loss, argnums=tuple(range(min(n_args, 2)))))
 
 
 def main(argv=None) -> int:
@@ -52,36 +146,74 @@ def main(argv=None) -> int:
     parser.add_argument("--force", action="store_true", help="run even on a CPU backend")
     parser.add_argument("--tune", action="store_true", help="autotune each shape first")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    parser.add_argument("--groups", default=",".join(GROUPS),
+                        help=f"comma-separated subset of {GROUPS}")
     parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--batch", type=int, default=32, help="batch size N of every shape")
+    parser.add_argument("--batch", type=int, help="batch size N of every shape")
+    parser.add_argument("--no-grad", action="store_true", help="time the forward pass only")
+    parser.add_argument("--bandwidth-mib", type=int, default=1024,
+                        help="size of the bandwidth-measuring pass")
+    parser.add_argument("--json", help="also write the rows here")
     opts = parser.parse_args(argv)
+    groups = [g for g in opts.groups.split(",") if g]
+    unknown = sorted(set(groups) - set(GROUPS))
+    if unknown:
+        parser.error(f"unknown group(s) {unknown}; choose from {GROUPS}")
     backend = jax.default_backend()
     if backend != "gpu" and not opts.force:
         print(f"backend is {backend!r}: the kernels would run in the Pallas interpreter, "
               "which is not a benchmark. Pass --force to time it anyway.")
         return 0
     dtype = jnp.dtype(opts.dtype)
-    print(f"device: {autotune.device_kind()}  dtype: {dtype.name}  cache: {autotune.cache_path()}")
-    print(f"{'op':<11} {'x shape':<22} {'kwargs':<34} {'pallas ms':>10} {'xla ms':>9} "
-          f"{'xla/pallas':>10} {'grad p ms':>10} {'grad x ms':>10} {'ratio':>6}")
-    for op, x_shape, kw, w_shape in SHAPES:
-        x_shape = (opts.batch, *x_shape[1:])
-        args = _args(x_shape, w_shape, dtype)
-        if opts.tune:
-            autotune.tune_op(op, args, kw)
-
-        def kernel(*a, op=op, kw=kw):
-            return getattr(pk, op)(*a, **kw)
-
-        def xla(*a, op=op, kw=kw):
-            return getattr(F, op)(*a, **kw, impl="xla")
-
-        row = []
-        for fn in (jax.jit(kernel), jax.jit(xla), _grad_of(kernel), _grad_of(xla)):
-            row.append(1e3 * autotune.time_call(fn, *args, repeats=opts.repeats))
-        p, x, gp, gx = row
-        print(f"{op:<11} {str(x_shape):<22} {str(kw):<34} {p:>10.3f} {x:>9.3f} {x / p:>10.2f} "
-              f"{gp:>10.3f} {gx:>10.3f} {gx / gp:>6.2f}")
+    kind = autotune.device_kind()
+    peak = next((p for k, p in PEAKS.items() if k in kind), None)
+    peak = None if peak is None else peak[0 if dtype == jnp.bfloat16 else 1]
+    bw = measure_bandwidth(opts.repeats, opts.bandwidth_mib)
+    print(f"device: {kind}  jax {jax.__version__}  python {platform.python_version()}  "
+          f"dtype: {dtype.name}  cache: {autotune.cache_path()}")
+    print(f"measured bandwidth: {bw / 1e9:.0f} GB/s   peak: "
+          f"{'unknown' if peak is None else f'{peak / 1e12:.0f} TFLOP/s'}")
+    print(f"{'shape':<18} {'N':>4} {'pallas ms':>10} {'xla ms':>9} {'xla/pal':>8} "
+          f"{'TFLOP/s':>8} {'GB/s':>7} {'roofline':>8} {'grad p ms':>10} {'grad x ms':>10} "
+          f"{'xla/pal':>8}")
+    rows = []
+    for group, name, op, hwc, kw, w_shape, batch in SHAPES:
+        if group not in groups:
+            continue
+        x_shape = (opts.batch or batch, *hwc)
+        args = _args(op, x_shape, w_shape, dtype)
+        kernel, xla = _fns(op, kw)
+        try:
+            if opts.tune and op != "bn_relu_conv2d":
+                autotune.tune_op(op, args, kw)
+            fns = [jax.jit(kernel), jax.jit(xla)]
+            if not opts.no_grad:
+                fns += [_grad_of(kernel, len(args)), _grad_of(xla, len(args))]
+            t = [autotune.time_call(f, *args, repeats=opts.repeats) for f in fns]
+        except Exception as e:  # report and go on: one shape must not hide the others
+            print(f"{name:<18} FAILED: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+            rows.append({"name": name, "error": f"{type(e).__name__}: {e}"[:2000]})
+            continue
+        flops, nbytes = work(op, x_shape, kw, w_shape, dtype.itemsize)
+        ideal = max(flops / peak if peak and flops else 0.0, nbytes / bw)
+        row = {"group": group, "name": name, "op": op, "x_shape": list(x_shape),
+               "kwargs": kw, "pallas_ms": 1e3 * t[0], "xla_ms": 1e3 * t[1],
+               "tflops": flops / t[0] / 1e12, "gbs": nbytes / t[0] / 1e9,
+               "xla_tflops": flops / t[1] / 1e12, "roofline": ideal / t[0],
+               "xla_roofline": ideal / t[1]}
+        if len(t) == 4:
+            row.update(pallas_grad_ms=1e3 * t[2], xla_grad_ms=1e3 * t[3])
+        rows.append(row)
+        grad = (f"{row['pallas_grad_ms']:>10.3f} {row['xla_grad_ms']:>10.3f} "
+                f"{t[3] / t[2]:>8.2f}" if len(t) == 4 else "")
+        print(f"{name:<18} {x_shape[0]:>4} {row['pallas_ms']:>10.3f} {row['xla_ms']:>9.3f} "
+              f"{t[1] / t[0]:>8.2f} {row['tflops']:>8.1f} {row['gbs']:>7.0f} "
+              f"{row['roofline']:>8.0%} {grad}", flush=True)
+    if opts.json:
+        with open(opts.json, "w", encoding="utf-8") as f:
+            json.dump({"device": kind, "jax": jax.__version__, "dtype": dtype.name,
+                       "bandwidth_gbs": bw / 1e9, "peak_tflops": peak and peak / 1e12,
+                       "rows": rows}, f, indent=1)
     return 0
 
 

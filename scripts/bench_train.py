@@ -25,7 +25,8 @@ device's peak (dense bf16 for bf16 runs, else TF32 where known).
 
 The input pipeline is timed on its own: images/s that ``train_batch`` makes
 from the packaged MNIST (as the mnist_cnn config feeds the trainer) and that
-``synthetic_batch`` makes at ImageNet shapes (224x224x3, float32), each as
+``synthetic_batch`` makes at ImageNet shapes (224x224x3 uint8 bytes, which
+the trainer's step normalises on the device), each put on the device, each as
 the ratio to the matching step's images/s (goal >= 1.5x: the prefetch thread
 keeps ahead of the step).
 """
@@ -44,6 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jaxcnn import functional as F
 from jaxcnn import models, summary
 from jaxcnn import precision as P
 from jaxcnn.data import SyntheticSpec, load_mnist, synthetic_batch, train_batch
@@ -96,7 +98,7 @@ def host_batch(case, seed=0):
 
 # ---- jaxcnn ---------------------------------------------------------------------------------
 
-def bench_jaxcnn(case, args, bf16):
+def bench_jaxcnn(case, args, bf16, impl="auto"):
     name, options, batch, hwc, classes, _ = CASES[case]
     model = models.get(name, num_classes=classes, **options)
     policy = P.get_policy("bf16" if bf16 else "fp32")
@@ -105,7 +107,8 @@ def bench_jaxcnn(case, args, bf16):
                                loss_scale=P.make_loss_scale("none"), policy=policy)
     data = jax.device_put(host_batch(case))
     step = jax.jit(make_train_step(model, tx, policy=policy), donate_argnums=0)
-    step = step.lower(state, data).compile()
+    with F.default_impl(impl):  # what "auto" in the layers means while tracing
+        step = step.lower(state, data).compile()
     return median_jitted_step(step, state, data, args)
 
 
@@ -299,8 +302,10 @@ def bench_pipelines(seconds: float):
         "mnist train_batch (mnist_cnn)": ("mnist_cnn", pipeline_rate(
             lambda s: jax.device_put(train_batch(mnist, s, seed=0, batch_size=128, augment=None)),
             128, seconds)),
-        "synthetic_batch 224x224x3 (resnet50)": ("resnet50", pipeline_rate(
-            lambda s: jax.device_put(synthetic_batch(imagenet, s, seed=0, batch_size=256)),
+        # As the trainer feeds throughput runs: bytes, normalised in the train step.
+        "synthetic_batch 224x224x3 uint8 (resnet50)": ("resnet50", pipeline_rate(
+            lambda s: jax.device_put(synthetic_batch(imagenet, s, seed=0, batch_size=256,
+                                                     image_dtype="uint8")),
             256, seconds)),
     }
 
@@ -323,6 +328,9 @@ def main(argv=None):
     parser.add_argument("--models", default=",".join(c for c, v in CASES.items() if gpu or not v[5]),
                         help=f"comma-separated, from {list(CASES)}")
     parser.add_argument("--frameworks", default="jaxcnn,torch,torch_compile,flax")
+    parser.add_argument("--impls", default="auto",
+                        help="jaxcnn kernel choices to time, e.g. auto,xla (the first is the "
+                             "reference 'jaxcnn' row)")
     parser.add_argument("--steps", type=int, default=5, help="steps per timed run")
     parser.add_argument("--reps", type=int, default=7, help="timed runs (median)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed runs first")
@@ -350,7 +358,10 @@ def main(argv=None):
             parser.error(f"--models: unknown {case!r}; expected some of {list(CASES)}")
         bf16 = gpu and case == "resnet50"
         batch = CASES[case][2]
-        runs = {"jaxcnn": lambda: bench_jaxcnn(case, args, bf16)}
+        impls = args.impls.split(",")
+        runs = {"jaxcnn": lambda: bench_jaxcnn(case, args, bf16, impls[0])}
+        for impl in impls[1:]:
+            runs[f"jaxcnn impl={impl}"] = lambda impl=impl: bench_jaxcnn(case, args, bf16, impl)
         if torch_version and "torch" in frameworks and not bf16:
             runs["torch eager"] = lambda: bench_torch(case, args, compiled=False)
         if torch_version and "torch_compile" in frameworks and gpu:

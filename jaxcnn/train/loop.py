@@ -27,6 +27,7 @@ from jaxcnn import interop, models, parallel
 from jaxcnn import precision as P
 from jaxcnn.data import (Prefetcher, SyntheticSpec, eval_batches, load_dataset, steps_per_epoch,
                          synthetic_batch, synthetic_dataset, train_batch)
+from jaxcnn.data.synthetic import NOISE_MEAN, NOISE_STD
 from jaxcnn.train.checkpoint import CheckpointManager, restore_for_resume
 from jaxcnn.train.config import ConfigError, resolve_duration, to_dict, train_steps
 from jaxcnn.train.metrics import MetricsWriter, Progress
@@ -159,9 +160,10 @@ def batch_fn(run: Run):
     """``step -> batch`` (host numpy arrays) for the run's training data."""
     cfg = run.cfg
     share = {"process_index": jax.process_index(), "process_count": jax.process_count()}
-    if run.synthetic is not None:
+    if run.synthetic is not None:  # bytes: the train step normalises them on the device
         return lambda step: synthetic_batch(run.synthetic, step, seed=run.data_seed,
-                                            batch_size=cfg.data.batch_size, **share)
+                                            batch_size=cfg.data.batch_size, image_dtype="uint8",
+                                            **share)
     augment = {"crop_padding": cfg.data.augment.crop_padding, "flip": cfg.data.augment.flip}
     dataset = run.dataset
     if not cfg.data.normalize:  # unit scale only, as in evaluate()
@@ -416,7 +418,8 @@ def train(cfg, workdir: str, *, argv=None, config_path=None, stream=None) -> dic
     train_step = plan.wrap_step(make_train_step(
         run.model, run.tx, policy=run.policy, label_smoothing=cfg.optim.label_smoothing,
         schedule=run.schedule, skip_nonfinite=cfg.train.nan_policy == "skip",
-        axis_name=plan.step_axis_name))
+        axis_name=plan.step_axis_name,
+        image_norm=(NOISE_MEAN, NOISE_STD) if run.synthetic is not None else None))
     sharded_eval = plan.wrap_eval(make_eval_step(run.model, policy=run.policy))
 
     def eval_step(params, model_state, batch):
