@@ -11,11 +11,17 @@ then times the tuned op against XLA, forward and forward+backward.
 ``impl="auto"`` in :mod:`jaxcnn.functional` asks :func:`prefers_pallas`,
 which says no off GPUs and otherwise yes only where that measurement said
 the kernel was faster, separately for the forward pass alone and for forward
-plus backward (tuning on first use unless ``JAXCNN_AUTOTUNE=0``).
+plus backward.  A call never measured runs XLA: tune a model's calls once
+per device kind with :func:`tune_calls` (or ``scripts/bench_kernels.py
+--tune`` for the benchmark shapes), or set ``JAXCNN_AUTOTUNE=1`` to tune each
+call on first use (about a minute per convolution shape on an H100, so off by
+default).
 
 The cache lives at ``$JAXCNN_AUTOTUNE_CACHE`` (default
 ``~/.cache/jaxcnn/autotune.json``); it is written atomically (temporary file
-+ rename) and a corrupt file is ignored with a warning.
++ rename) and a corrupt file is ignored with a warning.  Below it,
+``pallas_kernels/tuned.json`` ships the measurements of
+``scripts/bench_kernels.py --tune`` on the device kinds we have run it on.
 """
 from __future__ import annotations
 
@@ -90,11 +96,16 @@ def save_cache(devices: dict, path: str | None = None) -> None:
     _memo.pop(path, None)
 
 
+SHIPPED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tuned.json")
+
+
 def _entries() -> dict:
+    """This device kind's entries: the user's cache over the shipped measurements."""
     path = cache_path()
     if path not in _memo:
-        _memo[path] = load_cache(path)
-    return _memo[path].get(device_kind(), {})
+        _memo[path] = (load_cache(SHIPPED), load_cache(path))
+    shipped, user = (c.get(device_kind(), {}) for c in _memo[path])
+    return {part: {**shipped.get(part, {}), **user.get(part, {})} for part in ("kernels", "ops")}
 
 
 def kernel_key(kernel: str, g: ConvGeometry, co: int, dtype) -> str:
@@ -349,8 +360,8 @@ def prefers_pallas(op: str, arrays, static: dict) -> tuple[bool, bool]:
     differentiated; the second whether to run the Pallas forward and backward
     when it is (a kernel can lose alone and win with its backward, or the
     reverse).  Both False unless the default backend is a GPU; there, the
-    cached measurement decides, tuning now if there is none (unless
-    ``JAXCNN_AUTOTUNE=0``, then False).
+    cached measurement decides (the user's cache, then the shipped table); a
+    call never measured runs XLA, or is tuned now with ``JAXCNN_AUTOTUNE=1``.
     """
     if _op_recorders:  # canonical_call is asking what the op would look up
         for seen in _op_recorders:
@@ -359,11 +370,41 @@ def prefers_pallas(op: str, arrays, static: dict) -> tuple[bool, bool]:
     if jax.default_backend() != "gpu":
         return False, False
     v = verdict(op, arrays, static)
-    if v is None and os.environ.get("JAXCNN_AUTOTUNE", "1") != "0" and _supported(
+    if v is None and os.environ.get("JAXCNN_AUTOTUNE", "0") == "1" and _supported(
             op, arrays, static):
         entry = tune_op(op, arrays, static)
         v = entry["fwd_faster"], entry["grad_faster"]
     return (False, False) if v is None else v
+
+
+def tune_calls(fn, *args, force: bool = False, **tune_kwargs) -> dict:
+    """Tunes every convolution and pooling call ``fn(*args)`` makes with ``impl="auto"``.
+
+    ``fn`` is traced abstractly (``jax.eval_shape``; ``args`` may be
+    ``jax.ShapeDtypeStruct``), its op calls are collected in the form
+    :mod:`jaxcnn.functional` looks them up, and each one without a cached
+    verdict (every one with ``force``) is tuned with :func:`tune_op`.  Run it
+    once per device kind, e.g. on a model's training step::
+
+        autotune.tune_calls(lambda p, s, x: model.apply(p, s, x, train=True), params, state, x)
+
+    Returns:
+        ``{op key: cache entry}`` of the calls tuned now.
+    """
+    seen: list = []
+    _op_recorders.append(seen)
+    try:
+        jax.eval_shape(lambda *a: fn(*a), *args)  # a fresh function: never a cached trace
+    finally:
+        _op_recorders.remove(seen)
+    tuned: dict = {}
+    for op, arrays, static in seen:
+        key = op_key(op, arrays, static)
+        if key in tuned or not _supported(op, arrays, static):
+            continue
+        if force or verdict(op, arrays, static) is None:
+            tuned[key] = tune_op(op, arrays, static, **tune_kwargs)
+    return tuned
 
 
 def _supported(op: str, arrays, static: dict) -> bool:

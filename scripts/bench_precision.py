@@ -5,15 +5,19 @@
     python scripts/bench_precision.py --batch 8 --size 64  # a CPU-sized run
 
 Both policies train the same model on the same synthetic ImageNet-shaped batch
-in the same process; compilation is excluded and the median of ``--iters``
-timed steps is reported, with the ratio bf16 / fp32.  Peak memory is the
-device's own peak where the backend reports it (GPU), else XLA's compiled
-memory analysis of the step (arguments + outputs + temporaries).
+each in a fresh child process (a device's peak-memory counter only ever
+grows, so one process would report the larger run's peak for both);
+compilation is excluded and the median of ``--iters`` timed steps is
+reported, with the ratio bf16 / fp32.  Peak memory is the device's own peak
+where the backend reports it (GPU), else XLA's compiled memory analysis of the
+step (arguments + outputs + temporaries).
 """
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
+import subprocess
 import sys
 import time
 
@@ -66,12 +70,24 @@ def main(argv=None) -> int:
     p.add_argument("--classes", type=int, default=1000)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--policy", help=argparse.SUPPRESS)  # internal: measure one, print JSON
     args = p.parse_args(argv)
+    if args.policy:
+        print(json.dumps(measure(args.model, args.policy, args.batch, args.size, args.classes,
+                                 args.iters, args.warmup)))
+        return 0
     dev = jax.devices()[0]
     print(f"device: {dev.device_kind} ({jax.default_backend()}), jax {jax.__version__}, "
           f"model {args.model}, batch {args.batch}, {args.size}x{args.size}x3")
-    rows = [measure(args.model, name, args.batch, args.size, args.classes, args.iters, args.warmup)
-            for name in ("fp32", "bf16")]
+    rows = []
+    for name in ("fp32", "bf16"):
+        child = subprocess.run(
+            [sys.executable, __file__, *(argv if argv is not None else sys.argv[1:]),
+             "--policy", name], capture_output=True, text=True, check=False)
+        if child.returncode != 0:
+            print(f"error: the {name} run failed:\n{child.stderr[-2000:]}", file=sys.stderr)
+            return 1
+        rows.append(json.loads(child.stdout.strip().splitlines()[-1]))
 
     def mib(x):
         return "n/a" if x is None else f"{x / 2**20:,.0f} MiB"

@@ -122,3 +122,54 @@ def test_auto_splits_forward_and_training_choices(monkeypatch, forward, training
     grad = jax.jit(jax.grad(loss("auto")))(x)
     np.testing.assert_array_equal(grad, jax.grad(loss("xla"))(x))
     assert has_kernel(jax.grad(loss("auto")), x) == training
+
+
+H100 = "NVIDIA H100 80GB HBM3"
+
+
+def test_shipped_table_below_the_user_cache(cache, monkeypatch):
+    """The shipped H100 measurements answer for ResNet-50's 3x3/2 max-pool (slower alone,
+    faster with its backward) until the user's own cache says otherwise."""
+    monkeypatch.setattr(autotune, "device_kind", lambda: H100)
+    x = jax.ShapeDtypeStruct((256, 112, 112, 64), jnp.bfloat16)
+    arrays, static = autotune.canonical_call("max_pool2d", (x,), dict(
+        kernel_size=3, stride=2, padding=1))
+    assert autotune.verdict("max_pool2d", arrays, static) == (False, True)
+    w = jax.ShapeDtypeStruct((3, 3, 64, 64), jnp.bfloat16)
+    conv = autotune.canonical_call("conv2d", (jax.ShapeDtypeStruct((256, 56, 56, 64),
+                                                                    jnp.bfloat16), w), dict(padding=1))
+    assert autotune.verdict("conv2d", *conv) == (False, False)
+    key = autotune.op_key("max_pool2d", arrays, static)
+    autotune.save_cache({H100: {"kernels": {}, "ops": {key: {"pallas_faster": True}}}})
+    assert autotune.verdict("max_pool2d", arrays, static) == (True, True)
+    monkeypatch.setattr(autotune, "device_kind", lambda: "some other GPU")
+    assert autotune.verdict("max_pool2d", arrays, static) is None
+
+
+def test_tune_calls_tunes_each_untuned_call_once(cache):
+    """Every pooling call a function makes is found in its canonical form and tuned once."""
+    def net(x):
+        return F.avg_pool2d(F.max_pool2d(x, 2), 3, stride=1, padding=1) + F.avg_pool2d(
+            F.max_pool2d(x, 2), 3, stride=1, padding=1)
+
+    timed = []
+
+    def timer(fn, *args):
+        timed.append(1)
+        return 1.0
+
+    def one_candidate(kernel, g, co):
+        return [pk.BlockConfig(32, 16)]
+
+    x = jax.ShapeDtypeStruct((1, 8, 8, 3), jnp.float32)
+    tuned = autotune.tune_calls(net, x, timer=timer, candidate_fn=one_candidate)
+    assert sorted(k.split("|")[0] for k in tuned) == ["avg_pool2d", "max_pool2d"]
+    y = jax.ShapeDtypeStruct((1, 4, 4, 3), jnp.float32)
+    assert all(autotune.verdict(op, *autotune.canonical_call(op, (a,), kw)) is not None
+               for op, a, kw in [("max_pool2d", x, dict(kernel_size=2)),
+                                 ("avg_pool2d", y, dict(kernel_size=3, stride=1, padding=1))])
+    first = len(timed)
+    assert autotune.tune_calls(net, x, timer=timer, candidate_fn=one_candidate) == {}
+    assert len(timed) == first  # nothing tuned twice
+    assert len(autotune.tune_calls(net, x, timer=timer, candidate_fn=one_candidate,
+                                   force=True)) == 2
