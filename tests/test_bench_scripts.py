@@ -41,3 +41,27 @@ def test_bench_kernels_runs_in_the_interpreter(tmp_path, capsys):
         assert r["pallas_grad_ms"] > 0 and 0 < r["roofline"]
     with pytest.raises(SystemExit):
         bk.main(["--force", "--groups", "nope"])
+
+
+def test_profile_step_sums_device_kernels_per_step(tmp_path):
+    ps = _load("profile_step")
+    events = [
+        {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
+        {"ph": "M", "name": "process_name", "pid": 9, "args": {"name": "/host:CPU"}},
+        {"ph": "X", "pid": 1, "name": "sm90_xmma_fprop_implicit_gemm_bf16", "dur": 300},
+        {"ph": "X", "pid": 1, "name": "sm90_xmma_fprop_implicit_gemm_bf16", "dur": 100},
+        {"ph": "X", "pid": 1, "name": "input_reduce_fusion_3", "dur": 50},
+        {"ph": "X", "pid": 1, "name": "jaxcnn_max_pool_bwd", "dur": 20},
+        {"ph": "X", "pid": 9, "name": "PjitFunction(step)", "dur": 5000},  # host: not counted
+    ]
+    path = tmp_path / "t.json.gz"
+    import gzip
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    totals = ps.device_kernel_times(str(path), steps=2)
+    assert totals == {"sm90_xmma_fprop_implicit_gemm_bf16": 200, "input_reduce_fusion_3": 25,
+                      "jaxcnn_max_pool_bwd": 10}
+    assert [ps.kind_of(n) for n in totals] == ["convolution", "reduction fusion", "pallas"]
+    assert ps.kind_of("nvjet_sm90_tst_256x128") == "gemm"
+    assert ps.kind_of("loop_maximum_fusion_1") == "other fusion"
+    assert ps.kind_of("jaxcnn_conv_fwd") == "pallas"
