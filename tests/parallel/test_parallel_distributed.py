@@ -134,6 +134,16 @@ def test_modes_and_settings(monkeypatch):
         parallel.initialize(auto)
 
 
+def test_lost_peer_only_in_a_multi_process_run():
+    """A gloo failure becomes the lost-peer error only when jax.distributed runs (the subprocess
+    tests in tests/reliability/test_reliability_multihost.py cover that side)."""
+    from jaxcnn.parallel.distributed import DistributedError, lost_peer
+    gloo = RuntimeError("UNKNOWN: Gloo all-reduce failed: Read error [127.0.0.1]:6042: Connection reset by peer")
+    assert lost_peer(gloo, 10) is None  # this test process is a single-process run
+    assert lost_peer(DistributedError("heartbeat"), 10) is None
+    assert DistributedError("x").must_exit is False and DistributedError("x", must_exit=True).must_exit
+
+
 def _cli(workdir, extra_env, *overrides):
     env = _env()
     env.update(extra_env)
