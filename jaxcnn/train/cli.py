@@ -94,17 +94,19 @@ def _train_parser() -> argparse.ArgumentParser:
 
 
 def dry_run(cfg, stream=None) -> None:
-    """Build everything, print the model summary, and trace one train step
-    abstractly (``jax.eval_shape``): no parameters are allocated."""
+    """Build everything, check ``model.init_from`` if set, print the model summary, and
+    trace one train step abstractly (``jax.eval_shape``): no parameters are initialised."""
     import jax
     import numpy as np
 
     from jaxcnn import summary
-    from jaxcnn.train.loop import abstract_state, build_run
+    from jaxcnn.train.loop import abstract_state, build_run, load_init_from
     from jaxcnn.train.step import make_train_step
 
     stream = stream or sys.stdout
     run = build_run(cfg)
+    if cfg.model.init_from:  # read and checked against the model, as a real run would
+        load_init_from(run)
     print(summary(run.model, (1,) + tuple(run.input_shape[1:])), file=stream)
     state = abstract_state(run)
     # Shapes only: making a real batch would allocate it, whatever data.batch_size asks.
@@ -113,7 +115,8 @@ def dry_run(cfg, stream=None) -> None:
     step = make_train_step(run.model, run.tx, policy=run.policy,
                            label_smoothing=cfg.optim.label_smoothing, schedule=run.schedule)
     _, metrics = jax.eval_shape(step, state, batch)
-    print(f"dry run ok: model {cfg.model.name}, input {run.input_shape}, "
+    start = f", parameters from {cfg.model.init_from}" if cfg.model.init_from else ""
+    print(f"dry run ok: model {cfg.model.name}{start}, input {run.input_shape}, "
           f"{run.total_steps} steps ({run.steps_per_epoch}/epoch), policy {run.policy.to_string()}, "
           f"step metrics {sorted(metrics)}", file=stream)
 

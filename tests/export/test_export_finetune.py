@@ -119,3 +119,10 @@ def test_bad_init_from_exits_2_with_one_line(tmp_path, capsys):
     _fails(base + [f"model.init_from={tmp_path}/ints.npz"], capsys,
            "'params/conv1.w' has dtype int32, expected float32")
     assert not os.path.exists(tmp_path / "w"), "nothing written before the checks"
+    # --dry-run checks model.init_from too, and accepts a matching file.
+    _fails(base + [f"model.init_from={tmp_path}/four.npz", "--dry-run"], capsys, "four.npz",
+           "'params/fc3.w' has shape (84, 4), expected (84, 10)")
+    params, state = init_model(models.get("lenet5"), (28, 28, 1))
+    interop.save_npz(tmp_path / "good.npz", params, state)
+    assert train_main(base + [f"model.init_from={tmp_path}/good.npz", "--dry-run"]) == 0
+    assert f"parameters from {tmp_path}/good.npz" in capsys.readouterr().out
