@@ -460,6 +460,8 @@ def train(cfg, workdir: str, *, argv=None, config_path=None, stream=None) -> dic
         if manager is None:
             return
         check_finite(step)
+        if manager.latest_step() == step:  # a finished run resumed: this state is that checkpoint
+            return
         ok = manager.save(step, state, metrics={"eval/top1": eval_metrics["top1"]} if eval_metrics else None,
                           config_dict=to_dict(cfg))
         if not ok:

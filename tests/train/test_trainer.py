@@ -108,6 +108,21 @@ def _flatten(tree, prefix=""):
             yield prefix + k, np.asarray(v)
 
 
+def test_resuming_a_finished_run_changes_nothing_and_warns_nothing(tmp_path, capsys):
+    args = [os.path.join(CONFIGS, "mnist_cnn.yaml"), *FAST, "model.name=lenet5", "train.steps=2",
+            "checkpoint.every=1", "--workdir", str(tmp_path / "w")]
+    assert train_main(args) == 0
+    first = dict(_flatten(load_npz(tmp_path / "w" / "params.npz")[0]))
+    capsys.readouterr()
+    assert train_main(args) == 0
+    out = capsys.readouterr()
+    assert "warning" not in out.out + out.err, out
+    again = dict(_flatten(load_npz(tmp_path / "w" / "params.npz")[0]))
+    assert first.keys() == again.keys()
+    for k in first:
+        np.testing.assert_array_equal(again[k], first[k], err_msg=k)
+
+
 def test_resume_must_without_checkpoint_fails_cleanly(tmp_path, capsys):
     code = train_main([os.path.join(CONFIGS, "mnist_cnn.yaml"), *FAST, "train.steps=2",
                        "checkpoint.resume=must", "--workdir", str(tmp_path / "w")])
