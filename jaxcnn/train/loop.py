@@ -431,7 +431,8 @@ def train(cfg, workdir: str, *, argv=None, config_path=None, stream=None) -> dic
     log_every = every(cfg.logging.log_every)
     eval_every = every(cfg.train.eval_every)
     ckpt_every = every(cfg.checkpoint.every)
-    metrics = MetricsWriter(workdir, tensorboard=cfg.logging.tensorboard, enabled=is_main)
+    metrics = MetricsWriter(workdir, tensorboard=cfg.logging.tensorboard, enabled=is_main,
+                            resumed_at=start if start > 0 else None)
     progress = Progress(run.total_steps, start, mode=cfg.logging.progress, enabled=is_main,
                         stream=stream)
     make_batch = batch_fn(run)

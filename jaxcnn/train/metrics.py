@@ -26,13 +26,26 @@ class MetricsWriter:
     ``enabled=True``; the others get a writer that does nothing.
     """
 
-    def __init__(self, workdir: str, *, tensorboard: bool = False, enabled: bool = True):
+    def __init__(self, workdir: str, *, tensorboard: bool = False, enabled: bool = True,
+                 resumed_at: int | None = None):
+        """
+        Arguments:
+            workdir: the run directory.
+            tensorboard: also write TensorBoard events.
+            enabled: False on the processes that do not write.
+            resumed_at: the step a resumed run restarts from: records of later steps
+                (written by the run that was killed before its next checkpoint, and
+                about to be written again) and a torn last line are dropped first.
+        """
         self.enabled = enabled
         self._tb = None
         self._file = None
         if not enabled:
             return
-        self._file = open(os.path.join(workdir, "metrics.jsonl"), "a", encoding="utf-8")
+        path = os.path.join(workdir, "metrics.jsonl")
+        if resumed_at is not None and os.path.exists(path):
+            _truncate_after(path, resumed_at)
+        self._file = open(path, "a", encoding="utf-8")
         if tensorboard:
             try:
                 from tensorboardX import SummaryWriter
@@ -62,6 +75,28 @@ class MetricsWriter:
         if self._tb is not None:
             self._tb.close()
             self._tb = None
+
+
+def _truncate_after(path: str, step: int) -> None:
+    """Rewrites ``path`` (atomically) keeping the records of steps up to ``step``."""
+    with open(path, encoding="utf-8") as f:
+        lines = f.readlines()
+    kept = []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:  # a line torn by a kill
+            continue
+        if isinstance(record, dict) and int(record.get("step", 0)) <= step:
+            kept.append(line if line.endswith("\n") else line + "\n")
+    if len(kept) == len(lines):
+        return
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.writelines(kept)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
 
 
 def read_metrics(path: str) -> list[dict]:

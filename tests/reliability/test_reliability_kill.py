@@ -17,6 +17,8 @@ from typing import NamedTuple
 import numpy as np
 import pytest
 
+from jaxcnn.train.metrics import read_metrics
+
 from reliability_lib import (Killable, assert_params_bitwise_equal, resumed_step, step_dirs, tiny_args,
                              tiny_npz, wait_for)
 
@@ -97,6 +99,12 @@ def kill_chain(setup, workdir, modes, rng):
             load_npz(params)
     assert_params_bitwise_equal(os.path.join(workdir, "params.npz"), setup.reference)
     assert step_dirs(ckpt)[1] == [], "a finished run left a half-written checkpoint behind"
+    # metrics.jsonl holds each logged step once: the records of steps redone after a resume
+    # replace those the killed run wrote, as if it had never been killed.
+    records = read_metrics(workdir)
+    for kind in ("train", "eval"):
+        steps = [r["step"] for r in records if r["kind"] == kind]
+        assert steps == sorted(set(steps)), f"{kind} records out of order or repeated: {steps}"
     return delivered, mid_write
 
 
