@@ -71,7 +71,8 @@ def _sparsity(text: str):
 
 def parser() -> argparse.ArgumentParser:
     """The ``jaxcnn-export`` argument parser."""
-    p = argparse.ArgumentParser(
+    from jaxcnn.train.cli import OneLineParser
+    p = OneLineParser(
         prog="jaxcnn-export",
         description="Export a jaxcnn run directory (or a .npz/.safetensors parameter file "
                     "with --model) to StableHLO, ONNX, npz or safetensors, optionally pruned, "

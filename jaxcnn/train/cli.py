@@ -76,8 +76,22 @@ def default_workdir(config_path: str) -> str:
     return os.path.join("runs", stem)
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose errors are one line on stderr and exit code 2.
+
+    argparse prints its usage first (wrapped onto two lines at 80 columns) and the
+    offending argument as given, line breaks included; a bad command line is reported
+    like every other bad input instead: ``PROG: error: ...`` on one line.
+    """
+
+    def error(self, message):
+        # Control characters (newlines, form feeds, ...) as escapes: one line whatever was typed.
+        message = "".join(c if c.isprintable() else ascii(c)[1:-1] for c in message)
+        self.exit(EXIT_BAD_INPUT, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def _train_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = OneLineParser(
         prog="jaxcnn-train",
         description="Train a jaxcnn model from a YAML config, e.g. "
                     "`jaxcnn-train configs/mnist_cnn.yaml train.epochs=2 optim.lr=3e-4`.")
@@ -166,7 +180,7 @@ def train_main(argv=None) -> int:
 
 
 def _eval_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = OneLineParser(
         prog="jaxcnn-eval",
         description="Evaluate a finished or running training run on its test set.")
     p.add_argument("run_dir", help="a run directory written by jaxcnn-train")

@@ -67,8 +67,7 @@ def assert_clean_exit(args):
     lines = err.strip().splitlines()
     assert code == 2, (code, err)
     assert lines and lines[-1].startswith("jaxcnn-train: error: ") and len(lines[-1]) > 25, err
-    # One line, except argparse's own usage line before its error.
-    assert len(lines) == 1 or (len(lines) == 2 and lines[0].startswith("usage:")), err
+    assert len(lines) == 1, err  # argparse's errors too (no usage, newlines escaped)
     return code
 
 

@@ -258,3 +258,17 @@ def test_tensorboard_events_and_progress_bar(tmp_path, capsys):
     assert events and (work / "tb" / events[0]).stat().st_size > 100
     out = capsys.readouterr()
     assert "3/3" in out.out + out.err  # tqdm's bar
+
+
+@pytest.mark.parametrize("argv", [["--bogus"], ["-\n0"], ["-\x0c"], []])
+def test_command_line_errors_are_one_line_exit_2(tmp_path, capsys, argv):
+    """argparse's own errors too: no usage block, the offending argument's newlines escaped."""
+    with pytest.raises(SystemExit) as e:
+        train_main(([os.path.join(CONFIGS, "mnist_cnn.yaml")] if argv else []) + argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1, err
+    assert err.startswith("jaxcnn-train: error: ") and "--help" in err, err
+    with pytest.raises(SystemExit) as e:
+        eval_main([str(tmp_path), "--step", "x"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and err.startswith("jaxcnn-eval: error:"), err
