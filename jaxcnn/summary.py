@@ -87,6 +87,17 @@ class Summary(NamedTuple):
         ])
 
 
+# Dense peak FLOP/s by device-kind substring: (bfloat16, float32 run as TF32).
+PEAK_FLOPS = {"H100": (989e12, 494e12), "H200": (989e12, 494e12), "A100": (312e12, 156e12)}
+
+
+def peak_flops(device_kind: str, bf16: bool) -> float | None:
+    """The dense peak FLOP/s of a device kind (e.g. ``"NVIDIA H100 80GB HBM3"``) for
+    bfloat16 or TF32 matrix work, or None for a kind not in :data:`PEAK_FLOPS`."""
+    peak = next((p for k, p in PEAK_FLOPS.items() if k in device_kind), None)
+    return None if peak is None else peak[0 if bf16 else 1]
+
+
 def _size(tree) -> int:
     return sum(math.prod(leaf.shape) for leaf in jax.tree_util.tree_leaves(tree))
 

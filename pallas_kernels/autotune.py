@@ -93,7 +93,8 @@ def save_cache(devices: dict, path: str | None = None) -> None:
     except BaseException:
         os.unlink(tmp)
         raise
-    _memo.pop(path, None)
+    for key in [k for k in _memo if k[0] == path]:
+        del _memo[key]
 
 
 SHIPPED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tuned.json")
@@ -101,11 +102,12 @@ SHIPPED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tuned.json")
 
 def _entries() -> dict:
     """This device kind's entries: the user's cache over the shipped measurements."""
-    path = cache_path()
-    if path not in _memo:
-        _memo[path] = (load_cache(SHIPPED), load_cache(path))
-    shipped, user = (c.get(device_kind(), {}) for c in _memo[path])
-    return {part: {**shipped.get(part, {}), **user.get(part, {})} for part in ("kernels", "ops")}
+    path, kind = cache_path(), device_kind()
+    if (path, kind) not in _memo:  # merged once: every op asks at trace time
+        shipped, user = (load_cache(f).get(kind, {}) for f in (SHIPPED, path))
+        _memo[path, kind] = {part: {**shipped.get(part, {}), **user.get(part, {})}
+                             for part in ("kernels", "ops")}
+    return _memo[path, kind]
 
 
 def kernel_key(kernel: str, g: ConvGeometry, co: int, dtype) -> str:

@@ -42,10 +42,8 @@ import jax.numpy as jnp
 
 import pallas_kernels as pk
 from jaxcnn import functional as F
+from jaxcnn.summary import peak_flops
 from pallas_kernels import autotune
-
-# Dense peak FLOP/s by device-kind substring: (bf16, TF32).
-PEAKS = {"H100": (989e12, 494e12), "H200": (989e12, 494e12), "A100": (312e12, 156e12)}
 
 # (group, name, op, x shape NHWC, static kwargs, weight shape HWIO or None, batch)
 _R = dict(padding=1)
@@ -166,8 +164,7 @@ def main(argv=None) -> int:
         return 0
     dtype = jnp.dtype(opts.dtype)
     kind = autotune.device_kind()
-    peak = next((p for k, p in PEAKS.items() if k in kind), None)
-    peak = None if peak is None else peak[0 if dtype == jnp.bfloat16 else 1]
+    peak = peak_flops(kind, bf16=dtype == jnp.bfloat16)
     bw = measure_bandwidth(opts.repeats, opts.bandwidth_mib)
     print(f"device: {kind}  jax {jax.__version__}  python {platform.python_version()}  "
           f"dtype: {dtype.name}  cache: {autotune.cache_path()}")

@@ -47,6 +47,7 @@ import optax
 
 from jaxcnn import functional as F
 from jaxcnn import models, summary
+from jaxcnn.summary import peak_flops
 from jaxcnn import precision as P
 from jaxcnn.data import SyntheticSpec, load_mnist, synthetic_batch, train_batch
 from jaxcnn.train.state import create_train_state
@@ -59,8 +60,6 @@ CASES = {
     "resnet18_cifar": ("resnet18", {"cifar_stem": True}, 128, (32, 32, 3), 10, False),
     "resnet50": ("resnet50", {}, 256, (224, 224, 3), 1000, True),
 }
-# Dense peak FLOP/s by device kind substring: (bf16, fp32/TF32).
-PEAKS = {"H100": (989e12, 494e12), "H200": (989e12, 494e12), "A100": (312e12, 156e12)}
 
 
 def median_step(run_steps, steps: int, reps: int, warmup: int) -> float:
@@ -313,13 +312,12 @@ def bench_pipelines(seconds: float):
 # ---- report ---------------------------------------------------------------------------------
 
 def mfu(case, step_s, bf16):
-    kind = jax.devices()[0].device_kind
-    peak = next((p for k, p in PEAKS.items() if k in kind), None)
+    peak = peak_flops(jax.devices()[0].device_kind, bf16)
     if jax.default_backend() != "gpu" or peak is None:
         return None
     name, options, batch, hwc, classes, _ = CASES[case]
     macs = summary(models.get(name, num_classes=classes, **options), (batch, *hwc)).total_macs
-    return 6 * macs / step_s / peak[0 if bf16 else 1]
+    return 6 * macs / step_s / peak
 
 
 def main(argv=None):
