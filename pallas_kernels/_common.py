@@ -204,19 +204,22 @@ def tap_rows(pixels, tap, row_ok, col_ok, g: ConvGeometry, *, inverse: bool = Fa
 def gather(ref, idx0, idx1, mask, other):
     """``ref[idx0, idx1]`` (broadcast) where ``mask``, ``other`` elsewhere.
 
-    Masked-off indices are replaced by 0 so no access leaves the array, in the
-    interpreter as on the GPU.
+    Masked-off lanes are never read, on the GPU as in the interpreter, so
+    their indices may point anywhere (past the channel tail, say).  They are
+    deliberately left as computed: replacing them (``where(mask, idx, 0)``)
+    hides from Triton that the channel index is contiguous: every load then
+    compiles to scalar reads, which Triton can neither vectorise nor pipeline
+    through ``cp.async`` (``scripts/inspect_kernels.py`` shows the difference).
     """
     shape = jnp.broadcast_shapes(jnp.shape(idx0), jnp.shape(idx1), jnp.shape(mask))
-    mask = jnp.broadcast_to(mask, shape)
-    i0 = jnp.where(mask, jnp.broadcast_to(idx0, shape), 0)
-    i1 = jnp.where(mask, jnp.broadcast_to(idx1, shape), 0)
-    return plt.load(ref.at[i0, i1], mask=mask, other=other)
+    i0 = jnp.broadcast_to(idx0, shape)
+    i1 = jnp.broadcast_to(idx1, shape)
+    return plt.load(ref.at[i0, i1], mask=jnp.broadcast_to(mask, shape), other=other)
 
 
 def gather1d(ref, idx, mask, other):
     """``ref[idx]`` where ``mask``, ``other`` elsewhere, for a 1-D ``ref``."""
-    return plt.load(ref.at[jnp.where(mask, idx, 0)], mask=mask, other=other)
+    return plt.load(ref.at[idx], mask=mask, other=other)
 
 
 def bn_relu(a, scale_ref, shift_ref, cols, col_ok, valid):
