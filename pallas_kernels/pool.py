@@ -5,9 +5,10 @@ Output sizes, ``ceil_mode`` overhang and the average divisor come from
 implementations agree by construction on the arithmetic.
 
 Each program owns ``(block_m pixels, block_n channels)`` and loops over the
-window's taps in row-major order.  Max pooling also writes the tap index of
-the first maximum (a strict ``>`` keeps the earliest on ties, as PyTorch and
-XLA do); its backward is a gather, not a scatter: every input pixel sums the
+window's taps in row-major order.  Under differentiation, max pooling also
+writes the tap index of the first maximum (a strict ``>`` keeps the earliest
+on ties, as PyTorch and XLA do), as ``int8`` for windows of up to 127 taps;
+the forward pass alone writes the output only.  The backward is a gather, not a scatter: every input pixel sums the
 incoming gradients of the windows whose recorded tap points at it, so no
 atomics are needed and the result is deterministic.
 """
@@ -33,7 +34,7 @@ def _grid(rows: int, g: ConvGeometry, cfg: BlockConfig):
     return (pl.cdiv(rows, cfg.block_m), pl.cdiv(g.c, cfg.block_n))
 
 
-def _max_kernel(x_ref, y_ref, arg_ref, *, g: ConvGeometry, cfg: BlockConfig, lowest):
+def _max_kernel(x_ref, y_ref, arg_ref=None, *, g: ConvGeometry, cfg: BlockConfig, lowest):
     (n, oh, ow), _, m_ok, cols, col_ok = cm.channel_tile(cfg, g)
     shape = (cfg.block_m, cfg.block_n)
 
@@ -42,12 +43,20 @@ def _max_kernel(x_ref, y_ref, arg_ref, *, g: ConvGeometry, cfg: BlockConfig, low
         rows, mask = cm.tap_rows((n, oh, ow), tap, m_ok, col_ok, g)
         v = cm.gather(x_ref, rows[:, None], cols[None, :], mask, lowest)
         better = v > best
+        if arg_ref is None:  # inference: the maximum alone
+            return jnp.where(better, v, best), arg
         return jnp.where(better, v, best), jnp.where(better, tap, arg)
 
     init = (jnp.full(shape, lowest, x_ref.dtype), jnp.zeros(shape, jnp.int32))
     best, arg = lax.fori_loop(0, g.taps, step, init)
     cm.store_block(y_ref, best, m_ok, col_ok)
-    cm.store_block(arg_ref, arg, m_ok, col_ok)
+    if arg_ref is not None:
+        cm.store_block(arg_ref, arg, m_ok, col_ok)
+
+
+def index_dtype(taps: int):
+    """The narrowest integer type holding a window's tap index (and -1)."""
+    return jnp.int8 if taps <= 127 else jnp.int16 if taps <= 32767 else jnp.int32
 
 
 def _max_backward_kernel(dy_ref, arg_ref, dx_ref, *, g: ConvGeometry, cfg: BlockConfig):
@@ -147,18 +156,28 @@ def max_pool2d(x, kernel_size, *, stride=None, padding=0, dilation=1, ceil_mode=
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _max_pool(static, x):
-    return _max_pool_fwd(static, x)[0]
+    return _max_pool_call(static, x, with_index=False)[0]
+
+
+def _max_pool_call(static, x, *, with_index: bool):
+    """``(y, index or None)``: the index (first maximum's tap) only when training needs it.
+
+    The forward pass alone writes just the output: the index would add half
+    again to a bfloat16 pool's memory traffic (a quarter with ``int8``).
+    """
+    g, (cfg, _), interpret, _, _ = static
+    kernel = functools.partial(_max_kernel, g=g, cfg=cfg, lowest=_args.lowest(x.dtype))
+    outs = [jax.ShapeDtypeStruct((g.m_out, g.c), x.dtype)]
+    if with_index:
+        outs.append(jax.ShapeDtypeStruct((g.m_out, g.c), index_dtype(g.taps)))
+    res = _call(kernel, [x.reshape(g.m_in, g.c)], outs, g.m_out, g, cfg, interpret,
+                "jaxcnn_max_pool_fwd" if with_index else "jaxcnn_max_pool_infer")
+    return res[0].reshape(g.n, g.oh, g.ow, g.c), res[1] if with_index else None
 
 
 def _max_pool_fwd(static, x):
-    g, (cfg, _), interpret, _, _ = static
-    lowest = _args.lowest(x.dtype)
-    y, arg = _call(functools.partial(_max_kernel, g=g, cfg=cfg, lowest=lowest),
-                   [x.reshape(g.m_in, g.c)],
-                   [jax.ShapeDtypeStruct((g.m_out, g.c), x.dtype),
-                    jax.ShapeDtypeStruct((g.m_out, g.c), jnp.int32)],
-                   g.m_out, g, cfg, interpret, "jaxcnn_max_pool_fwd")
-    return y.reshape(g.n, g.oh, g.ow, g.c), (x, arg)
+    y, arg = _max_pool_call(static, x, with_index=True)
+    return y, (x, arg)
 
 
 def _max_pool_bwd(static, saved, dy):
