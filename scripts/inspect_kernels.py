@@ -1,0 +1,344 @@
+"""Compile the Pallas kernels for an H100 on any machine and report what the GPU would run.
+
+Without a GPU, a kernel's speed cannot be measured, but most of what decides
+it can be read from the machine code: whether global loads are vectorised
+(16-byte ``ld.global.v4``) or scalar, whether the implicit-GEMM operands are
+staged through ``cp.async`` (Triton's software pipelining), whether the dots
+run on Hopper's ``wgmma`` tensor-core path, and the registers, spills and
+shared memory per program.  This script lowers each benchmark shape of
+``scripts/bench_kernels.py`` (forward and both gradients) for an abstract
+H100 (the lowering in ``tests/pallas/test_pallas_lowering.py``), hands each
+kernel's Triton IR to Triton's own compiler for ``sm_90a`` (the same passes XLA
+runs on Pallas modules), and prints a row per kernel::
+
+    python scripts/inspect_kernels.py --groups resnet50,pool
+
+It needs the ``triton`` package (``pip install triton==3.6.0``, the version on
+the lent H100s), which is neither a dependency of jaxcnn nor needed on a GPU
+machine, and jax 0.11.2: it reads each kernel's Triton module through a
+private hook of jax's Pallas lowering, which older jax versions lack.  The
+block configs are those :mod:`pallas_kernels.autotune` would pick on the
+given device kind (its shipped ``tuned.json`` entries, else its defaults);
+``--candidates`` inspects every candidate the tuner would time instead.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import autotune
+
+H100 = "NVIDIA H100 80GB HBM3"
+TRITON_TARGET = "__gpu$xla.gpu.triton"
+
+
+def _bench_kernels():
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_kernels.py")
+    spec = importlib.util.spec_from_file_location("bench_kernels", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class Unavailable(RuntimeError):
+    """Triton, or the jax internals this inspection reads, are missing."""
+
+
+def _lowering_module():
+    try:
+        from jax._src.pallas.triton import lowering
+    except ImportError as e:
+        raise Unavailable(f"jax {jax.__version__} has no Pallas Triton lowering: {e}") from e
+    if not hasattr(lowering, "lower_jaxpr_to_triton_module"):
+        raise Unavailable(f"jax {jax.__version__}: Pallas Triton lowering hook not found")
+    return lowering
+
+
+@contextlib.contextmanager
+def _capturing():
+    """Collects ``(kernel name, Triton IR text)`` for every Pallas kernel lowered inside."""
+    lowering = _lowering_module()
+    original = lowering.lower_jaxpr_to_triton_module
+    seen: list = []
+
+    def capture(*args, **kwargs):
+        result = original(*args, **kwargs)
+        text = result.module.operation.get_asm(enable_debug_info=False)
+        name = re.search(r"tt\.func (?:public )?@([\w$.]+)", text)
+        seen.append((name.group(1) if name else "?", text))
+        return result
+
+    lowering.lower_jaxpr_to_triton_module = capture
+    try:
+        yield seen
+    finally:
+        lowering.lower_jaxpr_to_triton_module = original
+
+
+@contextlib.contextmanager
+def as_device_kind(kind: str):
+    """Makes :mod:`pallas_kernels.autotune` pick configs as it would on ``kind``."""
+    original = autotune.device_kind
+    autotune.device_kind = lambda: kind
+    try:
+        yield
+    finally:
+        autotune.device_kind = original
+
+
+def _abstract_gpu(kind: str):
+    from jax.sharding import AbstractDevice, AbstractMesh
+    device = AbstractDevice(device_kind=kind, num_cores=132, platform="gpu")
+    return jax.sharding.use_abstract_mesh(AbstractMesh((1,), ("x",), abstract_device=device))
+
+
+def _launches(stablehlo) -> list:
+    """``(name, num_warps, num_stages)`` of every Triton custom call, in module order."""
+    from jax._src.lib.mlir import ir
+    out = []
+
+    def walk(op):
+        for region in op.regions:
+            for block in region.blocks:
+                for inner in block.operations:
+                    o = inner.operation
+                    if (o.name == "stablehlo.custom_call" and ir.StringAttr(
+                            o.attributes["call_target_name"]).value == TRITON_TARGET):
+                        cfg = ir.DictAttr(o.attributes["mhlo.backend_config"])
+                        out.append((ir.StringAttr(cfg["name"]).value,
+                                    ir.IntegerAttr(cfg["num_warps"]).value,
+                                    ir.IntegerAttr(cfg["num_stages"]).value))
+                    walk(o)
+    walk(stablehlo.operation)
+    return out
+
+
+def lower_kernels(fn, *args, kind: str = H100) -> list:
+    """``[(name, num_warps, num_stages, ttir_text)]`` of the kernels ``jit(fn)`` launches on ``kind``."""
+    jax.clear_caches()  # a cached lowering would skip the Pallas lowering we capture
+    with _capturing() as seen, _abstract_gpu(kind), as_device_kind(kind):
+        lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+    pending = list(seen)
+    out = []
+    for name, warps, stages in _launches(lowered.compiler_ir("stablehlo")):
+        i = next((i for i, (n, _) in enumerate(pending) if n == name), None)
+        if i is None:
+            raise RuntimeError(f"no captured Triton module for kernel {name!r}")
+        out.append((name, warps, stages, pending.pop(i)[1]))
+    return out
+
+
+@dataclasses.dataclass
+class KernelReport:
+    """What Triton compiled one kernel into (counts are static instructions in the PTX)."""
+    name: str
+    num_warps: int
+    num_stages: int
+    regs: int | None
+    spill_bytes: int | None
+    shared_bytes: int
+    ld_scalar: int  # ld.global without .v2/.v4
+    ld_scalar_narrow: int  # those reading under 32 bits: unvectorised 8/16-bit data
+    ld_vector: int  # ld.global.v2 / .v4
+    cp_async: int  # cp.async (global -> shared, pipelined)
+    cp_async_narrow: int  # those copying under 16 bytes (one element at a time)
+    wgmma: int
+    mma_sync: int
+    st_scalar: int
+    st_vector: int
+
+    @property
+    def scalar_loads(self) -> bool:
+        return self.ld_scalar > 0
+
+
+def _triton():
+    try:
+        import triton
+        from triton._C.libtriton import ir
+        from triton.backends.compiler import GPUTarget
+        from triton.backends.nvidia.compiler import CUDABackend
+    except ImportError as e:
+        raise Unavailable(f"the triton package is needed ({e}); "
+                          "pip install triton==3.6.0") from e
+    return triton, ir, GPUTarget, CUDABackend
+
+
+def compile_ttir(text: str, num_warps: int, num_stages: int, capability: int = 90):
+    """Triton's ``CompiledKernel`` for one kernel's IR, built for ``sm_{capability}``."""
+    triton, ir, GPUTarget, CUDABackend = _triton()
+    target = GPUTarget("cuda", capability, 32)
+    with tempfile.TemporaryDirectory() as tmp:
+        ctx = ir.context()
+        ir.load_dialects(ctx)
+        CUDABackend(target).load_dialects(ctx)
+        src = os.path.join(tmp, "k.ttir")
+        with open(src, "w", encoding="utf-8") as f:
+            f.write(text)
+        module = ir.parse_mlir_module(src, ctx)
+        module.context = ctx
+        # XLA cleans a Pallas module with Triton's TTIR passes (canonicalise, combine
+        # dot+add, CSE) before lowering; compiling from a .ttir file skips that stage.
+        module = CUDABackend.make_ttir(module, {}, None, capability)
+        with open(src, "w", encoding="utf-8") as f:
+            f.write(str(module))
+        return triton.compile(src, target=target,
+                              options=dict(num_warps=num_warps, num_stages=num_stages))
+
+
+def _ptxas_usage(ptx: str, capability: int) -> tuple:
+    """(registers, spill store bytes) from ``ptxas -v``, or (None, None) if it is absent."""
+    triton = _triton()[0]
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    if not os.path.exists(ptxas):
+        return None, None
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "k.ptx")
+        with open(src, "w", encoding="utf-8") as f:
+            f.write(ptx)
+        arch = f"sm_{capability}a" if capability >= 90 else f"sm_{capability}"
+        r = subprocess.run([ptxas, "-v", "--gpu-name", arch, src, "-o", os.devnull],
+                           capture_output=True, text=True, check=False)
+    regs = re.search(r"Used (\d+) registers", r.stderr)
+    spill = re.search(r"(\d+) bytes spill stores", r.stderr)
+    return (int(regs.group(1)) if regs else None, int(spill.group(1)) if spill else None)
+
+
+def _bits(opcode_suffix: str) -> int:
+    """Width in bits of the type ending a PTX opcode such as ``.global.L1::evict_last.b16``."""
+    width = re.search(r"\.[bsuf](8|16|32|64|128)$", opcode_suffix)
+    return int(width.group(1)) if width else 32
+
+
+def report(name: str, num_warps: int, num_stages: int, text: str,
+           capability: int = 90) -> KernelReport:
+    """Compiles one kernel and counts what matters for its speed."""
+    kernel = compile_ttir(text, num_warps, num_stages, capability)
+    ptx = kernel.asm["ptx"]
+    loads = re.findall(r"^\s*(?:@%p\d+\s+)?ld\.global(\S*)", ptx, re.M)
+    stores = re.findall(r"^\s*(?:@%p\d+\s+)?st\.global(\S*)", ptx, re.M)
+    copies = re.findall(r"cp\.async\.c[ag]\.shared\.global\S*\s+\[[^\]]+\],\s*\[[^\]]+\],\s*(0x[0-9a-fA-F]+|\d+)",
+                        ptx)
+    regs, spill = _ptxas_usage(ptx, capability)
+    vec = re.compile(r"\.v[248]\.")
+    return KernelReport(
+        name=name, num_warps=num_warps, num_stages=num_stages, regs=regs, spill_bytes=spill,
+        shared_bytes=int(kernel.metadata.shared),
+        ld_scalar=sum(not vec.search(op + ".") for op in loads),
+        ld_scalar_narrow=sum(not vec.search(op + ".") and _bits(op) < 32 for op in loads),
+        ld_vector=sum(bool(vec.search(op + ".")) for op in loads),
+        cp_async=len(copies),
+        cp_async_narrow=sum(int(size, 0) < 16 for size in copies),
+        wgmma=len(re.findall(r"wgmma\.mma_async", ptx)),
+        mma_sync=len(re.findall(r"\bmma\.sync", ptx)),
+        st_scalar=sum(not vec.search(op + ".") for op in stores),
+        st_vector=sum(bool(vec.search(op + ".")) for op in stores))
+
+
+def inspect(fn, *args, kind: str = H100, capability: int = 90) -> list:
+    """A :class:`KernelReport` for every kernel ``jit(fn)`` launches on ``kind``."""
+    return [report(*k, capability=capability) for k in lower_kernels(fn, *args, kind=kind)]
+
+
+def _row(shape: str, r: KernelReport, cfg: str = "") -> str:
+    flag = "SCALAR LOADS" if r.scalar_loads else ""
+    return (f"{shape:<18} {r.name:<24} {cfg:<20} {r.num_warps:>2}w{r.num_stages}s "
+            f"{'?' if r.regs is None else r.regs:>4} {'?' if r.spill_bytes is None else r.spill_bytes:>5} "
+            f"{r.shared_bytes // 1024:>5} {r.ld_vector:>5} {r.ld_scalar:>5} {r.cp_async:>5} "
+            f"{r.wgmma:>5} {r.mma_sync:>4} {r.st_vector:>5} {r.st_scalar:>5}  {flag}")
+
+
+def main(argv=None) -> int:
+    bk = _bench_kernels()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--groups", default=",".join(bk.GROUPS),
+                        help=f"comma-separated subset of {bk.GROUPS}")
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    parser.add_argument("--batch", type=int, help="batch size N of every shape")
+    parser.add_argument("--device-kind", default=H100,
+                        help="device kind whose tuned configs to use")
+    parser.add_argument("--candidates", action="store_true",
+                        help="inspect every config the autotuner would time (forward only)")
+    parser.add_argument("--json", help="also write the rows here")
+    opts = parser.parse_args(argv)
+    groups = [g for g in opts.groups.split(",") if g]
+    unknown = sorted(set(groups) - set(bk.GROUPS))
+    if unknown:
+        parser.error(f"unknown group(s) {unknown}; choose from {bk.GROUPS}")
+    try:
+        _triton()
+        _lowering_module()
+    except Unavailable as e:
+        print(f"inspect_kernels: {e}", file=sys.stderr)
+        return 2
+    dtype = jnp.dtype(opts.dtype)
+    print(f"jax {jax.__version__}  triton {_triton()[0].__version__}  target sm_90a  "
+          f"configs of: {opts.device_kind}  dtype: {dtype.name}")
+    print(f"{'shape':<18} {'kernel':<24} {'config':<20} {'launch':>5} {'regs':>4} {'spill':>5} "
+          f"{'smemK':>5} {'ldvec':>5} {'ldsca':>5} {'cpasy':>5} {'wgmma':>5} {'mma':>4} "
+          f"{'stvec':>5} {'stsca':>5}")
+    rows, failed = [], 0
+    for group, name, op, hwc, kw, w_shape, batch in bk.SHAPES:
+        if group not in groups:
+            continue
+        x_shape = (opts.batch or batch, *hwc)
+        args = [jax.ShapeDtypeStruct(a.shape, a.dtype)
+                for a in jax.eval_shape(lambda: bk._args(op, x_shape, w_shape, dtype))]
+        kernel, _ = bk._fns(op, {**kw, "interpret": False})
+        fns = [("", kernel)] if opts.candidates else [
+            ("", kernel), ("", bk._grad_of(kernel, len(args)))]
+        try:
+            found = []
+            for _, fn in fns:
+                for r in inspect(fn, *args, kind=opts.device_kind):
+                    if r.name not in {f.name for f in found}:
+                        found.append(r)
+            if opts.candidates:
+                found = _candidates(op, {**kw, "interpret": False}, args, opts.device_kind)
+        except Exception as e:  # report and go on: one shape must not hide the others
+            print(f"{name:<18} FAILED: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+            rows.append({"shape": name, "error": f"{type(e).__name__}: {e}"[:2000]})
+            failed += 1
+            continue
+        for item in found:
+            r, cfg = item if isinstance(item, tuple) else (item, "")
+            print(_row(name, r, cfg), flush=True)
+            rows.append({"shape": name, "config": cfg, **dataclasses.asdict(r)})
+    if opts.json:
+        with open(opts.json, "w", encoding="utf-8") as f:
+            json.dump({"jax": jax.__version__, "triton": _triton()[0].__version__,
+                       "device_kind": opts.device_kind, "dtype": dtype.name, "rows": rows},
+                      f, indent=1)
+    return 1 if failed else 0
+
+
+def _candidates(op, kw, args, kind) -> list:
+    """``[(report, config text)]`` for every candidate config of the op's forward kernels."""
+    import pallas_kernels as pk
+    with as_device_kind(kind), autotune._recording() as rec:
+        with _abstract_gpu(kind):
+            jax.jit(lambda *a: getattr(pk, op)(*a, **kw)).trace(*args).lower(
+                lowering_platforms=("cuda",))
+    out = []
+    for key, (kernel, g, co) in rec.items():
+        for cfg in autotune.candidates(kernel, g, co):
+            with autotune.override({key: cfg}):
+                for r in inspect(lambda *a: getattr(pk, op)(*a, **kw), *args, kind=kind):
+                    out.append((r, f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k}"
+                                   + (f"/{cfg.split}" if cfg.split > 1 else "")))
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(main())

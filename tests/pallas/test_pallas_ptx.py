@@ -1,0 +1,135 @@
+"""The kernels compile to the machine code a fast GPU kernel needs, checked without a GPU.
+
+``scripts/inspect_kernels.py`` lowers each kernel for an abstract H100 and
+compiles its Triton IR offline for ``sm_90a`` with the ``triton`` package.
+These tests hold the properties the interpreter cannot see: global loads of
+the channel-contiguous operands are vectorised (never scalar), the
+implicit-GEMM operands are staged through ``cp.async`` and multiplied on
+Hopper's ``wgmma`` tensor cores, nothing spills, and the forward-only max-pool
+writes no index.  A kernel that regressed to scalar loads (as every kernel did
+before the gather stopped rewriting masked indices) fails here.
+
+They need ``triton`` (installed in CI's jax 0.11.2 environment, the lent
+GPUs' versions) and skip, saying why, where it or the jax hook is missing.
+"""
+import importlib.util
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+import pytest
+
+import pallas_kernels as pk
+
+_PATH = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "inspect_kernels.py")
+_spec = importlib.util.spec_from_file_location("inspect_kernels", _PATH)
+ik = importlib.util.module_from_spec(_spec)
+sys.modules.setdefault("inspect_kernels", ik)  # its dataclass looks its module up
+_spec.loader.exec_module(ik)
+
+try:
+    ik._triton()
+    ik._lowering_module()
+except ik.Unavailable as _e:
+    pytestmark = pytest.mark.skip(reason=str(_e))
+
+S = jax.ShapeDtypeStruct
+GPU = dict(interpret=False)
+GEMM = pk.BlockConfig(block_m=128, block_n=64, block_k=64, num_warps=4, num_stages=3)
+TILE = pk.BlockConfig(block_m=64, block_n=64, block_k=16, num_warps=4, num_stages=2)
+
+
+def _grad(fn, argnums):
+    return jax.grad(lambda *a: jnp.sum(fn(*a).astype(jnp.float32)), argnums=argnums)
+
+
+def _by_name(reports):
+    return {r.name: r for r in reports}
+
+
+def _assert_no_spills(r):
+    assert r.spill_bytes in (0, None), f"{r.name}: {r.spill_bytes} bytes spilled"
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_dense_conv_kernels_pipeline_onto_tensor_cores(dtype):
+    # float32 at DEFAULT precision runs as TF32 on the tensor cores (the suite's
+    # conftest makes HIGHEST the default, which Triton runs on the FMA units).
+    def fn(x, w):
+        return pk.conv2d(x, w, padding=1, config=GEMM, precision=lax.Precision.DEFAULT, **GPU)
+    args = (S((2, 12, 12, 64), dtype), S((3, 3, 64, 64), dtype))
+    reports = _by_name(ik.inspect(_grad(fn, (0, 1)), *args) + ik.inspect(fn, *args))
+    assert set(reports) == {"jaxcnn_conv_fwd", "jaxcnn_conv_dgrad", "jaxcnn_conv_wgrad"}
+    for r in reports.values():
+        assert r.ld_scalar == 0, f"{r.name}: {r.ld_scalar} scalar global loads"
+        assert r.cp_async > 0, f"{r.name}: operands not pipelined through cp.async"
+        if dtype == jnp.bfloat16:  # float32: TF32 wgmma wants the weights K-major, and
+            # the HWIO weights are N-major, so Triton copies them a word at a time.
+            assert r.cp_async_narrow == 0, f"{r.name}: {r.cp_async_narrow} sub-16-byte copies"
+        assert r.wgmma + r.mma_sync > 0, f"{r.name}: no tensor-core instruction"
+        assert r.st_scalar == 0, f"{r.name}: scalar stores"
+        _assert_no_spills(r)
+    # The forward and input gradient are plain NHWC x HWIO products: Hopper's wgmma.
+    assert reports["jaxcnn_conv_fwd"].wgmma > 0 and reports["jaxcnn_conv_dgrad"].wgmma > 0
+
+
+def test_fused_bn_relu_conv_keeps_vector_loads():
+    def fn(x, w, s, t):
+        return pk.conv2d(x, w, padding=1, input_scale=s, input_shift=t, relu=True,
+                         residual=None, config=GEMM, **GPU)
+    args = (S((2, 12, 12, 64), jnp.bfloat16), S((3, 3, 64, 64), jnp.bfloat16),
+            S((64,), jnp.float32), S((64,), jnp.float32))
+    (r,) = ik.inspect(fn, *args)
+    assert r.ld_scalar == 0 and r.cp_async > 0 and r.cp_async_narrow == 0 and r.wgmma > 0
+    _assert_no_spills(r)
+
+
+def test_depthwise_kernels_load_vectors():
+    def fn(x, w):
+        return pk.conv2d(x, w, padding=1, groups=64, config=TILE, **GPU)
+    args = (S((2, 12, 12, 64), jnp.bfloat16), S((3, 3, 1, 64), jnp.bfloat16))
+    reports = _by_name(ik.inspect(_grad(fn, (0, 1)), *args) + ik.inspect(fn, *args))
+    assert set(reports) == {"jaxcnn_depthwise_fwd", "jaxcnn_depthwise_dgrad",
+                            "jaxcnn_depthwise_wgrad"}
+    for r in reports.values():
+        assert r.ld_scalar == 0 and r.ld_vector > 0, (r.name, r.ld_scalar, r.ld_vector)
+        _assert_no_spills(r)
+
+
+@pytest.mark.parametrize("op, kw", [
+    ("max_pool2d", dict(kernel_size=3, stride=2, padding=1)),
+    ("avg_pool2d", dict(kernel_size=3, stride=2, padding=1, count_include_pad=False)),
+])
+def test_pool_kernels_load_and_store_vectors(op, kw):
+    def fn(x):
+        return getattr(pk, op)(x, **kw, config=TILE, **GPU)
+    x = S((2, 16, 16, 64), jnp.bfloat16)
+    forward = ik.inspect(fn, x)
+    both = ik.inspect(_grad(fn, 0), x)
+    for r in forward + both:
+        assert r.ld_scalar_narrow == 0 and r.st_scalar == 0 and r.ld_vector > 0, r
+        # Average pooling reads its per-pixel float32 divisor one pixel at a time.
+        assert r.ld_scalar == 0 or op == "avg_pool2d", r
+        _assert_no_spills(r)
+    if op == "max_pool2d":
+        # The forward pass alone runs the kernel that writes no index; training
+        # writes one (int8 here) next to the output.
+        assert [r.name for r in forward] == ["jaxcnn_max_pool_infer"]
+        assert sorted(r.name for r in both) == ["jaxcnn_max_pool_bwd", "jaxcnn_max_pool_fwd"]
+        assert _by_name(both)["jaxcnn_max_pool_fwd"].st_vector > forward[0].st_vector
+        (ttir,) = [t for name, _, _, t in ik.lower_kernels(_grad(fn, 0), x)
+                   if name == "jaxcnn_max_pool_fwd"]
+        (signature,) = [line for line in ttir.splitlines()
+                        if "tt.func" in line and "@jaxcnn_max_pool_fwd" in line]
+        assert "!tt.ptr<i8>" in signature and "!tt.ptr<i32>" not in signature
+
+
+def test_inspect_script_prints_every_benchmark_kernel(capsys):
+    assert ik.main(["--groups", "mnist,pool", "--batch", "2"]) == 0
+    out = capsys.readouterr().out
+    for name in ("jaxcnn_conv_fwd", "jaxcnn_conv_dgrad", "jaxcnn_conv_wgrad",
+                 "jaxcnn_max_pool_infer", "jaxcnn_max_pool_fwd", "jaxcnn_max_pool_bwd"):
+        assert name in out
+    assert "FAILED" not in out
