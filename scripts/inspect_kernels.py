@@ -269,7 +269,7 @@ def main(argv=None) -> int:
     parser.add_argument("--device-kind", default=H100,
                         help="device kind whose tuned configs to use")
     parser.add_argument("--candidates", action="store_true",
-                        help="inspect every config the autotuner would time (forward only)")
+                        help="inspect every config the autotuner would time, per kernel")
     parser.add_argument("--json", help="also write the rows here")
     opts = parser.parse_args(argv)
     groups = [g for g in opts.groups.split(",") if g]
@@ -296,16 +296,15 @@ def main(argv=None) -> int:
         args = [jax.ShapeDtypeStruct(a.shape, a.dtype)
                 for a in jax.eval_shape(lambda: bk._args(op, x_shape, w_shape, dtype))]
         kernel, _ = bk._fns(op, {**kw, "interpret": False})
-        fns = [("", kernel)] if opts.candidates else [
-            ("", kernel), ("", bk._grad_of(kernel, len(args)))]
+        fns = [kernel, bk._grad_of(kernel, len(args))]
         try:
             found = []
-            for _, fn in fns:
+            if opts.candidates:
+                found = _candidates(fns[1], args, opts.device_kind)
+            for fn in [] if opts.candidates else fns:
                 for r in inspect(fn, *args, kind=opts.device_kind):
                     if r.name not in {f.name for f in found}:
                         found.append(r)
-            if opts.candidates:
-                found = _candidates(op, {**kw, "interpret": False}, args, opts.device_kind)
         except Exception as e:  # report and go on: one shape must not hide the others
             print(f"{name:<18} FAILED: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
             rows.append({"shape": name, "error": f"{type(e).__name__}: {e}"[:2000]})
@@ -323,20 +322,31 @@ def main(argv=None) -> int:
     return 1 if failed else 0
 
 
-def _candidates(op, kw, args, kind) -> list:
-    """``[(report, config text)]`` for every candidate config of the op's forward kernels."""
-    import pallas_kernels as pk
-    with as_device_kind(kind), autotune._recording() as rec:
-        with _abstract_gpu(kind):
-            jax.jit(lambda *a: getattr(pk, op)(*a, **kw)).trace(*args).lower(
-                lowering_platforms=("cuda",))
+_LAUNCHES = {"dense": "jaxcnn_conv", "depthwise": "jaxcnn_depthwise",
+             "max_pool2d": "jaxcnn_max_pool", "avg_pool2d": "jaxcnn_avg_pool"}
+
+
+def launch_names(kernel: str) -> set:
+    """Launched kernel names of an autotune kernel (``"dense_fwd"`` -> ``{"jaxcnn_conv_fwd"}``)."""
+    family, part = kernel.rsplit("_", 1)
+    names = {f"{_LAUNCHES[family]}_{part}"}
+    if family == "max_pool2d" and part == "fwd":  # the same tiles serve the forward alone
+        names.add(f"{_LAUNCHES[family]}_infer")
+    return names
+
+
+def _candidates(fn, args, kind) -> list:
+    """``[(report, config text)]`` for every candidate config of every kernel ``fn`` runs."""
+    with as_device_kind(kind), autotune._recording() as rec, _abstract_gpu(kind):
+        jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
     out = []
     for key, (kernel, g, co) in rec.items():
         for cfg in autotune.candidates(kernel, g, co):
             with autotune.override({key: cfg}):
-                for r in inspect(lambda *a: getattr(pk, op)(*a, **kw), *args, kind=kind):
-                    out.append((r, f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k}"
-                                   + (f"/{cfg.split}" if cfg.split > 1 else "")))
+                reports = inspect(fn, *args, kind=kind)
+            text = f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k}" + (
+                f"/{cfg.split}" if cfg.split > 1 else "")
+            out += [(r, text) for r in reports if r.name in launch_names(kernel)]
     return out
 
 
