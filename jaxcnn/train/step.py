@@ -30,6 +30,23 @@ def device_normalize(images, image_norm):
     return (images.astype(jnp.float32) * (1.0 / 255.0) - mean) / std
 
 
+def cross_device_mean(tree, axis_name):
+    """``lax.pmean`` of a pytree over ``axis_name``; on the CPU, 16-bit floats as float32.
+
+    XLA:CPU has no 16-bit all-reduce: it promotes one to float32 itself, and
+    its promotion pass aborts the process on the reducer that ``shard_map``'s
+    bfloat16 ``psum`` carries (jax 0.10.2 and 0.11.2). Promoting here first
+    computes the same float32 sum without the abort. GPUs reduce 16-bit
+    floats natively and keep them 16-bit on the wire.
+    """
+    if jax.default_backend() != "cpu":
+        return jax.lax.pmean(tree, axis_name)
+    narrow = lambda x: jnp.issubdtype(x.dtype, jnp.floating) and jnp.finfo(x.dtype).bits < 32
+    wide = jax.tree_util.tree_map(lambda x: x.astype(jnp.float32) if narrow(x) else x, tree)
+    mean = jax.lax.pmean(wide, axis_name)
+    return jax.tree_util.tree_map(lambda m, x: m.astype(x.dtype), mean, tree)
+
+
 def make_train_step(model, tx: optax.GradientTransformation, *, policy=None,
                     label_smoothing: float = 0.0, schedule: Callable | None = None,
                     skip_nonfinite: bool = False, axis_name: str | None = None,
@@ -73,7 +90,7 @@ def make_train_step(model, tx: optax.GradientTransformation, *, policy=None,
         grads = state.loss_scale.unscale(grads)
         top1 = F.top_k_accuracy(logits, batch["label"], k=1)
         if axis_name is not None:
-            grads, loss, top1 = jax.lax.pmean((grads, loss, top1), axis_name)
+            grads, loss, top1 = cross_device_mean((grads, loss, top1), axis_name)
         finite = P.all_finite(grads)
         if isinstance(state.opt_state, MasterCopyState):
             master = state.opt_state.master

@@ -56,9 +56,9 @@ def test_mask_updates_hold_pruned_weights_at_zero():
 
 
 # lenet5 on a small synthetic set with an fp32 master copy of bf16 parameters: the masks
-# must hold in the master copy.  One device: bf16_params over the 8 emulated CPU devices
-# aborts inside XLA:CPU's all-reduce promotion (jax 0.10.2 and 0.11.2, with or without
-# pruning); the MNIST fine-tune in test_export_mnist.py runs on all 8.
+# must hold in the master copy.  One device keeps it short; bf16_params over the 8 emulated
+# CPU devices is covered in tests/parallel/test_parallel_data.py, and the MNIST fine-tune in
+# test_export_mnist.py runs on all 8.
 TINY = ["mesh.data=1", "data.source=synthetic", "data.image_size=[28,28,1]", "data.num_train=64",
         "data.num_eval=16", "data.batch_size=16", "model.name=lenet5", "train.eval_every=null",
         "logging.progress=none", "precision.policy=bf16_params", "optim.name=sgd",
