@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# The GPU measurements of docs/BENCHMARKS.md, in stages that each fit a 10-minute call on
+# a lent machine (run from the repository root; results and logs go to $OUT):
+#
+#   bash scripts/gpu_session.sh check      # versions, then the kernel tests on the GPU
+#   bash scripts/gpu_session.sh kernels    # tune + time the Pallas kernels (bench_kernels --tune)
+#   bash scripts/gpu_session.sh train      # ResNet-50 step: auto vs xla, torch.compile, Flax
+#   bash scripts/gpu_session.sh profile    # where the ResNet-50 step's device time goes
+#
+# Extra arguments go to the stage's script (e.g. `kernels --groups pool,mobilenet`).
+# The tuner's choices land in $OUT/autotune.json; `train` and `profile` read that file
+# when it exists, so run `kernels` first in the same call or bring the file back.
+# Copying it over pallas_kernels/tuned.json ships the measurements.
+set -euo pipefail
+stage=${1:?usage: gpu_session.sh check|kernels|train|profile [args...]}
+shift
+OUT=${OUT:-gpu_out}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+export JAXCNN_AUTOTUNE_CACHE=$OUT/autotune.json
+log() { tee -a "$OUT/$stage.log"; }
+
+case $stage in
+  check)
+    { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+      python3 -c 'import sys, jax, jaxlib; print("python", sys.version.split()[0], "jax", jax.__version__, "jaxlib", jaxlib.__version__, jax.devices())'
+      python3 -c 'import triton; print("triton", triton.__version__)' || true
+    } 2>&1 | log
+    python3 -m pytest -q -p no:cacheprovider tests/pallas "$@" 2>&1 | tail -n 30 | log ;;
+  kernels)
+    python3 scripts/bench_kernels.py --tune --repeats 10 --json "$OUT/kernels.json" "$@" 2>&1 | log ;;
+  train)
+    python3 scripts/bench_train.py --models resnet50 --impls auto,xla \
+      --frameworks jaxcnn,torch_compile,flax --steps 5 --reps 7 --json "$OUT/train.json" "$@" 2>&1 | log ;;
+  profile)
+    python3 scripts/profile_step.py --out "$OUT/profile" "$@" 2>&1 | log ;;
+  *)
+    echo "gpu_session.sh: unknown stage '$stage' (check, kernels, train, profile)" >&2; exit 2 ;;
+esac
