@@ -139,7 +139,7 @@ def config_for(kernel: str, g: ConvGeometry, co: int, dtype, interpret: bool) ->
     """The tiles for one kernel launch: override, else cached, else default."""
     key = kernel_key(kernel, g, co, dtype)
     for rec in _recorders:
-        rec[key] = (kernel, g, co)
+        rec[key] = (kernel, g, co, jnp.dtype(dtype))
     if key in _overrides:
         return _overrides[key]
     cached = _entries().get("kernels", {}).get(key)
@@ -180,7 +180,9 @@ def candidates(kernel: str, g: ConvGeometry, co: int) -> list[BlockConfig]:
     if family == "dense":  # implicit GEMM: wide reduction chunks feed the tensor cores
         tiles = [(64, 64, 32, 4, 2), (128, 64, 32, 4, 3), (128, 64, 64, 4, 3),
                  (128, 128, 64, 8, 3), (64, 128, 64, 4, 3), (256, 64, 64, 8, 3),
-                 (64, 64, 64, 4, 4), (128, 128, 32, 8, 4)]
+                 (64, 64, 64, 4, 4), (128, 128, 32, 8, 4),
+                 # Hopper-sized tiles (two warpgroups, deeper pipelines), for wide layers.
+                 (128, 128, 64, 4, 4), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3)]
     else:  # depthwise and pooling: elementwise over (pixels, channels) tiles
         tiles = [(32, 32, 16, 4, 2), (64, 32, 16, 4, 2), (128, 32, 16, 4, 2),
                  (64, 64, 16, 4, 2), (256, 32, 16, 8, 2), (32, 128, 16, 4, 2),
@@ -193,13 +195,51 @@ def candidates(kernel: str, g: ConvGeometry, co: int) -> list[BlockConfig]:
             c_out, c_red = (g.c, co) if part == "dgrad" else (co, g.c)
         else:
             c_out, c_red = g.c, 16
-        bn, bk = min(bn, pow2_block(c_out, 16, 128)), min(bk, pow2_block(c_red, 16, 64))
+        widest = 256 if family == "dense" else 128
+        bn, bk = min(bn, pow2_block(c_out, 16, widest)), min(bk, pow2_block(c_red, 16, 64))
         for split in splits:
             split = max(1, min(split, -(-g.m_out // bm)))
             cfg = BlockConfig(bm, bn, bk, warps, stages, split)
             if cfg not in out:
                 out.append(cfg)
     return out
+
+
+# The most shared memory one program may use (the opt-in maximum), by CUDA compute
+# capability; other GPUs get the smallest current figure.
+_SHARED_MEMORY = {(8, 0): 163 * 1024, (8, 7): 163 * 1024, (9, 0): 227 * 1024,
+                  (10, 0): 227 * 1024, (10, 3): 227 * 1024}
+_SHARED_MEMORY_OTHER = 99 * 1024
+
+
+def shared_memory_limit() -> int | None:
+    """Bytes of shared memory a kernel program may use on the default device (None off GPUs)."""
+    if jax.default_backend() != "gpu":
+        return None
+    capability = getattr(jax.devices()[0], "compute_capability", "")
+    try:
+        major, minor = (int(v) for v in str(capability).split("."))
+    except ValueError:
+        return _SHARED_MEMORY_OTHER
+    return _SHARED_MEMORY.get((major, minor), _SHARED_MEMORY_OTHER)
+
+
+def shared_memory_estimate(kernel: str, cfg: BlockConfig, dtype) -> int:
+    """Bytes of shared memory Triton gives a kernel's pipelined GEMM operand tiles.
+
+    ``num_stages`` copies of both operand tiles: ``(block_m, block_k)`` and
+    ``(block_k, block_n)`` for the forward and input-gradient GEMMs,
+    ``(block_m, block_k)`` and ``(block_m, block_n)`` for the weight gradient.
+    The elementwise kernels (depthwise, pooling) stage nothing. It equals
+    what Triton 3.6 allocates for sm_90 in every config checked, or exceeds
+    it (``tests/pallas/test_pallas_ptx.py``).
+    """
+    family, part = kernel.rsplit("_", 1)
+    if family != "dense":
+        return 0
+    a = cfg.block_m * cfg.block_k
+    b = cfg.block_m * cfg.block_n if part == "wgrad" else cfg.block_k * cfg.block_n
+    return cfg.num_stages * (a + b) * jnp.dtype(dtype).itemsize
 
 
 def time_call(fn, *args, repeats: int = 5) -> float:
@@ -280,9 +320,12 @@ def tune_op(op: str, arrays, static: dict, *, timer=time_call, candidate_fn=cand
     with _recording() as launched:
         jax.eval_shape(run_pallas, *args)
     chosen: dict = {}
-    for key, (kernel, g, co) in sorted(launched.items()):
+    limit = shared_memory_limit()
+    for key, (kernel, g, co, dtype) in sorted(launched.items()):
         best = None
-        for cfg in candidate_fn(kernel, g, co):
+        # A config whose pipelined tiles overflow shared memory would fail to launch.
+        for cfg in [c for c in candidate_fn(kernel, g, co)
+                    if limit is None or shared_memory_estimate(kernel, c, dtype) <= limit]:
             with override({**chosen, key: cfg}):
                 try:
                     t = timer(bench(kernel), *args)

@@ -40,6 +40,7 @@ import jax.numpy as jnp
 from pallas_kernels import autotune
 
 H100 = "NVIDIA H100 80GB HBM3"
+_SHARED_MEMORY_LIMITS = {H100: 227 * 1024}  # what the tuner allows one program there
 TRITON_TARGET = "__gpu$xla.gpu.triton"
 
 
@@ -340,8 +341,11 @@ def _candidates(fn, args, kind) -> list:
     with as_device_kind(kind), autotune._recording() as rec, _abstract_gpu(kind):
         jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
     out = []
-    for key, (kernel, g, co) in rec.items():
+    limit = _SHARED_MEMORY_LIMITS.get(kind)
+    for key, (kernel, g, co, dtype) in rec.items():
         for cfg in autotune.candidates(kernel, g, co):
+            if limit is not None and autotune.shared_memory_estimate(kernel, cfg, dtype) > limit:
+                continue  # the tuner skips it too
             with autotune.override({key: cfg}):
                 reports = inspect(fn, *args, kind=kind)
             text = f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k}" + (

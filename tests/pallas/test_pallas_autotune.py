@@ -173,3 +173,26 @@ def test_tune_calls_tunes_each_untuned_call_once(cache):
     assert len(timed) == first  # nothing tuned twice
     assert len(autotune.tune_calls(net, x, timer=timer, candidate_fn=one_candidate,
                                    force=True)) == 2
+
+
+def test_tuner_skips_configs_that_overflow_shared_memory(cache, monkeypatch):
+    """On a GPU with little shared memory, configs whose pipelined tiles do not fit are
+    never timed (they would fail to launch); the rest still are."""
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((1, 6, 6, 8)), jnp.float32)
+    w = jnp.asarray(np.random.default_rng(1).standard_normal((3, 3, 8, 16)), jnp.float32)
+    small, big = pk.BlockConfig(16, 16, 16, 4, 2), pk.BlockConfig(64, 64, 64, 4, 4)
+    est = autotune.shared_memory_estimate
+    assert est("dense_fwd", small, jnp.float32) == 2 * (16 * 16 + 16 * 16) * 4
+    assert est("dense_wgrad", big, jnp.bfloat16) == 4 * (64 * 64 + 64 * 64) * 2
+    assert est("depthwise_fwd", big, jnp.float32) == 0
+    monkeypatch.setattr(autotune, "shared_memory_limit", lambda: 16 * 1024)
+    timed = []
+
+    def timer(fn, *args):
+        timed.append(dict(autotune._overrides))
+        return 1.0
+
+    autotune.tune_op("conv2d", (x, w, None), dict(padding=1), timer=timer,
+                     candidate_fn=lambda kernel, g, co: [small, big])
+    tuned = [c for overrides in timed[:-4] for c in overrides.values()]  # last 4: the race
+    assert small in tuned and big not in tuned

@@ -147,3 +147,23 @@ def test_inspect_candidates_reports_each_kernel_under_each_of_its_configs(capsys
         assert {r[3] for r in rows if r[2] == kernel} == want
     assert ik.launch_names("dense_wgrad") == {"jaxcnn_conv_wgrad"}
     assert ik.launch_names("max_pool2d_fwd") == {"jaxcnn_max_pool_fwd", "jaxcnn_max_pool_infer"}
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_shared_memory_estimate_bounds_what_triton_allocates(dtype):
+    """The tuner drops configs whose estimate overflows shared memory; the estimate must
+    never be below what Triton really allocates, or a dropped config could have run and
+    a kept one could fail to launch."""
+    from pallas_kernels import autotune
+    names = {"jaxcnn_conv_fwd": "dense_fwd", "jaxcnn_conv_dgrad": "dense_dgrad",
+             "jaxcnn_conv_wgrad": "dense_wgrad"}
+    args = (S((4, 14, 14, 256), dtype), S((3, 3, 256, 256), dtype))
+    for tile in [(64, 64, 32, 4, 2), (128, 128, 32, 8, 4), (128, 256, 64, 8, 3),
+                 (256, 128, 64, 8, 3), (128, 128, 64, 4, 4)]:
+        cfg = pk.BlockConfig(*tile)
+
+        def fn(x, w, cfg=cfg):
+            return pk.conv2d(x, w, padding=1, config=cfg, precision=lax.Precision.DEFAULT, **GPU)
+        for r in ik.inspect(_grad(fn, (0, 1)), *args):
+            estimate = autotune.shared_memory_estimate(names[r.name], cfg, dtype)
+            assert r.shared_bytes <= estimate, (tile, r.name, r.shared_bytes, estimate)
