@@ -21,7 +21,7 @@ from pallas_kernels._common import F32, BlockConfig, ConvGeometry
 
 
 def _forward_kernel(*refs, g: ConvGeometry, co: int, cfg: BlockConfig, has_bias: bool,
-                    has_res: bool, has_bn: bool, relu: bool, precision):
+                    has_res: bool, has_bn: bool, relu: bool, precision, k_major: bool):
     refs = list(refs)
     x_ref, w_ref = refs.pop(0), refs.pop(0)
     b_ref = refs.pop(0) if has_bias else None
@@ -45,8 +45,11 @@ def _forward_kernel(*refs, g: ConvGeometry, co: int, cfg: BlockConfig, has_bias:
         a = cm.gather(x_ref, rows[:, None], k[None, :], a_mask, 0.0)
         if has_bn:
             a = cm.bn_relu(a, s_ref, t_ref, k, k_ok, a_mask)
-        b = cm.gather(w_ref, (tap * g.c + k)[:, None], cols[None, :],
-                      k_ok[:, None] & col_ok[None, :], 0.0)
+        b_mask = k_ok[:, None] & col_ok[None, :]
+        if k_major:  # w_ref is (C_out, taps * C_in): contiguous along the reduction
+            b = cm.gather(w_ref, cols[None, :], (tap * g.c + k)[:, None], b_mask, 0.0)
+        else:
+            b = cm.gather(w_ref, (tap * g.c + k)[:, None], cols[None, :], b_mask, 0.0)
         return acc + jnp.dot(a.astype(b.dtype), b, preferred_element_type=F32,
                              precision=precision)
 
@@ -72,7 +75,12 @@ def conv_forward(x, w, b, residual, scale, shift, *, g: ConvGeometry, cfg: Block
         ``(N, H_out, W_out, C_out)`` in ``x.dtype``.
     """
     co = w.shape[3]
-    ops = [x.reshape(g.m_in, g.c), w.reshape(g.taps * g.c, co)]
+    # float32 dots run as TF32, whose tensor-core instructions want both operands
+    # contiguous along the reduction: the weights go in transposed (a small XLA
+    # transpose), or Triton copies them a word at a time. bfloat16 takes either.
+    k_major = x.dtype == jnp.float32
+    w2 = w.reshape(g.taps * g.c, co)
+    ops = [x.reshape(g.m_in, g.c), w2.T if k_major else w2]
     if b is not None:
         ops.append(b)
     if residual is not None:
@@ -82,7 +90,8 @@ def conv_forward(x, w, b, residual, scale, shift, *, g: ConvGeometry, cfg: Block
         ops += [scale, shift]
     kernel = functools.partial(
         _forward_kernel, g=g, co=co, cfg=cfg, has_bias=b is not None,
-        has_res=residual is not None, has_bn=has_bn, relu=relu, precision=precision)
+        has_res=residual is not None, has_bn=has_bn, relu=relu, precision=precision,
+        k_major=k_major)
     y = pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((g.m_out, co), x.dtype),
