@@ -90,23 +90,29 @@ def median_jitted_step(step, carry, data, args) -> float:
     return median_step(run_steps, args.steps, args.reps, args.warmup)
 
 
-def host_batch(case, seed=0):
-    _, _, batch, hwc, classes, _ = CASES[case]
+def host_batch(case, batch, seed=0):
+    _, _, _, hwc, classes, _ = CASES[case]
     return synthetic_batch(SyntheticSpec(hwc, classes), 0, seed=seed, batch_size=batch)
 
 
 # ---- jaxcnn ---------------------------------------------------------------------------------
 
-def bench_jaxcnn(case, args, bf16, impl="auto"):
-    name, options, batch, hwc, classes, _ = CASES[case]
+def case_batch(case, args) -> int:
+    return args.batch or CASES[case][2]
+
+
+def bench_jaxcnn(case, args, bf16, impl="auto", bn_grad="auto"):
+    name, options, _, hwc, classes, _ = CASES[case]
+    batch = case_batch(case, args)
     model = models.get(name, num_classes=classes, **options)
     policy = P.get_policy("bf16" if bf16 else "fp32")
     tx = optax.sgd(LR, momentum=MOMENTUM)
     state = create_train_state(model, tx, jax.random.PRNGKey(0), (batch, *hwc),
                                loss_scale=P.make_loss_scale("none"), policy=policy)
-    data = jax.device_put(host_batch(case))
+    data = jax.device_put(host_batch(case, batch))
     step = jax.jit(make_train_step(model, tx, policy=policy), donate_argnums=0)
-    with F.default_impl(impl):  # what "auto" in the layers means while tracing
+    # What "auto" in the layers means while tracing.
+    with F.default_impl(impl), F.default_batch_norm_grad(bn_grad):
         step = step.lower(state, data).compile()
     return median_jitted_step(step, state, data, args)
 
@@ -164,7 +170,7 @@ def bench_torch(case, args, compiled):
     torch.manual_seed(0)
     device = "cuda" if jax.default_backend() == "gpu" and torch.cuda.is_available() else "cpu"
     model = torch_model(case).to(device).train()
-    host = host_batch(case)
+    host = host_batch(case, case_batch(case, args))
     x = torch.from_numpy(np.ascontiguousarray(host["image"].transpose(0, 3, 1, 2))).to(device)
     y = torch.from_numpy(host["label"].astype(np.int64)).to(device)
     if compiled:
@@ -254,7 +260,7 @@ def flax_model(case):
 
 def bench_flax(case, args, bf16):
     model = flax_model(case)
-    host = host_batch(case)
+    host = host_batch(case, case_batch(case, args))
     data = jax.device_put(host)
     dtype = jnp.bfloat16 if bf16 else jnp.float32
     variables = model.init({"params": jax.random.PRNGKey(0)}, data["image"][:1], train=False)
@@ -311,11 +317,11 @@ def bench_pipelines(seconds: float):
 
 # ---- report ---------------------------------------------------------------------------------
 
-def mfu(case, step_s, bf16):
+def mfu(case, batch, step_s, bf16):
     peak = peak_flops(jax.devices()[0].device_kind, bf16)
     if jax.default_backend() != "gpu" or peak is None:
         return None
-    name, options, batch, hwc, classes, _ = CASES[case]
+    name, options, _, hwc, classes, _ = CASES[case]
     macs = summary(models.get(name, num_classes=classes, **options), (batch, *hwc)).total_macs
     return 6 * macs / step_s / peak
 
@@ -329,6 +335,11 @@ def main(argv=None):
     parser.add_argument("--impls", default="auto",
                         help="jaxcnn kernel choices to time, e.g. auto,xla (the first is the "
                              "reference 'jaxcnn' row)")
+    parser.add_argument("--bn-grads", default="auto",
+                        help="BatchNorm backward forms to time with each impl, from "
+                             f"auto,{','.join(F.BATCH_NORM_GRADS)} (see F.batch_norm_train)")
+    parser.add_argument("--batch", type=int, default=None,
+                        help="override every model's batch (default: 128, resnet50 256)")
     parser.add_argument("--steps", type=int, default=5, help="steps per timed run")
     parser.add_argument("--reps", type=int, default=7, help="timed runs (median)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed runs first")
@@ -336,6 +347,10 @@ def main(argv=None):
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args(argv)
     frameworks = args.frameworks.split(",")
+    for bn in args.bn_grads.split(","):
+        if bn != "auto" and bn not in F.BATCH_NORM_GRADS:
+            parser.error(f"--bn-grads: unknown {bn!r}; expected some of "
+                         f"{['auto', *F.BATCH_NORM_GRADS]}")
     try:
         import torch
         torch_version = torch.__version__
@@ -355,11 +370,14 @@ def main(argv=None):
         if case not in CASES:
             parser.error(f"--models: unknown {case!r}; expected some of {list(CASES)}")
         bf16 = gpu and case == "resnet50"
-        batch = CASES[case][2]
-        impls = args.impls.split(",")
-        runs = {"jaxcnn": lambda: bench_jaxcnn(case, args, bf16, impls[0])}
-        for impl in impls[1:]:
-            runs[f"jaxcnn impl={impl}"] = lambda impl=impl: bench_jaxcnn(case, args, bf16, impl)
+        batch = case_batch(case, args)
+        variants = [(impl, bn) for impl in args.impls.split(",") for bn in args.bn_grads.split(",")]
+        runs = {}
+        for i, (impl, bn) in enumerate(variants):
+            label = "jaxcnn" if i == 0 else " ".join(
+                ["jaxcnn"] + ([f"impl={impl}"] if impl != variants[0][0] else [])
+                + ([f"bn={bn}"] if bn != variants[0][1] else []))
+            runs[label] = lambda impl=impl, bn=bn: bench_jaxcnn(case, args, bf16, impl, bn)
         if torch_version and "torch" in frameworks and not bf16:
             runs["torch eager"] = lambda: bench_torch(case, args, compiled=False)
         if torch_version and "torch_compile" in frameworks and gpu:
@@ -373,7 +391,7 @@ def main(argv=None):
             times[fw] = fn()
             row = {"model": case, "framework": fw, "batch": batch, "dtype": "bf16" if bf16 else "fp32",
                    "step_ms": times[fw] * 1e3, "img_s": batch / times[fw],
-                   "vs_jaxcnn": times[fw] / times["jaxcnn"], "mfu": mfu(case, times[fw], bf16)}
+                   "vs_jaxcnn": times[fw] / times["jaxcnn"], "mfu": mfu(case, batch, times[fw], bf16)}
             rows.append(row)
             print(f"{case:15s} {fw:22s} batch {batch:4d} {row['dtype']}  step {row['step_ms']:9.2f} ms  "
                   f"{row['img_s']:9.1f} img/s  time/jaxcnn {row['vs_jaxcnn']:5.2f}"

@@ -4,7 +4,8 @@
 #
 #   bash scripts/gpu_session.sh check      # versions, then the kernel tests on the GPU
 #   bash scripts/gpu_session.sh kernels    # tune + time the Pallas kernels (bench_kernels --tune)
-#   bash scripts/gpu_session.sh train      # ResNet-50 step: auto vs xla, torch.compile, Flax
+#   bash scripts/gpu_session.sh train      # ResNet-50 step: auto vs xla, each with both
+#                                          # BatchNorm backwards; torch.compile, Flax
 #   bash scripts/gpu_session.sh profile    # where the ResNet-50 step's device time goes
 #
 # Extra arguments go to the stage's script (e.g. `kernels --groups pool,mobilenet`).
@@ -31,7 +32,8 @@ case $stage in
     python3 scripts/bench_kernels.py --tune --repeats 10 --json "$OUT/kernels.json" "$@" 2>&1 | log ;;
   train)
     python3 scripts/bench_train.py --models resnet50 --impls auto,xla \
-      --frameworks jaxcnn,torch_compile,flax --steps 5 --reps 7 --json "$OUT/train.json" "$@" 2>&1 | log ;;
+      --bn-grads autodiff,closed_form --frameworks jaxcnn,torch_compile,flax \
+      --steps 5 --reps 7 --json "$OUT/train.json" "$@" 2>&1 | log ;;
   profile)
     python3 scripts/profile_step.py --out "$OUT/profile" "$@" 2>&1 | log ;;
   *)

@@ -27,6 +27,7 @@ import jaxcnn  # noqa: F401  (first: the XLA:CPU flag)
 import jax
 import optax
 
+from jaxcnn import functional as F
 from jaxcnn import models
 from jaxcnn import precision as P
 from jaxcnn.data import SyntheticSpec, synthetic_batch
@@ -71,6 +72,8 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--trace-steps", type=int, default=3)
     p.add_argument("--top", type=int, default=30)
+    p.add_argument("--bn-grad", default="auto", choices=["auto", *F.BATCH_NORM_GRADS],
+                   help="BatchNorm backward form (see F.batch_norm_train)")
     p.add_argument("--out", help="keep the trace and the HLO here")
     args = p.parse_args(argv)
     out = args.out or tempfile.mkdtemp(prefix="jaxcnn-profile-")
@@ -83,7 +86,8 @@ def main(argv=None) -> int:
     data = jax.device_put(synthetic_batch(SyntheticSpec(shape[1:], args.classes), 0, seed=0,
                                           batch_size=args.batch))
     step = jax.jit(make_train_step(model, tx, policy=policy), donate_argnums=0)
-    step = step.lower(state, data).compile()
+    with F.default_batch_norm_grad(args.bn_grad):
+        step = step.lower(state, data).compile()
     with open(f"{out}/step.hlo.txt", "w", encoding="utf-8") as f:
         f.write(step.as_text())
     for _ in range(2):
@@ -102,7 +106,7 @@ def main(argv=None) -> int:
     totals = device_kernel_times(trace_file, args.trace_steps)
     busy = sum(totals.values())
     print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}: {args.model} batch {args.batch} "
-          f"{args.size}x{args.size}x{args.channels} {args.policy}: step {wall * 1e3:.2f} ms, "
+          f"{args.size}x{args.size}x{args.channels} {args.policy} bn={args.bn_grad}: step {wall * 1e3:.2f} ms, "
           f"device kernels {busy / 1e3:.2f} ms/step")
     if not totals:
         print("(no device kernel track in the trace: on a CPU backend XLA runs on host threads)")

@@ -65,3 +65,23 @@ def test_profile_step_sums_device_kernels_per_step(tmp_path):
     assert ps.kind_of("nvjet_sm90_tst_256x128") == "gemm"
     assert ps.kind_of("loop_maximum_fusion_1") == "other fusion"
     assert ps.kind_of("jaxcnn_conv_fwd") == "pallas"
+
+
+def test_bench_train_times_each_batch_norm_form(tmp_path):
+    """``--bn-grads`` times the same step with each BatchNorm backward, the first as the
+    reference row; ``--batch`` shrinks the case for a smoke run."""
+    bt = _load("bench_train")
+    out = tmp_path / "t.json"
+    bt.main(["--models", "resnet18_cifar", "--batch", "2", "--frameworks", "jaxcnn",
+             "--bn-grads", "autodiff,closed_form", "--steps", "1", "--reps", "1",
+             "--warmup", "0", "--pipeline-seconds", "0.01", "--json", str(out)])
+    result = json.loads(out.read_text())
+    rows = result["steps"]
+    assert [r["framework"] for r in rows] == ["jaxcnn", "jaxcnn bn=closed_form"]
+    for r in rows:
+        assert r["batch"] == 2 and r["step_ms"] > 0 and r["img_s"] == pytest.approx(
+            2e3 / r["step_ms"])
+    assert rows[0]["vs_jaxcnn"] == 1.0
+    assert {p["pipeline"].split()[0] for p in result["pipelines"]} == {"mnist", "synthetic_batch"}
+    with pytest.raises(SystemExit):
+        bt.main(["--bn-grads", "fused"])

@@ -24,7 +24,8 @@ from jaxcnn.functional.conv import conv2d, conv_transpose2d
 from jaxcnn.functional.dropout import dropout
 from jaxcnn.functional.linear import linear
 from jaxcnn.functional.loss import cross_entropy, top_k_accuracy, top_k_correct
-from jaxcnn.functional.norm import batch_norm, batch_norm_train, group_norm, layer_norm
+from jaxcnn.functional.norm import (
+    BATCH_NORM_GRADS, batch_norm, batch_norm_train, default_batch_norm_grad, group_norm, layer_norm)
 from jaxcnn.functional.pool import (
     adaptive_avg_pool2d, avg_pool2d, global_avg_pool2d, max_pool2d)
 
@@ -34,6 +35,7 @@ __all__ = [
     "max_pool2d", "avg_pool2d", "adaptive_avg_pool2d", "global_avg_pool2d",
     "linear",
     "batch_norm", "batch_norm_train", "layer_norm", "group_norm",
+    "BATCH_NORM_GRADS", "default_batch_norm_grad",
     "dropout",
     "relu", "relu6", "leaky_relu", "elu", "gelu", "silu", "hardswish", "sigmoid", "tanh",
     "softmax", "log_softmax",

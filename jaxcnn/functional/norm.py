@@ -6,11 +6,19 @@ biased (population) ones, the ones used to normalise.
 """
 from __future__ import annotations
 
+import contextlib
+import functools
+import threading
+
+import jax
 import jax.numpy as jnp
 from jax import lax
 
 from jaxcnn.functional import _args
-from jaxcnn.functional._cpu_lowering import channel_broadcast, channel_mean
+from jaxcnn.functional._cpu_lowering import channel_broadcast, channel_mean, channel_sum
+
+#: The ways :func:`batch_norm_train` can be differentiated (``grad=``).
+BATCH_NORM_GRADS = ("autodiff", "closed_form")
 
 
 def _acc_dtype(x):
@@ -69,7 +77,35 @@ def _scale_shift(centred, factor, scale, bias):
     return y if bias is None else y + channel_broadcast(bias.astype(centred.dtype), centred.shape)
 
 
-def batch_norm_train(x, scale=None, bias=None, *, eps=1e-5, axis_name=None):
+_bn_scope = threading.local()
+
+
+@contextlib.contextmanager
+def default_batch_norm_grad(grad: str):
+    """Within the block (at trace time), ``batch_norm_train(grad="auto")`` uses ``grad``.
+
+    Lets a whole model, whose BatchNorm layers call :func:`batch_norm_train` with the
+    default ``"auto"``, be traced with either form, e.g. to time both::
+
+        with F.default_batch_norm_grad("closed_form"):
+            step = jax.jit(train_step).lower(state, batch).compile()
+    """
+    _check_bn_grad("default_batch_norm_grad", grad)
+    saved = getattr(_bn_scope, "grad", "auto")
+    _bn_scope.grad = grad
+    try:
+        yield
+    finally:
+        _bn_scope.grad = saved
+
+
+def _check_bn_grad(op: str, grad: str) -> str:
+    if grad != "auto" and grad not in BATCH_NORM_GRADS:
+        raise ValueError(f"{op}: grad must be 'auto' or one of {BATCH_NORM_GRADS}, got {grad!r}")
+    return grad
+
+
+def batch_norm_train(x, scale=None, bias=None, *, eps=1e-5, axis_name=None, grad="auto"):
     """Batch normalisation with the batch's own statistics (training form).
 
     The statistics are taken per channel over every axis but the last.  With
@@ -80,12 +116,28 @@ def batch_norm_train(x, scale=None, bias=None, *, eps=1e-5, axis_name=None):
     one, to avoid the cancellation of ``E[x**2] - E[x]**2``; every shard must
     hold the same number of elements.
 
+    Two forms, the same function and gradients up to rounding (``grad``):
+
+    * ``"autodiff"``: the mean, then the variance about it (two reads of ``x``),
+      differentiated by JAX: its backward reduces ``dy`` twice in sequence.
+    * ``"closed_form"``: both statistics in one read of ``x`` (sums about the
+      first row, a per-channel shift that keeps ``E[d**2] - E[d]**2`` clear of
+      cancellation), and the textbook backward
+      ``dx = scale * rstd * (dy - mean(dy) - xhat * mean(dy * xhat))``: one pass
+      that reduces ``dy`` and ``dy * xhat`` together, then one elementwise pass.
+      Under ``axis_name`` the two sums are ``psum``-ed, as SyncBatchNorm does.
+
+    ``"auto"`` is ``"autodiff"`` unless :func:`default_batch_norm_grad` says
+    otherwise: the closed form has not yet been timed on a GPU, and on the
+    2-core CPU of ``docs/BENCHMARKS.md`` it was no faster.
+
     Arguments:
         x: input ``(..., C)``, e.g. NHWC.
         scale, bias: optional per-channel affine parameters ``(C,)``.
         eps: added to the variance.
         axis_name: name of a mapped axis to synchronise statistics over, or
             ``None`` for local statistics.
+        grad: ``"auto"``, ``"autodiff"`` or ``"closed_form"``.
 
     Returns:
         ``(y, mean, var)``: ``y`` like ``x``; ``mean`` and ``var`` of shape
@@ -97,6 +149,14 @@ def batch_norm_train(x, scale=None, bias=None, *, eps=1e-5, axis_name=None):
         raise ValueError(f"{op}: x must have rank >= 2 (batch..., C), got shape {x_shape}")
     for name, v in (("scale", scale), ("bias", bias)):
         _check_channel_vector(op, name, v, x_shape[-1], x_shape)
+    if _check_bn_grad(op, grad) == "auto":
+        grad = getattr(_bn_scope, "grad", "auto")
+    if grad == "closed_form":
+        acc = _acc_dtype(x)
+        c = x_shape[-1]
+        s = jnp.ones((c,), acc) if scale is None else jnp.asarray(scale).astype(acc)
+        b = jnp.zeros((c,), acc) if bias is None else jnp.asarray(bias).astype(acc)
+        return _bn_closed_form(x, _vary_like(s, x), _vary_like(b, x), float(eps), axis_name)
     xa = x.astype(_acc_dtype(x))
     mean = channel_mean(xa)
     centred = xa - channel_broadcast(mean, x_shape)
@@ -108,6 +168,91 @@ def batch_norm_train(x, scale=None, bias=None, *, eps=1e-5, axis_name=None):
         centred = xa - channel_broadcast(mean, x_shape)
     y = _scale_shift(centred, lax.rsqrt(var + eps), scale, bias)
     return y.astype(x.dtype), mean, var
+
+
+def _global_count(shape, axis_name):
+    n = 1
+    for d in shape[:-1]:
+        n *= d
+    return n if axis_name is None else n * lax.psum(1, axis_name)
+
+
+def _one_pass_stats(xa, axis_name):
+    """Per-channel mean and biased variance of ``xa`` from one read of it."""
+    shape = xa.shape
+    shift = lax.stop_gradient(xa.reshape(-1, shape[-1])[0])
+    d = xa - channel_broadcast(shift, shape)
+    m1 = channel_mean(d)
+    var = jnp.maximum(channel_mean(jnp.square(d)) - jnp.square(m1), 0.0)
+    mean = shift + m1
+    if axis_name is not None:
+        local_mean = mean
+        mean = lax.pmean(local_mean, axis_name)
+        var = lax.pmean(var + jnp.square(local_mean - mean), axis_name)
+    return mean, var
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _bn_closed_form(x, scale, bias, eps, axis_name):
+    return _bn_closed_form_fwd(x, scale, bias, eps, axis_name)[0]
+
+
+def _bn_closed_form_fwd(x, scale, bias, eps, axis_name):
+    xa = x.astype(scale.dtype)
+    mean, var = _one_pass_stats(xa, axis_name)
+    rstd = lax.rsqrt(var + eps)
+    y = _scale_shift(xa - channel_broadcast(mean, x.shape), rstd, scale, bias)
+    return (y.astype(x.dtype), mean, var), (x, mean, rstd, scale)
+
+
+def _bn_closed_form_bwd(eps, axis_name, res, cts):
+    del eps
+    x, mean, rstd, scale = res
+    dy, dmean, dvar = cts
+    acc = scale.dtype
+    shape = x.shape
+    xa = x.astype(acc)
+    dya = dy.astype(acc)
+    centred = xa - channel_broadcast(mean, shape)
+    sum_dy = channel_sum(dya)
+    sum_dy_xhat = channel_sum(dya * centred) * rstd
+    # The returned statistics' cotangents (zero when they only feed running averages):
+    # d mean / dx = 1 / count and d var / dx = 2 (x - mean) / count.
+    g_dy, g_dy_xhat, dmean, dvar = sum_dy, sum_dy_xhat, dmean.astype(acc), dvar.astype(acc)
+    if axis_name is not None:  # one all-reduce for the four (C,) vectors
+        g_dy, g_dy_xhat, dmean, dvar = lax.psum((g_dy, g_dy_xhat, dmean, dvar), axis_name)
+    count = _global_count(shape, axis_name)
+    k = scale * rstd
+    # dx = k * (dy - mean(dy) - xhat * mean(dy * xhat)), with xhat = centred * rstd
+    dxa = (dya * channel_broadcast(k, shape)
+           + channel_broadcast((dmean - k * g_dy) / count, shape)
+           + centred * channel_broadcast((2.0 * dvar - k * rstd * g_dy_xhat) / count, shape))
+    return dxa.astype(x.dtype), sum_dy_xhat, sum_dy
+
+
+def _vary_like(v, x):
+    """``v`` cast to vary along every mapped axis ``x`` varies along.
+
+    Under ``shard_map`` with its type check on (``check_vma=True``), a replicated
+    parameter's cotangent must come back replicated.  Entering the custom VJP as
+    device-varying values, the parameters get device-varying cotangents from it, and
+    autodiff's transpose of this cast sums them over the devices, as it would have
+    without the custom VJP.  With the check off (the trainer's ``shard_map``) or outside
+    any mapped axis, nothing varies and this is the identity.
+    """
+    extra = _varying_axes(x) - _varying_axes(v)
+    return lax.pcast(v, tuple(sorted(extra)), to="varying") if extra else v
+
+
+def _varying_axes(a) -> frozenset:
+    """The mapped axes ``a``'s type says it varies along (``typeof(a).mat.varying`` in
+    jax 0.10/0.11, ``.vma`` in the releases before)."""
+    aval = jax.typeof(a)
+    mat = getattr(aval, "mat", None)
+    return frozenset(getattr(mat, "varying", None) or getattr(aval, "vma", None) or ())
+
+
+_bn_closed_form.defvjp(_bn_closed_form_fwd, _bn_closed_form_bwd)
 
 
 def layer_norm(x, scale=None, bias=None, *, axes=-1, eps=1e-5):

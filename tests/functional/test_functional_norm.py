@@ -4,6 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
+from hypothesis import given, settings, strategies as st
 from jax.test_util import check_grads
 
 from jaxcnn import functional as F
@@ -36,9 +37,13 @@ def test_batch_norm_inference_form():
                  RTOL[jnp.float32])
 
 
-def test_batch_norm_train_statistics_and_output():
+GRADS = pytest.mark.parametrize("grad", F.BATCH_NORM_GRADS)
+
+
+@GRADS
+def test_batch_norm_train_statistics_and_output(grad):
     x, scale, bias = data(5, (4, 5, 3, 6)), data(6, (6,)), data(7, (6,))
-    y, mean, var = F.batch_norm_train(x, scale, bias, eps=1e-5)
+    y, mean, var = F.batch_norm_train(x, scale, bias, eps=1e-5, grad=grad)
     z, m, v = normalise_ref(x, (0, 1, 2), 1e-5)
     assert mean.dtype == var.dtype == jnp.float32
     assert_close(mean, m.ravel(), RTOL[jnp.float32])
@@ -46,9 +51,10 @@ def test_batch_norm_train_statistics_and_output():
     assert_close(y, z * scale + bias, RTOL[jnp.float32])
 
 
-def test_batch_norm_train_bf16_output_dtype_and_float32_stats():
+@GRADS
+def test_batch_norm_train_bf16_output_dtype_and_float32_stats(grad):
     x = data(8, (8, 4, 4, 3))
-    y, mean, var = F.batch_norm_train(jnp.asarray(x, jnp.bfloat16))
+    y, mean, var = F.batch_norm_train(jnp.asarray(x, jnp.bfloat16), grad=grad)
     assert y.dtype == jnp.bfloat16 and mean.dtype == jnp.float32
     xb = np.asarray(jnp.asarray(x, jnp.bfloat16), np.float32)
     z, m, _ = normalise_ref(xb, (0, 1, 2), 1e-5)
@@ -56,9 +62,11 @@ def test_batch_norm_train_bf16_output_dtype_and_float32_stats():
     assert_close(y, z, RTOL[jnp.bfloat16])
 
 
-def test_batch_norm_train_synced_under_vmap_equals_whole_batch():
+@GRADS
+def test_batch_norm_train_synced_under_vmap_equals_whole_batch(grad):
     x = data(9, (4, 3, 5, 5, 2))           # 4 "devices" x 3 images each
-    per_device = jax.vmap(lambda xi: F.batch_norm_train(xi, axis_name="batch"), axis_name="batch")
+    per_device = jax.vmap(lambda xi: F.batch_norm_train(xi, axis_name="batch", grad=grad),
+                          axis_name="batch")
     y, mean, var = per_device(jnp.asarray(x))
     z, m, v = normalise_ref(x.reshape(12, 5, 5, 2), (0, 1, 2), 1e-5)
     for d in range(4):
@@ -70,7 +78,8 @@ def test_batch_norm_train_synced_under_vmap_equals_whole_batch():
     assert np.max(np.abs(np.asarray(local_mean) - m.ravel())) > 1e-2
 
 
-def test_batch_norm_train_synced_under_shard_map_with_gradients():
+@GRADS
+def test_batch_norm_train_synced_under_shard_map_with_gradients(grad):
     devices = jax.devices()[:4]
     assert len(devices) == 4, "conftest asks for 8 host devices"
     mesh = jax.sharding.Mesh(np.array(devices), ("data",))
@@ -79,11 +88,11 @@ def test_batch_norm_train_synced_under_shard_map_with_gradients():
 
     def sharded(x, scale):
         return jax.shard_map(
-            lambda x, s: F.batch_norm_train(x, s, axis_name="data"), mesh=mesh,
+            lambda x, s: F.batch_norm_train(x, s, axis_name="data", grad=grad), mesh=mesh,
             in_specs=(P("data"), P()), out_specs=(P("data"), P(), P()))(x, scale)
 
     def whole(x, scale):
-        return F.batch_norm_train(x, scale)
+        return F.batch_norm_train(x, scale, grad="autodiff")
 
     (y, mean, var), vjp_s = jax.vjp(sharded, x, scale)
     (y_ref, mean_ref, var_ref), vjp_w = jax.vjp(whole, x, scale)
@@ -93,6 +102,115 @@ def test_batch_norm_train_synced_under_shard_map_with_gradients():
     zeros = jnp.zeros((5,))
     for a, b in zip(vjp_s((g, zeros, zeros)), vjp_w((g, zeros, zeros))):
         assert_close(a, b, 1e-4)
+
+
+def _bn_vjp(grad, x, scale, bias, cts, axis_name=None):
+    (y, mean, var), vjp = jax.vjp(
+        lambda x, s, b: F.batch_norm_train(x, s, b, eps=1e-3, axis_name=axis_name, grad=grad),
+        x, scale, bias)
+    return (y, mean, var), vjp(cts)
+
+
+@settings(max_examples=12, deadline=None)
+@given(shape=st.sampled_from([(7, 3), (2, 3, 5, 4), (3, 1, 4, 9), (5, 2, 2, 1)]),
+       offset=st.sampled_from([0.0, 3.0, -50.0]), affine=st.booleans(), seed=st.integers(0, 2**16))
+def test_batch_norm_closed_form_matches_autodiff_with_statistics_cotangents(shape, offset, affine,
+                                                                           seed):
+    """Every output's cotangent, the running-statistics ones included, against JAX's own
+    derivative of the two-pass formula (float32, 1e-4 relative to the largest gradient)."""
+    c = shape[-1]
+    x = jnp.asarray(data(seed, shape, offset))
+    scale, bias = (jnp.asarray(data(seed + 1, (c,))), jnp.asarray(data(seed + 2, (c,)))) \
+        if affine else (None, None)
+    cts = (jnp.asarray(data(seed + 3, shape, 0.0)), jnp.asarray(data(seed + 4, (c,), 0.0)),
+           jnp.asarray(data(seed + 5, (c,), 0.0)))
+    if affine:
+        (out_c, grads_c), (out_a, grads_a) = (_bn_vjp(g, x, scale, bias, cts)
+                                              for g in ("closed_form", "autodiff"))
+    else:
+        (out_c, grads_c), (out_a, grads_a) = (
+            jax.vjp(lambda x: F.batch_norm_train(x, eps=1e-3, grad=g), x)[0:1]
+            + (jax.vjp(lambda x: F.batch_norm_train(x, eps=1e-3, grad=g), x)[1](cts),)
+            for g in ("closed_form", "autodiff"))
+    for a, b in zip(out_c, out_a):
+        assert_close(a, b, RTOL[jnp.float32])
+    for a, b in zip(grads_c, grads_a):
+        assert_close(a, b, 1e-4)
+
+
+def test_batch_norm_closed_form_bf16_gradients_against_float32():
+    x = data(31, (4, 6, 6, 8), 2.0)
+    scale, bias, g = data(32, (8,)), data(33, (8,)), data(34, x.shape, 0.0)
+    zeros = jnp.zeros((8,))
+    _, (dx16, ds16, db16) = _bn_vjp("closed_form", jnp.asarray(x, jnp.bfloat16), scale, bias,
+                                    (jnp.asarray(g, jnp.bfloat16), zeros, zeros))
+    xb = np.asarray(jnp.asarray(x, jnp.bfloat16), np.float32)
+    gb = np.asarray(jnp.asarray(g, jnp.bfloat16), np.float32)
+    _, (dx, ds, db) = _bn_vjp("autodiff", xb, scale, bias, (gb, zeros, zeros))
+    assert dx16.dtype == jnp.bfloat16
+    assert_close(dx16, dx, RTOL[jnp.bfloat16])
+    assert_close(ds16, ds, 1e-4)         # the sums are taken in float32
+    assert_close(db16, db, 1e-4)
+
+
+def test_batch_norm_closed_form_statistics_survive_a_large_mean():
+    """One read of x gives both statistics by summing about a per-channel shift: without
+    it, E[x**2] - E[x]**2 at mean 1e4 and variance ~1 loses every digit in float32."""
+    x = data(35, (16, 8, 8, 3), 0.0) / 2 + 1e4
+    _, mean, var = F.batch_norm_train(x, grad="closed_form")
+    _, m, v = normalise_ref(x, (0, 1, 2), 1e-5)
+    np.testing.assert_allclose(np.asarray(mean), m.ravel(), rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(var), v.ravel(), rtol=1e-3)
+
+
+def test_batch_norm_closed_form_synced_like_the_trainer_with_statistics_cotangents():
+    """Under the trainer's ``shard_map(check_vma=False)`` the per-device gradients of a
+    loss that also uses the synced statistics add up to the whole batch's."""
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("data",))
+    x, scale, bias = (jnp.asarray(data(36, (8, 3, 3, 5))), jnp.asarray(data(37, (5,))),
+                      jnp.asarray(data(38, (5,))))
+    w = jnp.asarray(data(39, x.shape, 0.0))
+
+    def loss(y, mean, var):
+        return jnp.sum(jnp.sin(y) * w) + jnp.sum(mean * jnp.arange(5.0)) + jnp.sum(var ** 2)
+
+    def per_device(x, s, b, w_):
+        y, mean, var = F.batch_norm_train(x, s, b, axis_name="data", grad="closed_form")
+        part = jnp.sum(jnp.sin(y) * w_)
+        return (part + (jnp.sum(mean * jnp.arange(5.0)) + jnp.sum(var ** 2)) / 4)[None]
+
+    def sharded(x, s, b):
+        return jnp.sum(jax.shard_map(per_device, mesh=mesh, in_specs=(P("data"), P(), P(), P("data")),
+                                     out_specs=P("data"), check_vma=False)(x, s, b, w))
+
+    def whole(x, s, b):
+        return loss(*F.batch_norm_train(x, s, b, grad="autodiff"))
+
+    assert_close(sharded(x, scale, bias), whole(x, scale, bias), RTOL[jnp.float32])
+    for a, b in zip(jax.grad(sharded, (0, 1, 2))(x, scale, bias),
+                    jax.grad(whole, (0, 1, 2))(x, scale, bias)):
+        assert_close(a, b, 1e-4)
+
+
+def test_default_batch_norm_grad_scope_picks_the_form():
+    x = jnp.asarray(data(40, (2, 3, 3, 4)))
+
+    def primitives(fn):
+        return {str(e.primitive) for e in jax.make_jaxpr(fn)(x).eqns}
+
+    def f():  # a new function each time: a traced one is cached, and the scope acts at trace
+        return lambda x: F.batch_norm_train(x)[0]
+
+    assert not any("custom_vjp" in p for p in primitives(f()))
+    with F.default_batch_norm_grad("closed_form"):
+        assert any("custom_vjp" in p for p in primitives(f()))
+        # An explicit form in the call wins over the scope.
+        assert not any("custom_vjp" in p for p in primitives(
+            lambda x: F.batch_norm_train(x, grad="autodiff")[0]))
+    assert not any("custom_vjp" in p for p in primitives(f()))
+    with pytest.raises(ValueError, match=r"default_batch_norm_grad: grad must be .*'fused'"):
+        with F.default_batch_norm_grad("fused"):
+            pass
 
 
 def test_layer_norm_axes_and_affine():
@@ -128,6 +246,8 @@ def test_norm_gradients_numerically():
                jnp.asarray(data(24, (4,))))
     tol = dict(order=1, modes=("rev",), atol=NUMERIC_GRAD_TOL, rtol=NUMERIC_GRAD_TOL, eps=1e-2)
     check_grads(lambda x, s, b: F.batch_norm_train(x, s, b)[0], (x, s, b), **tol)
+    check_grads(lambda x, s, b: F.batch_norm_train(x, s, b, grad="closed_form")[0], (x, s, b),
+                **tol)
     check_grads(lambda x, s, b: F.layer_norm(x, s, b), (x, s, b), **tol)
     check_grads(lambda x, s, b: F.group_norm(x, 2, s, b), (x, s, b), **tol)
 
@@ -136,6 +256,7 @@ ERRORS = [
     (lambda: F.batch_norm(np.zeros((2, 3)), np.zeros(4), np.zeros(3)), r"batch_norm: mean must have shape \(3,\).*\(2, 3\).*\(4,\)"),
     (lambda: F.batch_norm_train(np.zeros((2, 3)), np.zeros(2)), r"batch_norm_train: scale must have shape \(3,\)"),
     (lambda: F.batch_norm_train(np.zeros(3)), r"batch_norm_train: x must have rank >= 2"),
+    (lambda: F.batch_norm_train(np.zeros((2, 3)), grad="fast"), r"batch_norm_train: grad must be 'auto' or one of \('autodiff', 'closed_form'\), got 'fast'"),
     (lambda: F.layer_norm(np.zeros((2, 3)), np.zeros(2)), r"layer_norm: scale must have shape \(3,\)"),
     (lambda: F.layer_norm(np.zeros((2, 3)), axes=2), r"layer_norm: axes \(2,\) out of range for x shape \(2, 3\)"),
     (lambda: F.group_norm(np.zeros((2, 4, 4, 6)), 4), r"group_norm: num_groups=4 must be a positive int dividing the 6 channels"),
@@ -159,6 +280,9 @@ def test_norms_match_torch_with_gradients():
     cases = {
         "batch_norm_train": (lambda x, s, b: F.batch_norm_train(x, s, b, eps=1e-3)[0],
                              lambda xt, st, bt: tf.batch_norm(xt, None, None, st, bt, training=True, eps=1e-3)),
+        "batch_norm_train closed_form": (
+            lambda x, s, b: F.batch_norm_train(x, s, b, eps=1e-3, grad="closed_form")[0],
+            lambda xt, st, bt: tf.batch_norm(xt, None, None, st, bt, training=True, eps=1e-3)),
         "group_norm": (lambda x, s, b: F.group_norm(x, 3, s, b),
                        lambda xt, st, bt: tf.group_norm(xt, 3, st, bt)),
     }
