@@ -129,8 +129,13 @@ def default_config(kernel: str, g: ConvGeometry, co: int, interpret: bool) -> Bl
         cfg = BlockConfig(block_m=bm, block_n=pow2_block(g.c, 16, hi), block_k=16)
     if part == "wgrad":
         chunks = -(-g.m_out // cfg.block_m)
-        tiles = g.taps * -(-co // cfg.block_n) * (-(-g.c // cfg.block_k) if family == "dense" else 1)
-        want = 2 if interpret else pow2_block(-(-2 * _SMS // tiles), 1, 64)
+        if family == "dense":  # a program per (tap, C_in tile, C_out tile, split)
+            tiles = g.taps * -(-co // cfg.block_n) * -(-g.c // cfg.block_k)
+        else:  # depthwise: a program per (channel tile, split), every tap in it
+            tiles = -(-co // cfg.block_n)
+        # About two programs per SM; depthwise may have a single channel tile to split.
+        want = 2 if interpret else pow2_block(-(-2 * _SMS // tiles), 1,
+                                              64 if family == "dense" else 256)
         cfg = BlockConfig(**{**cfg.to_dict(), "split": max(1, min(want, chunks))})
     return cfg
 
@@ -197,8 +202,10 @@ def candidates(kernel: str, g: ConvGeometry, co: int) -> list[BlockConfig]:
             c_out, c_red = g.c, 16
         widest = 256 if family == "dense" else 128
         bn, bk = min(bn, pow2_block(c_out, 16, widest)), min(bk, pow2_block(c_red, 16, 64))
+        if kernel == "depthwise_wgrad" and bm * bn > 32 * 32 * warps:
+            continue  # every tap's tile is live at once: past 32 values a thread, it spills
         for split in splits:
-            split = max(1, min(split, -(-g.m_out // bm)))
+            split = max(1, min(split, -(-g.m_out // bm), 512))
             cfg = BlockConfig(bm, bn, bk, warps, stages, split)
             if cfg not in out:
                 out.append(cfg)

@@ -7,7 +7,8 @@ taps in float32 on the vector units.  XLA runs this op slowly on GPUs (it
 becomes a grouped convolution), which is where a kernel can win.
 
 The weight gradient splits the pixel reduction into ``cfg.split`` ranges with
-one float32 partial each, added afterwards in a fixed order (no atomics).
+one float32 partial per tap each, added afterwards in a fixed order (no
+atomics); each of its programs sums all taps, so ``dy`` is read once.
 """
 from __future__ import annotations
 
@@ -108,42 +109,60 @@ def _wgrad_kernel(*refs, g: ConvGeometry, cfg: BlockConfig, has_bn: bool):
     else:
         (x_ref, dy_ref, o_ref), s_ref, t_ref = refs, None, None
     bm = cfg.block_m
-    tap = pl.program_id(0)
-    cols = cm.arange_block(1, cfg.block_n)
+    cols = cm.arange_block(0, cfg.block_n)
     col_ok = cols < g.c
     per_split = pl.cdiv(pl.cdiv(g.m_out, bm), cfg.split)
-    first = pl.program_id(2) * per_split
+    first = pl.program_id(1) * per_split
 
-    def step(q, acc):
+    def step(q, accs):
+        # One read of this block of dy serves every tap; the taps' input tiles overlap
+        # (neighbouring pixels), so after the first they come from cache, not memory.
         m = (first + q) * bm + jnp.arange(bm)
         m_ok = m < g.m_out
         n, oh, ow = cm.split_pixels(m, g.oh, g.ow)
-        rows, mask = cm.tap_rows((n, oh, ow), tap, m_ok, col_ok, g)
-        a = cm.gather(x_ref, rows[:, None], cols[None, :], mask, 0.0)
-        if has_bn:
-            a = cm.bn_relu(a, s_ref, t_ref, cols, col_ok, mask)
         d = cm.gather(dy_ref, m[:, None], cols[None, :], m_ok[:, None] & col_ok[None, :], 0.0)
-        return acc + jnp.sum(a.astype(F32) * d.astype(F32), axis=0)
+        d = d.astype(F32)
+        out = []
+        for tap, acc in enumerate(accs):
+            rows, ok = cm.input_rows(n, oh, ow, tap // g.kw, tap % g.kw, g)
+            mask = (ok & m_ok)[:, None] & col_ok[None, :]
+            a = cm.gather(x_ref, rows[:, None], cols[None, :], mask, 0.0)
+            if has_bn:
+                a = cm.bn_relu(a, s_ref, t_ref, cols, col_ok, mask)
+            out.append(acc + jnp.sum(a.astype(F32) * d, axis=0))
+        return tuple(out)
 
-    acc = lax.fori_loop(0, per_split, step, jnp.zeros((cfg.block_n,), F32))
-    plt.store(o_ref, acc, mask=col_ok)
+    zero = jnp.zeros((cfg.block_n,), F32)
+    accs = lax.fori_loop(0, per_split, step, (zero,) * g.taps)
+    # The per-tap sums as rows of one (power-of-two taps, block_n) tile; padding rows are 0.
+    taps_p2 = cm.next_pow2(g.taps)
+    tap_ids = jnp.arange(taps_p2)[:, None]
+    tile = jnp.zeros((taps_p2, cfg.block_n), F32)
+    for tap, acc in enumerate(accs):
+        tile = jnp.where(tap_ids == tap, acc[None, :], tile)
+    plt.store(o_ref, tile, mask=col_ok[None, :])
 
 
 def depthwise_wgrad(x, dy, scale, shift, *, g: ConvGeometry, cfg: BlockConfig,
                     interpret: bool):
-    """Kernel gradient ``(KH, KW, 1, C)`` in float32 of the depthwise convolution."""
+    """Kernel gradient ``(KH, KW, 1, C)`` in float32 of the depthwise convolution.
+
+    A program owns ``block_n`` channels and one of ``cfg.split`` ranges of output
+    pixels, and sums every tap's products over its range: each element of ``dy`` and
+    ``x`` is read from memory about once (a program per tap read both once per tap).
+    """
     has_bn = scale is not None
     ops = [x.reshape(g.m_in, g.c), dy.reshape(g.m_out, g.c)]
     ops += [scale, shift] if has_bn else []
-    sq = pl.squeezed
+    taps_p2 = cm.next_pow2(g.taps)
     partials = pl.pallas_call(
         functools.partial(_wgrad_kernel, g=g, cfg=cfg, has_bn=has_bn),
-        out_shape=jax.ShapeDtypeStruct((cfg.split, g.taps, g.c), F32),
-        grid=(g.taps, pl.cdiv(g.c, cfg.block_n), cfg.split),
+        out_shape=jax.ShapeDtypeStruct((cfg.split, taps_p2, g.c), F32),
+        grid=(pl.cdiv(g.c, cfg.block_n), cfg.split),
         in_specs=[cm.ANY] * len(ops),
-        out_specs=pl.BlockSpec((sq, sq, cfg.block_n), lambda t, j, s: (s, t, j)),
+        out_specs=pl.BlockSpec((pl.squeezed, taps_p2, cfg.block_n), lambda j, s: (s, 0, j)),
         compiler_params=cfg.compiler_params(),
         interpret=interpret,
         name="jaxcnn_depthwise_wgrad",
     )(*ops)
-    return fixed_order_sum(partials).reshape(g.kh, g.kw, 1, g.c)
+    return fixed_order_sum(partials)[:g.taps].reshape(g.kh, g.kw, 1, g.c)

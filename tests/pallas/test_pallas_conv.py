@@ -79,6 +79,8 @@ def test_dense_xla_backward():
     ((2, 9, 7, 8), 3, 1, 1, 1, F32, None),
     ((1, 11, 10, 20), 3, 2, "SAME", 1, BF16, pk.BlockConfig(32, 16, 16, split=3)),
     ((1, 10, 9, 8), 5, 1, 4, 2, F32, None),
+    # 49 taps (a 64-row partial tile), 2 channel tiles (20 = 16 + 4), wgrad split 2.
+    ((1, 9, 8, 20), 7, 1, 3, 1, F32, pk.BlockConfig(32, 16, 16, split=2)),
 ])
 def test_depthwise_matches_lax(x_shape, k, stride, padding, dilation, dtype, config):
     c = x_shape[3]
