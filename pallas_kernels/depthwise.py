@@ -148,8 +148,9 @@ def depthwise_wgrad(x, dy, scale, shift, *, g: ConvGeometry, cfg: BlockConfig,
     """Kernel gradient ``(KH, KW, 1, C)`` in float32 of the depthwise convolution.
 
     A program owns ``block_n`` channels and one of ``cfg.split`` ranges of output
-    pixels, and sums every tap's products over its range: each element of ``dy`` and
-    ``x`` is read from memory about once (a program per tap read both once per tap).
+    pixels, and sums every tap's products over its range: each block of ``dy`` is read
+    once and each tap's input tile after the first comes from cache (a program per tap
+    read both once per tap, through L2).
     """
     has_bn = scale is not None
     ops = [x.reshape(g.m_in, g.c), dy.reshape(g.m_out, g.c)]
