@@ -114,6 +114,22 @@ _scope = threading.local()
 
 
 @contextlib.contextmanager
+def scoped_default(name: str, value: str):
+    """Within the block, :func:`scoped` ``(name)`` is ``value`` (per thread, nestable)."""
+    saved = scoped(name)
+    setattr(_scope, name, value)
+    try:
+        yield
+    finally:
+        setattr(_scope, name, saved)
+
+
+def scoped(name: str) -> str:
+    """The innermost :func:`scoped_default` value of ``name`` in this thread, or ``"auto"``."""
+    return getattr(_scope, name, "auto")
+
+
+@contextlib.contextmanager
 def default_impl(impl: str):
     """Within the block (at trace time), ops called with ``impl="auto"`` use ``impl``.
 
@@ -127,12 +143,8 @@ def default_impl(impl: str):
     the CPU, ``"xla"`` here also keeps the CPU lowerings of ``"auto"``.
     """
     check_impl("default_impl", impl)
-    saved = getattr(_scope, "impl", "auto")
-    _scope.impl = impl
-    try:
+    with scoped_default("impl", impl):
         yield
-    finally:
-        _scope.impl = saved
 
 
 def pallas_op(op: str, impl: str, arrays, static: dict):
@@ -144,7 +156,7 @@ def pallas_op(op: str, impl: str, arrays, static: dict):
     says otherwise; ``"xla"`` never does.
     """
     if check_impl(op, impl) == "auto":
-        impl = getattr(_scope, "impl", "auto")
+        impl = scoped("impl")
     if impl == "xla":
         return None
     # Imported here: pallas_kernels itself imports jaxcnn.functional.

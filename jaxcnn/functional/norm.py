@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import threading
 
 import jax
 import jax.numpy as jnp
@@ -77,9 +76,6 @@ def _scale_shift(centred, factor, scale, bias):
     return y if bias is None else y + channel_broadcast(bias.astype(centred.dtype), centred.shape)
 
 
-_bn_scope = threading.local()
-
-
 @contextlib.contextmanager
 def default_batch_norm_grad(grad: str):
     """Within the block (at trace time), ``batch_norm_train(grad="auto")`` uses ``grad``.
@@ -91,12 +87,8 @@ def default_batch_norm_grad(grad: str):
             step = jax.jit(train_step).lower(state, batch).compile()
     """
     _check_bn_grad("default_batch_norm_grad", grad)
-    saved = getattr(_bn_scope, "grad", "auto")
-    _bn_scope.grad = grad
-    try:
+    with _args.scoped_default("batch_norm_grad", grad):
         yield
-    finally:
-        _bn_scope.grad = saved
 
 
 def _check_bn_grad(op: str, grad: str) -> str:
@@ -150,7 +142,7 @@ def batch_norm_train(x, scale=None, bias=None, *, eps=1e-5, axis_name=None, grad
     for name, v in (("scale", scale), ("bias", bias)):
         _check_channel_vector(op, name, v, x_shape[-1], x_shape)
     if _check_bn_grad(op, grad) == "auto":
-        grad = getattr(_bn_scope, "grad", "auto")
+        grad = _args.scoped("batch_norm_grad")
     if grad == "closed_form":
         acc = _acc_dtype(x)
         c = x_shape[-1]
