@@ -25,6 +25,7 @@ The cache lives at ``$JAXCNN_AUTOTUNE_CACHE`` (default
 """
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import json
 import os
@@ -279,6 +280,64 @@ def _loss_grad(fn):
     return jax.jit(jax.grad(loss, argnums=0))
 
 
+def compile_threads() -> int:
+    """Threads compiling candidate configs at once: ``$JAXCNN_AUTOTUNE_COMPILE_THREADS``, else
+    the CPU count up to 8.  Compiling (XLA, Triton, ptxas) dominates tuning and runs
+    outside Python's lock; the timing itself stays sequential."""
+    env = os.environ.get("JAXCNN_AUTOTUNE_COMPILE_THREADS")
+    if env is None:
+        return max(1, min(8, os.cpu_count() or 1))
+    try:
+        n = int(env)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise ValueError(f"JAXCNN_AUTOTUNE_COMPILE_THREADS must be a positive integer, got {env!r}")
+    return n
+
+
+def _compile_candidates(kernel: str, key: str, cfgs, chosen: dict, bench, args):
+    """``[(cfg, compiled)]`` for the candidates that lower and compile; the others are
+    skipped with a warning.  Tracing reads the global overrides, so it runs here, one
+    config at a time; the compilations then run on :func:`compile_threads` threads."""
+    lowered = []
+    for cfg in cfgs:
+        with override({**chosen, key: cfg}):
+            try:
+                lowered.append((cfg, bench(kernel).lower(*args)))
+            except Exception as e:  # a config the lowering rejects
+                warnings.warn(f"autotune: {kernel} {cfg} failed: {type(e).__name__}: {e}")
+
+    def build(item):
+        cfg, low = item
+        try:
+            return cfg, low.compile()
+        except Exception as e:  # a config the compiler rejects
+            return cfg, e
+
+    threads = min(compile_threads(), len(lowered))
+    if threads > 1:
+        with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+            built = list(pool.map(build, lowered))
+    else:
+        built = [build(item) for item in lowered]
+    out = []
+    for cfg, result in built:
+        if isinstance(result, Exception):
+            warnings.warn(f"autotune: {kernel} {cfg} failed: {type(result).__name__}: {result}")
+        else:
+            out.append((cfg, result))
+    return out
+
+
+def tuned_here(op: str, arrays, static: dict) -> bool:
+    """Whether the user's cache (not the shipped table) holds a verdict for this op call on
+    this device kind: what a resumed tuning run can skip."""
+    arrays, static = canonical_call(op, arrays, static)
+    mine = load_cache().get(device_kind(), {})
+    return op_key(op, arrays, static) in mine.get("ops", {})
+
+
 def op_key(op: str, arrays, static: dict) -> str:
     """Cache key of a whole op call: its name, array shapes/dtypes and static arguments."""
     shapes = ";".join("none" if a is None else f"{jnp.dtype(a.dtype).name}{list(a.shape)}"
@@ -295,7 +354,9 @@ def tune_op(op: str, arrays, static: dict, *, timer=time_call, candidate_fn=cand
         arrays: the op's array arguments (concrete or abstract; only shapes and
             dtypes are used, random data is timed).
         static: its keyword arguments (stride, padding, ...).
-        timer: ``timer(fn, *args) -> seconds``.
+        timer: ``timer(fn, *args) -> seconds``; ``fn`` is a compiled executable
+            for each candidate config (compiled ahead, several at once), a jitted
+            function for the final race against XLA.
         candidate_fn: ``candidate_fn(kernel, g, co) -> [BlockConfig]``.
 
     Returns:
@@ -329,14 +390,15 @@ def tune_op(op: str, arrays, static: dict, *, timer=time_call, candidate_fn=cand
     chosen: dict = {}
     limit = shared_memory_limit()
     for key, (kernel, g, co, dtype) in sorted(launched.items()):
-        best = None
         # A config whose pipelined tiles overflow shared memory would fail to launch.
-        for cfg in [c for c in candidate_fn(kernel, g, co)
-                    if limit is None or shared_memory_estimate(kernel, c, dtype) <= limit]:
+        cfgs = [c for c in candidate_fn(kernel, g, co)
+                if limit is None or shared_memory_estimate(kernel, c, dtype) <= limit]
+        best = None
+        for cfg, compiled in _compile_candidates(kernel, key, cfgs, chosen, bench, args):
             with override({**chosen, key: cfg}):
                 try:
-                    t = timer(bench(kernel), *args)
-                except Exception as e:  # a config the compiler rejects is skipped
+                    t = timer(compiled, *args)
+                except Exception as e:  # e.g. a launch the device refuses
                     warnings.warn(f"autotune: {kernel} {cfg} failed: {type(e).__name__}: {e}")
                     continue
             if best is None or t < best[0]:

@@ -24,7 +24,9 @@ bandwidth, over the measured time), and the forward+backward times and ratio.
 The bandwidth is measured in the same run (an elementwise pass over 1 GiB);
 the peak FLOP/s comes from the device-kind table (dense bf16, TF32 for
 float32).  ``--tune`` runs the autotuner for each shape first and so fills
-the cache ``impl="auto"`` reads.
+the cache ``impl="auto"`` reads; a shape already in that cache (the user's, not
+the shipped table) is not tuned again unless ``--retune``, so a run cut short
+resumes where it stopped.
 
 On a CPU backend the kernels run in the Pallas interpreter, which is no
 benchmark: the script says so and exits 0 unless ``--force``.
@@ -142,7 +144,10 @@ def _grad_of(fn, n_args):
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--force", action="store_true", help="run even on a CPU backend")
-    parser.add_argument("--tune", action="store_true", help="autotune each shape first")
+    parser.add_argument("--tune", action="store_true",
+                        help="autotune each shape first (those not in the user's cache yet)")
+    parser.add_argument("--retune", action="store_true",
+                        help="with --tune, tune shapes already in the user's cache again")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     parser.add_argument("--groups", default=",".join(GROUPS),
                         help=f"comma-separated subset of {GROUPS}")
@@ -181,7 +186,8 @@ def main(argv=None) -> int:
         args = _args(op, x_shape, w_shape, dtype)
         kernel, xla = _fns(op, kw)
         try:
-            if opts.tune and op != "bn_relu_conv2d":
+            if opts.tune and op != "bn_relu_conv2d" and (
+                    opts.retune or not autotune.tuned_here(op, args, kw)):
                 autotune.tune_op(op, args, kw)
             fns = [jax.jit(kernel), jax.jit(xla)]
             if not opts.no_grad:

@@ -9,6 +9,9 @@
 #   bash scripts/gpu_session.sh profile    # where the ResNet-50 step's device time goes
 #
 # Extra arguments go to the stage's script (e.g. `kernels --groups pool,mobilenet`).
+# `kernels` tunes only shapes not yet in $OUT/autotune.json, so when a call runs out of
+# time, the next call with the file brought back resumes; candidates compile on up to 8
+# threads ($JAXCNN_AUTOTUNE_COMPILE_THREADS).
 # The tuner's choices land in $OUT/autotune.json; `train` and `profile` read that file
 # when it exists, so run `kernels` first in the same call or bring the file back.
 # Copying it over pallas_kernels/tuned.json ships the measurements.

@@ -68,16 +68,22 @@ def test_tune_op_keeps_the_fastest_and_records_the_verdict(cache):
     def timer(fn, *args):
         jax.block_until_ready(fn(*args))
         ran.append(1)
-        is_pallas = "pallas_call" in str(jax.make_jaxpr(fn)(*args))
+        # Candidates come compiled ahead of timing; the final race times jitted functions.
+        is_pallas = isinstance(fn, jax.stages.Compiled) or "pallas_call" in str(
+            jax.make_jaxpr(fn)(*args))
         fast = sum(c.block_m == 32 for c in autotune._overrides.values())
         return (0.5 if is_pallas else 1.0) / (1 + fast)
 
     def two_candidates(kernel, g, co):
         return [pk.BlockConfig(64, 16), pk.BlockConfig(32, 16)]
 
+    assert not autotune.tuned_here("avg_pool2d", (x,), static)
     entry = autotune.tune_op("avg_pool2d", (x,), static, timer=timer,
                              candidate_fn=two_candidates)
     assert entry["pallas_faster"] and len(ran) == 2 * 2 + 4
+    # What bench_kernels --tune skips when resumed: this call, in any form, and no other.
+    assert autotune.tuned_here("avg_pool2d", (x,), dict(kernel_size=(2, 2), stride=2))
+    assert not autotune.tuned_here("avg_pool2d", (x,), dict(kernel_size=3))
     saved = autotune.load_cache()[autotune.device_kind()]
     assert {c["block_m"] for c in saved["kernels"].values()} == {32}
     assert len(saved["kernels"]) == 2  # forward and backward kernels
@@ -90,6 +96,58 @@ def test_tune_op_keeps_the_fastest_and_records_the_verdict(cache):
     on_gpu = jax.default_backend() == "gpu"  # never on CPU; on a GPU, the verdict
     assert autotune.prefers_pallas("avg_pool2d", (x,), canon) == (on_gpu, on_gpu)
     assert ("pallas_call" in str(jax.make_jaxpr(lambda x: F.avg_pool2d(x, 2))(x))) == on_gpu
+
+
+@pytest.mark.skipif(jax.default_backend() == "gpu",
+                    reason="reads the interpreter's block slices from the compiled HLO")
+def test_candidates_compile_on_threads_and_each_is_timed_as_its_own_config(cache,
+                                                                           monkeypatch):
+    """Candidates are traced one at a time (the overrides are global) and compiled on
+    several threads; each executable timed must be the config it is timed as.  The fake
+    clock reads the tile from the executable itself: interpret mode slices
+    ``(block_m, 16)`` blocks, so the smallest such shape in its HLO is the block."""
+    import re
+    import threading
+    monkeypatch.setenv("JAXCNN_AUTOTUNE_COMPILE_THREADS", "3")
+    threads = set()
+    real_compile = jax.stages.Lowered.compile
+
+    def compile_(self, *a, **k):
+        threads.add(threading.get_ident())
+        return real_compile(self, *a, **k)
+
+    monkeypatch.setattr(jax.stages.Lowered, "compile", compile_)
+    x = jnp.zeros((1, 10, 10, 16), jnp.float32)  # 25 output and 100 input pixels
+    sizes = (32, 64, 128)
+    timed = []
+
+    def timer(fn, *args):
+        jax.block_until_ready(fn(*args))
+        if not isinstance(fn, jax.stages.Compiled):
+            return 1.0  # the race against XLA
+        blocks = {int(b) for b in re.findall(r"f32\[(\d+),16\]", fn.as_text())} & set(sizes)
+        bm = min(blocks)
+        assert bm in {c.block_m for c in autotune._overrides.values()}
+        timed.append(bm)
+        return 1.0 / bm  # the largest block is the fastest
+
+    autotune.tune_op("avg_pool2d", (x,), dict(kernel_size=2), timer=timer,
+                     candidate_fn=lambda kernel, g, co: [pk.BlockConfig(bm, 16) for bm in sizes])
+    assert timed == list(sizes) * 2  # the backward kernel's candidates, then the forward's
+    assert len(threads) > 1
+    saved = autotune.load_cache()[autotune.device_kind()]["kernels"]
+    assert {c["block_m"] for c in saved.values()} == {128}
+
+
+def test_compile_threads_setting(monkeypatch):
+    monkeypatch.delenv("JAXCNN_AUTOTUNE_COMPILE_THREADS", raising=False)
+    assert 1 <= autotune.compile_threads() <= 8
+    monkeypatch.setenv("JAXCNN_AUTOTUNE_COMPILE_THREADS", "2")
+    assert autotune.compile_threads() == 2
+    for bad in ("0", "many"):
+        monkeypatch.setenv("JAXCNN_AUTOTUNE_COMPILE_THREADS", bad)
+        with pytest.raises(ValueError, match=f"JAXCNN_AUTOTUNE_COMPILE_THREADS .* got '{bad}'"):
+            autotune.compile_threads()
 
 
 def test_canonical_call_matches_what_conv2d_asks():
@@ -135,6 +193,7 @@ def test_shipped_table_below_the_user_cache(cache, monkeypatch):
     arrays, static = autotune.canonical_call("max_pool2d", (x,), dict(
         kernel_size=3, stride=2, padding=1))
     assert autotune.verdict("max_pool2d", arrays, static) == (False, True)
+    assert not autotune.tuned_here("max_pool2d", arrays, static)  # shipped, not tuned here
     w = jax.ShapeDtypeStruct((3, 3, 64, 64), jnp.bfloat16)
     conv = autotune.canonical_call("conv2d", (jax.ShapeDtypeStruct((256, 56, 56, 64),
                                                                     jnp.bfloat16), w), dict(padding=1))
