@@ -10,8 +10,9 @@
 #
 # Extra arguments go to the stage's script (e.g. `kernels --groups pool,mobilenet`).
 # `kernels` tunes only shapes not yet in $OUT/autotune.json, so when a call runs out of
-# time, the next call with the file brought back resumes; candidates compile on up to 8
-# threads ($JAXCNN_AUTOTUNE_COMPILE_THREADS).
+# time, the next one resumes: bring the file back into the tree and pass it as
+# RESUME_CACHE=path (copied to $OUT/autotune.json when that does not exist yet).
+# Candidates compile on up to 8 threads ($JAXCNN_AUTOTUNE_COMPILE_THREADS).
 # The tuner's choices land in $OUT/autotune.json; `train` and `profile` read that file
 # when it exists, so run `kernels` first in the same call or bring the file back.
 # Copying it over pallas_kernels/tuned.json ships the measurements.
@@ -22,6 +23,9 @@ OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export JAXCNN_AUTOTUNE_CACHE=$OUT/autotune.json
+if [ -n "${RESUME_CACHE:-}" ] && [ ! -f "$JAXCNN_AUTOTUNE_CACHE" ]; then
+  cp "$RESUME_CACHE" "$JAXCNN_AUTOTUNE_CACHE"
+fi
 log() { tee -a "$OUT/$stage.log"; }
 
 case $stage in
