@@ -3,7 +3,11 @@
 dgrad is again an implicit GEMM, now over input pixels:
 ``dX[M_in, C_in] = sum over taps of dY[rows(tap), C_out] @ W[tap]^T``, where an
 input pixel takes its row of ``dY`` from the output pixel whose tap reads it
-(none when the stride skips it or the tap falls outside the output).
+(none when the stride skips it or the tap falls outside the output).  With a
+stride, which taps reach an input pixel depends only on its phase
+``(ih % sh, iw % sw)``: the strided kernel gives each program pixels of one
+phase and loops over that phase's taps alone (a quarter of them at stride 2),
+instead of multiplying masked-off rows for every tap.
 
 wgrad is ``dW[tap] = X_col[M, tap]^T @ dY[M, :]`` with the long reduction
 over ``M = N * H_out * W_out``.  It is split into ``cfg.split`` contiguous
@@ -14,11 +18,13 @@ reproducible for a given config.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
 
 from pallas_kernels import _common as cm
 from pallas_kernels._common import F32, BlockConfig, ConvGeometry
@@ -50,6 +56,74 @@ def _dgrad_kernel(dy_ref, w_ref, o_ref, *, g: ConvGeometry, co: int, cfg: BlockC
     cm.store_block(o_ref, acc, r_ok, col_ok)
 
 
+def phase_taps(k: int, s: int, d: int, pad: int):
+    """Per phase ``p`` of ``s`` (input index ``% s``), the taps along one axis that reach
+    inputs of that phase: ``(first, count)`` each, and the step between them.
+
+    Tap ``i`` reaches input ``a * s + p`` when ``p + pad - i * d`` is a multiple of ``s``;
+    those ``i`` step by ``s / gcd(s, d)``.
+    """
+    step = s // math.gcd(s, d)
+    firsts, counts = [], []
+    for p in range(s):
+        taps = [i for i in range(k) if (p + pad - i * d) % s == 0]
+        assert taps == list(range(taps[0], k, step)) if taps else True
+        firsts.append(taps[0] if taps else 0)
+        counts.append(len(taps))
+    return firsts, counts, step
+
+
+def _pick(index, values):
+    """``values[index]`` for a traced scalar ``index`` and a short static list."""
+    out = jnp.zeros_like(index)
+    for v_i, v in enumerate(values):
+        out = jnp.where(index == v_i, v, out)
+    return out
+
+
+def _dgrad_strided_kernel(dy_ref, w_ref, o_ref, *, g: ConvGeometry, co: int, cfg: BlockConfig,
+                          precision):
+    bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+    first_h, count_h, step_h = phase_taps(g.kh, g.sh, g.dh, g.pt)
+    first_w, count_w, step_w = phase_taps(g.kw, g.sw, g.dw, g.pl)
+    ph, pw = cm.divmod_static(pl.program_id(2), g.sw)
+    hp, wp = pl.cdiv(g.h, g.sh), pl.cdiv(g.w, g.sw)  # pixels per phase, at most
+    q = cm.arange_block(0, bm)
+    n, a, b = cm.split_pixels(q, hp, wp)
+    ih, iw = a * g.sh + ph, b * g.sw + pw
+    r_ok = (q < g.n * hp * wp) & (ih < g.h) & (iw < g.w)
+    cols = cm.arange_block(1, bn)  # input channels
+    col_ok = cols < g.c
+    n_chunks = pl.cdiv(co, bk)
+    taps_w = _pick(pw, count_w)
+    i0, j0 = _pick(ph, first_h), _pick(pw, first_w)
+
+    def step(t, acc):
+        ki, rest = lax.div(t, taps_w * n_chunks), lax.rem(t, taps_w * n_chunks)
+        kj, kc = cm.divmod_static(rest, n_chunks)
+        i, j = i0 + ki * step_h, j0 + kj * step_w
+        # Exact divisions: this phase's taps are the ones whose offsets the stride divides.
+        th, tw = ih + g.pt - i * g.dh, iw + g.pl - j * g.dw
+        oh, ow = lax.div(jnp.maximum(th, 0), g.sh), lax.div(jnp.maximum(tw, 0), g.sw)
+        ok = r_ok & (th >= 0) & (tw >= 0) & (oh < g.oh) & (ow < g.ow)
+        rows = (n * g.oh + oh) * g.ow + ow
+        k = kc * bk + jnp.arange(bk)  # output channels
+        k_ok = k < co
+        d = cm.gather(dy_ref, rows[:, None], k[None, :], ok[:, None] & k_ok[None, :], 0.0)
+        wt = cm.gather(w_ref, ((i * g.kw + j) * g.c + cols)[None, :], k[:, None],
+                       k_ok[:, None] & col_ok[None, :], 0.0)
+        return acc + jnp.dot(d, wt, preferred_element_type=F32, precision=precision)
+
+    trips = _pick(ph, count_h) * taps_w * n_chunks  # 0 where no tap reaches the phase
+    acc = lax.fori_loop(0, trips, step, jnp.zeros((bm, bn), F32))
+    out_rows = (n * g.h + ih) * g.w + iw
+    mask = r_ok[:, None] & col_ok[None, :]
+    shape = (bm, bn)
+    plt.store(o_ref.at[jnp.broadcast_to(out_rows[:, None], shape),
+                       jnp.broadcast_to(cols[None, :], shape)],
+              acc.astype(o_ref.dtype), mask=mask)
+
+
 def conv_dgrad(dy, w, *, g: ConvGeometry, cfg: BlockConfig, interpret: bool, precision=None):
     """Gradient of the convolution with respect to its input.
 
@@ -61,17 +135,27 @@ def conv_dgrad(dy, w, *, g: ConvGeometry, cfg: BlockConfig, interpret: bool, pre
         ``(N, H, W, C_in)`` in ``dy.dtype``.
     """
     co = w.shape[3]
-    kernel = functools.partial(_dgrad_kernel, g=g, co=co, cfg=cfg, precision=precision)
+    ops = (dy.reshape(g.m_out, co), w.reshape(g.taps * g.c, co))
+    if g.sh == g.sw == 1:
+        kernel = functools.partial(_dgrad_kernel, g=g, co=co, cfg=cfg, precision=precision)
+        grid = (pl.cdiv(g.m_in, cfg.block_m), pl.cdiv(g.c, cfg.block_n))
+        out_spec = cm.block2d(cfg.block_m, cfg.block_n)
+    else:  # a grid axis per phase; each program scatters its rows of one phase
+        kernel = functools.partial(_dgrad_strided_kernel, g=g, co=co, cfg=cfg,
+                                   precision=precision)
+        per_phase = g.n * pl.cdiv(g.h, g.sh) * pl.cdiv(g.w, g.sw)
+        grid = (pl.cdiv(per_phase, cfg.block_m), pl.cdiv(g.c, cfg.block_n), g.sh * g.sw)
+        out_spec = cm.ANY
     dx = pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((g.m_in, g.c), dy.dtype),
-        grid=(pl.cdiv(g.m_in, cfg.block_m), pl.cdiv(g.c, cfg.block_n)),
+        grid=grid,
         in_specs=[cm.ANY, cm.ANY],
-        out_specs=cm.block2d(cfg.block_m, cfg.block_n),
+        out_specs=out_spec,
         compiler_params=cfg.compiler_params(),
         interpret=interpret,
         name="jaxcnn_conv_dgrad",
-    )(dy.reshape(g.m_out, co), w.reshape(g.taps * g.c, co))
+    )(*ops)
     return dx.reshape(g.n, g.h, g.w, g.c)
 
 

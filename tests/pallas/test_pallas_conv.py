@@ -65,6 +65,12 @@ def _check(x_shape, k, c_out, dtype, *, stride=1, padding=0, dilation=1, groups=
     # channel blocks (24 = 16 + 8), wgrad split 3.
     ((2, 13, 11, 20), 3, 24, 2, 1, 1, BF16, pk.BlockConfig(32, 16, 16, split=3)),
     ((1, 8, 9, 6), 3, 7, (1, 2), ((1, 0), (0, 2)), (2, 1), F32, pk.BlockConfig(32, 16, 16)),
+    # Strided input gradients by phase: 1x1/2 (three of four phases get no tap, so their
+    # pixels are written as zeros), stride 3 with dilation 2 (taps of a phase step by 3),
+    # stride 2 with dilation 2 (every tap lands on one row phase), odd sizes, 2 pixel blocks.
+    ((2, 7, 9, 8), 1, 8, 2, 0, 1, F32, pk.BlockConfig(32, 16, 16)),
+    ((1, 11, 10, 4), 3, 6, 3, 2, 2, F32, pk.BlockConfig(16, 16, 16)),
+    ((2, 9, 8, 6), 3, 5, 2, 1, 2, BF16, pk.BlockConfig(32, 16, 16)),
 ])
 def test_dense_matches_lax(x_shape, k, c_out, stride, padding, dilation, dtype, config):
     _check(x_shape, k, c_out, dtype, stride=stride, padding=padding, dilation=dilation,

@@ -78,6 +78,18 @@ def test_dense_conv_kernels_pipeline_onto_tensor_cores(dtype):
     assert reports["jaxcnn_conv_fwd"].wgmma > 0 and reports["jaxcnn_conv_dgrad"].wgmma > 0
 
 
+def test_strided_input_gradient_keeps_pipelined_tensor_core_loads_and_vector_stores():
+    """The stride-2 input gradient runs per phase and scatters its rows: its operands must
+    still be staged by cp.async into wgmma, and its stores stay 16-byte vectors."""
+    def fn(x, w):
+        return pk.conv2d(x, w, padding=1, stride=2, config=GEMM, **GPU)
+    args = (S((2, 12, 12, 64), jnp.bfloat16), S((3, 3, 64, 64), jnp.bfloat16))
+    (r,) = [r for r in ik.inspect(_grad(fn, (0,)), *args) if r.name == "jaxcnn_conv_dgrad"]
+    assert r.ld_scalar == 0 and r.cp_async > 0 and r.cp_async_narrow == 0 and r.wgmma > 0
+    assert r.st_vector > 0 and r.st_scalar == 0
+    _assert_no_spills(r)
+
+
 def test_fused_bn_relu_conv_keeps_vector_loads():
     def fn(x, w, s, t):
         return pk.conv2d(x, w, padding=1, input_scale=s, input_shift=t, relu=True,
