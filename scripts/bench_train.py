@@ -372,12 +372,13 @@ def main(argv=None):
         bf16 = gpu and case == "resnet50"
         batch = case_batch(case, args)
         variants = [(impl, bn) for impl in args.impls.split(",") for bn in args.bn_grads.split(",")]
-        runs = {}
+        runs, settings = {}, {}
         for i, (impl, bn) in enumerate(variants):
             label = "jaxcnn" if i == 0 else " ".join(
                 ["jaxcnn"] + ([f"impl={impl}"] if impl != variants[0][0] else [])
                 + ([f"bn={bn}"] if bn != variants[0][1] else []))
             runs[label] = lambda impl=impl, bn=bn: bench_jaxcnn(case, args, bf16, impl, bn)
+            settings[label] = {"impl": impl, "bn_grad": bn}
         if torch_version and "torch" in frameworks and not bf16:
             runs["torch eager"] = lambda: bench_torch(case, args, compiled=False)
         if torch_version and "torch_compile" in frameworks and gpu:
@@ -391,7 +392,8 @@ def main(argv=None):
             times[fw] = fn()
             row = {"model": case, "framework": fw, "batch": batch, "dtype": "bf16" if bf16 else "fp32",
                    "step_ms": times[fw] * 1e3, "img_s": batch / times[fw],
-                   "vs_jaxcnn": times[fw] / times["jaxcnn"], "mfu": mfu(case, batch, times[fw], bf16)}
+                   "vs_jaxcnn": times[fw] / times["jaxcnn"], "mfu": mfu(case, batch, times[fw], bf16),
+                   **settings.get(fw, {})}
             rows.append(row)
             print(f"{case:15s} {fw:22s} batch {batch:4d} {row['dtype']}  step {row['step_ms']:9.2f} ms  "
                   f"{row['img_s']:9.1f} img/s  time/jaxcnn {row['vs_jaxcnn']:5.2f}"

@@ -82,6 +82,8 @@ def test_bench_train_times_each_batch_norm_form(tmp_path):
         assert r["batch"] == 2 and r["step_ms"] > 0 and r["img_s"] == pytest.approx(
             2e3 / r["step_ms"])
     assert rows[0]["vs_jaxcnn"] == 1.0
+    assert [(r["impl"], r["bn_grad"]) for r in rows] == [("auto", "autodiff"),
+                                                          ("auto", "closed_form")]
     assert {p["pipeline"].split()[0] for p in result["pipelines"]} == {"mnist", "synthetic_batch"}
     with pytest.raises(SystemExit):
         bt.main(["--bn-grads", "fused"])
