@@ -140,7 +140,9 @@ def default_impl(impl: str):
             step = jax.jit(train_step).lower(state, batch).compile()
 
     An explicit ``impl="xla"`` or ``"pallas"`` in a call is left as given.  On
-    the CPU, ``"xla"`` here also keeps the CPU lowerings of ``"auto"``.
+    the CPU, ``"xla"`` here also keeps the CPU lowerings of ``"auto"``.  A function
+    JAX has already traced with the same argument shapes outside the block keeps its
+    cached trace: trace a fresh function object to compare.
     """
     check_impl("default_impl", impl)
     with scoped_default("impl", impl):

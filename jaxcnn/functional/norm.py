@@ -7,14 +7,13 @@ biased (population) ones, the ones used to normalise.
 from __future__ import annotations
 
 import contextlib
-import functools
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from jaxcnn.functional import _args
-from jaxcnn.functional._cpu_lowering import channel_broadcast, channel_mean, channel_sum
+from jaxcnn.functional._cpu_lowering import channel_broadcast, channel_mean
 
 #: The ways :func:`batch_norm_train` can be differentiated (``grad=``).
 BATCH_NORM_GRADS = ("autodiff", "closed_form")
@@ -85,6 +84,10 @@ def default_batch_norm_grad(grad: str):
 
         with F.default_batch_norm_grad("closed_form"):
             step = jax.jit(train_step).lower(state, batch).compile()
+
+    It acts while tracing: a function JAX has already traced (jitted and called, or
+    lowered) with the same argument shapes outside the block keeps its cached trace,
+    so trace a fresh function object (as ``scripts/bench_train.py`` does) to compare.
     """
     _check_bn_grad("default_batch_norm_grad", grad)
     with _args.scoped_default("batch_norm_grad", grad):
@@ -111,13 +114,18 @@ def batch_norm_train(x, scale=None, bias=None, *, eps=1e-5, axis_name=None, grad
     Two forms, the same function and gradients up to rounding (``grad``):
 
     * ``"autodiff"``: the mean, then the variance about it (two reads of ``x``),
-      differentiated by JAX: its backward reduces ``dy`` twice in sequence.
-    * ``"closed_form"``: both statistics in one read of ``x`` (sums about the
-      first row, a per-channel shift that keeps ``E[d**2] - E[d]**2`` clear of
-      cancellation), and the textbook backward
-      ``dx = scale * rstd * (dy - mean(dy) - xhat * mean(dy * xhat))``: one pass
-      that reduces ``dy`` and ``dy * xhat`` together, then one elementwise pass.
-      Under ``axis_name`` the two sums are ``psum``-ed, as SyncBatchNorm does.
+      all differentiated by JAX.  The variance's cotangent reaches ``x`` through
+      the centring, whose gradient is another reduction, so the backward reduces
+      twice in sequence before its elementwise pass.
+    * ``"closed_form"``: both statistics in one read of ``x`` (:func:`_moments`,
+      sums about a per-channel shift), whose VJP is the closed-form, elementwise
+      ``dmean / n + 2 dvar (x - mean) / n``.  The rest (normalising, the affine,
+      the cross-device combination) is differentiated by JAX as above, so its
+      reductions (of ``dy`` and ``dy * (x - mean)``, the parameters' gradients
+      among them) all read the same arrays and fuse into one pass on a GPU,
+      followed by one elementwise pass.  Collectives stay outside the custom VJP:
+      ``pmap``, ``shard_map`` (with or without ``check_vma``) and ``vmap``,
+      differentiated inside or out, behave as with autodiff.
 
     ``"auto"`` is ``"autodiff"`` unless :func:`default_batch_norm_grad` says
     otherwise: the closed form has not yet been timed on a GPU, and on the
@@ -143,108 +151,70 @@ def batch_norm_train(x, scale=None, bias=None, *, eps=1e-5, axis_name=None, grad
         _check_channel_vector(op, name, v, x_shape[-1], x_shape)
     if _check_bn_grad(op, grad) == "auto":
         grad = _args.scoped("batch_norm_grad")
-    if grad == "closed_form":
-        acc = _acc_dtype(x)
-        c = x_shape[-1]
-        s = jnp.ones((c,), acc) if scale is None else jnp.asarray(scale).astype(acc)
-        b = jnp.zeros((c,), acc) if bias is None else jnp.asarray(bias).astype(acc)
-        return _bn_closed_form(x, _vary_like(s, x), _vary_like(b, x), float(eps), axis_name)
     xa = x.astype(_acc_dtype(x))
-    mean = channel_mean(xa)
-    centred = xa - channel_broadcast(mean, x_shape)
-    var = channel_mean(jnp.square(centred))
+    if grad == "closed_form":
+        mean, var = _moments(xa)
+    else:
+        mean = channel_mean(xa)
+        var = channel_mean(jnp.square(xa - channel_broadcast(mean, x_shape)))
     if axis_name is not None:
         local_mean = mean
         mean = lax.pmean(local_mean, axis_name)
         var = lax.pmean(var + jnp.square(local_mean - mean), axis_name)
-        centred = xa - channel_broadcast(mean, x_shape)
+    centred = xa - channel_broadcast(mean, x_shape)
     y = _scale_shift(centred, lax.rsqrt(var + eps), scale, bias)
     return y.astype(x.dtype), mean, var
 
 
-def _global_count(shape, axis_name):
-    n = 1
-    for d in shape[:-1]:
-        n *= d
-    return n if axis_name is None else n * lax.psum(1, axis_name)
+# Rows averaged for the shift of the one-pass moments: enough that one outlying row
+# cannot move it far from the mean, few enough to cost nothing next to the full pass.
+SHIFT_ROWS = 256
 
 
-def _one_pass_stats(xa, axis_name):
-    """Per-channel mean and biased variance of ``xa`` from one read of it."""
+@jax.custom_vjp
+def _moments(xa):
+    """Per-channel mean and biased variance of ``xa`` ``(..., C)`` from one read of it.
+
+    The sums are taken about a per-channel shift (the mean of the first
+    :data:`SHIFT_ROWS` rows), which keeps ``E[d**2] - E[d]**2`` clear of
+    cancellation unless those rows sit many standard deviations from the mean.
+    The VJP is closed-form and elementwise: ``d mean / dx = 1 / n`` and
+    ``d var / dx = 2 (x - mean) / n`` (the mean's own dependence on ``x`` cancels
+    because the deviations sum to zero), so no reduction follows the variance's
+    cotangent, as one would in autodiff of ``mean((x - mean(x))**2)``.
+    """
+    return _moments_fwd(xa)[0]
+
+
+def _moments_fwd(xa):
     shape = xa.shape
-    shift = lax.stop_gradient(xa.reshape(-1, shape[-1])[0])
+    rows = xa.reshape(-1, shape[-1])
+    shift = lax.stop_gradient(jnp.mean(rows[:SHIFT_ROWS], axis=0))
     d = xa - channel_broadcast(shift, shape)
     m1 = channel_mean(d)
     var = jnp.maximum(channel_mean(jnp.square(d)) - jnp.square(m1), 0.0)
     mean = shift + m1
-    if axis_name is not None:
-        local_mean = mean
-        mean = lax.pmean(local_mean, axis_name)
-        var = lax.pmean(var + jnp.square(local_mean - mean), axis_name)
-    return mean, var
+    return (mean, var), (xa, mean)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _bn_closed_form(x, scale, bias, eps, axis_name):
-    return _bn_closed_form_fwd(x, scale, bias, eps, axis_name)[0]
+def _moments_bwd(res, cts):
+    xa, mean = res
+    dmean, dvar = cts
+    shape = xa.shape
+    n = _rows_of(shape)
+    return (channel_broadcast(dmean / n, shape)
+            + (xa - channel_broadcast(mean, shape)) * channel_broadcast(2.0 * dvar / n, shape),)
 
 
-def _bn_closed_form_fwd(x, scale, bias, eps, axis_name):
-    xa = x.astype(scale.dtype)
-    mean, var = _one_pass_stats(xa, axis_name)
-    rstd = lax.rsqrt(var + eps)
-    y = _scale_shift(xa - channel_broadcast(mean, x.shape), rstd, scale, bias)
-    return (y.astype(x.dtype), mean, var), (x, mean, rstd, scale)
+_moments.defvjp(_moments_fwd, _moments_bwd)
 
 
-def _bn_closed_form_bwd(eps, axis_name, res, cts):
-    del eps
-    x, mean, rstd, scale = res
-    dy, dmean, dvar = cts
-    acc = scale.dtype
-    shape = x.shape
-    xa = x.astype(acc)
-    dya = dy.astype(acc)
-    centred = xa - channel_broadcast(mean, shape)
-    sum_dy = channel_sum(dya)
-    sum_dy_xhat = channel_sum(dya * centred) * rstd
-    # The returned statistics' cotangents (zero when they only feed running averages):
-    # d mean / dx = 1 / count and d var / dx = 2 (x - mean) / count.
-    g_dy, g_dy_xhat, dmean, dvar = sum_dy, sum_dy_xhat, dmean.astype(acc), dvar.astype(acc)
-    if axis_name is not None:  # one all-reduce for the four (C,) vectors
-        g_dy, g_dy_xhat, dmean, dvar = lax.psum((g_dy, g_dy_xhat, dmean, dvar), axis_name)
-    count = _global_count(shape, axis_name)
-    k = scale * rstd
-    # dx = k * (dy - mean(dy) - xhat * mean(dy * xhat)), with xhat = centred * rstd
-    dxa = (dya * channel_broadcast(k, shape)
-           + channel_broadcast((dmean - k * g_dy) / count, shape)
-           + centred * channel_broadcast((2.0 * dvar - k * rstd * g_dy_xhat) / count, shape))
-    return dxa.astype(x.dtype), sum_dy_xhat, sum_dy
-
-
-def _vary_like(v, x):
-    """``v`` cast to vary along every mapped axis ``x`` varies along.
-
-    Under ``shard_map`` with its type check on (``check_vma=True``), a replicated
-    parameter's cotangent must come back replicated.  Entering the custom VJP as
-    device-varying values, the parameters get device-varying cotangents from it, and
-    autodiff's transpose of this cast sums them over the devices, as it would have
-    without the custom VJP.  With the check off (the trainer's ``shard_map``) or outside
-    any mapped axis, nothing varies and this is the identity.
-    """
-    extra = _varying_axes(x) - _varying_axes(v)
-    return lax.pcast(v, tuple(sorted(extra)), to="varying") if extra else v
-
-
-def _varying_axes(a) -> frozenset:
-    """The mapped axes ``a``'s type says it varies along (``typeof(a).mat.varying`` in
-    jax 0.10/0.11, ``.vma`` in the releases before)."""
-    aval = jax.typeof(a)
-    mat = getattr(aval, "mat", None)
-    return frozenset(getattr(mat, "varying", None) or getattr(aval, "vma", None) or ())
-
-
-_bn_closed_form.defvjp(_bn_closed_form_fwd, _bn_closed_form_bwd)
+def _rows_of(shape) -> int:
+    """Values per channel of an ``(..., C)`` shape."""
+    n = 1
+    for d in shape[:-1]:
+        n *= d
+    return n
 
 
 def layer_norm(x, scale=None, bias=None, *, axes=-1, eps=1e-5):

@@ -99,9 +99,13 @@ def test_batch_norm_train_synced_under_shard_map_with_gradients(grad):
     assert_close(y, y_ref, RTOL[jnp.float32])
     assert_close(mean, mean_ref, RTOL[jnp.float32])
     assert_close(var, var_ref, RTOL[jnp.float32])
-    zeros = jnp.zeros((5,))
-    for a, b in zip(vjp_s((g, zeros, zeros)), vjp_w((g, zeros, zeros))):
-        assert_close(a, b, 1e-4)
+    # Cotangents for the statistics too: replicated outputs (check_vma on), so each
+    # device's copy of the cotangent is the total, not a share to be summed.
+    dmean, dvar = jnp.asarray(data(41, (5,), 0.0)), jnp.asarray(data(42, (5,), 0.0))
+    for cts in ((g, jnp.zeros((5,)), jnp.zeros((5,))), (g, dmean, dvar),
+                (jnp.zeros_like(g), dmean, jnp.zeros((5,)))):
+        for a, b in zip(vjp_s(cts), vjp_w(cts)):
+            assert_close(a, b, 1e-4)
 
 
 def _bn_vjp(grad, x, scale, bias, cts, axis_name=None):
@@ -138,6 +142,25 @@ def test_batch_norm_closed_form_matches_autodiff_with_statistics_cotangents(shap
         assert_close(a, b, 1e-4)
 
 
+@GRADS
+def test_batch_norm_train_gradient_of_a_synced_vmap(grad):
+    """``grad(vmap(f, axis_name))``: the backward runs outside the mapped axis, so no
+    collective may hide in a custom VJP; the gradient equals the whole batch's."""
+    x = jnp.asarray(data(43, (4, 3, 3, 3, 2)))
+    w = jnp.asarray(data(44, x.shape, 0.0))
+
+    def per_device(x):
+        y, mean, var = jax.vmap(lambda xi: F.batch_norm_train(xi, axis_name="b", grad=grad),
+                                axis_name="b")(x)
+        return jnp.sum(jnp.sin(y) * w) + jnp.sum(mean[0] * var[0])
+
+    def whole(x):
+        y, mean, var = F.batch_norm_train(x.reshape(12, 3, 3, 2), grad="autodiff")
+        return jnp.sum(jnp.sin(y).reshape(x.shape) * w) + jnp.sum(mean * var)
+
+    assert_close(jax.grad(per_device)(x), jax.grad(whole)(x), 1e-4)
+
+
 def test_batch_norm_closed_form_bf16_gradients_against_float32():
     x = data(31, (4, 6, 6, 8), 2.0)
     scale, bias, g = data(32, (8,)), data(33, (8,)), data(34, x.shape, 0.0)
@@ -155,17 +178,25 @@ def test_batch_norm_closed_form_bf16_gradients_against_float32():
 
 def test_batch_norm_closed_form_statistics_survive_a_large_mean():
     """One read of x gives both statistics by summing about a per-channel shift: without
-    it, E[x**2] - E[x]**2 at mean 1e4 and variance ~1 loses every digit in float32."""
+    it, E[x**2] - E[x]**2 at mean 1e4 and variance ~1 loses every digit in float32.  The
+    shift averages the first rows, so one outlying first row barely moves it."""
     x = data(35, (16, 8, 8, 3), 0.0) / 2 + 1e4
     _, mean, var = F.batch_norm_train(x, grad="closed_form")
     _, m, v = normalise_ref(x, (0, 1, 2), 1e-5)
     np.testing.assert_allclose(np.asarray(mean), m.ravel(), rtol=1e-6)
     np.testing.assert_allclose(np.asarray(var), v.ravel(), rtol=1e-3)
+    x = data(36, (4096, 2), 0.0)
+    x[0] = 3e3  # 3,000 standard deviations out
+    _, _, var = F.batch_norm_train(x, grad="closed_form")
+    _, _, v = normalise_ref(x, (0,), 1e-5)
+    np.testing.assert_allclose(np.asarray(var), v.ravel(), rtol=1e-4)
 
 
 def test_batch_norm_closed_form_synced_like_the_trainer_with_statistics_cotangents():
     """Under the trainer's ``shard_map(check_vma=False)`` the per-device gradients of a
-    loss that also uses the synced statistics add up to the whole batch's."""
+    loss that also uses the synced statistics add up to the whole batch's (each device
+    holding a quarter of the statistics' terms: without the check, cotangents of the
+    replicated statistics are per device)."""
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("data",))
     x, scale, bias = (jnp.asarray(data(36, (8, 3, 3, 5))), jnp.asarray(data(37, (5,))),
                       jnp.asarray(data(38, (5,))))
