@@ -103,6 +103,17 @@ def depthwise_dgrad(dy, w, *, g: ConvGeometry, cfg: BlockConfig, interpret: bool
     return dx.reshape(g.n, g.h, g.w, g.c)
 
 
+# Taps one weight-gradient program sums: each keeps a loaded tile live, so a larger window
+# is split by rows of taps (a 7x7 filter takes seven programs of seven taps).
+MAX_WGRAD_TAPS = 9
+
+
+def wgrad_rows(g: ConvGeometry) -> int:
+    """Filter rows per weight-gradient program: all of them up to
+    :data:`MAX_WGRAD_TAPS` taps, else one."""
+    return g.kh if g.taps <= MAX_WGRAD_TAPS else 1
+
+
 def _wgrad_kernel(*refs, g: ConvGeometry, cfg: BlockConfig, has_bn: bool):
     if has_bn:
         x_ref, dy_ref, s_ref, t_ref, o_ref = refs
@@ -113,6 +124,9 @@ def _wgrad_kernel(*refs, g: ConvGeometry, cfg: BlockConfig, has_bn: bool):
     col_ok = cols < g.c
     per_split = pl.cdiv(pl.cdiv(g.m_out, bm), cfg.split)
     first = pl.program_id(1) * per_split
+    rows_here = wgrad_rows(g)
+    first_row = pl.program_id(2) * rows_here
+    taps = [(r, j) for r in range(rows_here) for j in range(g.kw)]
 
     def step(q, accs):
         # One read of this block of dy serves every tap; the taps' input tiles overlap
@@ -123,8 +137,8 @@ def _wgrad_kernel(*refs, g: ConvGeometry, cfg: BlockConfig, has_bn: bool):
         d = cm.gather(dy_ref, m[:, None], cols[None, :], m_ok[:, None] & col_ok[None, :], 0.0)
         d = d.astype(F32)
         out = []
-        for tap, acc in enumerate(accs):
-            rows, ok = cm.input_rows(n, oh, ow, tap // g.kw, tap % g.kw, g)
+        for (r, j), acc in zip(taps, accs):
+            rows, ok = cm.input_rows(n, oh, ow, first_row + r, j, g)
             mask = (ok & m_ok)[:, None] & col_ok[None, :]
             a = cm.gather(x_ref, rows[:, None], cols[None, :], mask, 0.0)
             if has_bn:
@@ -133,13 +147,13 @@ def _wgrad_kernel(*refs, g: ConvGeometry, cfg: BlockConfig, has_bn: bool):
         return tuple(out)
 
     zero = jnp.zeros((cfg.block_n,), F32)
-    accs = lax.fori_loop(0, per_split, step, (zero,) * g.taps)
+    accs = lax.fori_loop(0, per_split, step, (zero,) * len(taps))
     # The per-tap sums as rows of one (power-of-two taps, block_n) tile; padding rows are 0.
-    taps_p2 = cm.next_pow2(g.taps)
+    taps_p2 = cm.next_pow2(len(taps))
     tap_ids = jnp.arange(taps_p2)[:, None]
     tile = jnp.zeros((taps_p2, cfg.block_n), F32)
-    for tap, acc in enumerate(accs):
-        tile = jnp.where(tap_ids == tap, acc[None, :], tile)
+    for t, acc in enumerate(accs):
+        tile = jnp.where(tap_ids == t, acc[None, :], tile)
     plt.store(o_ref, tile, mask=col_ok[None, :])
 
 
@@ -147,23 +161,27 @@ def depthwise_wgrad(x, dy, scale, shift, *, g: ConvGeometry, cfg: BlockConfig,
                     interpret: bool):
     """Kernel gradient ``(KH, KW, 1, C)`` in float32 of the depthwise convolution.
 
-    A program owns ``block_n`` channels and one of ``cfg.split`` ranges of output
-    pixels, and sums every tap's products over its range: each block of ``dy`` is read
-    once and each tap's input tile after the first comes from cache (a program per tap
-    read both once per tap, through L2).
+    A program owns ``block_n`` channels, one of ``cfg.split`` ranges of output pixels
+    and :func:`wgrad_rows` rows of the filter, and sums each of those taps' products over
+    its range: each block of ``dy`` is read once per row group (once for up to 3x3) and
+    each tap's input tile after the first comes from cache (a program per tap read
+    both once per tap, through L2).
     """
     has_bn = scale is not None
     ops = [x.reshape(g.m_in, g.c), dy.reshape(g.m_out, g.c)]
     ops += [scale, shift] if has_bn else []
-    taps_p2 = cm.next_pow2(g.taps)
+    rows = wgrad_rows(g)
+    groups, group_taps = g.kh // rows, rows * g.kw
+    taps_p2 = cm.next_pow2(group_taps)
     partials = pl.pallas_call(
         functools.partial(_wgrad_kernel, g=g, cfg=cfg, has_bn=has_bn),
-        out_shape=jax.ShapeDtypeStruct((cfg.split, taps_p2, g.c), F32),
-        grid=(pl.cdiv(g.c, cfg.block_n), cfg.split),
+        out_shape=jax.ShapeDtypeStruct((cfg.split, groups * taps_p2, g.c), F32),
+        grid=(pl.cdiv(g.c, cfg.block_n), cfg.split, groups),
         in_specs=[cm.ANY] * len(ops),
-        out_specs=pl.BlockSpec((pl.squeezed, taps_p2, cfg.block_n), lambda j, s: (s, 0, j)),
+        out_specs=pl.BlockSpec((pl.squeezed, taps_p2, cfg.block_n), lambda j, s, r: (s, r, j)),
         compiler_params=cfg.compiler_params(),
         interpret=interpret,
         name="jaxcnn_depthwise_wgrad",
     )(*ops)
-    return fixed_order_sum(partials)[:g.taps].reshape(g.kh, g.kw, 1, g.c)
+    total = fixed_order_sum(partials).reshape(groups, taps_p2, g.c)[:, :group_taps]
+    return total.reshape(g.kh, g.kw, 1, g.c)

@@ -113,13 +113,16 @@ def test_depthwise_kernels_load_vectors():
         _assert_no_spills(r)
 
 
-def test_depthwise_weight_gradient_candidates_do_not_spill():
-    """The weight gradient keeps every tap's partial tile live at once: the tuner leaves
-    out tiles that would spill (256x64 on 8 warps did, 56-136 bytes on MobileNet)."""
+@pytest.mark.parametrize("k, stride, hw, c", [(3, 2, 112, 96), (7, 1, 28, 96)])
+def test_depthwise_weight_gradient_candidates_do_not_spill(k, stride, hw, c):
+    """The weight gradient keeps a loaded tile per tap live at once: the tuner leaves out
+    tiles that would spill (256x64 on 8 warps did, 56-136 bytes, on MobileNet's 3x3
+    layers), and a 7x7 filter is split into programs of one row of taps (all 49 in one
+    program spilled 544-3424 bytes on every candidate)."""
     def fn(x, w):
-        return pk.conv2d(x, w, stride=2, padding=1, groups=96, **GPU)
-    # MobileNetV2's 112x112x96 stride-2 layer at batch 256 (abstract: nothing allocated).
-    args = (S((256, 112, 112, 96), jnp.bfloat16), S((3, 3, 1, 96), jnp.bfloat16))
+        return pk.conv2d(x, w, stride=stride, padding=k // 2, groups=c, **GPU)
+    # Batch 256 (abstract: nothing allocated), as in the benchmarks.
+    args = (S((256, hw, hw, c), jnp.bfloat16), S((k, k, 1, c), jnp.bfloat16))
     found = [(r, cfg) for r, cfg in ik._candidates(_grad(fn, (1,)), args, "NVIDIA H100 80GB HBM3")
              if r.name == "jaxcnn_depthwise_wgrad"]
     assert len(found) >= 5
