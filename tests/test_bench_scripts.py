@@ -87,3 +87,34 @@ def test_bench_train_times_each_batch_norm_form(tmp_path):
     assert {p["pipeline"].split()[0] for p in result["pipelines"]} == {"mnist", "synthetic_batch"}
     with pytest.raises(SystemExit):
         bt.main(["--bn-grads", "fused"])
+
+
+def test_gpu_session_script_stages_and_resume(tmp_path):
+    """scripts/gpu_session.sh: an unknown stage exits 2; RESUME_CACHE seeds $OUT's tuner cache
+    (and never overwrites one already there); on a CPU the kernels stage runs its script,
+    which declines to time the interpreter, and logs to $OUT."""
+    import subprocess
+    import sys
+    root = os.path.join(os.path.dirname(__file__), "..")
+    script = os.path.join(root, "scripts", "gpu_session.sh")
+    env = {**os.environ, "OUT": str(tmp_path / "out")}
+    bad = subprocess.run(["bash", script, "nope"], env=env, capture_output=True, text=True)
+    assert bad.returncode == 2 and "unknown stage 'nope'" in bad.stderr
+    resume = tmp_path / "prev.json"
+    resume.write_text('{"version": 1, "devices": {}}')
+    bin_dir = tmp_path / "bin"  # `python3` on PATH is this test's interpreter
+    bin_dir.mkdir()
+    wrapper = bin_dir / "python3"
+    wrapper.write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+    wrapper.chmod(0o755)
+    env.update(RESUME_CACHE=str(resume), PATH=f"{bin_dir}{os.pathsep}{env['PATH']}")
+    run = subprocess.run(["bash", script, "kernels", "--groups", "pool"], env=env,
+                         capture_output=True, text=True, cwd=root)
+    assert run.returncode == 0, run.stderr
+    out = tmp_path / "out"
+    assert (out / "autotune.json").read_text() == resume.read_text()
+    assert "not a benchmark" in (out / "kernels.log").read_text()
+    resume.write_text("{}")  # a second call keeps the cache the first one left
+    subprocess.run(["bash", script, "kernels", "--groups", "pool"], env=env, check=True,
+                   capture_output=True, cwd=root)
+    assert (out / "autotune.json").read_text() == '{"version": 1, "devices": {}}'
