@@ -217,6 +217,13 @@ def gather(ref, idx0, idx1, mask, other):
     return plt.load(ref.at[i0, i1], mask=jnp.broadcast_to(mask, shape), other=other)
 
 
+def scatter(ref, idx0, idx1, value, mask):
+    """``ref[idx0, idx1] = value`` (broadcast) where ``mask``: :func:`gather`'s inverse."""
+    shape = jnp.shape(value)
+    plt.store(ref.at[jnp.broadcast_to(idx0, shape), jnp.broadcast_to(idx1, shape)],
+              value.astype(ref.dtype), mask=jnp.broadcast_to(mask, shape))
+
+
 def gather1d(ref, idx, mask, other):
     """``ref[idx]`` where ``mask``, ``other`` elsewhere, for a 1-D ``ref``."""
     return plt.load(ref.at[idx], mask=mask, other=other)

@@ -296,6 +296,10 @@ def compile_threads() -> int:
     return n
 
 
+def _skipped(kernel: str, cfg: BlockConfig, e: Exception) -> None:
+    warnings.warn(f"autotune: {kernel} {cfg} failed: {type(e).__name__}: {e}")
+
+
 def _compile_candidates(kernel: str, key: str, cfgs, chosen: dict, bench, args):
     """``[(cfg, compiled)]`` for the candidates that lower and compile; the others are
     skipped with a warning.  Tracing reads the global overrides, so it runs here, one
@@ -306,7 +310,7 @@ def _compile_candidates(kernel: str, key: str, cfgs, chosen: dict, bench, args):
             try:
                 lowered.append((cfg, bench(kernel).lower(*args)))
             except Exception as e:  # a config the lowering rejects
-                warnings.warn(f"autotune: {kernel} {cfg} failed: {type(e).__name__}: {e}")
+                _skipped(kernel, cfg, e)
 
     def build(item):
         cfg, low = item
@@ -324,7 +328,7 @@ def _compile_candidates(kernel: str, key: str, cfgs, chosen: dict, bench, args):
     out = []
     for cfg, result in built:
         if isinstance(result, Exception):
-            warnings.warn(f"autotune: {kernel} {cfg} failed: {type(result).__name__}: {result}")
+            _skipped(kernel, cfg, result)
         else:
             out.append((cfg, result))
     return out
@@ -399,7 +403,7 @@ def tune_op(op: str, arrays, static: dict, *, timer=time_call, candidate_fn=cand
                 try:
                     t = timer(compiled, *args)
                 except Exception as e:  # e.g. a launch the device refuses
-                    warnings.warn(f"autotune: {kernel} {cfg} failed: {type(e).__name__}: {e}")
+                    _skipped(kernel, cfg, e)
                     continue
             if best is None or t < best[0]:
                 best = (t, cfg)

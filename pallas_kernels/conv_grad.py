@@ -24,7 +24,6 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plt
 
 from pallas_kernels import _common as cm
 from pallas_kernels._common import F32, BlockConfig, ConvGeometry
@@ -101,12 +100,9 @@ def _dgrad_strided_kernel(dy_ref, w_ref, o_ref, *, g: ConvGeometry, co: int, cfg
     def step(t, acc):
         ki, rest = lax.div(t, taps_w * n_chunks), lax.rem(t, taps_w * n_chunks)
         kj, kc = cm.divmod_static(rest, n_chunks)
-        i, j = i0 + ki * step_h, j0 + kj * step_w
-        # Exact divisions: this phase's taps are the ones whose offsets the stride divides.
-        th, tw = ih + g.pt - i * g.dh, iw + g.pl - j * g.dw
-        oh, ow = lax.div(jnp.maximum(th, 0), g.sh), lax.div(jnp.maximum(tw, 0), g.sw)
-        ok = r_ok & (th >= 0) & (tw >= 0) & (oh < g.oh) & (ow < g.ow)
-        rows = (n * g.oh + oh) * g.ow + ow
+        i, j = i0 + ki * step_h, j0 + kj * step_w  # a tap whose offset the stride divides
+        rows, ok = cm.output_rows(n, ih, iw, i, j, g)
+        ok = ok & r_ok
         k = kc * bk + jnp.arange(bk)  # output channels
         k_ok = k < co
         d = cm.gather(dy_ref, rows[:, None], k[None, :], ok[:, None] & k_ok[None, :], 0.0)
@@ -116,12 +112,8 @@ def _dgrad_strided_kernel(dy_ref, w_ref, o_ref, *, g: ConvGeometry, co: int, cfg
 
     trips = _pick(ph, count_h) * taps_w * n_chunks  # 0 where no tap reaches the phase
     acc = lax.fori_loop(0, trips, step, jnp.zeros((bm, bn), F32))
-    out_rows = (n * g.h + ih) * g.w + iw
-    mask = r_ok[:, None] & col_ok[None, :]
-    shape = (bm, bn)
-    plt.store(o_ref.at[jnp.broadcast_to(out_rows[:, None], shape),
-                       jnp.broadcast_to(cols[None, :], shape)],
-              acc.astype(o_ref.dtype), mask=mask)
+    cm.scatter(o_ref, ((n * g.h + ih) * g.w + iw)[:, None], cols[None, :], acc,
+               r_ok[:, None] & col_ok[None, :])
 
 
 def conv_dgrad(dy, w, *, g: ConvGeometry, cfg: BlockConfig, interpret: bool, precision=None):

@@ -7,6 +7,7 @@ biased (population) ones, the ones used to normalise.
 from __future__ import annotations
 
 import contextlib
+import math
 
 import jax
 import jax.numpy as jnp
@@ -201,20 +202,12 @@ def _moments_bwd(res, cts):
     xa, mean = res
     dmean, dvar = cts
     shape = xa.shape
-    n = _rows_of(shape)
+    n = math.prod(shape[:-1])  # values per channel
     return (channel_broadcast(dmean / n, shape)
             + (xa - channel_broadcast(mean, shape)) * channel_broadcast(2.0 * dvar / n, shape),)
 
 
 _moments.defvjp(_moments_fwd, _moments_bwd)
-
-
-def _rows_of(shape) -> int:
-    """Values per channel of an ``(..., C)`` shape."""
-    n = 1
-    for d in shape[:-1]:
-        n *= d
-    return n
 
 
 def layer_norm(x, scale=None, bias=None, *, axes=-1, eps=1e-5):
