@@ -17,7 +17,12 @@ Frameworks: jaxcnn (``impl="auto"``, so the CPU lowerings of
 ``jaxcnn.functional._cpu_lowering`` apply); PyTorch eager (NCHW, its CPU
 default); on a GPU also torch.compile with channels-last and bf16 autocast;
 Flax (linen) when installed.  Importing jaxcnn first puts the XLA:CPU flag of
-``_cpu_lowering`` in place for every JAX framework in this process, Flax too.
+``_cpu_lowering`` in place for every JAX framework in this process, Flax too,
+and on a CPU jaxcnn's glibc malloc settings (``jaxcnn._host_memory``) for
+everything in this process, PyTorch too.  So where those settings are on,
+PyTorch eager is timed twice: in this process ("torch eager +jaxcnn malloc")
+and in a fresh process with glibc's defaults ("torch eager"), as PyTorch runs
+on its own; each row's ``malloc`` says which.
 
 On a GPU the table adds MFU: 3 x 2 x the forward MACs from ``jaxcnn.summary``
 per image (forward 1x, backward 2x), divided by the step time and the
@@ -34,8 +39,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 
@@ -45,6 +52,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jaxcnn import _host_memory
 from jaxcnn import functional as F
 from jaxcnn import models, summary
 from jaxcnn.summary import peak_flops
@@ -200,6 +208,25 @@ def bench_torch(case, args, compiled):
 
 # ---- Flax -----------------------------------------------------------------------------------
 
+def bench_torch_default_malloc(case, args) -> float:
+    """:func:`bench_torch` (eager) in a fresh Python with ``JAXCNN_CPU_MALLOC=0``: PyTorch
+    with glibc's default malloc, as it runs without jaxcnn in the process."""
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); import bench_train as B; "
+            "args = B.build_parser().parse_args(sys.argv[3:]); "
+            "print('STEP_S', B.bench_torch(sys.argv[2], args, compiled=False))")
+    argv = ["--steps", str(args.steps), "--reps", str(args.reps), "--warmup", str(args.warmup)]
+    if args.batch:
+        argv += ["--batch", str(args.batch)]
+    done = subprocess.run([sys.executable, "-c", code, os.path.dirname(os.path.abspath(__file__)),
+                           case, *argv], env={**os.environ, "JAXCNN_CPU_MALLOC": "0"},
+                          capture_output=True, text=True, check=False)
+    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("STEP_S ")]
+    if done.returncode or not lines:
+        raise RuntimeError(f"torch eager in a fresh process failed (exit {done.returncode}):\n"
+                           f"{done.stderr[-2000:]}")
+    return float(lines[-1].split()[1])
+
+
 def flax_model(case):
     from flax import linen as nn
 
@@ -326,8 +353,7 @@ def mfu(case, batch, step_s, bf16):
     return 6 * macs / step_s / peak
 
 
-def main(argv=None):
-    gpu = jax.default_backend() == "gpu"
+def build_parser(gpu: bool = False) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default=",".join(c for c, v in CASES.items() if gpu or not v[5]),
                         help=f"comma-separated, from {list(CASES)}")
@@ -345,6 +371,12 @@ def main(argv=None):
     parser.add_argument("--warmup", type=int, default=1, help="untimed runs first")
     parser.add_argument("--pipeline-seconds", type=float, default=3.0)
     parser.add_argument("--json", help="also write the results here")
+    return parser
+
+
+def main(argv=None):
+    gpu = jax.default_backend() == "gpu"
+    parser = build_parser(gpu)
     args = parser.parse_args(argv)
     frameworks = args.frameworks.split(",")
     for bn in args.bn_grads.split(","):
@@ -364,7 +396,8 @@ def main(argv=None):
 
     print(f"# {platform.node()}  {jax.devices()[0].device_kind} ({jax.default_backend()}, "
           f"{jax.device_count()} device(s))  jax {jax.__version__}  torch {torch_version}  "
-          f"flax {flax_version or 'not installed'}")
+          f"flax {flax_version or 'not installed'}  malloc "
+          f"{'jaxcnn (arena 1, no mmap, no trim)' if _host_memory.configured() else 'default'}")
     rows, step_rate = [], {}
     for case in args.models.split(","):
         if case not in CASES:
@@ -380,7 +413,12 @@ def main(argv=None):
             runs[label] = lambda impl=impl, bn=bn: bench_jaxcnn(case, args, bf16, impl, bn)
             settings[label] = {"impl": impl, "bn_grad": bn}
         if torch_version and "torch" in frameworks and not bf16:
-            runs["torch eager"] = lambda: bench_torch(case, args, compiled=False)
+            if _host_memory.configured():
+                runs["torch eager"] = lambda: bench_torch_default_malloc(case, args)
+                settings["torch eager"] = {"malloc": "default"}
+                runs["torch eager +jaxcnn malloc"] = lambda: bench_torch(case, args, compiled=False)
+            else:
+                runs["torch eager"] = lambda: bench_torch(case, args, compiled=False)
         if torch_version and "torch_compile" in frameworks and gpu:
             runs["torch.compile cl+bf16"] = lambda: bench_torch(case, args, compiled=True)
         if flax_version and "flax" in frameworks:
@@ -393,9 +431,10 @@ def main(argv=None):
             row = {"model": case, "framework": fw, "batch": batch, "dtype": "bf16" if bf16 else "fp32",
                    "step_ms": times[fw] * 1e3, "img_s": batch / times[fw],
                    "vs_jaxcnn": times[fw] / times["jaxcnn"], "mfu": mfu(case, batch, times[fw], bf16),
+                   "malloc": "jaxcnn" if _host_memory.configured() else "default",
                    **settings.get(fw, {})}
             rows.append(row)
-            print(f"{case:15s} {fw:22s} batch {batch:4d} {row['dtype']}  step {row['step_ms']:9.2f} ms  "
+            print(f"{case:15s} {fw:26s} batch {batch:4d} {row['dtype']}  step {row['step_ms']:9.2f} ms  "
                   f"{row['img_s']:9.1f} img/s  time/jaxcnn {row['vs_jaxcnn']:5.2f}"
                   + (f"  MFU {row['mfu']:.1%}" if row["mfu"] is not None else ""), flush=True)
         step_rate[case] = batch / times["jaxcnn"]

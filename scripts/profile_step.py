@@ -18,6 +18,7 @@ import collections
 import glob
 import gzip
 import json
+import os
 import re
 import sys
 import tempfile
@@ -77,6 +78,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", help="keep the trace and the HLO here")
     args = p.parse_args(argv)
     out = args.out or tempfile.mkdtemp(prefix="jaxcnn-profile-")
+    os.makedirs(out, exist_ok=True)
     shape = (args.batch, args.size, args.size, args.channels)
     model = models.get(args.model, num_classes=args.classes)
     policy = P.get_policy(args.policy)

@@ -89,6 +89,29 @@ def test_bench_train_times_each_batch_norm_form(tmp_path):
         bt.main(["--bn-grads", "fused"])
 
 
+@pytest.mark.parametrize("configured", [True, False])
+def test_bench_train_times_torch_with_and_without_jaxcnn_malloc(tmp_path, monkeypatch, configured):
+    """Where jaxcnn's malloc settings are on (they apply to the whole process), PyTorch eager
+    is also timed in a fresh process with glibc's defaults, and each row says which."""
+    pytest.importorskip("torch")
+    bt = _load("bench_train")
+    monkeypatch.setattr(bt._host_memory, "_configured", configured)
+    out = tmp_path / "t.json"
+    bt.main(["--models", "mnist_cnn", "--batch", "2", "--frameworks", "jaxcnn,torch",
+             "--steps", "1", "--reps", "1", "--warmup", "0", "--pipeline-seconds", "0.01",
+             "--json", str(out)])
+    rows = json.loads(out.read_text())["steps"]
+    if configured:
+        assert [(r["framework"], r["malloc"]) for r in rows] == [
+            ("jaxcnn", "jaxcnn"), ("torch eager", "default"),
+            ("torch eager +jaxcnn malloc", "jaxcnn")]
+    else:
+        assert [(r["framework"], r["malloc"]) for r in rows] == [
+            ("jaxcnn", "default"), ("torch eager", "default")]
+    for r in rows:
+        assert r["step_ms"] > 0 and r["vs_jaxcnn"] == pytest.approx(r["step_ms"] / rows[0]["step_ms"])
+
+
 def test_gpu_session_script_stages_and_resume(tmp_path):
     """scripts/gpu_session.sh: an unknown stage exits 2; RESUME_CACHE seeds $OUT's tuner cache
     (and never overwrites one already there); on a CPU the kernels stage runs its script,

@@ -1,0 +1,133 @@
+"""glibc ``malloc`` settings that keep XLA:CPU's per-step buffers mapped.
+
+Why: XLA:CPU allocates the temporary buffer of an executable (every intermediate
+of a training step in one block: 94 MB for mnist_cnn at batch 128, 633 MB for a
+CIFAR ResNet-18) with the C allocator on every run and frees it after.  glibc
+serves blocks that large with ``mmap`` and gives them back with ``munmap``, so
+each step writes into pages the kernel has to fault in and zero again: 22,874
+minor faults per mnist_cnn step, 39 ms of system time on 2 cores, and a
+74 ms step that takes 54 ms without them (docs/BENCHMARKS.md).
+
+:func:`configure_malloc` asks glibc (``mallopt``) to keep that memory:
+
+- ``M_ARENA_MAX = 1``: every thread allocates from the main arena.  The XLA
+  client threads that allocate the buffer would otherwise get arenas of their
+  own, whose heaps (64 MB at most) cannot hold it and are unmapped when empty.
+- ``M_MMAP_MAX = 0``: large blocks come from the heap instead of ``mmap``
+  (glibc still falls back to ``mmap`` if the heap cannot grow).
+- ``M_TRIM_THRESHOLD = 2 GiB - 1``: free memory at the top of the heap goes
+  back to the system only beyond that.
+
+The price is the usual one for a caching allocator: the process keeps its peak
+heap instead of returning freed memory, and all threads share one arena.
+
+It acts only where it helps and is safe: Linux with glibc; JAX not running on
+an accelerator (``JAX_PLATFORMS`` unset or ``cpu``, and no accelerator plugin
+installed unless ``JAX_PLATFORMS=cpu``); before any JAX backend exists (set
+later it makes things worse: threads that already own arenas keep them, and
+blocks that went to ``mmap`` then land in those arenas' heaps, which are
+unmapped whenever they empty); and not when the environment already tunes
+malloc (``MALLOC_ARENA_MAX``, ``MALLOC_MMAP_MAX_``, ``MALLOC_TRIM_THRESHOLD_``,
+``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TOP_PAD_`` or ``glibc.malloc`` tunables in
+``GLIBC_TUNABLES``), or ``LD_PRELOAD`` brings another allocator.
+``JAXCNN_CPU_MALLOC=0`` turns it off.  ``import jaxcnn`` calls it once.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+
+# mallopt parameters (malloc.h)
+M_TRIM_THRESHOLD = -1
+M_MMAP_MAX = -4
+M_ARENA_MAX = -8
+
+SETTINGS = ((M_ARENA_MAX, 1), (M_MMAP_MAX, 0), (M_TRIM_THRESHOLD, 2 ** 31 - 1))
+
+_MALLOC_ENV = ("MALLOC_ARENA_MAX", "MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_",
+               "MALLOC_MMAP_THRESHOLD_", "MALLOC_TOP_PAD_")
+
+_configured = False
+
+
+def configured() -> bool:
+    """Whether :func:`configure_malloc` changed this process's malloc settings."""
+    return _configured
+
+
+def _glibc():
+    """The C library as a ``ctypes.CDLL`` if it is glibc, else None."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(None)
+        libc.gnu_get_libc_version.restype = ctypes.c_char_p
+        libc.gnu_get_libc_version()
+        return libc
+    except (OSError, AttributeError):
+        return None
+
+
+def _backends_initialized() -> bool:
+    """Whether a JAX backend already exists (True when that cannot be told)."""
+    if "jax" not in sys.modules:
+        return False
+    try:
+        from jax._src import xla_bridge
+        return bool(xla_bridge.backends_are_initialized())
+    except (ImportError, AttributeError):
+        return True
+
+
+def _accelerator_plugin() -> bool:
+    """Whether a JAX accelerator plugin (CUDA, ROCm, TPU) is installed."""
+    import importlib.metadata
+    import importlib.util
+
+    if any(importlib.util.find_spec(m) is not None for m in ("jax_plugins", "libtpu")):
+        return True
+    try:
+        return bool(importlib.metadata.entry_points(group="jax_plugins"))
+    except Exception:  # noqa: BLE001  (a broken distribution must not break the import)
+        return False
+
+
+def skip_reason(environ=os.environ) -> str | None:
+    """Why :func:`configure_malloc` would leave malloc alone here, or None."""
+    if environ.get("JAXCNN_CPU_MALLOC", "1") == "0":
+        return "JAXCNN_CPU_MALLOC=0"
+    if any(k in environ for k in _MALLOC_ENV) or "glibc.malloc" in environ.get("GLIBC_TUNABLES", ""):
+        return "the environment already tunes malloc"
+    if environ.get("LD_PRELOAD"):
+        return "LD_PRELOAD is set (another allocator?)"
+    platforms = environ.get("JAX_PLATFORMS", "")
+    if platforms and platforms.split(",")[0].strip() != "cpu":
+        return f"JAX_PLATFORMS={platforms}"
+    if _glibc() is None:
+        return "not Linux with glibc"
+    if _backends_initialized():
+        return "a JAX backend already exists"
+    if not platforms and _accelerator_plugin():
+        return "an accelerator plugin is installed"
+    return None
+
+
+def configure_malloc(environ=os.environ, mallopt=None) -> bool:
+    """Applies :data:`SETTINGS` with ``mallopt`` unless :func:`skip_reason` gives a reason.
+
+    Arguments:
+        environ: the environment to read.
+        mallopt: ``mallopt(param, value) -> int`` to call (default: glibc's).
+
+    Returns:
+        True when every setting was applied.
+    """
+    global _configured
+    if skip_reason(environ) is not None:
+        return False
+    if mallopt is None:
+        mallopt = _glibc().mallopt
+    ok = all([mallopt(param, value) == 1 for param, value in SETTINGS])
+    _configured = _configured or ok
+    return ok

@@ -1,0 +1,106 @@
+"""jaxcnn._host_memory: when the glibc malloc settings apply, and that they keep XLA:CPU's
+per-run temporary buffer mapped (minor page faults per run, counted in fresh processes)."""
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from jaxcnn import _host_memory as H
+
+
+def _cpu_env(**extra):
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("MALLOC_") and k not in ("GLIBC_TUNABLES", "LD_PRELOAD",
+                                                        "JAXCNN_CPU_MALLOC")}
+    env.update(JAX_PLATFORMS="cpu", **extra)
+    return env
+
+
+@pytest.mark.parametrize("env, reason", [
+    ({"JAXCNN_CPU_MALLOC": "0"}, "JAXCNN_CPU_MALLOC=0"),
+    ({"MALLOC_ARENA_MAX": "2"}, "already tunes malloc"),
+    ({"MALLOC_TRIM_THRESHOLD_": "0"}, "already tunes malloc"),
+    ({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}, "already tunes malloc"),
+    ({"LD_PRELOAD": "libjemalloc.so.2"}, "LD_PRELOAD"),
+    ({"JAX_PLATFORMS": "cuda"}, "JAX_PLATFORMS=cuda"),
+    ({"JAX_PLATFORMS": "tpu,cpu"}, "JAX_PLATFORMS=tpu,cpu"),
+])
+def test_left_alone_when_the_environment_says_so(env, reason):
+    called = []
+    assert reason in H.skip_reason(env)
+    assert not H.configure_malloc(env, mallopt=lambda *a: called.append(a) or 1)
+    assert not called
+
+
+def test_left_alone_once_a_backend_exists():
+    import jax
+    jax.numpy.zeros(1).block_until_ready()  # this test process has a backend now
+    called = []
+    assert H.skip_reason({"JAX_PLATFORMS": "cpu"}) in (
+        "a JAX backend already exists", "not Linux with glibc")
+    assert not H.configure_malloc({"JAX_PLATFORMS": "cpu"},
+                                  mallopt=lambda *a: called.append(a) or 1)
+    assert not called
+
+
+def test_applies_every_setting_in_order(monkeypatch):
+    monkeypatch.setattr(H, "_glibc", lambda: object())
+    monkeypatch.setattr(H, "_backends_initialized", lambda: False)
+    monkeypatch.setattr(H, "_accelerator_plugin", lambda: False)
+    monkeypatch.setattr(H, "_configured", False)
+    called = []
+    assert H.skip_reason({}) is None
+    assert H.configure_malloc({}, mallopt=lambda p, v: called.append((p, v)) or 1)
+    assert called == [(H.M_ARENA_MAX, 1), (H.M_MMAP_MAX, 0), (H.M_TRIM_THRESHOLD, 2 ** 31 - 1)]
+    assert H.configured()
+    # A setting glibc refuses: reported, the others still tried.
+    monkeypatch.setattr(H, "_configured", False)
+    called.clear()
+    assert not H.configure_malloc({}, mallopt=lambda p, v: called.append(p) or int(p != H.M_MMAP_MAX))
+    assert called == [p for p, _ in H.SETTINGS] and not H.configured()
+    # An accelerator plugin keeps glibc's defaults unless JAX is told to use the CPU.
+    monkeypatch.setattr(H, "_accelerator_plugin", lambda: True)
+    assert H.skip_reason({}) == "an accelerator plugin is installed"
+    assert H.skip_reason({"JAX_PLATFORMS": "cpu"}) is None
+
+
+_FAULTS = textwrap.dedent("""
+    import resource, sys
+    {before}
+    import jaxcnn
+    from jaxcnn import _host_memory
+    import jax, jax.numpy as jnp
+    x = jnp.ones((2048, 2048), jnp.float32)
+    run = jax.jit(lambda x: jnp.sum(jnp.cumsum(jnp.sin(x), axis=0) * x, axis=0)).lower(x).compile()
+    temp = run.memory_analysis().temp_size_in_bytes
+    for _ in range(20):  # the heap settles (it grows a few times before every block fits)
+        run(x).block_until_ready()
+    r0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(10):
+        run(x).block_until_ready()
+    faults = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - r0) / 10
+    print(_host_memory.configured(), _host_memory.skip_reason(), temp, faults)
+""")
+
+
+def _faults(env, before=""):
+    done = subprocess.run([sys.executable, "-c", _FAULTS.format(before=before)], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    configured, *reason, temp, faults = done.stdout.split()
+    return configured == "True", " ".join(reason), int(temp), float(faults)
+
+
+@pytest.mark.skipif(H._glibc() is None, reason="glibc malloc settings: Linux with glibc only")
+def test_temporary_buffer_stays_mapped_between_runs():
+    on, _, temp, faults_on = _faults(_cpu_env())
+    off, reason, _, faults_off = _faults(_cpu_env(JAXCNN_CPU_MALLOC="0"))
+    late, late_reason, _, _ = _faults(_cpu_env(), before="import jax; jax.numpy.ones(1).sum()")
+    assert on and not off and reason == "JAXCNN_CPU_MALLOC=0"
+    assert not late and late_reason == "a JAX backend already exists"
+    pages = temp / 4096
+    assert temp > 16 * 2 ** 20  # the run needs a block glibc would map and unmap
+    assert faults_off > 0.5 * pages  # glibc's defaults: the block is faulted in every run
+    assert faults_on < 0.1 * pages  # jaxcnn's: it stays mapped
