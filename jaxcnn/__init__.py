@@ -6,7 +6,10 @@ config-driven trainer.
 """
 from jaxcnn import _host_memory
 
-_host_memory.configure_malloc()  # first: before anything can start a JAX backend
+try:  # first: before anything can start a JAX backend
+    _host_memory.configure_malloc()
+except Exception:  # noqa: BLE001  (a speed setting must never break the import)
+    pass
 
 from jaxcnn import functional, layers, models, precision, interop  # noqa: E402
 from jaxcnn.summary import summary  # noqa: E402

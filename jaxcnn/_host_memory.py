@@ -6,24 +6,30 @@ CIFAR ResNet-18) with the C allocator on every run and frees it after.  glibc
 serves blocks that large with ``mmap`` and gives them back with ``munmap``, so
 each step writes into pages the kernel has to fault in and zero again: 22,874
 minor faults per mnist_cnn step, 39 ms of system time on 2 cores, and a
-74 ms step that takes 54 ms without them (docs/BENCHMARKS.md).
+74 ms step that takes 53 ms without them (docs/BENCHMARKS.md, session 6).
 
 :func:`configure_malloc` asks glibc (``mallopt``) to keep that memory:
 
-- ``M_ARENA_MAX = 1``: every thread allocates from the main arena.  The XLA
-  client threads that allocate the buffer would otherwise get arenas of their
-  own, whose heaps (64 MB at most) cannot hold it and are unmapped when empty.
+- ``M_ARENA_MAX = 1``: threads that have no arena yet (XLA's, which start with
+  the backend) allocate from the main arena.  The XLA client threads that
+  allocate the buffer would otherwise get arenas of their own, whose heaps
+  (64 MB at most) cannot hold it and are unmapped when empty.
 - ``M_MMAP_MAX = 0``: large blocks come from the heap instead of ``mmap``
   (glibc still falls back to ``mmap`` if the heap cannot grow).
 - ``M_TRIM_THRESHOLD = 2 GiB - 1``: free memory at the top of the heap goes
   back to the system only beyond that.
 
-The price is the usual one for a caching allocator: the process keeps its peak
-heap instead of returning freed memory, and all threads share one arena.
+The price is the usual one for a caching allocator, and it covers every host
+allocation in the process (numpy, data pipelines, PyTorch), not only XLA's: the
+process keeps its peak heap instead of returning freed memory (resident memory
++170 MB for mnist_cnn, +1.1 GB for the ResNet-18 step), and all threads share
+one arena.  ``ctypes.CDLL(None).malloc_trim(0)`` gives free memory back on
+demand.  Where transparent huge pages are ``always`` on, glibc's defaults fault
+2 MB at a time and the gain is smaller.
 
-It acts only where it helps and is safe: Linux with glibc; JAX not running on
-an accelerator (``JAX_PLATFORMS`` unset or ``cpu``, and no accelerator plugin
-installed unless ``JAX_PLATFORMS=cpu``); before any JAX backend exists (set
+It acts only where it is meant to help: Linux with glibc; JAX on the CPU only
+(``JAX_PLATFORMS`` unset or exactly ``cpu``, and no accelerator plugin installed
+unless ``JAX_PLATFORMS=cpu``); before any JAX backend exists (set
 later it makes things worse: threads that already own arenas keep them, and
 blocks that went to ``mmap`` then land in those arenas' heaps, which are
 unmapped whenever they empty); and not when the environment already tunes
@@ -85,12 +91,12 @@ def _accelerator_plugin() -> bool:
     import importlib.metadata
     import importlib.util
 
-    if any(importlib.util.find_spec(m) is not None for m in ("jax_plugins", "libtpu")):
-        return True
     try:
+        if any(importlib.util.find_spec(m) is not None for m in ("jax_plugins", "libtpu")):
+            return True
         return bool(importlib.metadata.entry_points(group="jax_plugins"))
-    except Exception:  # noqa: BLE001  (a broken distribution must not break the import)
-        return False
+    except Exception:  # noqa: BLE001  (a broken installation must not break the import)
+        return True
 
 
 def skip_reason(environ=os.environ) -> str | None:
@@ -102,7 +108,7 @@ def skip_reason(environ=os.environ) -> str | None:
     if environ.get("LD_PRELOAD"):
         return "LD_PRELOAD is set (another allocator?)"
     platforms = environ.get("JAX_PLATFORMS", "")
-    if platforms and platforms.split(",")[0].strip() != "cpu":
+    if platforms and [p.strip() for p in platforms.split(",") if p.strip()] != ["cpu"]:
         return f"JAX_PLATFORMS={platforms}"
     if _glibc() is None:
         return "not Linux with glibc"

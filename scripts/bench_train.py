@@ -22,7 +22,8 @@ and on a CPU jaxcnn's glibc malloc settings (``jaxcnn._host_memory``) for
 everything in this process, PyTorch too.  So where those settings are on,
 PyTorch eager is timed twice: in this process ("torch eager +jaxcnn malloc")
 and in a fresh process with glibc's defaults ("torch eager"), as PyTorch runs
-on its own; each row's ``malloc`` says which.
+without jaxcnn (that process still imports JAX, idle); each row's ``malloc``
+says which.
 
 On a GPU the table adds MFU: 3 x 2 x the forward MACs from ``jaxcnn.summary``
 per image (forward 1x, backward 2x), divided by the step time and the
@@ -208,10 +209,20 @@ def bench_torch(case, args, compiled):
 
 # ---- Flax -----------------------------------------------------------------------------------
 
+def malloc_label() -> str:
+    """How this process's malloc is set: ``jaxcnn``, ``environment`` (``MALLOC_*``,
+    ``GLIBC_TUNABLES``, ``LD_PRELOAD``) or ``default``."""
+    if _host_memory.configured():
+        return "jaxcnn"
+    reason = _host_memory.skip_reason() or ""
+    return "environment" if "tunes malloc" in reason or "LD_PRELOAD" in reason else "default"
+
+
 def bench_torch_default_malloc(case, args) -> float:
     """:func:`bench_torch` (eager) in a fresh Python with ``JAXCNN_CPU_MALLOC=0``: PyTorch
     with glibc's default malloc, as it runs without jaxcnn in the process."""
     code = ("import sys; sys.path.insert(0, sys.argv[1]); import bench_train as B; "
+            "assert not B._host_memory.configured(), 'malloc settings on in the child'; "
             "args = B.build_parser().parse_args(sys.argv[3:]); "
             "print('STEP_S', B.bench_torch(sys.argv[2], args, compiled=False))")
     argv = ["--steps", str(args.steps), "--reps", str(args.reps), "--warmup", str(args.warmup)]
@@ -219,7 +230,7 @@ def bench_torch_default_malloc(case, args) -> float:
         argv += ["--batch", str(args.batch)]
     done = subprocess.run([sys.executable, "-c", code, os.path.dirname(os.path.abspath(__file__)),
                            case, *argv], env={**os.environ, "JAXCNN_CPU_MALLOC": "0"},
-                          capture_output=True, text=True, check=False)
+                          capture_output=True, text=True, check=False, timeout=3600)
     lines = [ln for ln in done.stdout.splitlines() if ln.startswith("STEP_S ")]
     if done.returncode or not lines:
         raise RuntimeError(f"torch eager in a fresh process failed (exit {done.returncode}):\n"
@@ -396,8 +407,7 @@ def main(argv=None):
 
     print(f"# {platform.node()}  {jax.devices()[0].device_kind} ({jax.default_backend()}, "
           f"{jax.device_count()} device(s))  jax {jax.__version__}  torch {torch_version}  "
-          f"flax {flax_version or 'not installed'}  malloc "
-          f"{'jaxcnn (arena 1, no mmap, no trim)' if _host_memory.configured() else 'default'}")
+          f"flax {flax_version or 'not installed'}  malloc {malloc_label()}")
     rows, step_rate = [], {}
     for case in args.models.split(","):
         if case not in CASES:
@@ -431,7 +441,7 @@ def main(argv=None):
             row = {"model": case, "framework": fw, "batch": batch, "dtype": "bf16" if bf16 else "fp32",
                    "step_ms": times[fw] * 1e3, "img_s": batch / times[fw],
                    "vs_jaxcnn": times[fw] / times["jaxcnn"], "mfu": mfu(case, batch, times[fw], bf16),
-                   "malloc": "jaxcnn" if _host_memory.configured() else "default",
+                   "malloc": malloc_label(),
                    **settings.get(fw, {})}
             rows.append(row)
             print(f"{case:15s} {fw:26s} batch {batch:4d} {row['dtype']}  step {row['step_ms']:9.2f} ms  "

@@ -7,6 +7,10 @@ import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# jaxcnn's glibc malloc settings keep each process's peak heap; the suite's workers run
+# many shapes, so they keep glibc's defaults.  tests/test_host_memory.py checks the
+# settings in fresh processes.
+os.environ.setdefault("JAXCNN_CPU_MALLOC", "0")
 
 import jax  # noqa: E402
 
