@@ -23,7 +23,7 @@ import numpy as np
 import optax
 import yaml
 
-from jaxcnn import interop, models, parallel
+from jaxcnn import _host_memory, interop, models, parallel
 from jaxcnn import precision as P
 from jaxcnn.data import (Prefetcher, SyntheticSpec, eval_batches, load_dataset, steps_per_epoch,
                          synthetic_batch, synthetic_dataset, train_batch)
@@ -313,6 +313,9 @@ def run_metadata(argv, config_path) -> dict:
         "versions": {n: version(n) for n in ("jaxcnn", "jax", "jaxlib", "optax", "orbax-checkpoint",
                                              "numpy")},
         "backend": jax.default_backend(),
+        # Whether jaxcnn's glibc malloc settings are on: they trade resident memory for speed.
+        "host_malloc": "jaxcnn" if _host_memory.configured() else (
+            _host_memory.skip_reason() or "default"),
         "devices": [str(d) for d in jax.devices()], "process_count": jax.process_count(),
         "git_commit": commit,
     }

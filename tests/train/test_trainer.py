@@ -61,6 +61,8 @@ def test_same_seed_same_losses_and_loss_falls(tmp_path, capsys):
         assert (tmp_path / "a" / name).is_file()
     meta = json.loads((tmp_path / "a" / "run_meta.json").read_text())
     assert meta["versions"]["jax"] and meta["devices"]
+    # The suite keeps glibc's defaults (tests/conftest.py), and the run says so.
+    assert meta["host_malloc"] == "JAXCNN_CPU_MALLOC=0"
     final = [r for r in read_metrics(tmp_path / "a") if r["kind"] == "eval"][-1]
     assert final["count"] == 2000 and final["top1"] > 0.3  # chance is 0.1
 
