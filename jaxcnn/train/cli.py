@@ -57,8 +57,11 @@ def _limit_malloc_arenas() -> None:
     Only under glibc, and not when the user set ``MALLOC_ARENA_MAX`` (glibc reads it at start).
     glibc fixes the limit the first time it would need a ninth arena, so this must run before
     JAX starts its threads: in ``jaxcnn-train`` it does; called later it changes nothing.
+    Nothing to do where ``import jaxcnn`` already set one arena (``jaxcnn._host_memory``).
     """
-    if "MALLOC_ARENA_MAX" in os.environ or not sys.platform.startswith("linux"):
+    from jaxcnn import _host_memory
+    if (_host_memory.configured() or "MALLOC_ARENA_MAX" in os.environ
+            or not sys.platform.startswith("linux")):
         return
     import ctypes
     import platform
@@ -127,7 +130,8 @@ def dry_run(cfg, stream=None) -> None:
     batch = {"image": jax.ShapeDtypeStruct(run.input_shape, np.float32),
              "label": jax.ShapeDtypeStruct(run.input_shape[:1], np.int32)}
     step = make_train_step(run.model, run.tx, policy=run.policy,
-                           label_smoothing=cfg.optim.label_smoothing, schedule=run.schedule)
+                           label_smoothing=cfg.optim.label_smoothing, schedule=run.schedule,
+                           impl=cfg.model.impl, batch_norm_grad=cfg.model.batch_norm_grad)
     _, metrics = jax.eval_shape(step, state, batch)
     start = f", parameters from {cfg.model.init_from}" if cfg.model.init_from else ""
     print(f"dry run ok: model {cfg.model.name}{start}, input {run.input_shape}, "
@@ -215,7 +219,8 @@ def eval_main(argv=None) -> int:
         step, state = manager.restore(args.step, target=abstract_state(run))
         manager.close()
         with matmul_precision(cfg):
-            result = evaluate(run, jax.jit(make_eval_step(run.model, policy=run.policy)),
+            result = evaluate(run, jax.jit(make_eval_step(run.model, policy=run.policy,
+                                                          impl=cfg.model.impl)),
                               state.params, state.state)
         result["step"] = step
     except _bad_input_errors() as e:

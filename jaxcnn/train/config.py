@@ -102,6 +102,12 @@ SCHEMA: dict[str, dict] = {
                         "file (params and state, as jaxcnn-train writes them) or a run directory; checked "
                         "against the model before any compute; null = random init from train.seed",
                         nullable=True, low=1),
+        "impl": _f("str", "auto", "convolution/pooling kernels of the layers: auto (XLA, or a Pallas "
+                   "kernel where the autotuner measured it faster on this GPU), xla, or pallas "
+                   "(see README, Pallas kernels)", choices=("auto", "xla", "pallas")),
+        "batch_norm_grad": _f("str", "auto", "BatchNorm backward: auto (= autodiff), autodiff, or "
+                              "closed_form (one-pass statistics; see F.batch_norm_train)",
+                              choices=("auto", "autodiff", "closed_form")),
     },
     "data": {
         "source": _f("str", "mnist", "dataset", choices=("mnist", "cifar10", "npz", "synthetic")),

@@ -422,8 +422,10 @@ def train(cfg, workdir: str, *, argv=None, config_path=None, stream=None) -> dic
         run.model, run.tx, policy=run.policy, label_smoothing=cfg.optim.label_smoothing,
         schedule=run.schedule, skip_nonfinite=cfg.train.nan_policy == "skip",
         axis_name=plan.step_axis_name,
-        image_norm=(NOISE_MEAN, NOISE_STD) if run.synthetic is not None else None))
-    sharded_eval = plan.wrap_eval(make_eval_step(run.model, policy=run.policy))
+        image_norm=(NOISE_MEAN, NOISE_STD) if run.synthetic is not None else None,
+        impl=cfg.model.impl, batch_norm_grad=cfg.model.batch_norm_grad))
+    sharded_eval = plan.wrap_eval(make_eval_step(run.model, policy=run.policy,
+                                                 impl=cfg.model.impl))
 
     def eval_step(params, model_state, batch):
         return sharded_eval(params, model_state, plan.put_eval_batch(batch))

@@ -6,6 +6,7 @@ the ``parallel`` package wraps it for many devices, the loop only calls it.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Callable
 
 import jax
@@ -47,10 +48,24 @@ def cross_device_mean(tree, axis_name):
     return jax.tree_util.tree_map(lambda m, x: m.astype(x.dtype), mean, tree)
 
 
+@contextlib.contextmanager
+def kernel_choices(impl: str = "auto", batch_norm_grad: str = "auto"):
+    """While tracing inside the block, layers' ``"auto"`` kernels and BatchNorm backward
+    follow ``impl`` (``F.default_impl``) and ``batch_norm_grad``
+    (``F.default_batch_norm_grad``); ``"auto"`` leaves an enclosing choice in place."""
+    with contextlib.ExitStack() as stack:
+        if impl != "auto":
+            stack.enter_context(F.default_impl(impl))
+        if batch_norm_grad != "auto":
+            stack.enter_context(F.default_batch_norm_grad(batch_norm_grad))
+        yield
+
+
 def make_train_step(model, tx: optax.GradientTransformation, *, policy=None,
                     label_smoothing: float = 0.0, schedule: Callable | None = None,
                     skip_nonfinite: bool = False, axis_name: str | None = None,
-                    image_norm: tuple | None = None):
+                    image_norm: tuple | None = None, impl: str = "auto",
+                    batch_norm_grad: str = "auto"):
     """Build ``train_step(state, batch) -> (state, metrics)``.
 
     Arguments:
@@ -68,6 +83,8 @@ def make_train_step(model, tx: optax.GradientTransformation, *, policy=None,
             ``uint8`` batch images are then normalised on the device,
             ``(x / 255 - mean) / std`` in float32, so the host moves bytes
             (4x less than float32).  Float images are used as given.
+        impl, batch_norm_grad: the layers' ``"auto"`` kernels and BatchNorm backward
+            while the step is traced (see :func:`kernel_choices`).
 
     Metrics: ``loss`` (unscaled, float32), ``top1`` (batch accuracy),
     ``grad_norm``, ``lr``, ``loss_scale``, ``finite`` (1.0 when the step was
@@ -83,10 +100,14 @@ def make_train_step(model, tx: optax.GradientTransformation, *, policy=None,
         loss = F.cross_entropy(logits, batch["label"], label_smoothing=label_smoothing)
         return loss_scale.scale(loss), (loss, logits, new_model_state)
 
+    with kernel_choices(impl, batch_norm_grad):  # a bad name fails here, not at trace time
+        pass
+
     def train_step(state: TrainState, batch):
         rng = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
-        grads, (loss, logits, new_model_state) = jax.grad(loss_fn, has_aux=True)(
-            state.params, state.state, batch, rng, state.loss_scale)
+        with kernel_choices(impl, batch_norm_grad):
+            grads, (loss, logits, new_model_state) = jax.grad(loss_fn, has_aux=True)(
+                state.params, state.state, batch, rng, state.loss_scale)
         grads = state.loss_scale.unscale(grads)
         top1 = F.top_k_accuracy(logits, batch["label"], k=1)
         if axis_name is not None:
@@ -124,17 +145,22 @@ def make_train_step(model, tx: optax.GradientTransformation, *, policy=None,
     return train_step
 
 
-def make_eval_step(model, *, policy=None):
+def make_eval_step(model, *, policy=None, impl: str = "auto"):
     """Build ``eval_step(params, state, batch) -> sums``.
 
     ``batch`` may carry a boolean ``"mask"`` (padding of the last batch); the
     result holds sums over real examples only: ``loss_sum``, ``top1_sum``,
     ``top5_sum`` and ``count``, so any number of batches add up exactly.
+    ``impl``: the layers' ``"auto"`` kernels while the step is traced.
     """
     loss_policy = _loss_policy(policy)
+    with kernel_choices(impl):
+        pass
 
     def eval_step(params, model_state, batch):
-        logits, _ = model.apply(params, model_state, batch["image"], train=False, policy=policy)
+        with kernel_choices(impl):
+            logits, _ = model.apply(params, model_state, batch["image"], train=False,
+                                    policy=policy)
         logits = P.cast_for(loss_policy, "loss", logits).astype(jnp.float32)
         labels = batch["label"]
         mask = batch.get("mask")

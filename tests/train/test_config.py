@@ -252,6 +252,8 @@ def test_out_of_range(override, fragment):
     ("optim.mu_dtype=fp8", "expected one of 'bf16', 'f32' or null"),
     ("parallel.rules={out: tensor}", "parallel.rules.out: expected one of 'data', 'model' or null"),
     ("data.source=imagenet", "got 'imagenet'"),
+    ("model.impl=cudnn", "model.impl: expected one of 'auto', 'xla', 'pallas', got 'cudnn'"),
+    ("model.batch_norm_grad=closed", "did you mean 'closed_form'?"),
 ])
 def test_bad_choice(override, fragment):
     assert fragment in str(error_of(config_from_dict, MINIMAL, [override]))
