@@ -99,14 +99,23 @@ def _accelerator_plugin() -> bool:
         return True
 
 
-def skip_reason(environ=os.environ) -> str | None:
-    """Why :func:`configure_malloc` would leave malloc alone here, or None."""
-    if environ.get("JAXCNN_CPU_MALLOC", "1") == "0":
-        return "JAXCNN_CPU_MALLOC=0"
+def environment_reason(environ=os.environ) -> str | None:
+    """How the environment already sets up malloc (``MALLOC_*`` or ``glibc.malloc``
+    tunables, or ``LD_PRELOAD`` bringing another allocator), or None."""
     if any(k in environ for k in _MALLOC_ENV) or "glibc.malloc" in environ.get("GLIBC_TUNABLES", ""):
         return "the environment already tunes malloc"
     if environ.get("LD_PRELOAD"):
         return "LD_PRELOAD is set (another allocator?)"
+    return None
+
+
+def skip_reason(environ=os.environ) -> str | None:
+    """Why :func:`configure_malloc` would leave malloc alone here, or None."""
+    if environ.get("JAXCNN_CPU_MALLOC", "1") == "0":
+        return "JAXCNN_CPU_MALLOC=0"
+    tuned = environment_reason(environ)
+    if tuned is not None:
+        return tuned
     platforms = environ.get("JAX_PLATFORMS", "")
     if platforms and [p.strip() for p in platforms.split(",") if p.strip()] != ["cpu"]:
         return f"JAX_PLATFORMS={platforms}"
@@ -137,3 +146,16 @@ def configure_malloc(environ=os.environ, mallopt=None) -> bool:
     ok = all([mallopt(param, value) == 1 for param, value in SETTINGS])
     _configured = _configured or ok
     return ok
+
+
+def limit_arenas(count: int, environ=os.environ) -> bool:
+    """Caps glibc's malloc arenas at ``count`` (``mallopt(M_ARENA_MAX)``), for a process
+    that keeps glibc's other defaults; ``jaxcnn-train`` uses it (see ``jaxcnn.train.cli``).
+
+    Not when :func:`configure_malloc` already set one arena, when ``MALLOC_ARENA_MAX`` is
+    set (glibc read it at start), or off glibc.  glibc fixes the limit the first time a
+    thread needs an arena past it, so this only acts before JAX starts its threads.
+    Returns True when the cap was set.
+    """
+    libc = None if (_configured or "MALLOC_ARENA_MAX" in environ) else _glibc()
+    return libc is not None and libc.mallopt(M_ARENA_MAX, count) == 1

@@ -214,8 +214,7 @@ def malloc_label() -> str:
     ``GLIBC_TUNABLES``, ``LD_PRELOAD``) or ``default``."""
     if _host_memory.configured():
         return "jaxcnn"
-    reason = _host_memory.skip_reason() or ""
-    return "environment" if "tunes malloc" in reason or "LD_PRELOAD" in reason else "default"
+    return "environment" if _host_memory.environment_reason() else "default"
 
 
 def bench_torch_default_malloc(case, args) -> float:

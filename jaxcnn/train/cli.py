@@ -48,29 +48,16 @@ def _exit_now(code: int) -> None:
 # bytes, and the RSS, grew by 0.4-0.9 KB per step (with 4 arenas still 0.7-1.3 KB per step).
 # With 2 arenas the RSS stays flat within noise, and the step time did not change.
 _MALLOC_ARENAS = 2
-_M_ARENA_MAX = -8  # mallopt parameter number, from glibc's <malloc.h>
 
 
 def _limit_malloc_arenas() -> None:
-    """Caps glibc's malloc arenas of this process at ``_MALLOC_ARENAS``.
-
-    Only under glibc, and not when the user set ``MALLOC_ARENA_MAX`` (glibc reads it at start).
-    glibc fixes the limit the first time it would need a ninth arena, so this must run before
-    JAX starts its threads: in ``jaxcnn-train`` it does; called later it changes nothing.
-    Nothing to do where ``import jaxcnn`` already set one arena (``jaxcnn._host_memory``).
+    """Caps glibc's malloc arenas of this process at ``_MALLOC_ARENAS``
+    (``jaxcnn._host_memory.limit_arenas``: not under the user's ``MALLOC_ARENA_MAX``, and
+    nothing to do where ``import jaxcnn`` already set one arena). It must run before JAX
+    starts its threads: in ``jaxcnn-train`` it does; called later it changes nothing.
     """
     from jaxcnn import _host_memory
-    if (_host_memory.configured() or "MALLOC_ARENA_MAX" in os.environ
-            or not sys.platform.startswith("linux")):
-        return
-    import ctypes
-    import platform
-    if platform.libc_ver()[0] != "glibc":
-        return
-    try:
-        ctypes.CDLL(None).mallopt(_M_ARENA_MAX, _MALLOC_ARENAS)
-    except (OSError, AttributeError):  # no mallopt to call: leave the allocator as it is
-        pass
+    _host_memory.limit_arenas(_MALLOC_ARENAS)
 
 
 def default_workdir(config_path: str) -> str:
