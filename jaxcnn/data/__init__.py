@@ -12,6 +12,7 @@ from jaxcnn.data.augment import Augment, as_augment, augment_draws, crop_and_fli
 from jaxcnn.data.cifar import load_cifar10, read_cifar_bin
 from jaxcnn.data.dataset import DataError, Dataset, channel_mean_std, check_dataset, normalize, to_unit_scale
 from jaxcnn.data.download import download_file, download_mnist, sha256_of
+from jaxcnn.data.files import check_regular_file
 from jaxcnn.data.idx import read_idx, read_idx_images, read_idx_labels
 from jaxcnn.data.mnist import MNIST_FILES, load_mnist, packaged_mnist_dir
 from jaxcnn.data.npz import load_npz
@@ -22,7 +23,8 @@ from jaxcnn.data.synthetic import SyntheticSpec, synthetic_batch, synthetic_data
 
 __all__ = [
     "Augment", "DataError", "Dataset", "MNIST_FILES", "Prefetcher", "SyntheticSpec",
-    "as_augment", "augment_draws", "batch_indices", "channel_mean_std", "check_dataset", "crop_and_flip",
+    "as_augment", "augment_draws", "batch_indices", "channel_mean_std", "check_dataset", "check_regular_file",
+    "crop_and_flip",
     "download_file", "download_mnist", "eval_batches", "load_cifar10", "load_dataset", "load_mnist",
     "load_npz", "normalize", "packaged_mnist_dir", "process_share", "read_cifar_bin", "read_idx",
     "read_idx_images", "read_idx_labels", "sha256_of", "steps_per_epoch", "synthetic_batch",

@@ -1,0 +1,50 @@
+"""Checks on the files a run reads: only regular files are data.
+
+``/dev/zero`` given as an ``.npz`` dataset was read until the process was killed for memory
+(15 GB), and a FIFO blocked the run forever: a loader must refuse anything that is not a
+regular file (after following symlinks) before opening it.
+"""
+import os
+import stat
+
+from jaxcnn.data.dataset import DataError
+
+_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISCHR, "a character device"),
+          (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
+          (stat.S_ISSOCK, "a socket"))
+
+
+def file_kind(mode: int) -> str:
+    """``"a directory"``, ``"a FIFO (named pipe)"``, ... for an ``st_mode`` that is not a regular file."""
+    for test, name in _KINDS:
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def check_regular_file(path, what=None) -> str:
+    """Check that ``path`` is (a symlink to) an existing regular file, without opening it.
+
+    Arguments:
+        path: the file.
+        what: what names it in the message, e.g. the config key ``"data.path"``; None
+            starts the message with the path alone.
+
+    Returns:
+        ``path`` as a string (``os.fspath``).
+
+    Raises:
+        DataError: one line naming ``what`` and the path: it does not exist, cannot be
+            examined, or is a directory, device, FIFO or socket.
+    """
+    path = os.fspath(path)
+    where = f"{what}: {path!r}" if what else f"{path}:"
+    try:
+        mode = os.stat(path).st_mode  # follows symlinks: a link to /dev/zero is /dev/zero
+    except FileNotFoundError:
+        raise DataError(f"{where} does not exist") from None
+    except OSError as err:
+        raise DataError(f"{where} cannot be examined ({err.strerror or err})") from None
+    if not stat.S_ISREG(mode):
+        raise DataError(f"{where} is {file_kind(mode)}, not a regular file")
+    return path
