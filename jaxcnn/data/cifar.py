@@ -8,6 +8,7 @@ import os
 import numpy as np
 
 from jaxcnn.data.dataset import DataError, Dataset, channel_mean_std, check_dataset
+from jaxcnn.data.files import check_regular_file
 
 TRAIN_FILES = tuple(f"data_batch_{i}.bin" for i in range(1, 6))
 TEST_FILES = ("test_batch.bin",)
@@ -32,7 +33,7 @@ def read_cifar_bin(path, *, num_classes=10):
         DataError naming the file: missing, empty, size not a whole number of records,
         too large, label out of range.
     """
-    path = os.fspath(path)
+    path = check_regular_file(path)  # a FIFO or device has no size to check: refused
     try:
         size = os.path.getsize(path)
     except OSError as err:
@@ -58,7 +59,7 @@ def _read_split(directory, names):
     parts = []
     for name in names:
         path = os.path.join(directory, name)
-        if not os.path.isfile(path):
+        if not os.path.lexists(path):
             raise DataError(f"{directory}: missing CIFAR-10 file {name}")
         parts.append(read_cifar_bin(path))
     return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])

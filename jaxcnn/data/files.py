@@ -42,7 +42,7 @@ def check_regular_file(path, what=None) -> str:
     try:
         mode = os.stat(path).st_mode  # follows symlinks: a link to /dev/zero is /dev/zero
     except FileNotFoundError:
-        raise DataError(f"{where} does not exist") from None
+        raise DataError(f"{where} does not exist" if what else f"{path}: file not found") from None
     except OSError as err:
         raise DataError(f"{where} cannot be examined ({err.strerror or err})") from None
     if not stat.S_ISREG(mode):

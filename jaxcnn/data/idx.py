@@ -15,6 +15,7 @@ import zlib
 import numpy as np
 
 from jaxcnn.data.dataset import DataError
+from jaxcnn.data.files import check_regular_file
 
 IMAGES_MAGIC = 0x00000803
 LABELS_MAGIC = 0x00000801
@@ -74,7 +75,7 @@ def read_idx(path, *, expected_magic=None, max_bytes=DEFAULT_MAX_BYTES) -> np.nd
         DataError naming the file: bad magic, truncated data, trailing bytes, sizes that
         disagree with the header, payload over ``max_bytes``, corrupt gzip stream.
     """
-    path = os.fspath(path)
+    path = check_regular_file(path)  # opening a FIFO blocks; a device never ends
     try:
         with open(path, "rb") as raw:
             compressed = raw.read(2) == _GZIP_MAGIC

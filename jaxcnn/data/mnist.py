@@ -17,7 +17,7 @@ def _find(directory, base):
     # Prefer the raw file when both exist: it is the faster one to read.
     for candidate in (base, base + ".gz"):
         path = os.path.join(directory, candidate)
-        if os.path.isfile(path):
+        if os.path.lexists(path):  # read_idx refuses it unless a regular file
             return path
     raise DataError(f"{directory}: missing MNIST file {base} (or {base}.gz)")
 

@@ -13,6 +13,7 @@ import zlib
 import numpy as np
 
 from jaxcnn.data.dataset import DataError, Dataset, channel_mean_std, check_dataset
+from jaxcnn.data.files import check_regular_file
 
 KEYS = ("x_train", "y_train", "x_test", "y_test")
 DEFAULT_MAX_BYTES = 8 << 30
@@ -94,10 +95,10 @@ def load_npz(path, *, num_classes=None, name=None, max_bytes=DEFAULT_MAX_BYTES) 
         on the training images.
 
     Raises:
-        DataError naming the file and array: missing arrays, pickled/object arrays, bad
+        DataError naming the file and array: not a regular file, missing arrays, pickled/object arrays, bad
         shapes or dtypes, mismatched lengths, labels out of range, non-finite pixels.
     """
-    path = os.fspath(path)
+    path = check_regular_file(path)  # /dev/zero was read until the OOM killer came; a FIFO hung
     _check_headers(path, max_bytes)
     try:
         with np.load(path, allow_pickle=False) as archive:

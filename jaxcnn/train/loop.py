@@ -27,8 +27,10 @@ from jaxcnn import _host_memory, interop, models, parallel
 from jaxcnn import precision as P
 from jaxcnn.data import (Prefetcher, SyntheticSpec, eval_batches, load_dataset, steps_per_epoch,
                          synthetic_batch, synthetic_dataset, train_batch)
+from jaxcnn.data.files import check_regular_file
 from jaxcnn.data.synthetic import NOISE_MEAN, NOISE_STD
-from jaxcnn.train.checkpoint import CheckpointManager, restore_for_resume
+from jaxcnn.train.checkpoint import (CheckpointManager, check_resume_config, record_run_config,
+                                     restore_for_resume)
 from jaxcnn.train.config import ConfigError, resolve_duration, to_dict, train_steps
 from jaxcnn.train.metrics import MetricsWriter, Progress
 from jaxcnn.train.optim import build_optimizer
@@ -114,6 +116,8 @@ def build_run(cfg) -> Run:
         path = cfg.data.path
         if path is not None and not os.path.exists(path):
             raise ConfigError(f"data.path: {path!r} does not exist", path="data.path")
+        if cfg.data.source == "npz":  # a device or FIFO is never data: /dev/zero ran into the OOM killer
+            check_regular_file(path, "data.path")
         dataset = load_dataset(cfg.data.source, path)
         image_shape = dataset.image_shape
         num_classes = dataset.num_classes
@@ -136,6 +140,9 @@ def build_run(cfg) -> Run:
         raise ConfigError(f"model {cfg.model.name!r} cannot take {tuple(image_shape)} images "
                           f"(data.image_size or the dataset): {e}", path="data.image_size") from None
     total = train_steps(cfg.train, per_epoch)
+    for key in ("train.eval_every", "checkpoint.every", "logging.log_every"):  # epochs: checked here, before any compute
+        section, name = key.split(".")
+        resolve_duration(cfg[section][name], per_epoch, key=key)
     tx, schedule = build_optimizer(cfg.optim, total_steps=total, steps_per_epoch=per_epoch)
     if cfg.prune.amount > 0:  # pruned weights get no updates; the masks live in the state
         from jaxcnn.export.prune import mask_updates
@@ -361,6 +368,44 @@ def _summarise(history: list[dict]) -> dict:
     return out
 
 
+_DTYPE_ROLES = {"p": "params", "c": "compute", "o": "output", "m": "master copy"}
+
+
+def describe_precision(cfg, run) -> str:
+    """``precision ...  loss scaling ...`` of the start-up output, in the config's words:
+    ``precision fp32``, ``precision bf16 (params f32, compute bf16)``, ``loss scaling off``,
+    ``loss scaling dynamic (from 32768)``."""
+    dtypes = dict(part.split("=") for part in run.policy.to_string().split(","))
+    text = f"precision {cfg.precision.policy}"
+    if set(dtypes.values()) != {"f32"}:
+        shown = {k: v for k, v in dtypes.items() if k in ("p", "c") or v != dtypes["p"]}
+        text += " (" + ", ".join(f"{_DTYPE_ROLES[k]} {v}" for k, v in shown.items()) + ")"
+    if cfg.precision.overrides:
+        text += " with " + ", ".join(f"{kind} {spec}" for kind, spec in cfg.precision.overrides.items())
+    kind = cfg.precision.loss_scale
+    if kind == "auto":
+        kind = run.policy.default_loss_scale
+    scale = f"{cfg.precision.loss_scale_init:g}"
+    text += {"none": "  loss scaling off", "static": f"  loss scaling static ({scale})",
+             "dynamic": f"  loss scaling dynamic (from {scale})"}[kind]
+    return text
+
+
+def describe_devices(plan) -> str:
+    """The ``devices ...`` start-up line: data parallelism always; the model axis, fsdp and the
+    process count only where used."""
+    n_data, n_model = plan.mesh.shape["data"], plan.mesh.shape["model"]
+    text = (f"devices {jax.device_count()} ({jax.default_backend()}): data parallel over {n_data} "
+            f"({plan.strategy})")
+    if n_model > 1:
+        text += f", model parallel over {n_model}"
+    if plan.fsdp:
+        text += ", parameters and optimiser state sharded over the data axis (fsdp)"
+    if jax.process_count() > 1:
+        text += f", {jax.process_count()} processes"
+    return text
+
+
 def train(cfg, workdir: str, *, argv=None, config_path=None, stream=None) -> dict:
     """Run training as ``cfg`` says, writing everything under ``workdir``.
 
@@ -370,16 +415,23 @@ def train(cfg, workdir: str, *, argv=None, config_path=None, stream=None) -> dic
     """
     stream = stream or sys.stdout
     parallel.initialize(cfg.distributed)  # before anything touches a device
+    # Resuming under settings that train differently stops here, before any compute, unless
+    # checkpoint.on_config_change is "continue" (checkpoint.check_resume_config).
+    config_changes = check_resume_config(
+        workdir, to_dict(cfg), resume=cfg.checkpoint.resume if cfg.checkpoint.enabled else "never",
+        on_change=cfg.checkpoint.on_config_change)
     run = build_run(cfg)
     loaded = load_init_from(run) if cfg.model.init_from else None
     plan = parallel.setup(cfg, run.model, run.input_shape, abstract_state(run))
     is_main = jax.process_index() == 0
     os.makedirs(workdir, exist_ok=True)
-    if is_main:
-        with open(os.path.join(workdir, "config.resolved.yaml"), "w", encoding="utf-8") as f:
-            yaml.safe_dump(to_dict(cfg), f, sort_keys=False)
+    if is_main:  # config.resolved.yaml: once resuming is decided (record_run_config below)
         with open(os.path.join(workdir, "run_meta.json"), "w", encoding="utf-8") as f:
             json.dump(run_metadata(argv, config_path), f, indent=2)
+        # What the model expects of its input: jaxcnn-eval and jaxcnn-export read it.
+        from jaxcnn.data import preprocessing
+        preprocessing.write_preprocessing(os.path.join(workdir, preprocessing.PREPROCESSING_FILE),
+                                          preprocessing.from_run(run))
 
     def say(text):
         if is_main:
@@ -388,20 +440,21 @@ def train(cfg, workdir: str, *, argv=None, config_path=None, stream=None) -> dic
     say(f"[jaxcnn] model {cfg.model.name}  data {cfg.data.source} "
         f"({'synthetic' if run.dataset is None else f'{len(run.dataset.x_train)} train / {len(run.dataset.x_test)} test'})"
         f"  batch {cfg.data.batch_size}  steps {run.total_steps} ({run.steps_per_epoch}/epoch)")
-    say(f"[jaxcnn] policy {run.policy.to_string()}  loss scale {type(run.loss_scale).__name__}"
-        f"  optimiser {cfg.optim.name} lr {cfg.optim.lr:g} ({cfg.optim.schedule.name})"
-        f"  backend {jax.default_backend()} x{jax.device_count()}  workdir {workdir}")
-    say(f"[jaxcnn] mesh data {plan.mesh.shape['data']} x model {plan.mesh.shape['model']}  "
-        f"strategy {plan.strategy}  fsdp {plan.fsdp}  processes {jax.process_count()}")
+    say(f"[jaxcnn] {describe_precision(cfg, run)}"
+        f"  optimiser {cfg.optim.name} lr {cfg.optim.lr:g} ({cfg.optim.schedule.name})  workdir {workdir}")
+    say(f"[jaxcnn] {describe_devices(plan)}")
 
     manager = None
     if cfg.checkpoint.enabled:
         manager = CheckpointManager(os.path.join(workdir, "checkpoints"), keep=cfg.checkpoint.keep,
                                     keep_best=cfg.checkpoint.keep_best, best_metric="eval/top1",
-                                    on_error=cfg.checkpoint.on_error)
+                                    on_error=cfg.checkpoint.on_error, step_leaf="step",
+                                    log_path=os.path.join(workdir, "checkpoints.log"))
     state = None
     if manager is not None:
-        restored = restore_for_resume(manager, plan.abstract_state, cfg.checkpoint.resume)
+        restored = restore_for_resume(
+            manager, plan.abstract_state, cfg.checkpoint.resume,
+            config=None if cfg.checkpoint.on_config_change == "continue" else to_dict(cfg))
         if restored is not None:
             step, state = restored
             say(f"[jaxcnn] resumed from step {step}: {manager.directory}/{step}")
@@ -417,6 +470,8 @@ def train(cfg, workdir: str, *, argv=None, config_path=None, stream=None) -> dic
                 f"{sum(int(np.sum(k == 0)) for k in leaves)} of {sum(k.size for k in leaves)} "
                 "parameters held at zero")
     start = int(state.step)
+    if is_main:  # after the resume decision: a refused resume leaves it as it was
+        record_run_config(workdir, to_dict(cfg), start, config_changes)
 
     train_step = plan.wrap_step(make_train_step(
         run.model, run.tx, policy=run.policy, label_smoothing=cfg.optim.label_smoothing,
@@ -430,12 +485,12 @@ def train(cfg, workdir: str, *, argv=None, config_path=None, stream=None) -> dic
     def eval_step(params, model_state, batch):
         return sharded_eval(params, model_state, plan.put_eval_batch(batch))
 
-    def every(value):
-        return resolve_duration(value, run.steps_per_epoch) if value is not None else None
+    def every(value, key):
+        return resolve_duration(value, run.steps_per_epoch, key=key) if value is not None else None
 
-    log_every = every(cfg.logging.log_every)
-    eval_every = every(cfg.train.eval_every)
-    ckpt_every = every(cfg.checkpoint.every)
+    log_every = every(cfg.logging.log_every, "logging.log_every")
+    eval_every = every(cfg.train.eval_every, "train.eval_every")
+    ckpt_every = every(cfg.checkpoint.every, "checkpoint.every")
     metrics = MetricsWriter(workdir, tensorboard=cfg.logging.tensorboard, enabled=is_main,
                             resumed_at=start if start > 0 else None)
     progress = Progress(run.total_steps, start, mode=cfg.logging.progress, enabled=is_main,
@@ -531,7 +586,7 @@ def train(cfg, workdir: str, *, argv=None, config_path=None, stream=None) -> dic
     if stopped_by is None:
         with matmul_precision(cfg):
             final = evaluate(run, eval_step, state.params, state.state)
-        if final:
+        if final and not metrics.recorded(int(state.step), "eval"):  # not again for a finished run
             metrics.write(int(state.step), "eval", final)
         save(int(state.step), final or None)
         params_host = parallel.to_host((state.params, state.state))  # all processes take part

@@ -361,3 +361,61 @@ def test_dry_run_does_not_allocate_a_batch(tmp_path):
         tracemalloc.stop()
     assert code == 0, err
     assert peak < 512 * 2**20, peak
+
+
+# ---------------------------------------------------------------- only regular files are data
+
+def _special_file(kind, tmp):
+    """A path that is not a regular file: /dev/zero (endless), a FIFO (opening it blocks), a
+    directory, or a symlink to /dev/zero (the link is followed)."""
+    if kind == "dev-zero":
+        return "/dev/zero"
+    path = os.path.join(tmp, kind)
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "directory":
+        os.mkdir(path)
+    elif kind == "link-to-dev-zero":
+        os.symlink("/dev/zero", path)
+    return path
+
+
+SPECIAL = ["dev-zero", "fifo", "directory", "link-to-dev-zero"]
+
+
+@pytest.mark.parametrize("kind", SPECIAL)
+def test_npz_data_path_must_be_a_regular_file(tmp_path, kind):
+    """data.source=npz data.path=/dev/zero was read until the OOM killer came (15 GB); a FIFO hung."""
+    path = _special_file(kind, str(tmp_path))
+    with time_limit(30):
+        code, _, err = cli([CONFIG, "data.source=npz", f"data.path={path}", "--dry-run"])
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert f"data.path: {path!r} is " in err and "not a regular file" in err, err
+
+
+@pytest.mark.parametrize("kind", SPECIAL)
+def test_loaders_refuse_files_that_are_not_regular(tmp_path, kind):
+    """Every file-reading loader: the .npz loader, a CIFAR-10 .bin file and an MNIST IDX file
+    in their folders, each replaced by a device, FIFO, directory or link to a device."""
+    from jaxcnn.data import load_mnist, read_cifar_bin, read_idx
+    special = _special_file(kind, str(tmp_path))
+    with time_limit(20):
+        for load in (load_npz, read_cifar_bin, read_idx):
+            with pytest.raises(DataError, match="not a regular file"):
+                load(special)
+    mnist = tmp_path / "mnist"
+    mnist.mkdir()
+    names = write_mnist(str(mnist), np.random.default_rng(0))
+    os.remove(mnist / names[0])
+    os.symlink(special, mnist / names[0])
+    cifar = tmp_path / "cifar"
+    cifar.mkdir()
+    for name in TRAIN_FILES + TEST_FILES:
+        (cifar / name).write_bytes(bytes(RECORD_BYTES))
+    os.remove(cifar / TRAIN_FILES[2])
+    os.symlink(special, cifar / TRAIN_FILES[2])
+    with time_limit(20):
+        with pytest.raises(DataError, match=f"{names[0]}: is .*not a regular file"):
+            load_mnist(str(mnist))
+        with pytest.raises(DataError, match=f"{TRAIN_FILES[2]}: is .*not a regular file"):
+            load_cifar10(str(cifar))
