@@ -14,9 +14,12 @@ the alternatives (the patch matrix costs a full write of ``KH*KW`` times the
 input, which is what a forward im2col would pay too).  So the forward and the
 input gradient stay ``lax.conv_general_dilated``, and only the weight
 gradient is rewritten, and only for shapes where XLA's own choice for it is
-YNNPACK (read from the compiled HLO, once per shape): with
-``--xla_cpu_experimental_ynn_fusion_type=individual_dot`` in ``XLA_FLAGS``,
-or a jaxlib that stops doing so, every convolution stays XLA's.
+YNNPACK: with ``--xla_cpu_experimental_ynn_fusion_type=individual_dot`` in
+the ``XLA_FLAGS`` XLA read, every convolution stays XLA's.  That choice is a
+pure lookup (:func:`xla_wgrad_uses_ynnpack`), never a compilation: it runs
+while the user's function is traced, where compiling a program of our own
+is a side effect that fails under ``pmap`` (its abstract mesh) and costs a
+compile per shape.
 
 Importing this module therefore adds that flag to ``XLA_FLAGS`` (unless
 ``XLA_FLAGS`` already sets ``xla_cpu_experimental_ynn_fusion_type``, the
@@ -83,7 +86,44 @@ def configure_xla_flags(environ=os.environ) -> bool:
     return True
 
 
+def _backends_started() -> bool:
+    """Whether JAX has created its backends, which is when XLA reads ``XLA_FLAGS``."""
+    from jax._src import xla_bridge
+    started = getattr(xla_bridge, "backends_are_initialized", None)
+    return bool(started()) if started is not None else bool(getattr(xla_bridge, "_backends", None))
+
+
+# The XLA_FLAGS that XLA read: known at import if JAX's backends already exist (so the
+# flag configure_xla_flags adds came too late), else at the first need after they start.
+_xla_flags_read = os.environ.get("XLA_FLAGS", "") if _backends_started() else None
 configure_xla_flags()
+
+
+def _flags_xla_read() -> str:
+    global _xla_flags_read
+    if _xla_flags_read is None:
+        flags = os.environ.get("XLA_FLAGS", "")
+        if not _backends_started():
+            return flags  # what XLA will read when the backends start
+        _xla_flags_read = flags
+    return _xla_flags_read
+
+
+def ynnpack_takes_convolutions(xla_flags: str | None = None) -> bool:
+    """Whether XLA:CPU may give convolutions to YNNPACK, from the ``XLA_FLAGS`` XLA read
+    (or ``xla_flags``): the last ``--xla_cpu_experimental_ynn_fusion_type`` lists
+    ``individual_convolution``, or the flag is absent (XLA's default in the jaxlibs of
+    :data:`_FLAG_CHECKED_JAXLIB` includes it).  A string lookup; nothing is compiled.
+    """
+    flags = _flags_xla_read() if xla_flags is None else xla_flags
+    value = None
+    for part in flags.split():
+        name, _, v = part.lstrip("-").partition("=")
+        if name == "xla_cpu_experimental_ynn_fusion_type":
+            value = v
+    if value is None:
+        return True
+    return "individual_convolution" in (t.strip().lower() for t in value.split(","))
 
 
 def _xla_conv(x, w, stride, pads, dilation):
@@ -179,23 +219,29 @@ _conv_stored_input = _conv_with_weight_tangent(
     lambda x, dw, stride, pads, dilation: _xla_conv(_fence(x), dw, stride, pads, dilation))
 
 
-@functools.lru_cache(maxsize=None)
 def xla_wgrad_uses_ynnpack(x_shape, w_shape, dtype, stride, pads, dilation) -> bool:
     """Whether XLA:CPU lowers this convolution's weight gradient to YNNPACK.
 
-    Compiles (never runs) the weight gradient alone, on abstract shapes, and
-    looks for a YNNPACK fusion in the optimised HLO; cached per shape.
+    A pure lookup, safe inside any trace (``jit``, ``pmap``, ``shard_map``): no
+    program is lowered or compiled.  False when the ``XLA_FLAGS`` XLA read keep
+    convolutions off YNNPACK (:func:`ynnpack_takes_convolutions`); otherwise XLA's
+    own rule (``IsConvolutionOpSupportedByYnn``) applied to the weight gradient as
+    XLA forms it, a convolution of ``x`` (batch as input features) with ``dy``
+    (``(OH, OW)`` as its window) giving ``(KH, KW)``: taken when the batch or the
+    output channels exceed 16 and neither ``(KH, KW)`` nor ``(OH, OW)`` exceeds the
+    input's ``(H, W)``.  Checked against the compiled HLO for jaxlib 0.10.2 and
+    0.11.2 in tests/functional/test_functional_conv_cpu.py; a wrong answer costs
+    speed only (both lowerings give the same values).  ``dtype`` is unused: those
+    jaxlibs give every float type to YNNPACK.
     """
-    x = jax.ShapeDtypeStruct(x_shape, dtype)
-    w = jax.ShapeDtypeStruct(w_shape, dtype)
-    y = jax.eval_shape(lambda x, w: _xla_conv(x, w, stride, pads, dilation), x, w)
-
-    def wgrad(x, dy):
-        return jax.vjp(lambda w_: _xla_conv(x, w_, stride, pads, dilation),
-                       jnp.zeros(w_shape, dtype))[1](dy)[0]
-
-    hlo = jax.jit(wgrad).lower(x, y).compile().as_text()
-    return "ynn_fusion" in hlo
+    del dtype
+    if not ynnpack_takes_convolutions():
+        return False
+    (n, h, wd, _), (kh, kw, _, o) = x_shape, w_shape
+    (sh, sw), (dh, dw) = stride, dilation
+    oh = (h + sum(pads[0]) - dh * (kh - 1) - 1) // sh + 1
+    ow = (wd + sum(pads[1]) - dw * (kw - 1) - 1) // sw + 1
+    return max(n, o) > 16 and kh <= h and kw <= wd and oh <= h and ow <= wd
 
 
 def conv2d(x, w, *, stride, pads, dilation, groups):

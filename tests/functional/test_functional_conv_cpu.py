@@ -200,6 +200,117 @@ def test_configure_xla_flags():
     assert own["XLA_FLAGS"] == "--xla_cpu_experimental_ynn_fusion_type="
 
 
+# ---- the weight-gradient decision: a lookup, never a compilation -----------------------------
+
+COMPILE_EVENTS = ("/jax/core/compile/backend_compile_duration",
+                  "/jax/core/compile/jaxpr_to_mlir_module_duration")
+
+
+def test_wgrad_decision_compiles_nothing_inside_a_trace(monkeypatch):
+    """Regression: the decision compiled a program of its own while the user's function was
+    traced (it failed under pmap's abstract mesh).  Tracing a large conv's gradient, with
+    a fresh shape and the decision's memo cleared, lowers and compiles nothing."""
+    x, w = random_case(13, 16, (19, 19), 16, 32, (3, 3))
+    assert 16 * 17 * 17 * 9 * 16 * 32 >= C.MIN_MACS
+    events, asked = [], []
+
+    def listener(name, *args, **kwargs):
+        events.append(name)
+
+    decide = C.xla_wgrad_uses_ynnpack
+    getattr(decide, "cache_clear", lambda: None)()
+    monkeypatch.setattr(C, "xla_wgrad_uses_ynnpack", lambda *a: asked.append(a) or decide(*a))
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        jax.make_jaxpr(jax.grad(lambda w: jnp.sum(F.conv2d(x, w, impl="auto") ** 2)))(w)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert asked  # the decision ran, inside the trace
+    assert not [e for e in events if e in COMPILE_EVENTS], events
+
+
+@pytest.mark.parametrize("devices", [1, 2])
+def test_pmap_train_step_on_mnist_cnn(devices):
+    """Regression: parallel.strategy=pmap crashed on mnist_cnn (whose conv2 is above
+    MIN_MACS on each device) with 'Passing lowering_platforms ... AbstractMesh'."""
+    import optax
+    from jaxcnn import precision as P
+    from jaxcnn.models import get as get_model
+    from jaxcnn.parallel import ParallelPlan, make_mesh
+    from jaxcnn.train.state import create_train_state
+    from jaxcnn.train.step import make_train_step
+    model, tx, shape = get_model("mnist_cnn"), optax.sgd(0.01), (2 * devices, 28, 28, 1)
+    assert 2 * 24 * 24 * 9 * 32 * 64 >= C.MIN_MACS  # conv2 per device takes the decision
+    state = jax.device_get(create_train_state(model, tx, jax.random.PRNGKey(0), shape,
+                                              loss_scale=P.make_loss_scale("none")))
+    abstract = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype), state)
+    plan = ParallelPlan(make_mesh(devices, 1, devices=jax.devices()[:devices]), model, shape,
+                        abstract, strategy="pmap")
+    step = plan.wrap_step(make_train_step(model, tx, axis_name=plan.step_axis_name))
+    rng = np.random.default_rng(0)
+    batch = {"image": rng.normal(size=shape).astype(np.float32),
+             "label": rng.integers(0, 10, shape[0]).astype(np.int32)}
+    state, metrics = step(plan.shard_state(state), plan.put_batch(batch))
+    assert np.isfinite(float(metrics["loss"])) and int(state.step) == 1
+
+
+def test_ynnpack_takes_convolutions_reads_the_flag():
+    assert C.ynnpack_takes_convolutions("")  # XLA's default gives it convolutions
+    assert not C.ynnpack_takes_convolutions(f"--xla_force_host_platform_device_count=8 {C.XLA_CPU_FLAG}")
+    assert not C.ynnpack_takes_convolutions("--xla_cpu_experimental_ynn_fusion_type=")
+    assert C.ynnpack_takes_convolutions(
+        "--xla_cpu_experimental_ynn_fusion_type=individual_dot,individual_convolution")
+    # the last occurrence wins, as in XLA's parser
+    assert C.ynnpack_takes_convolutions(
+        f"{C.XLA_CPU_FLAG} --xla_cpu_experimental_ynn_fusion_type=individual_convolution")
+
+
+_WGRAD_RULE_CHILD = """
+import json, sys
+import numpy as np, jax, jax.numpy as jnp
+from jaxcnn.functional import _cpu_lowering as C
+out = []
+for x_shape, w_shape, dtype, stride, pads, dilation in json.loads(sys.argv[1]):
+    x, w = jax.ShapeDtypeStruct(x_shape, dtype), jax.ShapeDtypeStruct(w_shape, dtype)
+    pads = tuple(map(tuple, pads))
+    conv = lambda x, w: C._xla_conv(x, w, tuple(stride), pads, tuple(dilation))
+    y = jax.eval_shape(conv, x, w)
+    wgrad = lambda x, dy: jax.vjp(lambda w_: conv(x, w_), jnp.zeros(w_shape, dtype))[1](dy)[0]
+    hlo = jax.jit(wgrad).lower(x, y).compile().as_text()
+    out.append(["ynn_fusion" in hlo, C.xla_wgrad_uses_ynnpack(
+        tuple(x_shape), tuple(w_shape), np.dtype(dtype), tuple(stride), pads, tuple(dilation))])
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("flag", ["default", "jaxcnn"])
+def test_wgrad_lookup_matches_xla_compiled_choice(flag):
+    """The lookup against what XLA really does (compiled in a fresh process, where XLA reads
+    the flags: with jaxcnn's flag, and with XLA's default that gives YNNPACK convolutions)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    cases = [  # batch or channels past 16 or not, kernel/output past the input, strides, dilation
+        [(16, 26, 26, 32), (3, 3, 32, 64), "float32", (1, 1), ((0, 0), (0, 0)), (1, 1)],
+        [(8, 12, 12, 3), (3, 3, 3, 32), "bfloat16", (2, 2), ((1, 1), (1, 1)), (1, 1)],
+        [(17, 10, 10, 3), (3, 3, 3, 4), "float16", (1, 2), ((0, 0), (0, 0)), (1, 2)],
+        [(16, 10, 10, 3), (3, 3, 3, 16), "float32", (1, 1), ((0, 0), (0, 0)), (1, 1)],
+        [(32, 4, 4, 8), (5, 5, 8, 8), "float32", (1, 1), ((1, 1), (1, 1)), (1, 1)],
+        [(32, 5, 5, 8), (3, 3, 8, 24), "float32", (1, 1), ((2, 2), (2, 2)), (1, 1)],
+        [(32, 9, 9, 8), (3, 3, 8, 24), "float32", (2, 2), ((3, 3), (0, 1)), (2, 2)],
+    ]
+    env = dict(os.environ, XLA_FLAGS="", JAXCNN_CPU_XLA_FLAGS="0" if flag == "default" else "1")
+    out = subprocess.run([sys.executable, "-c", _WGRAD_RULE_CHILD, json.dumps(cases)], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    results = json.loads(out.stdout.strip().splitlines()[-1])
+    for case, (compiled, lookup) in zip(cases, results):
+        assert compiled == lookup, (flag, case, compiled, lookup)
+    if flag == "default":  # the cases cover both answers
+        assert {r[0] for r in results} == {True, False}
+
+
 # ---- max pooling ---------------------------------------------------------------------------
 
 pool_geometry = st.fixed_dictionaries({
