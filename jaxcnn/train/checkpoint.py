@@ -12,14 +12,21 @@ Layout of one checkpoint::
 
     <directory>/<step>/commit_success.txt   orbax's commit marker
     <directory>/<step>/state/               the pytree (orbax StandardSave: OCDBT + zarr)
-    <directory>/<step>/meta/metadata        JSON: format, step, arrays manifest, metrics, config
+    <directory>/<step>/meta/metadata        JSON: format, step, arrays manifest, metrics, config,
+                                            config_digest (of the keys that change the training math)
     <directory>/<step>/metrics/metrics      orbax's copy of the ranking metric (keep_best only)
 
 No pickle anywhere: arrays are tensorstore files, everything else is JSON.
+
+A checkpoint is damaged (skipped for the previous one) when any of these disagree: its
+directory name, the step in its manifest and the `step` leaf of its state; its arrays and
+their manifest. Each damaged checkpoint is reported in one line; the full error (tensorstore's
+spec, orbax's background-thread tracebacks) goes to the manager's `log_path` when it has one.
 """
 from __future__ import annotations
 
 import errno
+import gc
 import hashlib
 import json
 import logging
@@ -27,13 +34,16 @@ import math
 import os
 import re
 import shutil
+import sys
 import time
+import traceback
 from pathlib import Path
 from typing import Any, Mapping
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+import yaml
 from orbax.checkpoint import checkpoint_managers as ocp_managers
 
 logger = logging.getLogger(__name__)
@@ -58,6 +68,136 @@ class CheckpointError(Exception):
 
 class CheckpointCorruptError(CheckpointError):
     """The files of a checkpoint are damaged or incomplete (as opposed to not matching the target)."""
+
+
+class ConfigChangedError(CheckpointError):
+    """Resuming would continue a run under a config that changes its training math."""
+
+
+# -- which config keys change the training math --------------------------------------------------
+
+# Dotted keys (or sections, ending in ".") of a jaxcnn config that do NOT change what training
+# computes: how it is logged, checkpointed, evaluated, fed and laid out over devices. Changing
+# them between a run and its resumption is not a config change; every other key is.
+# (model.impl and model.batch_norm_grad pick kernels of the same function, equal up to rounding;
+# mesh/parallel.strategy/fsdp/rules place the same computation; parallel.sync_batch_norm does
+# change the math and is not listed.)
+NON_TRAINING_KEYS = (
+    "logging.", "checkpoint.", "distributed.", "mesh.",
+    "data.prefetch", "data.eval_batch_size", "train.eval_every",
+    "model.impl", "model.batch_norm_grad",
+    "parallel.strategy", "parallel.fsdp", "parallel.rules",
+)
+
+
+def _flatten(tree: Mapping, prefix: str = "") -> dict:
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, Mapping) and value:
+            out.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def _counts(key: str) -> bool:
+    return not any(key == k or (k.endswith(".") and key.startswith(k)) or key.startswith(k + ".")
+                   for k in NON_TRAINING_KEYS)
+
+
+def training_config(config_dict: Mapping) -> dict:
+    """``{dotted key: value}`` of the keys of a resolved config that change the training math."""
+    return {k: v for k, v in _flatten(config_dict).items() if _counts(k)}
+
+
+def config_digest(config_dict: Mapping) -> str:
+    """sha256 of :func:`training_config` (canonical JSON): equal for configs that train alike."""
+    text = json.dumps(training_config(config_dict), sort_keys=True, default=str, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def config_changes(old: Mapping, new: Mapping) -> list[str]:
+    """``"key: old -> new"`` for each training-math key whose value differs, sorted by key."""
+    a, b = training_config(old), training_config(new)
+    missing = "(unset)"
+    return [f"{k}: {a.get(k, missing)!r} -> {b.get(k, missing)!r}"
+            for k in sorted(a.keys() | b.keys()) if a.get(k, missing) != b.get(k, missing)]
+
+
+_CONFIG_WAYS_ON = ("start a new run with --workdir DIR, or continue this one under the new config "
+                   "with checkpoint.on_config_change=continue")
+
+
+def _summary(changes: list[str], limit: int = 6) -> str:
+    more = f" (and {len(changes) - limit} more)" if len(changes) > limit else ""
+    return ", ".join(changes[:limit]) + more
+
+
+# -- one line per failure; the detail to a log file ----------------------------------------------
+
+def _brief(exc: BaseException, limit: int = 300) -> str:
+    """``Type: first line`` of the innermost cause (tensorstore's own error, not orbax's wrapper
+    with the whole TensorStore spec), at most `limit` characters."""
+    seen, inner = set(), exc
+    while True:
+        nxt = inner.__cause__ or inner.__context__
+        if nxt is None or id(nxt) in seen:
+            break
+        seen.add(id(inner))
+        inner = nxt
+    text = str(inner).strip().splitlines()
+    text = text[0] if text else ""
+    text = text.split(" See full TensorStore details")[0]
+    if len(text) > limit:
+        text = text[:limit] + "..."
+    return f"{type(inner).__name__}: {text}"
+
+
+class _OrbaxNoise:
+    """While active, orbax's log records (its background threads log whole tracebacks before the
+    error reaches us) and the unraisable exceptions of coroutines orbax abandons after a failed
+    read or write go to `sink` (the manager's detail log) instead of stderr.
+
+    Scoped: a filter on the `absl` and `orbax` loggers and `sys.unraisablehook`, both put back
+    on exit. After a failure (`failed` set) the abandoned coroutines are collected before exit,
+    so that their reports arrive while the sink is in place.
+    """
+
+    _LOGGERS = ("absl", "orbax")
+
+    def __init__(self, sink):
+        self.sink = sink
+        self.failed = False
+        self._hook = None
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if "orbax" not in record.pathname and not record.name.startswith("orbax"):
+            return True
+        text = record.getMessage()
+        if record.exc_info:
+            text += "\n" + "".join(traceback.format_exception(*record.exc_info))
+        self.sink(f"{record.levelname} {record.name}: {text}")
+        return False
+
+    def _unraisable(self, info):
+        lines = traceback.format_exception(info.exc_type, info.exc_value, info.exc_traceback) \
+            if info.exc_value is not None else []
+        self.sink(f"{info.err_msg or 'Exception ignored in'}: {info.object!r}\n" + "".join(lines))
+
+    def __enter__(self):
+        for name in self._LOGGERS:
+            logging.getLogger(name).addFilter(self)
+        self._hook, sys.unraisablehook = sys.unraisablehook, self._unraisable
+        return self
+
+    def __exit__(self, *exc_info):
+        try:
+            if self.failed or exc_info[0] is not None:
+                gc.collect()
+        finally:
+            sys.unraisablehook = self._hook
+            for name in self._LOGGERS:
+                logging.getLogger(name).removeFilter(self)
 
 
 def _path_name(keypath) -> str:
@@ -176,6 +316,14 @@ class CheckpointManager:
             logs a warning and returns False. Previous checkpoints stay intact either way.
         async_save: write in a background thread (`save` returns once the arrays are
             copied to host); errors then surface in the next `save` or in `wait`.
+        read_only: never change the directory (for evaluation): nothing is created, removed
+            or renamed; damaged checkpoints are reported and passed over, symbolic links
+            are passed over, and saving is refused.
+        log_path: file to which the full detail of each failed save or restore is appended
+            (e.g. `<run dir>/checkpoints.log`); None: the detail goes to this module's logger at
+            DEBUG level. The warning or error itself is always one line.
+        step_leaf: path of the state's leaf that holds its step (e.g. "step" for a
+            `TrainState`): a checkpoint whose leaf disagrees with its name is damaged.
 
     A state is any pytree (nested dicts, tuples, NamedTuples such as optax states)
     of jax/NumPy arrays; scalars are stored as 0-d NumPy arrays, typed PRNG keys
@@ -186,7 +334,8 @@ class CheckpointManager:
 
     def __init__(self, directory, *, keep: int = 3, keep_best: bool = False,
                  best_metric: str = "eval/top1", best_mode: str = "max",
-                 on_error: str = "stop", async_save: bool = False):
+                 on_error: str = "stop", async_save: bool = False, read_only: bool = False,
+                 log_path=None, step_leaf: str | None = None):
         if keep < 1:
             raise ValueError(f"keep must be >= 1, got {keep}")
         if best_mode not in ("max", "min"):
@@ -196,11 +345,17 @@ class CheckpointManager:
         self.directory = Path(directory).absolute()
         self.keep, self.keep_best = keep, keep_best
         self.best_metric, self.best_mode, self.on_error = best_metric, best_mode, on_error
+        self.read_only, self.step_leaf = read_only, step_leaf
+        self.log_path = None if log_path is None else Path(log_path)
         self._warned: set[str] = set()
-        self.directory.mkdir(parents=True, exist_ok=True)
-        for tmp in sorted(self.directory.glob(f"*{_TMP_MARK}*")):
-            logger.warning("ignoring half-written checkpoint %s (an interrupted save); removing it", tmp)
-        self._set_aside_links()
+        if read_only:
+            if not self.directory.is_dir():
+                raise CheckpointError(f"{self.directory} does not exist: no checkpoints")
+        else:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            for tmp in sorted(self.directory.glob(f"*{_TMP_MARK}*")):
+                logger.warning("ignoring half-written checkpoint %s (an interrupted save); removing it", tmp)
+            self._set_aside_links()
 
         policies = [ocp_managers.LatestN(keep)]
         best_fn = None
@@ -210,11 +365,13 @@ class CheckpointManager:
             best_fn = lambda m: m[_RANK_KEY]  # noqa: E731
             policies.append(ocp_managers.BestN(get_metric_fn=best_fn, reverse=best_mode == "min", n=1,
                                                keep_checkpoints_without_metrics=False))
-        options = ocp.CheckpointManagerOptions(
-            enable_async_checkpointing=async_save, create=True, cleanup_tmp_directories=True,
-            best_fn=best_fn, best_mode=best_mode,
-            preservation_policy=ocp_managers.AnyPreservationPolicy(policies))
-        self._mgr = ocp.CheckpointManager(self.directory, options=options, item_names=(_STATE, _META))
+        with _OrbaxNoise(self._detail):  # read-only: orbax warns that it is, twice
+            options = ocp.CheckpointManagerOptions(
+                enable_async_checkpointing=async_save, create=not read_only,
+                cleanup_tmp_directories=not read_only, read_only=read_only,
+                best_fn=best_fn, best_mode=best_mode,
+                preservation_policy=ocp_managers.AnyPreservationPolicy(policies))
+            self._mgr = ocp.CheckpointManager(self.directory, options=options, item_names=(_STATE, _META))
 
     def _set_aside_links(self):
         """Renames step entries that are symbolic links to `<step>.symlink`.
@@ -253,7 +410,7 @@ class CheckpointManager:
         array bytes needs a full read and happens in `restore`.
         """
         steps = []
-        for step in self._mgr.all_steps():
+        for step in self._listed_steps():
             path = self._step_path(step)
             if not (path / _COMMIT_MARKER).is_file():
                 self._warn_once(f"ignoring half-written checkpoint {path}: no {_COMMIT_MARKER}")
@@ -264,8 +421,28 @@ class CheckpointManager:
         return sorted(steps)
 
     def _listed_steps(self) -> list[int]:
-        """Every step directory orbax lists, damaged ones included, newest first."""
-        return sorted(self._mgr.all_steps(), reverse=True)
+        """Every step directory orbax lists, damaged ones included, newest first (read-only: not
+        symbolic links, which a writable manager moves aside)."""
+        steps = sorted(self._mgr.all_steps(), reverse=True)
+        if self.read_only:
+            for step in [s for s in steps if self._step_path(s).is_symlink()]:
+                self._warn_once(f"passing over checkpoint {self._step_path(step)}: a symbolic link")
+                steps.remove(step)
+        return steps
+
+    def _detail(self, text: str):
+        """Appends the full story of a failure to `log_path` (process 0), else logs it at DEBUG."""
+        if self.log_path is None or self.read_only or jax.process_index() != 0:
+            logger.debug("%s", text)
+            return
+        try:
+            with open(self.log_path, "a", encoding="utf-8") as f:
+                f.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {text.rstrip()}\n")
+        except OSError:  # e.g. the full disk that made the save fail
+            logger.debug("%s", text)
+
+    def _where_detail(self) -> str:
+        return "" if self.log_path is None or self.read_only else f" (details in {self.log_path})"
 
     def latest_step(self) -> int | None:
         """The newest committed step, or None when there is none."""
@@ -321,6 +498,8 @@ class CheckpointManager:
         writing fails, e.g. with a full disk; the previous checkpoints are kept.
         """
         step = int(step)
+        if self.read_only:
+            raise CheckpointError(f"cannot save step {step}: {self.directory} was opened read-only")
         if not force and not self._mgr.should_save(step):
             logger.warning("not saving checkpoint for step %d in %s: latest saved step is %s",
                            step, self.directory, self._mgr.latest_step())
@@ -329,7 +508,8 @@ class CheckpointManager:
         names = [name for name, _ in leaves]
         leaves = list(zip(names, _to_host([_as_array(name, x) for name, x in leaves])))
         meta = {"format": _FORMAT, "step": step, "arrays": [_describe(n, x) for n, x in leaves],
-                "metrics": _jsonable(metrics), "config": config_dict}
+                "metrics": _jsonable(metrics), "config": config_dict,
+                "config_digest": None if config_dict is None else config_digest(config_dict)}
         try:
             json.dumps(meta, allow_nan=False)
         except (TypeError, ValueError) as e:
@@ -341,24 +521,36 @@ class CheckpointManager:
             rank = {_RANK_KEY: worst if value is None else value}
         args = ocp.args.Composite(**{_STATE: ocp.args.StandardSave(treedef.unflatten([x for _, x in leaves])),
                                      _META: ocp.args.JsonSave(meta)})
-        try:
-            return bool(self._mgr.save(step, args=args, metrics=rank, force=force))
-        except ocp.checkpoint_manager.StepAlreadyExistsError as e:
-            raise CheckpointError(f"checkpoint for step {step} already exists at {self._step_path(step)}") from e
-        except Exception as e:  # noqa: BLE001 - the state was validated above: what fails here is the write
-            return self._save_failed(step, e)
+        failure = None
+        with _OrbaxNoise(self._detail) as noise:
+            try:
+                return bool(self._mgr.save(step, args=args, metrics=rank, force=force))
+            except ocp.checkpoint_manager.StepAlreadyExistsError:
+                failure = f"checkpoint for step {step} already exists at {self._step_path(step)}"
+            except Exception as e:  # noqa: BLE001 - the state was validated above: what fails here is the write
+                noise.failed = True
+                failure = self._save_failure(step, e)
+        if failure.startswith("checkpoint for step"):
+            raise CheckpointError(failure)
+        return self._save_failed(failure)
 
-    def _save_failed(self, step: int | None, exc: Exception) -> bool:
+    def _save_failure(self, step: int | None, exc: Exception) -> str:
+        """The one-line message of a failed save (the full traceback goes to the detail log)."""
+        self._detail("".join(traceback.format_exception(type(exc), exc, exc.__traceback__)))
         if step is not None and jax.process_index() == 0:
             self._remove_partial(step)
         code = _errno_of(exc)
-        cause = f"{type(exc).__name__}: {str(exc)[:500]}"
+        cause = _brief(exc)
         if code is not None:
             cause = f"{errno.errorcode.get(code, 'errno')} (errno {code}): {os.strerror(code)}; {cause}"
         what = "a background checkpoint save" if step is None else f"saving checkpoint step {step}"
-        message = f"{what} to {self.directory} failed: {cause}; previous checkpoints are kept"
+        return f"{what} to {self.directory} failed: {cause}; previous checkpoints are kept{self._where_detail()}"
+
+    def _save_failed(self, message: str) -> bool:
+        # Raised without the orbax exception chained: it holds the abandoned coroutines, whose
+        # reports would reach stderr whenever it is freed (see _OrbaxNoise).
         if self.on_error == "stop":
-            raise CheckpointError(message) from exc
+            raise CheckpointError(message)
         logger.warning("%s", message)
         return False
 
@@ -382,10 +574,15 @@ class CheckpointManager:
 
     def wait(self):
         """Blocks until a background save has finished (a no-op for synchronous saves)."""
-        try:
-            self._mgr.wait_until_finished()
-        except Exception as e:  # noqa: BLE001
-            self._save_failed(None, e)
+        failure = None
+        with _OrbaxNoise(self._detail) as noise:
+            try:
+                self._mgr.wait_until_finished()
+            except Exception as e:  # noqa: BLE001
+                noise.failed = True
+                failure = self._save_failure(None, e)
+        if failure is not None:
+            self._save_failed(failure)
 
     def close(self):
         """Waits for pending saves and releases orbax's resources."""
@@ -399,17 +596,22 @@ class CheckpointManager:
 
     # -- restoring -------------------------------------------------------------------------
 
-    def restore(self, step: int | None = None, *, target) -> tuple[int, Any]:
+    def restore(self, step: int | None = None, *, target, config: Mapping | None = None) -> tuple[int, Any]:
         """Restores a checkpoint onto the structure, shapes, dtypes and shardings of `target`.
 
         Arguments:
             step: the step to restore; None restores the newest checkpoint that passes
-                every check, falling back to older ones (each rejected one is logged
-                with its path; damaged ones newer than the one restored are renamed to
-                `<step>.corrupt` so that later saves of those steps are possible, while
-                ones that merely do not match `target` are left in place).
+                every check, falling back to older ones (each rejected one is logged in
+                one line with its path; unless the manager is read-only, damaged ones newer
+                than the one restored are renamed to `<step>.corrupt` so that later saves
+                of those steps are possible, while ones that merely do not match `target`
+                are left in place).
             target: a pytree like the saved state, of arrays or `jax.ShapeDtypeStruct`s
                 (with `sharding` to restore sharded). NumPy leaves come back as NumPy.
+            config: the resolved config the state is restored for, or None. When given,
+                a checkpoint saved under a config that trains differently (its
+                `config_digest`, see `training_config`) raises `ConfigChangedError`
+                instead of being restored; a checkpoint saved without a config is accepted.
 
         Returns:
             (step, state) with `state` verified against the manifest: same paths, shapes
@@ -420,7 +622,9 @@ class CheckpointManager:
                 None) no checkpoint that passes; the message names the path and the fault.
         """
         if step is not None:
-            return int(step), self._load(int(step), target)
+            state = self._load(int(step), target)
+            self._check_config(int(step), config)
+            return int(step), state
         failures = []
         # orbax's own listing, so that half-written directories are reported and moved aside too.
         for candidate in self._listed_steps():
@@ -430,12 +634,29 @@ class CheckpointManager:
                 logger.warning("%s; trying an older checkpoint", e)
                 failures.append((candidate, e))
                 continue
-            self._quarantine([s for s, e in failures if isinstance(e, CheckpointCorruptError)])
+            self._check_config(candidate, config)
+            if not self.read_only:
+                self._quarantine([s for s, e in failures if isinstance(e, CheckpointCorruptError)])
             return candidate, state
         if not failures:
             raise CheckpointError(f"no checkpoint to restore in {self.directory}")
         raise CheckpointError(f"no usable checkpoint in {self.directory}: "
                               + "; ".join(str(e) for _, e in failures))
+
+    def _check_config(self, step: int, config: Mapping | None):
+        """Raises `ConfigChangedError` when checkpoint `step` was saved under a config that trains
+        differently from `config`. Checkpoints without a recorded config pass (older ones)."""
+        if config is None:
+            return
+        meta = self.metadata(step)
+        saved, digest = meta.get("config"), meta.get("config_digest")
+        if digest is None and isinstance(saved, Mapping):
+            digest = config_digest(saved)
+        if digest is None or digest == config_digest(config):
+            return
+        what = _summary(config_changes(saved, config)) if isinstance(saved, Mapping) else "its config digest differs"
+        raise ConfigChangedError(f"checkpoint {self._step_path(step)} was trained under another config "
+                                 f"({what}); {_CONFIG_WAYS_ON}")
 
     def _load(self, step: int, target):
         path = self._step_path(step)
@@ -443,17 +664,29 @@ class CheckpointManager:
             raise CheckpointError(f"no checkpoint for step {step}: {path} does not exist")
         if not (path / _COMMIT_MARKER).is_file():
             raise CheckpointCorruptError(f"checkpoint {path} is half-written: no {_COMMIT_MARKER}")
-        saved = {entry["path"]: entry for entry in self.metadata(step)["arrays"]}
+        meta = self.metadata(step)
+        if meta.get("step") != step:  # e.g. `cp -a 30 40`: the name is not what the files hold
+            raise CheckpointCorruptError(f"checkpoint {path} holds step {meta.get('step')} by its manifest, "
+                                         f"not {step} as named")
+        saved = {entry["path"]: entry for entry in meta["arrays"]}
         named, treedef = _named_leaves(target)
         abstract = [_abstract(name, x) for name, x in named]
         self._check_matches(path, saved, [(name, a) for (name, _), a in zip(named, abstract)])
-        try:
-            restored = self._mgr.restore(step, args=ocp.args.Composite(
-                **{_STATE: ocp.args.StandardRestore(treedef.unflatten(abstract))}))[_STATE]
-        except Exception as e:  # noqa: BLE001 - a failed read of committed files is damage
-            raise CheckpointCorruptError(
-                f"checkpoint {path / _STATE} could not be read ({type(e).__name__}: {e})") from e
-        for name, x in _named_leaves(restored)[0]:
+        failure = None
+        with _OrbaxNoise(self._detail) as noise:
+            try:
+                restored = self._mgr.restore(step, args=ocp.args.Composite(
+                    **{_STATE: ocp.args.StandardRestore(treedef.unflatten(abstract))}))[_STATE]
+            except Exception as e:  # noqa: BLE001 - a failed read of committed files is damage
+                noise.failed = True
+                self._detail(f"reading checkpoint {path / _STATE} failed:\n"
+                             + "".join(traceback.format_exception(type(e), e, e.__traceback__)))
+                failure = (f"checkpoint {path / _STATE} could not be read ({_brief(e)})"
+                           f"{self._where_detail()}")
+        if failure is not None:  # raised unchained, see _save_failed
+            raise CheckpointCorruptError(failure)
+        named_restored = _named_leaves(restored)[0]
+        for name, x in named_restored:
             entry = saved[name]
             if list(x.shape) != entry["shape"] or str(np.dtype(x.dtype)) != entry["dtype"]:
                 raise CheckpointCorruptError(f"checkpoint {path / _STATE}: array {name!r} read back as "
@@ -462,6 +695,10 @@ class CheckpointManager:
             if digest and digest != entry["sha256"]:
                 raise CheckpointCorruptError(f"checkpoint {path / _STATE}: array {name!r} fails its sha256 "
                                              f"check (saved {entry['sha256'][:16]}..., read {digest[:16]}...)")
+        for name, x in named_restored:
+            if name == self.step_leaf and (value := int(np.asarray(jax.device_get(x)))) != step:
+                raise CheckpointCorruptError(f"checkpoint {path / _STATE}: its state is at step {value}, "
+                                             f"not {step} as named")
         return restored
 
     @staticmethod
@@ -499,7 +736,8 @@ class CheckpointManager:
         self._mgr.reload()
 
 
-def restore_for_resume(manager: CheckpointManager, target, resume: str = "auto"):
+def restore_for_resume(manager: CheckpointManager, target, resume: str = "auto", *,
+                       config: Mapping | None = None):
     """Restores the state to resume training from, following the `resume` policy.
 
     Arguments:
@@ -508,6 +746,9 @@ def restore_for_resume(manager: CheckpointManager, target, resume: str = "auto")
         resume: "auto" resumes from the newest good checkpoint, or returns None when the
             directory has none; "must" is "auto" but raises when there is none; "never"
             returns None without looking.
+        config: the run's resolved config: a checkpoint saved under one that trains
+            differently raises `ConfigChangedError` (see `CheckpointManager.restore`);
+            None accepts any.
 
     Returns:
         (step, state) or None. Newer checkpoints passed over because they do not match
@@ -527,9 +768,85 @@ def restore_for_resume(manager: CheckpointManager, target, resume: str = "auto")
         if resume == "must":
             raise CheckpointError(f"resume='must' but there is no checkpoint in {manager.directory}")
         return None
-    step, state = manager.restore(target=target)
+    step, state = manager.restore(target=target, config=config)
     # Newer checkpoints that do not match this run (another model's) would make orbax refuse every
     # save of this run up to their step: move them aside as well.
     manager._quarantine([s for s in manager._listed_steps() if s > step], _MISMATCH_SUFFIX,
                         "non-matching")
     return step, state
+
+
+# -- the run directory's config and its history ---------------------------------------------------
+
+CONFIG_FILE = "config.resolved.yaml"
+CONFIG_HISTORY = "config_history"
+
+
+def _has_checkpoints(directory) -> bool:
+    return os.path.isdir(directory) and any(n.isdigit() for n in os.listdir(directory))
+
+
+def _saved_run_config(path: str):
+    """The config a run directory records (normalised through the schema when it validates, so
+    that a file from an older jaxcnn compares by value), or a string saying why it cannot be read."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            saved = yaml.safe_load(f)
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+        return f"{path} cannot be read ({type(e).__name__})"
+    if not isinstance(saved, Mapping):
+        return f"{path} is not a mapping"
+    from jaxcnn.train.config import ConfigError, config_from_dict, to_dict
+    try:
+        return to_dict(config_from_dict(saved, source=path))
+    except ConfigError:
+        return saved  # compared as written
+
+
+def check_resume_config(workdir: str, config_dict: Mapping, *, resume: str = "auto",
+                        on_change: str = "stop") -> list[str]:
+    """Before any compute: does resuming the run in `workdir` change how it trains?
+
+    When `workdir/checkpoints` holds checkpoints that `resume` would continue from, compares
+    the keys of `config_dict` that change the training math (`training_config`) with those of
+    `workdir/config.resolved.yaml`.
+
+    Returns:
+        The changes, ``"key: old -> new"`` (empty: identical, or nothing to resume).
+
+    Raises:
+        ConfigChangedError: there are changes and `on_change` is "stop"; the message names the
+            keys and the two ways on.
+    """
+    if resume == "never" or not _has_checkpoints(os.path.join(workdir, "checkpoints")):
+        return []
+    path = os.path.join(workdir, CONFIG_FILE)
+    if not os.path.isfile(path):
+        return []  # the checkpoints' own config digests decide (restore_for_resume)
+    saved = _saved_run_config(path)
+    changes = [saved] if isinstance(saved, str) else config_changes(saved, config_dict)
+    if changes and on_change == "stop":
+        raise ConfigChangedError(f"{workdir} was trained under another config ({_summary(changes)}); "
+                                 f"{_CONFIG_WAYS_ON}")
+    return changes
+
+
+def record_run_config(workdir: str, config_dict: Mapping, step: int, changes: list[str]) -> None:
+    """Writes `workdir/config.resolved.yaml`; when a run continues at `step` under a changed
+    config, first keeps every config it ran under in `config_history/from_step_<N>.yaml`
+    (N: the step from which that config applies; the run's first config is from_step_0)."""
+    path = os.path.join(workdir, CONFIG_FILE)
+    if changes and os.path.isfile(path):
+        history = os.path.join(workdir, CONFIG_HISTORY)
+        os.makedirs(history, exist_ok=True)
+        if not any(n.startswith("from_step_") for n in os.listdir(history)):
+            shutil.copyfile(path, os.path.join(history, "from_step_0.yaml"))
+        _write_yaml(os.path.join(history, f"from_step_{int(step)}.yaml"), config_dict)
+    _write_yaml(path, config_dict)
+
+
+def _write_yaml(path: str, data: Mapping) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        yaml.safe_dump(dict(data), f, sort_keys=False)
+    os.replace(tmp, path)

@@ -200,7 +200,9 @@ def eval_main(argv=None) -> int:
         cfg = load_config(cfg_path, args.overrides)
         run = build_run(cfg)
         ckpt_dir = os.path.join(args.run_dir, "checkpoints")
-        manager = CheckpointManager(ckpt_dir)
+        # Read-only: evaluation reports a damaged checkpoint and passes over it; only training
+        # moves one aside.
+        manager = CheckpointManager(ckpt_dir, read_only=True, step_leaf="step")
         if manager.latest_step() is None:
             raise CheckpointError(f"{ckpt_dir}: no complete checkpoint to evaluate")
         step, state = manager.restore(args.step, target=abstract_state(run))

@@ -194,6 +194,10 @@ SCHEMA: dict[str, dict] = {
         "resume": _f("str", "auto", "auto: resume if a checkpoint exists; must: fail without one; never",
                      choices=("auto", "must", "never")),
         "on_error": _f("str", "stop", "a failed save stops the run or only warns", choices=("stop", "warn")),
+        "on_config_change": _f("str", "stop", "resuming a run under settings that train differently "
+                               "(see checkpoint.NON_TRAINING_KEYS): stop (exit 2, naming the keys) or "
+                               "continue (earlier configs kept in config_history/)",
+                               choices=("stop", "continue")),
         "format": _f("str", "npz", "file format of the final parameters", choices=("npz", "safetensors")),
     },
     "precision": {

@@ -40,11 +40,12 @@ class MetricsWriter:
         self.enabled = enabled
         self._tb = None
         self._file = None
+        self._at_resume: set[tuple[int, str]] = set()  # (step, kind) already recorded at resumed_at
         if not enabled:
             return
         path = os.path.join(workdir, "metrics.jsonl")
         if resumed_at is not None and os.path.exists(path):
-            _truncate_after(path, resumed_at)
+            self._at_resume = _truncate_after(path, resumed_at)
         self._file = open(path, "a", encoding="utf-8")
         if tensorboard:
             try:
@@ -54,6 +55,11 @@ class MetricsWriter:
                       "writing metrics.jsonl only", file=sys.stderr)
             else:
                 self._tb = SummaryWriter(os.path.join(workdir, "tb"))
+
+    def recorded(self, step: int, kind: str) -> bool:
+        """Whether the file already holds a `kind` record of `step`, the step a resumed run
+        restarts from (e.g. the final evaluation of a finished run that is run again)."""
+        return (int(step), kind) in self._at_resume
 
     def write(self, step: int, kind: str, values: Mapping):
         if not self.enabled:
@@ -77,11 +83,12 @@ class MetricsWriter:
             self._tb = None
 
 
-def _truncate_after(path: str, step: int) -> None:
-    """Rewrites ``path`` (atomically) keeping the records of steps up to ``step``."""
+def _truncate_after(path: str, step: int) -> set[tuple[int, str]]:
+    """Rewrites ``path`` (atomically) keeping the records of steps up to ``step``; returns the
+    ``(step, kind)`` of the records kept at ``step`` itself."""
     with open(path, encoding="utf-8") as f:
         lines = f.readlines()
-    kept = []
+    kept, at_step = [], set()
     for line in lines:
         try:
             record = json.loads(line)
@@ -89,14 +96,17 @@ def _truncate_after(path: str, step: int) -> None:
             continue
         if isinstance(record, dict) and int(record.get("step", 0)) <= step:
             kept.append(line if line.endswith("\n") else line + "\n")
+            if int(record.get("step", 0)) == step:
+                at_step.add((step, str(record.get("kind"))))
     if len(kept) == len(lines):
-        return
+        return at_step
     tmp = path + ".tmp"
     with open(tmp, "w", encoding="utf-8") as f:
         f.writelines(kept)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+    return at_step
 
 
 def read_metrics(path: str) -> list[dict]:

@@ -71,7 +71,9 @@ def test_trainer_prunes_and_resumes_with_its_masks(tmp_path, capsys):
     work = str(tmp_path / "run")
     assert train_main([config, *TINY, *prune, "train.steps=2", "--workdir", work]) == 0
     assert "prune 0.5 (layer, channel)" in capsys.readouterr().out
-    assert train_main([config, *TINY, *prune, "train.steps=4", "--workdir", work]) == 0
+    # A longer run is another config: continuing it under that one is asked for explicitly.
+    assert train_main([config, *TINY, *prune, "train.steps=4", "checkpoint.on_config_change=continue",
+                       "--workdir", work]) == 0
     assert "resumed from step 2" in capsys.readouterr().out
     # The masks the trainer drew: channels of the seed's random init.
     run = build_run(load_config(config, [*TINY, *prune, "train.steps=4"]))
