@@ -131,11 +131,10 @@ def train_main(argv=None) -> int:
     _limit_malloc_arenas()
     args = _train_parser().parse_intermixed_args(argv)
     try:
-        from jaxcnn.train.config import load_config, to_dict
+        from jaxcnn.train.config import dump_config, load_config
         cfg = load_config(args.config, args.overrides)
-        if args.print_config:
-            import yaml
-            sys.stdout.write(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+        if args.print_config:  # valid YAML: keys unused by this config's choices get a comment
+            sys.stdout.write(dump_config(cfg))
             return 0
         if args.dry_run:
             dry_run(cfg)

@@ -3,7 +3,9 @@ import functools
 import hashlib
 import http.server
 import os
+import socket
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -89,3 +91,110 @@ def test_refusals_before_any_request(tmp_path):
         download_mnist(tmp_path, base_url="http://127.0.0.1:9/", sha256={n: "0" * 64 for n in MNIST_FILES[:3]})
     with pytest.raises(DataError, match="only http and https downloads are supported, not 'file'"):
         download_file("file:///etc/hostname", tmp_path / "x", sha256="0" * 64)
+
+
+@pytest.fixture
+def tricky_server():
+    """127.0.0.1 server with redirects and a slow drip; yields (base_url, ftp_url, ftp_connections)."""
+    payload = b"x" * 64
+    ftp = socket.socket()
+    ftp.bind(("127.0.0.1", 0))
+    ftp.listen(4)
+    ftp.settimeout(0.05)
+    ftp_connections, stop = [], threading.Event()
+
+    def ftp_listener():  # counts connections; closes each at once
+        while not stop.is_set():
+            try:
+                conn, _ = ftp.accept()
+            except OSError:
+                continue
+            ftp_connections.append(1)
+            conn.close()
+
+    ftp_url = f"ftp://127.0.0.1:{ftp.getsockname()[1]}/x"
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_GET(self):
+            if self.path.startswith("/redirect/"):
+                self.send_response(302)
+                self.send_header("Location", {"/redirect/ftp": ftp_url, "/redirect/file": "file:///etc/hostname",
+                                              "/redirect/ok": "/payload"}[self.path])
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+            elif self.path == "/payload":
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(payload)))
+                self.end_headers()
+                self.wfile.write(payload)
+            elif self.path in ("/drip/body", "/drip/headers"):  # one byte every 0.1 s, for up to 30 s
+                head = f"HTTP/1.1 200 OK\r\nContent-Length: {len(payload) * 5}\r\n\r\n".encode()
+                if self.path == "/drip/body":
+                    self.wfile.write(head)
+                    head = b""
+                try:
+                    for byte in [head[i:i + 1] for i in range(len(head))] + [b"x"] * 300:
+                        self.wfile.write(byte)
+                        self.wfile.flush()
+                        time.sleep(0.1)
+                except OSError:
+                    pass
+
+        def log_message(self, *args):
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threads = [threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True),
+               threading.Thread(target=ftp_listener, daemon=True)]
+    for t in threads:
+        t.start()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_address[1]}/", hashlib.sha256(payload).hexdigest(), ftp_connections
+    finally:
+        stop.set()
+        httpd.shutdown()
+        httpd.server_close()
+        for t in threads:
+            t.join()
+        ftp.close()
+
+
+def test_redirects_to_other_schemes_are_refused(tmp_path, tricky_server):
+    """Regression: urllib follows a redirect to ftp:// (and would then fetch over FTP)."""
+    base_url, digest, ftp_connections = tricky_server
+    with pytest.raises(DataError, match=r"redirect/ftp: refused a redirect to ftp://127.0.0.1:\d+/x: "
+                                        r"only http and https downloads are supported, not 'ftp'"):
+        download_file(base_url + "redirect/ftp", tmp_path / "x", sha256=digest, timeout=5)
+    assert ftp_connections == []  # no FTP connection was even attempted
+    with pytest.raises(DataError, match="redirect/file: .*file:///etc/hostname"):  # urllib's own refusal
+        download_file(base_url + "redirect/file", tmp_path / "x", sha256=digest, timeout=5)
+    # http redirects are still followed
+    download_file(base_url + "redirect/ok", tmp_path / "ok", sha256=digest, timeout=5)
+    assert (tmp_path / "ok").read_bytes() == b"x" * 64
+    assert sorted(os.listdir(tmp_path)) == ["ok"]
+
+
+@pytest.mark.parametrize("part", ["headers", "body"])
+def test_overall_deadline_against_a_trickling_server(tmp_path, tricky_server, part):
+    """Regression: one byte every 0.1 s never trips a 2 s per-read timeout, so the download
+    ran for as long as the server liked; the deadline ends it (headers or body)."""
+    base_url, digest, _ = tricky_server
+    start = time.monotonic()
+    with pytest.raises(DataError, match=rf"drip/{part}: download did not finish within its 1 s deadline"):
+        download_file(base_url + f"drip/{part}", tmp_path / "x", sha256=digest, timeout=2, deadline=1)
+    assert time.monotonic() - start < 2.5
+    assert os.listdir(tmp_path) == []  # the partial file is gone
+    with pytest.raises(ValueError, match="deadline must be positive"):
+        download_file(base_url + "payload", tmp_path / "x", sha256=digest, deadline=0)
+
+
+@pytest.mark.parametrize("name", ["../x", "sub/x", "..", ".", "", "/abs", "a\\b"])
+def test_file_names_that_leave_dest_are_refused(tmp_path, name):
+    """Regression: files=["../x"] wrote next to dest, not in it.  Refused before any request
+    (the base URL has nothing listening)."""
+    dest = tmp_path / "d"
+    with pytest.raises(ValueError, match=r"download_mnist: file name .* is not a plain file name"):
+        download_mnist(dest, base_url="http://127.0.0.1:9/", sha256={name: "0" * 64}, files=[name])
+    assert not (tmp_path / "x").exists() and not (tmp_path / "abs").exists()
