@@ -36,6 +36,7 @@ import difflib
 import math
 import os
 import re
+import stat
 from collections.abc import Mapping
 from typing import Any, NamedTuple, Sequence
 
@@ -87,6 +88,13 @@ class Field(NamedTuple):
 
 _f = Field  # short name keeps the schema table readable
 
+# Largest int a key takes (unless its schema says less): the step counter is int32, and so are the
+# step arithmetic of schedules and the data pipeline's per-step draws.
+MAX_INT = MAX_STEPS = 2**31 - 1
+# Seeds: jax.random.PRNGKey keeps 32 bits (without jax_enable_x64; 2**32 gives the key of 0).
+MAX_SEED = 2**32 - 1
+_MAX_FLOAT_INT = 2**1023  # ints beyond this (and beyond float's range) cannot become a float
+
 
 _POS_INT = dict(low=1)
 _POS_FLOAT = dict(low=0.0, open_low=True)
@@ -128,7 +136,8 @@ SCHEMA: dict[str, dict] = {
         },
         "normalize": _f("bool", True, "subtract the per-channel mean and divide by the std of the dataset"),
         "prefetch": _f("int", 2, "batches prepared ahead on a background thread (0 = none)", low=0),
-        "seed": _f("int", None, "seed of shuffling and augmentation; null = train.seed", nullable=True, low=0),
+        "seed": _f("int", None, "seed of shuffling and augmentation; null = train.seed", nullable=True, low=0,
+                   high=MAX_SEED),
     },
     "optim": {
         "name": _f("str", "adamw", "optimiser", choices=("sgd", "adam", "adamw", "lars", "lamb")),
@@ -170,8 +179,8 @@ SCHEMA: dict[str, dict] = {
         "steps": _f("int", None, "run length in optimiser steps (set exactly one of steps/epochs)",
                     nullable=True, **_POS_INT),
         "epochs": _f("float", None, "run length in epochs, fractions allowed (exactly one of steps/epochs)",
-                     nullable=True, **_POS_FLOAT),
-        "seed": _f("int", 0, "seed of parameter initialisation and dropout", low=0),
+                     nullable=True, low=0.0, open_low=True, high=MAX_STEPS),
+        "seed": _f("int", 0, "seed of parameter initialisation and dropout", low=0, high=MAX_SEED),
         "eval_every": _f("duration", "1ep", "evaluate this often; null = only at the end", nullable=True,
                          low=0, open_low=True),
         "nan_policy": _f("str", "stop", "non-finite loss: stop the run, or skip the update",
@@ -375,6 +384,87 @@ def _copy(value):
     return value
 
 
+# ------------------------------------------------------------------- YAML
+
+# YAML 1.1 (PyYAML) reads unquoted yes/no/on/off as booleans. A key whose value is one of a few
+# words must see the word that was typed: `checkpoint.resume: yes` is not a valid choice (and
+# must not pass as `true`), while `distributed.mode: on` is. So the loader keeps these four words
+# (any case) as a `_Word`, a str that also carries YAML 1.1's boolean; validation gives bool keys
+# (and free-form data such as model.options) the boolean and string keys the word. `true`/`false`
+# stay booleans.
+class _Word(str):
+    """An unquoted yes/no/on/off from a YAML file or override: the text, plus YAML 1.1's bool."""
+
+    __slots__ = ()
+
+    @property
+    def boolean(self) -> bool:
+        return self.lower() in ("yes", "on")
+
+
+class _ConfigLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` (same tags, same safety) that keeps yes/no/on/off as :class:`_Word`."""
+
+    def construct_yaml_bool(self, node):
+        value = super().construct_yaml_bool(node)
+        if node.style is None and node.value.lower() in ("yes", "no", "on", "off"):
+            return _Word(node.value)
+        return value
+
+
+_ConfigLoader.add_constructor("tag:yaml.org,2002:bool", _ConfigLoader.construct_yaml_bool)
+
+
+def _yaml_load(text: str, where: str):
+    """``yaml.safe_load`` semantics with :class:`_ConfigLoader`, refusing a mapping that names a
+    key twice (PyYAML keeps the last one silently) with a ConfigError naming key and lines."""
+    loader = _ConfigLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        _check_duplicate_keys(node, where)
+        return loader.construct_document(node)
+    finally:
+        loader.dispose()
+
+
+def _check_duplicate_keys(root, where: str):
+    seen_nodes, todo = set(), [(root, "")]
+    while todo:  # iterative, each node once: aliases may share (or contain) nodes
+        node, path = todo.pop()
+        if id(node) in seen_nodes:
+            continue
+        seen_nodes.add(id(node))
+        if isinstance(node, yaml.MappingNode):
+            lines = {}
+            for key_node, value_node in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge" or not isinstance(key_node, yaml.ScalarNode):
+                    todo.append((value_node, path))
+                    continue
+                key = _join(path, key_node.value)
+                line = key_node.start_mark.line + 1
+                if (key_node.tag, key_node.value) in lines:
+                    raise ConfigError(f"{where}:{line}: duplicate key {key!r} (also on line "
+                                      f"{lines[key_node.tag, key_node.value]}); a key may appear only "
+                                      "once in a mapping", path=key)
+                lines[key_node.tag, key_node.value] = line
+                todo.append((value_node, key))
+        elif isinstance(node, yaml.SequenceNode):
+            todo.extend((item, f"{path}[{i}]") for i, item in enumerate(node.value))
+
+
+def _plain(value):
+    """``value`` with every :class:`_Word` turned into YAML 1.1's boolean (free-form data)."""
+    if isinstance(value, _Word):
+        return value.boolean
+    if isinstance(value, Mapping):
+        return {str(k) if isinstance(k, _Word) else k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
 # A run config holds a few hundred values. These caps stop a hostile file before it is merged
 # (merging copies every value): a huge file, or YAML aliases that expand a few lines into
 # billions of values (the "billion laughs").
@@ -417,11 +507,25 @@ def _load_file(path: str, sources: dict, stack: tuple) -> dict:
     if real in stack:
         chain = " -> ".join(os.path.relpath(p) for p in stack + (real,))
         raise ConfigError(f"base include cycle: {chain}", path="base", source=path)
+    where = f" (included from {os.path.relpath(stack[-1])})" if stack else ""
     try:
-        with open(path, encoding="utf-8") as f:
+        # Non-blocking open, then only a regular file is read: opening a FIFO for reading would
+        # wait for a writer forever, and a device (/dev/zero) is no config either.
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+        try:
+            mode = os.fstat(fd).st_mode
+            if not stat.S_ISREG(mode):
+                kind = ("a directory" if stat.S_ISDIR(mode) else "a FIFO (named pipe)" if stat.S_ISFIFO(mode)
+                        else "a socket" if stat.S_ISSOCK(mode) else "a device" if stat.S_ISCHR(mode)
+                        or stat.S_ISBLK(mode) else "not a regular file")
+                raise ConfigError(f"cannot read config file {path!r}{where}: it is {kind}, not a regular file")
+            f = open(fd, encoding="utf-8", closefd=True)
+        except BaseException:
+            os.close(fd)
+            raise
+        with f:
             text = f.read(MAX_CONFIG_BYTES + 1)
     except OSError as e:
-        where = f" (included from {os.path.relpath(stack[-1])})" if stack else ""
         raise ConfigError(f"cannot read config file {path!r}{where}: {e.strerror or e}") from None
     except UnicodeDecodeError as e:
         raise ConfigError(f"config file {path!r} is not UTF-8 text ({e.reason} at byte {e.start})") from None
@@ -429,7 +533,7 @@ def _load_file(path: str, sources: dict, stack: tuple) -> dict:
         raise ConfigError(f"config file {path!r} is larger than {MAX_CONFIG_BYTES} characters; "
                           "not a run config")
     try:
-        data = yaml.safe_load(text)
+        data = _yaml_load(text, path)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         at = f":{mark.line + 1}:{mark.column + 1}" if mark is not None else ""
@@ -507,7 +611,8 @@ def parse_overrides(overrides: Sequence[str]) -> list[tuple[str, Any]]:
     """
     if isinstance(overrides, str):
         raise ConfigError(f"overrides must be a list of strings, got the string {overrides!r}")
-    return [_parse_override(text) for text in overrides]
+    # Plain YAML 1.1 values (yes/no/on/off as booleans); validation itself sees the typed word.
+    return [(key, _plain(value)) for key, value in map(_parse_override, overrides)]
 
 
 def _parse_override(text) -> tuple[str, Any]:
@@ -522,7 +627,7 @@ def _parse_override(text) -> tuple[str, Any]:
     if key == "base" or key.startswith("base."):
         raise ConfigError(f"override {text!r}: 'base' can only be set inside a config file")
     try:
-        value = yaml.safe_load(value_text)
+        value = _yaml_load(value_text, f"override {text!r}")
     except yaml.YAMLError as e:
         problem = getattr(e, "problem", None) or str(e)
         raise ConfigError(f"override {text!r}: cannot parse value {value_text!r} as YAML: {problem}") from None
@@ -594,7 +699,8 @@ def _validate_section(raw, schema: dict, prefix: str, source_of) -> dict:
 
 
 _FLOAT_TEXT = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
-_DURATION_TEXT = re.compile(r"^\s*(\d+\.?\d*|\.\d+)\s*(ep|epoch|epochs|st|step|steps)\s*$")
+_DURATION_TEXT = re.compile(r"^\s*((?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)\s*(ep|epoch|epochs|st|step|steps)\s*$")
+
 
 
 def _check(spec: Field, value, path: str, source_of):
@@ -607,6 +713,14 @@ def _check(spec: Field, value, path: str, source_of):
             return None
         fail(f"missing required key ({spec.doc})" if spec.required else None)
     kind = spec.type
+    if isinstance(value, _Word):  # unquoted yes/no/on/off: see _ConfigLoader
+        if kind == "bool":
+            value = value.boolean
+        elif kind == "str":
+            word = str(value)
+            value = word.lower() if word.lower() in spec.choices else word
+        elif kind != "dict":
+            fail()
     if kind == "int":
         # bool is an int subclass in Python; `true` must not pass as 1.
         if not isinstance(value, int) or isinstance(value, bool):
@@ -615,16 +729,19 @@ def _check(spec: Field, value, path: str, source_of):
         # YAML 1.1 reads 1e-3 (no dot) as a string; accept that spelling.
         if isinstance(value, str) and _FLOAT_TEXT.match(value.strip()):
             value = float(value)
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            fail()
+        if isinstance(value, int) and abs(value) > _MAX_FLOAT_INT:  # float() would overflow
+            fail()
+        if not math.isfinite(value):
             fail()
         value = float(value)
     elif kind == "bool":
         if not isinstance(value, bool):
             fail()
     elif kind == "str":
-        # YAML 1.1 reads bare on/off as booleans; map them back for on/off choices.
-        if isinstance(value, bool) and "on" in spec.choices:
-            value = "on" if value else "off"
+        if isinstance(value, bool):  # `true`/`false`: never one of the words a key accepts
+            fail(f"expected {_expected(spec)}, got {str(value).lower()} (a boolean)")
         if not isinstance(value, str):
             fail()
     elif kind == "duration":
@@ -639,7 +756,7 @@ def _check(spec: Field, value, path: str, source_of):
         if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
             fail("expected a mapping with string keys, got " + _short(value))
         if spec.item is None:
-            return _copy(value)
+            return _plain(value)
         return {k: _check(spec.item, v, _join(path, k), source_of) for k, v in value.items()}
     else:  # pragma: no cover - schema typo
         raise AssertionError(f"bad schema type {kind!r} for {path}")
@@ -659,10 +776,18 @@ def _check(spec: Field, value, path: str, source_of):
     return value
 
 
+def _high(spec: Field):
+    """Upper bound of a number: the schema's, else MAX_INT for ints and step durations."""
+    if spec.high is None and spec.type in ("int", "duration"):
+        return MAX_INT
+    return spec.high
+
+
 def _in_range(spec: Field, x) -> bool:
+    high = _high(spec)
     if spec.low is not None and (x < spec.low or (spec.open_low and x == spec.low)):
         return False
-    if spec.high is not None and (x > spec.high or (spec.open_high and x == spec.high)):
+    if high is not None and (x > high or (spec.open_high and x == high)):
         return False
     return True
 
@@ -670,16 +795,27 @@ def _in_range(spec: Field, x) -> bool:
 def _parse_duration(value, fail):
     if isinstance(value, int) and not isinstance(value, bool):
         return value
-    if isinstance(value, str):
+    if isinstance(value, str) and not isinstance(value, _Word):
         m = _DURATION_TEXT.match(value)
         if m:
             number, unit = m.groups()
+            amount = float(number)
+            if not math.isfinite(amount):
+                fail(f"expected a finite duration, got {value!r}")
             if unit.startswith("ep"):
-                return f"{float(number):g}ep"
-            if float(number).is_integer():
-                return int(float(number))
+                return _epochs_text(amount)
+            if amount.is_integer():
+                return int(number) if number.isdigit() else int(amount)
             fail(f"expected a whole number of steps, got {value!r}")
     fail()
+
+
+def _epochs_text(epochs: float) -> str:
+    """The canonical ``"<N>ep"``: exact (``repr``), plain digits for whole numbers (1e6 epochs is
+    ``"1000000ep"``), so reading it back gives the same number."""
+    if epochs.is_integer() and abs(epochs) < 1e16:
+        return f"{int(epochs)}ep"
+    return f"{epochs!r}ep"
 
 
 def _expected(spec: Field) -> str:
@@ -692,11 +828,11 @@ def _expected(spec: Field) -> str:
             "duration": "a duration (int steps, '<N>st' or '<N>ep')",
             "list": f"a list of {spec.length or 'any number of'} {spec.item.type if spec.item else ''} items",
         }[spec.type]
-        bounds = []
+        bounds, high = [], _high(spec)
         if spec.low is not None:
-            bounds.append(f"{'>' if spec.open_low else '>='} {spec.low:g}")
-        if spec.high is not None:
-            bounds.append(f"{'<' if spec.open_high else '<='} {spec.high:g}")
+            bounds.append(f"{'>' if spec.open_low else '>='} {_number(spec.low)}")
+        if high is not None:
+            bounds.append(f"{'<' if spec.open_high else '<='} {_number(high)}")
         if bounds:
             text += " " + " and ".join(bounds)
         if spec.extra:
@@ -704,6 +840,10 @@ def _expected(spec: Field) -> str:
     if spec.nullable:
         text += " or null"
     return text
+
+
+def _number(x) -> str:
+    return str(x) if isinstance(x, int) else f"{x:g}"
 
 
 def _cross_checks(cfg: dict, source_of):
@@ -747,42 +887,117 @@ def _cross_checks(cfg: dict, source_of):
             fail("distributed.coordinator_address", f"expected 'host:port', got {address!r}")
 
 
+# ------------------------------------------------------------ printing
+
+# Keys that only some choices use: key -> (the choosing key, the values that use it).
+_USED_ONLY_WITH = {
+    **{f"data.{k}": ("data.source", ("synthetic",))
+       for k in ("image_size", "num_train", "num_eval", "num_classes")},
+    "data.path": ("data.source", ("mnist", "cifar10", "npz")),
+    "optim.momentum": ("optim.name", ("sgd", "lars")),
+    "optim.nesterov": ("optim.name", ("sgd", "lars")),
+    "optim.b1": ("optim.name", ("adam", "adamw", "lamb")),
+    "optim.b2": ("optim.name", ("adam", "adamw", "lamb")),
+    "optim.eps": ("optim.name", ("adam", "adamw", "lars", "lamb")),
+    "optim.trust_coefficient": ("optim.name", ("lars",)),
+    "optim.schedule.warmup": ("optim.schedule.name", ("constant", "step", "multistep", "cosine")),
+    "optim.schedule.warmup_init_fraction": ("optim.schedule.name", ("constant", "step", "multistep", "cosine")),
+    "optim.schedule.decay_rate": ("optim.schedule.name", ("step", "multistep")),
+    "optim.schedule.decay_every": ("optim.schedule.name", ("step",)),
+    "optim.schedule.milestones": ("optim.schedule.name", ("multistep",)),
+    "optim.schedule.final_lr_fraction": ("optim.schedule.name", ("cosine",)),
+    **{f"optim.schedule.{k}": ("optim.schedule.name", ("onecycle",))
+       for k in ("pct_start", "div_factor", "final_div_factor")},
+}
+_KEY_LINE = re.compile(r"^( *)([A-Za-z_][A-Za-z0-9_]*):(?: |$)")
+
+
+def unused_keys(cfg) -> dict[str, str]:
+    """``{dotted key: why}`` for the keys of ``cfg`` that its other choices leave unused, e.g.
+    ``{"data.num_train": "not used by data.source=mnist"}``."""
+    def get(dotted):
+        node = cfg
+        for part in dotted.split("."):
+            node = node[part]
+        return node
+
+    out = {}
+    for key, (chooser, users) in _USED_ONLY_WITH.items():
+        choice = get(chooser)
+        if choice not in users:
+            out[key] = f"not used by {chooser}={choice}"
+    return out
+
+
+def dump_config(cfg) -> str:
+    """``cfg`` as YAML (what ``jaxcnn-train --print-config`` prints), each key that the config's
+    other choices leave unused marked by a comment (``# not used by data.source=mnist``). Loading
+    the text gives ``cfg`` back: the comments are only comments."""
+    text = yaml.safe_dump(to_dict(cfg), sort_keys=False, width=float("inf"))
+    notes, lines, stack = unused_keys(cfg), [], []
+    for line in text.splitlines():
+        m = _KEY_LINE.match(line)
+        if m:
+            depth = len(m.group(1)) // 2
+            stack[depth:] = [m.group(2)]
+            note = notes.get(".".join(stack))
+            if note:
+                line += f"  # {note}"
+        lines.append(line)
+    return "\n".join(lines) + "\n"
+
+
 # ---------------------------------------------------------------- durations
 
-def resolve_duration(value: int | str | None, steps_per_epoch: int | None) -> int | None:
+def resolve_duration(value: int | str | None, steps_per_epoch: int | None, *,
+                     key: str | None = None) -> int | None:
     """Turn a duration into a number of steps.
 
     Arguments:
         value: int steps, ``"<N>st"``/``"<N> steps"``, ``"<N>ep"``/``"<N> epochs"``
             (N may be fractional for epochs), or None (returned unchanged).
         steps_per_epoch: optimiser steps in one epoch; needed only for epochs.
+        key: the dotted config key the duration comes from; errors name it.
 
     Returns:
         Steps; epochs are rounded to the nearest step, at least 1 when N > 0.
+
+    Raises:
+        ConfigError: not a duration, negative, or more than MAX_STEPS steps.
     """
     if value is None:
         return None
 
     def fail(problem=None):
-        raise ConfigError(problem or f"expected a duration (int steps, '<N>st' or '<N>ep'), got {value!r}")
+        problem = problem or f"expected a duration (int steps, '<N>st' or '<N>ep'), got {value!r}"
+        raise ConfigError(f"{key}: {problem}" if key else problem, path=key or "")
 
     parsed = _parse_duration(value, fail)
     if isinstance(parsed, int):
         if parsed < 0:
             fail(f"a duration cannot be negative, got {value!r}")
-        return parsed
-    if (not isinstance(steps_per_epoch, int) or isinstance(steps_per_epoch, bool)
-            or steps_per_epoch < 1):
-        fail(f"duration {value!r} is in epochs but steps_per_epoch={steps_per_epoch!r}")
-    epochs = float(parsed[:-2])
-    return max(1, round(epochs * steps_per_epoch)) if epochs > 0 else 0
+        steps, what = parsed, repr(value)
+    else:
+        if (not isinstance(steps_per_epoch, int) or isinstance(steps_per_epoch, bool)
+                or steps_per_epoch < 1):
+            fail(f"duration {value!r} is in epochs but steps_per_epoch={steps_per_epoch!r}")
+        epochs = float(parsed[:-2])
+        steps = max(1, round(epochs * steps_per_epoch)) if epochs > 0 else 0
+        what = f"{epochs:g} epochs of {steps_per_epoch} steps ({steps} steps)"
+    if steps > MAX_STEPS:
+        fail(f"{what} is more than the {MAX_STEPS} steps a run can count (the step counter is int32)")
+    return steps
 
 
 def train_steps(train_cfg, steps_per_epoch: int | None) -> int:
-    """Total optimiser steps of the run, from ``train.steps`` or ``train.epochs``."""
+    """Total optimiser steps of the run, from ``train.steps`` or ``train.epochs``.
+
+    Raises:
+        ConfigError: naming ``train.epochs`` when the epochs come to more than MAX_STEPS steps.
+    """
     if train_cfg.steps is not None:
         return train_cfg.steps
-    return resolve_duration(f"{train_cfg.epochs:g}ep", steps_per_epoch)
+    return resolve_duration(_epochs_text(float(train_cfg.epochs)), steps_per_epoch, key="train.epochs")
 
 
 # -------------------------------------------------------------- reference

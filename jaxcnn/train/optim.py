@@ -73,7 +73,7 @@ def build_schedule(lr: float, schedule_cfg, *, total_steps: int, steps_per_epoch
     if not isinstance(total_steps, int) or total_steps < 1:
         raise ConfigError(f"total_steps must be an int >= 1, got {total_steps!r}")
     name = schedule_cfg.name
-    warmup = resolve_duration(schedule_cfg.warmup, steps_per_epoch)
+    warmup = resolve_duration(schedule_cfg.warmup, steps_per_epoch, key="optim.schedule.warmup")
     if warmup > total_steps or (name == "cosine" and 0 < warmup == total_steps):
         raise ConfigError(
             f"optim.schedule.warmup: {warmup} steps ({schedule_cfg.warmup!r}) does not fit in a run of "
@@ -94,12 +94,13 @@ def build_schedule(lr: float, schedule_cfg, *, total_steps: int, steps_per_epoch
         def decay(step):
             return jnp.ones_like(step, jnp.float32)
     elif name == "step":
-        every = resolve_duration(schedule_cfg.decay_every, steps_per_epoch)
+        every = resolve_duration(schedule_cfg.decay_every, steps_per_epoch, key="optim.schedule.decay_every")
 
         def decay(step):
             return jnp.float32(gamma) ** jnp.floor_divide(step, every).astype(jnp.float32)
     elif name == "multistep":
-        milestones = [resolve_duration(m, steps_per_epoch) for m in schedule_cfg.milestones]
+        milestones = [resolve_duration(m, steps_per_epoch, key=f"optim.schedule.milestones[{i}]")
+                      for i, m in enumerate(schedule_cfg.milestones)]
         if any(b <= a for a, b in zip(milestones, milestones[1:])):
             raise ConfigError(f"optim.schedule.milestones: expected increasing steps, got {milestones} "
                               f"(from {list(schedule_cfg.milestones)})", path="optim.schedule.milestones")

@@ -53,7 +53,7 @@ def setup(tmp_path_factory):
 def _trigger(mode, proc, ckpt, start, rng, window_s):
     """Waits for the kill point of ``mode``; returns False when the run ended first."""
     if mode == "time":
-        if not wait_for(lambda: proc.saw("[jaxcnn] policy"), proc):
+        if not wait_for(lambda: proc.saw("[jaxcnn] precision"), proc):
             return False
         time.sleep(rng.uniform(0, window_s))
         return proc.alive()

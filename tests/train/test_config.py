@@ -205,11 +205,11 @@ def test_unknown_section():
 
 @pytest.mark.parametrize("override, path, fragment", [
     ("optim.lr=fast", "optim.lr", "expected a float > 0, got 'fast'"),
-    ("data.batch_size=12.5", "data.batch_size", "expected an int >= 1, got 12.5"),
+    ("data.batch_size=12.5", "data.batch_size", "expected an int >= 1 and <= 2147483647, got 12.5"),
     ("data.augment.flip=1", "data.augment.flip", "expected a bool (true/false), got 1"),
     ("model.options=[1]", "model.options", "expected a mapping"),
     ("data.image_size=[32, 32]", "data.image_size", "expected a list of 3 items"),
-    ("data.image_size=[32, x, 3]", "data.image_size[1]", "expected an int >= 1, got 'x'"),
+    ("data.image_size=[32, x, 3]", "data.image_size[1]", "expected an int >= 1 and <= 2147483647, got 'x'"),
     ("optim.schedule.warmup=3 days", "optim.schedule.warmup", "expected a duration"),
     ("optim.schedule.warmup=1.5st", "optim.schedule.warmup", "whole number of steps"),
     ("optim.lr=.inf", "optim.lr", "expected a float > 0, got inf"),
@@ -231,12 +231,12 @@ def test_bool_is_not_a_number(override):
     ("optim.lr=0", "expected a float > 0, got 0.0"),
     ("optim.lr=-1e-3", "expected a float > 0, got -0.001"),
     ("optim.momentum=1.0", "expected a float >= 0 and < 1, got 1.0"),
-    ("data.batch_size=0", "expected an int >= 1, got 0"),
-    ("mesh.data=0", "expected an int >= 1 or -1, got 0"),
-    ("mesh.data=-2", "expected an int >= 1 or -1, got -2"),
+    ("data.batch_size=0", "expected an int >= 1 and <= 2147483647, got 0"),
+    ("mesh.data=0", "expected an int >= 1 and <= 2147483647 or -1, got 0"),
+    ("mesh.data=-2", "expected an int >= 1 and <= 2147483647 or -1, got -2"),
     ("checkpoint.keep=0", "expected an int >= 1"),
-    ("optim.schedule.warmup=-5", "expected a duration (int steps, '<N>st' or '<N>ep') >= 0, got -5"),
-    ("checkpoint.every=0ep", "> 0, got '0ep'"),
+    ("optim.schedule.warmup=-5", "expected a duration (int steps, '<N>st' or '<N>ep') >= 0 and <= 2147483647, got -5"),
+    ("checkpoint.every=0ep", "> 0 and <= 2147483647, got '0ep'"),
     ("precision.policy=", "expected a non-empty string, got None"),
     ("precision.backoff_factor=1", "expected a float > 0 and < 1"),
 ])
@@ -355,3 +355,218 @@ def test_resolve_duration(value, steps_per_epoch, expected):
 ])
 def test_resolve_duration_errors(value, steps_per_epoch, fragment):
     assert fragment in str(error_of(resolve_duration, value, steps_per_epoch))
+
+
+# ------------------------------------------------ YAML 1.1 words, ranges, durations, duplicates, files
+
+@pytest.mark.parametrize("where", ["file", "override"])
+def test_yes_no_on_off_are_words_for_string_keys(tmp_path, where):
+    """YAML 1.1 reads unquoted yes/no/on/off as booleans: `checkpoint.resume: yes` was refused as
+    'got True', and `distributed.mode: yes` passed as 'on'. A string key sees the word typed."""
+    def load(key, value):
+        if where == "override":
+            return load_config(write(tmp_path, "m.yaml", "model: {name: mnist_cnn}\ntrain: {steps: 1}\n"),
+                               [f"{key}={value}"])
+        section, name = key.split(".")
+        model = "" if section == "model" else "model: {name: mnist_cnn}\n"
+        return load_config(write(tmp_path, "w.yaml", f"{model}train: {{steps: 1}}\n"
+                                                      f"{section}:\n  {name}: {value}\n"
+                                                      + "  name: mnist_cnn\n" * (section == "model")), [])
+
+    err = error_of(load, "checkpoint.resume", "yes")
+    assert str(err).startswith("checkpoint.resume: expected one of 'auto', 'must', 'never', got 'yes'"), err
+    assert "True" not in str(err)
+    assert load("distributed.mode", "on").distributed.mode == "on"
+    assert load("distributed.mode", "Off").distributed.mode == "off"
+    assert "got 'yes'" in str(error_of(load, "distributed.mode", "yes"))      # not a word mode takes
+    assert "got true (a boolean)" in str(error_of(load, "distributed.mode", "true"))
+    assert load("data.augment", "{flip: yes}").data.augment.flip is True      # bool keys: YAML 1.1
+    assert load("data.normalize", "off").data.normalize is False
+    assert load("model.options", "{cifar_stem: on}").model.options.cifar_stem is True  # free-form data too
+    assert "got 'no'" in str(error_of(load, "data.seed", "no"))
+    cfg = load("checkpoint.resume", "never")
+    assert yaml.safe_load(yaml.safe_dump(to_dict(cfg))) == to_dict(cfg)       # no str subclass leaks out
+
+
+def int_leaves():
+    for path, spec in schema_leaves():
+        if spec.type == "int" or (spec.item is not None and spec.item.type == "int"):
+            yield path, spec
+
+
+@pytest.mark.parametrize("path", [p for p, _ in int_leaves()] + ["optim.schedule.warmup", "logging.log_every"])
+def test_every_int_key_has_a_range_the_run_can_hold(path):
+    """2**31 steps overflowed the int32 step counter, a seed of 2**64 jax.random.PRNGKey: OverflowError
+    tracebacks. Every int key (and step duration) now has an upper bound, named in its error."""
+    seed = path.endswith("seed")
+    top = 2**32 - 1 if seed else 2**31 - 1
+    value = f"[8, 8, {top + 1}]" if path == "data.image_size" else str(top + 1)
+    shown = f"{path}[2]" if path == "data.image_size" else path
+    for bad in (value, value.replace(str(top + 1), str(2**64)), value.replace(str(top + 1), "1" + "0" * 400)):
+        err = error_of(config_from_dict, MINIMAL, [f"{path}={bad}"])
+        assert str(err).startswith(f"{shown}: expected ") and f"<= {top}" in str(err), err
+    if path not in ("distributed.process_id", "data.num_classes", "model.num_classes"):  # cross-checked
+        ok = value.replace(str(top + 1), str(top))
+        config_from_dict(MINIMAL, ["train.steps=null", "train.epochs=1"] * (path == "train.steps")
+                         + [f"{path}={ok}"])
+
+
+def test_float_keys_refuse_ints_beyond_float_range():
+    err = error_of(config_from_dict, MINIMAL, ["optim.lr=1" + "0" * 400])
+    assert str(err).startswith("optim.lr: expected a float > 0")
+
+
+@pytest.mark.parametrize("epochs, steps", [(1000000, 62_000_000), ("1e6", 62_000_000), (1234567, 1234567 * 62),
+                                           ("0.00001", 1), ("1e-5", 1), (99999, 99999 * 62), (0.5, 31)])
+def test_epochs_in_any_spelling(epochs, steps):
+    """1e6 epochs became the duration '1e+06ep', which the duration parser refused without naming a
+    key (and :g formatting rounded 1234567 to 1234570)."""
+    cfg = config_from_dict(MINIMAL, ["train.steps=null", f"train.epochs={epochs}"])
+    assert train_steps(cfg.train, 62) == steps
+    assert load_round_trip(cfg) == cfg
+
+
+def load_round_trip(cfg):
+    return config_from_dict(yaml.safe_load(yaml.safe_dump(to_dict(cfg))))
+
+
+def test_epochs_beyond_the_step_counter_name_the_key():
+    err = error_of(config_from_dict, MINIMAL, ["train.steps=null", "train.epochs=1e12"])
+    assert str(err).startswith("train.epochs: expected a float > 0 and <= 2147483647"), err
+    cfg = config_from_dict(MINIMAL, ["train.steps=null", "train.epochs=1e8"])
+    err = error_of(train_steps, cfg.train, 62)
+    assert str(err).startswith("train.epochs: 1e+08 epochs of 62 steps (6200000000 steps) is more than the "
+                               "2147483647 steps"), err
+
+
+@pytest.mark.parametrize("text, canonical", [("1e+06ep", "1000000ep"), ("1e6 epochs", "1000000ep"),
+                                             ("2.5e-1ep", "0.25ep"), ("1e3st", 1000), ("1234567ep", "1234567ep")])
+def test_durations_with_exponents(text, canonical):
+    cfg = config_from_dict(MINIMAL, [f"checkpoint.every={text}"])
+    assert cfg.checkpoint.every == canonical
+
+
+@pytest.mark.parametrize("value, fragment", [
+    ("1e400ep", "finite"), ("100000000ep", "more than the 2147483647 steps"), ("3 days", "expected a duration"),
+    (-1, "cannot be negative")])
+def test_duration_errors_name_their_key(value, fragment):
+    err = error_of(resolve_duration, value, 62, key="checkpoint.every")
+    assert str(err).startswith("checkpoint.every: ") and fragment in str(err), err
+
+
+def test_schedule_durations_in_epochs_name_their_key():
+    from jaxcnn.train.optim import build_optimizer
+    cfg = config_from_dict(MINIMAL, ["optim.schedule.name=step", "optim.schedule.decay_every=100000000ep"])
+    err = error_of(build_optimizer, cfg.optim, total_steps=10, steps_per_epoch=62)
+    assert str(err).startswith("optim.schedule.decay_every: "), err
+
+
+@pytest.mark.parametrize("text, key, lines", [
+    ("model:\n  name: mnist_cnn\n  name: resnet18\ntrain: {steps: 1}\n", "model.name", (2, 3)),
+    ("model: {name: mnist_cnn}\ntrain: {steps: 1}\ntrain: {epochs: 2}\n", "train", (2, 3)),
+    ("model: {name: mnist_cnn, 'name': x}\ntrain: {steps: 1}\n", "model.name", (1, 1)),
+    ("model: {name: mnist_cnn}\ntrain: {steps: 1}\noptim:\n  schedule:\n    milestones: [1]\n"
+     "    name: multistep\n    milestones: [2]\n", "optim.schedule.milestones", (5, 7)),
+])
+def test_duplicate_keys_are_refused(tmp_path, text, key, lines):
+    """PyYAML keeps the last of two equal keys silently; a config naming a key twice is a mistake."""
+    path = write(tmp_path, "dup.yaml", text)
+    err = str(error_of(load_config, path))
+    assert err.startswith(f"{path}:{lines[1]}: duplicate key {key!r} (also on line {lines[0]})"), err
+
+
+def test_duplicate_keys_in_overrides_and_merge_keys():
+    err = str(error_of(config_from_dict, MINIMAL, ["model.options={a: 1, a: 2}"]))
+    assert "duplicate key 'a'" in err and "model.options" in err
+    # A YAML merge key (<<) is no duplicate: the mapping's own keys override the merged ones.
+    cfg = config_from_dict(MINIMAL, ["optim={<<: {lr: 0.5, b1: 0.8}, lr: 0.25}"])
+    assert (cfg.optim.lr, cfg.optim.b1) == (0.25, 0.8)
+
+
+def test_a_fifo_or_device_is_not_read_as_a_config(tmp_path):
+    """Opening a FIFO for reading waited for a writer forever; /dev/zero read a megabyte of NULs."""
+    import signal
+    fifo = tmp_path / "run.yaml"
+    os.mkfifo(fifo)
+
+    def expire(signum, frame):
+        raise TimeoutError("load_config hung on a FIFO")
+    old = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, 10)
+    try:
+        err = str(error_of(load_config, str(fifo)))
+        assert err == f"cannot read config file {str(fifo)!r}: it is a FIFO (named pipe), not a regular file"
+        err = str(error_of(load_config, write(tmp_path, "b.yaml", f"base: {fifo}\n")))
+        assert "FIFO" in err and "included from" in err
+        if os.path.exists("/dev/zero"):
+            assert "it is a device" in str(error_of(load_config, "/dev/zero"))
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def test_a_regular_config_via_a_symlink_still_loads(tmp_path):
+    path = write(tmp_path, "real.yaml", "model: {name: mnist_cnn}\ntrain: {steps: 3}\n")
+    os.symlink(path, tmp_path / "link.yaml")
+    assert load_config(str(tmp_path / "link.yaml")).train.steps == 3
+
+
+# ------------------------------------------------------------ what the user sees
+
+def test_print_config_marks_keys_the_config_does_not_use(capsys):
+    """--print-config showed data.num_train: 1024 for MNIST as if it applied; it is marked now, and
+    the output is still YAML that loads back to the same config."""
+    from jaxcnn.train.cli import train_main
+    config = os.path.join(REPO, "configs", "mnist_cnn.yaml")
+    assert train_main([config, "--print-config"]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert "  num_train: 1024  # not used by data.source=mnist" in lines
+    assert "  num_eval: 256  # not used by data.source=mnist" in lines
+    assert "  momentum: 0.9  # not used by optim.name=adamw" in lines
+    assert "    milestones: []  # not used by optim.schedule.name=onecycle" in lines
+    assert "    pct_start: 0.3" in lines and "  path: null" in lines and "  b1: 0.9" in lines
+    assert config_from_dict(yaml.safe_load(out)) == load_config(config)
+    assert train_main([config, "data.source=synthetic", "optim.name=sgd", "--print-config"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "  num_train: 1024" in lines and "  path: null  # not used by data.source=synthetic" in lines
+    assert "  momentum: 0.9" in lines and "  b1: 0.9  # not used by optim.name=sgd" in lines
+
+
+TINY = ["model.name=mnist_cnn", "data.source=synthetic", "data.image_size=[12, 12, 1]", "data.num_train=16",
+        "data.num_eval=8", "data.batch_size=8", "data.prefetch=0", "train.epochs=null", "train.steps=1",
+        "train.eval_every=null"]
+
+
+@pytest.mark.parametrize("policy, extra, text", [
+    ("fp32", [], "precision fp32  loss scaling off"),
+    ("bf16", [], "precision bf16 (params f32, compute bf16)  loss scaling off"),
+    ("bf16_params", [], "precision bf16_params (params bf16, compute bf16, output f32, master copy f32)  "
+                        "loss scaling off"),
+    ("fp16", [], "precision fp16 (params f32, compute f16)  loss scaling dynamic (from 32768)"),
+    ("fp32", ["precision.loss_scale=static", "precision.loss_scale_init=128"],
+     "precision fp32  loss scaling static (128)"),
+    ("bf16", ["precision.overrides={batch_norm: f32}"],
+     "precision bf16 (params f32, compute bf16) with batch_norm f32  loss scaling off"),
+])
+def test_startup_output_describes_precision_in_the_configs_words(policy, extra, text):
+    """The start-up line said 'policy p=f32,c=f32,o=f32  loss scale NoOpLossScale'."""
+    from jaxcnn.train.loop import build_run, describe_precision
+    cfg = load_config(os.path.join(REPO, "configs", "mnist_cnn.yaml"), TINY + [f"precision.policy={policy}"] + extra)
+    assert describe_precision(cfg, build_run(cfg)) == text
+
+
+def test_startup_output_mentions_fsdp_and_the_model_axis_only_when_used():
+    from types import SimpleNamespace
+
+    import jax
+
+    from jaxcnn.train.loop import describe_devices
+    def plan(data, model, fsdp):
+        return SimpleNamespace(mesh=SimpleNamespace(shape={"data": data, "model": model}),
+                               strategy="shard_map", fsdp=fsdp)
+    n, backend = jax.device_count(), jax.default_backend()
+    assert describe_devices(plan(n, 1, False)) == f"devices {n} ({backend}): data parallel over {n} (shard_map)"
+    text = describe_devices(plan(2, 2, True))
+    assert ", model parallel over 2" in text and "(fsdp)" in text and "False" not in text
+

@@ -57,6 +57,9 @@ def test_same_seed_same_losses_and_loss_falls(tmp_path, capsys):
     assert np.mean(a[-4:]) < np.mean(a[:4]) - 0.25  # from ~2.30 (chance) after 24 small steps
     out = capsys.readouterr().out
     assert "final eval at step 24" in out and "img/s" in out
+    # Start-up lines in the config's words, not internals (they said 'loss scale NoOpLossScale').
+    assert "[jaxcnn] precision fp32  loss scaling off  optimiser " in out and "[jaxcnn] devices " in out
+    assert not any(word in out for word in ("NoOpLossScale", "p=f32", "fsdp", "False")), out
     for name in ("config.resolved.yaml", "run_meta.json", "metrics.jsonl", "params.npz"):
         assert (tmp_path / "a" / name).is_file()
     meta = json.loads((tmp_path / "a" / "run_meta.json").read_text())
