@@ -1,12 +1,18 @@
 """``jaxcnn-export``: export a trained run or a parameter file.
 
-    jaxcnn-export runs/mnist_cnn --format onnx --out mnist.onnx
+    jaxcnn-export runs/mnist_cnn --format onnx --out mnist.onnx   # takes raw uint8 pixels
     jaxcnn-export runs/mnist_cnn --format stablehlo --quantize int8 --out mnist_int8.stablehlo
     jaxcnn-export weights.npz --model resnet18 --model-option cifar_stem=true \\
         --input-shape 32,32,3 --format onnx --fold-bn --layout nchw --out r18.onnx
 
     jaxcnn-export runs/mnist_cnn --format onnx --prune 0.5 --fine-tune-steps 100 \\
         --out mnist_sparse.onnx      # fine-tunes with jaxcnn-train's loop in mnist_sparse_finetune/
+
+Exports of a run directory take raw pixels (``uint8`` 0-255 as the data loaders give
+them, float32 0-1 for float datasets) and normalise them inside as the trainer did (the
+run's ``preprocessing.json``); ``--no-preprocessing`` exports the bare network, which takes
+normalised float32 input. The normalisation is recorded either way (ONNX metadata_props
+``jaxcnn.preprocessing``; StableHLO: ``OUT.preprocessing.json``) and printed.
 
 Bad input (a run directory without parameters, a corrupt parameter file, a
 layer ONNX export does not support) ends with exit code 2 and one line on
@@ -49,7 +55,12 @@ def _option(text: str):
     key, sep, value = text.partition("=")
     if not sep or not key:
         raise argparse.ArgumentTypeError(f"expected key=value, got {text!r}")
-    return key, yaml.safe_load(value)
+    try:
+        return key, yaml.safe_load(value)
+    except yaml.YAMLError as e:
+        problem = getattr(e, "problem", None) or type(e).__name__
+        raise argparse.ArgumentTypeError(
+            f"option {key!r}: value {value!r} is not valid YAML ({problem})") from None
 
 
 def _positive(text: str):
@@ -79,7 +90,9 @@ def parser() -> argparse.ArgumentParser:
                     "BatchNorm-folded or int8-quantised.")
     p.add_argument("source", metavar="RUN_DIR_OR_PARAMS")
     p.add_argument("--format", required=True, choices=("stablehlo", "onnx", "npz", "safetensors"))
-    p.add_argument("--out", required=True, help="output file")
+    p.add_argument("--out", required=True,
+                   help="output file (not a directory; npz output gets '.npz' appended "
+                        "when missing)")
     p.add_argument("--model", default=None, help="zoo model name (required with a parameter file)")
     p.add_argument("--num-classes", type=int, default=None,
                    help="classifier width (default: the run's, else read from the parameters)")
@@ -94,7 +107,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--fold-bn", action="store_true", help="fold BatchNorm into the conv before it")
     p.add_argument("--quantize", choices=("int8",), default=None,
                    help="post-training int8 quantisation (needs a run directory for calibration)")
-    p.add_argument("--calibration-batches", type=int, default=4,
+    p.add_argument("--calibration-batches", type=_positive, default=4,
                    help="training batches used to calibrate activation ranges (default 4)")
     p.add_argument("--prune", type=_sparsity, default=None, metavar="SPARSITY",
                    help="magnitude-prune this fraction of the conv/linear weights")
@@ -109,6 +122,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--fine-tune-dir", default=None,
                    help="the fine-tune's run directory (default: OUT without its extension "
                         "+ '_finetune')")
+    p.add_argument("--no-preprocessing", dest="preprocessing", action="store_false",
+                   help="leave the run's input normalisation out of a StableHLO/ONNX export: "
+                        "it then takes normalised float32 inputs instead of raw pixels (uint8 "
+                        "0-255, or float 0-1 for float datasets); the normalisation is still "
+                        "recorded in its metadata")
     p.add_argument("--opset", type=int, default=17, help="ONNX opset (>= 17)")
     p.add_argument("--json", action="store_true", help="print the report as one JSON object")
     return p
@@ -130,7 +148,8 @@ def main(argv=None) -> int:
             calibration_count=args.calibration_batches, prune=args.prune,
             prune_scope=args.prune_scope, prune_structure=args.prune_structure,
             fine_tune_steps=args.fine_tune_steps, fine_tune_lr=args.fine_tune_lr,
-            fine_tune_dir=args.fine_tune_dir, opset=args.opset, log=log,
+            fine_tune_dir=args.fine_tune_dir, opset=args.opset,
+            preprocessing=args.preprocessing, log=log,
             train_stream=sys.stderr if args.json else sys.stdout)
     except (ValueError, OSError, CheckpointError) as e:  # ExportError, ConfigError, DataError, files
         message = " ".join(str(e).split())  # one line, even for multi-line messages

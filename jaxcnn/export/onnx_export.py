@@ -380,7 +380,7 @@ def _records(model, image_shape):
 
 def export_onnx(model, params, state, image_shape, *, path=None, batch="dynamic",
                 layout: str = "nhwc", opset: int = MIN_OPSET, external_data=None,
-                model_name: str = "jaxcnn"):
+                model_name: str = "jaxcnn", preprocessing=None, metadata=None):
     """Write ``model`` (eval mode) as an ONNX graph and check it with ``onnx.checker``.
 
     Arguments:
@@ -396,6 +396,12 @@ def export_onnx(model, params, state, image_shape, *, path=None, batch="dynamic"
         external_data: store the weights in ``<path>.data`` beside the model;
             None decides by size (above 1.5 GiB, under the 2 GiB protobuf limit).
         model_name: the graph's name.
+        preprocessing: a :class:`jaxcnn.data.preprocessing.Preprocessing` to build into
+            the graph: the input is then raw pixels of its ``pixel_dtype`` (``uint8`` in
+            ``[0, 255]``, or float32 on the unit scale), cast and normalised inside
+            (``x * scale - offset``, the same float32 arithmetic as the trainer's);
+            None: the input is the network's own, already normalised, float32.
+        metadata: extra ``metadata_props`` entries (strings).
 
     Returns:
         The ``onnx.ModelProto`` (weights inline unless written externally).
@@ -417,8 +423,21 @@ def export_onnx(model, params, state, image_shape, *, path=None, batch="dynamic"
     in_shape = [n, h, w, c] if layout == "nhwc" else [n, c, h, w]
     x = "input"
     g._used.add(x)
+    in_type = onnx.TensorProto.FLOAT
+    if preprocessing is not None:
+        if tuple(preprocessing.image_shape)[-1] != c:
+            raise ExportError(f"preprocessing has {len(preprocessing.mean)} channels but the "
+                              f"input has {c}")
+        if preprocessing.pixel_dtype == "uint8":
+            in_type = onnx.TensorProto.UINT8
+            x = g.node("Cast", [x], "input_float", to=onnx.TensorProto.FLOAT)
     if layout == "nhwc":
         x = g.node("Transpose", [x], "input_nchw", perm=list(_NCHW))
+    if preprocessing is not None:
+        scale, offset = preprocessing.scale_offset()
+        x = g.node("Mul", [x, g.const("norm_scale", scale.reshape(1, c, 1, 1))], "input_scaled")
+        x = g.node("Sub", [x, g.const("norm_offset", offset.reshape(1, c, 1, 1))],
+                   "input_normalized")
     y, rank = exporter.emit(model, "", x, 4)
     if rank == 4 and layout == "nhwc":
         y = g.node("Transpose", [y], "output_nhwc", perm=list(_NHWC))
@@ -428,16 +447,20 @@ def export_onnx(model, params, state, image_shape, *, path=None, batch="dynamic"
         out_shape = [out_shape[i] for i in _NCHW]
     graph = onnx.helper.make_graph(
         g.nodes, model_name,
-        [onnx.helper.make_tensor_value_info("input", onnx.TensorProto.FLOAT, in_shape)],
+        [onnx.helper.make_tensor_value_info("input", in_type, in_shape)],
         [onnx.helper.make_tensor_value_info("output", onnx.TensorProto.FLOAT, out_shape)],
         initializer=g.initializers)
     opsets = [onnx.helper.make_opsetid("", opset)]
     # The oldest IR version that carries this opset, so that older runtimes load the file.
     proto = onnx.helper.make_model(graph, opset_imports=opsets, producer_name="jaxcnn",
                                    ir_version=onnx.helper.find_min_ir_version_for(opsets))
-    proto.doc_string = (f"jaxcnn export; input 'input' is {layout.upper()} float32 "
+    in_desc = "float32 (normalised)" if preprocessing is None else (
+        f"raw {preprocessing.pixel_dtype} pixels in {list(preprocessing.pixel_range)}, "
+        f"normalised inside as {preprocessing.formula}")
+    proto.doc_string = (f"jaxcnn export; input 'input' is {layout.upper()} {in_desc} "
                         f"{in_shape}, output 'output'")
-    onnx.helper.set_model_props(proto, {"input_layout": layout.upper()})
+    onnx.helper.set_model_props(proto, {"input_layout": layout.upper(),
+                                        **{str(k): str(v) for k, v in (metadata or {}).items()}})
     size = sum(t.ByteSize() for t in g.initializers)
     if external_data is None:
         external_data = size > _EXTERNAL_DATA_BYTES

@@ -10,12 +10,14 @@ one output format.
 """
 from __future__ import annotations
 
+import json
 import os
 from typing import Any, Callable, NamedTuple
 
 import jax
 
 from jaxcnn import interop, models
+from jaxcnn.data.preprocessing import PREPROCESSING_FILE, run_preprocessing
 from jaxcnn.export._tree import ExportError
 from jaxcnn.export.fold import fold_batch_norm
 from jaxcnn.export.onnx_export import MIN_OPSET, export_onnx
@@ -38,6 +40,9 @@ class Source(NamedTuple):
         params, state: NumPy trees.
         image_shape: ``(H, W, C)`` of one input image.
         cfg: the run's config when loaded from a run directory, else None.
+        preprocessing: the run's :class:`jaxcnn.data.preprocessing.Preprocessing`
+            (its ``preprocessing.json``, or reconstructed for an older run directory);
+            None for a bare parameter file.
     """
 
     name: str
@@ -46,6 +51,7 @@ class Source(NamedTuple):
     state: dict
     image_shape: tuple
     cfg: Any
+    preprocessing: Any = None
 
 
 def _load_params(path, like):
@@ -90,7 +96,8 @@ def _image_shape_from_config(cfg):
 
 
 def load_source(source, *, model: str | None = None, num_classes: int | None = None,
-                model_options: dict | None = None, image_shape=None) -> Source:
+                model_options: dict | None = None, image_shape=None,
+                preprocessing: bool = True) -> Source:
     """Load a run directory or a parameter file.
 
     Arguments:
@@ -104,6 +111,9 @@ def load_source(source, *, model: str | None = None, num_classes: int | None = N
             added to the run's.
         image_shape: ``(H, W, C)``; default: the run's data, else the model's
             usual input.
+        preprocessing: read the run's preprocessing (``preprocessing.json``, or
+            reconstructed from its config and data for an older run directory);
+            False: only a recorded ``preprocessing.json``.
 
     Returns:
         A :class:`Source`. Raises :class:`ExportError` (or ``ValueError`` from
@@ -111,7 +121,7 @@ def load_source(source, *, model: str | None = None, num_classes: int | None = N
     """
     source = os.fspath(source)
     options = dict(model_options or {})
-    cfg = None
+    cfg, prep = None, None
     if os.path.isdir(source):
         cfg_path = os.path.join(source, "config.resolved.yaml")
         if not os.path.isfile(cfg_path):
@@ -130,6 +140,10 @@ def load_source(source, *, model: str | None = None, num_classes: int | None = N
         model = cfg.model.name
         options = {**dict(cfg.model.options), **options}
         num_classes = num_classes or cfg.model.num_classes or cfg.data.num_classes
+        recorded = os.path.join(source, PREPROCESSING_FILE)
+        if preprocessing or os.path.isfile(recorded):
+            prep = run_preprocessing(source, cfg=cfg)
+            image_shape = image_shape or tuple(prep.image_shape)
         image_shape = image_shape or _image_shape_from_config(cfg)
     elif os.path.isfile(source):
         params_path = source
@@ -148,7 +162,7 @@ def load_source(source, *, model: str | None = None, num_classes: int | None = N
     net = models.get(model, num_classes=num_classes, **options)
     like = jax.eval_shape(lambda k: net.init(k, (1,) + image_shape)[:2], jax.random.PRNGKey(0))
     params, state = _load_params(params_path, like)
-    return Source(model, net, params, state, image_shape, cfg)
+    return Source(model, net, params, state, image_shape, cfg, prep)
 
 
 def _dataset(cfg):
@@ -186,12 +200,14 @@ def export(source, out, *, format: str, model: str | None = None, num_classes=No
            prune: float | None = None, prune_scope: str = "global",
            prune_structure: str = "unstructured", fine_tune_steps: int = 0,
            fine_tune_lr: float | None = None, fine_tune_dir=None, opset: int = MIN_OPSET,
-           log: Callable[[str], None] | None = None, train_stream=None) -> dict:
+           preprocessing: bool = True, log: Callable[[str], None] | None = None,
+           train_stream=None) -> dict:
     """Load, optionally prune / fold / quantise, and write one export format.
 
     Arguments:
         source, model, num_classes, model_options, image_shape: as :func:`load_source`.
-        out: output file.
+        out: output file; not an existing directory. ``npz`` output gets the ``.npz``
+            extension NumPy adds when it is missing (the report names the real path).
         format: ``"stablehlo"``, ``"onnx"``, ``"npz"`` or ``"safetensors"``
             (the last two write ``(params, state)`` of the transformed model).
         batch: int or ``"dynamic"``; layout: ``"nhwc"`` or ``"nchw"``
@@ -207,11 +223,19 @@ def export(source, out, *, format: str, model: str | None = None, num_classes=No
             fine_tune_dir: its run directory (default: ``out`` without its
             extension, plus ``_finetune``); what is exported is its result.
         opset: ONNX opset.
+        preprocessing: build the run's input preprocessing (``preprocessing.json``:
+            per-channel normalisation of raw pixels) into a StableHLO or ONNX export,
+            so that it takes raw pixels as the data loaders give them (``uint8`` in
+            ``[0, 255]``; float32 on the unit scale for float datasets). False: the
+            export takes already normalised float32 inputs (the network's own).
+            Either way the preprocessing is recorded: ONNX ``metadata_props``
+            ``jaxcnn.preprocessing``, a StableHLO file's sidecar
+            ``<out>.preprocessing.json``, and the report's ``preprocessing``.
         log: called with progress lines (None: silent).
         train_stream: where the fine-tune's trainer prints (default ``sys.stdout``).
 
     Returns:
-        A report: ``{"out", "format", "model", ...}`` with ``sparsity`` and
+        A report: ``{"out", "format", "model", "preprocessing", ...}`` with ``sparsity`` and
         ``accuracy`` entries (before/after, when a run directory gives test data).
     """
     say = log or (lambda _: None)
@@ -219,8 +243,16 @@ def export(source, out, *, format: str, model: str | None = None, num_classes=No
         raise ExportError(f"format must be one of {FORMATS}, got {format!r}")
     if quantize not in (None, "int8"):
         raise ExportError(f"quantize must be 'int8', got {quantize!r}")
+    if calibration_count < 1:
+        raise ExportError(f"calibration batches must be a positive count, got {calibration_count}")
+    out = os.fspath(out)
+    if os.path.isdir(out):
+        raise ExportError(f"--out {out!r} is a directory; give the output file's name")
+    if format == "npz" and not out.endswith(".npz"):
+        out += ".npz"  # what np.savez writes
     src = load_source(source, model=model, num_classes=num_classes, model_options=model_options,
-                      image_shape=image_shape)
+                      image_shape=image_shape,
+                      preprocessing=preprocessing and format in ("onnx", "stablehlo"))
     net, params, state, cfg = src.model, src.params, src.state, src.cfg
     needs_run = [flag for flag, on in (("--quantize", quantize), ("--fine-tune-steps",
                                                                   fine_tune_steps)) if on]
@@ -232,8 +264,23 @@ def export(source, out, *, format: str, model: str | None = None, num_classes=No
     if fine_tune_steps and (model_options or num_classes or image_shape):
         raise ExportError("--fine-tune-steps trains the run's own model on its own data; leave out "
                           "--model-option, --num-classes and --input-shape")
-    report = {"out": os.fspath(out), "format": format, "model": src.name,
+    report = {"out": out, "format": format, "model": src.name,
               "image_shape": list(src.image_shape), "accuracy": {}}
+    prep = src.preprocessing
+    if prep is not None and tuple(prep.image_shape) != tuple(src.image_shape):
+        if prep.image_shape[-1] != src.image_shape[-1] and preprocessing:
+            raise ExportError(f"--input-shape {tuple(src.image_shape)} has "
+                              f"{src.image_shape[-1]} channels but the run's preprocessing "
+                              f"normalises {prep.image_shape[-1]}; add --no-preprocessing")
+        prep = prep._replace(image_shape=tuple(src.image_shape))
+    in_graph = bool(preprocessing and prep is not None and format in ("onnx", "stablehlo"))
+    meta = None
+    if prep is not None:
+        meta = {**prep.to_dict(), "in_graph": in_graph}
+        if format in ("onnx", "stablehlo"):
+            meta.update(input_layout=layout.upper(),
+                        input_dtype=prep.pixel_dtype if in_graph else "float32")
+    report["preprocessing"] = meta
     has_data = cfg is not None and cfg.data.source != "synthetic"
 
     def accuracy(label, m, p, s):
@@ -269,14 +316,44 @@ def export(source, out, *, format: str, model: str | None = None, num_classes=No
         batches = calibration_batches(cfg, calibration_count)
         net, params, state = quantize_int8(net, params, state, batches)
         accuracy("int8", net, params, state)
+    built_in = prep if in_graph else None
     if format == "stablehlo":
-        export_stablehlo(net, params, state, src.image_shape, batch=batch, layout=layout, path=out)
+        export_stablehlo(net, params, state, src.image_shape, batch=batch, layout=layout, path=out,
+                         preprocessing=built_in)
+        if meta is not None:
+            report["preprocessing_file"] = out + ".preprocessing.json"
+            with open(report["preprocessing_file"], "w", encoding="utf-8") as f:
+                json.dump(meta, f, indent=2)
     elif format == "onnx":
         export_onnx(net, params, state, src.image_shape, path=out, batch=batch, layout=layout,
-                    opset=opset, model_name=src.name)
+                    opset=opset, model_name=src.name, preprocessing=built_in,
+                    metadata=None if meta is None else {"jaxcnn.preprocessing": json.dumps(meta)})
     else:
         host = jax.device_get((params, state))
         (interop.save_npz if format == "npz" else interop.save_safetensors)(out, *host)
     say(f"wrote {format} to {out}")
+    say(_input_line(format, layout, src.image_shape, prep, in_graph, report))
     return report
+
+
+def _input_line(format, layout, image_shape, prep, in_graph, report) -> str:
+    """What the exported model takes, for the command's output."""
+    h, w, c = image_shape
+    dims = f"(N, {h}, {w}, {c})" if layout == "nhwc" else f"(N, {c}, {h}, {w})"
+    where = {"onnx": "its metadata_props 'jaxcnn.preprocessing'",
+             "stablehlo": report.get("preprocessing_file")}.get(format)
+    if prep is None:
+        return ("input: float32, normalised as the network was trained on (a bare parameter file "
+                "records no preprocessing; export the run directory to build it in)")
+    if format not in ("onnx", "stablehlo"):
+        return (f"the parameters expect inputs preprocessed as {prep.formula}, mean "
+                f"{list(prep.mean)}, std {list(prep.std)} (the run's preprocessing.json)")
+    lo, hi = prep.pixel_range
+    if in_graph:
+        return (f"input: raw {prep.pixel_dtype} pixels in [{lo}, {hi}], {layout.upper()} {dims}; "
+                f"the model normalises them ({prep.formula}, mean {list(prep.mean)}, std "
+                f"{list(prep.std)}); recorded in {where}; --no-preprocessing leaves it out")
+    return (f"input: float32 {layout.upper()} {dims}, already normalised: {prep.formula} of "
+            f"{prep.pixel_dtype} pixels in [{lo}, {hi}], mean {list(prep.mean)}, std "
+            f"{list(prep.std)} (--no-preprocessing; recorded in {where})")
 

@@ -18,7 +18,7 @@ from jaxcnn.export._tree import ExportError
 
 
 def export_stablehlo(model, params, state, image_shape, *, batch="dynamic", layout: str = "nhwc",
-                     dtype=jnp.float32, platforms=None, path=None) -> bytes:
+                     dtype=jnp.float32, platforms=None, path=None, preprocessing=None) -> bytes:
     """Serialise ``x -> model.apply(params, state, x, train=False)[0]``.
 
     Arguments:
@@ -28,10 +28,13 @@ def export_stablehlo(model, params, state, image_shape, *, batch="dynamic", layo
         batch: an int for a fixed batch size, or ``"dynamic"`` for a symbolic ``b``.
         layout: ``"nhwc"`` (input ``(b, H, W, C)``) or ``"nchw"`` (input
             ``(b, C, H, W)``, transposed to NHWC inside).
-        dtype: input dtype.
+        dtype: input dtype (without ``preprocessing``).
         platforms: lowering platforms, e.g. ``("cpu", "cuda")``; None = the
             default backend's.
         path: also write the bytes to this file.
+        preprocessing: a :class:`jaxcnn.data.preprocessing.Preprocessing` to build in: the
+            input is then raw pixels of its ``pixel_dtype`` (``uint8`` in ``[0, 255]``, or
+            float32 on the unit scale), normalised inside as the trainer does.
 
     Returns:
         The serialised ``jax.export.Exported`` (load with :func:`load_stablehlo`).
@@ -43,9 +46,18 @@ def export_stablehlo(model, params, state, image_shape, *, batch="dynamic", layo
     h, w, c = (int(d) for d in image_shape)
     params, state = jax.tree_util.tree_map(jnp.asarray, (params, state))
 
+    if preprocessing is not None:
+        if tuple(preprocessing.image_shape)[-1] != c:
+            raise ExportError(f"preprocessing has {len(preprocessing.mean)} channels but the "
+                              f"input has {c}")
+        dtype = jnp.dtype(preprocessing.pixel_dtype)
+        scale, offset = (jnp.asarray(v) for v in preprocessing.scale_offset())
+
     def forward(x):
         if layout == "nchw":
             x = jnp.transpose(x, (0, 2, 3, 1))
+        if preprocessing is not None:  # as jaxcnn.data.normalize: x * (1/255/std) - mean/std
+            x = x.astype(jnp.float32) * scale - offset
         return model.apply(params, state, x, train=False)[0]
 
     dims = (h, w, c) if layout == "nhwc" else (c, h, w)

@@ -198,6 +198,9 @@ def eval_main(argv=None) -> int:
             return _fail("jaxcnn-eval", f"{cfg_path} does not exist: not a jaxcnn run directory")
         cfg = load_config(cfg_path, args.overrides)
         run = build_run(cfg)
+        # Normalise as in training (the run's preprocessing.json), as jaxcnn-export does.
+        from jaxcnn.data.preprocessing import run_preprocessing, with_preprocessing
+        run = with_preprocessing(run, run_preprocessing(args.run_dir, run=run))
         ckpt_dir = os.path.join(args.run_dir, "checkpoints")
         # Read-only: evaluation reports a damaged checkpoint and passes over it; only training
         # moves one aside.

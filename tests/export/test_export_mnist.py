@@ -13,6 +13,7 @@ from export_cases import onnx_run
 
 from jaxcnn import interop
 from jaxcnn import layers as L
+from jaxcnn.data import load_mnist
 from jaxcnn.export import (calibration_batches, evaluate_model, fold_batch_norm, load_source,
                            load_stablehlo, magnitude_prune, quantize_int8, sparsity_report)
 from jaxcnn.export.cli import main
@@ -86,16 +87,18 @@ def test_prune_and_fine_tune_through_the_trainer(trained, run_dir, tmp_path, cap
 def test_cli_onnx_and_int8_stablehlo(trained, run_dir, tmp_path, capsys):
     src, _ = trained
     x = np.concatenate(calibration_batches(src.cfg, 1, batch_size=64))
-    out = str(tmp_path / "m.onnx")
-    assert main([run_dir, "--format", "onnx", "--out", out]) == 0
+    raw = load_mnist().x_train[:64]               # what the calibration batch was made from
+    np.testing.assert_array_equal(src.preprocessing.apply(raw), x)
+    out = str(tmp_path / "m.onnx")                # the bare network: normalised input
+    assert main([run_dir, "--format", "onnx", "--no-preprocessing", "--out", out]) == 0
     import onnx
     ref = np.asarray(src.model.apply(src.params, src.state, x)[0])
     got = onnx_run(onnx.load(out), x)
     np.testing.assert_allclose(got, ref, rtol=0, atol=1e-4 * np.abs(ref).max())
-    out = str(tmp_path / "q.stablehlo")
+    out = str(tmp_path / "q.stablehlo")           # raw pixels, normalised inside
     assert main([run_dir, "--format", "stablehlo", "--quantize", "int8", "--out", out]) == 0
     assert "top-1 int8" in capsys.readouterr().out
-    q = np.asarray(load_stablehlo(out).call(x))
+    q = np.asarray(load_stablehlo(out).call(raw))
     assert np.mean(q.argmax(-1) == ref.argmax(-1)) >= 0.95
 
 
