@@ -19,19 +19,55 @@ KEYS = ("x_train", "y_train", "x_test", "y_test")
 DEFAULT_MAX_BYTES = 8 << 30
 
 
-def _check_headers(path, max_bytes):
-    """Reads only the ``.npy`` headers: a header may declare a shape the member does not hold."""
+# Deflate expands at most about 1032-fold: a member claiming more than this many bytes per
+# stored byte lies about its size (zip directories are as easy to forge as .npy headers).
+_MAX_DEFLATE_RATIO = 1100
+
+
+def npz_headers(path, keys=None) -> dict:
+    """The shape and dtype of arrays in an ``.npz`` file, read from the ``.npy`` headers alone.
+
+    Every number that would size an allocation is checked before any array is read: each
+    header's shape and dtype against the size the zip directory records for its member, and
+    those sizes against the bytes the file holds. Used by the dataset loader here and by
+    ``jaxcnn.interop.load_npz`` for parameter files.
+
+    Arguments:
+        path: the ``.npz`` file.
+        keys: the array names to read (each must be present), or None for every ``.npy`` member.
+
+    Returns:
+        ``{name: (shape, dtype, nbytes)}``.
+
+    Raises:
+        DataError naming the file and the array: unreadable zip, missing array, bad or
+        pickled (object dtype) header, or a declared size that the file does not hold.
+    """
     try:
         archive = zipfile.ZipFile(path)
     except (OSError, zipfile.BadZipFile) as err:
         raise DataError(f"{path}: not a readable .npz file ({err})") from err
     with archive:
         members = {info.filename: info for info in archive.infolist()}
-        total = 0
-        for key in KEYS:
+        if keys is None:
+            keys = [n[:-4] for n in members if n.endswith(".npy")]
+        try:
+            file_bytes = os.path.getsize(path)
+        except OSError as err:
+            raise DataError(f"{path}: cannot read ({err})") from err
+        if sum(info.compress_size for info in members.values()) > file_bytes:
+            raise DataError(f"{path}: its zip directory claims more bytes than the "
+                            f"{file_bytes}-byte file holds")
+        out = {}
+        for key in keys:
             info = members.get(key + ".npy")
             if info is None:
                 raise DataError(f"{path}: missing array {key!r} (has {sorted(n[:-4] for n in members)})")
+            limit = info.compress_size * (1 if info.compress_type == zipfile.ZIP_STORED
+                                          else _MAX_DEFLATE_RATIO)
+            if info.file_size > limit:
+                raise DataError(f"{path}: array {key!r} claims {info.file_size} bytes but its "
+                                f"zip member stores {info.compress_size}")
             try:
                 with archive.open(info) as member:
                     version = np.lib.format.read_magic(member)
@@ -53,9 +89,15 @@ def _check_headers(path, max_bytes):
             if header_bytes + nbytes != info.file_size:
                 raise DataError(f"{path}: array {key!r} declares shape {shape} {dtype} ({nbytes} bytes) "
                                 f"but its member holds {info.file_size - header_bytes}")
-            total += nbytes
-        if total > max_bytes:
-            raise DataError(f"{path}: arrays hold {total} bytes, more than the {max_bytes}-byte limit")
+            out[key] = (tuple(shape), dtype, nbytes)
+        return out
+
+
+def _check_headers(path, max_bytes):
+    """Reads only the ``.npy`` headers: a header may declare a shape the member does not hold."""
+    total = sum(nbytes for _, _, nbytes in npz_headers(path, KEYS).values())
+    if total > max_bytes:
+        raise DataError(f"{path}: arrays hold {total} bytes, more than the {max_bytes}-byte limit")
 
 
 def _images(path, key, x):

@@ -15,12 +15,15 @@ from __future__ import annotations
 import json
 import os
 import zipfile
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import safetensors
 import safetensors.numpy
+
+from jaxcnn.data.npz import npz_headers
 
 COLLECTIONS = ("params", "state")
 _META_KEY = "__jaxcnn__"        # npz member / safetensors metadata entry: JSON
@@ -115,6 +118,18 @@ def _decode(path, arrays: dict, meta: dict, like):
     return unflatten(trees["params"]), unflatten(trees["state"])
 
 
+def _declared(path, shapes: dict, like):
+    """Check the shapes a file declares (``{key: shape}``, read from its headers) against the
+    ``(params, state)`` template before any array is read: a header is free to claim a
+    shape of 10**12 floats, and reading it would try to allocate that."""
+    trees = {c: {} for c in COLLECTIONS}
+    for key, shape in shapes.items():
+        collection, _, leaf_path = key.partition("/")
+        if collection in trees and leaf_path:
+            trees[collection][leaf_path] = SimpleNamespace(shape=tuple(shape))
+    _check_against(path, trees, like)
+
+
 def _check_against(path, trees, like):
     """Compare the file's keys and shapes with the ``(params, state)`` template."""
     problems = []
@@ -175,6 +190,11 @@ def load_npz(path, *, like=None):
     """
     path = os.fspath(path)
     _check_exists(path)
+    # The .npy headers first, bounded by the file's size (and by the template's shapes when
+    # given): NumPy allocates whatever a header declares before it finds the data missing.
+    headers = npz_headers(path)
+    if like is not None:
+        _declared(path, {k: shape for k, (shape, _, _) in headers.items()}, like)
     try:
         with np.load(path, allow_pickle=False) as data:
             arrays = {k: data[k] for k in data.files}
@@ -211,6 +231,8 @@ def load_safetensors(path, *, like=None):
     try:
         with safetensors.safe_open(path, framework="numpy") as f:
             meta_text = (f.metadata() or {}).get(_META_KEY)
+            if like is not None:  # shapes from the header, before any tensor is read
+                _declared(path, {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}, like)
             arrays = {k: f.get_tensor(k) for k in f.keys()}
     except (safetensors.SafetensorError, OSError, ValueError) as e:
         raise ValueError(f"{path}: not a readable .safetensors file "

@@ -103,7 +103,8 @@ def test_corrupt_and_missing_files_name_the_path(tmp_path, save, load, ext):
 def test_npz_never_unpickles(tmp_path):
     path = tmp_path / "pickled.npz"
     np.savez(path, **{"params/x": np.array([{"a": 1}], dtype=object)})
-    with pytest.raises(ValueError, match="pickled.npz: not a readable .npz file"):
+    with pytest.raises(ValueError, match=r"pickled.npz: array 'params/x' has dtype object, "
+                                         r"which needs pickle; refused"):
         load_npz(path)
 
 
@@ -115,7 +116,7 @@ def test_npz_with_a_flipped_byte_is_rejected(tmp_path):
         info = z.getinfo("params/conv1.w.npy")
     data[info.header_offset + 30 + len(info.filename) + 200] ^= 0xFF   # inside the array data
     path.write_bytes(bytes(data))
-    with pytest.raises(ValueError, match="vars.npz: not a readable .npz file.*CRC"):
+    with pytest.raises(ValueError, match=r"vars.npz: cannot read array 'params/conv1.w' .*CRC"):
         load_npz(path)
 
 

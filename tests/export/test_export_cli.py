@@ -1,0 +1,103 @@
+"""``jaxcnn-export``'s command line and parameter files: a forged ``.npz`` header is refused
+before anything is allocated (export and ``model.init_from``), bad options are one line
+and exit code 2, and the report names the file really written."""
+import io
+import json
+import os
+import zipfile
+
+import jax
+import numpy as np
+import pytest
+
+from jaxcnn import interop, models
+from jaxcnn.export.cli import main
+from jaxcnn.train.cli import train_main
+
+
+def _forged_npz(path, member):
+    """An npz whose ``member`` header claims 10**12 float32 (3.64 TiB) over 64 bytes of data."""
+    header = io.BytesIO()
+    np.lib.format.write_array_header_1_0(
+        header, {"descr": "<f4", "fortran_order": False, "shape": (10**6, 10**6)})
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr(member + ".npy", header.getvalue() + b"\0" * 64)
+    return str(path)
+
+
+def _one_line_error(capsys, prog):
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"{prog}: error:"), err
+    return err
+
+
+def test_forged_header_is_refused_before_reading(tmp_path, capsys):
+    path = _forged_npz(tmp_path / "forged.npz", "params/fc1.w")
+    net = models.get("mnist_cnn", num_classes=10)
+    like = jax.eval_shape(lambda: net.init(jax.random.PRNGKey(0), (1, 28, 28, 1))[:2])
+    for template in (like, None):   # with the model's shapes, and bounded by the file alone
+        with pytest.raises(ValueError, match=r"forged\.npz: array 'params/fc1\.w' declares shape"):
+            interop.load_npz(path, like=template)
+    assert main([path, "--model", "mnist_cnn", "--format", "onnx", "--out",
+                 str(tmp_path / "a.onnx")]) == 2
+    err = _one_line_error(capsys, "jaxcnn-export")
+    assert "forged.npz" in err and "params/fc1.w" in err
+
+
+def test_forged_header_as_init_from(tmp_path, capsys):
+    path = _forged_npz(tmp_path / "forged.npz", "params/conv1.w")
+    tiny = ["data.source=synthetic", "data.image_size=[28,28,1]", "data.num_train=32",
+            "data.num_eval=8", "data.batch_size=16", "model.name=lenet5", "train.steps=1",
+            "logging.progress=none", "checkpoint.enabled=false", f"model.init_from={path}"]
+    assert train_main([os.path.join("configs", "lenet5_mnist.yaml"), *tiny,
+                       "--workdir", str(tmp_path / "run")]) == 2
+    err = _one_line_error(capsys, "jaxcnn-train")
+    assert "model.init_from" in err and "forged.npz" in err and "params/conv1.w" in err
+
+
+def test_npz_shapes_are_checked_against_the_model_before_reading(tmp_path, monkeypatch):
+    interop.save_npz(tmp_path / "p.npz", {"fc1": {"w": np.zeros((4, 5), np.float32)}})
+    net = models.get("mnist_cnn", num_classes=10)
+    like = jax.eval_shape(lambda: net.init(jax.random.PRNGKey(0), (1, 28, 28, 1))[:2])
+
+    def no_reading(*args, **kwargs):
+        raise AssertionError("np.load was called before the shapes were checked")
+    monkeypatch.setattr(np, "load", no_reading)
+    with pytest.raises(ValueError, match=r"key 'params/fc1\.w' has shape \(4, 5\)"):
+        interop.load_npz(tmp_path / "p.npz", like=like)
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--model-option", "a=["], "option 'a'"),
+    (["--calibration-batches", "-1"], "--calibration-batches"),
+    (["--calibration-batches", "0"], "--calibration-batches"),
+])
+def test_bad_options_are_one_line(tmp_path, capsys, argv, match):
+    with pytest.raises(SystemExit) as e:
+        main(["params.npz", "--model", "mnist_cnn", "--format", "onnx", "--out",
+              str(tmp_path / "a.onnx"), *argv])
+    assert e.value.code == 2
+    err = _one_line_error(capsys, "jaxcnn-export")
+    assert match in err and "Traceback" not in err
+
+
+@pytest.fixture(scope="module")
+def params_file(tmp_path_factory):
+    net = models.get("mnist_cnn", num_classes=10)
+    params, state, _ = net.init(jax.random.PRNGKey(0), (1, 28, 28, 1))
+    path = str(tmp_path_factory.mktemp("params") / "w.npz")
+    interop.save_npz(path, *jax.device_get((params, state)))
+    return path
+
+
+def test_out_is_the_file_written(params_file, tmp_path, capsys):
+    base = ["--model", "mnist_cnn", "--format", "npz"]
+    assert main([params_file, *base, "--out", str(tmp_path)]) == 2   # an existing directory
+    assert "is a directory" in _one_line_error(capsys, "jaxcnn-export")
+    assert not os.path.exists(str(tmp_path) + ".npz")
+    out = str(tmp_path / "exported")
+    assert main([params_file, *base, "--out", out]) == 0
+    assert f"wrote npz to {out}.npz\n" in capsys.readouterr().out
+    assert os.path.isfile(out + ".npz") and not os.path.exists(out)
+    assert main([params_file, *base, "--out", out, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["out"] == out + ".npz"
