@@ -136,3 +136,10 @@ def test_eval_normalises_as_the_run_recorded(run_dir, eval_top1, tmp_path):
     assert _eval(copy) < eval_top1 - 0.02
     os.remove(path)                            # a run directory from before the file
     assert _eval(copy) == eval_top1
+    onnx = pytest.importorskip("onnx")         # export reconstructs the same preprocessing
+    out = str(tmp_path / "old.onnx")
+    assert main([copy, "--format", "onnx", "--out", out]) == 0
+    meta = json.loads({p.key: p.value for p in onnx.load(out).metadata_props}[
+        "jaxcnn.preprocessing"])
+    recorded = read_preprocessing(os.path.join(run_dir, PREPROCESSING_FILE))
+    assert (meta["mean"], meta["std"]) == (list(recorded.mean), list(recorded.std))
