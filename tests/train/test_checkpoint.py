@@ -357,3 +357,101 @@ def test_resume_policies(tmp_path):
         for policy in ("auto", "must"):
             with pytest.raises(CheckpointError, match="no usable checkpoint .*manifest"):
                 restore_for_resume(broken, target, policy)
+
+
+def _tree(root):
+    return {str(p.relative_to(root)): (p.read_bytes() if p.is_file() else None) for p in sorted(root.rglob("*"))}
+
+
+@tolerates_orbax_leftovers
+def test_read_only_manager_reports_damage_and_changes_nothing(tmp_path, caplog):
+    mgr, states = saved_manager(tmp_path, steps=(1, 2, 3))
+    mgr.close()
+    ckpt = tmp_path / "ckpt"
+    truncate(ckpt / "3")
+    (ckpt / "2.orbax-checkpoint-tmp-5").mkdir()  # an interrupted save: a writable manager removes it
+    (ckpt / "9").symlink_to(ckpt / "1")          # a link: a writable manager moves it aside
+    before = _tree(ckpt)
+    with caplog.at_level(logging.WARNING, logger=LOGGER), \
+            CheckpointManager(ckpt, read_only=True, log_path=tmp_path / "log") as ro:
+        step, restored = ro.restore(target=abstract(states[2]))
+        with pytest.raises(CheckpointError, match="read-only"):
+            ro.save(4, states[2])
+    assert step == 2
+    assert_bitwise_equal(states[2], restored)
+    assert _tree(ckpt) == before and not (tmp_path / "log").exists()
+    damaged = [r.getMessage() for r in caplog.records if str(ckpt / "3") in r.getMessage()]
+    assert len(damaged) == 1 and "could not be read" in damaged[0] and "\n" not in damaged[0], damaged
+    assert "TensorStore" not in damaged[0]  # not orbax's 60-line spec
+    with pytest.raises(CheckpointError, match="does not exist"):
+        CheckpointManager(tmp_path / "nowhere", read_only=True)
+    assert not (tmp_path / "nowhere").exists()
+    gc.collect()
+
+
+@tolerates_orbax_leftovers
+def test_damage_detail_goes_to_the_log_file(tmp_path, caplog):
+    mgr, states = saved_manager(tmp_path, steps=(1, 2))
+    mgr.close()
+    truncate(tmp_path / "ckpt" / "2")
+    log = tmp_path / "checkpoints.log"
+    with caplog.at_level(logging.WARNING, logger=LOGGER), CheckpointManager(tmp_path / "ckpt", log_path=log) as m:
+        assert m.restore(target=abstract(states[1]))[0] == 1
+    line = next(r.getMessage() for r in caplog.records if "could not be read" in r.getMessage())
+    assert "\n" not in line and len(line) < 800 and f"(details in {log})" in line
+    assert "Traceback" in log.read_text() and str(tmp_path / "ckpt" / "2") in log.read_text()
+    gc.collect()
+
+
+def test_checkpoint_whose_name_or_state_disagrees_with_its_step_is_damaged(tmp_path, caplog):
+    mgr, states = saved_manager(tmp_path, steps=(7, 8), step_leaf="step")  # make_state: step leaf = seed + 7
+    mgr.close()
+    ckpt = tmp_path / "ckpt"
+    # (a) cp -a 8 9: the manifest says 8.
+    shutil.copytree(ckpt / "8", ckpt / "9")
+    # (b) a manifest edited to say 10 over step 8's state.
+    shutil.copytree(ckpt / "8", ckpt / "10")
+    meta = ckpt / "10" / "meta" / "metadata"
+    meta.write_text(meta.read_text().replace('"step": 8', '"step": 10', 1))
+    with CheckpointManager(ckpt, step_leaf="step") as m:
+        with pytest.raises(CheckpointCorruptError, match=r"10/state: its state is at step 15, not 10"):
+            m.restore(10, target=abstract(states[8]))
+        with pytest.raises(CheckpointCorruptError, match=r"9 holds step 8 by its manifest, not 9"):
+            m.restore(9, target=abstract(states[8]))
+    states[8]["step"] = jax.device_put(np.int32(8))  # a consistent step 8 (seed 8's leaf says 15)
+    shutil.rmtree(ckpt / "8")
+    with CheckpointManager(ckpt, keep=10, step_leaf="step") as m:
+        assert m.save(8, states[8], force=True)
+        with caplog.at_level(logging.WARNING, logger=LOGGER):
+            step, _ = m.restore(target=abstract(states[8]))
+        assert step == 8
+        assert sorted(p.name for p in ckpt.iterdir()) == ["10.corrupt", "7", "8", "9.corrupt"]
+
+
+def test_checkpoint_from_another_config_is_refused(tmp_path):
+    from jaxcnn.train.checkpoint import ConfigChangedError, config_changes, config_digest
+    cfg = {"optim": {"lr": 0.1, "name": "sgd"}, "train": {"seed": 0, "eval_every": 5},
+           "logging": {"progress": "bar"}, "checkpoint": {"keep": 3, "resume": "auto"},
+           "data": {"prefetch": 2, "batch_size": 8}}
+    same = {**cfg, "logging": {"progress": "none"}, "checkpoint": {"keep": 9, "resume": "must"},
+            "data": {"prefetch": 0, "batch_size": 8}, "train": {"seed": 0, "eval_every": 7}}
+    other = {**cfg, "optim": {"lr": 0.2, "name": "sgd"}, "train": {"seed": 1, "eval_every": 5}}
+    assert config_digest(cfg) == config_digest(same) and config_changes(cfg, same) == []
+    assert config_changes(cfg, other) == ["optim.lr: 0.1 -> 0.2", "train.seed: 0 -> 1"]
+    state = make_state()
+    target = abstract(state)
+    with CheckpointManager(tmp_path / "ckpt", keep=10) as mgr:
+        mgr.save(1, state)                      # no config at all: accepted
+        mgr.save(2, state, config_dict=cfg)
+    with CheckpointManager(tmp_path / "ckpt", keep=10) as mgr:
+        assert mgr.restore(1, target=target, config=other)[0] == 1
+        assert mgr.restore(target=target, config=same)[0] == 2
+        with pytest.raises(ConfigChangedError, match=r"ckpt/2 was trained under another config "
+                                                     r"\(optim.lr: 0.1 -> 0.2, train.seed: 0 -> 1\)"):
+            restore_for_resume(mgr, target, config=other)
+        # A manifest from before digests (config only) is judged by its config.
+        meta = tmp_path / "ckpt" / "2" / "meta" / "metadata"
+        meta.write_text(meta.read_text().replace('"config_digest"', '"other_key"'))
+        with pytest.raises(ConfigChangedError, match="optim.lr"):
+            mgr.restore(target=target, config=other)
+        assert restore_for_resume(mgr, target, config=None)[0] == 2  # on_config_change=continue

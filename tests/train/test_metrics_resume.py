@@ -30,3 +30,17 @@ def test_fresh_writer_appends_and_keeps_everything(tmp_path):
     writer.write(2, "train", {"loss": 0.1})
     writer.close()
     assert [r["step"] for r in read_metrics(str(tmp_path))] == [2, 4, 2]
+
+
+def test_resumed_writer_knows_what_is_recorded_at_its_step(tmp_path):
+    """A finished run run again resumes at its last step: its final eval is there already."""
+    _write(tmp_path / "metrics.jsonl", [(2, "train"), (4, "train"), (4, "eval")])
+    writer = MetricsWriter(str(tmp_path), resumed_at=4)
+    assert writer.recorded(4, "eval") and writer.recorded(4, "train")
+    assert not writer.recorded(2, "train") and not writer.recorded(4, "other")
+    writer.close()
+    _write(tmp_path / "metrics.jsonl", [(2, "train"), (4, "train"), (6, "eval")])
+    writer = MetricsWriter(str(tmp_path), resumed_at=4)
+    assert not writer.recorded(4, "eval") and not writer.recorded(6, "eval")  # 6 was dropped
+    writer.close()
+    assert not MetricsWriter(str(tmp_path / "fresh"), enabled=False).recorded(4, "eval")
