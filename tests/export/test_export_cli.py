@@ -1,6 +1,7 @@
 """``jaxcnn-export``'s command line and parameter files: a forged ``.npz`` header is refused
 before anything is allocated (export and ``model.init_from``), bad options are one line
-and exit code 2, and the report names the file really written."""
+and exit code 2, the report names the file really written, and the preprocessing built
+into ONNX and StableHLO graphs normalises each channel as the trainer does."""
 import io
 import json
 import os
@@ -101,3 +102,31 @@ def test_out_is_the_file_written(params_file, tmp_path, capsys):
     assert os.path.isfile(out + ".npz") and not os.path.exists(out)
     assert main([params_file, *base, "--out", out, "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["out"] == out + ".npz"
+
+
+@pytest.mark.parametrize("pixel_dtype", ["uint8", "float32"])
+def test_preprocessing_in_the_graph_is_per_channel(pixel_dtype):
+    """Three channels with their own mean/std, in both layouts and both pixel dtypes: the
+    exported graph on raw pixels equals the network on ``Preprocessing.apply``'d ones."""
+    from export_cases import init_model
+
+    from jaxcnn import layers as L
+    from jaxcnn.data.preprocessing import Preprocessing
+    from jaxcnn.export import export_onnx, export_stablehlo, load_stablehlo
+    ort = pytest.importorskip("onnxruntime")
+    model = L.serial(("c", L.Conv2D(4, 3)), L.Flatten(), ("fc", L.Linear(5)))
+    params, state = init_model(model, (6, 6, 3))
+    prep = Preprocessing((6, 6, 3), pixel_dtype, (0.1, 0.5, 0.9), (0.2, 0.3, 0.05))
+    rng = np.random.default_rng(0)
+    raw = (rng.integers(0, 256, (4, 6, 6, 3)).astype(np.uint8) if pixel_dtype == "uint8"
+           else rng.random((4, 6, 6, 3), np.float32))
+    ref = np.asarray(model.apply(params, state, prep.apply(raw), train=False)[0])
+    for layout, x in (("nhwc", raw), ("nchw", raw.transpose(0, 3, 1, 2))):
+        proto = export_onnx(model, params, state, (6, 6, 3), layout=layout, preprocessing=prep)
+        session = ort.InferenceSession(proto.SerializeToString(),
+                                       providers=["CPUExecutionProvider"])
+        np.testing.assert_allclose(session.run(None, {"input": x})[0], ref, rtol=1e-5, atol=1e-5)
+        exported = load_stablehlo(export_stablehlo(model, params, state, (6, 6, 3), layout=layout,
+                                                   preprocessing=prep))
+        assert str(exported.in_avals[0].dtype) == pixel_dtype
+        np.testing.assert_allclose(np.asarray(exported.call(x)), ref, rtol=1e-5, atol=1e-5)
