@@ -265,10 +265,17 @@ def _schema_paths(tree=SCHEMA, prefix=""):
 
 
 SCHEMA_PATHS = sorted(_schema_paths())
+# Values at the edges of what the run can hold: the int32 step counter, 32-bit seeds, int64/uint64,
+# floats beyond int range, and spellings YAML turns into something else (yes -> bool, 1e6 -> '1e6').
+BOUNDARY_INTS = [2**31 - 1, 2**31, 2**32 - 1, 2**32, 2**63 - 1, 2**63, 2**64, 10**30, -2**31 - 1]
+BOUNDARY_TEXT = ["yes", "no", "on", "off", "Yes", "1e6", "1e+06", "1e12", "1e30", "1e-5", "1e400", "1e+06ep",
+                 "2147483648st", "1e400ep", ".inf", "-.inf", ".nan", "0x10", "1_000"]
 scalars = st.one_of(st.none(), st.booleans(), st.integers(-3, 3), st.integers(-2**40, 2**40),
                     st.floats(allow_nan=True, allow_infinity=True, width=32),
+                    st.sampled_from(BOUNDARY_INTS + [1e6, 1e12, 1e30, 1e-5, 1e308]),
                     st.sampled_from(["", "auto", "1ep", "0.5 epochs", "3st", "-1", "fp16", "p=f32,c=bf16",
-                                     "sgd", "cosine", "npz", "synthetic", "[1, 2]", "{a: 1}"] + model_names()),
+                                     "sgd", "cosine", "npz", "synthetic", "[1, 2]", "{a: 1}"] + model_names()
+                                    + BOUNDARY_TEXT),
                     st.text(max_size=12))
 yaml_values = st.recursive(scalars, lambda inner: st.one_of(
     st.lists(inner, max_size=4), st.dictionaries(st.sampled_from(["a", "name", "lr", "1", "data"]), inner,
@@ -419,3 +426,74 @@ def test_loaders_refuse_files_that_are_not_regular(tmp_path, kind):
             load_mnist(str(mnist))
         with pytest.raises(DataError, match=f"{TRAIN_FILES[2]}: is .*not a regular file"):
             load_cifar10(str(cifar))
+
+
+def _boundary_overrides():
+    """Every int key and duration at and past its bound, seeds past 2**32 and 2**64, epochs that
+    float formatting turns into '1e+06', and yes/no/on/off for every string key with choices."""
+    cases = []
+    for path in SCHEMA_PATHS:
+        spec = SCHEMA
+        for part in path.split("."):
+            spec = spec[part]
+        if isinstance(spec, dict):
+            continue
+        kind = spec.item.type if spec.type == "list" and spec.item is not None else spec.type
+        if kind in ("int", "duration"):
+            for value in (2**31, 2**32, 2**64, "1e30"):
+                cases.append((path, f"[12, 12, {value}]" if path == "data.image_size" else value))
+        if spec.type == "str" and spec.choices:
+            cases += [(path, "yes"), (path, "off")]
+    cases += [("train.seed", 2**32 - 1), ("train.steps", 2**31 - 1), ("train.epochs", "1000000"),
+              ("train.epochs", "1e6"), ("train.epochs", "0.00001"), ("train.epochs", "1e12"),
+              ("train.epochs", "2e9"), ("checkpoint.every", "1e+06ep"), ("logging.log_every", "1e400ep"),
+              ("optim.lr", "1" + "0" * 400), ("checkpoint.resume", "yes"), ("distributed.mode", "on")]
+    return cases
+
+
+def test_boundary_values_exit_2_naming_the_key_or_dry_run(tmp_path):
+    """Values at the edges (2**31 steps, 2**64 seeds, 1e12 epochs, yes/on for string keys) ended in
+    OverflowError tracebacks, a duration error naming no key, or 'got True'. Each now ends in exit 2
+    with one line that names the key, or builds: the run (data, model, step count, schedule,
+    durations in steps) and its abstract state (the PRNG key from the seed) as the dry run does;
+    one real dry run takes the valid extremes together (tracing a step per case would take minutes)."""
+    from jaxcnn.train.loop import abstract_state, build_run
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(VALID))
+    outcomes = {}
+    for key, value in _boundary_overrides():
+        override = f"{key}={value}"
+        code, _, err = cli([str(path), override, "--print-config"])
+        if code == 0:  # valid as a config: what the dry run builds must build, or say why
+            with time_limit():
+                try:
+                    abstract_state(build_run(load_config(path, [override])))
+                    outcomes[override] = "builds"
+                    continue
+                except ConfigError as e:
+                    code, err = 2, f"jaxcnn-train: error: {e}"
+        assert code == 2 and "Traceback" not in err, (override, code, err)
+        line = err.strip()
+        assert line.startswith("jaxcnn-train: error: "), (override, err)
+        assert len(line.splitlines()) == 1 and key.split("[")[0] in line, (override, err)
+        outcomes[override] = "exit 2"
+    assert outcomes["train.seed=18446744073709551616"] == outcomes["train.steps=2147483648"] == "exit 2"
+    assert outcomes["train.epochs=1e6"] == outcomes["train.epochs=1000000"] == "builds"
+    assert outcomes["train.epochs=2e9"] == "exit 2"    # valid epochs, but 4e9 steps overflow the counter
+    assert outcomes["distributed.mode=on"] == "builds" and outcomes["checkpoint.resume=yes"] == "exit 2"
+    code, out, err = cli([str(path), "train.epochs=1e6", "train.seed=4294967295", "data.seed=4294967295",
+                          "checkpoint.every=1e+06ep", "distributed.mode=off", "--dry-run"])
+    assert code == 0 and "2000000 steps" in out, err
+
+
+def test_config_file_that_is_a_fifo_or_names_a_key_twice_exits_2(tmp_path):
+    """A FIFO as the config file hung the trainer; a key given twice was silently the last one."""
+    fifo = tmp_path / "fifo.yaml"
+    os.mkfifo(fifo)
+    with time_limit(20):
+        code, _, err = cli([str(fifo), "--dry-run"])
+    assert code == 2 and "FIFO" in err and str(fifo) in err and len(err.strip().splitlines()) == 1, err
+    dup = tmp_path / "dup.yaml"
+    dup.write_text(yaml.safe_dump(VALID) + "train: {steps: 3}\n")
+    code, _, err = cli([str(dup), "--dry-run"])
+    assert code == 2 and "duplicate key 'train'" in err and len(err.strip().splitlines()) == 1, err
