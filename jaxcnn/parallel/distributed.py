@@ -13,9 +13,11 @@ Open MPI or a TPU pod for whatever is unset); ``off`` never.
 """
 from __future__ import annotations
 
+import atexit
 import os
 import re
 import socket
+import sys
 import threading
 import time
 
@@ -112,6 +114,7 @@ def initialize(dist_cfg) -> bool:
         deadline = max(deadline, time.monotonic() + min(timeout, 5))
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     _connect(opts, timeout, deadline)
+    _start_watch(timeout, address)
     return True
 
 
@@ -130,11 +133,14 @@ def _connect(opts: dict, timeout: int, deadline: float) -> None:
     """
     pid, n, address = opts["process_id"], opts["num_processes"], opts["coordinator_address"]
     outcome: dict = {}
+    jax_opts = dict(opts)
+    if address is not None and pid not in (None, 0):
+        jax_opts["coordinator_address"] = _start_relay(address)
 
     def connect():
         try:
             jax.distributed.initialize(initialization_timeout=timeout + _XLA_GRACE_S,
-                                       heartbeat_timeout_seconds=timeout, **opts)
+                                       heartbeat_timeout_seconds=timeout, **jax_opts)
             outcome["ok"] = True
         except Exception as e:  # noqa: BLE001 - reported by the waiting thread
             outcome["error"] = e
@@ -175,6 +181,251 @@ def _wait_for_coordinator(address: str, timeout: int, deadline: float, pid, n) -
                     f"(distributed.timeout_s): {e.strerror or e}; is process 0 running and the "
                     "address reachable from here?") from None
             time.sleep(0.25)
+
+
+# A lost peer is learnt of on several threads at once: the step's collective fails (gloo sees the
+# closed connection), the liveness watch below sees its socket close, and JAX's coordination client
+# gets an error from the service. Each of ours ends the process through exit_now, whose lock lets
+# only the first write its line. JAX's client must never be first: its only reaction is XLA's
+# fatal log, SIGABRT and a C++ stack trace (jaxlib 0.10 and 0.11 take a missed_heartbeat_callback,
+# but calling a Python one fails with std::bad_cast and std::terminate). So it is kept from hearing
+# of the loss before we do: for the coordinator's death through the relay below; for any other
+# process's, it hears only after distributed.timeout_s without heartbeats, while the watch hears
+# at once. With more than one device per process the collective may never fail (see _start_watch).
+_EXIT_LOCK = threading.Lock()
+_program = "jaxcnn"
+_WATCH_KEY = "jaxcnn/peer_watch_port"
+_watch: dict = {"closing": False, "conns": {}, "lock": threading.Lock()}
+
+
+def report_errors_as(program: str) -> None:
+    """The name that begins the line a lost peer ends this process with (``PROGRAM: error: ...``);
+    ``jaxcnn-train`` sets its own, the default is ``jaxcnn``."""
+    global _program
+    _program = program
+
+
+def exit_now(line: str, code: int = 1) -> None:
+    """Write ``line`` to stderr and end the process at once with ``code``.
+
+    ``os._exit``: no exit hooks, so neither JAX's shutdown barrier (which would wait for the lost
+    peer) nor XLA's abort runs. Only the first caller, on any thread, writes its line; another one
+    waits here until the process is gone, so a lost peer is reported exactly once.
+    """
+    _EXIT_LOCK.acquire()  # never released: the process ends
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001 - a closed stream must not keep the process alive
+            pass
+    try:
+        os.write(2, (line.rstrip("\n").replace("\n", " ") + "\n").encode("utf-8", "replace"))
+    finally:
+        os._exit(code)
+
+
+def _peer_name(lost) -> str:
+    if lost is None:
+        return "another process"
+    return "process 0 (the coordinator)" if lost == 0 else f"process {lost}"
+
+
+def _exit_lost(lost, how: str, timeout) -> None:
+    from jax._src import distributed as jd
+    pid, n = jd.global_state.process_id, jd.global_state.num_processes
+    exit_now(f"{_program}: error: {_who(pid, n)} lost {_peer_name(lost)}: {how}; it died or was "
+             f"killed. Stopping now instead of waiting distributed.timeout_s={timeout:g} s for the "
+             "coordination service to notice")
+
+
+def _start_watch(timeout, address) -> None:
+    """Watch the other processes' liveness over one TCP connection each to process 0.
+
+    A process that dies (killed, crashed, ``os._exit``) has its sockets closed by the kernel at
+    once. With one device per process the step's gloo all-reduce fails at once too; with more,
+    one device's thread may wait in gloo for data from another device of its own process that
+    gave up (the survivor then hears of the loss only from the coordination service, after
+    ``distributed.timeout_s``). So process 0 listens on a port it publishes in the coordination
+    service's key-value store; every other process connects and says ``hello PID``. When a
+    connection closes without ``bye`` (sent at a normal interpreter exit), the survivor ends
+    with one line: process 0 first tells the others ``lost PID``.
+    """
+    from jax._src import distributed as jd
+    st = jd.global_state
+    pid, n, client = st.process_id, st.num_processes, st.client
+    if client is None or not n or n < 2:
+        return
+    atexit.register(_say_goodbye)
+    if pid == 0:
+        try:
+            if socket.has_dualstack_ipv6():
+                server = socket.create_server(("", 0), family=socket.AF_INET6, dualstack_ipv6=True)
+            else:
+                server = socket.create_server(("", 0))
+            client.key_value_set(_WATCH_KEY, str(server.getsockname()[1]))
+        except Exception:  # noqa: BLE001 - no watch: a lost peer is then noticed as before this watch
+            return
+        target, args = _accept_peers, (server, n, timeout)
+    else:
+        host = (address or st.coordinator_address or "").rpartition(":")[0].strip("[]")
+        target, args = _watch_coordinator, (client, host, pid, timeout)
+    threading.Thread(target=target, args=args, name="jaxcnn-peer-watch", daemon=True).start()
+
+
+# How long the relay keeps a worker's connection to the coordination service open after the
+# coordinator's side closed: the liveness watch (or the failed collective) reports a dead
+# coordinator within milliseconds; a connection closed by a live one is passed on after this.
+_RELAY_HOLD_S = 5.0
+
+
+def _start_relay(address: str) -> str:
+    """A local relay between this process's coordination client and the coordinator at ``address``;
+    returns the address for ``jax.distributed.initialize``.
+
+    When process 0 dies the kernel closes its sockets, and a client connected to it directly
+    fails its pending error poll at once: XLA then aborts the process, racing the trainer's own
+    report (1 run in 21 aborted). Through the relay the client's connection stays open for
+    ``_RELAY_HOLD_S`` after the coordinator's side closed (at once at a normal exit), and the
+    loss is reported by the liveness watch first. The relay carries only the coordination
+    service's small messages (heartbeats, barriers, key-value); gloo connects directly.
+    """
+    host, _, port = address.rpartition(":")
+    upstream = (host.strip("[]"), int(port))
+    server = socket.create_server(("127.0.0.1", 0))
+
+    def accept():
+        while True:
+            try:
+                down, _ = server.accept()
+            except OSError:
+                return
+            try:
+                up = socket.create_connection(upstream, timeout=10)
+                up.settimeout(None)
+            except OSError:
+                down.close()
+                continue
+            for sock in (up, down):
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            threading.Thread(target=_pump, args=(down, up, False), name="jaxcnn-relay", daemon=True).start()
+            threading.Thread(target=_pump, args=(up, down, True), name="jaxcnn-relay", daemon=True).start()
+
+    threading.Thread(target=accept, name="jaxcnn-relay", daemon=True).start()
+    return f"127.0.0.1:{server.getsockname()[1]}"
+
+
+def _pump(src, dst, from_coordinator: bool) -> None:
+    while True:
+        try:
+            data = src.recv(65536)
+        except OSError:
+            data = b""
+        if not data:
+            break
+        try:
+            dst.sendall(data)
+        except OSError:
+            break
+    if from_coordinator and dst.fileno() != -1 and not _watch["closing"]:
+        deadline = time.monotonic() + _RELAY_HOLD_S
+        while time.monotonic() < deadline and not _watch["closing"]:
+            time.sleep(0.05)
+    for sock in (dst, src):
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        sock.close()
+
+
+def _lines(conn):
+    """The newline-ended lines a socket receives, until it closes or fails."""
+    buf = b""
+    while True:
+        try:
+            chunk = conn.recv(256)
+        except OSError:
+            return
+        if not chunk:
+            return
+        buf += chunk
+        while b"\n" in buf:
+            line, buf = buf.split(b"\n", 1)
+            yield line.decode("ascii", "replace").strip()
+
+
+def _send(conn, text: str) -> None:
+    try:
+        conn.sendall(text.encode("ascii"))
+    except OSError:
+        pass
+
+
+def _say_goodbye() -> None:
+    """At a normal interpreter exit: the others must not take this process's closed socket for a loss."""
+    with _watch["lock"]:
+        _watch["closing"] = True
+        for conn in _watch["conns"].values():
+            _send(conn, "bye\n")
+
+
+def _accept_peers(server, n, timeout) -> None:
+    while True:
+        try:
+            conn, _ = server.accept()
+        except OSError:
+            return
+        threading.Thread(target=_watch_peer, args=(conn, n, timeout), name="jaxcnn-peer-watch",
+                         daemon=True).start()
+
+
+def _watch_peer(conn, n, timeout) -> None:
+    """Process 0's side of one connection: ``hello PID``, then nothing until ``bye`` or the end."""
+    lines = _lines(conn)
+    hello = next(lines, "").split()
+    if len(hello) != 2 or hello[0] != "hello" or not hello[1].isdigit() or not 0 < int(hello[1]) < n:
+        conn.close()
+        return
+    peer = int(hello[1])
+    with _watch["lock"]:
+        if peer in _watch["conns"]:
+            conn.close()
+            return
+        _watch["conns"][peer] = conn
+    if any(line == "bye" for line in lines):
+        return
+    with _watch["lock"]:
+        if _watch["closing"]:
+            return
+        for other, c in _watch["conns"].items():
+            if other != peer:
+                _send(c, f"lost {peer}\n")
+    _exit_lost(peer, "its liveness connection closed without a goodbye", timeout)
+
+
+def _watch_coordinator(client, host, pid, timeout) -> None:
+    """Another process's side: connect to process 0, then wait for ``bye``, ``lost PID`` or the end."""
+    try:
+        port = int(client.blocking_key_value_get(_WATCH_KEY, int(timeout * 1000)))
+        conn = socket.create_connection((host, port), timeout=timeout)
+        conn.settimeout(None)
+        conn.sendall(f"hello {pid}\n".encode("ascii"))
+    except Exception:  # noqa: BLE001 - no watch: a lost peer is then noticed as before this watch
+        return
+    with _watch["lock"]:
+        _watch["conns"][0] = conn
+    lost, how = 0, "its liveness connection closed without a goodbye"
+    for line in _lines(conn):
+        if line == "bye":
+            return
+        word, _, peer = line.partition(" ")
+        if word == "lost" and peer.isdigit():
+            lost, how = int(peer), "process 0 saw its liveness connection close without a goodbye"
+            break
+    with _watch["lock"]:
+        if _watch["closing"]:
+            return
+    _exit_lost(lost, how, timeout)
 
 
 def lost_peer(exc: BaseException, timeout_s: float) -> DistributedError | None:

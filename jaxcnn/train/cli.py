@@ -32,13 +32,13 @@ def _fail(prog: str, message: str) -> int:
     return EXIT_BAD_INPUT
 
 
-def _exit_now(code: int) -> None:
-    """Ends the process at once, skipping exit hooks: after a peer process is lost (or never
-    joined), JAX's exit hook would wait for it at a shutdown barrier, or for JAX's own
-    connection attempt, and XLA would then abort with a C++ stack trace after our line."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+def _exit_now(code: int, line: str) -> None:
+    """Writes ``line`` and ends the process at once, skipping exit hooks: after a peer process is
+    lost (or never joined), JAX's exit hook would wait for it at a shutdown barrier, or for JAX's
+    own connection attempt, and XLA would then abort with a C++ stack trace after our line. The
+    distributed module's watch threads end the process the same way; only one line is written."""
+    from jaxcnn.parallel.distributed import exit_now
+    exit_now(line, code)
 
 
 # glibc's malloc gives threads separate arenas, up to 8 per core. Checkpoint writing runs on
@@ -139,7 +139,9 @@ def train_main(argv=None) -> int:
         if args.dry_run:
             dry_run(cfg)
             return 0
+        from jaxcnn.parallel.distributed import report_errors_as
         from jaxcnn.train.loop import TrainingStopped, train
+        report_errors_as("jaxcnn-train")  # a lost peer ends the process with our line, on any thread
         workdir = args.workdir or cfg.logging.workdir or default_workdir(args.config)
         try:
             result = train(cfg, workdir, argv=[sys.argv[0]] + list(argv if argv is not None else sys.argv[1:]),
@@ -156,9 +158,9 @@ def train_main(argv=None) -> int:
     except _bad_input_errors() as e:
         return _fail("jaxcnn-train", str(e))
     except _distributed_error() as e:  # a peer process is missing or lost: one line, exit 1
-        print(f"jaxcnn-train: error: {e}", file=sys.stderr)
         if e.must_exit:
-            _exit_now(1)
+            _exit_now(1, f"jaxcnn-train: error: {e}")
+        print(f"jaxcnn-train: error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("jaxcnn-train: interrupted", file=sys.stderr)
