@@ -68,6 +68,42 @@ def test_npz_shapes_are_checked_against_the_model_before_reading(tmp_path, monke
         interop.load_npz(tmp_path / "p.npz", like=like)
 
 
+def test_safetensors_shapes_are_checked_before_reading(tmp_path, monkeypatch):
+    import safetensors
+
+    from jaxcnn.interop import arrays
+    interop.save_safetensors(tmp_path / "p.safetensors", {"fc1": {"w": np.zeros((4, 5), np.float32)}})
+    net = models.get("mnist_cnn", num_classes=10)
+    like = jax.eval_shape(lambda: net.init(jax.random.PRNGKey(0), (1, 28, 28, 1))[:2])
+    real = safetensors.safe_open
+
+    class NoReading:   # safe_open whose files refuse get_tensor
+        def __init__(self, *args, **kwargs):
+            self.file = real(*args, **kwargs)
+
+        def __enter__(self):
+            self.inner = self.file.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.file.__exit__(*exc)
+
+        def __getattr__(self, name):
+            assert name != "get_tensor", "a tensor was read before the shapes were checked"
+            return getattr(self.inner, name)
+    monkeypatch.setattr(arrays.safetensors, "safe_open", NoReading)
+    with pytest.raises(ValueError, match=r"key 'params/fc1\.w' has shape \(4, 5\)"):
+        interop.load_safetensors(tmp_path / "p.safetensors", like=like)
+    # A header claiming 10**12 floats over 64 bytes: refused by safetensors' own bounds check.
+    monkeypatch.setattr(arrays.safetensors, "safe_open", real)
+    header = json.dumps({"params/fc1.w": {"dtype": "F32", "shape": [10**6, 10**6],
+                                          "data_offsets": [0, 4 * 10**12]}}).encode()
+    forged = tmp_path / "forged.safetensors"
+    forged.write_bytes(len(header).to_bytes(8, "little") + header + b"\0" * 64)
+    with pytest.raises(ValueError, match="forged.safetensors: not a readable .safetensors file"):
+        interop.load_safetensors(forged, like=like)
+
+
 @pytest.mark.parametrize("argv, match", [
     (["--model-option", "a=["], "option 'a'"),
     (["--calibration-batches", "-1"], "--calibration-batches"),
