@@ -332,16 +332,20 @@ def export(source, out, *, format: str, model: str | None = None, num_classes=No
         host = jax.device_get((params, state))
         (interop.save_npz if format == "npz" else interop.save_safetensors)(out, *host)
     say(f"wrote {format} to {out}")
-    say(_input_line(format, layout, src.image_shape, prep, in_graph, report))
+    say(_input_line(format, layout, src.image_shape, prep, in_graph, report, cfg is not None))
     return report
 
 
-def _input_line(format, layout, image_shape, prep, in_graph, report) -> str:
+def _input_line(format, layout, image_shape, prep, in_graph, report, from_run) -> str:
     """What the exported model takes, for the command's output."""
     h, w, c = image_shape
     dims = f"(N, {h}, {w}, {c})" if layout == "nhwc" else f"(N, {c}, {h}, {w})"
     where = {"onnx": "its metadata_props 'jaxcnn.preprocessing'",
              "stablehlo": report.get("preprocessing_file")}.get(format)
+    if prep is None and from_run:  # an older run directory, not reconstructed for this export
+        return ("input: float32, normalised as the network was trained on (the run directory has "
+                "no preprocessing.json; an ONNX or StableHLO export without --no-preprocessing "
+                "reconstructs it and builds it in)")
     if prep is None:
         return ("input: float32, normalised as the network was trained on (a bare parameter file "
                 "records no preprocessing; export the run directory to build it in)")
