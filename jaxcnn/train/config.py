@@ -27,6 +27,26 @@ stored as an int (steps) or the canonical ``"<N>ep"`` and turned into steps by
 run length itself is ``train.steps`` or ``train.epochs`` (exactly one); a layer
 that sets one of them (a file over its base, or an override) clears the other.
 
+YAML quirks, decided here: files and override values are read with a
+``yaml.SafeLoader`` subclass (same tags, same safety) that
+
+* keeps unquoted ``yes``/``no``/``on``/``off`` (any case) as the word typed:
+  a string key sees the word (``distributed.mode: on`` is ``"on"``;
+  ``checkpoint.resume: yes`` is refused, listing the valid words, never
+  accepted as some choice), while bool keys and free-form data
+  (``model.options``) get YAML 1.1's boolean; ``true``/``false`` are
+  booleans, which no string key accepts;
+* refuses a mapping that names a key twice (PyYAML keeps the last one),
+  naming the key and both lines; ``<<`` merge keys are not duplicates.
+
+Ranges: every int key and step duration is at most :data:`MAX_INT`
+(``2**31 - 1``: the step counter and the schedules' step arithmetic are
+int32) unless its schema says less; seeds are at most :data:`MAX_SEED`
+(``2**32 - 1``, what ``jax.random.PRNGKey`` keeps). A duration in epochs
+that comes to more than :data:`MAX_STEPS` steps is refused once the epoch
+length is known, naming its key. Only a regular file is read as a config
+(a FIFO would block forever).
+
 The schema is hand-written rather than pydantic/dataclass-based so that error
 messages, YAML quirks and the printed key reference stay under our control.
 """
