@@ -136,6 +136,7 @@ def _bounded(step, max_in_flight: int):
             jax.block_until_ready(pending.popleft())
         return new_state, metrics
 
+    call.lower = step.lower  # the setup compiles it ahead (train.loop.prepare)
     return call
 
 

@@ -19,7 +19,8 @@ def _bad_input_errors():
     from jaxcnn.data import DataError
     from jaxcnn.train.checkpoint import CheckpointError
     from jaxcnn.train.config import ConfigError
-    return (ConfigError, DataError, CheckpointError)
+    from jaxcnn.train.loop import WorkdirError
+    return (ConfigError, DataError, CheckpointError, WorkdirError)
 
 
 def _distributed_error():
@@ -98,31 +99,29 @@ def _train_parser() -> argparse.ArgumentParser:
 
 
 def dry_run(cfg, stream=None) -> None:
-    """Build everything, check ``model.init_from`` if set, print the model summary, and
-    trace one train step abstractly (``jax.eval_shape``): no parameters are initialised."""
-    import jax
-    import numpy as np
-
+    """Build and check everything a real run does before its first step (``loop.prepare``: data,
+    model, ``model.init_from``, the mesh and parallel plan, the wrapped train and eval steps
+    compiled from abstract inputs, the memory they need), print the model summary and exit:
+    no parameter or batch is allocated and no step runs."""
     from jaxcnn import summary
-    from jaxcnn.train.loop import abstract_state, build_run, load_init_from
-    from jaxcnn.train.step import make_train_step
+    from jaxcnn.train.loop import _fmt_bytes, prepare
 
     stream = stream or sys.stdout
-    run = build_run(cfg)
-    if cfg.model.init_from:  # read and checked against the model, as a real run would
-        load_init_from(run)
+    # Single process: the distributed section is not joined (its peers are not dry-running).
+    prepared = prepare(cfg)
+    run, plan, memory = prepared.run, prepared.plan, prepared.memory
     print(summary(run.model, (1,) + tuple(run.input_shape[1:])), file=stream)
-    state = abstract_state(run)
-    # Shapes only: making a real batch would allocate it, whatever data.batch_size asks.
-    batch = {"image": jax.ShapeDtypeStruct(run.input_shape, np.float32),
-             "label": jax.ShapeDtypeStruct(run.input_shape[:1], np.int32)}
-    step = make_train_step(run.model, run.tx, policy=run.policy,
-                           label_smoothing=cfg.optim.label_smoothing, schedule=run.schedule,
-                           impl=cfg.model.impl, batch_norm_grad=cfg.model.batch_norm_grad)
-    _, metrics = jax.eval_shape(step, state, batch)
+    metrics = prepared.train_out[1]
     start = f", parameters from {cfg.model.init_from}" if cfg.model.init_from else ""
+    clipped = (f" (data.eval_batch_size {cfg.data.eval_batch_size} clipped to the test set)"
+               if cfg.data.eval_batch_size and prepared.eval_batch_size < cfg.data.eval_batch_size else "")
+    need = [f"{name.replace('_', ' ')} {_fmt_bytes(memory[name])}"
+            for name in ("state", "train_step", "eval_step") if memory.get(name) is not None]
+    of = f" of {_fmt_bytes(memory['available'])} available" if memory.get("available") else ""
     print(f"dry run ok: model {cfg.model.name}{start}, input {run.input_shape}, "
           f"{run.total_steps} steps ({run.steps_per_epoch}/epoch), policy {run.policy.to_string()}, "
+          f"mesh data {plan.mesh.shape['data']} x model {plan.mesh.shape['model']} ({plan.strategy}), "
+          f"eval batch {prepared.eval_batch_size}{clipped}, memory {', '.join(need) or 'unknown'}{of}, "
           f"step metrics {sorted(metrics)}", file=stream)
 
 
@@ -143,6 +142,9 @@ def train_main(argv=None) -> int:
         from jaxcnn.train.loop import TrainingStopped, train
         report_errors_as("jaxcnn-train")  # a lost peer ends the process with our line, on any thread
         workdir = args.workdir or cfg.logging.workdir or default_workdir(args.config)
+        from jaxcnn.train.loop import check_workdir  # before any compute: a file, read-only, full
+        check_workdir(workdir, "--workdir" if args.workdir else
+                      "logging.workdir" if cfg.logging.workdir else "workdir")
         try:
             result = train(cfg, workdir, argv=[sys.argv[0]] + list(argv if argv is not None else sys.argv[1:]),
                            config_path=os.path.abspath(args.config))

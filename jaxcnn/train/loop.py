@@ -139,6 +139,11 @@ def build_run(cfg) -> Run:
     except ValueError as e:
         raise ConfigError(f"model {cfg.model.name!r} cannot take {tuple(image_shape)} images "
                           f"(data.image_size or the dataset): {e}", path="data.image_size") from None
+    pad = cfg.data.augment.crop_padding
+    if pad and pad >= min(image_shape[0], image_shape[1]):  # padded batches grew to terabytes
+        raise ConfigError(f"data.augment.crop_padding: {pad} must be smaller than the image side "
+                          f"({min(image_shape[0], image_shape[1])} for {tuple(image_shape)} images)",
+                          path="data.augment.crop_padding")
     total = train_steps(cfg.train, per_epoch)
     for key in ("train.eval_every", "checkpoint.every", "logging.log_every"):  # epochs: checked here, before any compute
         section, name = key.split(".")
@@ -278,12 +283,305 @@ def abstract_state(run: Run):
     return jax.eval_shape(lambda: init_state(run))
 
 
+def eval_batch_size(run: Run) -> int:
+    """The evaluation batch: ``data.eval_batch_size`` (else ``data.batch_size``), clipped to the
+    test set (rounded up to a multiple of the process count), as PyTorch's DataLoader gives a
+    smaller batch: a larger one would only be padding (``data.eval_batch_size=1000000000``
+    allocated 2.85 TiB of it)."""
+    cfg = run.cfg
+    size = cfg.data.eval_batch_size or cfg.data.batch_size
+    if run.dataset is not None and size > len(run.dataset.x_test):
+        procs = jax.process_count()
+        size = max(procs, -(-len(run.dataset.x_test) // procs) * procs)
+    return size
+
+
+class WorkdirError(RuntimeError):
+    """The run directory cannot be used, or the run's outputs cannot be written to it: one line
+    naming the directory or file and the reason (exit code 2 from ``jaxcnn-train``)."""
+
+
+def check_workdir(workdir: str, what: str = "workdir") -> None:
+    """Create ``workdir`` if needed and check that a file can be written there, before any compute.
+
+    Arguments:
+        workdir: the run directory.
+        what: how the message names it (``"--workdir /x"``, ``"logging.workdir"``).
+
+    Raises:
+        WorkdirError: it is a file (or a parent is), cannot be created, is not writable
+            (permissions, read-only file system) or its disk is full.
+    """
+    where = f"{what} {workdir}" if what.startswith("--") else f"{what}: {workdir}"
+    if os.path.exists(workdir) and not os.path.isdir(workdir):
+        from jaxcnn.data.files import file_kind
+        kind = "a file" if os.path.isfile(workdir) else file_kind(os.stat(workdir).st_mode)
+        raise WorkdirError(f"{where} is {kind}, not a directory")
+    try:
+        os.makedirs(workdir, exist_ok=True)
+    except OSError as e:
+        parent = os.path.dirname(os.path.abspath(workdir))
+        while parent and not os.path.exists(parent):
+            parent = os.path.dirname(parent)
+        if isinstance(e, (NotADirectoryError, FileExistsError)) or not os.path.isdir(parent):
+            raise WorkdirError(f"{where} cannot be created: {parent} is not a directory") from None
+        raise WorkdirError(f"{where} cannot be created ({e.strerror or e})") from None
+    import tempfile
+    probe = None
+    try:  # a real write: os.access says yes to root on a read-only mount's files, and knows no quota
+        fd, probe = tempfile.mkstemp(prefix=".jaxcnn-write-test-", dir=workdir)
+        with os.fdopen(fd, "wb") as f:
+            f.write(b"\0" * 4096)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:
+        raise WorkdirError(f"{where} is not writable ({e.strerror or e})") from None
+    finally:
+        if probe is not None:
+            try:
+                os.remove(probe)
+            except OSError:
+                pass
+    free = _free_disk(workdir)
+    if free is not None and free < _MIN_FREE_DISK:
+        raise WorkdirError(f"{where} is on a full disk ({_fmt_bytes(free)} free; the run writes "
+                           "checkpoints, metrics and parameters there)")
+
+
+# Below this much free space in the run directory a run is refused before it starts.
+_MIN_FREE_DISK = 1 << 20
+
+
+def _free_disk(path):
+    try:
+        st = os.statvfs(path)
+    except (OSError, AttributeError):
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+def _fmt_bytes(n: float) -> str:
+    """``4.0 TB``, ``23 GB``, ``512 MB`` (decimal units)."""
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            value = n / scale
+            return f"{value:.1f} {unit}" if value < 10 else f"{value:.0f} {unit}"
+    return f"{int(n)} bytes"
+
+
+def available_memory(devices):
+    """Memory a run can use: ``(bytes, scope)`` where scope is ``"per device"`` (accelerators:
+    the device's limit less what is in use) or ``"host"`` (CPU devices share the host's memory:
+    MemAvailable, the cgroup's limit if lower); None where it cannot be told."""
+    devices = list(devices)
+    if devices[0].platform != "cpu":
+        free = []
+        for d in devices:
+            try:
+                stats = d.memory_stats()
+            except Exception:  # a backend without memory statistics: no check
+                return None
+            if not stats or "bytes_limit" not in stats:
+                return None
+            free.append(int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0)))
+        return min(free), "per device"
+    candidates = []
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    candidates.append(int(line.split()[1]) * 1024)
+    except (OSError, ValueError, IndexError):
+        pass
+    if not candidates:
+        try:
+            candidates.append(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+        except (OSError, ValueError, AttributeError):
+            pass
+    try:  # cgroup v2: a container's limit
+        with open("/sys/fs/cgroup/memory.max", encoding="ascii") as f:
+            limit = f.read().strip()
+        if limit != "max":
+            with open("/sys/fs/cgroup/memory.current", encoding="ascii") as f:
+                candidates.append(int(limit) - int(f.read().strip()))
+    except (OSError, ValueError):
+        pass
+    return (min(candidates), "host") if candidates else None
+
+
+def _size_keys(run: Run, shape=None) -> list:
+    """The config keys that size the model and its data, as ``key=value``: the class count and
+    the image size; for a parameter of ``shape``, the class count if it has that many rows or
+    columns, else the image size."""
+    cfg, keys = run.cfg, []
+    by_classes = shape is not None and run.num_classes in tuple(shape)
+    if shape is None or by_classes:
+        key = "model.num_classes" if cfg.model.num_classes else "data.num_classes"
+        if cfg.model.num_classes or cfg.data.num_classes:
+            keys.append(f"{key}={run.num_classes}")
+    if not by_classes and cfg.data.source == "synthetic" and cfg.data.image_size:
+        keys.append(f"data.image_size={list(cfg.data.image_size)}")
+    return keys
+
+
+def check_state_memory(run: Run, plan, available) -> int:
+    """The training state's bytes (per device, or on the host for CPU devices), from the
+    shapes alone: a state that cannot fit is refused before anything is allocated.
+
+    Raises:
+        ConfigError: naming the keys that size it (``model.num_classes=1000000000 ...``).
+    """
+    leaves = jax.tree_util.tree_leaves_with_path(plan.abstract_state)
+    per_device = 0
+    for _, x in leaves:
+        shape = x.sharding.shard_shape(x.shape) if getattr(x, "sharding", None) is not None else x.shape
+        per_device += math.prod(shape) * np.dtype(x.dtype).itemsize
+    if available is None:
+        return per_device
+    free, scope = available
+    need = per_device * (plan.mesh.devices.size if scope == "host" else 1)
+    if need > free:
+        params = jax.tree_util.tree_leaves_with_path(plan.abstract_state.params)
+        path, big = max(params, key=lambda kv: math.prod(kv[1].shape))
+        name = "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+        keys = _size_keys(run, big.shape) or [f"model.name={run.cfg.model.name}"]
+        count = sum(math.prod(x.shape) for _, x in params)
+        raise ConfigError(f"{', '.join(keys)}: the model's {count:,} parameters and their optimiser "
+                          f"state need {_fmt_bytes(need)} (largest: {name} {tuple(big.shape)}); this "
+                          f"machine has {_fmt_bytes(free)} available"
+                          f"{' per device' if scope == 'per device' else ''}", path=keys[0].split("=")[0])
+    return need
+
+
+def _compile(lowered):
+    """``lowered.compile()``: XLA's executable of a step, which jit's cache then holds for the
+    step's first call; its ``memory_analysis`` is what the memory check reads."""
+    return lowered.compile()
+
+
+def _step_bytes(compiled):
+    """Arguments + outputs + temporaries (less the donated buffers counted twice) of a compiled
+    program, per device; None where the backend does not say."""
+    if compiled is None:
+        return None
+    try:
+        stats = compiled.memory_analysis()
+    except Exception:  # not every backend or wrapper implements it
+        return None
+    if isinstance(stats, (list, tuple)):
+        stats = stats[0] if stats else None
+    if stats is None:
+        return None
+    return max(0, int(stats.argument_size_in_bytes) + int(stats.output_size_in_bytes)
+               + int(stats.temp_size_in_bytes) - int(stats.alias_size_in_bytes))
+
+
+def check_step_memory(compiled, plan, available, keys, what) -> int | None:
+    """Refuses a compiled step whose memory (``memory_analysis``) exceeds what is available.
+
+    Raises:
+        ConfigError: ``"<keys>: one <what> needs X; this machine has Y available"``.
+    """
+    per_device = _step_bytes(compiled)
+    if per_device is None or available is None:
+        return per_device
+    free, scope = available
+    need = per_device * (plan.mesh.devices.size if scope == "host" else 1)
+    if need > free:
+        raise ConfigError(f"{', '.join(keys)}: one {what} needs {_fmt_bytes(need)} of memory; this "
+                          f"machine has {_fmt_bytes(free)} available"
+                          f"{' per device' if scope == 'per device' else ''}", path=keys[0].split("=")[0])
+    return need
+
+
+def abstract_batch(run: Run, plan):
+    """The training batch as the wrapped step takes it (``plan.put_batch``'s output), as shapes."""
+    batch, rest = run.input_shape[0], tuple(run.input_shape[1:])
+    image = np.uint8 if run.synthetic is not None else np.float32  # synthetic: bytes, normalised on device
+    if plan.strategy == "pmap":
+        n = plan.mesh.devices.size
+        return {"image": jax.ShapeDtypeStruct((n, batch // n) + rest, image),
+                "label": jax.ShapeDtypeStruct((n, batch // n), np.int32)}
+    sharding = plan.batch_sharding()
+    return {"image": jax.ShapeDtypeStruct(run.input_shape, image, sharding=sharding),
+            "label": jax.ShapeDtypeStruct((batch,), np.int32, sharding=sharding)}
+
+
+def abstract_eval_batch(run: Run, plan, batch_size: int):
+    """An evaluation batch as ``plan.put_eval_batch`` gives it to the eval step, as shapes."""
+    procs = jax.process_count()
+    per_process = max(1, plan.mesh.shape["data"] // procs)
+    local = batch_size // procs
+    rows = (local + -local % per_process) * procs
+    sharding = plan.batch_sharding()
+    return {"image": jax.ShapeDtypeStruct((rows,) + tuple(run.input_shape[1:]), np.float32,
+                                          sharding=sharding),
+            "label": jax.ShapeDtypeStruct((rows,), np.int32, sharding=sharding),
+            "mask": jax.ShapeDtypeStruct((rows,), np.bool_, sharding=sharding)}
+
+
+class Prepared(NamedTuple):
+    """What a training run and ``jaxcnn-train --dry-run`` both build before the first step
+    (:func:`prepare`): the same mesh, plan, steps and checks."""
+
+    run: Run
+    plan: Any
+    loaded: Any            # model.init_from's (params, model_state), or None
+    train_step: Any        # the wrapped train step the loop calls: (state, placed batch)
+    eval_step: Any         # the wrapped eval step: (params, model_state, placed eval batch)
+    eval_batch_size: int
+    memory: dict           # bytes: "state", "train_step", "eval_step" (None: not known), "available"
+    train_out: Any         # the train step's output shapes (state, metrics)
+
+
+def prepare(cfg) -> Prepared:
+    """Build everything a run needs and check it, before any parameter is allocated.
+
+    :func:`build_run` (config and data), ``model.init_from``, the mesh and parallel plan, the
+    wrapped train and eval steps, then the memory the run would need: the training state from
+    its shapes, and each step compiled (``.lower().compile()``, with abstract inputs; the real
+    run's first call reuses that executable) and measured by ``memory_analysis``, against the
+    memory available (the devices', or the host's for CPU devices).
+
+    Raises:
+        ConfigError / DataError: as :func:`build_run` and ``parallel.setup``; a state or step
+            that cannot fit in memory names the keys that size it.
+    """
+    run = build_run(cfg)
+    loaded = load_init_from(run) if cfg.model.init_from else None
+    plan = parallel.setup(cfg, run.model, run.input_shape, abstract_state(run))
+    available = available_memory(plan.mesh.devices.reshape(-1))
+    memory = {"available": available[0] if available else None, "train_step": None, "eval_step": None}
+    memory["state"] = check_state_memory(run, plan, available)
+    train_step = plan.wrap_step(make_train_step(
+        run.model, run.tx, policy=run.policy, label_smoothing=cfg.optim.label_smoothing,
+        schedule=run.schedule, skip_nonfinite=cfg.train.nan_policy == "skip",
+        axis_name=plan.step_axis_name,
+        image_norm=(NOISE_MEAN, NOISE_STD) if run.synthetic is not None else None,
+        impl=cfg.model.impl, batch_norm_grad=cfg.model.batch_norm_grad))
+    eval_step = plan.wrap_eval(make_eval_step(run.model, policy=run.policy, impl=cfg.model.impl))
+    eval_size = eval_batch_size(run)
+    with matmul_precision(cfg):  # traced as the loop traces it, so the loop reuses the executable
+        lowered = train_step.lower(plan.abstract_state, abstract_batch(run, plan))
+        compiled = _compile(lowered)
+        memory["train_step"] = check_step_memory(
+            compiled, plan, available, [f"data.batch_size={cfg.data.batch_size}"] + _size_keys(run),
+            "train step")
+        if run.dataset is not None:  # without a test set (synthetic throughput runs) nothing evaluates
+            compiled_eval = _compile(eval_step.lower(plan.abstract_state.params, plan.abstract_state.state,
+                                                     abstract_eval_batch(run, plan, eval_size)))
+            key = "data.eval_batch_size" if cfg.data.eval_batch_size else "data.batch_size"
+            memory["eval_step"] = check_step_memory(compiled_eval, plan, available,
+                                                    [f"{key}={eval_size}"] + _size_keys(run), "eval step")
+    return Prepared(run, plan, loaded, train_step, eval_step, eval_size, memory, lowered.out_info)
+
+
 def evaluate(run: Run, eval_step, params, model_state) -> dict:
     """Loss, top-1 and top-5 over the whole test set (nothing dropped)."""
     if run.dataset is None:
         return {}
     cfg = run.cfg
-    batch_size = cfg.data.eval_batch_size or cfg.data.batch_size
+    batch_size = eval_batch_size(run)
     mean, std = (run.dataset.mean, run.dataset.std) if cfg.data.normalize else (None, None)
     totals = None
     for batch in eval_batches(run.dataset.x_test, run.dataset.y_test, batch_size, mean=mean, std=std,
@@ -420,9 +718,9 @@ def train(cfg, workdir: str, *, argv=None, config_path=None, stream=None) -> dic
     config_changes = check_resume_config(
         workdir, to_dict(cfg), resume=cfg.checkpoint.resume if cfg.checkpoint.enabled else "never",
         on_change=cfg.checkpoint.on_config_change)
-    run = build_run(cfg)
-    loaded = load_init_from(run) if cfg.model.init_from else None
-    plan = parallel.setup(cfg, run.model, run.input_shape, abstract_state(run))
+    # The same mesh, plan, steps and size checks as --dry-run; the steps are compiled here.
+    prepared = prepare(cfg)
+    run, plan, loaded = prepared.run, prepared.plan, prepared.loaded
     is_main = jax.process_index() == 0
     os.makedirs(workdir, exist_ok=True)
     if is_main:  # config.resolved.yaml: once resuming is decided (record_run_config below)
@@ -473,14 +771,10 @@ def train(cfg, workdir: str, *, argv=None, config_path=None, stream=None) -> dic
     if is_main:  # after the resume decision: a refused resume leaves it as it was
         record_run_config(workdir, to_dict(cfg), start, config_changes)
 
-    train_step = plan.wrap_step(make_train_step(
-        run.model, run.tx, policy=run.policy, label_smoothing=cfg.optim.label_smoothing,
-        schedule=run.schedule, skip_nonfinite=cfg.train.nan_policy == "skip",
-        axis_name=plan.step_axis_name,
-        image_norm=(NOISE_MEAN, NOISE_STD) if run.synthetic is not None else None,
-        impl=cfg.model.impl, batch_norm_grad=cfg.model.batch_norm_grad))
-    sharded_eval = plan.wrap_eval(make_eval_step(run.model, policy=run.policy,
-                                                 impl=cfg.model.impl))
+    train_step, sharded_eval = prepared.train_step, prepared.eval_step
+    if cfg.data.eval_batch_size and prepared.eval_batch_size < cfg.data.eval_batch_size:
+        say(f"[jaxcnn] data.eval_batch_size {cfg.data.eval_batch_size} clipped to the "
+            f"{len(run.dataset.x_test)} test images: eval batch {prepared.eval_batch_size}")
 
     def eval_step(params, model_state, batch):
         return sharded_eval(params, model_state, plan.put_eval_batch(batch))
@@ -582,7 +876,7 @@ def train(cfg, workdir: str, *, argv=None, config_path=None, stream=None) -> dic
             prefetch.close()
         progress.close()
 
-    result = {"step": int(state.step)}
+    result, write_error = {"step": int(state.step)}, None
     if stopped_by is None:
         with matmul_precision(cfg):
             final = evaluate(run, eval_step, state.params, state.state)
@@ -594,8 +888,17 @@ def train(cfg, workdir: str, *, argv=None, config_path=None, stream=None) -> dic
             fmt = cfg.checkpoint.format
             path = os.path.join(workdir, f"params.{fmt}")
             partial = os.path.join(workdir, f"params.partial.{fmt}")
-            (interop.save_npz if fmt == "npz" else interop.save_safetensors)(partial, *params_host)
-            os.replace(partial, path)
+            try:
+                (interop.save_npz if fmt == "npz" else interop.save_safetensors)(partial, *params_host)
+                os.replace(partial, path)
+            except OSError as e:  # a full disk: the old params file (if any) is untouched
+                try:
+                    os.remove(partial)
+                except OSError:
+                    pass
+                kept = "" if manager is None else f"; checkpoints in {manager.directory} are kept"
+                write_error = (f"cannot write {path} ({e.strerror or e}); the partial file was "
+                               f"removed{kept}")
         result.update(final)
         if final:
             say(f"[jaxcnn] final eval at step {int(state.step)}: loss {final['loss']:.4f}  "
@@ -606,4 +909,6 @@ def train(cfg, workdir: str, *, argv=None, config_path=None, stream=None) -> dic
         manager.wait()
         manager.close()
     metrics.close()
+    if write_error is not None:  # after the checkpoints are written out
+        raise WorkdirError(write_error)
     return result

@@ -355,7 +355,8 @@ def test_config_errors_found_by_building_the_run_exit_2(tmp_path, override, need
 
 
 def test_dry_run_does_not_allocate_a_batch(tmp_path):
-    """A huge batch is only traced by --dry-run (it used to build one real batch: 60 GB here)."""
+    """A huge batch is only traced by --dry-run (it used to build one real batch: 60 GB here); its
+    compiled step's memory is checked against the machine's (4.7 TB here: refused, naming the key)."""
     path = tmp_path / "run.yaml"
     cfg = dict(VALID, data=dict(VALID["data"], image_size=[224, 224, 3], batch_size=100_000, num_train=100_000))
     path.write_text(yaml.safe_dump(cfg))
@@ -366,7 +367,7 @@ def test_dry_run_does_not_allocate_a_batch(tmp_path):
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
-    assert code == 0, err
+    assert code == 0 or (code == 2 and "data.batch_size=100000" in err and "one train step needs" in err), err
     assert peak < 512 * 2**20, peak
 
 

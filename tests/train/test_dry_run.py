@@ -1,0 +1,222 @@
+"""``jaxcnn-train --dry-run`` checks what the real run checks, with the same setup
+(``loop.prepare``): mesh and plan, the wrapped train and eval steps (traced, lowered and
+compiled from abstract inputs), sizes against the data and memory, and the workdir."""
+import contextlib
+import errno
+import io
+import os
+
+import jax
+import numpy as np
+import pytest
+import yaml
+
+from jaxcnn.train import loop
+from jaxcnn.train.cli import train_main
+from jaxcnn.train.config import load_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+CONFIG = os.path.join(ROOT, "configs", "mnist_cnn.yaml")
+
+# Synthetic 12x12 images held in memory: small enough to compile and run in seconds.
+TINY = {"model": {"name": "mnist_cnn"}, "train": {"steps": 2, "eval_every": None},
+        "data": {"source": "synthetic", "image_size": [12, 12, 1], "num_train": 32, "num_eval": 16,
+                 "batch_size": 8, "prefetch": 0},
+        "logging": {"progress": "lines"}, "mesh": {"data": 1}}
+
+
+def cli(args):
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = train_main([str(a) for a in args])
+    return code, out.getvalue(), err.getvalue()
+
+
+def one_line(code, err):
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("jaxcnn-train: error: "), (code, err)
+    assert "Traceback" not in err
+    return lines[0]
+
+
+@pytest.fixture
+def tiny(tmp_path):
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(TINY))
+    return str(path)
+
+
+# ---------------------------------------------------------------- the same setup as the real run
+
+def test_mesh_larger_than_the_devices_fails_the_dry_run_like_the_real_run(tiny, tmp_path):
+    """mesh.data=3 on a 1-device machine passed --dry-run, then the real run exited 2 (here: 9 of 8)."""
+    n = jax.device_count() + 1
+    dry = one_line(*cli([tiny, f"mesh.data={n}", "--dry-run"])[::2])
+    real = one_line(*cli([tiny, f"mesh.data={n}", "--workdir", tmp_path / "w"])[::2])
+    assert dry == real and f"mesh.data: data x model = {n} x 1" in dry, (dry, real)
+
+
+def test_dry_run_lowers_the_wrapped_steps_of_the_real_run(tiny, monkeypatch):
+    """The dry run traces the step the plan wraps (here pmap over all devices: it used to
+    trace an unwrapped step with jax.eval_shape, and missed a pmap-only crash) and the eval step."""
+    from jaxcnn.parallel.plan import ParallelPlan
+    lowered = []
+
+    def spy(wrap, kind):
+        def wrapped(self, step, *a, **k):
+            fn = wrap(self, step, *a, **k)
+            lower = fn.lower
+
+            def counting_lower(*args):
+                lowered.append((kind, self.strategy, jax.tree_util.tree_map(np.shape, args[-1])))
+                return lower(*args)
+            try:
+                fn.lower = counting_lower
+            except AttributeError:  # jit objects: wrap them instead
+                class Lowering:
+                    def __init__(self):
+                        self.lower = counting_lower
+
+                    def __call__(self, *args):
+                        return fn(*args)
+                return Lowering()
+            return fn
+        return wrapped
+
+    monkeypatch.setattr(ParallelPlan, "wrap_step", spy(ParallelPlan.wrap_step, "train"))
+    monkeypatch.setattr(ParallelPlan, "wrap_eval", spy(ParallelPlan.wrap_eval, "eval"))
+    n = jax.device_count()
+    code, out, err = cli([tiny, "parallel.strategy=pmap", "mesh.data=-1", f"data.batch_size={n}",
+                          f"data.num_train={4 * n}", "--dry-run"])
+    assert code == 0, err
+    assert "(pmap)" in out and "dry run ok" in out
+    assert lowered[0] == ("train", "pmap", {"image": (n, 1, 12, 12, 1), "label": (n, 1)}), lowered
+    assert lowered[1][:2] == ("eval", "pmap"), lowered
+
+
+@pytest.mark.parametrize("strategy", ["shard_map", "pmap", "jit"])
+@pytest.mark.parametrize("source", ["synthetic", "in-memory"])
+def test_abstract_batch_is_what_the_loop_feeds(tiny, strategy, source):
+    """The dry run compiles the step for exactly the batch the loop will put on the devices,
+    so the real run's first call reuses that executable."""
+    n = jax.device_count()
+    overrides = [f"parallel.strategy={strategy}", "mesh.data=-1", f"data.batch_size={n}"]
+    if source == "synthetic":  # per-step bytes (uint8), as throughput runs make them
+        overrides += ["data.num_train=4000000"]
+    cfg = load_config(tiny, overrides)
+    run = loop.build_run(cfg)
+    from jaxcnn import parallel
+    plan = parallel.setup(cfg, run.model, run.input_shape, loop.abstract_state(run))
+    real = plan.put_batch(loop.batch_fn(run)(0))
+    abstract = loop.abstract_batch(run, plan)
+
+    def describe(x):
+        return (tuple(x.shape), np.dtype(x.dtype), getattr(x, "sharding", None) if strategy != "pmap" else None)
+    assert jax.tree_util.tree_map(describe, real) == jax.tree_util.tree_map(describe, abstract)
+
+
+# ---------------------------------------------------------------- sizes against the data and memory
+
+@pytest.mark.parametrize("override, needle", [
+    ("model.num_classes=1000000000", "model.num_classes=1000000000: the model's"),      # hung
+    ("data.image_size=[100000,100000,3]", "data.image_size=[100000, 100000, 3]: the model's"),  # hung
+    ("data.augment.crop_padding=100000", "data.augment.crop_padding: 100000 must be smaller than the "
+                                         "image side (12"),                            # 2.85 TiB
+])
+def test_sizes_that_cannot_fit_fail_dry_run_and_real_run(tiny, tmp_path, override, needle, monkeypatch):
+    """Both exit 2 with the same line naming the key, before anything is allocated."""
+    dry = one_line(*cli([tiny, override, "--dry-run"])[::2])
+    monkeypatch.setattr(loop, "initial_params", lambda *a, **k: pytest.fail("allocation started"))
+    real = one_line(*cli([tiny, override, "--workdir", tmp_path / "w"])[::2])
+    assert needle in dry and dry.split("; this machine")[0] == real.split("; this machine")[0], (dry, real)
+
+
+def test_state_and_step_memory_are_checked_against_what_is_available(tiny, monkeypatch):
+    """The training state from its shapes, then the compiled step's memory_analysis, against the
+    memory available; the message names the keys that size it."""
+    prepared = loop.prepare(load_config(tiny, []))
+    state, step = prepared.memory["state"], prepared.memory["train_step"]
+    assert 0 < state < step < prepared.memory["available"]
+    monkeypatch.setattr(loop, "available_memory", lambda devices: (state - 1, "host"))
+    line = one_line(*cli([tiny, "--dry-run"])[::2])
+    assert "parameters and their optimiser state need" in line and "data.image_size=[12, 12, 1]" in line
+    monkeypatch.setattr(loop, "available_memory", lambda devices: ((state + step) // 2, "host"))
+    line = one_line(*cli([tiny, "--dry-run"])[::2])
+    assert "data.batch_size=8" in line and "one train step needs" in line, line
+
+
+def test_eval_batch_larger_than_the_test_set_is_clipped(tiny, tmp_path):
+    """data.eval_batch_size=1000000000 allocated 2.85 TiB of padding at the first evaluation; like
+    PyTorch's DataLoader, the batch is the test set's size (a note says so)."""
+    args = [tiny, "data.eval_batch_size=1000000000"]
+    code, out, err = cli(args + ["--dry-run"])
+    assert code == 0 and "eval batch 16 (data.eval_batch_size 1000000000 clipped" in out, err
+    code, out, err = cli(args + ["--workdir", tmp_path / "w"])
+    assert code == 0, err
+    assert "data.eval_batch_size 1000000000 clipped to the 16 test images" in out
+    assert "final eval at step 2" in out and "(16 images)" in out
+
+
+# ---------------------------------------------------------------- the workdir
+
+def _no_compute(monkeypatch):
+    monkeypatch.setattr(loop, "prepare", lambda cfg: pytest.fail("compute started"))
+
+
+def test_workdir_that_is_a_file(tiny, tmp_path, monkeypatch):
+    _no_compute(monkeypatch)
+    afile = tmp_path / "passwd"
+    afile.write_text("root:x:0:0\n")
+    line = one_line(*cli([tiny, "--workdir", afile])[::2])
+    assert line == f"jaxcnn-train: error: --workdir {afile} is a file, not a directory"
+    line = one_line(*cli([tiny, "--workdir", afile / "run"])[::2])
+    assert line == f"jaxcnn-train: error: --workdir {afile / 'run'} cannot be created: {afile} is not a directory"
+
+
+@pytest.mark.parametrize("where, err, needle", [
+    ("makedirs", errno.EACCES, "cannot be created (Permission denied)"),
+    ("makedirs", errno.EROFS, "cannot be created (Read-only file system)"),
+    ("write", errno.EROFS, "is not writable (Read-only file system)"),
+    ("write", errno.ENOSPC, "is not writable (No space left on device)"),
+    ("statvfs", None, "is on a full disk (4.1 kB free"),
+])
+def test_unusable_workdir_is_one_line_before_compute(tiny, tmp_path, monkeypatch, where, err, needle):
+    """A read-only or unwritable workdir, or a full disk (simulated: the tests run as root, where
+    chmod does not stop writes)."""
+    _no_compute(monkeypatch)
+    workdir = tmp_path / "run"
+
+    def fail(*a, **k):
+        raise OSError(err, os.strerror(err))
+    if where == "makedirs":
+        monkeypatch.setattr(os, "makedirs", fail)
+    elif where == "write":
+        import tempfile
+        monkeypatch.setattr(tempfile, "mkstemp", fail)
+    else:
+        monkeypatch.setattr(loop, "_free_disk", lambda path: 4096)
+    line = one_line(*cli([tiny, "--workdir", workdir])[::2])
+    assert line.startswith(f"jaxcnn-train: error: --workdir {workdir} ") and needle in line, line
+    assert not [f for f in (os.listdir(workdir) if workdir.exists() else []) if f.startswith(".jaxcnn")]
+
+
+def test_full_disk_while_writing_params_keeps_checkpoints_and_removes_the_partial_file(tiny, tmp_path,
+                                                                                     monkeypatch):
+    """ENOSPC while params.npz is written: one line, exit 2; the partial file is removed, the
+    previous params.npz is untouched and the checkpoints are kept."""
+    from jaxcnn import interop
+    workdir = tmp_path / "w"
+    workdir.mkdir()
+    (workdir / "params.npz").write_bytes(b"the previous file")
+
+    def full_disk(path, *a, **k):
+        with open(path, "wb") as f:
+            f.write(b"half")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+    monkeypatch.setattr(interop, "save_npz", full_disk)
+    line = one_line(*cli([tiny, "checkpoint.enabled=true", "--workdir", workdir])[::2])
+    assert f"cannot write {workdir / 'params.npz'} (No space left on device)" in line
+    assert "partial file was removed" in line and "checkpoints in" in line and "are kept" in line
+    assert not (workdir / "params.partial.npz").exists()
+    assert (workdir / "params.npz").read_bytes() == b"the previous file"
+    assert "2" in os.listdir(workdir / "checkpoints")
