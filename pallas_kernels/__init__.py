@@ -15,8 +15,9 @@ kernels and an XLA backward selectable with ``backward="xla"``.
 - :mod:`pallas_kernels.autotune`: per-shape tile choice and the
   kernel-vs-XLA verdict behind ``impl="auto"`` in :mod:`jaxcnn.functional`.
 
-Kernels never import :mod:`jaxcnn.layers`; they reuse only
-:mod:`jaxcnn.functional`'s argument and output-size arithmetic.
+Kernels never import :mod:`jaxcnn.functional` or :mod:`jaxcnn.layers` (which
+sit above them); argument forms, padding and output sizes come from the leaf
+:mod:`jaxcnn._geometry` that :mod:`jaxcnn.functional` uses too.
 """
 from pallas_kernels import autotune
 from pallas_kernels._common import BlockConfig

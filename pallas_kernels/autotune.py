@@ -7,15 +7,13 @@ this device kind, or a heuristic default.
 
 :func:`tune_op` times candidate configs for each kernel an op launches (it
 finds them by tracing the op and recording the lookups), keeps the fastest,
-then times the tuned op against XLA, forward and forward+backward.
-``impl="auto"`` in :mod:`jaxcnn.functional` asks :func:`prefers_pallas`,
-which says no off GPUs and otherwise yes only where that measurement said
-the kernel was faster, separately for the forward pass alone and for forward
-plus backward.  A call never measured runs XLA: tune a model's calls once
-per device kind with :func:`tune_calls` (or ``scripts/bench_kernels.py
---tune`` for the benchmark shapes), or set ``JAXCNN_AUTOTUNE=1`` to tune each
-call on first use (about a minute per convolution shape on an H100, so off by
-default).
+then times the tuned op against the XLA form its caller hands it, forward and
+forward+backward, and stores the verdict, which :func:`verdict` reads back.
+The caller-facing side (finding a model's calls in the form
+:mod:`jaxcnn.functional` looks them up, tuning each once) is
+:mod:`jaxcnn.functional.tuning`; this module knows nothing of
+:mod:`jaxcnn.functional`.  Nothing here runs unless asked: ``impl="auto"``
+only reads :func:`verdict`.
 
 The cache lives at ``$JAXCNN_AUTOTUNE_CACHE`` (default
 ``~/.cache/jaxcnn/autotune.json``); it is written atomically (temporary file
@@ -45,7 +43,6 @@ _SMS = 132  # streaming multiprocessors of an H100; only sizes the default split
 _memo: dict = {}
 _overrides: dict = {}
 _recorders: list = []
-_op_recorders: list = []
 
 
 def cache_path() -> str:
@@ -334,14 +331,6 @@ def _compile_candidates(kernel: str, key: str, cfgs, chosen: dict, bench, args):
     return out
 
 
-def tuned_here(op: str, arrays, static: dict) -> bool:
-    """Whether the user's cache (not the shipped table) holds a verdict for this op call on
-    this device kind: what a resumed tuning run can skip."""
-    arrays, static = canonical_call(op, arrays, static)
-    mine = load_cache().get(device_kind(), {})
-    return op_key(op, arrays, static) in mine.get("ops", {})
-
-
 def op_key(op: str, arrays, static: dict) -> str:
     """Cache key of a whole op call: its name, array shapes/dtypes and static arguments."""
     shapes = ";".join("none" if a is None else f"{jnp.dtype(a.dtype).name}{list(a.shape)}"
@@ -350,14 +339,17 @@ def op_key(op: str, arrays, static: dict) -> str:
     return f"{op}|{shapes}|{kw}"
 
 
-def tune_op(op: str, arrays, static: dict, *, timer=time_call, candidate_fn=candidates) -> dict:
-    """Tunes every kernel ``pallas_kernels.<op>`` launches, then races it against XLA.
+def tune_op(op: str, arrays, static: dict, *, xla, timer=time_call,
+            candidate_fn=candidates) -> dict:
+    """Tunes every kernel ``pallas_kernels.<op>`` launches, then races it against ``xla``.
 
     Arguments:
         op: ``"conv2d"``, ``"max_pool2d"`` or ``"avg_pool2d"``.
         arrays: the op's array arguments (concrete or abstract; only shapes and
             dtypes are used, random data is timed).
-        static: its keyword arguments (stride, padding, ...).
+        static: its keyword arguments, in the form the cache is keyed by
+            (:func:`jaxcnn.functional.tuning.tune_op` puts any call in that form).
+        xla: the XLA form of the same call, a function of ``arrays``.
         timer: ``timer(fn, *args) -> seconds``; ``fn`` is a compiled executable
             for each candidate config (compiled ahead, several at once), a jitted
             function for the final race against XLA.
@@ -366,19 +358,12 @@ def tune_op(op: str, arrays, static: dict, *, timer=time_call, candidate_fn=cand
     Returns:
         The op's cache entry ``{"pallas_s", "xla_s", "pallas_grad_s", "xla_grad_s",
         "fwd_faster", "grad_faster", "pallas_faster"}``; kernel choices and this
-        entry are saved to the cache, keyed as :mod:`jaxcnn.functional` looks it
-        up (see :func:`canonical_call`).
+        entry are saved to the cache under :func:`op_key`.
     """
     import pallas_kernels  # the ops import this module
-    from jaxcnn import functional
-
-    arrays, static = canonical_call(op, arrays, static)
 
     def run_pallas(*a):
         return getattr(pallas_kernels, op)(*a, **static)
-
-    def run_xla(*a):
-        return getattr(functional, op)(*a, **static, impl="xla")
 
     args = _random_like(arrays)
     differentiable = jnp.issubdtype(args[0].dtype, jnp.floating)
@@ -410,10 +395,10 @@ def tune_op(op: str, arrays, static: dict, *, timer=time_call, candidate_fn=cand
         if best is not None:
             chosen[key] = best[1]
     with override(chosen):
-        entry = {"pallas_s": timer(bench("fwd"), *args), "xla_s": timer(jax.jit(run_xla), *args)}
+        entry = {"pallas_s": timer(bench("fwd"), *args), "xla_s": timer(jax.jit(xla), *args)}
         if differentiable:
             entry["pallas_grad_s"] = timer(bench("grad"), *args)
-            entry["xla_grad_s"] = timer(_loss_grad(run_xla), *args)
+            entry["xla_grad_s"] = timer(_loss_grad(xla), *args)
     entry["fwd_faster"] = bool(entry["pallas_s"] < entry["xla_s"])
     entry["grad_faster"] = bool(entry["pallas_grad_s"] < entry["xla_grad_s"]) if (
         differentiable) else entry["fwd_faster"]
@@ -426,106 +411,17 @@ def tune_op(op: str, arrays, static: dict, *, timer=time_call, candidate_fn=cand
     return entry
 
 
-def canonical_call(op: str, arrays, static: dict):
-    """``(arrays, static)`` as :mod:`jaxcnn.functional`'s ``op`` hands them to the kernel.
-
-    ``jaxcnn.functional.conv2d(x, w, padding=1)`` asks about ``(x, w, None)``
-    with ``padding=((1, 1), (1, 1))``, ``stride=(1, 1)``, ...: the form cache
-    keys must use, whatever form the caller of :func:`tune_op` wrote.  Found
-    by tracing the functional op abstractly; calls it does not send to a
-    kernel come back unchanged.
-    """
-    from jaxcnn import functional
-    abstract = [None if a is None else jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays]
-    seen: list = []
-    _op_recorders.append(seen)
-    try:
-        jax.eval_shape(lambda *a: getattr(functional, op)(*a, **static, impl="auto"), *abstract)
-    except (TypeError, ValueError):
-        return arrays, static
-    finally:
-        _op_recorders.remove(seen)
-    for name, got_arrays, got_static in seen:
-        if name == op:
-            return got_arrays, got_static
-    return arrays, static
-
-
 def verdict(op: str, arrays, static: dict) -> tuple[bool, bool] | None:
     """``(forward faster, forward+backward faster)`` cached for this op call on this
-    device kind, or None if never measured."""
+    device kind (the user's cache, then the shipped table), or None if never measured.
+    A pure lookup: safe inside any trace."""
     entry = _entries().get("ops", {}).get(op_key(op, arrays, static))
     if entry is None:
         return None
-    both = bool(entry.get("pallas_faster", False))
-    if "fwd_faster" not in entry and {"pallas_s", "xla_s"} <= entry.keys():
-        entry = {**entry, "fwd_faster": entry["pallas_s"] < entry["xla_s"],
-                 "grad_faster": entry.get("pallas_grad_s", 0.0) < entry.get("xla_grad_s", 0.0)}
-    return bool(entry.get("fwd_faster", both)), bool(entry.get("grad_faster", both))
+    return bool(entry.get("fwd_faster", False)), bool(entry.get("grad_faster", False))
 
 
-def measured_faster(op: str, arrays, static: dict) -> bool | None:
-    """Whether the kernel won both forward and forward+backward (None if never measured);
-    ``static`` in any form the functional op accepts."""
-    v = verdict(op, *canonical_call(op, arrays, static))
-    return None if v is None else v[0] and v[1]
-
-
-def prefers_pallas(op: str, arrays, static: dict) -> tuple[bool, bool]:
-    """Whether ``impl="auto"`` should run the kernel: ``(for the forward pass, for training)``.
-
-    The first says whether to run the Pallas forward when the op is not
-    differentiated; the second whether to run the Pallas forward and backward
-    when it is (a kernel can lose alone and win with its backward, or the
-    reverse).  Both False unless the default backend is a GPU; there, the
-    cached measurement decides (the user's cache, then the shipped table); a
-    call never measured runs XLA, or is tuned now with ``JAXCNN_AUTOTUNE=1``.
-    """
-    if _op_recorders:  # canonical_call is asking what the op would look up
-        for seen in _op_recorders:
-            seen.append((op, tuple(arrays), dict(static)))
-        return False, False
-    if jax.default_backend() != "gpu":
-        return False, False
-    v = verdict(op, arrays, static)
-    if v is None and os.environ.get("JAXCNN_AUTOTUNE", "0") == "1" and _supported(
-            op, arrays, static):
-        entry = tune_op(op, arrays, static)
-        v = entry["fwd_faster"], entry["grad_faster"]
-    return (False, False) if v is None else v
-
-
-def tune_calls(fn, *args, force: bool = False, **tune_kwargs) -> dict:
-    """Tunes every convolution and pooling call ``fn(*args)`` makes with ``impl="auto"``.
-
-    ``fn`` is traced abstractly (``jax.eval_shape``; ``args`` may be
-    ``jax.ShapeDtypeStruct``), its op calls are collected in the form
-    :mod:`jaxcnn.functional` looks them up, and each one without a cached
-    verdict (every one with ``force``) is tuned with :func:`tune_op`.  Run it
-    once per device kind, e.g. on a model's training step::
-
-        autotune.tune_calls(lambda p, s, x: model.apply(p, s, x, train=True), params, state, x)
-
-    Returns:
-        ``{op key: cache entry}`` of the calls tuned now.
-    """
-    seen: list = []
-    _op_recorders.append(seen)
-    try:
-        jax.eval_shape(lambda *a: fn(*a), *args)  # a fresh function: never a cached trace
-    finally:
-        _op_recorders.remove(seen)
-    tuned: dict = {}
-    for op, arrays, static in seen:
-        key = op_key(op, arrays, static)
-        if key in tuned or not _supported(op, arrays, static):
-            continue
-        if force or verdict(op, arrays, static) is None:
-            tuned[key] = tune_op(op, arrays, static, **tune_kwargs)
-    return tuned
-
-
-def _supported(op: str, arrays, static: dict) -> bool:
+def supported(op: str, arrays, static: dict) -> bool:
     """Whether a kernel exists for this call (e.g. not for grouped, non-depthwise convs)."""
     import pallas_kernels
     abstract = [None if a is None else jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays]

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxcnn.functional import _args
+from jaxcnn import _geometry as geo
 from pallas_kernels import _common as cm
 from pallas_kernels import autotune
 from pallas_kernels.conv import conv_forward
@@ -23,7 +23,6 @@ from pallas_kernels.conv_grad import conv_dgrad, conv_wgrad
 from pallas_kernels.depthwise import depthwise_dgrad, depthwise_forward, depthwise_wgrad
 
 BACKWARDS = ("pallas", "xla")
-_DIMS = ("NHWC", "HWIO", "NHWC")
 
 
 def conv2d(x, w, b=None, *, stride=1, padding=0, dilation=1, groups=1, residual=None,
@@ -62,8 +61,8 @@ def conv2d(x, w, b=None, *, stride=1, padding=0, dilation=1, groups=1, residual=
     """
     op = "pallas_kernels.conv2d"
     x_shape, w_shape = tuple(jnp.shape(x)), tuple(jnp.shape(w))
-    _args.check_rank(op, "x", x_shape, 4, "(N, H, W, C)")
-    _args.check_rank(op, "w", w_shape, 4, "(KH, KW, C_in // groups, C_out)")
+    geo.check_rank(op, "x", x_shape, 4, "(N, H, W, C)")
+    geo.check_rank(op, "w", w_shape, 4, "(KH, KW, C_in // groups, C_out)")
     if x.dtype != w.dtype or x.dtype not in (jnp.float32, jnp.bfloat16):
         raise ValueError(f"{op}: x and w must share a dtype, float32 or bfloat16; got "
                          f"{x.dtype} and {w.dtype}")
@@ -80,13 +79,8 @@ def conv2d(x, w, b=None, *, stride=1, padding=0, dilation=1, groups=1, residual=
         raise NotImplementedError(
             f"{op}: only groups=1 and depthwise (groups == C_in == C_out) have kernels; got "
             f"groups={groups!r}, x shape {x_shape}, w shape {w_shape}")
-    stride = _args.pair(stride, "stride", op)
-    dilation = _args.pair(dilation, "dilation", op)
-    window = _args.dilated(w_shape[:2], dilation)
-    pads = _args.explicit_pads(_args.padding_spec(padding, op), x_shape[1:3], window, stride)
-    _args.check_window_fits(op, x_shape, window, pads, what="kernel")
-    out_hw = tuple((n + lo + hi - k) // s + 1
-                   for n, (lo, hi), k, s in zip(x_shape[1:3], pads, window, stride))
+    stride, dilation, pads, out_hw = geo.conv_geometry(op, x_shape, w_shape, stride, padding,
+                                                       dilation)
     for name, v, shape in (("b", b, (co,)), ("residual", residual, (x_shape[0], *out_hw, co)),
                            ("input_scale", input_scale, (c,)), ("input_shift", input_shift, (c,))):
         if v is not None and tuple(jnp.shape(v)) != shape:
@@ -139,7 +133,7 @@ def _conv_bwd(static, saved, dy):
         x_in = x if scale is None else _bn_relu(x, scale, shift).astype(x.dtype)
         conv = functools.partial(
             lax.conv_general_dilated, window_strides=(g.sh, g.sw), padding=pads,
-            rhs_dilation=(g.dh, g.dw), dimension_numbers=_DIMS,
+            rhs_dilation=(g.dh, g.dw), dimension_numbers=geo.DIMS,
             feature_group_count=1 if kind == "dense" else g.c)
         _, vjp = jax.vjp(conv, x_in, w)
         dx, dw = vjp(dy)

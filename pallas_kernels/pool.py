@@ -1,7 +1,7 @@
 """Max and average pooling kernels, forward and backward, with PyTorch semantics.
 
 Output sizes, ``ceil_mode`` overhang and the average divisor come from
-:mod:`jaxcnn.functional.pool` (imported, not re-derived), so both
+:mod:`jaxcnn._geometry`, as for :mod:`jaxcnn.functional`'s pooling, so both
 implementations agree by construction on the arithmetic.
 
 Each program owns ``(block_m pixels, block_n channels)`` and loops over the
@@ -18,12 +18,10 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jaxcnn.functional import _args
-from jaxcnn.functional import pool as fpool
+from jaxcnn import _geometry as geo
 from pallas_kernels import _common as cm
 from pallas_kernels import autotune
 from pallas_kernels._common import F32, BlockConfig, ConvGeometry
@@ -117,8 +115,8 @@ def _setup(op, x, kernel_size, stride, padding, dilation, ceil_mode, backward, c
            interpret):
     if backward not in BACKWARDS:
         raise ValueError(f"{op}: backward must be one of {BACKWARDS}, got {backward!r}")
-    kernel, stride, dilation, pads, run_pads, out_hw = fpool._pool_geometry(
-        op, x, kernel_size, stride, padding, dilation, ceil_mode)
+    kernel, stride, dilation, pads, run_pads, out_hw = geo.pool_geometry(
+        op, x.shape, kernel_size, stride, padding, dilation, ceil_mode)
     g = cm.geometry(tuple(x.shape), kernel, stride, dilation, run_pads, out_hw)
     interpret = cm.interpret_default(interpret)
     name = op.split(".")[-1]
@@ -127,7 +125,7 @@ def _setup(op, x, kernel_size, stride, padding, dilation, ceil_mode, backward, c
     else:
         cfgs = tuple(autotune.config_for(f"{name}_{part}", g, g.c, x.dtype, interpret)
                      for part in ("fwd", "bwd"))
-    return g, pads, cfgs, interpret
+    return g, (kernel, stride, dilation, pads, run_pads, out_hw), cfgs, interpret
 
 
 def max_pool2d(x, kernel_size, *, stride=None, padding=0, dilation=1, ceil_mode=False,
@@ -146,11 +144,11 @@ def max_pool2d(x, kernel_size, *, stride=None, padding=0, dilation=1, ceil_mode=
         ``(N, H_out, W_out, C)`` in ``x.dtype``; the gradient goes to the
         first maximum of each window (row-major order).
     """
-    g, _, cfgs, interpret = _setup("pallas_kernels.max_pool2d", x, kernel_size, stride,
-                                   padding, dilation, ceil_mode, backward, config, interpret)
-    xla = functools.partial(fpool.max_pool2d, kernel_size=kernel_size, stride=stride,
-                            padding=padding, dilation=dilation, ceil_mode=ceil_mode,
-                            impl="xla")
+    g, (kernel, stride, dilation, _, run_pads, out_hw), cfgs, interpret = _setup(
+        "pallas_kernels.max_pool2d", x, kernel_size, stride, padding, dilation, ceil_mode,
+        backward, config, interpret)
+    xla = functools.partial(geo.xla_max_pool, kernel=kernel, stride=stride, dilation=dilation,
+                            run_pads=run_pads, out_hw=out_hw)
     return _max_pool((g, cfgs, interpret, backward, xla), x)
 
 
@@ -166,7 +164,7 @@ def _max_pool_call(static, x, *, with_index: bool):
     again to a bfloat16 pool's memory traffic (a quarter with ``int8``).
     """
     g, (cfg, _), interpret, _, _ = static
-    kernel = functools.partial(_max_kernel, g=g, cfg=cfg, lowest=_args.lowest(x.dtype))
+    kernel = functools.partial(_max_kernel, g=g, cfg=cfg, lowest=geo.lowest(x.dtype))
     outs = [jax.ShapeDtypeStruct((g.m_out, g.c), x.dtype)]
     if with_index:
         outs.append(jax.ShapeDtypeStruct((g.m_out, g.c), index_dtype(g.taps)))
@@ -211,15 +209,13 @@ def avg_pool2d(x, kernel_size, *, stride=None, padding=0, ceil_mode=False,
         ``(N, H_out, W_out, C)`` in ``x.dtype`` (sums in float32).
     """
     op = "pallas_kernels.avg_pool2d"
-    g, pads, cfgs, interpret = _setup(op, x, kernel_size, stride, padding, 1, ceil_mode,
-                                      backward, config, interpret)
-    ch, cw = (fpool._window_counts(n, lo, hi, k, s, o, count_include_pad)
-              for n, (lo, hi), k, s, o in zip((g.h, g.w), pads, (g.kh, g.kw), (g.sh, g.sw),
-                                               (g.oh, g.ow)))
-    divisor = jnp.asarray(np.outer(ch, cw).reshape(-1), F32)
-    xla = functools.partial(fpool.avg_pool2d, kernel_size=kernel_size, stride=stride,
-                            padding=padding, ceil_mode=ceil_mode,
-                            count_include_pad=count_include_pad, impl="xla")
+    g, (kernel, stride, _, pads, run_pads, out_hw), cfgs, interpret = _setup(
+        op, x, kernel_size, stride, padding, 1, ceil_mode, backward, config, interpret)
+    divisor = jnp.asarray(geo.avg_divisor((g.h, g.w), pads, kernel, stride, out_hw,
+                                          count_include_pad).reshape(-1), F32)
+    xla = functools.partial(geo.xla_avg_pool, kernel=kernel, stride=stride, pads=pads,
+                            run_pads=run_pads, out_hw=out_hw,
+                            count_include_pad=count_include_pad)
     return _avg_pool((g, cfgs, interpret, backward, xla), x, divisor)
 
 

@@ -44,6 +44,7 @@ import jax.numpy as jnp
 
 import pallas_kernels as pk
 from jaxcnn import functional as F
+from jaxcnn.functional import tuning
 from jaxcnn.summary import peak_flops
 from pallas_kernels import autotune
 
@@ -187,8 +188,8 @@ def main(argv=None) -> int:
         kernel, xla = _fns(op, kw)
         try:
             if opts.tune and op != "bn_relu_conv2d" and (
-                    opts.retune or not autotune.tuned_here(op, args, kw)):
-                autotune.tune_op(op, args, kw)
+                    opts.retune or not tuning.tuned_here(op, args, kw)):
+                tuning.tune_op(op, args, kw)
             fns = [jax.jit(kernel), jax.jit(xla)]
             if not opts.no_grad:
                 fns += [_grad_of(kernel, len(args)), _grad_of(xla, len(args))]

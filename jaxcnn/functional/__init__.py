@@ -17,7 +17,7 @@ Typical use::
     from jaxcnn import functional as F
     y = F.relu(F.conv2d(x, w, b, padding=1))
 """
-from jaxcnn.functional._args import default_impl
+from jaxcnn.functional._dispatch import default_impl
 from jaxcnn.functional.activation import (
     elu, gelu, hardswish, leaky_relu, log_softmax, relu, relu6, sigmoid, silu, softmax, tanh)
 from jaxcnn.functional.conv import conv2d, conv_transpose2d

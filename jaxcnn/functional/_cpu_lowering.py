@@ -55,7 +55,7 @@ import numpy as np
 from jax import lax
 from jax.custom_derivatives import SymbolicZero
 
-_DIMS = ("NHWC", "HWIO", "NHWC")
+from jaxcnn import _geometry as geo
 
 # Convolutions smaller than this many multiply-adds (forward) keep XLA's lowering:
 # the difference is a fraction of a millisecond and the shape check costs a compile.
@@ -128,7 +128,7 @@ def ynnpack_takes_convolutions(xla_flags: str | None = None) -> bool:
 
 def _xla_conv(x, w, stride, pads, dilation):
     return lax.conv_general_dilated(x, w, window_strides=stride, padding=pads,
-                                    rhs_dilation=dilation, dimension_numbers=_DIMS)
+                                    rhs_dilation=dilation, dimension_numbers=geo.DIMS)
 
 
 def patches(x, kernel_hw, stride, pads, dilation):
@@ -146,10 +146,9 @@ def patches(x, kernel_hw, stride, pads, dilation):
         so ``patches @ w.reshape(KH * KW * C, C_out)`` is the convolution.
     """
     (kh, kw), (sh, sw), (dh, dw) = kernel_hw, stride, dilation
+    oh, ow = geo.output_hw(x.shape[1:3], pads, geo.dilated(kernel_hw, dilation), stride)
     xp = jnp.pad(x, ((0, 0), *pads, (0, 0)))
-    n, h, wd, c = xp.shape
-    oh = (h - dh * (kh - 1) - 1) // sh + 1
-    ow = (wd - dw * (kw - 1) - 1) // sw + 1
+    n, _, _, c = xp.shape
     taps = [lax.slice(xp, (0, a * dh, b * dw, 0),
                       (n, a * dh + (oh - 1) * sh + 1, b * dw + (ow - 1) * sw + 1, c),
                       (1, sh, sw, 1))
@@ -238,14 +237,14 @@ def xla_wgrad_uses_ynnpack(x_shape, w_shape, dtype, stride, pads, dilation) -> b
     if not ynnpack_takes_convolutions():
         return False
     (n, h, wd, _), (kh, kw, _, o) = x_shape, w_shape
-    (sh, sw), (dh, dw) = stride, dilation
-    oh = (h + sum(pads[0]) - dh * (kh - 1) - 1) // sh + 1
-    ow = (wd + sum(pads[1]) - dw * (kw - 1) - 1) // sw + 1
+    oh, ow = geo.output_hw((h, wd), pads, geo.dilated((kh, kw), dilation), stride)
     return max(n, o) > 16 and kh <= h and kw <= wd and oh <= h and ow <= wd
 
 
-def conv2d(x, w, *, stride, pads, dilation, groups):
-    """``conv2d`` without bias for ``impl="auto"`` on the CPU, or None for plain XLA.
+def conv2d_rewrite(x, w, *, stride, pads, dilation, groups):
+    """The CPU form of ``conv2d`` without bias for this call, or None for plain XLA.
+
+    :mod:`jaxcnn.functional._dispatch` asks this on a CPU only, for ``impl="auto"``.
 
     Arguments:
         x: input ``(N, H, W, C_in)``; w: kernel ``(KH, KW, C_in // groups, C_out)``.
@@ -254,11 +253,11 @@ def conv2d(x, w, *, stride, pads, dilation, groups):
         groups: feature groups.
 
     Returns:
-        ``(N, OH, OW, C_out)``, or None when this shape keeps XLA's lowering
-        (not on a CPU, grouped, non-float, small, negative pads, or a weight
+        A function ``(x, w) -> (N, OH, OW, C_out)``, or None when this shape keeps
+        XLA's lowering (grouped, non-float, small, negative pads, or a weight
         gradient XLA does not give to YNNPACK).
     """
-    if jax.default_backend() != "cpu" or groups != 1:
+    if groups != 1:
         return None
     if not all(isinstance(d, int) for d in (*x.shape, *w.shape)):
         return None  # symbolic dimensions (jax.export with a dynamic batch) keep XLA's lowering
@@ -268,77 +267,19 @@ def conv2d(x, w, *, stride, pads, dilation, groups):
     if any(p < 0 for pair in pads for p in pair):
         return None
     kh, kw, c, o = w.shape
-    n, h, wd, _ = x.shape
-    (sh, sw), (dh, dw) = stride, dilation
-    oh = (h + sum(pads[0]) - dh * (kh - 1) - 1) // sh + 1
-    ow = (wd + sum(pads[1]) - dw * (kw - 1) - 1) // sw + 1
+    n = x.shape[0]
+    oh, ow = geo.output_hw(x.shape[1:3], pads, geo.dilated((kh, kw), dilation), stride)
     if n * oh * ow * kh * kw * c * o < MIN_MACS:
         return None
     if not xla_wgrad_uses_ynnpack(tuple(x.shape), tuple(w.shape), np.dtype(x.dtype),
                                   stride, pads, dilation):
-        return _conv_stored_input(x, w, stride, pads, dilation)
-    return _conv_patch_wgrad(x, w, stride, pads, dilation)
+        conv = _conv_stored_input
+    else:
+        conv = _conv_patch_wgrad
+    return lambda x, w: conv(x, w, stride, pads, dilation)
 
 
-# Per-channel reductions over (N, H, W) with few channels are XLA:CPU's slow case: it
-# reduces the major axes of an (N*H*W, C) array with C lanes (6.5 ms for 128x32x32x64
-# float32, against 1.1-2.2 ms once rows are folded into the minor axis).  BatchNorm's
-# statistics and every bias/scale gradient are such reductions.
-WIDE_LANES = 1024
-
-
-def _fold(shape) -> int:
-    """How many rows of ``shape``'s ``(rows, C)`` view to fold into the minor axis, or 0
-    for XLA's own form (not on a CPU, symbolic dimensions, or nothing to gain)."""
-    if jax.default_backend() != "cpu" or len(shape) < 2:
-        return 0
-    if not all(isinstance(d, int) for d in shape):
-        return 0
-    c, rows = shape[-1], int(np.prod(shape[:-1]))
-    if rows < 2 or c == 0 or 2 * c > WIDE_LANES:
-        return 0
-    g = max(g for g in range(1, WIDE_LANES // c + 1) if rows % g == 0)
-    return g if g > 1 else 0
-
-
-def channel_sum(x):
-    """Sum over every axis but the last: ``(..., C) -> (C,)``, in ``x``'s dtype.
-
-    On the CPU the ``(rows, C)`` view is folded to ``(rows / g, g * C)`` with about
-    :data:`WIDE_LANES` lanes, reduced over rows, then over the ``g`` groups.
-    """
-    shape = tuple(jnp.shape(x))
-    g = _fold(shape)
-    if not g:
-        return jnp.sum(x, axis=tuple(range(len(shape) - 1)))
-    c = shape[-1]
-    return jnp.sum(jnp.sum(x.reshape(-1, g * c), axis=0).reshape(g, c), axis=0)
-
-
-def channel_mean(x):
-    """Mean over every axis but the last: ``(..., C) -> (C,)`` (:func:`channel_sum`'s form)."""
-    shape = tuple(jnp.shape(x))
-    if not _fold(shape):
-        return jnp.mean(x, axis=tuple(range(len(shape) - 1)))
-    return channel_sum(x) / int(np.prod(shape[:-1]))
-
-
-def channel_broadcast(v, shape):
-    """``v`` of shape ``(C,)`` broadcast to ``shape = (..., C)``.
-
-    Written so that its transpose (the gradient of ``v``) is :func:`channel_sum`'s
-    fast form: ``x + channel_broadcast(b, x.shape)`` gives ``b`` the folded reduction.
-    """
-    shape = tuple(shape)
-    g = _fold(shape)
-    if not g:
-        return jnp.broadcast_to(v, shape)
-    c = shape[-1]
-    row = jnp.broadcast_to(v, (g, c)).reshape(g * c)
-    return jnp.broadcast_to(row, (int(np.prod(shape[:-1])) // g, g * c)).reshape(shape)
-
-
-def max_pool2d(x, kernel, stride, dilation, run_pads, out_hw):
+def max_pool2d_rewrite(x, kernel, stride, dilation, run_pads, out_hw):
     """Non-overlapping max pooling as a reshape, for ``impl="auto"`` on the CPU.
 
     XLA:CPU's ``reduce_window`` backward (select-and-scatter) took 237 ms of
@@ -356,15 +297,16 @@ def max_pool2d(x, kernel, stride, dilation, run_pads, out_hw):
         run_pads: the pads ``max_pool2d`` would run with; out_hw: ``(OH, OW)``.
 
     Returns:
-        ``(N, OH, OW, C)``, or None when this pooling keeps XLA's lowering.
+        A function ``x -> (N, OH, OW, C)``, or None when this pooling keeps XLA's
+        lowering (asked on a CPU only, by :mod:`jaxcnn.functional._dispatch`).
     """
-    if jax.default_backend() != "cpu" or not jnp.issubdtype(x.dtype, jnp.floating):
+    if not jnp.issubdtype(x.dtype, jnp.floating):
         return None
     if (tuple(stride) != tuple(kernel) or tuple(dilation) != (1, 1)
             or any(p for pair in run_pads for p in pair)):
         return None
-    (kh, kw), (oh, ow) = kernel, out_hw
-    return _tiled_max_pool(x[:, :oh * kh, :ow * kw], (int(kh), int(kw)))
+    (kh, kw), (oh, ow) = (int(k) for k in kernel), out_hw
+    return lambda x: _tiled_max_pool(x[:, :oh * kh, :ow * kw], (kh, kw))
 
 
 def _windows(x, kernel):

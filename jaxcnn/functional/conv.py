@@ -4,9 +4,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
-from jaxcnn.functional import _args, _cpu_lowering
-
-_DIMS = ("NHWC", "HWIO", "NHWC")
+from jaxcnn import _geometry as geo
+from jaxcnn.functional import _channels, _dispatch
 
 
 def _check_bias(op: str, b, channels: int, w_shape) -> None:
@@ -47,11 +46,9 @@ def conv2d(x, w, b=None, *, stride=1, padding=0, dilation=1, groups=1, impl="aut
     """
     op = "conv2d"
     x_shape, w_shape = tuple(jnp.shape(x)), tuple(jnp.shape(w))
-    _args.check_rank(op, "x", x_shape, 4, "(N, H, W, C)")
-    _args.check_rank(op, "w", w_shape, 4, "(KH, KW, C_in // groups, C_out)")
-    stride = _args.pair(stride, "stride", op)
-    dilation = _args.pair(dilation, "dilation", op)
-    if not _args.is_int(groups) or groups < 1:
+    geo.check_rank(op, "x", x_shape, 4, "(N, H, W, C)")
+    geo.check_rank(op, "w", w_shape, 4, "(KH, KW, C_in // groups, C_out)")
+    if not geo.is_int(groups) or groups < 1:
         raise ValueError(f"{op}: groups must be a positive int, got {groups!r}")
     c_in, c_out = x_shape[3], w_shape[3]
     if c_in % groups or c_out % groups:
@@ -64,23 +61,16 @@ def conv2d(x, w, b=None, *, stride=1, padding=0, dilation=1, groups=1, impl="aut
             f"{w_shape[2]} * groups={groups} = {w_shape[2] * groups} "
             f"(x shape {x_shape}, w shape {w_shape})")
     _check_bias(op, b, c_out, w_shape)
-    window = _args.dilated(w_shape[:2], dilation)
-    pads = _args.explicit_pads(_args.padding_spec(padding, op), x_shape[1:3], window, stride)
-    _args.check_window_fits(op, x_shape, window, pads, what="kernel")
-    kernel = _args.pallas_op(op, impl, (x, w, b), dict(
+    stride, dilation, pads, _ = geo.conv_geometry(op, x_shape, w_shape, stride, padding,
+                                                  dilation)
+    run = _dispatch.choose(op, impl, (x, w, b), dict(
         stride=stride, padding=pads, dilation=dilation, groups=groups))
-    if kernel is not None:
-        return kernel(x, w, b)
-
-    y = None
-    if impl == "auto":
-        y = _cpu_lowering.conv2d(x, w, stride=stride, pads=pads, dilation=dilation,
-                                 groups=groups)
-    if y is None:
-        y = lax.conv_general_dilated(
-            x, w, window_strides=stride, padding=pads, rhs_dilation=dilation,
-            dimension_numbers=_DIMS, feature_group_count=groups)
-    return y if b is None else y + _cpu_lowering.channel_broadcast(b, y.shape)
+    if run is not None:
+        return run(x, w, b)
+    y = lax.conv_general_dilated(
+        x, w, window_strides=stride, padding=pads, rhs_dilation=dilation,
+        dimension_numbers=geo.DIMS, feature_group_count=groups)
+    return _channels.add_bias(y, b)
 
 
 def conv_transpose2d(x, w, b=None, *, stride=1, padding=0, output_padding=0, dilation=1,
@@ -115,13 +105,13 @@ def conv_transpose2d(x, w, b=None, *, stride=1, padding=0, output_padding=0, dil
     """
     op = "conv_transpose2d"
     x_shape, w_shape = tuple(jnp.shape(x)), tuple(jnp.shape(w))
-    _args.check_rank(op, "x", x_shape, 4, "(N, H, W, C)")
-    _args.check_rank(op, "w", w_shape, 4, "(KH, KW, C_in, C_out // groups)")
-    stride = _args.pair(stride, "stride", op)
-    dilation = _args.pair(dilation, "dilation", op)
-    output_padding = _args.pair(output_padding, "output_padding", op, minimum=0)
-    pads = _args.padding_spec(padding, op, allow_strings=False)
-    if not _args.is_int(groups) or groups < 1:
+    geo.check_rank(op, "x", x_shape, 4, "(N, H, W, C)")
+    geo.check_rank(op, "w", w_shape, 4, "(KH, KW, C_in, C_out // groups)")
+    stride = geo.pair(stride, "stride", op)
+    dilation = geo.pair(dilation, "dilation", op)
+    output_padding = geo.pair(output_padding, "output_padding", op, minimum=0)
+    pads = geo.padding_spec(padding, op, allow_strings=False)
+    if not geo.is_int(groups) or groups < 1:
         raise ValueError(f"{op}: groups must be a positive int, got {groups!r}")
     c_in = x_shape[3]
     if w_shape[2] != c_in:
@@ -139,7 +129,7 @@ def conv_transpose2d(x, w, b=None, *, stride=1, padding=0, output_padding=0, dil
             raise ValueError(
                 f"{op}: output_padding {output_padding} must be smaller than stride {stride} "
                 f"or dilation {dilation} on each axis")
-    window = _args.dilated(w_shape[:2], dilation)
+    window = geo.dilated(w_shape[:2], dilation)
     out_hw = tuple((n - 1) * s - lo - hi + k + o for n, s, (lo, hi), k, o
                    in zip(x_shape[1:3], stride, pads, window, output_padding))
     if min(out_hw) < 1:
@@ -160,5 +150,5 @@ def conv_transpose2d(x, w, b=None, *, stride=1, padding=0, output_padding=0, dil
                       for k, (lo, hi), o in zip(window, pads, output_padding))
     y = lax.conv_general_dilated(
         x, wf, window_strides=(1, 1), padding=conv_pads, lhs_dilation=stride,
-        rhs_dilation=dilation, dimension_numbers=_DIMS, feature_group_count=groups)
-    return y if b is None else y + _cpu_lowering.channel_broadcast(b, y.shape)
+        rhs_dilation=dilation, dimension_numbers=geo.DIMS, feature_group_count=groups)
+    return _channels.add_bias(y, b)

@@ -13,8 +13,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxcnn.functional import _args
-from jaxcnn.functional._cpu_lowering import channel_broadcast, channel_mean
+from jaxcnn import _geometry as geo
+from jaxcnn.functional import _dispatch
+from jaxcnn.functional._channels import channel_broadcast, channel_mean
 
 #: The ways :func:`batch_norm_train` can be differentiated (``grad=``).
 BATCH_NORM_GRADS = ("autodiff", "closed_form")
@@ -91,7 +92,7 @@ def default_batch_norm_grad(grad: str):
     so trace a fresh function object (as ``scripts/bench_train.py`` does) to compare.
     """
     _check_bn_grad("default_batch_norm_grad", grad)
-    with _args.scoped_default("batch_norm_grad", grad):
+    with _dispatch.scoped_default("batch_norm_grad", grad):
         yield
 
 
@@ -151,7 +152,7 @@ def batch_norm_train(x, scale=None, bias=None, *, eps=1e-5, axis_name=None, grad
     for name, v in (("scale", scale), ("bias", bias)):
         _check_channel_vector(op, name, v, x_shape[-1], x_shape)
     if _check_bn_grad(op, grad) == "auto":
-        grad = _args.scoped("batch_norm_grad")
+        grad = _dispatch.scoped("batch_norm_grad")
     xa = x.astype(_acc_dtype(x))
     if grad == "closed_form":
         mean, var = _moments(xa)
@@ -265,7 +266,7 @@ def group_norm(x, num_groups, scale=None, bias=None, *, eps=1e-5):
     if len(x_shape) < 2:
         raise ValueError(f"{op}: x must have rank >= 2 (N, ..., C), got shape {x_shape}")
     c = x_shape[-1]
-    if not _args.is_int(num_groups) or num_groups < 1 or c % num_groups:
+    if not geo.is_int(num_groups) or num_groups < 1 or c % num_groups:
         raise ValueError(
             f"{op}: num_groups={num_groups!r} must be a positive int dividing the "
             f"{c} channels of x shape {x_shape}")

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import pallas_kernels as pk
-from jaxcnn import functional as F
+from jaxcnn.functional import tuning
 from pallas_kernels import autotune
 from pallas_kernels._common import geometry
 
@@ -59,45 +59,6 @@ def test_config_for_uses_cache_then_default(cache):
         assert autotune.config_for("dense_fwd", g, 8, jnp.float32, True) == default
 
 
-def test_tune_op_keeps_the_fastest_and_records_the_verdict(cache):
-    """A fake clock makes each block_m=32 and the Pallas op faster; every candidate still runs."""
-    x = jnp.asarray(np.random.default_rng(0).standard_normal((1, 6, 6, 4)), jnp.float32)
-    static = dict(kernel_size=2)
-    ran = []
-
-    def timer(fn, *args):
-        jax.block_until_ready(fn(*args))
-        ran.append(1)
-        # Candidates come compiled ahead of timing; the final race times jitted functions.
-        is_pallas = isinstance(fn, jax.stages.Compiled) or "pallas_call" in str(
-            jax.make_jaxpr(fn)(*args))
-        fast = sum(c.block_m == 32 for c in autotune._overrides.values())
-        return (0.5 if is_pallas else 1.0) / (1 + fast)
-
-    def two_candidates(kernel, g, co):
-        return [pk.BlockConfig(64, 16), pk.BlockConfig(32, 16)]
-
-    assert not autotune.tuned_here("avg_pool2d", (x,), static)
-    entry = autotune.tune_op("avg_pool2d", (x,), static, timer=timer,
-                             candidate_fn=two_candidates)
-    assert entry["pallas_faster"] and len(ran) == 2 * 2 + 4
-    # What bench_kernels --tune skips when resumed: this call, in any form, and no other.
-    assert autotune.tuned_here("avg_pool2d", (x,), dict(kernel_size=(2, 2), stride=2))
-    assert not autotune.tuned_here("avg_pool2d", (x,), dict(kernel_size=3))
-    saved = autotune.load_cache()[autotune.device_kind()]
-    assert {c["block_m"] for c in saved["kernels"].values()} == {32}
-    assert len(saved["kernels"]) == 2  # forward and backward kernels
-    assert autotune.measured_faster("avg_pool2d", (x,), static)
-    # Keyed as jaxcnn.functional looks it up: normalised pairs and explicit padding.
-    arrays, canon = autotune.canonical_call("avg_pool2d", (x,), static)
-    assert canon["kernel_size"] == (2, 2) and canon["stride"] == (2, 2)
-    assert autotune.verdict("avg_pool2d", arrays, canon) == (True, True)
-    assert autotune.verdict("avg_pool2d", (x,), static) is None  # the raw form is not a key
-    on_gpu = jax.default_backend() == "gpu"  # never on CPU; on a GPU, the verdict
-    assert autotune.prefers_pallas("avg_pool2d", (x,), canon) == (on_gpu, on_gpu)
-    assert ("pallas_call" in str(jax.make_jaxpr(lambda x: F.avg_pool2d(x, 2))(x))) == on_gpu
-
-
 @pytest.mark.skipif(jax.default_backend() == "gpu",
                     reason="reads the interpreter's block slices from the compiled HLO")
 def test_candidates_compile_on_threads_and_each_is_timed_as_its_own_config(cache,
@@ -131,8 +92,8 @@ def test_candidates_compile_on_threads_and_each_is_timed_as_its_own_config(cache
         timed.append(bm)
         return 1.0 / bm  # the largest block is the fastest
 
-    autotune.tune_op("avg_pool2d", (x,), dict(kernel_size=2), timer=timer,
-                     candidate_fn=lambda kernel, g, co: [pk.BlockConfig(bm, 16) for bm in sizes])
+    tuning.tune_op("avg_pool2d", (x,), dict(kernel_size=2), timer=timer,
+                   candidate_fn=lambda kernel, g, co: [pk.BlockConfig(bm, 16) for bm in sizes])
     assert timed == list(sizes) * 2  # the backward kernel's candidates, then the forward's
     assert len(threads) > 1
     saved = autotune.load_cache()[autotune.device_kind()]["kernels"]
@@ -148,90 +109,6 @@ def test_compile_threads_setting(monkeypatch):
         monkeypatch.setenv("JAXCNN_AUTOTUNE_COMPILE_THREADS", bad)
         with pytest.raises(ValueError, match=f"JAXCNN_AUTOTUNE_COMPILE_THREADS .* got '{bad}'"):
             autotune.compile_threads()
-
-
-def test_canonical_call_matches_what_conv2d_asks():
-    x, w = jnp.zeros((2, 9, 9, 4), jnp.bfloat16), jnp.zeros((3, 3, 4, 8), jnp.bfloat16)
-    arrays, static = autotune.canonical_call("conv2d", (x, w), dict(padding=1, stride=2))
-    assert [None if a is None else a.shape for a in arrays] == [x.shape, w.shape, None]
-    assert static == dict(stride=(2, 2), padding=((1, 1), (1, 1)), dilation=(1, 1), groups=1)
-
-
-@pytest.mark.parametrize("forward, training", [(True, False), (False, True)])
-def test_auto_splits_forward_and_training_choices(monkeypatch, forward, training):
-    """Where the kernel wins only alone or only with its backward, auto runs it only there;
-    values and gradients equal XLA's either way."""
-    monkeypatch.setattr(autotune, "prefers_pallas", lambda *a: (forward, training))
-    rng = np.random.default_rng(3)
-    x = jnp.asarray(np.maximum(np.round(rng.standard_normal((2, 7, 7, 3)) * 2), 0), jnp.float32)
-    kw = dict(kernel_size=3, stride=2, padding=1)
-
-    def pool(x, impl):
-        return F.max_pool2d(x, **kw, impl=impl)
-
-    def has_kernel(fn, *a):
-        return "pallas_call" in str(jax.make_jaxpr(fn)(*a))
-
-    def loss(impl):
-        return lambda x: jnp.sum(pool(x, impl) * jnp.arange(3.0))
-
-    assert has_kernel(lambda x: pool(x, "auto"), x) == forward
-    np.testing.assert_array_equal(jax.jit(lambda x: pool(x, "auto"))(x), pool(x, "xla"))
-    grad = jax.jit(jax.grad(loss("auto")))(x)
-    np.testing.assert_array_equal(grad, jax.grad(loss("xla"))(x))
-    assert has_kernel(jax.grad(loss("auto")), x) == training
-
-
-H100 = "NVIDIA H100 80GB HBM3"
-
-
-def test_shipped_table_below_the_user_cache(cache, monkeypatch):
-    """The shipped H100 measurements answer for ResNet-50's 3x3/2 max-pool (slower alone,
-    faster with its backward) until the user's own cache says otherwise."""
-    monkeypatch.setattr(autotune, "device_kind", lambda: H100)
-    x = jax.ShapeDtypeStruct((256, 112, 112, 64), jnp.bfloat16)
-    arrays, static = autotune.canonical_call("max_pool2d", (x,), dict(
-        kernel_size=3, stride=2, padding=1))
-    assert autotune.verdict("max_pool2d", arrays, static) == (False, True)
-    assert not autotune.tuned_here("max_pool2d", arrays, static)  # shipped, not tuned here
-    w = jax.ShapeDtypeStruct((3, 3, 64, 64), jnp.bfloat16)
-    conv = autotune.canonical_call("conv2d", (jax.ShapeDtypeStruct((256, 56, 56, 64),
-                                                                    jnp.bfloat16), w), dict(padding=1))
-    assert autotune.verdict("conv2d", *conv) == (False, False)
-    key = autotune.op_key("max_pool2d", arrays, static)
-    autotune.save_cache({H100: {"kernels": {}, "ops": {key: {"pallas_faster": True}}}})
-    assert autotune.verdict("max_pool2d", arrays, static) == (True, True)
-    monkeypatch.setattr(autotune, "device_kind", lambda: "some other GPU")
-    assert autotune.verdict("max_pool2d", arrays, static) is None
-
-
-def test_tune_calls_tunes_each_untuned_call_once(cache):
-    """Every pooling call a function makes is found in its canonical form and tuned once."""
-    def net(x):
-        return F.avg_pool2d(F.max_pool2d(x, 2), 3, stride=1, padding=1) + F.avg_pool2d(
-            F.max_pool2d(x, 2), 3, stride=1, padding=1)
-
-    timed = []
-
-    def timer(fn, *args):
-        timed.append(1)
-        return 1.0
-
-    def one_candidate(kernel, g, co):
-        return [pk.BlockConfig(32, 16)]
-
-    x = jax.ShapeDtypeStruct((1, 8, 8, 3), jnp.float32)
-    tuned = autotune.tune_calls(net, x, timer=timer, candidate_fn=one_candidate)
-    assert sorted(k.split("|")[0] for k in tuned) == ["avg_pool2d", "max_pool2d"]
-    y = jax.ShapeDtypeStruct((1, 4, 4, 3), jnp.float32)
-    assert all(autotune.verdict(op, *autotune.canonical_call(op, (a,), kw)) is not None
-               for op, a, kw in [("max_pool2d", x, dict(kernel_size=2)),
-                                 ("avg_pool2d", y, dict(kernel_size=3, stride=1, padding=1))])
-    first = len(timed)
-    assert autotune.tune_calls(net, x, timer=timer, candidate_fn=one_candidate) == {}
-    assert len(timed) == first  # nothing tuned twice
-    assert len(autotune.tune_calls(net, x, timer=timer, candidate_fn=one_candidate,
-                                   force=True)) == 2
 
 
 def test_tuner_skips_configs_that_overflow_shared_memory(cache, monkeypatch):
@@ -251,7 +128,24 @@ def test_tuner_skips_configs_that_overflow_shared_memory(cache, monkeypatch):
         timed.append(dict(autotune._overrides))
         return 1.0
 
-    autotune.tune_op("conv2d", (x, w, None), dict(padding=1), timer=timer,
-                     candidate_fn=lambda kernel, g, co: [small, big])
+    tuning.tune_op("conv2d", (x, w, None), dict(padding=1), timer=timer,
+                   candidate_fn=lambda kernel, g, co: [small, big])
     tuned = [c for overrides in timed[:-4] for c in overrides.values()]  # last 4: the race
     assert small in tuned and big not in tuned
+
+
+def test_kernels_import_nothing_above_them():
+    """pallas_kernels sits below jaxcnn.functional (DESIGN.md section 1): no module of it
+    imports jaxcnn.functional or jaxcnn.layers, at module level or inside a function."""
+    import ast
+    import pathlib
+    root = pathlib.Path(pk.__file__).parent
+    bad = []
+    for path in sorted(root.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [f"{node.module}.{a.name}" for a in node.names]
+                     if isinstance(node, ast.ImportFrom) and node.module else [])
+            bad += [f"{path.name}: {n}" for n in names
+                    if n.startswith(("jaxcnn.functional", "jaxcnn.layers"))]
+    assert bad == []

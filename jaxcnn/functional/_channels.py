@@ -1,0 +1,74 @@
+"""Per-channel reductions and broadcasts over NHWC (``(..., C)``) arrays.
+
+BatchNorm's statistics, every bias and scale gradient, and the bias add of
+the convolutions go through these three functions.  Off the CPU, and where
+nothing is gained, they are ``jnp.sum``/``jnp.mean``/``jnp.broadcast_to``.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# Per-channel reductions over (N, H, W) with few channels are XLA:CPU's slow case: it
+# reduces the major axes of an (N*H*W, C) array with C lanes (6.5 ms for 128x32x32x64
+# float32, against 1.1-2.2 ms once rows are folded into the minor axis).  BatchNorm's
+# statistics and every bias/scale gradient are such reductions.
+WIDE_LANES = 1024
+
+
+def _fold(shape) -> int:
+    """How many rows of ``shape``'s ``(rows, C)`` view to fold into the minor axis, or 0
+    for XLA's own form (not on a CPU, symbolic dimensions, or nothing to gain)."""
+    if jax.default_backend() != "cpu" or len(shape) < 2:
+        return 0
+    if not all(isinstance(d, int) for d in shape):
+        return 0
+    c, rows = shape[-1], int(np.prod(shape[:-1]))
+    if rows < 2 or c == 0 or 2 * c > WIDE_LANES:
+        return 0
+    g = max(g for g in range(1, WIDE_LANES // c + 1) if rows % g == 0)
+    return g if g > 1 else 0
+
+
+def channel_sum(x):
+    """Sum over every axis but the last: ``(..., C) -> (C,)``, in ``x``'s dtype.
+
+    On the CPU the ``(rows, C)`` view is folded to ``(rows / g, g * C)`` with about
+    :data:`WIDE_LANES` lanes, reduced over rows, then over the ``g`` groups.
+    """
+    shape = tuple(jnp.shape(x))
+    g = _fold(shape)
+    if not g:
+        return jnp.sum(x, axis=tuple(range(len(shape) - 1)))
+    c = shape[-1]
+    return jnp.sum(jnp.sum(x.reshape(-1, g * c), axis=0).reshape(g, c), axis=0)
+
+
+def channel_mean(x):
+    """Mean over every axis but the last: ``(..., C) -> (C,)`` (:func:`channel_sum`'s form)."""
+    shape = tuple(jnp.shape(x))
+    if not _fold(shape):
+        return jnp.mean(x, axis=tuple(range(len(shape) - 1)))
+    return channel_sum(x) / int(np.prod(shape[:-1]))
+
+
+def channel_broadcast(v, shape):
+    """``v`` of shape ``(C,)`` broadcast to ``shape = (..., C)``.
+
+    Written so that its transpose (the gradient of ``v``) is :func:`channel_sum`'s
+    fast form: ``x + channel_broadcast(b, x.shape)`` gives ``b`` the folded reduction.
+    """
+    shape = tuple(shape)
+    g = _fold(shape)
+    if not g:
+        return jnp.broadcast_to(v, shape)
+    c = shape[-1]
+    row = jnp.broadcast_to(v, (g, c)).reshape(g * c)
+    return jnp.broadcast_to(row, (int(np.prod(shape[:-1])) // g, g * c)).reshape(shape)
+
+
+def add_bias(y, b):
+    """``y + b`` for a per-channel bias ``b`` of shape ``(C,)`` (or ``y`` if ``b`` is None),
+    broadcast by :func:`channel_broadcast` so that ``b``'s gradient is the folded sum."""
+    return y if b is None else y + channel_broadcast(b, y.shape)

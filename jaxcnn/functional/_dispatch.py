@@ -1,0 +1,171 @@
+"""Which implementation runs an op call: XLA, a CPU rewrite or a Pallas kernel.
+
+:func:`choose` is the one place that decides, and it only looks things up:
+the ``impl`` argument and the :func:`default_impl` scope, the platform, and on
+a GPU the tuned verdicts (:func:`pallas_kernels.autotune.verdict`, the
+user's cache over the shipped table, keyed by device kind).  It never times
+or compiles anything, so it is safe inside any trace; tuning runs only when
+asked (:mod:`jaxcnn.functional.tuning`, ``scripts/bench_kernels.py --tune``).
+:mod:`pallas_kernels` is imported only where a kernel can run: on a GPU, or
+for ``impl="pallas"``.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+
+import jax
+
+from jaxcnn import _geometry as geo
+from jaxcnn.functional import _channels, _cpu_lowering
+
+IMPLS = ("auto", "xla", "pallas")
+
+_scope = threading.local()
+_recorders: list = []
+
+
+def check_impl(op: str, impl: str) -> str:
+    """Returns ``impl`` after checking it is one of :data:`IMPLS`."""
+    if impl not in IMPLS:
+        raise ValueError(f"{op}: impl must be one of {IMPLS}, got {impl!r}")
+    return impl
+
+
+@contextlib.contextmanager
+def scoped_default(name: str, value: str):
+    """Within the block, :func:`scoped` ``(name)`` is ``value`` (per thread, nestable)."""
+    saved = scoped(name)
+    setattr(_scope, name, value)
+    try:
+        yield
+    finally:
+        setattr(_scope, name, saved)
+
+
+def scoped(name: str) -> str:
+    """The innermost :func:`scoped_default` value of ``name`` in this thread, or ``"auto"``."""
+    return getattr(_scope, name, "auto")
+
+
+@contextlib.contextmanager
+def default_impl(impl: str):
+    """Within the block (at trace time), ops called with ``impl="auto"`` use ``impl``.
+
+    Lets a whole model, whose layers call the ops with the default ``"auto"``,
+    be traced with ``"xla"`` or ``"pallas"`` kernels, e.g. to compare the two::
+
+        with F.default_impl("xla"):
+            step = jax.jit(train_step).lower(state, batch).compile()
+
+    An explicit ``impl="xla"`` or ``"pallas"`` in a call is left as given.  On
+    the CPU, ``"xla"`` here also keeps the CPU lowerings of ``"auto"``.  A function
+    JAX has already traced with the same argument shapes outside the block keeps its
+    cached trace: trace a fresh function object to compare.
+    """
+    check_impl("default_impl", impl)
+    with scoped_default("impl", impl):
+        yield
+
+
+@contextlib.contextmanager
+def recording():
+    """Within the block, every call that :func:`choose` would look up in the tuned
+    table is appended to the yielded list as ``(op, arrays, static)``, in the form
+    the lookup uses (how :mod:`jaxcnn.functional.tuning` learns a function's calls)."""
+    seen: list = []
+    _recorders.append(seen)
+    try:
+        yield seen
+    finally:
+        _recorders.remove(seen)
+
+
+def choose(op: str, impl: str, arrays, static: dict):
+    """The function that runs this call of ``op``, or None for XLA's plain lowering.
+
+    Arguments:
+        op: ``"conv2d"``, ``"max_pool2d"`` or ``"avg_pool2d"``.
+        impl: the call's ``impl`` argument.
+        arrays: the op's array arguments (``(x, w, b)`` or ``(x,)``).
+        static: its validated keyword arguments, one form per call (the cache key).
+
+    Returns:
+        A function of ``arrays``: the Pallas kernel (for ``"pallas"``, or
+        ``"auto"`` on a GPU where the tuned verdict says it is faster, split
+        between inference and training when only one of them wins), the CPU
+        rewrite (``"auto"`` on a CPU, for the shapes :mod:`._cpu_lowering`
+        covers), or None.
+    """
+    resolved = scoped("impl") if check_impl(op, impl) == "auto" else impl
+    if resolved == "pallas":
+        return _kernel(op, static)
+    if impl != "auto":
+        return None
+    if resolved == "auto":
+        for seen in _recorders:
+            seen.append((op, tuple(arrays), dict(static)))
+        if not _recorders and _platform() == "gpu":
+            kernel = _tuned_kernel(op, arrays, static)
+            if kernel is not None:
+                return kernel
+    if _platform() == "cpu":
+        return _cpu_rewrite(op, arrays, static)
+    return None
+
+
+def _platform() -> str:
+    return jax.default_backend()
+
+
+def _kernel(op: str, static: dict):
+    import pallas_kernels  # only here: where a kernel runs
+    return functools.partial(getattr(pallas_kernels, op), **static)
+
+
+def _tuned_kernel(op: str, arrays, static: dict):
+    """The kernel where the tuned verdict for this call on this device kind prefers it."""
+    from pallas_kernels import autotune
+    verdict = autotune.verdict(op, arrays, static)
+    if verdict is None or verdict == (False, False):
+        return None
+    forward, training = verdict
+    kernel = _kernel(op, static)
+    if forward and training:
+        return kernel
+    from jaxcnn import functional  # the XLA form of the same call
+    xla = functools.partial(getattr(functional, op), **static, impl="xla")
+    return _split_by_use(kernel if forward else xla, xla if forward else kernel)
+
+
+def _split_by_use(primal, trained):
+    """Runs ``primal`` where the op is not differentiated, and ``trained`` with its own
+    backward where it is (each chosen where the tuner measured it faster)."""
+    @jax.custom_vjp
+    def run(*arrays):
+        return primal(*arrays)
+
+    def run_fwd(*arrays):
+        return jax.vjp(trained, *arrays)  # the VJP closure is a pytree of residuals
+
+    def run_bwd(vjp, ct):
+        return vjp(ct)
+
+    run.defvjp(run_fwd, run_bwd)
+    return run
+
+
+def _cpu_rewrite(op: str, arrays, static: dict):
+    if op == "conv2d":
+        x, w, _ = arrays
+        conv = _cpu_lowering.conv2d_rewrite(x, w, stride=static["stride"], pads=static["padding"],
+                                            dilation=static["dilation"], groups=static["groups"])
+        return None if conv is None else lambda x, w, b: _channels.add_bias(conv(x, w), b)
+    if op == "max_pool2d":
+        (x,) = arrays
+        kernel, stride, dilation, _, run_pads, out_hw = geo.pool_geometry(
+            op, x.shape, static["kernel_size"], static["stride"], static["padding"],
+            static["dilation"], static["ceil_mode"])
+        return _cpu_lowering.max_pool2d_rewrite(x, kernel, stride, dilation, run_pads, out_hw)
+    return None

@@ -1,0 +1,56 @@
+"""Per-channel reductions and broadcasts (jaxcnn.functional._channels): values and
+gradients against numpy, the CPU's folded form and who uses it."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+from hypothesis import given, settings, strategies as st
+
+from jaxcnn import functional as F
+from jaxcnn.functional import _channels as ch
+
+
+@settings(max_examples=12, deadline=None)
+@given(shape=st.lists(st.integers(1, 9), min_size=1, max_size=3).map(tuple),
+       c=st.sampled_from([1, 3, 64, 600, 1500]), seed=st.integers(0, 2**31 - 1))
+def test_channel_sum_mean_broadcast_against_numpy(shape, c, seed):
+    rng = np.random.default_rng(seed)
+    shape = shape + (c,)
+    x = rng.standard_normal(shape).astype(np.float32)
+    v = rng.standard_normal(c).astype(np.float32)
+    axes = tuple(range(len(shape) - 1))
+    scale = np.abs(x).sum(axes) + 1.0  # a sum's rounding error grows with the sum of |terms|
+    np.testing.assert_allclose(ch.channel_sum(jnp.asarray(x)), x.astype(np.float64).sum(axes),
+                               rtol=0, atol=float(np.max(scale)) * 1e-6)
+    np.testing.assert_allclose(ch.channel_mean(jnp.asarray(x)), x.astype(np.float64).mean(axes),
+                               rtol=0, atol=float(np.max(scale)) * 1e-6 / max(1, x.size // c))
+    np.testing.assert_array_equal(ch.channel_broadcast(jnp.asarray(v), shape), np.broadcast_to(v, shape))
+    # the gradient of the broadcast is the channel sum; of the sum, the broadcast
+    g = rng.standard_normal(shape).astype(np.float32)
+    _, vjp = jax.vjp(lambda v: ch.channel_broadcast(v, shape), jnp.asarray(v))
+    np.testing.assert_allclose(vjp(jnp.asarray(g))[0], g.astype(np.float64).sum(axes),
+                               rtol=0, atol=float(np.max(np.abs(g).sum(axes) + 1)) * 1e-6)
+    _, vjp = jax.vjp(ch.channel_sum, jnp.asarray(x))
+    np.testing.assert_array_equal(vjp(jnp.asarray(v))[0], np.broadcast_to(v, shape))
+
+
+def test_channel_fold_choice():
+    assert ch._fold((128, 32, 32, 64)) == 16           # 1024 lanes
+    assert ch._fold((7, 64)) == 7                        # the largest divisor that fits
+    assert ch._fold((13 * 17, 100)) == 0                 # no divisor of 221 in 2..10: XLA's form
+    assert ch._fold((4, 4, 600)) == 0                    # wide enough already
+    assert ch._fold((64,)) == 0
+
+
+def test_bias_and_batchnorm_gradients_use_the_folded_reduction():
+    x = jnp.ones((8, 6, 6, 16))
+    g = ch._fold(x.shape)
+    view = f"tensor<{288 // g}x{g * 16}xf32>"  # (rows / g, g * C), reduced over its rows
+
+    def reduced_views(f, *args):
+        hlo = jax.jit(f).lower(*args).as_text()
+        return [line for line in hlo.splitlines() if "reduce" in line and f"({view}" in line]
+
+    bias_grad = jax.grad(lambda b: jnp.sum(jnp.sin(F.conv2d(x, jnp.ones((1, 1, 16, 16)), b))))
+    assert reduced_views(bias_grad, jnp.ones(16))
+    bn_grad = jax.grad(lambda s, b: jnp.sum(jnp.sin(F.batch_norm_train(x * s, s, b)[0])), argnums=(0, 1))
+    assert len(reduced_views(bn_grad, jnp.ones(16), jnp.ones(16))) >= 4  # mean, var, d scale, d bias
