@@ -302,47 +302,56 @@ class WorkdirError(RuntimeError):
 
 
 def check_workdir(workdir: str, what: str = "workdir") -> None:
-    """Create ``workdir`` if needed and check that a file can be written there, before any compute.
+    """Check, before any compute, that the run can write to ``workdir``; nothing is left behind
+    (a missing ``workdir`` is created by the run itself once its config has passed every check).
+
+    An existing ``workdir`` must be a directory where a file can be written; a missing one must
+    be creatable under its nearest existing parent; its disk must not be full. The checks
+    really write (a file, or a directory), then remove what they wrote: ``os.access`` says yes
+    to root on a read-only mount's files, and knows no quota.
 
     Arguments:
         workdir: the run directory.
-        what: how the message names it (``"--workdir /x"``, ``"logging.workdir"``).
+        what: how the message names it (``"--workdir"``, ``"logging.workdir"``).
 
     Raises:
         WorkdirError: it is a file (or a parent is), cannot be created, is not writable
             (permissions, read-only file system) or its disk is full.
     """
-    where = f"{what} {workdir}" if what.startswith("--") else f"{what}: {workdir}"
-    if os.path.exists(workdir) and not os.path.isdir(workdir):
-        from jaxcnn.data.files import file_kind
-        kind = "a file" if os.path.isfile(workdir) else file_kind(os.stat(workdir).st_mode)
-        raise WorkdirError(f"{where} is {kind}, not a directory")
-    try:
-        os.makedirs(workdir, exist_ok=True)
-    except OSError as e:
-        parent = os.path.dirname(os.path.abspath(workdir))
-        while parent and not os.path.exists(parent):
-            parent = os.path.dirname(parent)
-        if isinstance(e, (NotADirectoryError, FileExistsError)) or not os.path.isdir(parent):
-            raise WorkdirError(f"{where} cannot be created: {parent} is not a directory") from None
-        raise WorkdirError(f"{where} cannot be created ({e.strerror or e})") from None
     import tempfile
-    probe = None
-    try:  # a real write: os.access says yes to root on a read-only mount's files, and knows no quota
-        fd, probe = tempfile.mkstemp(prefix=".jaxcnn-write-test-", dir=workdir)
-        with os.fdopen(fd, "wb") as f:
-            f.write(b"\0" * 4096)
-            f.flush()
-            os.fsync(f.fileno())
-    except OSError as e:
-        raise WorkdirError(f"{where} is not writable ({e.strerror or e})") from None
-    finally:
-        if probe is not None:
-            try:
-                os.remove(probe)
-            except OSError:
-                pass
-    free = _free_disk(workdir)
+    where = f"{what} {workdir}" if what.startswith("--") else f"{what}: {workdir}"
+    if os.path.exists(workdir):
+        if not os.path.isdir(workdir):
+            from jaxcnn.data.files import file_kind
+            kind = "a file" if os.path.isfile(workdir) else file_kind(os.stat(workdir).st_mode)
+            raise WorkdirError(f"{where} is {kind}, not a directory")
+        probe = None
+        try:
+            fd, probe = tempfile.mkstemp(prefix=".jaxcnn-write-test-", dir=workdir)
+            with os.fdopen(fd, "wb") as f:
+                f.write(b"\0" * 4096)
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as e:
+            raise WorkdirError(f"{where} is not writable ({e.strerror or e})") from None
+        finally:
+            if probe is not None:
+                try:
+                    os.remove(probe)
+                except OSError:
+                    pass
+        existing = workdir
+    else:
+        existing = os.path.dirname(os.path.abspath(workdir))
+        while not os.path.exists(existing):
+            existing = os.path.dirname(existing)
+        if not os.path.isdir(existing):
+            raise WorkdirError(f"{where} cannot be created: {existing} is not a directory")
+        try:
+            os.rmdir(tempfile.mkdtemp(prefix=".jaxcnn-write-test-", dir=existing))
+        except OSError as e:
+            raise WorkdirError(f"{where} cannot be created in {existing} ({e.strerror or e})") from None
+    free = _free_disk(existing)
     if free is not None and free < _MIN_FREE_DISK:
         raise WorkdirError(f"{where} is on a full disk ({_fmt_bytes(free)} free; the run writes "
                            "checkpoints, metrics and parameters there)")

@@ -169,35 +169,46 @@ def test_workdir_that_is_a_file(tiny, tmp_path, monkeypatch):
     afile.write_text("root:x:0:0\n")
     line = one_line(*cli([tiny, "--workdir", afile])[::2])
     assert line == f"jaxcnn-train: error: --workdir {afile} is a file, not a directory"
-    line = one_line(*cli([tiny, "--workdir", afile / "run"])[::2])
-    assert line == f"jaxcnn-train: error: --workdir {afile / 'run'} cannot be created: {afile} is not a directory"
+    line = one_line(*cli([tiny, "--workdir", afile / "runs" / "run"])[::2])
+    assert line == (f"jaxcnn-train: error: --workdir {afile / 'runs' / 'run'} cannot be created: "
+                    f"{afile} is not a directory")
+
+
+def test_a_good_workdir_is_left_as_it_was_when_the_config_fails(tiny, tmp_path):
+    """The checks write nothing that stays: a run refused for its config leaves no directory."""
+    code, _, err = cli([tiny, "data.augment.crop_padding=100", "--workdir", tmp_path / "runs" / "run"])
+    assert code == 2 and os.listdir(tmp_path) == ["tiny.yaml"], err
 
 
 @pytest.mark.parametrize("where, err, needle", [
-    ("makedirs", errno.EACCES, "cannot be created (Permission denied)"),
-    ("makedirs", errno.EROFS, "cannot be created (Read-only file system)"),
+    ("create", errno.EACCES, "cannot be created in {parent} (Permission denied)"),
+    ("create", errno.EROFS, "cannot be created in {parent} (Read-only file system)"),
     ("write", errno.EROFS, "is not writable (Read-only file system)"),
     ("write", errno.ENOSPC, "is not writable (No space left on device)"),
     ("statvfs", None, "is on a full disk (4.1 kB free"),
 ])
 def test_unusable_workdir_is_one_line_before_compute(tiny, tmp_path, monkeypatch, where, err, needle):
-    """A read-only or unwritable workdir, or a full disk (simulated: the tests run as root, where
-    chmod does not stop writes)."""
+    """A read-only or unwritable workdir (existing, or to be created in a parent), or a full
+    disk (simulated: the tests run as root, where chmod does not stop writes)."""
+    import tempfile
     _no_compute(monkeypatch)
-    workdir = tmp_path / "run"
+    workdir = tmp_path / "runs" / "run"
+    if where != "create":
+        workdir.mkdir(parents=True)
 
     def fail(*a, **k):
         raise OSError(err, os.strerror(err))
-    if where == "makedirs":
-        monkeypatch.setattr(os, "makedirs", fail)
+    if where == "create":
+        monkeypatch.setattr(tempfile, "mkdtemp", fail)
     elif where == "write":
-        import tempfile
         monkeypatch.setattr(tempfile, "mkstemp", fail)
     else:
         monkeypatch.setattr(loop, "_free_disk", lambda path: 4096)
     line = one_line(*cli([tiny, "--workdir", workdir])[::2])
-    assert line.startswith(f"jaxcnn-train: error: --workdir {workdir} ") and needle in line, line
-    assert not [f for f in (os.listdir(workdir) if workdir.exists() else []) if f.startswith(".jaxcnn")]
+    assert line.startswith(f"jaxcnn-train: error: --workdir {workdir} "), line
+    assert needle.format(parent=tmp_path) in line, line
+    assert os.listdir(tmp_path) == ["tiny.yaml"] + (["runs"] if where != "create" else [])
+    assert not workdir.exists() or os.listdir(workdir) == []  # the probes are removed
 
 
 def test_full_disk_while_writing_params_keeps_checkpoints_and_removes_the_partial_file(tiny, tmp_path,
