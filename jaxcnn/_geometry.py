@@ -31,7 +31,7 @@ def _is_int_pair(value) -> bool:
     return isinstance(value, (tuple, list)) and len(value) == 2 and all(is_int(v) for v in value)
 
 
-def pair(value, name: str, op: str, *, minimum: int = 1) -> tuple[int, int]:
+def pair(value, name: str, op: str, minimum: int = 1) -> tuple[int, int]:
     """``(a, b)`` from an int or a pair of ints, each at least ``minimum``."""
     if is_int(value):
         out = (int(value), int(value))
@@ -91,13 +91,24 @@ def dilated(kernel_hw, dilation_hw) -> tuple[int, int]:
     return tuple((k - 1) * d + 1 for k, d in zip(kernel_hw, dilation_hw))
 
 
-def output_hw(in_hw, pads, window_hw, stride_hw) -> tuple[int, int]:
-    """Windows that fit per axis: ``(n + lo + hi - window) // stride + 1`` (floor mode).
+def out_size(n: int, lo: int, hi: int, window: int, stride: int, ceil_mode: bool = False) -> int:
+    """How many windows of extent ``window`` (dilated) fit along an axis, PyTorch's rule,
+    with possibly unequal pads on the two sides.
 
-    ``window_hw`` is the dilated extent (:func:`dilated`).
+    ``(n + lo + hi - window) // stride + 1``; with ``ceil_mode`` a partial last
+    window counts, but only if it starts inside the input or the left padding
+    (never wholly in the right padding or the overhang).
     """
-    return tuple((n + lo + hi - k) // s + 1
-                 for n, (lo, hi), k, s in zip(in_hw, pads, window_hw, stride_hw))
+    span = n + lo + hi - window
+    out = (-(-span // stride) if ceil_mode else span // stride) + 1
+    if ceil_mode and (out - 1) * stride >= n + lo:
+        out -= 1
+    return out
+
+
+def output_hw(in_hw, pads, window_hw, stride_hw) -> tuple[int, int]:
+    """:func:`out_size` per spatial axis (floor mode); ``window_hw`` is the dilated extent."""
+    return tuple(out_size(n, lo, hi, k, s) for n, (lo, hi), k, s in zip(in_hw, pads, window_hw, stride_hw))
 
 
 def check_window_fits(op: str, x_shape, window_hw, pads: Pads, what: str = "window") -> None:
@@ -125,20 +136,6 @@ def conv_geometry(op: str, x_shape, w_shape, stride, padding, dilation):
     return stride, dilation, pads, output_hw(x_shape[1:3], pads, window, stride)
 
 
-def _pool_out_size(n: int, lo: int, hi: int, window: int, stride: int, ceil_mode: bool) -> int:
-    """PyTorch's pooling output size, with possibly unequal pads on the two sides.
-
-    With ``ceil_mode`` a partial last window counts, but only if it starts
-    inside the input or the left padding (never wholly in the right padding
-    or the overhang).
-    """
-    span = n + lo + hi - window
-    out = (-(-span // stride) if ceil_mode else span // stride) + 1
-    if ceil_mode and (out - 1) * stride >= n + lo:
-        out -= 1
-    return out
-
-
 def pool_geometry(op, x_shape, kernel_size, stride, padding, dilation, ceil_mode):
     """Validated window, strides and the exact pads that give PyTorch's output size.
 
@@ -163,7 +160,7 @@ def pool_geometry(op, x_shape, kernel_size, stride, padding, dilation, ceil_mode
                     f"{op}: padding {pads} must be at most half the kernel size {kernel} "
                     f"(x shape {x_shape})")
     check_window_fits(op, x_shape, window, pads)
-    out_hw = tuple(_pool_out_size(n, lo, hi, k, s, ceil_mode)
+    out_hw = tuple(out_size(n, lo, hi, k, s, ceil_mode)
                    for n, (lo, hi), k, s in zip(x_shape[1:3], pads, window, stride))
     run_pads = tuple((lo, max(hi, (o - 1) * s + k - n - lo))
                      for n, (lo, hi), k, s, o in zip(x_shape[1:3], pads, window, stride, out_hw))

@@ -11,9 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 
 # Per-channel reductions over (N, H, W) with few channels are XLA:CPU's slow case: it
-# reduces the major axes of an (N*H*W, C) array with C lanes (6.5 ms for 128x32x32x64
-# float32, against 1.1-2.2 ms once rows are folded into the minor axis).  BatchNorm's
-# statistics and every bias/scale gradient are such reductions.
+# reduces the major axes of an (N*H*W, C) array with C lanes, several times slower than
+# once rows are folded into the minor axis (docs/BENCHMARKS.md, "Per-channel reductions").
 WIDE_LANES = 1024
 
 

@@ -5,12 +5,11 @@ runs faster, with the same values; each keeps forward- and reverse-mode
 differentiation (``jax.custom_jvp`` or plain JAX ops, never ``custom_vjp``).
 
 Why (measured on a 2-core AMD EPYC, jaxlib 0.10.2 and 0.11.2, float32, batch
-128; docs/BENCHMARKS.md has the numbers): XLA:CPU gives some convolutions to
-YNNPACK (``__ynn_fusion``) and the rest to Eigen.  For the weight gradient
-YNNPACK is 3-8x slower than building the im2col patches and multiplying
-(mnist_cnn's conv2: 1.23 s against 0.41 s under load; Eigen does the same in
-0.16 s), while its forward and input-gradient convolutions are on par with
-the alternatives (the patch matrix costs a full write of ``KH*KW`` times the
+128; docs/BENCHMARKS.md, "What made jaxcnn fast here", has the numbers): XLA:CPU
+gives some convolutions to YNNPACK (``__ynn_fusion``) and the rest to Eigen.
+For the weight gradient YNNPACK is 3-8x slower than building the im2col
+patches and multiplying (Eigen is faster still), while its forward and
+input-gradient convolutions are on par with the alternatives (the patch matrix costs a full write of ``KH*KW`` times the
 input, which is what a forward im2col would pay too).  So the forward and the
 input gradient stay ``lax.conv_general_dilated``, and only the weight
 gradient is rewritten, and only for shapes where XLA's own choice for it is
@@ -27,8 +26,6 @@ environment sets ``JAXCNN_CPU_XLA_FLAGS=0``, or the jaxlib is not one where the
 flag was checked to exist: an unknown flag aborts XLA).  It takes effect only
 if no JAX computation has run yet in the process (XLA reads its flags once);
 when it does not, the per-shape weight-gradient rewrite below still applies.
-With the flag, mnist_cnn's whole training step is about 2x faster than
-without it and than with the rewrite alone.
 
 The rewrite is a ``jax.custom_jvp`` whose tangent is linear in the tangents
 ``conv(dx, w) + patches(x) @ dw``; transposing it for the gradient gives
@@ -37,12 +34,10 @@ forward mode, reverse mode and higher derivatives all work.  Where XLA's own
 weight gradient is kept, it reads a fenced copy of the input (see
 ``_conv_stored_input``) instead of recomputing the layers before it.
 
-Per-channel reductions (BatchNorm statistics, bias and scale gradients) fold
-rows into the minor axis (``channel_sum``/``channel_broadcast``), and 2x2-style
-max pooling keeps the index of each window's first maximum for its gradient.
-Together with the fence they took a float32 ResNet-18 (CIFAR stem, batch 128)
-train step from 3.97 s to 3.23 s and mnist_cnn's from 135 to 119 ms on the
-2-core machine of docs/BENCHMARKS.md.
+2x2-style max pooling keeps the index of each window's first maximum for its
+gradient.  (The per-channel reductions that fold rows into the minor axis are
+:mod:`jaxcnn.functional._channels`.)  Which of these runs for a call is decided
+by :mod:`jaxcnn.functional._dispatch`.
 """
 from __future__ import annotations
 
@@ -212,8 +207,7 @@ def _fence(x):
 # weight gradient as a convolution over transposed copies of ``x`` and ``dy``, and fuses
 # the elementwise chain that produced ``x`` (BatchNorm, ReLU, the residual add: up to three
 # blocks' worth in a ResNet) into that transpose, recomputing it with a strided access
-# pattern (40-90 ms per 128x32x32x64 input in a ResNet-18 step, against 3 ms for
-# transposing a stored array).
+# pattern (several times the cost of transposing a stored array: docs/BENCHMARKS.md).
 _conv_stored_input = _conv_with_weight_tangent(
     lambda x, dw, stride, pads, dilation: _xla_conv(_fence(x), dw, stride, pads, dilation))
 
@@ -282,9 +276,8 @@ def conv2d_rewrite(x, w, *, stride, pads, dilation, groups):
 def max_pool2d_rewrite(x, kernel, stride, dilation, run_pads, out_hw):
     """Non-overlapping max pooling as a reshape, for ``impl="auto"`` on the CPU.
 
-    XLA:CPU's ``reduce_window`` backward (select-and-scatter) took 237 ms of
-    mnist_cnn's step against 18 ms for this form (fwd+bwd, 128x24x24x64, 2x2).
-    When the stride equals the window, there is no dilation and no padding,
+    XLA:CPU's ``reduce_window`` backward (select-and-scatter) is slow (an order
+    of magnitude for mnist_cnn's pool; docs/BENCHMARKS.md).  When the stride equals the window, there is no dilation and no padding,
     the windows tile the (cropped) input, so a reshape exposes each window's
     taps; a running ``where`` over them in row-major order keeps the first
     maximum (a later tap wins only if strictly greater, or NaN where the best
@@ -340,8 +333,8 @@ def _tiled_max_pool_jvp(kernel, primals, tangents):
     """The tangent is the input tangent at each window's first maximum, written as a
     masked sum over the window axes: its transpose (the gradient) is then one
     elementwise pass, ``dx = where(tap == first, dy, 0)``, reading the stored int8 tap
-    index rather than re-deriving the select chain from ``x`` (28 of mnist_cnn's
-    135 ms before)."""
+    index rather than re-deriving the select chain from ``x`` (a fifth of mnist_cnn's
+    step before; docs/BENCHMARKS.md)."""
     (x,), (dx,) = primals, tangents
     kh, kw = kernel
     y, first = _tiled_max_and_tap(x, kernel)

@@ -79,13 +79,6 @@ def tuned_here(op: str, arrays, static: dict) -> bool:
     return autotune.op_key(op, arrays, static) in mine.get("ops", {})
 
 
-def measured_faster(op: str, arrays, static: dict) -> bool | None:
-    """Whether the kernel won both forward and forward+backward (None if never measured);
-    ``static`` in any form the functional op accepts."""
-    v = autotune.verdict(op, *canonical_call(op, arrays, static))
-    return None if v is None else v[0] and v[1]
-
-
 def tune_calls(fn, *args, force: bool = False, **tune_kwargs) -> dict:
     """Tunes every convolution and pooling call ``fn(*args)`` makes with ``impl="auto"``.
 

@@ -4,30 +4,10 @@ policy casting done at every layer boundary."""
 from __future__ import annotations
 
 import math
-import numbers
 from typing import Sequence
 
+from jaxcnn._geometry import explicit_pads, out_size, pair
 from jaxcnn.precision import DEFAULT_FP32_KINDS, cast_for
-
-Pair = tuple[int, int]
-
-
-def _is_int(value) -> bool:
-    # bool is Integral too, but `stride=True` is surely a mistake
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
-def pair(value, what: str, layer: str, minimum: int = 1) -> Pair:
-    """``value`` (an int or two ints) as ``(h, w)``, each at least ``minimum``."""
-    if _is_int(value):
-        out = (int(value), int(value))
-    elif isinstance(value, Sequence) and len(value) == 2 and all(_is_int(v) for v in value):
-        out = (int(value[0]), int(value[1]))
-    else:
-        raise ValueError(f"{layer}: {what} must be an int or a pair of ints, got {value!r}")
-    if min(out) < minimum:
-        raise ValueError(f"{layer}: {what} must be >= {minimum}, got {value!r}")
-    return out
 
 
 def padding_pairs(padding, layer: str, allow_strings: bool = True):
@@ -64,19 +44,12 @@ def window_output_size(size: int, kernel: int, stride: int, pad: tuple[int, int]
             start inside the right padding (``torch.nn.MaxPool2d(ceil_mode=True)``).
     """
     span = dilation * (kernel - 1) + 1
-    if pad == "SAME":  # XLA: ceil(size / stride) outputs, the odd pad at the end
-        total = max((-(-size // stride) - 1) * stride + span - size, 0)
-        pad = (total // 2, total - total // 2)
-    elif pad == "VALID":
-        pad = (0, 0)
+    if isinstance(pad, str):
+        pad = explicit_pads(pad, (size,), (span,), (stride,))[0]
     before, after = pad
-    room = size + before + after - span
-    if room < 0:
+    if size + before + after < span:
         return 0
-    out = (-(-room // stride) if ceil_mode else room // stride) + 1
-    if ceil_mode and (out - 1) * stride >= size + before:
-        out -= 1
-    return out
+    return out_size(size, before, after, span, stride, ceil_mode)
 
 
 def transpose_output_size(size: int, kernel: int, stride: int, pad: tuple[int, int],
