@@ -418,6 +418,11 @@ def available_memory(devices):
     return (min(candidates), "host") if candidates else None
 
 
+def _local_devices(plan) -> list:
+    """This process's devices of the mesh: the memory it checks (its host's, or theirs)."""
+    return [d for d in plan.mesh.devices.flat if d.process_index == jax.process_index()]
+
+
 def _size_keys(run: Run, shape=None) -> list:
     """The config keys that size the model and its data, as ``key=value``: the class count and
     the image size; for a parameter of ``shape``, the class count if it has that many rows or
@@ -448,7 +453,7 @@ def check_state_memory(run: Run, plan, available) -> int:
     if available is None:
         return per_device
     free, scope = available
-    need = per_device * (plan.mesh.devices.size if scope == "host" else 1)
+    need = per_device * (len(_local_devices(plan)) if scope == "host" else 1)
     if need > free:
         params = jax.tree_util.tree_leaves_with_path(plan.abstract_state.params)
         path, big = max(params, key=lambda kv: math.prod(kv[1].shape))
@@ -495,7 +500,7 @@ def check_step_memory(compiled, plan, available, keys, what) -> int | None:
     if per_device is None or available is None:
         return per_device
     free, scope = available
-    need = per_device * (plan.mesh.devices.size if scope == "host" else 1)
+    need = per_device * (len(_local_devices(plan)) if scope == "host" else 1)
     if need > free:
         raise ConfigError(f"{', '.join(keys)}: one {what} needs {_fmt_bytes(need)} of memory; this "
                           f"machine has {_fmt_bytes(free)} available"
@@ -559,7 +564,7 @@ def prepare(cfg) -> Prepared:
     run = build_run(cfg)
     loaded = load_init_from(run) if cfg.model.init_from else None
     plan = parallel.setup(cfg, run.model, run.input_shape, abstract_state(run))
-    available = available_memory(plan.mesh.devices.reshape(-1))
+    available = available_memory(_local_devices(plan))
     memory = {"available": available[0] if available else None, "train_step": None, "eval_step": None}
     memory["state"] = check_state_memory(run, plan, available)
     train_step = plan.wrap_step(make_train_step(

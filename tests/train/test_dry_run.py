@@ -231,3 +231,23 @@ def test_full_disk_while_writing_params_keeps_checkpoints_and_removes_the_partia
     assert not (workdir / "params.partial.npz").exists()
     assert (workdir / "params.npz").read_bytes() == b"the previous file"
     assert "2" in os.listdir(workdir / "checkpoints")
+
+
+def test_available_memory_on_an_accelerator_is_the_least_free_device():
+    """Accelerators: each device's limit less what it already holds; the tightest one counts.
+    A backend without memory statistics means no check, not a refusal."""
+    class Device:
+        platform = "gpu"
+
+        def __init__(self, stats):
+            self.stats = stats
+
+        def memory_stats(self):
+            return self.stats
+    gb = 10**9
+    devices = [Device({"bytes_limit": 80 * gb, "bytes_in_use": 10 * gb}),
+               Device({"bytes_limit": 80 * gb, "bytes_in_use": 30 * gb})]
+    assert loop.available_memory(devices) == (50 * gb, "per device")
+    assert loop.available_memory([Device(None)]) is None
+    free, scope = loop.available_memory(jax.devices("cpu")[:1])
+    assert scope == "host" and 0 < free
