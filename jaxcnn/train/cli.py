@@ -93,8 +93,9 @@ def _train_parser() -> argparse.ArgumentParser:
                    help="run directory (default: logging.workdir, else runs/<config name>)")
     p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     p.add_argument("--dry-run", action="store_true",
-                   help="build model, data and optimiser, print the summary, trace one step "
-                        "with jax.eval_shape, and exit")
+                   help="build and check what the run would (data, model, mesh, the train and eval "
+                        "steps compiled from abstract inputs, their memory), print the summary, "
+                        "and exit without allocating parameters or batches")
     return p
 
 
