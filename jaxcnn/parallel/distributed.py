@@ -256,6 +256,7 @@ def _start_watch(timeout, address) -> None:
     if client is None or not n or n < 2:
         return
     atexit.register(_say_goodbye)
+    _hold_cxx_terminate()
     if pid == 0:
         try:
             if socket.has_dualstack_ipv6():
@@ -270,6 +271,47 @@ def _start_watch(timeout, address) -> None:
         host = (address or st.coordinator_address or "").rpartition(":")[0].strip("[]")
         target, args = _watch_coordinator, (client, host, pid, timeout)
     threading.Thread(target=target, args=args, name="jaxcnn-peer-watch", daemon=True).start()
+
+
+# How long a C++ std::terminate waits for the liveness watch before it goes on (see below).
+_TERMINATE_GRACE_S = 3.0
+_terminate_hook: list = []
+
+
+def _hold_cxx_terminate() -> None:
+    """Makes a C++ ``std::terminate`` wait up to ``_TERMINATE_GRACE_S`` for the liveness watch.
+
+    When a peer dies mid-collective, gloo's own thread may die first on what the dead peer left
+    half-done (``gloo::EnforceNotMet ... Received data size doesn't match expected size``: an
+    uncaught exception, so ``terminate called ...`` and SIGABRT; 1 of 20 kills of process 1 with 2
+    devices per process). The handler installed here waits instead; the watch, which has seen the
+    same closed connection, ends the process with its one line meanwhile. If nothing does, the
+    previous handler (libstdc++'s, which prints the exception and aborts) runs as before.
+    """
+    if _terminate_hook:
+        return
+    try:
+        import ctypes
+        libstdcxx = ctypes.CDLL("libstdc++.so.6")
+        set_terminate = libstdcxx._ZSt13set_terminatePFvvE  # std::set_terminate(void (*)())
+    except (OSError, AttributeError):
+        return
+    handler_type = ctypes.CFUNCTYPE(None)
+    set_terminate.restype = ctypes.c_void_p
+    set_terminate.argtypes = [handler_type]
+
+    def on_terminate():
+        deadline = time.monotonic() + _TERMINATE_GRACE_S
+        while time.monotonic() < deadline:
+            time.sleep(0.01)  # releases the GIL: the watch thread may end the process now
+        previous = _terminate_hook[1]
+        if previous:
+            handler_type(previous)()
+        os.abort()
+
+    hook = handler_type(on_terminate)
+    _terminate_hook.extend([hook, None])  # the hook must outlive this call
+    _terminate_hook[1] = set_terminate(hook)
 
 
 # How long the relay keeps a worker's connection to the coordination service open after the

@@ -226,3 +226,21 @@ def test_relay_holds_a_closed_coordinator_connection_until_the_process_ends(monk
         assert (held >= 1.4) if not closing else (held < 1.0), (closing, held)
         client.close()
     upstream.close()
+
+
+@pytest.mark.parametrize("lost", [True, False])
+def test_cxx_terminate_waits_for_the_liveness_watch(lost):
+    """gloo's thread may die on a dead peer's half-sent data (an uncaught C++ exception:
+    std::terminate, SIGABRT) while the liveness watch is about to report the loss: the terminate
+    handler waits for the watch's one line. Without a loss to report, libstdc++'s handler runs."""
+    code = ("import ctypes, threading, time\nfrom jaxcnn.parallel import distributed as d\n"
+            "d._TERMINATE_GRACE_S = 1.0\nd._hold_cxx_terminate()\n"
+            f"if {lost}:\n"
+            "    threading.Timer(0.2, d.exit_now, ('jaxcnn: error: process 0 of 2 lost process 1: x',)).start()\n"
+            "ctypes.CDLL('libstdc++.so.6')._ZSt9terminatev()\n")
+    p = subprocess.run([sys.executable, "-c", code], env=_env(), capture_output=True, text=True, timeout=120)
+    if lost:
+        assert p.returncode == 1, p.stderr[-3000:]
+        assert p.stderr == "jaxcnn: error: process 0 of 2 lost process 1: x\n", p.stderr
+    else:
+        assert p.returncode == -6 and "terminate called without an active exception" in p.stderr, p.stderr

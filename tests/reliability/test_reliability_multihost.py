@@ -141,7 +141,9 @@ def test_peer_killed_mid_run_ends_the_other_process(tmp_path, cache, victim, dev
 @pytest.mark.parametrize("victim", [1, 0])
 def test_peer_killed_mid_run_never_ends_in_an_abort(tmp_path, cache, victim):
     """20 kills of process ``victim`` with 2 devices per process: every survivor exits 1 with our line
-    (1 run in 21 used to abort when the coordinator was killed; every one with 2 devices did)."""
+    (1 run in 21 used to abort when the coordinator was killed; every one with 2 devices did; with the
+    liveness watch and relay but before the terminate hold, 1 of 20 kills of process 1 ended in gloo's
+    ``terminate called ... Received data size doesn't match expected size``)."""
     outcomes = []
     for i in range(REPEATS):
         survivor, _ = kill_one(tmp_path / str(i), cache, victim, 2)
@@ -156,4 +158,4 @@ def test_peer_killed_mid_run_never_ends_in_an_abort(tmp_path, cache, victim):
           f"exit codes {sorted(o[1] for o in outcomes)}, max {max(o[2] for o in outcomes)} s after the kill, "
           f"{sum(o[4] for o in outcomes)} survivors with XLA/gRPC log lines")
     bad = [o for o in outcomes if not o[0]]
-    assert not bad, bad[0]
+    assert not bad, f"{len(bad)} unclean: exit {bad[0][1]} after {bad[0][2]} s:\n{bad[0][3]}"
