@@ -9,7 +9,8 @@ trace time, naming the op and the shapes.
 
 Convolution and pooling take ``impl="auto"|"xla"|"pallas"``: ``"pallas"`` runs
 the :mod:`pallas_kernels` kernels (interpreted off GPUs), ``"auto"`` runs XLA
-except on a GPU where the autotuner measured the kernel faster for the shape;
+except on a GPU where the autotuner measured the kernel faster for the shape
+(a lookup; :mod:`jaxcnn.functional.tuning` measures, when asked);
 ``with default_impl("xla"):`` changes what ``"auto"`` means while tracing.
 
 Typical use::
