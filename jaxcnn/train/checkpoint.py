@@ -163,7 +163,9 @@ class _OrbaxNoise:
     so that their reports arrive while the sink is in place.
     """
 
-    _LOGGERS = ("absl", "orbax")
+    # asyncio: "Task/Future exception was never retrieved" for the tasks and tensorstore futures
+    # orbax abandons, reported when they are collected.
+    _LOGGERS = ("absl", "orbax", "asyncio")
 
     def __init__(self, sink):
         self.sink = sink
@@ -171,11 +173,12 @@ class _OrbaxNoise:
         self._hook = None
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if "orbax" not in record.pathname and not record.name.startswith("orbax"):
-            return True
         text = record.getMessage()
         if record.exc_info:
             text += "\n" + "".join(traceback.format_exception(*record.exc_info))
+        if "orbax" not in record.pathname and not record.name.startswith("orbax") and (
+                record.name != "asyncio" or ("orbax" not in text and "never retrieved" not in text)):
+            return True
         self.sink(f"{record.levelname} {record.name}: {text}")
         return False
 
@@ -355,6 +358,8 @@ class CheckpointManager:
             self.directory.mkdir(parents=True, exist_ok=True)
             for tmp in sorted(self.directory.glob(f"*{_TMP_MARK}*")):
                 logger.warning("ignoring half-written checkpoint %s (an interrupted save); removing it", tmp)
+                if jax.process_index() == 0:  # now: orbax's own cleanup may still run when a save starts
+                    shutil.rmtree(tmp, ignore_errors=True)
             self._set_aside_links()
 
         policies = [ocp_managers.LatestN(keep)]
@@ -456,7 +461,7 @@ class CheckpointManager:
             meta = self._mgr.restore(step, args=ocp.args.Composite(**{_META: ocp.args.JsonRestore()}))[_META]
         except Exception as e:  # noqa: BLE001 - any failure to read it means the same thing
             raise CheckpointCorruptError(
-                f"manifest of checkpoint {path} is missing or unreadable ({type(e).__name__}: {e})") from e
+                f"manifest of checkpoint {path} is missing or unreadable ({_brief(e)})") from None
         arrays = meta.get("arrays") if isinstance(meta, dict) else None
         if (not isinstance(meta, dict) or meta.get("format") != _FORMAT or not isinstance(arrays, list)
                 or not all(isinstance(e, dict) and _ENTRY_KEYS <= e.keys() for e in arrays)):
@@ -720,7 +725,7 @@ class CheckpointManager:
 
     def _quarantine(self, steps: list[int], suffix: str = _QUARANTINE_SUFFIX, what: str = "damaged"):
         """Renames damaged step directories so orbax no longer counts them (it skips newer steps otherwise)."""
-        if not steps or jax.process_index() != 0:
+        if not steps or self.read_only or jax.process_index() != 0:
             return
         for step in steps:
             path = self._step_path(step)
