@@ -28,6 +28,7 @@ from jaxcnn import precision as P
 from jaxcnn.data import (Prefetcher, SyntheticSpec, eval_batches, load_dataset, steps_per_epoch,
                          synthetic_batch, synthetic_dataset, train_batch)
 from jaxcnn.data.files import check_regular_file
+from jaxcnn.data.dataset import DataError
 from jaxcnn.data.synthetic import NOISE_MEAN, NOISE_STD
 from jaxcnn.train.checkpoint import (CheckpointManager, check_resume_config, record_run_config,
                                      restore_for_resume)
@@ -230,8 +231,11 @@ def load_init_from(run: Run):
             fail(f"{path!r} is a directory without {' or '.join(_PARAM_FILES)}; has its training "
                  "finished?")
         path = found[0]
-    elif not os.path.isfile(path):
-        fail(f"{path!r} does not exist")
+    else:  # a FIFO (it hung), device or link to one is never a parameter file
+        try:
+            check_regular_file(path, "model.init_from")
+        except DataError as e:
+            raise ConfigError(str(e), path="model.init_from") from None
     like = jax.eval_shape(lambda: run.model.init(jax.random.PRNGKey(0), run.input_shape)[:2])
     load = {".npz": interop.load_npz, ".safetensors": interop.load_safetensors}.get(
         os.path.splitext(path)[1])

@@ -251,3 +251,14 @@ def test_available_memory_on_an_accelerator_is_the_least_free_device():
     assert loop.available_memory([Device(None)]) is None
     free, scope = loop.available_memory(jax.devices("cpu")[:1])
     assert scope == "host" and 0 < free
+
+
+@pytest.mark.parametrize("kind", ["fifo", "link-to-dev-zero"])
+def test_init_from_must_be_a_regular_file(tiny, tmp_path, kind):
+    """model.init_from naming a FIFO or a link to a device: one line naming the key (it said
+    'does not exist' for them)."""
+    path = tmp_path / f"params-{kind}.npz"
+    os.mkfifo(path) if kind == "fifo" else os.symlink("/dev/zero", path)
+    line = one_line(*cli([tiny, f"model.init_from={path}", "--dry-run"])[::2])
+    assert line.startswith(f"jaxcnn-train: error: model.init_from: {str(path)!r} is ")
+    assert "not a regular file" in line
