@@ -3,7 +3,11 @@
 Eight host CPU devices are requested before JAX is imported anywhere, so the
 multi-device tests can build meshes on a CPU-only machine.
 """
+import collections
 import os
+import re
+import shutil
+import tempfile
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -15,3 +19,47 @@ os.environ.setdefault("JAXCNN_CPU_MALLOC", "0")
 import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+# One persistent XLA compilation cache for the whole run, shared by the xdist workers: many
+# tests build the same programs afresh (a new make_train_step closure, the same model), which
+# JAX's in-memory caches cannot see but the persistent cache (keyed on the program) can.  The
+# controller creates it and removes it at the end; subprocess tests do not inherit it.
+# JAXCNN_TEST_COMPILATION_CACHE=0 turns it off.
+_CACHE_ENV = "JAXCNN_TEST_COMPILATION_CACHE"
+
+
+def pytest_configure(config):
+    if _CACHE_ENV not in os.environ:  # the controller, or a run without xdist
+        config._jaxcnn_compilation_cache = os.environ[_CACHE_ENV] = tempfile.mkdtemp(
+            prefix="jaxcnn-test-xla-cache-")
+    if os.environ[_CACHE_ENV] == "0":  # JAXCNN_TEST_COMPILATION_CACHE=0: compile everything
+        return
+    jax.config.update("jax_compilation_cache_dir", os.environ[_CACHE_ENV])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
+def pytest_unconfigure(config):
+    path = getattr(config, "_jaxcnn_compilation_cache", None)
+    if path:
+        shutil.rmtree(path, ignore_errors=True)
+        os.environ.pop(_CACHE_ENV, None)
+
+
+def _skip_reason(report) -> str:
+    """A skipped test's reason, grouped: a missing import names the module."""
+    longrepr = report.longrepr
+    reason = longrepr[2] if isinstance(longrepr, tuple) and len(longrepr) == 3 else str(longrepr)
+    reason = reason.removeprefix("Skipped: ").strip().splitlines()[0] if reason.strip() else "no reason given"
+    missing = re.search(r"could not import '([^']+)'|No module named '([^']+)'", reason)
+    if missing:
+        return f"{missing.group(1) or missing.group(2)} absent"
+    return reason if len(reason) <= 100 else reason[:97] + "..."
+
+
+def pytest_terminal_summary(terminalreporter):
+    """One line naming why tests were skipped, with counts (-rs lists them one by one)."""
+    skipped = [r for r in terminalreporter.stats.get("skipped", []) if getattr(r, "skipped", False)]
+    if skipped:
+        counts = collections.Counter(_skip_reason(r) for r in skipped)
+        terminalreporter.write_line(f"skipped {len(skipped)}: " + "; ".join(
+            f"{reason} ({n})" for reason, n in counts.most_common()))
