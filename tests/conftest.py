@@ -45,6 +45,27 @@ def pytest_unconfigure(config):
         os.environ.pop(_CACHE_ENV, None)
 
 
+# Property tests (hypothesis) run half their max_examples, at least 10, in the normal suite:
+# most of them compile a program per example.  JAXCNN_TEST_ALL_EXAMPLES=1 runs them all
+# (the scheduled long run sets it together with -m slow).
+_ALL_EXAMPLES_ENV = "JAXCNN_TEST_ALL_EXAMPLES"
+
+
+def pytest_collection_modifyitems(config, items):
+    if os.environ.get(_ALL_EXAMPLES_ENV) == "1":
+        return
+    import hypothesis
+    seen = set()
+    for item in items:
+        test = getattr(item, "obj", None)
+        current = getattr(test, "_hypothesis_internal_use_settings", None)  # read when it runs
+        if current is None or id(test) in seen or current.max_examples <= 10:
+            continue
+        seen.add(id(test))
+        test._hypothesis_internal_use_settings = hypothesis.settings(
+            current, max_examples=max(10, current.max_examples // 2))
+
+
 def _skip_reason(report) -> str:
     """A skipped test's reason, grouped: a missing import names the module."""
     longrepr = report.longrepr

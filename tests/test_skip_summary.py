@@ -1,4 +1,5 @@
-"""The suite's one-line summary of why tests were skipped (tests/conftest.py)."""
+"""The suite hooks of tests/conftest.py: the one-line summary of why tests were skipped, and
+property tests running half their examples."""
 import conftest
 
 
@@ -33,3 +34,27 @@ def test_nothing_printed_without_skips():
     reporter = _Reporter([])
     conftest.pytest_terminal_summary(reporter)
     assert reporter.lines == []
+
+
+def test_property_tests_run_half_their_examples(monkeypatch):
+    from hypothesis import given, settings, strategies as st
+
+    @settings(max_examples=40, deadline=None)
+    @given(st.integers())
+    def many(x):
+        pass
+
+    @settings(max_examples=12, deadline=None)
+    @given(st.integers())
+    def few(x):
+        pass
+
+    class Item:
+        def __init__(self, obj):
+            self.obj = obj
+
+    monkeypatch.delenv("JAXCNN_TEST_ALL_EXAMPLES", raising=False)
+    conftest.pytest_collection_modifyitems(None, [Item(many), Item(many), Item(few), Item(len)])
+    assert many._hypothesis_internal_use_settings.max_examples == 20  # halved once, not per item
+    assert few._hypothesis_internal_use_settings.max_examples == 10
+    assert many._hypothesis_internal_use_settings.deadline is None  # the rest kept
