@@ -3,16 +3,13 @@
 Plain functions over plain arrays (NHWC images, HWIO kernels), layers as
 ``(init, apply)`` pairs, a model zoo, mixed-precision policies and a
 config-driven trainer.
+
+Importing it changes nothing process-wide (no ``XLA_FLAGS``, no malloc settings); on a
+CPU, ``jaxcnn.cpu.configure()`` before the first JAX computation opts in to both.
 """
-from jaxcnn import _host_memory
-
-try:  # first: before anything can start a JAX backend
-    _host_memory.configure_malloc()
-except Exception:  # noqa: BLE001  (a speed setting must never break the import)
-    pass
-
-from jaxcnn import functional, layers, models, precision, interop  # noqa: E402
-from jaxcnn.summary import summary  # noqa: E402
+from jaxcnn import cpu, functional, layers, models, precision, interop
+from jaxcnn.summary import summary
 
 __version__ = "0.1.0"
-__all__ = ["functional", "layers", "models", "precision", "interop", "summary", "__version__"]
+__all__ = ["cpu", "functional", "layers", "models", "precision", "interop", "summary",
+           "__version__"]

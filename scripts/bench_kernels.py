@@ -39,8 +39,11 @@ import math
 import platform
 import sys
 
-import jax
-import jax.numpy as jnp
+import jaxcnn.cpu
+jaxcnn.cpu.configure()  # first: the XLA:CPU flag and malloc settings, before JAX starts
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 
 import pallas_kernels as pk
 from jaxcnn import functional as F

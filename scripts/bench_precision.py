@@ -21,8 +21,11 @@ import subprocess
 import sys
 import time
 
-import jax
-import numpy as np
+import jaxcnn.cpu
+jaxcnn.cpu.configure()  # first: the XLA:CPU flag and malloc settings, before JAX starts
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
 import optax
 
 from jaxcnn import models

@@ -44,6 +44,8 @@ def main(argv=None) -> int:
         # Emulate devices on the CPU; must be set before jax is imported.
         flag = f"--xla_force_host_platform_device_count={max(counts)}"
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + flag).strip()
+    import jaxcnn.cpu
+    jaxcnn.cpu.configure()  # before JAX starts: the XLA:CPU flag and malloc settings
     import jax
     import numpy as np
     import optax

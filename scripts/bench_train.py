@@ -16,9 +16,9 @@ the end of each run (as the trainer runs: no host sync inside the loop).
 Frameworks: jaxcnn (``impl="auto"``, so the CPU lowerings of
 ``jaxcnn.functional._cpu_lowering`` apply); PyTorch eager (NCHW, its CPU
 default); on a GPU also torch.compile with channels-last and bf16 autocast;
-Flax (linen) when installed.  Importing jaxcnn first puts the XLA:CPU flag of
-``_cpu_lowering`` in place for every JAX framework in this process, Flax too,
-and on a CPU jaxcnn's glibc malloc settings (``jaxcnn._host_memory``) for
+Flax (linen) when installed.  ``jaxcnn.cpu.configure()``, called first, puts the
+XLA:CPU flag of ``_cpu_lowering`` in place for every JAX framework in this process,
+Flax too, and on a CPU jaxcnn's glibc malloc settings (``jaxcnn._host_memory``) for
 everything in this process, PyTorch too.  So where those settings are on,
 PyTorch eager is timed twice: in this process ("torch eager +jaxcnn malloc")
 and in a fresh process with glibc's defaults ("torch eager"), as PyTorch runs
@@ -47,8 +47,10 @@ import subprocess
 import sys
 import time
 
-import jaxcnn  # noqa: F401  (first: sets the XLA:CPU flag before JAX initialises)
-import jax
+import jaxcnn.cpu
+jaxcnn.cpu.configure()  # first: the XLA:CPU flag and malloc settings, before JAX starts
+
+import jax  # noqa: E402
 import jax.numpy as jnp
 import numpy as np
 import optax

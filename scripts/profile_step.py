@@ -24,8 +24,10 @@ import sys
 import tempfile
 import time
 
-import jaxcnn  # noqa: F401  (first: the XLA:CPU flag)
-import jax
+import jaxcnn.cpu
+jaxcnn.cpu.configure()  # first: the XLA:CPU flag and malloc settings, before JAX starts
+
+import jax  # noqa: E402
 import optax
 
 from jaxcnn import functional as F

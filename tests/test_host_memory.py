@@ -1,5 +1,7 @@
-"""jaxcnn._host_memory: when the glibc malloc settings apply, and that they keep XLA:CPU's
-per-run temporary buffer mapped (minor page faults per run, counted in fresh processes)."""
+"""jaxcnn._host_memory and jaxcnn.cpu: importing jaxcnn changes nothing process-wide; when the
+glibc malloc settings apply, and that they keep XLA:CPU's per-run temporary buffer mapped
+(minor page faults per run, counted in fresh processes)."""
+import json
 import os
 import subprocess
 import sys
@@ -74,6 +76,7 @@ _FAULTS = textwrap.dedent("""
     ctypes.CDLL(None).prctl(41, 1, 0, 0, 0)
     {before}
     import jaxcnn
+    jaxcnn.cpu.configure()
     from jaxcnn import _host_memory
     import jax, jax.numpy as jnp
     x = jnp.ones((4096, 2048), jnp.float32)
@@ -113,3 +116,78 @@ def test_temporary_buffer_stays_mapped_between_runs():
     assert temp > 32 * 2 ** 20  # above glibc's largest mmap threshold: mapped, unmapped
     assert faults_off > 0.5 * pages  # glibc's defaults: the block is faulted in every run
     assert faults_on < 0.1 * pages  # jaxcnn's: it stays mapped (the median run)
+
+
+# Spies on every glibc function looked up through ctypes (CDLL.__getattr__/__getitem__, which
+# is how _host_memory reaches mallopt), compares os.environ around the imports, then calls
+# jaxcnn.cpu.configure() to show the spy sees what an import-time call would have done.
+_IMPORT_SPY = textwrap.dedent("""
+    import ctypes, json, os
+    looked_up = []
+    _getattr, _getitem = ctypes.CDLL.__getattr__, ctypes.CDLL.__getitem__
+    def _spy_getattr(self, name):
+        looked_up.append(name)
+        return _getattr(self, name)
+    def _spy_getitem(self, name):
+        looked_up.append(name)
+        return _getitem(self, name)
+    ctypes.CDLL.__getattr__, ctypes.CDLL.__getitem__ = _spy_getattr, _spy_getitem
+    before = dict(os.environ)
+    import jaxcnn, jaxcnn.functional, pallas_kernels
+    from jaxcnn import _host_memory
+    imported = {"environ_changed": sorted(k for k in set(before) | set(os.environ)
+                                          if before.get(k) != os.environ.get(k)),
+                "mallopt": "mallopt" in looked_up, "configured": _host_memory.configured(),
+                "status": _host_memory.status()}
+    done = jaxcnn.cpu.configure()
+    configured = {"result": done, "mallopt": "mallopt" in looked_up,
+                  "configured": _host_memory.configured(), "status": _host_memory.status(),
+                  "xla_flags": os.environ.get("XLA_FLAGS", "")}
+    import jax
+    jax.numpy.ones(2).sum().block_until_ready()
+    late = jaxcnn.cpu.configure()
+    print("RESULT", json.dumps({"imported": imported, "configured": configured, "late": late}))
+""")
+
+
+@pytest.mark.skipif(H._glibc() is None, reason="glibc malloc settings: Linux with glibc only")
+def test_import_leaves_environ_and_malloc_alone_until_configure():
+    import jaxlib
+    env = _cpu_env()
+    env.pop("XLA_FLAGS", None)
+    env.pop("JAXCNN_CPU_XLA_FLAGS", None)
+    done = subprocess.run([sys.executable, "-c", _IMPORT_SPY], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    line = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")][-1]
+    out = json.loads(line.split(" ", 1)[1])
+    imported, configured, late = out["imported"], out["configured"], out["late"]
+    assert imported == {"environ_changed": [], "mallopt": False, "configured": False,
+                        "status": "default"}
+    # The explicit call does what the imports did not: mallopt, and XLA_FLAGS where the
+    # flag was checked for this jaxlib.
+    assert configured["result"]["malloc"] == "jaxcnn" and configured["mallopt"]
+    assert configured["configured"] and configured["status"] == "jaxcnn"
+    checked = tuple(int(p) for p in jaxlib.__version__.split(".")[:2]) in ((0, 10), (0, 11))
+    assert (configured["result"]["xla_flags"] == "jaxcnn") == checked
+    assert ("--xla_cpu_experimental_ynn_fusion_type=individual_dot"
+            in configured["xla_flags"]) == checked
+    # Once a backend exists: nothing more to do for malloc (already set), and the flag says why.
+    assert late == {"malloc": "jaxcnn", "xla_flags": "a JAX backend already exists"}
+
+
+@pytest.mark.skipif(H._glibc() is None, reason="glibc malloc settings: Linux with glibc only")
+def test_configure_after_a_backend_exists_does_nothing_and_says_why():
+    code = ("import jax, json, os; jax.numpy.ones(1).sum().block_until_ready(); "
+            "import jaxcnn; from jaxcnn import _host_memory; flags = os.environ.get('XLA_FLAGS'); "
+            "r = jaxcnn.cpu.configure(); "
+            "print('RESULT', json.dumps([r, _host_memory.configured(), _host_memory.status(), "
+            "os.environ.get('XLA_FLAGS') == flags]))")
+    done = subprocess.run([sys.executable, "-c", code], env=_cpu_env(), capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    line = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")][-1]
+    result, configured, status, flags_kept = json.loads(line.split(" ", 1)[1])
+    assert result == {"malloc": "a JAX backend already exists",
+                      "xla_flags": "a JAX backend already exists"}
+    assert not configured and status == "a JAX backend already exists" and flags_kept

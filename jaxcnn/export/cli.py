@@ -134,6 +134,8 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     """Entry point of ``jaxcnn-export``; returns the exit code."""
+    from jaxcnn import cpu
+    cpu.configure()  # before JAX starts: jaxcnn's XLA:CPU flag and malloc policy
     args = parser().parse_args(argv)
     from jaxcnn.export.pipeline import export
     from jaxcnn.train.checkpoint import CheckpointError

@@ -20,12 +20,13 @@ while the user's function is traced, where compiling a program of our own
 is a side effect that fails under ``pmap`` (its abstract mesh) and costs a
 compile per shape.
 
-Importing this module therefore adds that flag to ``XLA_FLAGS`` (unless
-``XLA_FLAGS`` already sets ``xla_cpu_experimental_ynn_fusion_type``, the
-environment sets ``JAXCNN_CPU_XLA_FLAGS=0``, or the jaxlib is not one where the
-flag was checked to exist: an unknown flag aborts XLA).  It takes effect only
-if no JAX computation has run yet in the process (XLA reads its flags once);
-when it does not, the per-shape weight-gradient rewrite below still applies.
+:func:`jaxcnn.cpu.configure` adds that flag to ``XLA_FLAGS`` when asked
+(importing this module changes nothing; not when ``XLA_FLAGS`` already sets
+``xla_cpu_experimental_ynn_fusion_type``, the environment sets
+``JAXCNN_CPU_XLA_FLAGS=0``, or the jaxlib is not one where the flag was checked
+to exist: an unknown flag aborts XLA).  It takes effect only if no JAX
+computation has run yet in the process (XLA reads its flags once); without it,
+the per-shape weight-gradient rewrite below applies.
 
 The rewrite is a ``jax.custom_jvp`` whose tangent is linear in the tangents
 ``conv(dx, w) + patches(x) @ dw``; transposing it for the gradient gives
@@ -63,21 +64,31 @@ XLA_CPU_FLAG = "--xla_cpu_experimental_ynn_fusion_type=individual_dot"
 _FLAG_CHECKED_JAXLIB = ((0, 10), (0, 11))
 
 
-def configure_xla_flags(environ=os.environ) -> bool:
-    """Adds :data:`XLA_CPU_FLAG` to ``environ["XLA_FLAGS"]`` where it is safe.
-
-    Returns True when the flag was added.  See the module docstring for when
-    it is left out and when it takes effect.
-    """
+def xla_flags_skip_reason(environ=os.environ) -> str | None:
+    """Why :func:`configure_xla_flags` would leave ``environ["XLA_FLAGS"]`` alone, or None."""
     import jaxlib
 
-    current = environ.get("XLA_FLAGS", "")
     version = tuple(int(p) for p in jaxlib.__version__.split(".")[:2])
-    if (environ.get("JAXCNN_CPU_XLA_FLAGS", "1") == "0"
-            or "xla_cpu_experimental_ynn_fusion_type" in current
-            or version not in _FLAG_CHECKED_JAXLIB):
+    if environ.get("JAXCNN_CPU_XLA_FLAGS", "1") == "0":
+        return "JAXCNN_CPU_XLA_FLAGS=0"
+    if "xla_cpu_experimental_ynn_fusion_type" in environ.get("XLA_FLAGS", ""):
+        return "XLA_FLAGS already sets xla_cpu_experimental_ynn_fusion_type"
+    if version not in _FLAG_CHECKED_JAXLIB:
+        return f"jaxlib {jaxlib.__version__}: the flag was not checked there"
+    return None
+
+
+def configure_xla_flags(environ=os.environ) -> bool:
+    """Adds :data:`XLA_CPU_FLAG` to ``environ["XLA_FLAGS"]`` where it is safe
+    (:func:`xla_flags_skip_reason`).  Nothing calls it at import: :func:`jaxcnn.cpu.configure`
+    does, when asked.
+
+    Returns True when the flag was added.  See the module docstring for when
+    it takes effect.
+    """
+    if xla_flags_skip_reason(environ) is not None:
         return False
-    environ["XLA_FLAGS"] = f"{current} {XLA_CPU_FLAG}".strip()
+    environ["XLA_FLAGS"] = f"{environ.get('XLA_FLAGS', '')} {XLA_CPU_FLAG}".strip()
     return True
 
 
@@ -88,10 +99,11 @@ def _backends_started() -> bool:
     return bool(started()) if started is not None else bool(getattr(xla_bridge, "_backends", None))
 
 
-# The XLA_FLAGS that XLA read: known at import if JAX's backends already exist (so the
-# flag configure_xla_flags adds came too late), else at the first need after they start.
+# The XLA_FLAGS that XLA read: known at import if JAX's backends already exist (so a flag
+# added later came too late), else at the first need after they start.  Without jaxcnn's
+# flag (jaxcnn.cpu.configure not called), XLA's default may give convolutions to YNNPACK,
+# and ynnpack_takes_convolutions says so.
 _xla_flags_read = os.environ.get("XLA_FLAGS", "") if _backends_started() else None
-configure_xla_flags()
 
 
 def _flags_xla_read() -> str:

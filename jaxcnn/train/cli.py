@@ -42,23 +42,13 @@ def _exit_now(code: int, line: str) -> None:
     exit_now(line, code)
 
 
-# glibc's malloc gives threads separate arenas, up to 8 per core. Checkpoint writing runs on
-# threads that come and go (orbax starts its own for every save; tensorstore's pool threads exit
-# after 20 s idle), and what they allocate and free leaves fragments in one arena after another:
-# in the 20,000-step soak (docs/RELIABILITY.md) malloc's in-use bytes stayed flat while its free
-# bytes, and the RSS, grew by 0.4-0.9 KB per step (with 4 arenas still 0.7-1.3 KB per step).
-# With 2 arenas the RSS stays flat within noise, and the step time did not change.
-_MALLOC_ARENAS = 2
-
-
-def _limit_malloc_arenas() -> None:
-    """Caps glibc's malloc arenas of this process at ``_MALLOC_ARENAS``
-    (``jaxcnn._host_memory.limit_arenas``: not under the user's ``MALLOC_ARENA_MAX``, and
-    nothing to do where ``import jaxcnn`` already set one arena). It must run before JAX
-    starts its threads: in ``jaxcnn-train`` it does; called later it changes nothing.
-    """
-    from jaxcnn import _host_memory
-    _host_memory.limit_arenas(_MALLOC_ARENAS)
+def _configure_cpu() -> None:
+    """``jaxcnn.cpu.configure()``: jaxcnn's XLA:CPU flag and glibc malloc policy for this
+    process (each only where it helps; see ``jaxcnn.cpu``). It must run before JAX creates
+    its backend; the entry points call it first. run_meta.json's ``host_malloc`` records
+    the outcome."""
+    from jaxcnn import cpu
+    cpu.configure()
 
 
 def default_workdir(config_path: str) -> str:
@@ -128,7 +118,7 @@ def dry_run(cfg, stream=None) -> None:
 
 def train_main(argv=None) -> int:
     """Entry point of ``jaxcnn-train``."""
-    _limit_malloc_arenas()
+    _configure_cpu()
     args = _train_parser().parse_intermixed_args(argv)
     try:
         from jaxcnn.train.config import dump_config, load_config
@@ -189,6 +179,7 @@ def _eval_parser() -> argparse.ArgumentParser:
 
 def eval_main(argv=None) -> int:
     """Entry point of ``jaxcnn-eval``."""
+    _configure_cpu()
     args = _eval_parser().parse_intermixed_args(argv)
     try:
         import jax

@@ -637,8 +637,7 @@ def run_metadata(argv, config_path) -> dict:
                                              "numpy")},
         "backend": jax.default_backend(),
         # Whether jaxcnn's glibc malloc settings are on: they trade resident memory for speed.
-        "host_malloc": "jaxcnn" if _host_memory.configured() else (
-            _host_memory.skip_reason() or "default"),
+        "host_malloc": _host_memory.status(),
         "devices": [str(d) for d in jax.devices()], "process_count": jax.process_count(),
         "git_commit": commit,
     }

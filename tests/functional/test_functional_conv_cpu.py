@@ -267,6 +267,8 @@ def test_ynnpack_takes_convolutions_reads_the_flag():
 
 _WGRAD_RULE_CHILD = """
 import json, sys
+import jaxcnn.cpu
+jaxcnn.cpu.configure(malloc=False)  # jaxcnn's XLA flag, unless JAXCNN_CPU_XLA_FLAGS=0
 import numpy as np, jax, jax.numpy as jnp
 from jaxcnn.functional import _cpu_lowering as C
 out = []
