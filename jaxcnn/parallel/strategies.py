@@ -38,14 +38,7 @@ from jaxcnn.parallel.mesh import DATA
 STRATEGIES = ("shard_map", "pmap", "jit")
 CPU_MAX_IN_FLIGHT = 2
 
-try:  # jax >= 0.6 has jax.shard_map; older versions only the experimental one
-    _shard_map = jax.shard_map
-except AttributeError:  # pragma: no cover - depends on the installed jax
-    from jax.experimental.shard_map import shard_map as _exp_shard_map
-
-    def _shard_map(f, *, mesh, in_specs, out_specs, axis_names, check_vma):
-        auto = frozenset(mesh.axis_names) - frozenset(axis_names)
-        return _exp_shard_map(f, mesh, in_specs, out_specs, check_rep=check_vma, auto=auto)
+_shard_map = jax.shard_map  # jax >= 0.6 (pyproject requires 0.10.2)
 
 
 def step_axis_name(strategy: str) -> str | None:
