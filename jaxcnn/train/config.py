@@ -1020,26 +1020,6 @@ def train_steps(train_cfg, steps_per_epoch: int | None) -> int:
     return resolve_duration(_epochs_text(float(train_cfg.epochs)), steps_per_epoch, key="train.epochs")
 
 
-# -------------------------------------------------------------- reference
-
-def describe_schema() -> str:
-    """Every key as one line ``dotted.key: type = default -- doc`` (for ``--help``)."""
-    lines = []
-
-    def walk(schema, prefix):
-        for key, spec in schema.items():
-            path = _join(prefix, key)
-            if isinstance(spec, dict):
-                walk(spec, path)
-                continue
-            default = "(required)" if spec.required else yaml.safe_dump(spec.default, default_flow_style=True,
-                                                                         width=1000).strip().removesuffix("...").strip()
-            lines.append(f"{path}: {_expected(spec)} = {default} -- {spec.doc}")
-
-    walk(SCHEMA, "")
-    return "\n".join(lines)
-
-
 # ----------------------------------------------------------------- helpers
 
 def _join(prefix: str, key: str) -> str:

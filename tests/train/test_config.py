@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from jaxcnn.train.config import (
-    SCHEMA, Config, ConfigError, config_from_dict, describe_schema, load_config, parse_overrides,
+    SCHEMA, Config, ConfigError, config_from_dict, load_config, parse_overrides,
     resolve_duration, to_dict, train_steps, with_overrides)
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -172,14 +172,6 @@ def test_every_shipped_config_validates(path):
         cfg = load_config(path)
         assert cfg.model.name
     assert isinstance(cfg, Config)
-
-
-def test_describe_schema_lists_every_key():
-    text = describe_schema()
-    lines = text.splitlines()
-    assert len(lines) == len(list(schema_leaves()))
-    assert any(line.startswith("optim.schedule.warmup: a duration") for line in lines)
-    assert "model.name: a non-empty string = (required)" in text
 
 
 # ----------------------------------------------------------------- errors
