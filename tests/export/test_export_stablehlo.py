@@ -37,8 +37,16 @@ assert not any(m.startswith("jaxcnn") for m in sys.modules), "the child imported
 BATCH1 = ("mnist_cnn", "resnet18", "mobilenet_v2")
 
 
-def test_zoo_models_reload_in_a_fresh_process(zoo_case, tmp_path):
-    names = sorted(ZOO)
+# The normal suite reloads one model of each kind of layer (plain conv/pool, VGG with
+# BatchNorm, basic residual blocks, depthwise inverted residuals); -m slow the whole zoo.
+FAST_ZOO = ("lenet5", "mnist_cnn", "mobilenet_v2", "resnet18", "vgg16_bn")
+
+
+@pytest.mark.parametrize("names", [
+    pytest.param(FAST_ZOO, id="one-per-kind"),
+    pytest.param(tuple(sorted(ZOO)), id="whole-zoo", marks=pytest.mark.slow)])
+def test_zoo_models_reload_in_a_fresh_process(zoo_case, tmp_path, names):
+    names = list(names)
     exported = {}
     for name in names:
         case = zoo_case(name)
