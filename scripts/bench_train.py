@@ -121,10 +121,9 @@ def bench_jaxcnn(case, args, bf16, impl="auto", bn_grad="auto"):
     state = create_train_state(model, tx, jax.random.PRNGKey(0), (batch, *hwc),
                                loss_scale=P.make_loss_scale("none"), policy=policy)
     data = jax.device_put(host_batch(case, batch))
-    step = jax.jit(make_train_step(model, tx, policy=policy), donate_argnums=0)
-    # What "auto" in the layers means while tracing.
-    with F.default_impl(impl), F.default_batch_norm_grad(bn_grad):
-        step = step.lower(state, data).compile()
+    step = jax.jit(make_train_step(model, tx, policy=policy, impl=impl, batch_norm_grad=bn_grad),
+                   donate_argnums=0)
+    step = step.lower(state, data).compile()
     return median_jitted_step(step, state, data, args)
 
 

@@ -89,9 +89,9 @@ def main(argv=None) -> int:
                                loss_scale=P.make_loss_scale(policy.default_loss_scale), policy=policy)
     data = jax.device_put(synthetic_batch(SyntheticSpec(shape[1:], args.classes), 0, seed=0,
                                           batch_size=args.batch))
-    step = jax.jit(make_train_step(model, tx, policy=policy), donate_argnums=0)
-    with F.default_batch_norm_grad(args.bn_grad):
-        step = step.lower(state, data).compile()
+    step = jax.jit(make_train_step(model, tx, policy=policy, batch_norm_grad=args.bn_grad),
+                   donate_argnums=0)
+    step = step.lower(state, data).compile()
     with open(f"{out}/step.hlo.txt", "w", encoding="utf-8") as f:
         f.write(step.as_text())
     for _ in range(2):

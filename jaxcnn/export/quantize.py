@@ -56,8 +56,8 @@ def quantize_weight(w):
 
 def _observer(layer):
     """``layer`` that also reports ``max|x|`` of its input as state."""
-    def apply(params, state, x, *, train=False, rng=None, policy=None):
-        y, _ = layer.apply(params, {}, x, train=train, rng=rng, policy=policy)
+    def apply(params, state, x, *, train=False, rng=None, policy=None, choices=None):
+        y, _ = layer.apply(params, {}, x, train=train, rng=rng, policy=policy, choices=choices)
         return y, {_OBSERVED: jnp.max(jnp.abs(x)).astype(jnp.float32)}
     return leaf(layer.kind, layer.init, apply, layer.config)
 
@@ -122,7 +122,7 @@ def quantized_layer(layer):
     """
     int_op = _conv_int8(layer.config) if layer.kind == "conv2d" else _linear_int8
 
-    def apply(params, state, x, *, train=False, rng=None, policy=None):
+    def apply(params, state, x, *, train=False, rng=None, policy=None, choices=None):
         del train, rng, policy
         acc = int_op(quantize_activation(x, params["x_scale"]), params["w_q"])
         if "b_q" in params:

@@ -11,14 +11,15 @@ Convolution and pooling take ``impl="auto"|"xla"|"pallas"``: ``"pallas"`` runs
 the :mod:`pallas_kernels` kernels (interpreted off GPUs), ``"auto"`` runs XLA
 except on a GPU where the autotuner measured the kernel faster for the shape
 (a lookup; :mod:`jaxcnn.functional.tuning` measures, when asked);
-``with default_impl("xla"):`` changes what ``"auto"`` means while tracing.
+a layer's kernels are chosen by its ``apply(..., choices=)`` argument
+(:class:`jaxcnn.layers.Choices`), never by a scope a cached trace could miss.
 
 Typical use::
 
     from jaxcnn import functional as F
     y = F.relu(F.conv2d(x, w, b, padding=1))
 """
-from jaxcnn.functional._dispatch import default_impl
+from jaxcnn.functional._dispatch import default_impl  # removed: raises, naming the argument
 from jaxcnn.functional.activation import (
     elu, gelu, hardswish, leaky_relu, log_softmax, relu, relu6, sigmoid, silu, softmax, tanh)
 from jaxcnn.functional.conv import conv2d, conv_transpose2d
@@ -26,17 +27,17 @@ from jaxcnn.functional.dropout import dropout
 from jaxcnn.functional.linear import linear
 from jaxcnn.functional.loss import cross_entropy, top_k_accuracy, top_k_correct
 from jaxcnn.functional.norm import (
-    BATCH_NORM_GRADS, batch_norm, batch_norm_train, default_batch_norm_grad, group_norm, layer_norm)
+    BATCH_NORM_GRADS, batch_norm, batch_norm_train, default_batch_norm_grad,  # removed: raises
+    group_norm, layer_norm)
 from jaxcnn.functional.pool import (
     adaptive_avg_pool2d, avg_pool2d, global_avg_pool2d, max_pool2d)
 
 __all__ = [
-    "default_impl",
     "conv2d", "conv_transpose2d",
     "max_pool2d", "avg_pool2d", "adaptive_avg_pool2d", "global_avg_pool2d",
     "linear",
     "batch_norm", "batch_norm_train", "layer_norm", "group_norm",
-    "BATCH_NORM_GRADS", "default_batch_norm_grad",
+    "BATCH_NORM_GRADS",
     "dropout",
     "relu", "relu6", "leaky_relu", "elu", "gelu", "silu", "hardswish", "sigmoid", "tanh",
     "softmax", "log_softmax",

@@ -1,7 +1,8 @@
 """Which implementation runs an op call: XLA, a CPU rewrite or a Pallas kernel.
 
 :func:`choose` is the one place that decides, and it only looks things up:
-the ``impl`` argument and the :func:`default_impl` scope, the platform, and on
+the ``impl`` argument (an argument, never a scope, so a cached trace cannot
+hold a stale choice), the platform, and on
 a GPU the tuned verdicts (:func:`pallas_kernels.autotune.verdict`, the
 user's cache over the shipped table, keyed by device kind).  It never times
 or compiles anything, so it is safe inside any trace; tuning runs only when
@@ -13,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import threading
 
 import jax
 
@@ -22,7 +22,6 @@ from jaxcnn.functional import _channels, _cpu_lowering
 
 IMPLS = ("auto", "xla", "pallas")
 
-_scope = threading.local()
 _recorders: list = []
 
 
@@ -33,40 +32,30 @@ def check_impl(op: str, impl: str) -> str:
     return impl
 
 
-@contextlib.contextmanager
-def scoped_default(name: str, value: str):
-    """Within the block, :func:`scoped` ``(name)`` is ``value`` (per thread, nestable)."""
-    saved = scoped(name)
-    setattr(_scope, name, value)
-    try:
-        yield
-    finally:
-        setattr(_scope, name, saved)
-
-
-def scoped(name: str) -> str:
-    """The innermost :func:`scoped_default` value of ``name`` in this thread, or ``"auto"``."""
-    return getattr(_scope, name, "auto")
-
-
-@contextlib.contextmanager
 def default_impl(impl: str):
-    """Within the block (at trace time), ops called with ``impl="auto"`` use ``impl``.
+    """Removed: a scope read while tracing could not reach a cached ``jax.jit`` trace.
 
-    Lets a whole model, whose layers call the ops with the default ``"auto"``,
-    be traced with ``"xla"`` or ``"pallas"`` kernels, e.g. to compare the two::
-
-        with F.default_impl("xla"):
-            step = jax.jit(train_step).lower(state, batch).compile()
-
-    An explicit ``impl="xla"`` or ``"pallas"`` in a call is left as given.  On
-    the CPU, ``"xla"`` here also keeps the CPU lowerings of ``"auto"``.  A function
-    JAX has already traced with the same argument shapes outside the block keeps its
-    cached trace: trace a fresh function object to compare.
+    Pass the choice instead: ``impl=`` to the ops, or for a model
+    ``apply(..., choices=Choices(impl=))`` / ``make_train_step(..., impl=)``.
     """
-    check_impl("default_impl", impl)
-    with scoped_default("impl", impl):
-        yield
+    raise RuntimeError(
+        "F.default_impl was removed: a cached jax.jit trace ignored it. Pass the choice as an "
+        "argument: the ops' impl=..., model.apply(..., choices=jaxcnn.layers.Choices(impl=...)) "
+        "or make_train_step(..., impl=...)")
+
+
+def layer_impl(impl: str) -> str:
+    """The ops' ``impl`` argument for a layer-level choice (``Choices.impl``).
+
+    ``"auto"`` and ``"pallas"`` pass through.  ``"xla"`` at the layer level rules out
+    the kernels only: on the CPU it is the ops' ``"auto"`` (XLA with the CPU
+    lowerings of :mod:`._cpu_lowering`, never a kernel there), elsewhere the ops'
+    ``"xla"`` (no tuned-kernel lookup).
+    """
+    check_impl("Choices", impl)
+    if impl == "xla" and _platform() == "cpu":
+        return "auto"
+    return impl
 
 
 @contextlib.contextmanager
@@ -98,18 +87,16 @@ def choose(op: str, impl: str, arrays, static: dict):
         rewrite (``"auto"`` on a CPU, for the shapes :mod:`._cpu_lowering`
         covers), or None.
     """
-    resolved = scoped("impl") if check_impl(op, impl) == "auto" else impl
-    if resolved == "pallas":
+    if check_impl(op, impl) == "pallas":
         return _kernel(op, static)
     if impl != "auto":
         return None
-    if resolved == "auto":
-        for seen in _recorders:
-            seen.append((op, tuple(arrays), dict(static)))
-        if not _recorders and _platform() == "gpu":
-            kernel = _tuned_kernel(op, arrays, static)
-            if kernel is not None:
-                return kernel
+    for seen in _recorders:
+        seen.append((op, tuple(arrays), dict(static)))
+    if not _recorders and _platform() == "gpu":
+        kernel = _tuned_kernel(op, arrays, static)
+        if kernel is not None:
+            return kernel
     if _platform() == "cpu":
         return _cpu_rewrite(op, arrays, static)
     return None

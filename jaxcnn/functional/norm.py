@@ -6,7 +6,6 @@ biased (population) ones, the ones used to normalise.
 """
 from __future__ import annotations
 
-import contextlib
 import math
 
 import jax
@@ -14,7 +13,6 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxcnn import _geometry as geo
-from jaxcnn.functional import _dispatch
 from jaxcnn.functional._channels import channel_broadcast, channel_mean
 
 #: The ways :func:`batch_norm_train` can be differentiated (``grad=``).
@@ -77,26 +75,22 @@ def _scale_shift(centred, factor, scale, bias):
     return y if bias is None else y + channel_broadcast(bias.astype(centred.dtype), centred.shape)
 
 
-@contextlib.contextmanager
 def default_batch_norm_grad(grad: str):
-    """Within the block (at trace time), ``batch_norm_train(grad="auto")`` uses ``grad``.
+    """Removed: a scope read while tracing could not reach a cached ``jax.jit`` trace.
 
-    Lets a whole model, whose BatchNorm layers call :func:`batch_norm_train` with the
-    default ``"auto"``, be traced with either form, e.g. to time both::
-
-        with F.default_batch_norm_grad("closed_form"):
-            step = jax.jit(train_step).lower(state, batch).compile()
-
-    It acts while tracing: a function JAX has already traced (jitted and called, or
-    lowered) with the same argument shapes outside the block keeps its cached trace,
-    so trace a fresh function object (as ``scripts/bench_train.py`` does) to compare.
+    Pass the form instead: ``batch_norm_train(..., grad=)``, or for a model
+    ``apply(..., choices=Choices(batch_norm_grad=))`` /
+    ``make_train_step(..., batch_norm_grad=)``.
     """
-    _check_bn_grad("default_batch_norm_grad", grad)
-    with _dispatch.scoped_default("batch_norm_grad", grad):
-        yield
+    raise RuntimeError(
+        "F.default_batch_norm_grad was removed: a cached jax.jit trace ignored it. Pass the form "
+        "as an argument: F.batch_norm_train(..., grad=...), model.apply(..., "
+        "choices=jaxcnn.layers.Choices(batch_norm_grad=...)) or make_train_step(..., "
+        "batch_norm_grad=...)")
 
 
-def _check_bn_grad(op: str, grad: str) -> str:
+def check_batch_norm_grad(op: str, grad: str) -> str:
+    """Returns ``grad`` after checking it is ``"auto"`` or one of :data:`BATCH_NORM_GRADS`."""
     if grad != "auto" and grad not in BATCH_NORM_GRADS:
         raise ValueError(f"{op}: grad must be 'auto' or one of {BATCH_NORM_GRADS}, got {grad!r}")
     return grad
@@ -129,9 +123,8 @@ def batch_norm_train(x, scale=None, bias=None, *, eps=1e-5, axis_name=None, grad
       ``pmap``, ``shard_map`` (with or without ``check_vma``) and ``vmap``,
       differentiated inside or out, behave as with autodiff.
 
-    ``"auto"`` is ``"autodiff"`` unless :func:`default_batch_norm_grad` says
-    otherwise: the closed form has not yet been timed on a GPU, and on the
-    2-core CPU of ``docs/BENCHMARKS.md`` it was no faster.
+    ``"auto"`` is ``"autodiff"``: the closed form has not yet been timed on a
+    GPU, and on the 2-core CPU of ``docs/BENCHMARKS.md`` it was no faster.
 
     Arguments:
         x: input ``(..., C)``, e.g. NHWC.
@@ -151,8 +144,7 @@ def batch_norm_train(x, scale=None, bias=None, *, eps=1e-5, axis_name=None, grad
         raise ValueError(f"{op}: x must have rank >= 2 (batch..., C), got shape {x_shape}")
     for name, v in (("scale", scale), ("bias", bias)):
         _check_channel_vector(op, name, v, x_shape[-1], x_shape)
-    if _check_bn_grad(op, grad) == "auto":
-        grad = _dispatch.scoped("batch_norm_grad")
+    check_batch_norm_grad(op, grad)
     xa = x.astype(_acc_dtype(x))
     if grad == "closed_form":
         mean, var = _moments(xa)

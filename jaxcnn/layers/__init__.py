@@ -3,7 +3,9 @@
 Every constructor returns a :class:`Layer`::
 
     init(key, input_shape) -> (params, state, output_shape)
-    apply(params, state, x, *, train=False, rng=None, policy=None) -> (y, new_state)
+    apply(params, state, x, *, train=False, rng=None, policy=None, choices=None) -> (y, new_state)
+
+``choices`` (a :class:`Choices`) picks kernels, BatchNorm's backward and sync axis.
 
 Example::
 
@@ -14,7 +16,8 @@ Example::
 from jaxcnn.layers import initializers
 from jaxcnn.layers.activation import (Elu, Gelu, Hardswish, LeakyRelu, LogSoftmax, Relu, Relu6,
                                       Sigmoid, Silu, Softmax, Tanh)
-from jaxcnn.layers.base import Layer, LayerRecord, leaf, name_scope, record_layers, split_rng
+from jaxcnn.layers.base import (Choices, Layer, LayerRecord, leaf, name_scope, record_layers,
+                                split_rng)
 from jaxcnn.layers.combinators import parallel, residual, serial
 from jaxcnn.layers.conv import Conv2D, ConvTranspose2D
 from jaxcnn.layers.dropout import Dropout
@@ -24,7 +27,8 @@ from jaxcnn.layers.pool import AdaptiveAvgPool2D, AvgPool2D, GlobalAvgPool2D, Ma
 from jaxcnn.layers.reshape import Flatten, Identity
 
 __all__ = [
-    "Layer", "LayerRecord", "leaf", "name_scope", "record_layers", "split_rng", "initializers",
+    "Choices", "Layer", "LayerRecord", "leaf", "name_scope", "record_layers", "split_rng",
+    "initializers",
     "Conv2D", "ConvTranspose2D", "Linear",
     "BatchNorm", "LayerNorm", "GroupNorm",
     "MaxPool2D", "AvgPool2D", "AdaptiveAvgPool2D", "GlobalAvgPool2D",

@@ -7,6 +7,8 @@ import math
 from typing import Sequence
 
 from jaxcnn._geometry import explicit_pads, out_size, pair
+from jaxcnn.functional import _dispatch
+from jaxcnn.layers.base import choices_or_default
 from jaxcnn.precision import DEFAULT_FP32_KINDS, cast_for
 
 
@@ -96,3 +98,8 @@ def cast_out(policy, kind: str, y, input_dtype):
     if policy is not None and kind in DEFAULT_FP32_KINDS:
         return y.astype(input_dtype)
     return y
+
+
+def layer_impl(choices) -> str:
+    """The ops' ``impl`` argument for a layer applied with ``choices`` (a ``Choices`` or None)."""
+    return _dispatch.layer_impl(choices_or_default(choices).impl)

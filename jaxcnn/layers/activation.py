@@ -14,7 +14,7 @@ def _activation(kind: str, fn, config: dict | None = None) -> Layer:
         del key
         return {}, {}, tuple(input_shape)
 
-    def apply(params, state, x, *, train=False, rng=None, policy=None):
+    def apply(params, state, x, *, train=False, rng=None, policy=None, choices=None):
         del params, train, rng
         in_dtype = x.dtype
         x, _ = cast_in(policy, kind, x)

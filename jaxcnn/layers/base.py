@@ -4,13 +4,18 @@ A ``Layer`` is, in the spirit of optax's ``GradientTransformation``, a
 NamedTuple of two pure functions::
 
     init(key, input_shape) -> (params, state, output_shape)
-    apply(params, state, x, *, train=False, rng=None, policy=None) -> (y, new_state)
+    apply(params, state, x, *, train=False, rng=None, policy=None, choices=None)
+        -> (y, new_state)
 
 ``input_shape`` and ``output_shape`` are full shapes including the batch
 dimension, e.g. ``(N, H, W, C)`` for images (NHWC).  ``init`` is shape driven:
 it never runs a forward pass.  ``params`` holds trained arrays, ``state`` the
 non-trained ones (BatchNorm running statistics); both are nested dicts with
-readable keys, and a layer without any returns ``{}``.
+readable keys, and a layer without any returns ``{}``.  ``choices`` (a
+:class:`Choices` or None) picks the kernels, the BatchNorm backward and the
+axis BatchNorm syncs over; like ``policy`` it is an argument, passed down by
+the combinators, so a traced function that closes over it can never keep a
+trace made with another choice.
 
 Besides the two functions a Layer carries a little static description that
 tools (``jaxcnn.summary``, interop, export) read: ``kind`` (``"conv2d"``,
@@ -25,6 +30,7 @@ see inside a model without running it.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 from typing import Any, Callable, NamedTuple
 
@@ -40,8 +46,8 @@ class Layer(NamedTuple):
 
     Arguments:
         init: ``(key, input_shape) -> (params, state, output_shape)``.
-        apply: ``(params, state, x, *, train=False, rng=None, policy=None)
-            -> (y, new_state)``.
+        apply: ``(params, state, x, *, train=False, rng=None, policy=None,
+            choices=None) -> (y, new_state)``.
         kind: short name of the layer type, e.g. ``"conv2d"``; combinators use
             ``"serial"``, ``"residual"``, ``"parallel"``.
         config: the layer's hyper-parameters as a plain dict (read-only).
@@ -53,6 +59,51 @@ class Layer(NamedTuple):
     kind: str = "layer"
     config: dict | None = None
     children: tuple = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Choices:
+    """Trace-time choices of how layers compute, given to ``apply(..., choices=)``.
+
+    Frozen and hashable (a static argument of ``jax.jit`` if need be); a bad
+    name fails when it is built, naming the field.  ``Choices()`` (or None) is
+    every default.
+
+    Arguments:
+        impl: kernels of the convolution and pooling layers: ``"auto"`` (the
+            ops' own choice), ``"xla"`` (never a Pallas kernel; on the CPU the
+            ops' CPU lowerings stay) or ``"pallas"``.
+        batch_norm_grad: BatchNorm's backward form (``F.batch_norm_train``'s
+            ``grad``): ``"auto"`` (autodiff), ``"autodiff"`` or ``"closed_form"``.
+        axis_name: the mapped axis (``shard_map``/``pmap``) that BatchNorm layers
+            built without ``axis_name`` sync their statistics over, or None.
+    """
+
+    impl: str = "auto"
+    batch_norm_grad: str = "auto"
+    axis_name: str | None = None
+
+    def __post_init__(self):
+        from jaxcnn.functional import _dispatch
+        from jaxcnn.functional.norm import check_batch_norm_grad
+        _dispatch.check_impl("Choices", self.impl)
+        check_batch_norm_grad("Choices", self.batch_norm_grad)
+        if self.axis_name is not None and not isinstance(self.axis_name, (str, tuple)):
+            raise ValueError(f"Choices: axis_name must be an axis name (a string or a tuple of "
+                             f"them) or None, got {self.axis_name!r}")
+
+
+DEFAULT_CHOICES = Choices()
+
+
+def choices_or_default(choices) -> Choices:
+    """``choices``, or :data:`DEFAULT_CHOICES` for None; anything else is a TypeError."""
+    if choices is None:
+        return DEFAULT_CHOICES
+    if not isinstance(choices, Choices):
+        raise TypeError(f"choices must be a jaxcnn.layers.Choices or None, got "
+                        f"{type(choices).__name__}")
+    return choices
 
 
 class LayerRecord(NamedTuple):

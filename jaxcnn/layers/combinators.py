@@ -61,9 +61,9 @@ def _init_child(name, layer, key, input_shape, params, state):
     return tuple(out_shape)
 
 
-def _apply_child(name, layer, rng, params, state, x, train, policy, new_state):
+def _apply_child(name, layer, rng, params, state, x, train, policy, choices, new_state):
     y, s = layer.apply(params.get(name, {}), state.get(name, {}), x, train=train, rng=rng,
-                       policy=policy)
+                       policy=policy, choices=choices)
     if s:
         new_state[name] = s
     return y
@@ -88,10 +88,10 @@ def serial(*layers) -> Layer:
             shape = _init_child(name, layer, k, shape, params, state)
         return params, state, shape
 
-    def apply(params, state, x, *, train=False, rng=None, policy=None):
+    def apply(params, state, x, *, train=False, rng=None, policy=None, choices=None):
         new_state = {}
         for (name, layer), r in zip(children, split_rng(rng, n)):
-            x = _apply_child(name, layer, r, params, state, x, train, policy, new_state)
+            x = _apply_child(name, layer, r, params, state, x, train, policy, choices, new_state)
         return x, new_state
 
     return Layer(init, apply, "serial", {}, tuple(children))
@@ -147,20 +147,20 @@ def residual(*layers, shortcut: Layer | None = None, shortcut_name: str = "short
             shape = _init_child("activation", activation, keys[-1], shape, params, state)
         return params, state, shape
 
-    def apply(params, state, x, *, train=False, rng=None, policy=None):
+    def apply(params, state, x, *, train=False, rng=None, policy=None, choices=None):
         new_state, rngs = {}, split_rng(rng, n)
         y = x
         for (name, layer), r in zip(main, rngs):
-            y = _apply_child(name, layer, r, params, state, y, train, policy, new_state)
+            y = _apply_child(name, layer, r, params, state, y, train, policy, choices, new_state)
         s = x
         if shortcut is not None:
             s = _apply_child(shortcut_name, shortcut, rngs[len(main)], params, state, x, train,
-                             policy, new_state)
+                             policy, choices, new_state)
         y, s = cast_for(policy, "residual", (y, s))
         y = y + s
         if activation is not None:
             y = _apply_child("activation", activation, rngs[-1], params, state, y, train,
-                             policy, new_state)
+                             policy, choices, new_state)
         return y, new_state
 
     return Layer(init, apply, "residual", dict(shortcut_name=shortcut_name), tuple(children))
@@ -201,9 +201,9 @@ def parallel(*layers, combine: str = "concat") -> Layer:
                              f"of shapes {shapes} (input {input_shape})")
         return params, state, out
 
-    def apply(params, state, x, *, train=False, rng=None, policy=None):
+    def apply(params, state, x, *, train=False, rng=None, policy=None, choices=None):
         new_state = {}
-        outs = [_apply_child(name, layer, r, params, state, x, train, policy, new_state)
+        outs = [_apply_child(name, layer, r, params, state, x, train, policy, choices, new_state)
                 for (name, layer), r in zip(children, split_rng(rng, n))]
         outs = cast_for(policy, "parallel", outs)
         if combine == "add":

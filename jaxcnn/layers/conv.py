@@ -11,8 +11,8 @@ import jax.numpy as jnp
 
 from jaxcnn import functional as F
 from jaxcnn.layers import initializers as inits
-from jaxcnn.layers._common import (cast_in, check_image, check_positive, padding_pairs, pair,
-                                   transpose_output_size, window_output_size)
+from jaxcnn.layers._common import (cast_in, check_image, check_positive, layer_impl,
+                                   padding_pairs, pair, transpose_output_size, window_output_size)
 from jaxcnn.layers.base import Layer, leaf
 
 
@@ -78,11 +78,11 @@ def Conv2D(out_channels: int, kernel_size, *, stride=1, padding=0, dilation=1, g
                                out_channels, use_bias, w_init, b_init)
         return params, {}, out_shape
 
-    def apply(params, state, x, *, train=False, rng=None, policy=None):
+    def apply(params, state, x, *, train=False, rng=None, policy=None, choices=None):
         del train, rng
         x, params = cast_in(policy, "conv2d", x, params)
         y = F.conv2d(x, params["w"], params.get("b"), stride=stride, padding=padding,
-                     dilation=dilation, groups=groups)
+                     dilation=dilation, groups=groups, impl=layer_impl(choices))
         return y, state
 
     return leaf("conv2d", init, apply, config)
@@ -149,7 +149,7 @@ def ConvTranspose2D(out_channels: int, kernel_size, *, stride=1, padding=0, outp
                                out_channels, use_bias, w_init, b_init)
         return params, {}, out_shape
 
-    def apply(params, state, x, *, train=False, rng=None, policy=None):
+    def apply(params, state, x, *, train=False, rng=None, policy=None, choices=None):
         del train, rng
         x, params = cast_in(policy, "conv_transpose2d", x, params)
         y = F.conv_transpose2d(x, params["w"], params.get("b"), stride=stride, padding=padding,

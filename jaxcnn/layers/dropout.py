@@ -25,7 +25,7 @@ def Dropout(rate: float) -> Layer:
         del key
         return {}, {}, tuple(input_shape)
 
-    def apply(params, state, x, *, train=False, rng=None, policy=None):
+    def apply(params, state, x, *, train=False, rng=None, policy=None, choices=None):
         del params
         x, _ = cast_in(policy, "dropout", x)
         if not train:

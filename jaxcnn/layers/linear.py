@@ -42,7 +42,7 @@ def Linear(out_features: int, *, use_bias: bool = True, w_init=None, b_init=None
             params["b"] = b_init(k_b, (out_features,), jnp.float32, in_features, out_features)
         return params, {}, tuple(input_shape[:-1]) + (out_features,)
 
-    def apply(params, state, x, *, train=False, rng=None, policy=None):
+    def apply(params, state, x, *, train=False, rng=None, policy=None, choices=None):
         del train, rng
         x, params = cast_in(policy, "linear", x, params)
         return F.linear(x, params["w"], params.get("b")), state

@@ -6,41 +6,12 @@ in with; BatchNorm's running statistics are float32 state.
 """
 from __future__ import annotations
 
-import contextlib
-import threading
-
 import jax
 import jax.numpy as jnp
 
 from jaxcnn import functional as F
 from jaxcnn.layers._common import cast_in, cast_out, check_min_rank, prod
-from jaxcnn.layers.base import Layer, leaf
-
-
-class _DefaultAxis(threading.local):
-    name = None
-
-
-_DEFAULT_AXIS = _DefaultAxis()
-
-
-@contextlib.contextmanager
-def batch_norm_axis_name(axis_name: str | None):
-    """While active, BatchNorm layers built without ``axis_name`` use this one.
-
-    Lets a parallel strategy sync the statistics of any model over its data
-    axis when it traces the step, without rebuilding the model; it is read
-    while tracing, so wrap the traced function's body, not the call of a
-    jitted function.
-
-    Arguments:
-        axis_name: a mapped axis name (``shard_map``/``pmap``), or None.
-    """
-    outer, _DEFAULT_AXIS.name = _DEFAULT_AXIS.name, axis_name
-    try:
-        yield
-    finally:
-        _DEFAULT_AXIS.name = outer
+from jaxcnn.layers.base import Layer, choices_or_default, leaf
 
 
 def _affine_params(channels: int):
@@ -64,7 +35,10 @@ def BatchNorm(*, momentum: float | None = 0.1, eps: float = 1e-5, axis_name=None
         eps: added to the variance before the square root.
         axis_name: name of a mapped axis (``pmap``/``shard_map``) over which the
             batch statistics are averaged, so that devices agree (SyncBatchNorm);
-            None takes the one set by :func:`batch_norm_axis_name` when tracing, if any.
+            None takes ``apply``'s ``choices.axis_name``, if any.
+
+    ``apply``'s ``choices.batch_norm_grad`` picks the backward form (``F.batch_norm_train``'s
+    ``grad``).
 
     Returns:
         A Layer of kind ``"batch_norm"``: input ``(N, ..., C)``, output of the same
@@ -86,7 +60,7 @@ def BatchNorm(*, momentum: float | None = 0.1, eps: float = 1e-5, axis_name=None
                  "count": jnp.zeros((), jnp.int32)}
         return _affine_params(c), state, tuple(input_shape)
 
-    def apply(params, state, x, *, train=False, rng=None, policy=None):
+    def apply(params, state, x, *, train=False, rng=None, policy=None, choices=None):
         del rng
         in_dtype = x.dtype
         if not train:
@@ -94,7 +68,8 @@ def BatchNorm(*, momentum: float | None = 0.1, eps: float = 1e-5, axis_name=None
             x, (params, (mean, var)) = cast_in(policy, "batch_norm", x, (params, stats))
             y = F.batch_norm(x, mean, var, params["scale"], params["bias"], eps=eps)
             return cast_out(policy, "batch_norm", y, in_dtype), state
-        axis = axis_name if axis_name is not None else _DEFAULT_AXIS.name
+        choices = choices_or_default(choices)
+        axis = axis_name if axis_name is not None else choices.axis_name
         n = prod(x.shape[:-1])
         if axis is not None:
             n = n * jax.lax.psum(1, axis)
@@ -103,7 +78,7 @@ def BatchNorm(*, momentum: float | None = 0.1, eps: float = 1e-5, axis_name=None
                              f"got input shape {tuple(x.shape)}")
         x, params = cast_in(policy, "batch_norm", x, params)
         y, mean, var = F.batch_norm_train(x, params["scale"], params["bias"], eps=eps,
-                                          axis_name=axis)
+                                          axis_name=axis, grad=choices.batch_norm_grad)
         count = state["count"] + 1
         m = momentum if momentum is not None else 1.0 / count.astype(jnp.float32)
         unbiased = var.astype(jnp.float32) * (n / (n - 1))
@@ -152,7 +127,7 @@ def LayerNorm(*, axes=-1, eps: float = 1e-5) -> Layer:
                   "bias": jnp.zeros(norm_shape, jnp.float32)}
         return params, {}, tuple(input_shape)
 
-    def apply(params, state, x, *, train=False, rng=None, policy=None):
+    def apply(params, state, x, *, train=False, rng=None, policy=None, choices=None):
         del train, rng
         in_dtype = x.dtype
         x, params = cast_in(policy, "layer_norm", x, params)
@@ -189,7 +164,7 @@ def GroupNorm(num_groups: int, *, eps: float = 1e-5) -> Layer:
                              f"input shape {tuple(input_shape)}")
         return _affine_params(input_shape[-1]), {}, tuple(input_shape)
 
-    def apply(params, state, x, *, train=False, rng=None, policy=None):
+    def apply(params, state, x, *, train=False, rng=None, policy=None, choices=None):
         del train, rng
         in_dtype = x.dtype
         x, params = cast_in(policy, "group_norm", x, params)

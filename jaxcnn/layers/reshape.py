@@ -19,7 +19,7 @@ def Flatten() -> Layer:
         check_min_rank("Flatten", input_shape, 1)
         return {}, {}, (input_shape[0], prod(input_shape[1:]))
 
-    def apply(params, state, x, *, train=False, rng=None, policy=None):
+    def apply(params, state, x, *, train=False, rng=None, policy=None, choices=None):
         del params, train, rng
         x, _ = cast_in(policy, "flatten", x)
         return x.reshape(x.shape[0], -1), state
@@ -37,7 +37,7 @@ def Identity() -> Layer:
         del key
         return {}, {}, tuple(input_shape)
 
-    def apply(params, state, x, *, train=False, rng=None, policy=None):
+    def apply(params, state, x, *, train=False, rng=None, policy=None, choices=None):
         del params, train, rng, policy
         return x, state
 

@@ -4,7 +4,8 @@
 sections and gives the training loop all it needs::
 
     plan = setup(cfg, run.model, run.input_shape, abstract_state(run))
-    train_step = plan.wrap_step(make_train_step(..., axis_name=plan.step_axis_name))
+    train_step = plan.wrap_step(make_train_step(..., axis_name=plan.step_axis_name,
+                                                sync_batch_norm=plan.sync_batch_norm))
     state = plan.shard_state(init_state(run))    # or manager.restore(target=plan.abstract_state)
     prefetch = Prefetcher(make_batch, device_put=plan.put_batch)
     state, metrics = train_step(state, batch)
@@ -118,7 +119,8 @@ class ParallelPlan:
         return global_batch(local_batch, self.batch_sharding())
 
     def wrap_step(self, train_step, *, donate: bool = True):
-        """``train_step`` (built with ``axis_name=self.step_axis_name``) distributed over the mesh."""
+        """``train_step`` (built with ``axis_name=self.step_axis_name`` and
+        ``sync_batch_norm=self.sync_batch_norm``) distributed over the mesh."""
         return S.wrap_train_step(train_step, self.strategy, self.mesh, self.state_shardings,
                                  sync_batch_norm=self.sync_batch_norm, donate=donate)
 

@@ -5,7 +5,8 @@ Three strategies, the same numbers (up to float32 reduction order):
 * ``shard_map`` (default): every device runs the step on its slice of the
   batch; the step averages gradients and metrics with ``lax.pmean`` over
   ``data`` (build it with ``make_train_step(..., axis_name="data")``) and
-  BatchNorm averages its statistics there too.  Only ``data`` is manual: the
+  BatchNorm averages its statistics there too (unless the step was built with
+  ``sync_batch_norm=False``).  Only ``data`` is manual: the
   ``model`` axis stays automatic, so model-parallel and fsdp shardings of the
   state are handled by XLA (gathered on entry, re-split on exit).
 * ``pmap``: the legacy form of the same per-device program; data parallel only.
@@ -26,13 +27,11 @@ would arrive already summed and the step's ``pmean`` would be wrong.
 from __future__ import annotations
 
 import collections
-import contextlib
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxcnn.layers.norm import batch_norm_axis_name
 from jaxcnn.parallel.mesh import DATA
 
 STRATEGIES = ("shard_map", "pmap", "jit")
@@ -55,17 +54,23 @@ def per_device(train_step, *, axis_name: str = DATA, sync_batch_norm: bool = Tru
     are averaged over devices after the step, so the state stays replicated.
 
     Arguments:
-        train_step: ``(state, batch) -> (state, metrics)`` built with ``axis_name``.
+        train_step: ``(state, batch) -> (state, metrics)`` built with ``axis_name``
+            and the same ``sync_batch_norm`` (``make_train_step``'s arguments: the
+            step passes BatchNorm its axis, so a cached trace cannot miss it).
         axis_name: the mapped data axis.
         sync_batch_norm: BatchNorm statistics over the global batch.
+
+    Raises:
+        ValueError: when ``train_step`` says (``batch_norm_axis_name``, as
+            ``make_train_step``'s steps do) that BatchNorm syncs otherwise.
     """
+    _check_batch_norm_axis(train_step, axis_name if sync_batch_norm else None)
+
     def step(state, batch):
         shared_rng = state.rng
         key = jax.random.fold_in(jax.random.wrap_key_data(shared_rng), jax.lax.axis_index(axis_name))
         state = state._replace(rng=jax.random.key_data(key))
-        ctx = batch_norm_axis_name(axis_name) if sync_batch_norm else contextlib.nullcontext()
-        with ctx:
-            new_state, metrics = train_step(state, batch)
+        new_state, metrics = train_step(state, batch)
         if not sync_batch_norm:
             new_state = new_state._replace(state=jax.tree_util.tree_map(
                 lambda x: jax.lax.pmean(x, axis_name) if jnp.issubdtype(x.dtype, jnp.floating) else x,
@@ -73,6 +78,17 @@ def per_device(train_step, *, axis_name: str = DATA, sync_batch_norm: bool = Tru
         return new_state._replace(rng=shared_rng), metrics
 
     return step
+
+
+def _check_batch_norm_axis(train_step, expected) -> None:
+    if not hasattr(train_step, "batch_norm_axis_name"):
+        return  # a step not made by make_train_step: its BatchNorm axis is its own business
+    got = train_step.batch_norm_axis_name
+    if got != expected:
+        raise ValueError(
+            f"parallel: the train step syncs BatchNorm over {got!r} but the strategy expects "
+            f"{expected!r}; build it with make_train_step(..., axis_name=plan.step_axis_name, "
+            f"sync_batch_norm=plan.sync_batch_norm)")
 
 
 def wrap_train_step(train_step, strategy: str, mesh: Mesh, state_shardings, *,
@@ -102,6 +118,7 @@ def _compile(train_step, strategy, mesh, state_shardings, sync_batch_norm, donat
     replicated = NamedSharding(mesh, P())
     donate_argnums = (0,) if donate else ()
     if strategy == "jit":
+        _check_batch_norm_axis(train_step, None)
         return jax.jit(train_step, in_shardings=(state_shardings, batch_sharding(mesh)),
                        out_shardings=(state_shardings, replicated), donate_argnums=donate_argnums)
     program = per_device(train_step, sync_batch_norm=sync_batch_norm)

@@ -574,7 +574,7 @@ def prepare(cfg) -> Prepared:
     train_step = plan.wrap_step(make_train_step(
         run.model, run.tx, policy=run.policy, label_smoothing=cfg.optim.label_smoothing,
         schedule=run.schedule, skip_nonfinite=cfg.train.nan_policy == "skip",
-        axis_name=plan.step_axis_name,
+        axis_name=plan.step_axis_name, sync_batch_norm=plan.sync_batch_norm,
         image_norm=(NOISE_MEAN, NOISE_STD) if run.synthetic is not None else None,
         impl=cfg.model.impl, batch_norm_grad=cfg.model.batch_norm_grad))
     eval_step = plan.wrap_eval(make_eval_step(run.model, policy=run.policy, impl=cfg.model.impl))

@@ -6,7 +6,6 @@ the ``parallel`` package wraps it for many devices, the loop only calls it.
 """
 from __future__ import annotations
 
-import contextlib
 from typing import Callable
 
 import jax
@@ -15,6 +14,7 @@ import optax
 
 from jaxcnn import functional as F
 from jaxcnn import precision as P
+from jaxcnn.layers.base import Choices
 from jaxcnn.train.state import MasterCopyState, TrainState
 
 
@@ -48,24 +48,11 @@ def cross_device_mean(tree, axis_name):
     return jax.tree_util.tree_map(lambda m, x: m.astype(x.dtype), mean, tree)
 
 
-@contextlib.contextmanager
-def kernel_choices(impl: str = "auto", batch_norm_grad: str = "auto"):
-    """While tracing inside the block, layers' ``"auto"`` kernels and BatchNorm backward
-    follow ``impl`` (``F.default_impl``) and ``batch_norm_grad``
-    (``F.default_batch_norm_grad``); ``"auto"`` leaves an enclosing choice in place."""
-    with contextlib.ExitStack() as stack:
-        if impl != "auto":
-            stack.enter_context(F.default_impl(impl))
-        if batch_norm_grad != "auto":
-            stack.enter_context(F.default_batch_norm_grad(batch_norm_grad))
-        yield
-
-
 def make_train_step(model, tx: optax.GradientTransformation, *, policy=None,
                     label_smoothing: float = 0.0, schedule: Callable | None = None,
                     skip_nonfinite: bool = False, axis_name: str | None = None,
                     image_norm: tuple | None = None, impl: str = "auto",
-                    batch_norm_grad: str = "auto"):
+                    batch_norm_grad: str = "auto", sync_batch_norm: bool = True):
     """Build ``train_step(state, batch) -> (state, metrics)``.
 
     Arguments:
@@ -78,36 +65,42 @@ def make_train_step(model, tx: optax.GradientTransformation, *, policy=None,
             step whose gradients are not finite (always done under dynamic loss
             scaling).
         axis_name: when the step runs under ``shard_map``/``pmap`` over a data
-            axis, gradients, metrics and BatchNorm statistics are averaged over it.
+            axis, gradients, metrics and (with ``sync_batch_norm``) BatchNorm
+            statistics are averaged over it.
         image_norm: ``(mean, std)`` on the unit scale (scalars or per channel):
             ``uint8`` batch images are then normalised on the device,
             ``(x / 255 - mean) / std`` in float32, so the host moves bytes
             (4x less than float32).  Float images are used as given.
-        impl, batch_norm_grad: the layers' ``"auto"`` kernels and BatchNorm backward
-            while the step is traced (see :func:`kernel_choices`).
+        impl, batch_norm_grad: the layers' kernels and BatchNorm backward, passed to
+            ``model.apply`` as ``choices`` (:class:`jaxcnn.layers.Choices`, which checks
+            the names here, when the step is made).
+        sync_batch_norm: BatchNorm layers built without ``axis_name`` sync their
+            statistics over ``axis_name`` (SyncBatchNorm); False keeps them per device
+            (``parallel.per_device`` then averages the running statistics).
+
+    The returned function carries ``batch_norm_axis_name`` (the axis BatchNorm syncs
+    over, or None), which :func:`jaxcnn.parallel.strategies.wrap_train_step` checks.
 
     Metrics: ``loss`` (unscaled, float32), ``top1`` (batch accuracy),
     ``grad_norm``, ``lr``, ``loss_scale``, ``finite`` (1.0 when the step was
     applied) and ``skipped`` (steps skipped so far).
     """
     loss_policy = _loss_policy(policy)
+    bn_axis = axis_name if sync_batch_norm else None
+    choices = Choices(impl=impl, batch_norm_grad=batch_norm_grad, axis_name=bn_axis)
 
     def loss_fn(params, model_state, batch, rng, loss_scale):
         logits, new_model_state = model.apply(
             params, model_state, device_normalize(batch["image"], image_norm), train=True,
-            rng=rng, policy=policy)
+            rng=rng, policy=policy, choices=choices)
         logits = P.cast_for(loss_policy, "loss", logits)
         loss = F.cross_entropy(logits, batch["label"], label_smoothing=label_smoothing)
         return loss_scale.scale(loss), (loss, logits, new_model_state)
 
-    with kernel_choices(impl, batch_norm_grad):  # a bad name fails here, not at trace time
-        pass
-
     def train_step(state: TrainState, batch):
         rng = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
-        with kernel_choices(impl, batch_norm_grad):
-            grads, (loss, logits, new_model_state) = jax.grad(loss_fn, has_aux=True)(
-                state.params, state.state, batch, rng, state.loss_scale)
+        grads, (loss, logits, new_model_state) = jax.grad(loss_fn, has_aux=True)(
+            state.params, state.state, batch, rng, state.loss_scale)
         grads = state.loss_scale.unscale(grads)
         top1 = F.top_k_accuracy(logits, batch["label"], k=1)
         if axis_name is not None:
@@ -142,6 +135,7 @@ def make_train_step(model, tx: optax.GradientTransformation, *, policy=None,
         }
         return new_state, metrics
 
+    train_step.batch_norm_axis_name = bn_axis
     return train_step
 
 
@@ -151,16 +145,14 @@ def make_eval_step(model, *, policy=None, impl: str = "auto"):
     ``batch`` may carry a boolean ``"mask"`` (padding of the last batch); the
     result holds sums over real examples only: ``loss_sum``, ``top1_sum``,
     ``top5_sum`` and ``count``, so any number of batches add up exactly.
-    ``impl``: the layers' ``"auto"`` kernels while the step is traced.
+    ``impl``: the layers' kernels (``Choices.impl``, passed to ``model.apply``).
     """
     loss_policy = _loss_policy(policy)
-    with kernel_choices(impl):
-        pass
+    choices = Choices(impl=impl)  # a bad name fails here, not at trace time
 
     def eval_step(params, model_state, batch):
-        with kernel_choices(impl):
-            logits, _ = model.apply(params, model_state, batch["image"], train=False,
-                                    policy=policy)
+        logits, _ = model.apply(params, model_state, batch["image"], train=False,
+                                policy=policy, choices=choices)
         logits = P.cast_for(loss_policy, "loss", logits).astype(jnp.float32)
         labels = batch["label"]
         mask = batch.get("mask")

@@ -223,25 +223,22 @@ def test_batch_norm_closed_form_synced_like_the_trainer_with_statistics_cotangen
         assert_close(a, b, 1e-4)
 
 
-def test_default_batch_norm_grad_scope_picks_the_form():
+def test_batch_norm_grad_argument_picks_the_form():
     x = jnp.asarray(data(40, (2, 3, 3, 4)))
 
     def primitives(fn):
         return {str(e.primitive) for e in jax.make_jaxpr(fn)(x).eqns}
 
-    def f():  # a new function each time: a traced one is cached, and the scope acts at trace
-        return lambda x: F.batch_norm_train(x)[0]
-
-    assert not any("custom_vjp" in p for p in primitives(f()))
-    with F.default_batch_norm_grad("closed_form"):
-        assert any("custom_vjp" in p for p in primitives(f()))
-        # An explicit form in the call wins over the scope.
-        assert not any("custom_vjp" in p for p in primitives(
-            lambda x: F.batch_norm_train(x, grad="autodiff")[0]))
-    assert not any("custom_vjp" in p for p in primitives(f()))
-    with pytest.raises(ValueError, match=r"default_batch_norm_grad: grad must be .*'fused'"):
-        with F.default_batch_norm_grad("fused"):
-            pass
+    assert not any("custom_vjp" in p for p in primitives(lambda x: F.batch_norm_train(x)[0]))
+    assert not any("custom_vjp" in p for p in primitives(
+        lambda x: F.batch_norm_train(x, grad="autodiff")[0]))
+    assert any("custom_vjp" in p for p in primitives(
+        lambda x: F.batch_norm_train(x, grad="closed_form")[0]))
+    with pytest.raises(ValueError, match=r"batch_norm_train: grad must be .*'fused'"):
+        F.batch_norm_train(x, grad="fused")
+    # The scope is gone (a cached jit trace ignored it); calling it says what to pass instead.
+    with pytest.raises(RuntimeError, match=r"default_batch_norm_grad was removed.*grad="):
+        F.default_batch_norm_grad("closed_form")
 
 
 def test_layer_norm_axes_and_affine():

@@ -110,6 +110,41 @@ def test_batch_norm_axis_name_uses_global_batch():
         assert int(new_state["count"][d]) == count
 
 
+def test_batch_norm_takes_its_axis_and_backward_from_apply_choices():
+    """A BatchNorm built without axis_name syncs over ``choices.axis_name`` (its own
+    axis_name wins) and differentiates with ``choices.batch_norm_grad``."""
+    n_dev = 4
+    assert jax.local_device_count() >= n_dev
+    x = rand((n_dev * 2, 3, 2, 4), seed=3, loc=2.0)
+    params = affine(4)
+    layer = L.BatchNorm()
+    _, state, _ = layer.init(KEY, x.shape)
+    shards = x.reshape(n_dev, 2, 3, 2, 4)
+    ys, mean, var, _ = np_bn_steps([x], params, 0.1)
+    for choices in (L.Choices(axis_name="batch"),
+                    L.Choices(axis_name="batch", batch_norm_grad="closed_form")):
+        y, new_state = jax.pmap(lambda x: layer.apply(params, state, x, train=True,
+                                                      choices=choices), axis_name="batch")(shards)
+        np.testing.assert_allclose(np.asarray(y).reshape(-1, 4), ys[0], **TOL)
+        np.testing.assert_allclose(new_state["mean"][0], mean, rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(new_state["var"][0], var, rtol=1e-6, atol=1e-6)
+    # Without the axis each device has its own statistics.
+    y, _ = jax.pmap(lambda x: layer.apply(params, state, x, train=True),
+                    axis_name="batch")(shards)
+    assert not np.allclose(np.asarray(y).reshape(-1, 4), ys[0], **TOL)
+    # The layer's own axis_name wins over the choices' (an unbound name would fail).
+    own = L.BatchNorm(axis_name="batch")
+    y, _ = jax.pmap(lambda x: own.apply(params, state, x, train=True,
+                                        choices=L.Choices(axis_name="unbound")),
+                    axis_name="batch")(shards)
+    np.testing.assert_allclose(np.asarray(y).reshape(-1, 4), ys[0], **TOL)
+    # The backward form reaches the op: the closed form's one-pass moments appear.
+    grad_text = {g: str(jax.make_jaxpr(lambda x: layer.apply(
+        params, state, x, train=True, choices=L.Choices(batch_norm_grad=g))[0])(x))
+        for g in ("autodiff", "closed_form")}
+    assert "_moments" not in grad_text["autodiff"] and "_moments" in grad_text["closed_form"]
+
+
 def test_batch_norm_policy_computes_in_float32():
     layer = L.BatchNorm()
     x = rand((4, 3, 3, 2), loc=3.0).astype(jnp.bfloat16)

@@ -7,6 +7,7 @@ from jax import lax
 
 import pallas_kernels as pk
 from jaxcnn import functional as F
+from jaxcnn import layers as L
 from pallas_testlib import assert_close, fast_run, normal, vjp_all
 
 BF16, F32 = jnp.bfloat16, jnp.float32
@@ -119,16 +120,21 @@ def test_functional_dispatch_runs_the_kernel():
     for impl in ("auto", "xla") if jax.default_backend() == "cpu" else ("xla",):
         assert "pallas_call" not in str(jax.make_jaxpr(
             lambda x, w: F.conv2d(x, w, **kw, impl=impl))(x, w))
-    # default_impl changes what "auto" means, and leaves an explicit impl alone.
-    with F.default_impl("pallas"):
-        assert "pallas_call" in str(jax.make_jaxpr(lambda x, w: F.conv2d(x, w, **kw))(x, w))
-        assert "pallas_call" not in str(jax.make_jaxpr(
-            lambda x, w: F.conv2d(x, w, **kw, impl="xla"))(x, w))
-    with F.default_impl("xla"):
-        assert "pallas_call" not in str(jax.make_jaxpr(lambda x, w: F.conv2d(x, w, **kw))(x, w))
+    # A layer's choice reaches the op through apply's choices (no scope a cached trace
+    # could miss); "xla" there rules out the kernels, as the op's "xla" does.
+    conv = L.Conv2D(4, 3, **kw, use_bias=False)
+    params = {"w": w}
+
+    def layer_jaxpr(impl):
+        return str(jax.make_jaxpr(lambda x: conv.apply(params, {}, x, choices=L.Choices(
+            impl=impl))[0])(x))
+
+    assert "pallas_call" in layer_jaxpr("pallas")
+    assert "pallas_call" not in layer_jaxpr("xla")
     with pytest.raises(ValueError, match="impl must be one of"):
-        with F.default_impl("cudnn"):
-            pass
+        L.Choices(impl="cudnn")
+    with pytest.raises(RuntimeError, match="default_impl was removed"):
+        F.default_impl("pallas")
     assert_close(fast_run(lambda x, w: F.conv2d(x, w, **kw, impl="pallas"), x, w),
                  F.conv2d(x, w, **kw, impl="xla"), F32, "impl=pallas")
 

@@ -63,7 +63,8 @@ def plan_for(model, tx, shape, strategy="shard_map", data=-1, model_axis=1, devi
 
 def run_plan(plan, model, tx, shape, data):
     """Loss per step and the final state of training on ``plan``."""
-    step = plan.wrap_step(make_train_step(model, tx, axis_name=plan.step_axis_name))
+    step = plan.wrap_step(make_train_step(model, tx, axis_name=plan.step_axis_name,
+                                          sync_batch_norm=plan.sync_batch_norm))
     state = plan.shard_state(init(model, tx, shape))
     losses = []
     for b in data:

@@ -96,6 +96,19 @@ def test_batch_norm_statistics_global_or_per_device(sync):
         [s.var(axis=(0, 1, 2), ddof=1) for s in np.split(h, jax.device_count())], axis=0))) > 0.1
 
 
+def test_a_step_built_for_other_batch_norm_syncing_is_refused():
+    """The step passes BatchNorm its axis (an argument of apply, no scope a cached trace could
+    miss), so a step built to sync otherwise than the plan says is refused, naming the fix."""
+    model, shape = model_and_shape("bn")
+    for strategy, sync, built in (("shard_map", False, dict(axis_name="data")),
+                                  ("pmap", True, dict(axis_name="data", sync_batch_norm=False)),
+                                  ("jit", True, dict(axis_name="data"))):
+        plan = plan_for(model, SGD, shape, strategy, sync_batch_norm=sync)
+        with pytest.raises(ValueError, match=r"syncs BatchNorm over .* but the strategy expects "
+                                             r".*sync_batch_norm=plan.sync_batch_norm"):
+            plan.wrap_step(make_train_step(model, SGD, **built))
+
+
 @pytest.mark.parametrize("strategy", ["shard_map", "pmap"])
 def test_bf16_params_average_bf16_gradients_over_devices(strategy):
     """bf16 parameters (fp32 master copy) over 8 CPU devices: the bf16 gradients are

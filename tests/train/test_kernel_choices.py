@@ -13,7 +13,7 @@ from jaxcnn import precision as P
 from jaxcnn.train import loop
 from jaxcnn.train.config import load_config
 from jaxcnn.train.state import create_train_state
-from jaxcnn.train.step import kernel_choices, make_eval_step, make_train_step
+from jaxcnn.train.step import make_eval_step, make_train_step
 
 CONFIGS = os.path.join(os.path.dirname(__file__), "..", "..", "configs")
 NET = L.serial(("conv", L.Conv2D(4, 3, padding=1)), ("bn", L.BatchNorm()), L.Relu(),
@@ -54,19 +54,53 @@ def test_eval_step_traces_the_chosen_kernels():
         assert ("pallas_call" in text) == (impl == "pallas")
 
 
-def test_same_losses_whichever_backward_and_auto_keeps_an_enclosing_choice():
+def test_same_losses_whichever_backward():
     tx, state, batch = _setup()
     _, auto = jax.jit(make_train_step(NET, tx))(state, batch)
     _, closed = jax.jit(make_train_step(NET, tx, batch_norm_grad="closed_form"))(state, batch)
     np.testing.assert_allclose(closed["loss"], auto["loss"], rtol=1e-6)
     np.testing.assert_allclose(closed["grad_norm"], auto["grad_norm"], rtol=1e-4)
-    # "auto" in the step leaves a choice made around the tracing in place (bench_train's way).
-    with F.default_batch_norm_grad("closed_form"):
-        enclosed = _jaxpr(make_train_step(NET, tx), state, batch)
-    assert enclosed == _jaxpr(make_train_step(NET, tx, batch_norm_grad="closed_form"), state, batch)
-    assert enclosed != _jaxpr(make_train_step(NET, tx), state, batch)
-    with kernel_choices("xla", "autodiff"), F.default_impl("pallas"):
-        assert "pallas_call" in _jaxpr(make_eval_step(NET), state.params, state.state, batch)
+
+
+def test_one_jitted_function_retraces_for_each_choice():
+    """The choices are arguments of apply, so they key the jit cache: one jitted function
+    called with "xla" then "pallas" (or autodiff then closed_form) traces each anew. With the
+    old thread-local scopes the second call reused the first trace."""
+    _, state, batch = _setup()
+    traces = []
+
+    def forward(params, model_state, x, choices):
+        traces.append(choices)
+        return NET.apply(params, model_state, x, train=True, choices=choices)
+
+    run = jax.jit(forward, static_argnums=3)
+    for choices in (L.Choices(impl="xla"), L.Choices(impl="pallas"),
+                    L.Choices(batch_norm_grad="closed_form"), L.Choices(impl="xla")):
+        run(state.params, state.state, batch["image"], choices)
+    assert traces == [L.Choices(impl="xla"), L.Choices(impl="pallas"),
+                      L.Choices(batch_norm_grad="closed_form")]  # the last one was cached
+    text = {impl: str(jax.make_jaxpr(forward, static_argnums=3)(
+        state.params, state.state, batch["image"], L.Choices(impl=impl)))
+        for impl in ("xla", "pallas")}
+    assert "pallas_call" not in text["xla"] and "pallas_call" in text["pallas"]
+    bn = {g: str(jax.make_jaxpr(forward, static_argnums=3)(
+        state.params, state.state, batch["image"], L.Choices(batch_norm_grad=g)))
+        for g in ("auto", "autodiff", "closed_form")}
+    assert "_moments" not in bn["autodiff"] and "_moments" in bn["closed_form"]
+    assert bn["auto"] == bn["autodiff"]
+
+
+def test_the_scopes_are_gone():
+    """The context managers a cached trace ignored now raise, naming the argument to pass."""
+    with pytest.raises(RuntimeError, match=r"default_impl was removed.*impl="):
+        F.default_impl("xla")
+    with pytest.raises(RuntimeError,
+                       match=r"default_batch_norm_grad was removed.*batch_norm_grad="):
+        F.default_batch_norm_grad("closed_form")
+    _, state, batch = _setup()
+    with pytest.raises(TypeError,
+                       match="choices must be a jaxcnn.layers.Choices or None, got dict"):
+        NET.apply(state.params, state.state, batch["image"], choices={"impl": "xla"})
 
 
 def test_bad_names_fail_when_the_step_is_made():
@@ -77,6 +111,10 @@ def test_bad_names_fail_when_the_step_is_made():
         make_train_step(NET, tx, batch_norm_grad="fused")
     with pytest.raises(ValueError, match="impl must be one of"):
         make_eval_step(NET, impl="triton")
+    with pytest.raises(ValueError, match=r"Choices: grad must be 'auto' or one of"):
+        L.Choices(batch_norm_grad="fused")
+    with pytest.raises(ValueError, match=r"Choices: axis_name must be an axis name"):
+        L.Choices(axis_name=["data"])
 
 
 def test_trainer_passes_the_config_choices(monkeypatch):
