@@ -1,6 +1,14 @@
 """The suite hooks of tests/conftest.py: the one-line summary of why tests were skipped, and
 property tests running half their examples."""
-import conftest
+import importlib.util
+import pathlib
+
+# Loaded by path: other test folders have a conftest.py of their own, and which one a plain
+# ``import conftest`` finds depends on the order pytest collected them in.
+_spec = importlib.util.spec_from_file_location(
+    "_suite_conftest", pathlib.Path(__file__).with_name("conftest.py"))
+conftest = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(conftest)
 
 
 class _Report:
