@@ -16,6 +16,13 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # settings in fresh processes.
 os.environ.setdefault("JAXCNN_CPU_MALLOC", "0")
 
+# The suite runs as the command-line tools do: jaxcnn.cpu.configure() before JAX starts, so a
+# test that compares an in-process run with a `jaxcnn-train` subprocess (which configures
+# itself) compares the same XLA:CPU lowering.  It also sets XLA_FLAGS for the subprocesses.
+import jaxcnn.cpu  # noqa: E402
+
+jaxcnn.cpu.configure()
+
 import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
