@@ -203,6 +203,37 @@ class _OrbaxNoise:
                 logging.getLogger(name).removeFilter(self)
 
 
+def _from_orbax(info) -> bool:
+    """Whether an unraisable exception was left by an orbax coroutine or task."""
+    where = repr(info.object) + "".join(traceback.format_tb(info.exc_traceback)) \
+        if info.exc_traceback is not None else repr(info.object)
+    return "orbax" in where or "tensorstore" in where.lower()
+
+
+def quiet_abandoned_orbax_coroutines(log_path: str | None = None) -> None:
+    """For the command-line tools, which own their process: reports of exceptions in coroutines
+    that orbax abandoned after a failed read ("Exception ignored in: <coroutine ...>", with a
+    TensorStore spec of some 60 lines) go to `log_path` (or nowhere) instead of stderr, also when
+    the coroutine is collected after the restore that failed has already reported it in one line.
+    Every other unraisable exception still reaches the previous hook.
+    """
+    previous = sys.unraisablehook
+
+    def hook(info):
+        if not _from_orbax(info):
+            return previous(info)
+        if log_path is not None:
+            try:
+                with open(log_path, "a", encoding="utf-8") as f:
+                    f.write(f"{info.err_msg or 'Exception ignored in'}: {info.object!r}\n"
+                            + "".join(traceback.format_exception(
+                                info.exc_type, info.exc_value, info.exc_traceback)))
+            except OSError:
+                pass
+
+    sys.unraisablehook = hook
+
+
 def _path_name(keypath) -> str:
     return jax.tree_util.keystr(keypath, simple=True, separator="/") or "<root>"
 

@@ -130,9 +130,11 @@ def train_main(argv=None) -> int:
             dry_run(cfg)
             return 0
         from jaxcnn.parallel.distributed import report_errors_as
+        from jaxcnn.train.checkpoint import quiet_abandoned_orbax_coroutines
         from jaxcnn.train.loop import TrainingStopped, train
         report_errors_as("jaxcnn-train")  # a lost peer ends the process with our line, on any thread
         workdir = args.workdir or cfg.logging.workdir or default_workdir(args.config)
+        quiet_abandoned_orbax_coroutines(os.path.join(workdir, "checkpoints.log"))
         from jaxcnn.train.loop import check_workdir  # before any compute: a file, read-only, full
         check_workdir(workdir, "--workdir" if args.workdir else
                       "logging.workdir" if cfg.logging.workdir else "workdir")
@@ -184,7 +186,9 @@ def eval_main(argv=None) -> int:
     try:
         import jax
 
-        from jaxcnn.train.checkpoint import CheckpointError, CheckpointManager
+        from jaxcnn.train.checkpoint import (CheckpointError, CheckpointManager,
+                                             quiet_abandoned_orbax_coroutines)
+        quiet_abandoned_orbax_coroutines()  # read-only: the one line per checkpoint is the report
         from jaxcnn.train.config import load_config
         from jaxcnn.train.loop import abstract_state, build_run, evaluate, matmul_precision
         from jaxcnn.train.step import make_eval_step

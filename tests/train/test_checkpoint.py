@@ -4,6 +4,7 @@ import gc
 import hashlib
 import logging
 import shutil
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -455,3 +456,30 @@ def test_checkpoint_from_another_config_is_refused(tmp_path):
         with pytest.raises(ConfigChangedError, match="optim.lr"):
             mgr.restore(target=target, config=other)
         assert restore_for_resume(mgr, target, config=None)[0] == 2  # on_config_change=continue
+
+
+def test_cli_hook_sends_abandoned_orbax_coroutines_to_the_log(tmp_path, monkeypatch):
+    """jaxcnn-train/-eval's process hook: an orbax coroutine's late "Exception ignored" report
+    goes to the log, any other unraisable exception to the previous hook."""
+    import types
+
+    from jaxcnn.train.checkpoint import quiet_abandoned_orbax_coroutines
+
+    seen = []
+    monkeypatch.setattr(sys, "unraisablehook", seen.append)
+    log = tmp_path / "checkpoints.log"
+    quiet_abandoned_orbax_coroutines(str(log))
+
+    def info(obj):
+        return types.SimpleNamespace(exc_type=ValueError, exc_value=ValueError("x"),
+                                     exc_traceback=None, err_msg=None, object=obj)
+
+    class OrbaxCoroutine:
+        def __repr__(self):
+            return "<coroutine object orbax.checkpoint._read_array_index_and_device_put>"
+
+    sys.unraisablehook(info(OrbaxCoroutine()))
+    other = info("<coroutine object mine>")
+    sys.unraisablehook(other)
+    assert seen == [other]
+    assert "_read_array_index_and_device_put" in log.read_text()
