@@ -736,7 +736,9 @@ def train(cfg, workdir: str, *, argv=None, config_path=None, stream=None) -> dic
         workdir, to_dict(cfg), resume=cfg.checkpoint.resume if cfg.checkpoint.enabled else "never",
         on_change=cfg.checkpoint.on_config_change)
     # The same mesh, plan, steps and size checks as --dry-run; the steps are compiled here.
+    t_prepare = time.perf_counter()
     prepared = prepare(cfg)
+    prepare_s = time.perf_counter() - t_prepare
     run, plan, loaded = prepared.run, prepared.plan, prepared.loaded
     is_main = jax.process_index() == 0
     os.makedirs(workdir, exist_ok=True)
@@ -758,6 +760,7 @@ def train(cfg, workdir: str, *, argv=None, config_path=None, stream=None) -> dic
     say(f"[jaxcnn] {describe_precision(cfg, run)}"
         f"  optimiser {cfg.optim.name} lr {cfg.optim.lr:g} ({cfg.optim.schedule.name})  workdir {workdir}")
     say(f"[jaxcnn] {describe_devices(plan)}")
+    say(f"[jaxcnn] model, data and compiled steps ready in {prepare_s:.1f} s")
 
     manager = None
     if cfg.checkpoint.enabled:
@@ -848,7 +851,7 @@ def train(cfg, workdir: str, *, argv=None, config_path=None, stream=None) -> dic
                     state, m = train_step(state, batch)
                     jax.block_until_ready(m)
                     compile_s = time.perf_counter() - t0
-                    progress.message(f"[jaxcnn] first step (compilation included) took {compile_s:.1f} s")
+                    progress.message(f"[jaxcnn] first step took {compile_s:.1f} s")
                     interval_start, interval_steps = time.perf_counter(), 0
                 else:
                     state, m = train_step(state, batch)

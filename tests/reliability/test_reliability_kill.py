@@ -44,7 +44,7 @@ def setup(tmp_path_factory):
     data = tiny_npz(base / "d.npz")
     cache = str(base / "jax_cache")
     proc = Killable(run_args(data, base / "ref"), cache_dir=cache)
-    wait_for(lambda: proc.saw("first step (compilation included)"), proc)
+    wait_for(lambda: proc.saw("first step took"), proc)
     started = time.monotonic()
     assert proc.finish() == 0, proc.output
     return Setup(data, cache, str(base / "ref" / "params.npz"), time.monotonic() - started)
@@ -84,7 +84,7 @@ def kill_chain(setup, workdir, modes, rng):
         # Where this run started from, when it got far enough to say.
         if proc.saw("resumed from step"):
             assert resumed_step(out) == expected, f"expected a resume from {expected}:\n{out}"
-        elif proc.saw("first step (compilation included)"):
+        elif proc.saw("first step took"):
             assert expected is None, f"started afresh although checkpoint {expected} exists:\n{out}"
         if code == 0:  # the last run, or one that finished before its kill point came
             break

@@ -107,7 +107,7 @@ def kill_one(tmp_path, cache, victim, devices):
              for pid in (0, 1)]
     try:
         # Only process 0 prints; the steps are collective, so process 1 is training too.
-        assert wait_for(lambda: procs[0].saw("first step (compilation included)"), procs[0], timeout=240,
+        assert wait_for(lambda: procs[0].saw("first step took"), procs[0], timeout=240,
                         poll=0.1), procs[0].output + procs[1].output
         procs[victim].kill()
         killed_at = time.monotonic()
