@@ -20,19 +20,15 @@ from jaxcnn.train.checkpoint import CheckpointManager
 from jaxcnn.train.cli import train_main
 from jaxcnn.train.config import load_config
 from jaxcnn.train.loop import abstract_state, build_run, init_state
-from reliability_lib import assert_params_bitwise_equal, step_dirs, tiny_args, tiny_npz
+from reliability_lib import (CHECKPOINTED_STEPS, ORBAX_LEFTOVER_WARNINGS, assert_params_bitwise_equal,
+                             checkpointed_args, step_dirs, tiny_args, tiny_npz)
 
-STEPS = 12
+STEPS = CHECKPOINTED_STEPS
 
-# orbax leaves tensorstore callbacks behind after a failed read or write; they report at a later
-# garbage collection (see tests/train/test_checkpoint.py), which the tests force at their end.
-pytestmark = [pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning"),
-              pytest.mark.filterwarnings("ignore:coroutine .* was never awaited:RuntimeWarning")]
+pytestmark = ORBAX_LEFTOVER_WARNINGS
 
 
-def run_args(data, workdir, *extra):
-    return tiny_args(data, f"train.steps={STEPS}", "checkpoint.every=2", "checkpoint.keep=10",
-                     "logging.log_every=4", *extra, "--workdir", str(workdir))
+run_args = checkpointed_args
 
 
 @pytest.fixture(scope="module")

@@ -27,18 +27,16 @@ from jaxcnn.train.cli import train_main
 from jaxcnn.train.config import load_config, to_dict
 from jaxcnn.train.loop import build_run, init_state
 from jaxcnn.train.metrics import read_metrics
-from reliability_lib import (assert_params_bitwise_equal, resumed_step, step_dirs, subprocess_env,
-                             tiny_args, tiny_npz, train_command)
+from reliability_lib import (CHECKPOINTED_STEPS, ORBAX_LEFTOVER_WARNINGS, checkpointed_args,
+                             assert_params_bitwise_equal, resumed_step, step_dirs, subprocess_env,
+                             tiny_npz, train_command)
 
-STEPS = 12
+STEPS = CHECKPOINTED_STEPS
 
-pytestmark = [pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning"),
-              pytest.mark.filterwarnings("ignore:coroutine .* was never awaited:RuntimeWarning")]
+pytestmark = ORBAX_LEFTOVER_WARNINGS
 
 
-def run_args(data, workdir, *extra):
-    return tiny_args(data, f"train.steps={STEPS}", "checkpoint.every=2", "checkpoint.keep=10",
-                     "logging.log_every=4", *extra, "--workdir", str(workdir))
+run_args = checkpointed_args
 
 
 @pytest.fixture(scope="module")
