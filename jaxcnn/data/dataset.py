@@ -9,13 +9,11 @@ from typing import NamedTuple, Optional
 
 import numpy as np
 
+from jaxcnn.errors import DataError  # noqa: F401  (re-exported: defined here before)
+
 # Channel statistics are accumulated over chunks of about this many values, so that a
 # wide copy of a large training set (50,000 CIFAR images: 1.2 GB as int64) is never made.
 _STATS_CHUNK_VALUES = 1 << 22
-
-
-class DataError(ValueError):
-    """A data file or array is malformed; the message names the file or array and the problem."""
 
 
 class Dataset(NamedTuple):

@@ -197,11 +197,11 @@ def write_preprocessing(path, prep: Preprocessing, **extra) -> None:
     os.replace(partial, path)
 
 
-def run_preprocessing(run_dir, *, cfg=None, run=None) -> Preprocessing:
+def run_preprocessing(run_dir, *, run=None, make_run=None) -> Preprocessing:
     """The preprocessing of a run directory: its ``preprocessing.json``, or for a run written
     before that file existed, reconstructed from the run's config and data as the trainer
-    computes it (``run``, or ``build_run(cfg)``). ``jaxcnn-eval`` and ``jaxcnn-export`` both
-    read it here.
+    computes it (``run``, or ``make_run()``, e.g. ``lambda: build_run(cfg)``: data never
+    imports the trainer). ``jaxcnn-eval`` and ``jaxcnn-export`` both read it here.
 
     When ``run`` is given, the recorded file is checked against its data: the same image
     shape and pixel dtype, or a :class:`DataError` naming the file.
@@ -209,8 +209,7 @@ def run_preprocessing(run_dir, *, cfg=None, run=None) -> Preprocessing:
     path = os.path.join(os.fspath(run_dir), PREPROCESSING_FILE)
     if not os.path.exists(path):
         if run is None:
-            from jaxcnn.train.loop import build_run
-            run = build_run(cfg)
+            run = make_run()
         return from_run(run)
     prep = read_preprocessing(path)
     if run is not None:

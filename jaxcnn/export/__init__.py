@@ -12,7 +12,7 @@
 * :func:`export`: all of it from a run directory or parameter file, as the
   ``jaxcnn-export`` command line does (:mod:`jaxcnn.export.cli`).
 """
-from jaxcnn.export._tree import ExportError
+from jaxcnn.errors import ExportError
 from jaxcnn.export.fold import fold_batch_norm
 from jaxcnn.export.onnx_export import export_onnx, supported_kinds
 from jaxcnn.export.pipeline import Source, calibration_batches, evaluate_model, export, load_source

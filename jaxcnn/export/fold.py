@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from jaxcnn import layers as L
-from jaxcnn.export._tree import child_path, rewrite, sequence_names
+from jaxcnn.layers._tree import child_path, rewrite, sequence_names
 
 _FOLDABLE = ("conv2d", "linear")
 

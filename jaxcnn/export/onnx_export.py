@@ -27,7 +27,8 @@ import os
 
 import numpy as np
 
-from jaxcnn.export._tree import ExportError, child_path, get_path, residual_parts, show
+from jaxcnn.errors import ExportError
+from jaxcnn.layers._tree import child_path, get_path, residual_parts, show
 from jaxcnn.layers.base import record_layers
 
 MIN_OPSET = 17

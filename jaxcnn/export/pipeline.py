@@ -18,7 +18,7 @@ import jax
 
 from jaxcnn import interop, models
 from jaxcnn.data.preprocessing import PREPROCESSING_FILE, run_preprocessing
-from jaxcnn.export._tree import ExportError
+from jaxcnn.errors import ExportError
 from jaxcnn.export.fold import fold_batch_norm
 from jaxcnn.export.onnx_export import MIN_OPSET, export_onnx
 from jaxcnn.export.prune import fine_tune, magnitude_prune, sparsity_report
@@ -142,7 +142,7 @@ def load_source(source, *, model: str | None = None, num_classes: int | None = N
         num_classes = num_classes or cfg.model.num_classes or cfg.data.num_classes
         recorded = os.path.join(source, PREPROCESSING_FILE)
         if preprocessing or os.path.isfile(recorded):
-            prep = run_preprocessing(source, cfg=cfg)
+            prep = run_preprocessing(source, make_run=lambda: _build_run(cfg))
             image_shape = image_shape or tuple(prep.image_shape)
         image_shape = image_shape or _image_shape_from_config(cfg)
     elif os.path.isfile(source):
@@ -165,9 +165,13 @@ def load_source(source, *, model: str | None = None, num_classes: int | None = N
     return Source(model, net, params, state, image_shape, cfg, prep)
 
 
-def _dataset(cfg):
+def _build_run(cfg):
     from jaxcnn.train.loop import build_run
-    run = build_run(cfg)
+    return build_run(cfg)
+
+
+def _dataset(cfg):
+    run = _build_run(cfg)
     if run.dataset is None:
         raise ExportError("the run's data is generated per step; calibration and accuracy "
                           "need a dataset")

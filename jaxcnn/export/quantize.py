@@ -25,7 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxcnn.export._tree import ExportError, get_path, rewrite, show
+from jaxcnn.errors import ExportError
+from jaxcnn.layers._tree import get_path, rewrite, show
 from jaxcnn.export.fold import fold_batch_norm
 from jaxcnn.layers.base import leaf, record_layers
 

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from jax import export as jax_export
 
-from jaxcnn.export._tree import ExportError
+from jaxcnn.errors import ExportError
 
 
 def export_stablehlo(model, params, state, image_shape, *, batch="dynamic", layout: str = "nhwc",

@@ -46,6 +46,8 @@ import orbax.checkpoint as ocp
 import yaml
 from orbax.checkpoint import checkpoint_managers as ocp_managers
 
+from jaxcnn.errors import CheckpointCorruptError, CheckpointError, ConfigChangedError  # noqa: F401  (re-exported)
+
 logger = logging.getLogger(__name__)
 
 _STATE, _META = "state", "meta"
@@ -60,18 +62,6 @@ _MISMATCH_SUFFIX = ".mismatch"
 _LINK_SUFFIX = ".symlink"
 _RANK_KEY = "rank"
 _ENTRY_KEYS = {"path", "shape", "dtype", "sha256"}
-
-
-class CheckpointError(Exception):
-    """A checkpoint could not be saved or restored; the message names the path and the cause."""
-
-
-class CheckpointCorruptError(CheckpointError):
-    """The files of a checkpoint are damaged or incomplete (as opposed to not matching the target)."""
-
-
-class ConfigChangedError(CheckpointError):
-    """Resuming would continue a run under a config that changes its training math."""
 
 
 # -- which config keys change the training math --------------------------------------------------

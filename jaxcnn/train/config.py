@@ -62,21 +62,7 @@ from typing import Any, NamedTuple, Sequence
 
 import yaml
 
-
-class ConfigError(ValueError):
-    """A configuration problem, found before any compute starts.
-
-    Attributes:
-        path: dotted key the problem is about (``""`` for the whole file).
-        source: the file or override the key came from, when known.
-    """
-
-    def __init__(self, message: str, *, path: str = "", source: str | None = None):
-        self.path = path
-        self.source = source
-        if source:
-            message = f"{message} [from {source}]"
-        super().__init__(message.replace("\n", " "))
+from jaxcnn.errors import ConfigError  # noqa: F401  (re-exported: defined here before)
 
 
 # --------------------------------------------------------------------- schema

@@ -151,7 +151,7 @@ def build_run(cfg) -> Run:
         resolve_duration(cfg[section][name], per_epoch, key=key)
     tx, schedule = build_optimizer(cfg.optim, total_steps=total, steps_per_epoch=per_epoch)
     if cfg.prune.amount > 0:  # pruned weights get no updates; the masks live in the state
-        from jaxcnn.export.prune import mask_updates
+        from jaxcnn.train.prune import mask_updates
         tx = optax.chain(tx, mask_updates())
     kind = cfg.precision.loss_scale
     if kind == "auto":
@@ -202,7 +202,7 @@ def init_state(run: Run, start=None, keep=None) -> TrainState:
     state = create_train_state(model, run.tx, jax.random.PRNGKey(run.cfg.train.seed),
                                run.input_shape, loss_scale=run.loss_scale, policy=run.policy)
     if keep is not None:
-        from jaxcnn.export.prune import with_keep
+        from jaxcnn.train.prune import with_keep
         state = state._replace(opt_state=with_keep(state.opt_state, keep))
     return state
 
@@ -268,8 +268,8 @@ def initial_params(run: Run, loaded=None):
     cfg = run.cfg
     if cfg.prune.amount == 0:
         return loaded, None
-    from jaxcnn.export import ExportError
-    from jaxcnn.export.prune import keep_tree, magnitude_prune
+    from jaxcnn.errors import ExportError
+    from jaxcnn.train.prune import keep_tree, magnitude_prune
     if loaded is None:
         fresh = jax.jit(lambda: init_state(run))()
         params = fresh.opt_state.master if isinstance(fresh.opt_state, MasterCopyState) else fresh.params

@@ -11,15 +11,11 @@ from __future__ import annotations
 
 from typing import Callable
 
-from jaxcnn import layers as L
+from jaxcnn.errors import ExportError
+from jaxcnn.layers import combinators as L
 from jaxcnn.layers.base import Layer
 
 COMBINATORS = ("serial", "residual", "parallel")
-
-
-class ExportError(ValueError):
-    """A model, parameter file or option that export cannot handle; the message
-    names the layer path, kind, file or option at fault."""
 
 
 def child_path(path: str, name: str) -> str:

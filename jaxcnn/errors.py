@@ -1,0 +1,45 @@
+"""The project's error classes, in one leaf module that imports nothing of jaxcnn.
+
+Each is re-exported where it was first defined (``jaxcnn.train.config.ConfigError``,
+``jaxcnn.data.dataset.DataError``, ``jaxcnn.train.checkpoint.CheckpointError``,
+``jaxcnn.export.ExportError``, ...), so any layer can raise them without importing the
+layer that reports them.
+"""
+from __future__ import annotations
+
+
+class ConfigError(ValueError):
+    """A configuration problem, found before any compute starts.
+
+    Attributes:
+        path: dotted key the problem is about (``""`` for the whole file).
+        source: the file or override the key came from, when known.
+    """
+
+    def __init__(self, message: str, *, path: str = "", source: str | None = None):
+        self.path = path
+        self.source = source
+        if source:
+            message = f"{message} [from {source}]"
+        super().__init__(message.replace("\n", " "))
+
+
+class DataError(ValueError):
+    """A data file or array is malformed; the message names the file or array and the problem."""
+
+
+class CheckpointError(Exception):
+    """A checkpoint could not be saved or restored; the message names the path and the cause."""
+
+
+class CheckpointCorruptError(CheckpointError):
+    """The files of a checkpoint are damaged or incomplete (as opposed to not matching the target)."""
+
+
+class ConfigChangedError(CheckpointError):
+    """Resuming would continue a run under a config that changes its training math."""
+
+
+class ExportError(ValueError):
+    """A model, parameter file or option that export cannot handle; the message
+    names the layer path, kind, file or option at fault."""
