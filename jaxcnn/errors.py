@@ -2,8 +2,9 @@
 
 Each is re-exported where it was first defined (``jaxcnn.train.config.ConfigError``,
 ``jaxcnn.data.dataset.DataError``, ``jaxcnn.train.checkpoint.CheckpointError``,
-``jaxcnn.export.ExportError``, ...), so any layer can raise them without importing the
-layer that reports them.
+``jaxcnn.export.ExportError``, ``jaxcnn.train.loop.WorkdirError``,
+``jaxcnn.parallel.distributed.DistributedError``), so any layer can raise them without
+importing the layer that reports them.
 """
 from __future__ import annotations
 
@@ -43,3 +44,22 @@ class ConfigChangedError(CheckpointError):
 class ExportError(ValueError):
     """A model, parameter file or option that export cannot handle; the message
     names the layer path, kind, file or option at fault."""
+
+
+class WorkdirError(RuntimeError):
+    """The run directory cannot be used, or the run's outputs cannot be written to it: one line
+    naming the directory or file and the reason (exit code 2 from ``jaxcnn-train``)."""
+
+
+class DistributedError(RuntimeError):
+    """The processes of a multi-process run could not connect, or lost each other.
+
+    ``must_exit`` is True when JAX's own connection attempt is still under way in a
+    background thread (it cannot be cancelled) or JAX's exit hook would wait for a lost
+    peer: report the error, then end the process with ``os._exit`` as ``jaxcnn-train``
+    does; a normal exit would leave XLA to end it, with SIGABRT and a C++ stack trace.
+    """
+
+    def __init__(self, message: str, *, must_exit: bool = False):
+        super().__init__(message)
+        self.must_exit = must_exit

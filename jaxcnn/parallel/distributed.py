@@ -23,22 +23,7 @@ import time
 
 import jax
 
-from jaxcnn.train.config import ConfigError
-
-
-class DistributedError(RuntimeError):
-    """The processes of a multi-process run could not connect, or lost each other.
-
-    ``must_exit`` is True when JAX's own connection attempt is still under way in a
-    background thread (it cannot be cancelled) or JAX's exit hook would wait for a lost
-    peer: report the error, then end the process with ``os._exit`` as ``jaxcnn-train``
-    does; a normal exit would leave XLA to end it, with SIGABRT and a C++ stack trace.
-    """
-
-    def __init__(self, message: str, *, must_exit: bool = False):
-        super().__init__(message)
-        self.must_exit = must_exit
-
+from jaxcnn.errors import DistributedError  # importable from here too, where it was defined before
 
 # JAX is given this much longer than distributed.timeout_s for its first contact: when its
 # own deadline passes, XLA ends the process (SIGABRT and a C++ stack trace) rather than
@@ -59,7 +44,7 @@ def _setting(value, env: str, cast=str):
     try:
         return cast(raw)
     except ValueError:
-        raise ConfigError(f"environment variable {env}={raw!r} is not a valid {cast.__name__}") from None
+        raise ValueError(f"environment variable {env}={raw!r} is not a valid {cast.__name__}") from None
 
 
 def settings(dist_cfg) -> dict:
@@ -86,7 +71,7 @@ def initialize(dist_cfg) -> bool:
         a single-process run.
 
     Raises:
-        ConfigError: an inconsistent setting (``mode: on`` with nothing to go on).
+        ValueError: an inconsistent setting (``mode: on`` with nothing to go on).
         DistributedError: the coordinator could not be reached, or not every process
             joined, within ``timeout_s`` of this call (in the second case ``must_exit``
             is set: end the process after reporting it).
@@ -101,8 +86,7 @@ def initialize(dist_cfg) -> bool:
         return False
     n, pid = opts["num_processes"], opts["process_id"]
     if n is not None and pid is not None and not 0 <= pid < n:
-        raise ConfigError(f"distributed.process_id: {pid} is not in [0, num_processes={n})",
-                          path="distributed.process_id")
+        raise ValueError(f"distributed.process_id: {pid} is not in [0, num_processes={n})")
     timeout = max(1, int(round(dist_cfg.timeout_s)))
     deadline = time.monotonic() + timeout
     address = opts["coordinator_address"]

@@ -2,7 +2,8 @@
 
 ``mesh: {data: -1, model: 1}`` in a config becomes a mesh over all devices
 (of every process) whose ``data`` axis takes whatever ``model`` leaves; every
-size problem is a :class:`jaxcnn.train.config.ConfigError` naming the key.
+size problem is a ``ValueError`` whose message starts with the key (the trainer
+reports it as a config error; this package knows nothing of the config schema).
 """
 from __future__ import annotations
 
@@ -11,8 +12,6 @@ from typing import Sequence
 import jax
 import numpy as np
 from jax.sharding import Mesh
-
-from jaxcnn.train.config import ConfigError
 
 DATA, MODEL = "data", "model"
 AXES = (DATA, MODEL)
@@ -33,20 +32,18 @@ def mesh_shape(data: int, model: int, device_count: int, *, allow_subset: bool =
         (``<=`` with ``allow_subset``).
 
     Raises:
-        ConfigError: naming ``mesh.model`` or ``mesh.data`` when the sizes do not fit.
+        ValueError: naming ``mesh.model`` or ``mesh.data`` when the sizes do not fit.
     """
     if model < 1:
-        raise ConfigError(f"mesh.model: expected a positive int, got {model}", path="mesh.model")
+        raise ValueError(f"mesh.model: expected a positive int, got {model}")
     if model > device_count or device_count % model:
-        raise ConfigError(f"mesh.model: {model} does not divide the {device_count} available devices",
-                          path="mesh.model")
+        raise ValueError(f"mesh.model: {model} does not divide the {device_count} available devices")
     if data == -1:
         data = device_count // model
     fits = data * model <= device_count if allow_subset else data * model == device_count
     if data < 1 or not fits:
-        raise ConfigError(f"mesh.data: data x model = {data} x {model} = {data * model} devices, but "
-                          f"{device_count} are available (use mesh.data=-1 to take the rest)",
-                          path="mesh.data")
+        raise ValueError(f"mesh.data: data x model = {data} x {model} = {data * model} devices, but "
+                         f"{device_count} are available (use mesh.data=-1 to take the rest)")
     return data, model
 
 
@@ -90,15 +87,13 @@ def check_batch(mesh: Mesh, batch_size: int, *, path: str = "data.batch_size") -
         path: the config key to name in the error.
 
     Raises:
-        ConfigError: when ``batch_size`` is not a multiple of the data-axis size
+        ValueError: when ``batch_size`` is not a multiple of the data-axis size
             or of the number of processes.
     """
     data = mesh.shape[DATA]
     if batch_size % data:
-        raise ConfigError(f"{path}: global batch {batch_size} does not divide over the {data} devices "
-                          f"of the mesh's data axis (mesh.data={data}); use a multiple of {data}",
-                          path=path)
+        raise ValueError(f"{path}: global batch {batch_size} does not divide over the {data} devices "
+                         f"of the mesh's data axis (mesh.data={data}); use a multiple of {data}")
     procs = jax.process_count()
     if batch_size % procs:
-        raise ConfigError(f"{path}: global batch {batch_size} does not divide over {procs} processes",
-                          path=path)
+        raise ValueError(f"{path}: global batch {batch_size} does not divide over {procs} processes")

@@ -20,8 +20,6 @@ from jaxcnn.parallel import rules as R
 from jaxcnn.parallel import strategies as S
 from jaxcnn.parallel.distributed import global_batch
 from jaxcnn.parallel.mesh import DATA, MODEL, check_batch, make_mesh
-from jaxcnn.train.config import ConfigError
-
 
 class ParallelPlan:
     """Mesh, shardings and step wrapper of one run.
@@ -38,23 +36,20 @@ class ParallelPlan:
         sync_batch_norm: BatchNorm statistics over the global batch.
 
     Raises:
-        ConfigError: for a combination the strategy cannot run (naming the key).
+        ValueError: for a combination the strategy cannot run (naming the key).
     """
 
     def __init__(self, mesh: Mesh, model, input_shape, abstract_state, *, strategy: str = "shard_map",
                  rules=None, fsdp: bool = False, sync_batch_norm: bool = True):
         if strategy not in S.STRATEGIES:
-            raise ConfigError(f"parallel.strategy: expected one of {S.STRATEGIES}, got {strategy!r}",
-                              path="parallel.strategy")
+            raise ValueError(f"parallel.strategy: expected one of {S.STRATEGIES}, got {strategy!r}")
         if strategy == "pmap" and (mesh.shape[MODEL] > 1 or fsdp or jax.process_count() > 1):
-            raise ConfigError("parallel.strategy: pmap runs single-process data parallelism only "
-                              f"(mesh.model={mesh.shape[MODEL]}, parallel.fsdp={fsdp}, "
-                              f"{jax.process_count()} processes); use shard_map or jit",
-                              path="parallel.strategy")
+            raise ValueError("parallel.strategy: pmap runs single-process data parallelism only "
+                             f"(mesh.model={mesh.shape[MODEL]}, parallel.fsdp={fsdp}, "
+                             f"{jax.process_count()} processes); use shard_map or jit")
         if strategy == "jit" and not sync_batch_norm:
-            raise ConfigError("parallel.sync_batch_norm: false needs strategy shard_map or pmap; jit "
-                              "always normalises with the statistics of the global batch",
-                              path="parallel.sync_batch_norm")
+            raise ValueError("parallel.sync_batch_norm: false needs strategy shard_map or pmap; jit "
+                             "always normalises with the statistics of the global batch")
         check_batch(mesh, input_shape[0])
         self.mesh, self.strategy, self.fsdp, self.sync_batch_norm = mesh, strategy, fsdp, sync_batch_norm
         self.rules = R.merge_rules(rules)
@@ -143,7 +138,7 @@ def setup(cfg, model, input_shape, abstract_state, *, devices=None) -> ParallelP
         devices: restrict the mesh to these devices (default: all).
 
     Raises:
-        ConfigError: mesh sizes that do not fit the devices, a batch that does
+        ValueError: mesh sizes that do not fit the devices, a batch that does
             not divide over the data axis, or a strategy that cannot run the config.
     """
     mesh = make_mesh(cfg.mesh.data, cfg.mesh.model, devices=devices)

@@ -35,8 +35,6 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxcnn.layers.base import record_layers
 from jaxcnn.parallel.mesh import DATA, MODEL
-from jaxcnn.train.config import ConfigError
-
 DEFAULT_RULES: dict[str, str | None] = {"kh": None, "kw": None, "in": None, "out": "model"}
 
 # Smaller arrays are not worth an all-gather per step under fsdp (64 KiB in float32).
@@ -89,16 +87,15 @@ def merge_rules(overrides: Mapping[str, str | None] | None = None) -> dict[str, 
     """:data:`DEFAULT_RULES` with ``overrides`` (the config's ``parallel.rules``) on top.
 
     Raises:
-        ConfigError: an override names an unknown logical axis or mesh axis.
+        ValueError: an override names an unknown logical axis or mesh axis.
     """
     rules = dict(DEFAULT_RULES)
     for name, target in dict(overrides or {}).items():
         if name not in DEFAULT_RULES:
-            raise ConfigError(f"parallel.rules.{name}: unknown logical axis {name!r}; expected one of "
-                              f"{sorted(DEFAULT_RULES)}", path=f"parallel.rules.{name}")
+            raise ValueError(f"parallel.rules.{name}: unknown logical axis {name!r}; expected one of "
+                             f"{sorted(DEFAULT_RULES)}")
         if target not in (None, DATA, MODEL):
-            raise ConfigError(f"parallel.rules.{name}: expected 'data', 'model' or null, got {target!r}",
-                              path=f"parallel.rules.{name}")
+            raise ValueError(f"parallel.rules.{name}: expected 'data', 'model' or null, got {target!r}")
         rules[name] = target
     return rules
 

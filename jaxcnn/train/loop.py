@@ -7,10 +7,12 @@ config, restores or initialises the :class:`TrainState`, and loops over pure
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import platform
+import re
 import signal
 import subprocess
 import sys
@@ -29,6 +31,7 @@ from jaxcnn.data import (Prefetcher, SyntheticSpec, eval_batches, load_dataset, 
                          synthetic_batch, synthetic_dataset, train_batch)
 from jaxcnn.data.files import check_regular_file
 from jaxcnn.data.dataset import DataError
+from jaxcnn.errors import WorkdirError  # importable from here too, where it was defined before
 from jaxcnn.data.synthetic import NOISE_MEAN, NOISE_STD
 from jaxcnn.train.checkpoint import (CheckpointManager, check_resume_config, record_run_config,
                                      restore_for_resume)
@@ -42,6 +45,37 @@ from jaxcnn.train.step import make_eval_step, make_train_step
 # Synthetic training sets up to this many bytes (uint8 pixels) are generated once and
 # held in memory; larger ones (ImageNet-shaped throughput runs) are made per step.
 _SYNTHETIC_IN_MEMORY_BYTES = 256 * 2**20
+
+
+_CONFIG_KEY = re.compile(r"[a-z_][a-z0-9_]*(\.[A-Za-z0-9_]+)+")
+
+
+def _raised_in_parallel(error: BaseException) -> bool:
+    tb = error.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and tb.tb_frame.f_globals.get("__name__", "").startswith("jaxcnn.parallel")
+
+
+@contextlib.contextmanager
+def parallel_config_errors():
+    """Around the trainer's calls into :mod:`jaxcnn.parallel`: its ``ValueError``s become
+    :class:`ConfigError`s.
+
+    ``jaxcnn.parallel`` knows nothing of configs; a setting it cannot run is a plain
+    ``ValueError`` raised there, whose message starts with the config key at fault
+    (``"mesh.model: 3 does not divide the 8 available devices"``). Here it becomes a
+    :class:`ConfigError` with that message and ``path`` (so ``jaxcnn-train`` prints one line
+    and exits 2); any other error, a ``ValueError`` from deeper down included, passes as it is.
+    """
+    try:
+        yield
+    except ValueError as e:
+        if isinstance(e, ConfigError) or not _raised_in_parallel(e):
+            raise
+        message = str(e)
+        key = message.split(":", 1)[0]
+        raise ConfigError(message, path=key if _CONFIG_KEY.fullmatch(key) else "") from None
 
 
 class TrainingStopped(RuntimeError):
@@ -298,11 +332,6 @@ def eval_batch_size(run: Run) -> int:
         procs = jax.process_count()
         size = max(procs, -(-len(run.dataset.x_test) // procs) * procs)
     return size
-
-
-class WorkdirError(RuntimeError):
-    """The run directory cannot be used, or the run's outputs cannot be written to it: one line
-    naming the directory or file and the reason (exit code 2 from ``jaxcnn-train``)."""
 
 
 def check_workdir(workdir: str, what: str = "workdir") -> None:
@@ -567,7 +596,8 @@ def prepare(cfg) -> Prepared:
     """
     run = build_run(cfg)
     loaded = load_init_from(run) if cfg.model.init_from else None
-    plan = parallel.setup(cfg, run.model, run.input_shape, abstract_state(run))
+    with parallel_config_errors():
+        plan = parallel.setup(cfg, run.model, run.input_shape, abstract_state(run))
     available = available_memory(_local_devices(plan))
     memory = {"available": available[0] if available else None, "train_step": None, "eval_step": None}
     memory["state"] = check_state_memory(run, plan, available)
@@ -729,7 +759,8 @@ def train(cfg, workdir: str, *, argv=None, config_path=None, stream=None) -> dic
     ``CheckpointError`` for bad input, before any compute where possible.
     """
     stream = stream or sys.stdout
-    parallel.initialize(cfg.distributed)  # before anything touches a device
+    with parallel_config_errors():
+        parallel.initialize(cfg.distributed)  # before anything touches a device
     # Resuming under settings that train differently stops here, before any compute, unless
     # checkpoint.on_config_change is "continue" (checkpoint.check_resume_config).
     config_changes = check_resume_config(

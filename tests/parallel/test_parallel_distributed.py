@@ -132,12 +132,21 @@ def test_modes_and_settings(monkeypatch):
     from jaxcnn.parallel.distributed import settings
     assert settings(auto) == {"coordinator_address": "10.0.0.1:1234", "num_processes": 4, "process_id": 2}
     monkeypatch.setenv("JAX_NUM_PROCESSES", "four")
-    with pytest.raises(ConfigError, match="JAX_NUM_PROCESSES='four' is not a valid int"):
+    with pytest.raises(ValueError, match="JAX_NUM_PROCESSES='four' is not a valid int"):
         settings(auto)
     monkeypatch.setenv("JAX_NUM_PROCESSES", "2")
     monkeypatch.setenv("JAX_PROCESS_ID", "5")
-    with pytest.raises(ConfigError, match=r"distributed.process_id: 5 is not in \[0, num_processes=2\)"):
+    with pytest.raises(ValueError, match=r"distributed.process_id: 5 is not in \[0, num_processes=2\)"):
         parallel.initialize(auto)
+    from jaxcnn.train.loop import parallel_config_errors  # the trainer's calls: ConfigErrors
+    with pytest.raises(ConfigError, match=r"distributed.process_id: 5 is not") as err, parallel_config_errors():
+        parallel.initialize(auto)
+    assert err.value.path == "distributed.process_id"
+    monkeypatch.setenv("JAX_NUM_PROCESSES", "four")
+    with pytest.raises(ConfigError, match="JAX_NUM_PROCESSES='four' is not a valid int") as err, \
+            parallel_config_errors():
+        parallel.initialize(auto)
+    assert err.value.path == ""
 
 
 def test_lost_peer_only_in_a_multi_process_run():

@@ -1,9 +1,11 @@
-"""Mesh construction and its configuration errors."""
+"""Mesh construction and its configuration errors (plain ValueErrors naming the key, which the
+trainer reports as ConfigErrors)."""
 import jax
 import pytest
 
 from jaxcnn import parallel
 from jaxcnn.train.config import ConfigError, config_from_dict
+from jaxcnn.train.loop import parallel_config_errors
 
 
 def test_minus_one_fills_the_data_axis():
@@ -27,10 +29,21 @@ def test_mesh_over_a_subset_of_devices():
     (4, 4, "mesh.data", "4 x 4 = 16 devices, but 8"),
 ])
 def test_sizes_that_do_not_fit_name_the_key(data, model, key, words):
-    with pytest.raises(ConfigError, match=key) as err:
+    with pytest.raises(ValueError, match=f"^{key}: ") as err:
+        parallel.make_mesh(data, model)
+    assert words in str(err.value) and not isinstance(err.value, ConfigError)
+    assert "\n" not in str(err.value)
+    # Where the trainer calls parallel, the same message is a ConfigError naming the key.
+    with pytest.raises(ConfigError, match=f"^{key}: ") as err, parallel_config_errors():
         parallel.make_mesh(data, model)
     assert words in str(err.value) and err.value.path == key
     assert "\n" not in str(err.value)
+
+
+def test_only_errors_raised_in_parallel_become_config_errors():
+    with pytest.raises(ValueError, match="mesh.model: elsewhere") as err, parallel_config_errors():
+        raise ValueError("mesh.model: elsewhere")
+    assert not isinstance(err.value, ConfigError)
 
 
 def test_explicit_sizes_may_use_the_first_devices():
@@ -43,7 +56,7 @@ def test_explicit_sizes_may_use_the_first_devices():
 def test_global_batch_must_divide_over_data():
     mesh = parallel.make_mesh(-1, 2)
     parallel.check_batch(mesh, 12)
-    with pytest.raises(ConfigError, match=r"data.batch_size: global batch 10 does not divide over the 4 "):
+    with pytest.raises(ValueError, match=r"data.batch_size: global batch 10 does not divide over the 4 "):
         parallel.check_batch(mesh, 10)
 
 

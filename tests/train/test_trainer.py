@@ -144,6 +144,8 @@ def test_resume_must_without_checkpoint_fails_cleanly(tmp_path, capsys):
     ("model.name=resnet19", "resnet18"),
     ("data.path=/nonexistent/dir", "/nonexistent/dir"),
     ("precision.policy=p=f99", "precision.policy"),
+    ("mesh.model=3", "mesh.model: 3 does not divide"),         # raised in jaxcnn.parallel
+    ("parallel.rules.channels=model", "parallel.rules.channels"),
 ])
 def test_config_errors_exit_2_with_one_line(tmp_path, capsys, override, needle):
     code = train_main([os.path.join(CONFIGS, "mnist_cnn.yaml"), override,
