@@ -1,0 +1,157 @@
+"""The library's layering (docs: DESIGN.md section 1), read from the source with ast.
+
+Every import counts, at module level or inside a function, of a module of ``jaxcnn`` or
+``pallas_kernels``; a package's ``__init__`` stands for the package. A module importing its
+own ancestor package (``from jaxcnn.layers import combinators`` inside ``jaxcnn.layers``) is
+not an edge back up. No two modules, and no two packages (``jaxcnn.train``,
+``jaxcnn.parallel``, ``pallas_kernels``, ...), may import each other, directly or round a
+longer loop; and two edges the layering forbids are checked by name.
+"""
+import ast
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+PACKAGES = ("jaxcnn", "pallas_kernels")
+
+
+def _modules() -> dict[str, pathlib.Path]:
+    """Dotted module name -> file, a package under its own name."""
+    found = {}
+    for top in PACKAGES:
+        for path in sorted((ROOT / top).rglob("*.py")):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            found[".".join(parts)] = path
+    return found
+
+
+def _imported_names(tree: ast.AST, package: str, known) -> set[str]:
+    """The dotted names a module's imports refer to; ``package`` resolves relative imports."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + [base] if base else anchor)
+            for alias in node.names:  # `from pkg import mod` names the module, else the package
+                full = f"{base}.{alias.name}"
+                names.add(full if full in known else base)
+    return names
+
+
+def _owner(name: str, known) -> str | None:
+    """The longest known module that ``name`` is or lies inside, or None (not ours)."""
+    while name and name not in known:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def module_graph() -> dict[str, set[str]]:
+    known = _modules()
+    graph = {}
+    for name, path in known.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        targets = {_owner(n, known) for n in _imported_names(ast.parse(path.read_text()), package, known)}
+        graph[name] = {t for t in targets if t and t != name and not name.startswith(t + ".")}
+    return graph
+
+
+def package_of(module: str) -> str:
+    """``jaxcnn.train.loop`` -> ``jaxcnn.train``; ``jaxcnn.errors`` stays; ``pallas_kernels.x`` ->
+    ``pallas_kernels``."""
+    parts = module.split(".")
+    return ".".join(parts[:2]) if parts[0] == "jaxcnn" and len(parts) > 1 else parts[0]
+
+
+def package_graph(graph) -> dict[str, set[str]]:
+    packages = {}
+    for module, targets in graph.items():
+        mine = package_of(module)
+        edges = packages.setdefault(mine, set())
+        for target in targets:
+            theirs = package_of(target)
+            packages.setdefault(theirs, set())
+            if theirs != mine and not mine.startswith(theirs + "."):
+                edges.add(theirs)
+    return packages
+
+
+def cycles(graph) -> list[list[str]]:
+    """The strongly connected components of more than one node (iterative Tarjan), sorted."""
+    index, low, on_stack, stack, found = {}, {}, set(), [], []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                parent = work[-1][0]
+                low[parent] = min(low[parent], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return sorted(found)
+
+
+def _edges_into(graph, sources: str, targets) -> list[str]:
+    return sorted(f"{m} -> {t}" for m, ts in graph.items() if m == sources or m.startswith(sources + ".")
+                  for t in ts if any(t == p or t.startswith(p + ".") for p in targets))
+
+
+def test_the_cycle_finder_finds_cycles():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": {"e2"}, "e2": set()}
+    assert cycles(graph) == [["a", "b", "c"]]
+    assert package_graph({"jaxcnn.x.m": {"jaxcnn.y.n"}, "jaxcnn.y.n": {"jaxcnn.x"},
+                          "jaxcnn.x": set()}) == {"jaxcnn.x": {"jaxcnn.y"}, "jaxcnn.y": {"jaxcnn.x"}}
+
+
+def test_imports_resolve_inside_functions_and_relative():
+    known = {"jaxcnn", "jaxcnn.train", "jaxcnn.train.loop", "jaxcnn.export", "jaxcnn.export.prune"}
+    tree = ast.parse("def f():\n    from jaxcnn.export import prune\n    from . import loop\n"
+                     "    from ..export.prune import x\n    import jaxcnn.train.loop.sub\n")
+    names = _imported_names(tree, "jaxcnn.train", known)
+    assert {_owner(n, known) for n in names} == {"jaxcnn.export.prune", "jaxcnn.train.loop"}
+
+
+def test_no_import_cycle_between_modules():
+    assert cycles(module_graph()) == []
+
+
+def test_no_import_cycle_between_packages():
+    assert cycles(package_graph(module_graph())) == []
+
+
+@pytest.mark.parametrize("lower, upper", [
+    ("pallas_kernels", ("jaxcnn.functional", "jaxcnn.layers")),
+    ("jaxcnn.parallel", ("jaxcnn.train",)),
+])
+def test_a_lower_layer_imports_nothing_of_an_upper_one(lower, upper):
+    assert _edges_into(module_graph(), lower, upper) == []
