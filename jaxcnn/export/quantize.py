@@ -26,8 +26,8 @@ import numpy as np
 from jax import lax
 
 from jaxcnn.errors import ExportError
-from jaxcnn.layers._tree import get_path, rewrite, show
 from jaxcnn.export.fold import fold_batch_norm
+from jaxcnn.layers._tree import get_path, rewrite, show
 from jaxcnn.layers.base import leaf, record_layers
 
 QUANTIZABLE = ("conv2d", "linear")

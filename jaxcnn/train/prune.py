@@ -27,8 +27,8 @@ import numpy as np
 import optax
 
 from jaxcnn.errors import ExportError
-from jaxcnn.layers._tree import child_path, get_path, leaves
 from jaxcnn.interop.arrays import flatten, unflatten
+from jaxcnn.layers._tree import child_path, get_path, leaves
 
 PRUNABLE = ("conv2d", "linear")
 
