@@ -2,7 +2,7 @@
 
 Each is re-exported where it was first defined (``jaxcnn.train.config.ConfigError``,
 ``jaxcnn.data.dataset.DataError``, ``jaxcnn.train.checkpoint.CheckpointError``,
-``jaxcnn.export.ExportError``, ``jaxcnn.train.loop.WorkdirError``,
+``jaxcnn.export.ExportError``, ``jaxcnn.train.loop.WorkdirError`` and ``TrainingStopped``,
 ``jaxcnn.parallel.distributed.DistributedError``), so any layer can raise them without
 importing the layer that reports them.
 """
@@ -63,3 +63,7 @@ class DistributedError(RuntimeError):
     def __init__(self, message: str, *, must_exit: bool = False):
         super().__init__(message)
         self.must_exit = must_exit
+
+
+class TrainingStopped(RuntimeError):
+    """Training stopped early: a non-finite loss under ``nan_policy: stop``."""

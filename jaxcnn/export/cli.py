@@ -139,7 +139,7 @@ def main(argv=None) -> int:
     args = parser().parse_args(argv)
     from jaxcnn.export.pipeline import export
     from jaxcnn.train.checkpoint import CheckpointError
-    from jaxcnn.train.loop import TrainingStopped
+    from jaxcnn.errors import TrainingStopped
     log = None if args.json else print
     try:
         report = export(

@@ -27,7 +27,6 @@ from jaxcnn.export.stablehlo import export_stablehlo
 from jaxcnn.layers.base import record_layers
 
 FORMATS = ("stablehlo", "onnx", "npz", "safetensors")
-_PARAM_FILES = ("params.npz", "params.safetensors")
 _DATASET_SHAPES = {"mnist": (28, 28, 1), "cifar10": (32, 32, 3)}
 
 
@@ -123,17 +122,16 @@ def load_source(source, *, model: str | None = None, num_classes: int | None = N
     options = dict(model_options or {})
     cfg, prep = None, None
     if os.path.isdir(source):
-        cfg_path = os.path.join(source, "config.resolved.yaml")
+        from jaxcnn.train.rundir import RunDir
+        cfg_path = RunDir(source).config
         if not os.path.isfile(cfg_path):
             raise ExportError(f"{cfg_path} does not exist: not a jaxcnn run directory")
         from jaxcnn.train.config import load_config
         cfg = load_config(cfg_path)
-        found = [os.path.join(source, f) for f in _PARAM_FILES
-                 if os.path.isfile(os.path.join(source, f))]
-        if not found:
+        params_path = RunDir(source).find_params()
+        if params_path is None:
             raise ExportError(f"{source}: run directory has no parameters "
-                              f"({' or '.join(_PARAM_FILES)}); has training finished?")
-        params_path = found[0]
+                              f"({' or '.join(RunDir.PARAM_FILES)}); has training finished?")
         if model is not None and model != cfg.model.name:
             raise ExportError(f"--model {model!r} does not match the run's model "
                               f"{cfg.model.name!r}")
@@ -166,7 +164,7 @@ def load_source(source, *, model: str | None = None, num_classes: int | None = N
 
 
 def _build_run(cfg):
-    from jaxcnn.train.loop import build_run
+    from jaxcnn.train.setup import build_run
     return build_run(cfg)
 
 
@@ -191,7 +189,8 @@ def calibration_batches(cfg, count: int, batch_size: int | None = None):
 
 def evaluate_model(cfg, model, params, state) -> dict:
     """Loss, top-1 and top-5 of ``model`` on the run's test set (eval mode)."""
-    from jaxcnn.train.loop import evaluate, matmul_precision
+    from jaxcnn.train.loop import evaluate
+    from jaxcnn.train.setup import matmul_precision
     from jaxcnn.train.step import make_eval_step
     run = _dataset(cfg)
     with matmul_precision(cfg):

@@ -39,10 +39,11 @@ def fine_tune(run_dir, workdir, *, sparsity: float, steps: int, scope: str = "gl
     """
     from jaxcnn.train.config import config_from_dict, load_config, to_dict
     from jaxcnn.train.loop import train
+    from jaxcnn.train.rundir import RunDir
 
     if not isinstance(steps, int) or steps < 1:
         raise ExportError(f"fine-tune steps must be an int >= 1, got {steps!r}")
-    cfg_path = os.path.join(os.fspath(run_dir), "config.resolved.yaml")
+    cfg_path = RunDir(run_dir).config
     if not os.path.isfile(cfg_path):
         raise ExportError(f"{cfg_path} does not exist: fine-tuning needs a jaxcnn run directory")
     workdir = os.fspath(workdir)
@@ -55,7 +56,7 @@ def fine_tune(run_dir, workdir, *, sparsity: float, steps: int, scope: str = "gl
     raw["logging"]["workdir"] = os.path.abspath(workdir)
     cfg = config_from_dict(raw, source=f"fine-tune of {run_dir}")
     if os.path.isdir(workdir) and os.listdir(workdir):
-        previous = os.path.join(workdir, "config.resolved.yaml")
+        previous = RunDir(workdir).config
         if not os.path.isfile(previous) or load_config(previous) != cfg:
             raise ExportError(f"{workdir} is not empty and does not hold this fine-tune; remove it "
                               "or choose another fine-tune directory")

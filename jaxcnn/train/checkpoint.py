@@ -47,6 +47,7 @@ import yaml
 from orbax.checkpoint import checkpoint_managers as ocp_managers
 
 from jaxcnn.errors import CheckpointCorruptError, CheckpointError, ConfigChangedError  # noqa: F401  (re-exported)
+from jaxcnn.train.rundir import RunDir
 
 logger = logging.getLogger(__name__)
 
@@ -804,8 +805,8 @@ def restore_for_resume(manager: CheckpointManager, target, resume: str = "auto",
 
 # -- the run directory's config and its history ---------------------------------------------------
 
-CONFIG_FILE = "config.resolved.yaml"
-CONFIG_HISTORY = "config_history"
+CONFIG_FILE = RunDir.CONFIG  # re-exported names; the layout is RunDir's
+CONFIG_HISTORY = RunDir.CONFIG_HISTORY
 
 
 def _has_checkpoints(directory) -> bool:
@@ -844,9 +845,10 @@ def check_resume_config(workdir: str, config_dict: Mapping, *, resume: str = "au
         ConfigChangedError: there are changes and `on_change` is "stop"; the message names the
             keys and the two ways on.
     """
-    if resume == "never" or not _has_checkpoints(os.path.join(workdir, "checkpoints")):
+    run_dir = RunDir(workdir)
+    if resume == "never" or not _has_checkpoints(run_dir.checkpoints):
         return []
-    path = os.path.join(workdir, CONFIG_FILE)
+    path = run_dir.config
     if not os.path.isfile(path):
         return []  # the checkpoints' own config digests decide (restore_for_resume)
     saved = _saved_run_config(path)
@@ -861,9 +863,10 @@ def record_run_config(workdir: str, config_dict: Mapping, step: int, changes: li
     """Writes `workdir/config.resolved.yaml`; when a run continues at `step` under a changed
     config, first keeps every config it ran under in `config_history/from_step_<N>.yaml`
     (N: the step from which that config applies; the run's first config is from_step_0)."""
-    path = os.path.join(workdir, CONFIG_FILE)
+    run_dir = RunDir(workdir)
+    path = run_dir.config
     if changes and os.path.isfile(path):
-        history = os.path.join(workdir, CONFIG_HISTORY)
+        history = run_dir.config_history
         os.makedirs(history, exist_ok=True)
         if not any(n.startswith("from_step_") for n in os.listdir(history)):
             shutil.copyfile(path, os.path.join(history, "from_step_0.yaml"))

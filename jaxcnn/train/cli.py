@@ -19,7 +19,7 @@ def _bad_input_errors():
     from jaxcnn.data import DataError
     from jaxcnn.train.checkpoint import CheckpointError
     from jaxcnn.train.config import ConfigError
-    from jaxcnn.train.loop import WorkdirError
+    from jaxcnn.errors import WorkdirError
     return (ConfigError, DataError, CheckpointError, WorkdirError)
 
 
@@ -90,12 +90,13 @@ def _train_parser() -> argparse.ArgumentParser:
 
 
 def dry_run(cfg, stream=None) -> None:
-    """Build and check everything a real run does before its first step (``loop.prepare``: data,
+    """Build and check everything a real run does before its first step (``setup.prepare``: data,
     model, ``model.init_from``, the mesh and parallel plan, the wrapped train and eval steps
     compiled from abstract inputs, the memory they need), print the model summary and exit:
     no parameter or batch is allocated and no step runs."""
     from jaxcnn import summary
-    from jaxcnn.train.loop import _fmt_bytes, prepare
+    from jaxcnn.train.memory import fmt_bytes
+    from jaxcnn.train.setup import prepare
 
     stream = stream or sys.stdout
     # Single process: the distributed section is not joined (its peers are not dry-running).
@@ -106,9 +107,9 @@ def dry_run(cfg, stream=None) -> None:
     start = f", parameters from {cfg.model.init_from}" if cfg.model.init_from else ""
     clipped = (f" (data.eval_batch_size {cfg.data.eval_batch_size} clipped to the test set)"
                if cfg.data.eval_batch_size and prepared.eval_batch_size < cfg.data.eval_batch_size else "")
-    need = [f"{name.replace('_', ' ')} {_fmt_bytes(memory[name])}"
+    need = [f"{name.replace('_', ' ')} {fmt_bytes(memory[name])}"
             for name in ("state", "train_step", "eval_step") if memory.get(name) is not None]
-    of = f" of {_fmt_bytes(memory['available'])} available" if memory.get("available") else ""
+    of = f" of {fmt_bytes(memory['available'])} available" if memory.get("available") else ""
     print(f"dry run ok: model {cfg.model.name}{start}, input {run.input_shape}, "
           f"{run.total_steps} steps ({run.steps_per_epoch}/epoch), policy {run.policy.to_string()}, "
           f"mesh data {plan.mesh.shape['data']} x model {plan.mesh.shape['model']} ({plan.strategy}), "
@@ -132,11 +133,12 @@ def train_main(argv=None) -> int:
         from jaxcnn.parallel.distributed import report_errors_as
         from jaxcnn.train.checkpoint import quiet_abandoned_orbax_coroutines
         from jaxcnn.train.loop import TrainingStopped, train
+        from jaxcnn.train.rundir import RunDir, check_workdir
         report_errors_as("jaxcnn-train")  # a lost peer ends the process with our line, on any thread
         workdir = args.workdir or cfg.logging.workdir or default_workdir(args.config)
-        quiet_abandoned_orbax_coroutines(os.path.join(workdir, "checkpoints.log"))
-        from jaxcnn.train.loop import check_workdir  # before any compute: a file, read-only, full
-        check_workdir(workdir, "--workdir" if args.workdir else
+        quiet_abandoned_orbax_coroutines(RunDir(workdir).checkpoints_log)
+        check_workdir(  # before any compute: a file, read-only, full
+            workdir, "--workdir" if args.workdir else
                       "logging.workdir" if cfg.logging.workdir else "workdir")
         try:
             result = train(cfg, workdir, argv=[sys.argv[0]] + list(argv if argv is not None else sys.argv[1:]),
@@ -190,10 +192,13 @@ def eval_main(argv=None) -> int:
                                              quiet_abandoned_orbax_coroutines)
         quiet_abandoned_orbax_coroutines()  # read-only: the one line per checkpoint is the report
         from jaxcnn.train.config import load_config
-        from jaxcnn.train.loop import abstract_state, build_run, evaluate, matmul_precision
+        from jaxcnn.train.loop import evaluate
+        from jaxcnn.train.rundir import RunDir
+        from jaxcnn.train.setup import abstract_state, build_run, matmul_precision
         from jaxcnn.train.step import make_eval_step
 
-        cfg_path = os.path.join(args.run_dir, "config.resolved.yaml")
+        run_dir = RunDir(args.run_dir)
+        cfg_path = run_dir.config
         if not os.path.isfile(cfg_path):
             return _fail("jaxcnn-eval", f"{cfg_path} does not exist: not a jaxcnn run directory")
         cfg = load_config(cfg_path, args.overrides)
@@ -201,7 +206,7 @@ def eval_main(argv=None) -> int:
         # Normalise as in training (the run's preprocessing.json), as jaxcnn-export does.
         from jaxcnn.data.preprocessing import run_preprocessing, with_preprocessing
         run = with_preprocessing(run, run_preprocessing(args.run_dir, run=run))
-        ckpt_dir = os.path.join(args.run_dir, "checkpoints")
+        ckpt_dir = run_dir.checkpoints
         # Read-only: evaluation reports a damaged checkpoint and passes over it; only training
         # moves one aside.
         manager = CheckpointManager(ckpt_dir, read_only=True, step_leaf="step")

@@ -8,6 +8,10 @@ import sys
 import time
 from typing import Mapping
 
+import jax
+
+from jaxcnn.train.rundir import RunDir
+
 
 def _plain(value):
     """A JSON-friendly Python scalar from a numpy/jax scalar."""
@@ -43,7 +47,7 @@ class MetricsWriter:
         self._at_resume: set[tuple[int, str]] = set()  # (step, kind) already recorded at resumed_at
         if not enabled:
             return
-        path = os.path.join(workdir, "metrics.jsonl")
+        path = RunDir(workdir).metrics
         if resumed_at is not None and os.path.exists(path):
             self._at_resume = _truncate_after(path, resumed_at)
         self._file = open(path, "a", encoding="utf-8")
@@ -54,7 +58,7 @@ class MetricsWriter:
                 print("[jaxcnn] logging.tensorboard is on but tensorboardX is not installed; "
                       "writing metrics.jsonl only", file=sys.stderr)
             else:
-                self._tb = SummaryWriter(os.path.join(workdir, "tb"))
+                self._tb = SummaryWriter(RunDir(workdir).tensorboard)
 
     def recorded(self, step: int, kind: str) -> bool:
         """Whether the file already holds a `kind` record of `step`, the step a resumed run
@@ -112,7 +116,7 @@ def _truncate_after(path: str, step: int) -> set[tuple[int, str]]:
 def read_metrics(path: str) -> list[dict]:
     """The records of a ``metrics.jsonl`` file (or of a run directory)."""
     if os.path.isdir(path):
-        path = os.path.join(path, "metrics.jsonl")
+        path = RunDir(path).metrics
     with open(path, encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()]
 
@@ -187,3 +191,43 @@ class Progress:
         if self._bar is not None:
             self._bar.close()
             self._bar = None
+
+
+# -- the start-up lines ----------------------------------------------------------------------------
+
+_DTYPE_ROLES = {"p": "params", "c": "compute", "o": "output", "m": "master copy"}
+
+
+def describe_precision(cfg, run) -> str:
+    """``precision ...  loss scaling ...`` of the start-up output, in the config's words:
+    ``precision fp32``, ``precision bf16 (params f32, compute bf16)``, ``loss scaling off``,
+    ``loss scaling dynamic (from 32768)``."""
+    dtypes = dict(part.split("=") for part in run.policy.to_string().split(","))
+    text = f"precision {cfg.precision.policy}"
+    if set(dtypes.values()) != {"f32"}:
+        shown = {k: v for k, v in dtypes.items() if k in ("p", "c") or v != dtypes["p"]}
+        text += " (" + ", ".join(f"{_DTYPE_ROLES[k]} {v}" for k, v in shown.items()) + ")"
+    if cfg.precision.overrides:
+        text += " with " + ", ".join(f"{kind} {spec}" for kind, spec in cfg.precision.overrides.items())
+    kind = cfg.precision.loss_scale
+    if kind == "auto":
+        kind = run.policy.default_loss_scale
+    scale = f"{cfg.precision.loss_scale_init:g}"
+    text += {"none": "  loss scaling off", "static": f"  loss scaling static ({scale})",
+             "dynamic": f"  loss scaling dynamic (from {scale})"}[kind]
+    return text
+
+
+def describe_devices(plan) -> str:
+    """The ``devices ...`` start-up line: data parallelism always; the model axis, fsdp and the
+    process count only where used."""
+    n_data, n_model = plan.mesh.shape["data"], plan.mesh.shape["model"]
+    text = (f"devices {jax.device_count()} ({jax.default_backend()}): data parallel over {n_data} "
+            f"({plan.strategy})")
+    if n_model > 1:
+        text += f", model parallel over {n_model}"
+    if plan.fsdp:
+        text += ", parameters and optimiser state sharded over the data axis (fsdp)"
+    if jax.process_count() > 1:
+        text += f", {jax.process_count()} processes"
+    return text

@@ -42,7 +42,8 @@ def main(argv=None) -> int:
     parser.add_argument("run_dir")
     parser.add_argument("--out", default=None, help="PNG path (default RUN_DIR/curves.png)")
     args = parser.parse_args(argv)
-    path = os.path.join(args.run_dir, "metrics.jsonl")
+    from jaxcnn.train.rundir import RunDir
+    path = RunDir(args.run_dir).metrics
     if not os.path.isfile(path):
         print(f"jaxcnn-plot: error: {path} does not exist", file=sys.stderr)
         return 2

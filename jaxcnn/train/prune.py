@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxcnn.errors import ExportError
+from jaxcnn.errors import ConfigError, ExportError
 from jaxcnn.interop.arrays import flatten, unflatten
 from jaxcnn.layers._tree import child_path, get_path, leaves
 
@@ -194,3 +194,42 @@ def with_keep(opt_state, keep):
                                                 node.keep, keep))
 
     return jax.tree_util.tree_map(put, opt_state, is_leaf=lambda n: isinstance(n, PruneMask))
+
+
+# -- the trainer's prune section: one setup, in two halves (the optimiser exists before the
+#    parameters it will prune, which are the run's initial ones) --------------------------------
+
+def prune_optimizer(tx: optax.GradientTransformation, amount: float) -> optax.GradientTransformation:
+    """``tx`` followed by :func:`mask_updates` when the run prunes (``amount > 0``), else ``tx``."""
+    return optax.chain(tx, mask_updates()) if amount > 0 else tx
+
+
+def prune_start(model, trees, *, amount: float, scope: str, structure: str):
+    """The run's starting point pruned as its ``prune`` section says.
+
+    Arguments:
+        model: the run's model (its layer kinds decide what is prunable).
+        trees: ``(params, model_state)`` host trees the run starts from.
+        amount, scope, structure: the ``prune`` section (see :func:`magnitude_prune`).
+
+    Returns:
+        ``(trees, keep)``: the pruned ``(params, model_state)`` and the ``keep`` tree for
+        :func:`with_keep`; ``(trees, None)`` unchanged when ``amount`` is 0.
+
+    Raises:
+        ConfigError: ``prune.amount`` cannot be applied to this model.
+    """
+    if amount == 0:
+        return trees, None
+    try:
+        params, masks = magnitude_prune(model, trees[0], amount, scope=scope, structure=structure)
+    except ExportError as e:
+        raise ConfigError(f"prune.amount: {e}", path="prune.amount") from None
+    return (params, trees[1]), keep_tree(params, masks)
+
+
+def describe_keep(keep) -> str:
+    """``"N of M parameters held at zero"`` for a ``keep`` tree."""
+    leaves = jax.tree_util.tree_leaves(keep)
+    return (f"{sum(int(np.sum(k == 0)) for k in leaves)} of {sum(k.size for k in leaves)} "
+            "parameters held at zero")

@@ -5,7 +5,7 @@ import pytest
 
 from jaxcnn import parallel
 from jaxcnn.train.config import ConfigError, config_from_dict
-from jaxcnn.train.loop import parallel_config_errors
+from jaxcnn.train.setup import parallel_config_errors
 
 
 def test_minus_one_fills_the_data_axis():

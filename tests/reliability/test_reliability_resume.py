@@ -21,11 +21,11 @@ import jax.numpy as jnp
 import pytest
 import yaml
 
-from jaxcnn.train import loop
+from jaxcnn.train import setup
 from jaxcnn.train.checkpoint import CheckpointManager
 from jaxcnn.train.cli import train_main
 from jaxcnn.train.config import load_config, to_dict
-from jaxcnn.train.loop import build_run, init_state
+from jaxcnn.train.setup import build_run, init_state
 from jaxcnn.train.metrics import read_metrics
 from reliability_lib import (CHECKPOINTED_STEPS, ORBAX_LEFTOVER_WARNINGS, checkpointed_args,
                              assert_params_bitwise_equal, resumed_step, step_dirs, subprocess_env,
@@ -97,7 +97,7 @@ def test_rerun_with_changed_config_stops_before_compute_and_changes_nothing(refe
 
     def no_compute(cfg):
         raise AssertionError("build_run was reached: the config check must come first")
-    monkeypatch.setattr(loop, "build_run", no_compute)
+    monkeypatch.setattr(setup, "build_run", no_compute)
     capsys.readouterr()
     code = train_main(run_args(data, work, "optim.lr=0.01", "train.steps=16"))
     err = capsys.readouterr().err.strip().splitlines()

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 import jaxcnn.train.loop as loop
+import jaxcnn.train.setup as setup
 from jaxcnn.train.cli import train_main
 from jaxcnn.train.metrics import MetricsWriter
 from reliability_lib import subprocess_env, tiny_args, tiny_npz
@@ -110,9 +111,9 @@ def test_checkpoint_save_compiles_nothing_and_restores_onto_the_shardings(tmp_pa
 
     args = tiny_args(tiny_npz(tmp_path / "d.npz"))
     cfg = load_config(args[0], args[1:])
-    run = loop.build_run(cfg)
-    plan = parallel.setup(cfg, run.model, run.input_shape, loop.abstract_state(run))
-    state = jax.jit(lambda: loop.init_state(run), out_shardings=plan.state_shardings)()
+    run = setup.build_run(cfg)
+    plan = parallel.setup(cfg, run.model, run.input_shape, setup.abstract_state(run))
+    state = jax.jit(lambda: setup.init_state(run), out_shardings=plan.state_shardings)()
     assert len(state.params["fc1"]["w"].sharding.device_set) == 8
     compiles = []
 

@@ -543,7 +543,8 @@ TINY = ["model.name=mnist_cnn", "data.source=synthetic", "data.image_size=[12, 1
 ])
 def test_startup_output_describes_precision_in_the_configs_words(policy, extra, text):
     """The start-up line said 'policy p=f32,c=f32,o=f32  loss scale NoOpLossScale'."""
-    from jaxcnn.train.loop import build_run, describe_precision
+    from jaxcnn.train.metrics import describe_precision
+    from jaxcnn.train.setup import build_run
     cfg = load_config(os.path.join(REPO, "configs", "mnist_cnn.yaml"), TINY + [f"precision.policy={policy}"] + extra)
     assert describe_precision(cfg, build_run(cfg)) == text
 
@@ -553,7 +554,7 @@ def test_startup_output_mentions_fsdp_and_the_model_axis_only_when_used():
 
     import jax
 
-    from jaxcnn.train.loop import describe_devices
+    from jaxcnn.train.metrics import describe_devices
     def plan(data, model, fsdp):
         return SimpleNamespace(mesh=SimpleNamespace(shape={"data": data, "model": model}),
                                strategy="shard_map", fsdp=fsdp)

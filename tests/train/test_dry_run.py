@@ -1,5 +1,5 @@
 """``jaxcnn-train --dry-run`` checks what the real run checks, with the same setup
-(``loop.prepare``): mesh and plan, the wrapped train and eval steps (traced, lowered and
+(``setup.prepare``): mesh and plan, the wrapped train and eval steps (traced, lowered and
 compiled from abstract inputs), sizes against the data and memory, and the workdir."""
 import contextlib
 import errno
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import yaml
 
-from jaxcnn.train import loop
+from jaxcnn.train import loop, memory, rundir, setup
 from jaxcnn.train.cli import train_main
 from jaxcnn.train.config import load_config
 
@@ -104,11 +104,11 @@ def test_abstract_batch_is_what_the_loop_feeds(tiny, strategy, source):
     if source == "synthetic":  # per-step bytes (uint8), as throughput runs make them
         overrides += ["data.num_train=4000000"]
     cfg = load_config(tiny, overrides)
-    run = loop.build_run(cfg)
+    run = setup.build_run(cfg)
     from jaxcnn import parallel
-    plan = parallel.setup(cfg, run.model, run.input_shape, loop.abstract_state(run))
-    real = plan.put_batch(loop.batch_fn(run)(0))
-    abstract = loop.abstract_batch(run, plan)
+    plan = parallel.setup(cfg, run.model, run.input_shape, setup.abstract_state(run))
+    real = plan.put_batch(setup.batch_fn(run)(0))
+    abstract = setup.abstract_batch(run, plan)
 
     def describe(x):
         return (tuple(x.shape), np.dtype(x.dtype), getattr(x, "sharding", None) if strategy != "pmap" else None)
@@ -134,13 +134,13 @@ def test_sizes_that_cannot_fit_fail_dry_run_and_real_run(tiny, tmp_path, overrid
 def test_state_and_step_memory_are_checked_against_what_is_available(tiny, monkeypatch):
     """The training state from its shapes, then the compiled step's memory_analysis, against the
     memory available; the message names the keys that size it."""
-    prepared = loop.prepare(load_config(tiny, []))
+    prepared = setup.prepare(load_config(tiny, []))
     state, step = prepared.memory["state"], prepared.memory["train_step"]
     assert 0 < state < step < prepared.memory["available"]
-    monkeypatch.setattr(loop, "available_memory", lambda devices: (state - 1, "host"))
+    monkeypatch.setattr(setup, "available_memory", lambda devices: (state - 1, "host"))
     line = one_line(*cli([tiny, "--dry-run"])[::2])
     assert "parameters and their optimiser state need" in line and "data.image_size=[12, 12, 1]" in line
-    monkeypatch.setattr(loop, "available_memory", lambda devices: ((state + step) // 2, "host"))
+    monkeypatch.setattr(setup, "available_memory", lambda devices: ((state + step) // 2, "host"))
     line = one_line(*cli([tiny, "--dry-run"])[::2])
     assert "data.batch_size=8" in line and "one train step needs" in line, line
 
@@ -203,7 +203,7 @@ def test_unusable_workdir_is_one_line_before_compute(tiny, tmp_path, monkeypatch
     elif where == "write":
         monkeypatch.setattr(tempfile, "mkstemp", fail)
     else:
-        monkeypatch.setattr(loop, "_free_disk", lambda path: 4096)
+        monkeypatch.setattr(rundir, "_free_disk", lambda path: 4096)
     line = one_line(*cli([tiny, "--workdir", workdir])[::2])
     assert line.startswith(f"jaxcnn-train: error: --workdir {workdir} "), line
     assert needle.format(parent=tmp_path) in line, line
@@ -247,9 +247,9 @@ def test_available_memory_on_an_accelerator_is_the_least_free_device():
     gb = 10**9
     devices = [Device({"bytes_limit": 80 * gb, "bytes_in_use": 10 * gb}),
                Device({"bytes_limit": 80 * gb, "bytes_in_use": 30 * gb})]
-    assert loop.available_memory(devices) == (50 * gb, "per device")
-    assert loop.available_memory([Device(None)]) is None
-    free, scope = loop.available_memory(jax.devices("cpu")[:1])
+    assert memory.available_memory(devices) == (50 * gb, "per device")
+    assert memory.available_memory([Device(None)]) is None
+    free, scope = memory.available_memory(jax.devices("cpu")[:1])
     assert scope == "host" and 0 < free
 
 

@@ -10,7 +10,7 @@ import pytest
 from jaxcnn import functional as F
 from jaxcnn import layers as L
 from jaxcnn import precision as P
-from jaxcnn.train import loop
+from jaxcnn.train import loop, setup
 from jaxcnn.train.config import load_config
 from jaxcnn.train.state import create_train_state
 from jaxcnn.train.step import make_eval_step, make_train_step
@@ -119,13 +119,13 @@ def test_bad_names_fail_when_the_step_is_made():
 
 def test_trainer_passes_the_config_choices(monkeypatch):
     seen = {}
-    real = loop.make_train_step
+    real = setup.make_train_step
 
     def spy(*args, **kwargs):
         seen.update(impl=kwargs.get("impl"), bn=kwargs.get("batch_norm_grad"))
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(loop, "make_train_step", spy)
+    monkeypatch.setattr(setup, "make_train_step", spy)
     cfg = load_config(os.path.join(CONFIGS, "mnist_cnn.yaml"), [
         "model.impl=xla", "model.batch_norm_grad=closed_form", "train.steps=1",
         "data.batch_size=8", "checkpoint.enabled=false", "logging.progress=none",

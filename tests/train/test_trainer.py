@@ -208,8 +208,8 @@ def test_every_shipped_config_dry_runs(config, cifar_dir, capsys, monkeypatch):
     # Traced and lowered as the real run would (the same wrapped steps), but not compiled by
     # XLA: that takes minutes for the ImageNet models on a 2-core CPU, and their memory depends
     # on the machine (tests/train/test_dry_run.py checks the compiled memory check).
-    from jaxcnn.train import loop
-    monkeypatch.setattr(loop, "_compile", lambda lowered: None)
+    from jaxcnn.train import setup
+    monkeypatch.setattr(setup, "_compile", lambda lowered: None)
     args = [os.path.join(CONFIGS, config), "--dry-run"]
     if "cifar10" in config:
         args.append(f"data.path={cifar_dir}")

@@ -1,0 +1,130 @@
+"""Will the run fit? The memory a run has and the memory its state and compiled steps need,
+checked before anything is allocated (:func:`jaxcnn.train.setup.prepare`)."""
+from __future__ import annotations
+
+import math
+import os
+
+import jax
+import numpy as np
+
+from jaxcnn.errors import ConfigError
+
+
+def fmt_bytes(n: float) -> str:
+    """``4.0 TB``, ``23 GB``, ``512 MB`` (decimal units)."""
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            value = n / scale
+            return f"{value:.1f} {unit}" if value < 10 else f"{value:.0f} {unit}"
+    return f"{int(n)} bytes"
+
+def available_memory(devices):
+    """Memory a run can use: ``(bytes, scope)`` where scope is ``"per device"`` (accelerators:
+    the device's limit less what is in use) or ``"host"`` (CPU devices share the host's memory:
+    MemAvailable, the cgroup's limit if lower); None where it cannot be told."""
+    devices = list(devices)
+    if devices[0].platform != "cpu":
+        free = []
+        for d in devices:
+            try:
+                stats = d.memory_stats()
+            except Exception:  # a backend without memory statistics: no check
+                return None
+            if not stats or "bytes_limit" not in stats:
+                return None
+            free.append(int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0)))
+        return min(free), "per device"
+    candidates = []
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    candidates.append(int(line.split()[1]) * 1024)
+    except (OSError, ValueError, IndexError):
+        pass
+    if not candidates:
+        try:
+            candidates.append(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+        except (OSError, ValueError, AttributeError):
+            pass
+    try:  # cgroup v2: a container's limit
+        with open("/sys/fs/cgroup/memory.max", encoding="ascii") as f:
+            limit = f.read().strip()
+        if limit != "max":
+            with open("/sys/fs/cgroup/memory.current", encoding="ascii") as f:
+                candidates.append(int(limit) - int(f.read().strip()))
+    except (OSError, ValueError):
+        pass
+    return (min(candidates), "host") if candidates else None
+
+def local_devices(plan) -> list:
+    """This process's devices of the mesh: the memory it checks (its host's, or theirs)."""
+    return [d for d in plan.mesh.devices.flat if d.process_index == jax.process_index()]
+
+def check_state_memory(plan, available, size_keys) -> int:
+    """The training state's bytes (per device, or on the host for CPU devices), from the
+    shapes alone: a state that cannot fit is refused before anything is allocated.
+
+    Arguments:
+        plan: the parallel plan (its ``abstract_state``, ``mesh``).
+        available: :func:`available_memory`'s answer.
+        size_keys: ``shape -> ["key=value", ...]``, the config keys that size a parameter of
+            that shape (the message names them).
+
+    Raises:
+        ConfigError: naming the keys that size it (``model.num_classes=1000000000 ...``).
+    """
+    leaves = jax.tree_util.tree_leaves_with_path(plan.abstract_state)
+    per_device = 0
+    for _, x in leaves:
+        shape = x.sharding.shard_shape(x.shape) if getattr(x, "sharding", None) is not None else x.shape
+        per_device += math.prod(shape) * np.dtype(x.dtype).itemsize
+    if available is None:
+        return per_device
+    free, scope = available
+    need = per_device * (len(local_devices(plan)) if scope == "host" else 1)
+    if need > free:
+        params = jax.tree_util.tree_leaves_with_path(plan.abstract_state.params)
+        path, big = max(params, key=lambda kv: math.prod(kv[1].shape))
+        name = "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+        keys = size_keys(big.shape)
+        count = sum(math.prod(x.shape) for _, x in params)
+        raise ConfigError(f"{', '.join(keys)}: the model's {count:,} parameters and their optimiser "
+                          f"state need {fmt_bytes(need)} (largest: {name} {tuple(big.shape)}); this "
+                          f"machine has {fmt_bytes(free)} available"
+                          f"{' per device' if scope == 'per device' else ''}", path=keys[0].split("=")[0])
+    return need
+
+def _step_bytes(compiled):
+    """Arguments + outputs + temporaries (less the donated buffers counted twice) of a compiled
+    program, per device; None where the backend does not say."""
+    if compiled is None:
+        return None
+    try:
+        stats = compiled.memory_analysis()
+    except Exception:  # not every backend or wrapper implements it
+        return None
+    if isinstance(stats, (list, tuple)):
+        stats = stats[0] if stats else None
+    if stats is None:
+        return None
+    return max(0, int(stats.argument_size_in_bytes) + int(stats.output_size_in_bytes)
+               + int(stats.temp_size_in_bytes) - int(stats.alias_size_in_bytes))
+
+def check_step_memory(compiled, plan, available, keys, what) -> int | None:
+    """Refuses a compiled step whose memory (``memory_analysis``) exceeds what is available.
+
+    Raises:
+        ConfigError: ``"<keys>: one <what> needs X; this machine has Y available"``.
+    """
+    per_device = _step_bytes(compiled)
+    if per_device is None or available is None:
+        return per_device
+    free, scope = available
+    need = per_device * (len(local_devices(plan)) if scope == "host" else 1)
+    if need > free:
+        raise ConfigError(f"{', '.join(keys)}: one {what} needs {fmt_bytes(need)} of memory; this "
+                          f"machine has {fmt_bytes(free)} available"
+                          f"{' per device' if scope == 'per device' else ''}", path=keys[0].split("=")[0])
+    return need

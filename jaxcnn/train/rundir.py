@@ -1,0 +1,226 @@
+"""The run directory: the one place its layout is written down.
+
+A run directory holds::
+
+    config.resolved.yaml      the config the run trains under (config_history/: earlier ones)
+    run_meta.json             what ran, where (argv, versions, devices, git commit)
+    preprocessing.json        what the model expects of its input (jaxcnn.data.preprocessing)
+    metrics.jsonl             one JSON record per log/eval interval (tb/: TensorBoard events)
+    checkpoints/<step>/       orbax checkpoints (checkpoints.log: the detail of their errors)
+    params.npz | params.safetensors   the final parameters and model state
+
+Everything that reads or writes one of these (the trainer, ``jaxcnn-eval``, ``jaxcnn-export``,
+``jaxcnn-plot``, fine-tuning) names it through :class:`RunDir`.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+
+import jax
+
+from jaxcnn import _host_memory
+from jaxcnn.data.preprocessing import PREPROCESSING_FILE
+from jaxcnn.errors import WorkdirError
+from jaxcnn.train.memory import fmt_bytes
+
+PARAM_FORMATS = ("npz", "safetensors")
+
+
+class RunDir:
+    """The paths of one run directory (nothing is created until something is written)."""
+
+    CONFIG = "config.resolved.yaml"
+    CONFIG_HISTORY = "config_history"
+    META = "run_meta.json"
+    PREPROCESSING = PREPROCESSING_FILE
+    METRICS = "metrics.jsonl"
+    TENSORBOARD = "tb"
+    CHECKPOINTS = "checkpoints"
+    CHECKPOINTS_LOG = "checkpoints.log"
+    PARAM_FILES = tuple(f"params.{fmt}" for fmt in PARAM_FORMATS)
+
+    def __init__(self, path):
+        self.path = os.fspath(path)
+
+    def __repr__(self):
+        return f"RunDir({self.path!r})"
+
+    def __fspath__(self):
+        return self.path
+
+    def _join(self, name: str) -> str:
+        return os.path.join(self.path, name)
+
+    @property
+    def config(self) -> str:
+        return self._join(self.CONFIG)
+
+    @property
+    def config_history(self) -> str:
+        return self._join(self.CONFIG_HISTORY)
+
+    @property
+    def meta(self) -> str:
+        return self._join(self.META)
+
+    @property
+    def preprocessing(self) -> str:
+        return self._join(self.PREPROCESSING)
+
+    @property
+    def metrics(self) -> str:
+        return self._join(self.METRICS)
+
+    @property
+    def tensorboard(self) -> str:
+        return self._join(self.TENSORBOARD)
+
+    @property
+    def checkpoints(self) -> str:
+        return self._join(self.CHECKPOINTS)
+
+    @property
+    def checkpoints_log(self) -> str:
+        return self._join(self.CHECKPOINTS_LOG)
+
+    def params(self, fmt: str) -> str:
+        """``params.<fmt>`` (``fmt``: "npz" or "safetensors")."""
+        if fmt not in PARAM_FORMATS:
+            raise ValueError(f"parameter format must be one of {PARAM_FORMATS}, got {fmt!r}")
+        return self._join(f"params.{fmt}")
+
+    def find_params(self) -> str | None:
+        """The run's final parameter file (``params.npz`` first), or None before training ends."""
+        for name in self.PARAM_FILES:
+            if os.path.isfile(self._join(name)):
+                return self._join(name)
+        return None
+
+    def write_meta(self, argv, config_path) -> None:
+        """``run_meta.json``: :func:`run_metadata`."""
+        with open(self.meta, "w", encoding="utf-8") as f:
+            json.dump(run_metadata(argv, config_path), f, indent=2)
+
+    def save_params(self, fmt: str, trees, save) -> str | None:
+        """Write ``params.<fmt>`` with ``save(path, *trees)`` through a partial file renamed into
+        place, so an old parameter file is never half overwritten.
+
+        Returns:
+            None, or the one-line reason it could not be written (a full disk): the partial
+            file is removed and everything else is kept.
+        """
+        path = self.params(fmt)
+        partial = self._join(f"params.partial.{fmt}")
+        try:
+            save(partial, *trees)
+            os.replace(partial, path)
+        except OSError as e:
+            try:
+                os.remove(partial)
+            except OSError:
+                pass
+            return f"cannot write {path} ({e.strerror or e}); the partial file was removed"
+        return None
+
+    def check_writable(self, what: str = "workdir") -> None:
+        """:func:`check_workdir` on this directory."""
+        check_workdir(self.path, what)
+
+
+def run_metadata(argv, config_path) -> dict:
+    """What ran, where: ``run_meta.json``."""
+    def version(name):
+        try:
+            from importlib.metadata import version as v
+            return v(name)
+        except Exception:  # not installed: record the absence
+            return None
+
+    commit = None
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
+                             cwd=os.path.dirname(os.path.abspath(__file__)))
+        commit = (out.stdout.strip() or None) if out.returncode == 0 else None
+    except (OSError, subprocess.SubprocessError):
+        commit = None
+    return {
+        "argv": list(argv or sys.argv), "config": config_path, "start_time": time.time(),
+        "host": platform.node(), "python": platform.python_version(),
+        "versions": {n: version(n) for n in ("jaxcnn", "jax", "jaxlib", "optax", "orbax-checkpoint",
+                                             "numpy")},
+        "backend": jax.default_backend(),
+        # Whether jaxcnn's glibc malloc settings are on: they trade resident memory for speed.
+        "host_malloc": _host_memory.status(),
+        "devices": [str(d) for d in jax.devices()], "process_count": jax.process_count(),
+        "git_commit": commit,
+    }
+
+def check_workdir(workdir: str, what: str = "workdir") -> None:
+    """Check, before any compute, that the run can write to ``workdir``; nothing is left behind
+    (a missing ``workdir`` is created by the run itself once its config has passed every check).
+
+    An existing ``workdir`` must be a directory where a file can be written; a missing one must
+    be creatable under its nearest existing parent; its disk must not be full. The checks
+    really write (a file, or a directory), then remove what they wrote: ``os.access`` says yes
+    to root on a read-only mount's files, and knows no quota.
+
+    Arguments:
+        workdir: the run directory.
+        what: how the message names it (``"--workdir"``, ``"logging.workdir"``).
+
+    Raises:
+        WorkdirError: it is a file (or a parent is), cannot be created, is not writable
+            (permissions, read-only file system) or its disk is full.
+    """
+    where = f"{what} {workdir}" if what.startswith("--") else f"{what}: {workdir}"
+    if os.path.exists(workdir):
+        if not os.path.isdir(workdir):
+            from jaxcnn.data.files import file_kind
+            kind = "a file" if os.path.isfile(workdir) else file_kind(os.stat(workdir).st_mode)
+            raise WorkdirError(f"{where} is {kind}, not a directory")
+        probe = None
+        try:
+            fd, probe = tempfile.mkstemp(prefix=".jaxcnn-write-test-", dir=workdir)
+            with os.fdopen(fd, "wb") as f:
+                f.write(b"\0" * 4096)
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as e:
+            raise WorkdirError(f"{where} is not writable ({e.strerror or e})") from None
+        finally:
+            if probe is not None:
+                try:
+                    os.remove(probe)
+                except OSError:
+                    pass
+        existing = workdir
+    else:
+        existing = os.path.dirname(os.path.abspath(workdir))
+        while not os.path.exists(existing):
+            existing = os.path.dirname(existing)
+        if not os.path.isdir(existing):
+            raise WorkdirError(f"{where} cannot be created: {existing} is not a directory")
+        try:
+            os.rmdir(tempfile.mkdtemp(prefix=".jaxcnn-write-test-", dir=existing))
+        except OSError as e:
+            raise WorkdirError(f"{where} cannot be created in {existing} ({e.strerror or e})") from None
+    free = _free_disk(existing)
+    if free is not None and free < _MIN_FREE_DISK:
+        raise WorkdirError(f"{where} is on a full disk ({fmt_bytes(free)} free; the run writes "
+                           "checkpoints, metrics and parameters there)")
+
+# Below this much free space in the run directory a run is refused before it starts.
+_MIN_FREE_DISK = 1 << 20
+
+def _free_disk(path):
+    try:
+        st = os.statvfs(path)
+    except (OSError, AttributeError):
+        return None
+    return st.f_bavail * st.f_frsize

@@ -1,0 +1,468 @@
+"""Everything a run builds before its first step, and the checks that it can run.
+
+:func:`build_run` turns a validated config into a :class:`Run` (data, model, optimiser,
+precision policy, loss scale); :func:`prepare` adds the mesh and parallel plan, the wrapped
+train and eval steps (compiled from abstract inputs) and the memory checks. ``jaxcnn-train``
+and ``jaxcnn-train --dry-run`` both go through :func:`prepare`, so a dry run builds exactly what
+the run builds. Nothing here allocates parameters or runs a step.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxcnn import interop, models, parallel
+from jaxcnn import precision as P
+from jaxcnn.data import (SyntheticSpec, load_dataset, steps_per_epoch, synthetic_batch,
+                         synthetic_dataset, train_batch)
+from jaxcnn.data.files import check_regular_file
+from jaxcnn.data.synthetic import NOISE_MEAN, NOISE_STD
+from jaxcnn.errors import ConfigError, DataError
+from jaxcnn.train import prune
+from jaxcnn.train.config import resolve_duration, train_steps
+from jaxcnn.train.memory import (available_memory, check_state_memory, check_step_memory,
+                                 local_devices)
+from jaxcnn.train.optim import build_optimizer
+from jaxcnn.train.rundir import RunDir
+from jaxcnn.train.state import MasterCopyState, create_train_state
+from jaxcnn.train.step import make_eval_step, make_train_step
+
+
+# Synthetic training sets up to this many bytes (uint8 pixels) are generated once and
+# held in memory; larger ones (ImageNet-shaped throughput runs) are made per step.
+_SYNTHETIC_IN_MEMORY_BYTES = 256 * 2**20
+
+
+_CONFIG_KEY = re.compile(r"[a-z_][a-z0-9_]*(\.[A-Za-z0-9_]+)+")
+
+
+def _raised_in_parallel(error: BaseException) -> bool:
+    tb = error.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and tb.tb_frame.f_globals.get("__name__", "").startswith("jaxcnn.parallel")
+
+
+@contextlib.contextmanager
+def parallel_config_errors():
+    """Around the trainer's calls into :mod:`jaxcnn.parallel`: its ``ValueError``s become
+    :class:`ConfigError`s.
+
+    ``jaxcnn.parallel`` knows nothing of configs; a setting it cannot run is a plain
+    ``ValueError`` raised there, whose message starts with the config key at fault
+    (``"mesh.model: 3 does not divide the 8 available devices"``). Here it becomes a
+    :class:`ConfigError` with that message and ``path`` (so ``jaxcnn-train`` prints one line
+    and exits 2); any other error, a ``ValueError`` from deeper down included, passes as it is.
+    """
+    try:
+        yield
+    except ValueError as e:
+        if isinstance(e, ConfigError) or not _raised_in_parallel(e):
+            raise
+        message = str(e)
+        key = message.split(":", 1)[0]
+        raise ConfigError(message, path=key if _CONFIG_KEY.fullmatch(key) else "") from None
+
+
+class Run(NamedTuple):
+    """Everything a run builds from its config before the first step."""
+
+    cfg: Any
+    model: Any
+    dataset: Any            # a jaxcnn.data.Dataset, or None for on-the-fly synthetic batches
+    synthetic: Any          # SyntheticSpec when batches are generated per step, else None
+    input_shape: tuple      # (global batch, H, W, C)
+    num_classes: int
+    steps_per_epoch: int
+    total_steps: int
+    tx: Any
+    schedule: Any
+    policy: Any
+    loss_scale: Any
+    data_seed: int
+
+
+def _model_defaults(name: str):
+    try:
+        return models.default_input_shape(name)
+    except (KeyError, ValueError) as e:
+        raise ConfigError(f"model.name: {e}", path="model.name") from None
+
+
+class DataSetup(NamedTuple):
+    """The training data a config asks for (:func:`build_data`)."""
+
+    dataset: Any            # a jaxcnn.data.Dataset, or None for on-the-fly synthetic batches
+    synthetic: Any          # SyntheticSpec when batches are generated per step, else None
+    image_shape: tuple      # (H, W, C)
+    num_classes: int        # what the model predicts: model.num_classes, else the data's
+    steps_per_epoch: int
+
+
+def build_data(cfg, data_seed: int) -> DataSetup:
+    """Load (or describe, for per-step synthetic batches) the data ``cfg.data`` names.
+
+    Raises:
+        ConfigError: a batch larger than the training set, a missing ``data.path``, a model
+            with fewer classes than the data; DataError: a malformed data file.
+    """
+    batch_size = cfg.data.batch_size
+    if cfg.data.source == "synthetic":
+        return _synthetic_data(cfg, data_seed)
+    path = cfg.data.path
+    if path is not None and not os.path.exists(path):
+        raise ConfigError(f"data.path: {path!r} does not exist", path="data.path")
+    if cfg.data.source == "npz":  # a device or FIFO is never data: /dev/zero ran into the OOM killer
+        check_regular_file(path, "data.path")
+    dataset = load_dataset(cfg.data.source, path)
+    num_classes = dataset.num_classes
+    if cfg.model.num_classes is not None and cfg.model.num_classes < num_classes:
+        raise ConfigError(f"model.num_classes: {cfg.model.num_classes} is smaller than the "
+                          f"dataset's {num_classes} classes", path="model.num_classes")
+    if len(dataset.x_train) < batch_size:
+        raise ConfigError(f"data.batch_size: {batch_size} is larger than the training set "
+                          f"({len(dataset.x_train)} images)", path="data.batch_size")
+    return DataSetup(dataset, None, tuple(dataset.image_shape), cfg.model.num_classes or num_classes,
+                     steps_per_epoch(len(dataset.x_train), batch_size))
+
+
+def _synthetic_data(cfg, data_seed: int) -> DataSetup:
+    """Synthetic data: a fixed in-memory set the model can fit (with a test split) when small,
+    else fresh images every step, never materialised (throughput runs)."""
+    image_shape = tuple(cfg.data.image_size or _model_defaults(cfg.model.name)[1:])
+    num_classes = cfg.data.num_classes or cfg.model.num_classes or 10
+    spec = SyntheticSpec(image_shape=image_shape, num_classes=num_classes)
+    image_bytes = int(np.prod(image_shape))
+    dataset, synthetic = None, None
+    if cfg.data.num_train * image_bytes <= _SYNTHETIC_IN_MEMORY_BYTES:
+        if (cfg.data.num_train + cfg.data.num_eval) * image_bytes > 2 * _SYNTHETIC_IN_MEMORY_BYTES:
+            raise ConfigError(f"data.num_eval: {cfg.data.num_eval} synthetic test images of shape "
+                              f"{image_shape} would take more than the "
+                              f"{2 * _SYNTHETIC_IN_MEMORY_BYTES >> 20} MiB held in memory",
+                              path="data.num_eval")
+        dataset = synthetic_dataset(spec, num_train=cfg.data.num_train,
+                                    num_test=cfg.data.num_eval, seed=data_seed)
+    else:
+        synthetic = spec
+    if cfg.data.num_train < cfg.data.batch_size:
+        raise ConfigError(f"data.batch_size: {cfg.data.batch_size} is larger than the training set "
+                          f"(data.num_train={cfg.data.num_train})", path="data.batch_size")
+    return DataSetup(dataset, synthetic, image_shape, num_classes,
+                     max(1, cfg.data.num_train // cfg.data.batch_size))
+
+
+def _check_model_name(cfg) -> None:
+    if cfg.model.name not in models.names():
+        from difflib import get_close_matches
+        close = get_close_matches(cfg.model.name, models.names(), n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ConfigError(f"model.name: unknown model {cfg.model.name!r}{hint}; expected one of "
+                          f"{models.names()}", path="model.name")
+
+
+def _policy(cfg):
+    try:
+        return P.get_policy(cfg.precision.policy, dict(cfg.precision.overrides))
+    except ValueError as e:
+        raise ConfigError(f"precision.policy: {e}", path="precision.policy") from None
+
+
+def _build_model(cfg, num_classes: int, image_shape: tuple):
+    """The zoo model, checked (from shapes only) to take the run's images: a too-small image
+    fails here, not as a traceback from inside a layer."""
+    try:
+        model = models.get(cfg.model.name, num_classes=num_classes, **dict(cfg.model.options))
+    except (TypeError, ValueError) as e:  # unknown or ill-typed options
+        raise ConfigError(f"model.options: {e}", path="model.options") from None
+    try:
+        jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0),
+                                          (cfg.data.batch_size,) + tuple(image_shape)))
+    except ValueError as e:
+        raise ConfigError(f"model {cfg.model.name!r} cannot take {tuple(image_shape)} images "
+                          f"(data.image_size or the dataset): {e}", path="data.image_size") from None
+    return model
+
+
+def _check_augment(cfg, image_shape: tuple) -> None:
+    pad = cfg.data.augment.crop_padding
+    if pad and pad >= min(image_shape[0], image_shape[1]):  # padded batches grew to terabytes
+        raise ConfigError(f"data.augment.crop_padding: {pad} must be smaller than the image side "
+                          f"({min(image_shape[0], image_shape[1])} for {tuple(image_shape)} images)",
+                          path="data.augment.crop_padding")
+
+
+def _loss_scale(cfg, policy):
+    kind = cfg.precision.loss_scale
+    if kind == "auto":
+        kind = policy.default_loss_scale
+    hparams = {}
+    if kind in ("static", "dynamic"):
+        hparams["scale"] = cfg.precision.loss_scale_init
+    if kind == "dynamic":
+        hparams.update(growth_interval=cfg.precision.growth_interval,
+                       growth_factor=cfg.precision.growth_factor,
+                       backoff_factor=cfg.precision.backoff_factor,
+                       min_scale=cfg.precision.min_scale, max_scale=cfg.precision.max_scale)
+    return P.make_loss_scale(kind, **hparams)
+
+
+def build_run(cfg) -> Run:
+    """Build model, data, optimiser, policy and loss scale from a validated config.
+
+    Raises ``ConfigError`` (or ``jaxcnn.data.DataError``) for anything the
+    config asks that cannot be done, before any computation.
+    """
+    _check_model_name(cfg)
+    policy = _policy(cfg)
+    data_seed = cfg.train.seed if cfg.data.seed is None else cfg.data.seed
+    data = build_data(cfg, data_seed)
+    model = _build_model(cfg, data.num_classes, data.image_shape)
+    _check_augment(cfg, data.image_shape)
+    per_epoch = data.steps_per_epoch
+    total = train_steps(cfg.train, per_epoch)
+    for key in ("train.eval_every", "checkpoint.every", "logging.log_every"):  # epochs: checked here, before any compute
+        section, name = key.split(".")
+        resolve_duration(cfg[section][name], per_epoch, key=key)
+    tx, schedule = build_optimizer(cfg.optim, total_steps=total, steps_per_epoch=per_epoch)
+    tx = prune.prune_optimizer(tx, cfg.prune.amount)  # pruned weights get no updates
+    return Run(cfg, model, data.dataset, data.synthetic, (cfg.data.batch_size,) + data.image_shape,
+               data.num_classes, per_epoch, total, tx, schedule, policy, _loss_scale(cfg, policy),
+               data_seed)
+
+
+def batch_fn(run: Run):
+    """``step -> batch`` (host numpy arrays) for the run's training data."""
+    cfg = run.cfg
+    share = {"process_index": jax.process_index(), "process_count": jax.process_count()}
+    if run.synthetic is not None:  # bytes: the train step normalises them on the device
+        return lambda step: synthetic_batch(run.synthetic, step, seed=run.data_seed,
+                                            batch_size=cfg.data.batch_size, image_dtype="uint8",
+                                            **share)
+    augment = {"crop_padding": cfg.data.augment.crop_padding, "flip": cfg.data.augment.flip}
+    dataset = run.dataset
+    if not cfg.data.normalize:  # unit scale only, as in evaluate()
+        channels = dataset.image_shape[-1]
+        dataset = dataset._replace(mean=np.zeros(channels, np.float32), std=np.ones(channels, np.float32))
+    return lambda step: train_batch(dataset, step, seed=run.data_seed,
+                                    batch_size=cfg.data.batch_size, augment=augment, **share)
+
+
+def init_state(run: Run, start=None, keep=None) -> TrainState:
+    """A fresh :class:`TrainState` from ``train.seed``.
+
+    Arguments:
+        run: from :func:`build_run`.
+        start: ``(params, model_state)`` to start from instead of the random
+            initialisation (see :func:`initial_params`), or None.
+        keep: the pruning masks (a params-shaped tree of 0/1) for the optimiser
+            state's ``PruneMask`` (``prune.amount > 0``), or None.
+    """
+    model = run.model
+    if start is not None:  # the same state, with the model's init giving these trees
+        model = model._replace(init=lambda key, shape: (start[0], start[1], None))
+    state = create_train_state(model, run.tx, jax.random.PRNGKey(run.cfg.train.seed),
+                               run.input_shape, loss_scale=run.loss_scale, policy=run.policy)
+    if keep is not None:
+        state = state._replace(opt_state=prune.with_keep(state.opt_state, keep))
+    return state
+
+
+def load_init_from(run: Run):
+    """Read ``model.init_from`` and check it against the model, before any compute.
+
+    Returns:
+        ``(params, model_state)`` as NumPy trees in the model's dtypes.
+
+    Raises:
+        ConfigError: naming the file and the missing, unexpected, mis-shaped
+            or non-float key.
+    """
+    path = run.cfg.model.init_from
+
+    def fail(message):
+        raise ConfigError(f"model.init_from: {message}", path="model.init_from")
+
+    if os.path.isdir(path):
+        found = RunDir(path).find_params()
+        if found is None:
+            fail(f"{path!r} is a directory without {' or '.join(RunDir.PARAM_FILES)}; has its "
+                 "training finished?")
+        path = found
+    else:  # a FIFO (it hung), device or link to one is never a parameter file
+        try:
+            check_regular_file(path, "model.init_from")
+        except DataError as e:
+            raise ConfigError(str(e), path="model.init_from") from None
+    like = jax.eval_shape(lambda: run.model.init(jax.random.PRNGKey(0), run.input_shape)[:2])
+    load = {".npz": interop.load_npz, ".safetensors": interop.load_safetensors}.get(
+        os.path.splitext(path)[1])
+    if load is None:
+        fail(f"{path!r}: expected a .npz or .safetensors parameter file or a run directory")
+    try:
+        trees = load(path, like=like)
+    except (ValueError, OSError) as e:
+        fail(str(e))
+
+    def cast(keypath, x, want):
+        if jnp.issubdtype(want.dtype, jnp.floating) != jnp.issubdtype(x.dtype, jnp.floating):
+            where = "params" if keypath[0].idx == 0 else "state"
+            fail(f"{path}: key '{where}/{'.'.join(str(k.key) for k in keypath[1:])}' has dtype "
+                 f"{x.dtype}, expected {want.dtype}")
+        return np.asarray(x, want.dtype)
+
+    return jax.tree_util.tree_map_with_path(cast, trees, tuple(like))
+
+
+def initial_params(run: Run, loaded=None):
+    """What a fresh run starts from: the loaded ``model.init_from`` trees, pruned
+    as the ``prune`` section says (from the random initialisation when nothing
+    was loaded).
+
+    Returns:
+        ``(start, keep)``: ``(params, model_state)`` host trees or None (plain
+        random init), and the pruning masks for :func:`init_state` or None.
+    """
+    cfg = run.cfg
+    if cfg.prune.amount == 0:
+        return loaded, None
+    if loaded is None:
+        fresh = jax.jit(lambda: init_state(run))()
+        params = fresh.opt_state.master if isinstance(fresh.opt_state, MasterCopyState) else fresh.params
+        loaded = jax.device_get((params, fresh.state))
+    return prune.prune_start(run.model, loaded, amount=cfg.prune.amount, scope=cfg.prune.scope,
+                             structure=cfg.prune.structure)
+
+
+def abstract_state(run: Run):
+    """Shapes and dtypes of the :class:`TrainState`, without allocating it."""
+    return jax.eval_shape(lambda: init_state(run))
+
+
+def eval_batch_size(run: Run) -> int:
+    """The evaluation batch: ``data.eval_batch_size`` (else ``data.batch_size``), clipped to the
+    test set (rounded up to a multiple of the process count), as PyTorch's DataLoader gives a
+    smaller batch: a larger one would only be padding (``data.eval_batch_size=1000000000``
+    allocated 2.85 TiB of it)."""
+    cfg = run.cfg
+    size = cfg.data.eval_batch_size or cfg.data.batch_size
+    if run.dataset is not None and size > len(run.dataset.x_test):
+        procs = jax.process_count()
+        size = max(procs, -(-len(run.dataset.x_test) // procs) * procs)
+    return size
+
+
+def _size_keys(run: Run, shape=None) -> list:
+    """The config keys that size the model and its data, as ``key=value``: the class count and
+    the image size; for a parameter of ``shape``, the class count if it has that many rows or
+    columns, else the image size."""
+    cfg, keys = run.cfg, []
+    by_classes = shape is not None and run.num_classes in tuple(shape)
+    if shape is None or by_classes:
+        key = "model.num_classes" if cfg.model.num_classes else "data.num_classes"
+        if cfg.model.num_classes or cfg.data.num_classes:
+            keys.append(f"{key}={run.num_classes}")
+    if not by_classes and cfg.data.source == "synthetic" and cfg.data.image_size:
+        keys.append(f"data.image_size={list(cfg.data.image_size)}")
+    return keys
+
+
+def _compile(lowered):
+    """``lowered.compile()``: XLA's executable of a step, which jit's cache then holds for the
+    step's first call; its ``memory_analysis`` is what the memory check reads."""
+    return lowered.compile()
+
+
+def abstract_batch(run: Run, plan):
+    """The training batch as the wrapped step takes it (``plan.put_batch``'s output), as shapes."""
+    batch, rest = run.input_shape[0], tuple(run.input_shape[1:])
+    image = np.uint8 if run.synthetic is not None else np.float32  # synthetic: bytes, normalised on device
+    if plan.strategy == "pmap":
+        n = plan.mesh.devices.size
+        return {"image": jax.ShapeDtypeStruct((n, batch // n) + rest, image),
+                "label": jax.ShapeDtypeStruct((n, batch // n), np.int32)}
+    sharding = plan.batch_sharding()
+    return {"image": jax.ShapeDtypeStruct(run.input_shape, image, sharding=sharding),
+            "label": jax.ShapeDtypeStruct((batch,), np.int32, sharding=sharding)}
+
+
+def abstract_eval_batch(run: Run, plan, batch_size: int):
+    """An evaluation batch as ``plan.put_eval_batch`` gives it to the eval step, as shapes."""
+    procs = jax.process_count()
+    per_process = max(1, plan.mesh.shape["data"] // procs)
+    local = batch_size // procs
+    rows = (local + -local % per_process) * procs
+    sharding = plan.batch_sharding()
+    return {"image": jax.ShapeDtypeStruct((rows,) + tuple(run.input_shape[1:]), np.float32,
+                                          sharding=sharding),
+            "label": jax.ShapeDtypeStruct((rows,), np.int32, sharding=sharding),
+            "mask": jax.ShapeDtypeStruct((rows,), np.bool_, sharding=sharding)}
+
+
+class Prepared(NamedTuple):
+    """What a training run and ``jaxcnn-train --dry-run`` both build before the first step
+    (:func:`prepare`): the same mesh, plan, steps and checks."""
+
+    run: Run
+    plan: Any
+    loaded: Any            # model.init_from's (params, model_state), or None
+    train_step: Any        # the wrapped train step the loop calls: (state, placed batch)
+    eval_step: Any         # the wrapped eval step: (params, model_state, placed eval batch)
+    eval_batch_size: int
+    memory: dict           # bytes: "state", "train_step", "eval_step" (None: not known), "available"
+    train_out: Any         # the train step's output shapes (state, metrics)
+
+
+def prepare(cfg) -> Prepared:
+    """Build everything a run needs and check it, before any parameter is allocated.
+
+    :func:`build_run` (config and data), ``model.init_from``, the mesh and parallel plan, the
+    wrapped train and eval steps, then the memory the run would need: the training state from
+    its shapes, and each step compiled (``.lower().compile()``, with abstract inputs; the real
+    run's first call reuses that executable) and measured by ``memory_analysis``, against the
+    memory available (the devices', or the host's for CPU devices).
+
+    Raises:
+        ConfigError / DataError: as :func:`build_run` and ``parallel.setup``; a state or step
+            that cannot fit in memory names the keys that size it.
+    """
+    run = build_run(cfg)
+    loaded = load_init_from(run) if cfg.model.init_from else None
+    with parallel_config_errors():
+        plan = parallel.setup(cfg, run.model, run.input_shape, abstract_state(run))
+    available = available_memory(local_devices(plan))
+    memory = {"available": available[0] if available else None, "train_step": None, "eval_step": None}
+    memory["state"] = check_state_memory(
+        plan, available, lambda shape: _size_keys(run, shape) or [f"model.name={cfg.model.name}"])
+    train_step = plan.wrap_step(make_train_step(
+        run.model, run.tx, policy=run.policy, label_smoothing=cfg.optim.label_smoothing,
+        schedule=run.schedule, skip_nonfinite=cfg.train.nan_policy == "skip",
+        axis_name=plan.step_axis_name, sync_batch_norm=plan.sync_batch_norm,
+        image_norm=(NOISE_MEAN, NOISE_STD) if run.synthetic is not None else None,
+        impl=cfg.model.impl, batch_norm_grad=cfg.model.batch_norm_grad))
+    eval_step = plan.wrap_eval(make_eval_step(run.model, policy=run.policy, impl=cfg.model.impl))
+    eval_size = eval_batch_size(run)
+    with matmul_precision(cfg):  # traced as the loop traces it, so the loop reuses the executable
+        lowered = train_step.lower(plan.abstract_state, abstract_batch(run, plan))
+        compiled = _compile(lowered)
+        memory["train_step"] = check_step_memory(
+            compiled, plan, available, [f"data.batch_size={cfg.data.batch_size}"] + _size_keys(run),
+            "train step")
+        if run.dataset is not None:  # without a test set (synthetic throughput runs) nothing evaluates
+            compiled_eval = _compile(eval_step.lower(plan.abstract_state.params, plan.abstract_state.state,
+                                                     abstract_eval_batch(run, plan, eval_size)))
+            key = "data.eval_batch_size" if cfg.data.eval_batch_size else "data.batch_size"
+            memory["eval_step"] = check_step_memory(compiled_eval, plan, available,
+                                                    [f"{key}={eval_size}"] + _size_keys(run), "eval step")
+    return Prepared(run, plan, loaded, train_step, eval_step, eval_size, memory, lowered.out_info)
+
+
+def matmul_precision(cfg):
+    """``precision.matmul_precision`` as a context for tracing; "default" leaves JAX's setting."""
+    name = cfg.precision.matmul_precision
+    return P.matmul_precision_context(None if name == "default" else name)
