@@ -155,3 +155,55 @@ def test_no_import_cycle_between_packages():
 ])
 def test_a_lower_layer_imports_nothing_of_an_upper_one(lower, upper):
     assert _edges_into(module_graph(), lower, upper) == []
+
+
+# -- the training loop stays readable, and the run directory's layout is written once ------------
+
+def _docstring_nodes(tree: ast.AST) -> set[int]:
+    """The ids of the docstring constants of a module, its classes and functions."""
+    ids = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            body = node.body
+            if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+                ids.add(id(body[0].value))
+    return ids
+
+
+def long_functions(path: pathlib.Path, limit: int) -> list[str]:
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    return [f"{path.name}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1} lines)"
+            for node in ast.walk(tree) if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and node.end_lineno - node.lineno + 1 > limit]
+
+
+def test_no_function_in_the_trainer_is_over_80_lines(tmp_path):
+    too_long = [f for path in sorted((ROOT / "jaxcnn" / "train").glob("*.py"))
+                for f in long_functions(path, 80)]
+    assert not too_long, too_long
+    sample = tmp_path / "sample.py"  # the check itself: it sees a long function
+    sample.write_text("def f():\n" + "    x = 1\n" * 90)
+    assert long_functions(sample, 80) == ["sample.py:1 f (91 lines)"]
+
+
+RUN_DIR_NAMES = {"config.resolved.yaml", "config_history", "run_meta.json", "metrics.jsonl",
+                 "checkpoints.log", "params.npz", "params.safetensors", "preprocessing.json"}
+
+
+def layout_literals(path: pathlib.Path) -> list[str]:
+    """String literals (docstrings aside) that spell a run-directory file name."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    docs = _docstring_nodes(tree)
+    return [f"{path.relative_to(ROOT)}:{node.lineno} {node.value!r}" for node in ast.walk(tree)
+            if isinstance(node, ast.Constant) and isinstance(node.value, str)
+            and id(node) not in docs and node.value in RUN_DIR_NAMES]
+
+
+def test_the_run_directory_layout_is_spelled_in_one_module():
+    """``RunDir`` (jaxcnn/train/rundir.py) names the run directory's files; the preprocessing
+    record's name is the data layer's, which RunDir takes. Nothing else spells them."""
+    owners = {"jaxcnn/train/rundir.py", "jaxcnn/data/preprocessing.py"}
+    found = [hit for path in _modules().values() if str(path.relative_to(ROOT)) not in owners
+             for hit in layout_literals(path)]
+    assert not found, found
+    assert layout_literals(ROOT / "jaxcnn" / "train" / "rundir.py")  # the check sees literals

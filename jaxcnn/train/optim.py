@@ -39,6 +39,34 @@ def weight_decay_mask(params):
     return jax.tree_util.tree_map(lambda p: jnp.ndim(p) > 1, params)
 
 
+def _decay(schedule_cfg, steps_per_epoch):
+    """The decay factor of the constant/step/multistep schedules: ``step -> float32``."""
+    name = schedule_cfg.name
+    gamma = schedule_cfg.decay_rate
+    if name == "constant":
+        def decay(step):
+            return jnp.ones_like(step, jnp.float32)
+    elif name == "step":
+        every = resolve_duration(schedule_cfg.decay_every, steps_per_epoch, key="optim.schedule.decay_every")
+
+        def decay(step):
+            return jnp.float32(gamma) ** jnp.floor_divide(step, every).astype(jnp.float32)
+    elif name == "multistep":
+        milestones = [resolve_duration(m, steps_per_epoch, key=f"optim.schedule.milestones[{i}]")
+                      for i, m in enumerate(schedule_cfg.milestones)]
+        if any(b <= a for a, b in zip(milestones, milestones[1:])):
+            raise ConfigError(f"optim.schedule.milestones: expected increasing steps, got {milestones} "
+                              f"(from {list(schedule_cfg.milestones)})", path="optim.schedule.milestones")
+        bounds = jnp.asarray(milestones, jnp.int32)
+
+        def decay(step):
+            passed = jnp.sum(jnp.asarray(step)[..., None] >= bounds, axis=-1)
+            return jnp.float32(gamma) ** passed.astype(jnp.float32)
+    else:
+        raise ConfigError(f"optim.schedule.name: unknown schedule {name!r}", path="optim.schedule.name")
+    return decay
+
+
 def build_schedule(lr: float, schedule_cfg, *, total_steps: int, steps_per_epoch: int | None):
     """The learning rate as a function of the optimiser step.
 
@@ -89,28 +117,7 @@ def build_schedule(lr: float, schedule_cfg, *, total_steps: int, steps_per_epoch
             total_steps, lr, pct_start=schedule_cfg.pct_start,
             div_factor=schedule_cfg.div_factor, final_div_factor=schedule_cfg.final_div_factor)
 
-    gamma = schedule_cfg.decay_rate
-    if name == "constant":
-        def decay(step):
-            return jnp.ones_like(step, jnp.float32)
-    elif name == "step":
-        every = resolve_duration(schedule_cfg.decay_every, steps_per_epoch, key="optim.schedule.decay_every")
-
-        def decay(step):
-            return jnp.float32(gamma) ** jnp.floor_divide(step, every).astype(jnp.float32)
-    elif name == "multistep":
-        milestones = [resolve_duration(m, steps_per_epoch, key=f"optim.schedule.milestones[{i}]")
-                      for i, m in enumerate(schedule_cfg.milestones)]
-        if any(b <= a for a, b in zip(milestones, milestones[1:])):
-            raise ConfigError(f"optim.schedule.milestones: expected increasing steps, got {milestones} "
-                              f"(from {list(schedule_cfg.milestones)})", path="optim.schedule.milestones")
-        bounds = jnp.asarray(milestones, jnp.int32)
-
-        def decay(step):
-            passed = jnp.sum(jnp.asarray(step)[..., None] >= bounds, axis=-1)
-            return jnp.float32(gamma) ** passed.astype(jnp.float32)
-    else:
-        raise ConfigError(f"optim.schedule.name: unknown schedule {name!r}", path="optim.schedule.name")
+    decay = _decay(schedule_cfg, steps_per_epoch)
 
     def schedule(step):
         step = jnp.asarray(step, jnp.int32)

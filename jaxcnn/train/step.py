@@ -48,6 +48,23 @@ def cross_device_mean(tree, axis_name):
     return jax.tree_util.tree_map(lambda m, x: m.astype(x.dtype), mean, tree)
 
 
+def apply_optimizer(tx: optax.GradientTransformation, state: TrainState, grads, policy):
+    """One optimiser update: ``(grads as applied, new params, new optimiser state)``.
+
+    With a float32 master copy (:class:`MasterCopyState`, low-precision parameters) the
+    gradients are cast to the master dtype, the master is updated and the parameters are its
+    cast; otherwise the parameters are updated directly.
+    """
+    if isinstance(state.opt_state, MasterCopyState):
+        master = state.opt_state.master
+        grads = P.cast_floating(grads, policy.master_dtype)
+        updates, inner = tx.update(grads, state.opt_state.inner, master)
+        master = optax.apply_updates(master, updates)
+        return grads, policy.cast_to_param(master), MasterCopyState(master, inner)
+    updates, new_opt_state = tx.update(grads, state.opt_state, state.params)
+    return grads, optax.apply_updates(state.params, updates), new_opt_state
+
+
 def make_train_step(model, tx: optax.GradientTransformation, *, policy=None,
                     label_smoothing: float = 0.0, schedule: Callable | None = None,
                     skip_nonfinite: bool = False, axis_name: str | None = None,
@@ -106,16 +123,7 @@ def make_train_step(model, tx: optax.GradientTransformation, *, policy=None,
         if axis_name is not None:
             grads, loss, top1 = cross_device_mean((grads, loss, top1), axis_name)
         finite = P.all_finite(grads)
-        if isinstance(state.opt_state, MasterCopyState):
-            master = state.opt_state.master
-            grads = P.cast_floating(grads, policy.master_dtype)
-            updates, inner = tx.update(grads, state.opt_state.inner, master)
-            master = optax.apply_updates(master, updates)
-            new_opt_state = MasterCopyState(master, inner)
-            new_params = policy.cast_to_param(master)
-        else:
-            updates, new_opt_state = tx.update(grads, state.opt_state, state.params)
-            new_params = optax.apply_updates(state.params, updates)
+        grads, new_params, new_opt_state = apply_optimizer(tx, state, grads, policy)
         new_loss_scale = state.loss_scale.adjust(finite)
         if skip_nonfinite or isinstance(state.loss_scale, P.DynamicLossScale):
             new_params, new_opt_state, new_model_state = P.select_tree(
