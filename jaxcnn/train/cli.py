@@ -192,6 +192,7 @@ def eval_main(argv=None) -> int:
                                              quiet_abandoned_orbax_coroutines)
         quiet_abandoned_orbax_coroutines()  # read-only: the one line per checkpoint is the report
         from jaxcnn.train.config import load_config
+        from jaxcnn.train.ema import eval_params
         from jaxcnn.train.loop import evaluate
         from jaxcnn.train.rundir import RunDir
         from jaxcnn.train.setup import abstract_state, build_run, matmul_precision
@@ -217,7 +218,7 @@ def eval_main(argv=None) -> int:
         with matmul_precision(cfg):
             result = evaluate(run, jax.jit(make_eval_step(run.model, policy=run.policy,
                                                           impl=cfg.model.impl)),
-                              state.params, state.state)
+                              eval_params(state, run.policy), state.state)  # the EMA if the run kept one
         result["step"] = step
     except _bad_input_errors() as e:
         return _fail("jaxcnn-eval", str(e))

@@ -139,6 +139,18 @@ SCHEMA: dict[str, dict] = {
             "crop_padding": _f("int", 0, "random crop: pad each side by this many pixels, crop back at a random "
                                  "offset (0 = off)", low=0),
             "flip": _f("bool", False, "random horizontal flip"),
+            "mixup": {
+                "alpha": _f("float", 0.0, "mixup: Beta(alpha, alpha) weight of each image against "
+                            "its partner (the batch reversed); 0 = off", low=0.0),
+                "prob": _f("float", 1.0, "mixup: probability that a batch is mixed (a batch gets "
+                           "cutmix or mixup, never both)", **_UNIT),
+            },
+            "cutmix": {
+                "alpha": _f("float", 0.0, "cutmix: Beta(alpha, alpha) draws the area kept; 0 = off",
+                            low=0.0),
+                "prob": _f("float", 1.0, "cutmix: probability that a batch gets a pasted box "
+                           "(with mixup on too, mixup.prob + cutmix.prob must be at most 1)", **_UNIT),
+            },
         },
         "normalize": _f("bool", True, "subtract the per-channel mean and divide by the std of the dataset"),
         "prefetch": _f("int", 2, "batches prepared ahead on a background thread (0 = none)", low=0),
@@ -191,6 +203,21 @@ SCHEMA: dict[str, dict] = {
                          low=0, open_low=True),
         "nan_policy": _f("str", "stop", "non-finite loss: stop the run, or skip the update",
                          choices=("stop", "skip")),
+        "ema_decay": _f("float", 0.0, "keep an exponential moving average of the parameters with this "
+                        "decay (e.g. 0.9998), evaluated and exported instead of them; 0 = off",
+                        **_UNIT_OPEN_HIGH),
+        "accumulate_steps": _f("int", 1, "split each step's batch into this many micro-batches whose "
+                               "gradients are averaged into one update (data.batch_size stays the "
+                               "batch of one update; BatchNorm normalises each micro-batch alone)",
+                               **_POS_INT),
+        "early_stopping": {
+            "patience": _f("int", None, "stop after this many evaluations without improvement of "
+                           "the metric (then evaluate, checkpoint and export as at the end); "
+                           "null = off", nullable=True, **_POS_INT),
+            "metric": _f("str", "top1", "eval metric watched (loss: lower is better)",
+                         choices=("top1", "top5", "loss")),
+            "min_delta": _f("float", 0.0, "an improvement must exceed this", low=0.0),
+        },
     },
     "prune": {
         "amount": _f("float", 0.0, "magnitude-prune this fraction of the conv2d/linear weights (or output "

@@ -33,7 +33,9 @@ from jaxcnn.train import prune
 from jaxcnn.train.checkpoint import (CheckpointManager, check_resume_config, record_run_config,
                                      restore_for_resume)
 from jaxcnn.train.config import resolve_duration, to_dict
-from jaxcnn.train.metrics import MetricsWriter, Progress, describe_devices, describe_precision
+from jaxcnn.train.ema import eval_params
+from jaxcnn.train.metrics import (MetricsWriter, Progress, describe_devices, describe_precision,
+                                  read_metrics)
 from jaxcnn.train.rundir import RunDir
 from jaxcnn.train.setup import (Prepared, Run, batch_fn, eval_batch_size, init_state, initial_params,
                                 matmul_precision, parallel_config_errors, prepare)
@@ -93,6 +95,41 @@ def _summarise(history: list[dict]) -> dict:
     out.update(lr=float(last["lr"]), loss_scale=float(last["loss_scale"]),
                skipped=int(last["skipped"]))
     return out
+
+
+# run_steps' answer when early stopping ended the run: it then finishes as at the end
+EARLY_STOP = "early_stopping"
+
+
+class EarlyStopping:
+    """``train.early_stopping``: stop after ``patience`` evaluations in a row without the
+    metric improving on the best so far by more than ``min_delta``."""
+
+    def __init__(self, metric: str, patience: int, min_delta: float):
+        self.metric, self.patience, self.min_delta = metric, patience, min_delta
+        self.best, self.bad = None, 0
+
+    def update(self, result: dict) -> bool:
+        """Record one evaluation; True when the run should stop."""
+        value = float(result[self.metric])
+        lower = self.metric == "loss"
+        if self.best is None or (value < self.best - self.min_delta if lower
+                                 else value > self.best + self.min_delta):
+            self.best, self.bad = value, 0
+        else:
+            self.bad += 1
+        return self.bad >= self.patience
+
+    @property
+    def stopped(self) -> bool:
+        return self.bad >= self.patience
+
+    def replay(self, records: list[dict], upto: int) -> None:
+        """The evaluations a resumed run already made (metrics.jsonl, steps <= ``upto``), so a
+        resume stops where the uninterrupted run would."""
+        for record in records:
+            if record.get("kind") == "eval" and record["step"] <= upto and self.metric in record:
+                self.update(record)
 
 
 def start(cfg, run_dir: RunDir, *, argv=None, config_path=None) -> tuple[Prepared, list[str], float]:
@@ -155,7 +192,8 @@ class Training:
                 best_metric="eval/top1", on_error=cfg.checkpoint.on_error, step_leaf="step",
                 log_path=run_dir.checkpoints_log)
         self.history: list = []   # the step metrics since the last log line (device arrays)
-        self.metrics = self.progress = None
+        self.metrics = self.progress = self.stopper = None
+        self.last_eval = (None, {})  # (step, metrics) of the latest evaluation
 
     def say(self, text: str) -> None:
         if self.is_main:
@@ -245,6 +283,10 @@ class Training:
         evaluated, eval_metrics = False, None
         if self.eval_every and done % self.eval_every == 0 and done != last:
             eval_metrics, evaluated = self.evaluate_and_record(state, done), True
+            if self.stopper is not None and eval_metrics and self.stopper.update(eval_metrics):
+                self.save(state, done, eval_metrics)
+                self.say_early_stop(done)
+                return EARLY_STOP
         saving = self.ckpt_every and done % self.ckpt_every == 0
         if saving and done != last:
             self.save(state, done, eval_metrics)
@@ -276,6 +318,7 @@ class Training:
 
     def evaluate_and_record(self, state, done: int) -> dict:
         result = self.evaluate(state)
+        self.last_eval = (done, result)
         if result:
             self.metrics.write(done, "eval", result)
             self.progress.message(f"[jaxcnn] eval at step {done}: loss {result['loss']:.4f}  "
@@ -283,9 +326,11 @@ class Training:
         return result
 
     def evaluate(self, state) -> dict:
+        """The eval metrics of the parameters the run exports (their moving average with
+        ``train.ema_decay``)."""
         step, plan = self.prepared.eval_step, self.plan
         return evaluate(self.run, lambda p, s, batch: step(p, s, plan.put_eval_batch(batch)),
-                        state.params, state.state)
+                        eval_params(state, self.run.policy), state.state)
 
     def check_finite(self, done: int) -> None:
         """Stops (``nan_policy: stop``) at the first non-finite loss among the steps since the
@@ -311,6 +356,11 @@ class Training:
         if not ok:
             self.progress.message(f"[jaxcnn] warning: checkpoint at step {step} was not saved")
 
+    def say_early_stop(self, done: int) -> None:
+        es = self.cfg.train.early_stopping
+        self.progress.message(f"[jaxcnn] early stopping at step {done}: eval {es.metric} has not improved "
+                              f"on {self.stopper.best:.4f} for {es.patience} evaluations")
+
     def open_outputs(self, start: int) -> None:
         """metrics.jsonl (truncated after ``start`` on resume), progress output and the cadences."""
         cfg = self.cfg
@@ -321,6 +371,12 @@ class Training:
                                      enabled=self.is_main, resumed_at=start if start > 0 else None)
         self.progress = Progress(self.run.total_steps, start, mode=cfg.logging.progress,
                                  enabled=self.is_main, stream=self.stream)
+        es = cfg.train.early_stopping
+        self.stopper = None
+        if es.patience is not None:
+            self.stopper = EarlyStopping(es.metric, es.patience, es.min_delta)
+            if start > 0 and os.path.isfile(self.run_dir.metrics):
+                self.stopper.replay(read_metrics(self.run_dir.metrics), start)
 
     # -- 4. finish ---------------------------------------------------------------------------
 
@@ -332,12 +388,15 @@ class Training:
             ``(final metrics, None or the reason the parameter file could not be written)``.
         """
         step = int(state.step)
-        with matmul_precision(self.cfg):
-            final = self.evaluate(state)
-        if final and not self.metrics.recorded(step, "eval"):
-            self.metrics.write(step, "eval", final)
+        if self.last_eval[0] == step:  # early stopping has just evaluated this state
+            final = self.last_eval[1]
+        else:
+            with matmul_precision(self.cfg):
+                final = self.evaluate(state)
+            if final and not self.metrics.recorded(step, "eval"):
+                self.metrics.write(step, "eval", final)
         self.save(state, step, final or None)
-        trees = parallel.to_host((state.params, state.state))  # every process takes part
+        trees = parallel.to_host((eval_params(state, self.run.policy), state.state))  # all processes
         error = None
         if self.is_main:
             fmt = self.cfg.checkpoint.format
@@ -378,11 +437,17 @@ def train(cfg, workdir: str, *, argv=None, config_path=None, stream=None) -> dic
     training.open_outputs(first)
     error = None
     try:
-        state, stopped_by = training.run_steps(state, first)
+        if training.stopper is not None and training.stopper.stopped:  # a resumed run that had stopped
+            stopped_by = EARLY_STOP
+            training.progress.close()
+        else:
+            state, stopped_by = training.run_steps(state, first)
         result = {"step": int(state.step)}
-        if stopped_by is None:
+        if stopped_by in (None, EARLY_STOP):
             final, error = training.finish(state)
             result.update(final)
+            if stopped_by == EARLY_STOP:
+                result["early_stopped"] = True
         else:
             result["stopped_by"] = stopped_by
     finally:

@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 from jaxcnn import interop, models, parallel
 from jaxcnn import precision as P
@@ -24,7 +25,9 @@ from jaxcnn.data import (SyntheticSpec, load_dataset, steps_per_epoch, synthetic
 from jaxcnn.data.files import check_regular_file
 from jaxcnn.data.synthetic import NOISE_MEAN, NOISE_STD
 from jaxcnn.errors import ConfigError, DataError
+from jaxcnn.data.mix import MixSpec
 from jaxcnn.train import prune
+from jaxcnn.train.ema import ema
 from jaxcnn.train.config import resolve_duration, train_steps
 from jaxcnn.train.memory import (available_memory, check_state_memory, check_step_memory,
                                  local_devices)
@@ -212,6 +215,32 @@ def _loss_scale(cfg, policy):
     return P.make_loss_scale(kind, **hparams)
 
 
+def mix_spec(cfg) -> MixSpec | None:
+    """``data.augment.mixup``/``cutmix`` as a :class:`MixSpec`, or None when both are off.
+
+    Raises:
+        ConfigError: both on with probabilities adding up to more than 1.
+    """
+    mixup, cutmix = cfg.data.augment.mixup, cfg.data.augment.cutmix
+    spec = MixSpec(mixup.alpha, mixup.prob, cutmix.alpha, cutmix.prob)
+    if not spec.enabled:
+        return None
+    if mixup.alpha > 0 and cutmix.alpha > 0 and mixup.prob + cutmix.prob > 1 + 1e-9:
+        raise ConfigError(f"data.augment.mixup.prob: {mixup.prob:g} + data.augment.cutmix.prob "
+                          f"{cutmix.prob:g} is more than 1 (a batch gets one or the other); e.g. "
+                          "set both to 0.5", path="data.augment.mixup.prob")
+    return spec
+
+
+def _check_accumulate(cfg, plan) -> None:
+    k = cfg.train.accumulate_steps
+    per_device = cfg.data.batch_size // plan.mesh.shape["data"]
+    if per_device % k:
+        raise ConfigError(f"train.accumulate_steps: {k} does not divide the {per_device} examples of "
+                          f"each device's batch (data.batch_size={cfg.data.batch_size} over "
+                          f"{plan.mesh.shape['data']} devices)", path="train.accumulate_steps")
+
+
 def build_run(cfg) -> Run:
     """Build model, data, optimiser, policy and loss scale from a validated config.
 
@@ -231,6 +260,15 @@ def build_run(cfg) -> Run:
         resolve_duration(cfg[section][name], per_epoch, key=key)
     tx, schedule = build_optimizer(cfg.optim, total_steps=total, steps_per_epoch=per_epoch)
     tx = prune.prune_optimizer(tx, cfg.prune.amount)  # pruned weights get no updates
+    if cfg.train.ema_decay > 0:  # last: it averages the parameters the update produces
+        tx = optax.chain(tx, ema(cfg.train.ema_decay))
+    mix_spec(cfg)  # probabilities checked before any compute
+    if cfg.train.early_stopping.patience is not None and (cfg.train.eval_every is None
+                                                          or data.dataset is None):
+        why = ("train.eval_every is null" if cfg.train.eval_every is None
+               else "the data has no test set (per-step synthetic data)")
+        raise ConfigError(f"train.early_stopping.patience: early stopping watches evaluations, and "
+                          f"{why}", path="train.early_stopping.patience")
     return Run(cfg, model, data.dataset, data.synthetic, (cfg.data.batch_size,) + data.image_shape,
                data.num_classes, per_epoch, total, tx, schedule, policy, _loss_scale(cfg, policy),
                data_seed)
@@ -435,6 +473,7 @@ def prepare(cfg) -> Prepared:
     loaded = load_init_from(run) if cfg.model.init_from else None
     with parallel_config_errors():
         plan = parallel.setup(cfg, run.model, run.input_shape, abstract_state(run))
+    _check_accumulate(cfg, plan)
     available = available_memory(local_devices(plan))
     memory = {"available": available[0] if available else None, "train_step": None, "eval_step": None}
     memory["state"] = check_state_memory(
@@ -444,7 +483,8 @@ def prepare(cfg) -> Prepared:
         schedule=run.schedule, skip_nonfinite=cfg.train.nan_policy == "skip",
         axis_name=plan.step_axis_name, sync_batch_norm=plan.sync_batch_norm,
         image_norm=(NOISE_MEAN, NOISE_STD) if run.synthetic is not None else None,
-        impl=cfg.model.impl, batch_norm_grad=cfg.model.batch_norm_grad))
+        impl=cfg.model.impl, batch_norm_grad=cfg.model.batch_norm_grad, mix=mix_spec(cfg),
+        accumulate=cfg.train.accumulate_steps))
     eval_step = plan.wrap_eval(make_eval_step(run.model, policy=run.policy, impl=cfg.model.impl))
     eval_size = eval_batch_size(run)
     with matmul_precision(cfg):  # traced as the loop traces it, so the loop reuses the executable

@@ -14,6 +14,7 @@ import optax
 
 from jaxcnn import functional as F
 from jaxcnn import precision as P
+from jaxcnn.data import mix as mixing
 from jaxcnn.layers.base import Choices
 from jaxcnn.train.state import MasterCopyState, TrainState
 
@@ -48,6 +49,20 @@ def cross_device_mean(tree, axis_name):
     return jax.tree_util.tree_map(lambda m, x: m.astype(x.dtype), mean, tree)
 
 
+# fold_in constant of the mixing draws: the model's own randomness (dropout) uses the step key
+_MIX_STREAM = 0x6D6978
+
+
+def _micro_batches(x, k: int):
+    """``(N, ...) -> (k, N // k, ...)``, example ``i`` in micro-batch ``i % k`` (each device's
+    rows stay on that device when the batch is sharded over its first axis)."""
+    n = x.shape[0]
+    if n % k:
+        raise ValueError(f"train.accumulate_steps: {k} does not divide the batch of {n} examples "
+                         "of each device's step")
+    return x.reshape((n // k, k) + x.shape[1:]).swapaxes(0, 1)
+
+
 def apply_optimizer(tx: optax.GradientTransformation, state: TrainState, grads, policy):
     """One optimiser update: ``(grads as applied, new params, new optimiser state)``.
 
@@ -65,11 +80,71 @@ def apply_optimizer(tx: optax.GradientTransformation, state: TrainState, grads, 
     return grads, optax.apply_updates(state.params, updates), new_opt_state
 
 
+def _loss_fn(model, *, policy, choices, label_smoothing, image_norm, mix):
+    """``loss_fn(params, model_state, batch, rng, loss_scale) -> (scaled loss, (loss, top1,
+    new model state))``: the batch normalised on the device, mixed (``mix``), through the
+    model in training mode, against the labels (both labels of a mixed pair, weighted)."""
+    loss_policy = _loss_policy(policy)
+    mixes = mix is not None and mix.enabled
+
+    def loss_fn(params, model_state, batch, rng, loss_scale):
+        images, labels = device_normalize(batch["image"], image_norm), batch["label"]
+        if mixes:
+            if not jnp.issubdtype(images.dtype, jnp.floating):
+                images = images.astype(jnp.float32)
+            drawn = mixing.draw(jax.random.fold_in(rng, _MIX_STREAM), mix, images.shape[1:3])
+            images, labels, others, lam = mixing.apply(images, labels, drawn)
+        logits, new_model_state = model.apply(
+            params, model_state, images, train=True, rng=rng, policy=policy, choices=choices)
+        logits = P.cast_for(loss_policy, "loss", logits)
+        loss = F.cross_entropy(logits, labels, label_smoothing=label_smoothing)
+        if mixes:  # the cross-entropy against the mixed target: it is linear in the target
+            loss = lam * loss + (1.0 - lam) * F.cross_entropy(logits, others,
+                                                              label_smoothing=label_smoothing)
+        top1 = F.top_k_accuracy(logits, batch["label"], k=1)
+        return loss_scale.scale(loss), (loss, top1, new_model_state)
+
+    return loss_fn
+
+
+def _gradients(loss_fn, accumulate: int):
+    """``gradients(state, batch, rng) -> (scaled gradients, loss, top1, new model state)``,
+    over ``accumulate`` micro-batches (see :func:`make_train_step`)."""
+    grad_fn = jax.grad(loss_fn, has_aux=True)
+
+    def whole(state, batch, rng):
+        grads, (loss, top1, new_model_state) = grad_fn(state.params, state.state, batch, rng,
+                                                       state.loss_scale)
+        return grads, loss, top1, new_model_state
+
+    def accumulated(state, batch, rng):
+        micro = jax.tree_util.tree_map(lambda x: _micro_batches(x, accumulate), batch)
+
+        def one(carry, xs):
+            total, model_state = carry
+            part, i = xs
+            grads, (loss, top1, model_state) = grad_fn(state.params, model_state, part,
+                                                       jax.random.fold_in(rng, i), state.loss_scale)
+            total = jax.tree_util.tree_map(lambda t, g: t + g.astype(t.dtype), total, grads)
+            return (total, model_state), (loss, top1)
+
+        zeros = jax.tree_util.tree_map(
+            lambda p: jnp.zeros(p.shape, jnp.promote_types(p.dtype, jnp.float32)), state.params)
+        (total, new_model_state), (losses, top1s) = jax.lax.scan(
+            one, (zeros, state.state), (micro, jnp.arange(accumulate)))
+        grads = jax.tree_util.tree_map(lambda t, p: (t / accumulate).astype(p.dtype), total,
+                                       state.params)
+        return grads, jnp.mean(losses), jnp.mean(top1s), new_model_state
+
+    return whole if accumulate == 1 else accumulated
+
+
 def make_train_step(model, tx: optax.GradientTransformation, *, policy=None,
                     label_smoothing: float = 0.0, schedule: Callable | None = None,
                     skip_nonfinite: bool = False, axis_name: str | None = None,
                     image_norm: tuple | None = None, impl: str = "auto",
-                    batch_norm_grad: str = "auto", sync_batch_norm: bool = True):
+                    batch_norm_grad: str = "auto", sync_batch_norm: bool = True,
+                    mix: mixing.MixSpec | None = None, accumulate: int = 1):
     """Build ``train_step(state, batch) -> (state, metrics)``.
 
     Arguments:
@@ -94,6 +169,13 @@ def make_train_step(model, tx: optax.GradientTransformation, *, policy=None,
         sync_batch_norm: BatchNorm layers built without ``axis_name`` sync their
             statistics over ``axis_name`` (SyncBatchNorm); False keeps them per device
             (``parallel.per_device`` then averages the running statistics).
+        mix: mixup/CutMix of each (micro-)batch (:mod:`jaxcnn.data.mix`), or None.
+        accumulate: split the batch (each device's part of it) into this many micro-batches,
+            example ``i`` into micro-batch ``i % accumulate``; their gradients are averaged
+            into one update, run one after another (``lax.scan``) so that only one
+            micro-batch's activations are alive at a time. BatchNorm normalises each
+            micro-batch with its own statistics and updates its running statistics once per
+            micro-batch, as PyTorch does when gradients are accumulated.
 
     The returned function carries ``batch_norm_axis_name`` (the axis BatchNorm syncs
     over, or None), which :func:`jaxcnn.parallel.strategies.wrap_train_step` checks.
@@ -102,24 +184,18 @@ def make_train_step(model, tx: optax.GradientTransformation, *, policy=None,
     ``grad_norm``, ``lr``, ``loss_scale``, ``finite`` (1.0 when the step was
     applied) and ``skipped`` (steps skipped so far).
     """
-    loss_policy = _loss_policy(policy)
     bn_axis = axis_name if sync_batch_norm else None
     choices = Choices(impl=impl, batch_norm_grad=batch_norm_grad, axis_name=bn_axis)
-
-    def loss_fn(params, model_state, batch, rng, loss_scale):
-        logits, new_model_state = model.apply(
-            params, model_state, device_normalize(batch["image"], image_norm), train=True,
-            rng=rng, policy=policy, choices=choices)
-        logits = P.cast_for(loss_policy, "loss", logits)
-        loss = F.cross_entropy(logits, batch["label"], label_smoothing=label_smoothing)
-        return loss_scale.scale(loss), (loss, logits, new_model_state)
+    if not isinstance(accumulate, int) or accumulate < 1:
+        raise ValueError(f"accumulate must be an int >= 1, got {accumulate!r}")
+    loss_fn = _loss_fn(model, policy=policy, choices=choices, label_smoothing=label_smoothing,
+                       image_norm=image_norm, mix=mix)
+    gradients = _gradients(loss_fn, accumulate)
 
     def train_step(state: TrainState, batch):
         rng = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
-        grads, (loss, logits, new_model_state) = jax.grad(loss_fn, has_aux=True)(
-            state.params, state.state, batch, rng, state.loss_scale)
+        grads, loss, top1, new_model_state = gradients(state, batch, rng)
         grads = state.loss_scale.unscale(grads)
-        top1 = F.top_k_accuracy(logits, batch["label"], k=1)
         if axis_name is not None:
             grads, loss, top1 = cross_device_mean((grads, loss, top1), axis_name)
         finite = P.all_finite(grads)
