@@ -170,12 +170,9 @@ def make_train_step(model, tx: optax.GradientTransformation, *, policy=None,
             statistics over ``axis_name`` (SyncBatchNorm); False keeps them per device
             (``parallel.per_device`` then averages the running statistics).
         mix: mixup/CutMix of each (micro-)batch (:mod:`jaxcnn.data.mix`), or None.
-        accumulate: split the batch (each device's part of it) into this many micro-batches,
-            example ``i`` into micro-batch ``i % accumulate``; their gradients are averaged
-            into one update, run one after another (``lax.scan``) so that only one
-            micro-batch's activations are alive at a time. BatchNorm normalises each
-            micro-batch with its own statistics and updates its running statistics once per
-            micro-batch, as PyTorch does when gradients are accumulated.
+        accumulate: micro-batches per step (example ``i`` in micro-batch ``i % accumulate``),
+            run in turn (``lax.scan``), gradients averaged into one update; BatchNorm uses
+            and updates its statistics per micro-batch, as PyTorch does.
 
     The returned function carries ``batch_norm_axis_name`` (the axis BatchNorm syncs
     over, or None), which :func:`jaxcnn.parallel.strategies.wrap_train_step` checks.
