@@ -9,6 +9,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import torch_zoo  # noqa: E402  (needs torch)
+import torch_zoo_modern  # noqa: E402
 
 from jaxcnn import models  # noqa: E402
 from jaxcnn.interop import from_torch_state_dict, to_torch_state_dict  # noqa: E402
@@ -39,7 +40,8 @@ def _id(case):
 
 
 def test_every_model_is_covered():
-    assert {c[0] for c in CASES} == set(models.names())
+    # MobileNetV3, EfficientNet-B0 and ConvNeXt-T: test_interop_modern.py (eval and train).
+    assert {c[0] for c in CASES + torch_zoo_modern.CASES} == set(models.names())
 
 
 @pytest.mark.parametrize("name", models.names())
