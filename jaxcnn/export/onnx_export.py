@@ -8,6 +8,11 @@ images are NCHW, ONNX's native layout for Conv and pooling:
   jaxcnn's and a ``Transpose`` to NCHW follows it;
 * ``layout="nchw"``: the graph input is ``(N, C, H, W)`` (PyTorch's layout).
 
+Stochastic depth emits no node (it is the identity in eval mode), a ``gate``
+(squeeze-excitation) is its body followed by a ``Mul``, a LayerScale a ``Mul``
+by a constant, and LayerNorm over the channel axis a ``LayerNormalization`` on
+the NHWC view.
+
 The output is the model's output (logits ``(N, classes)`` for the zoo); an
 image-shaped output is transposed back to the input's layout.  ``Flatten``
 transposes to NHWC first so the features come in jaxcnn's ``H*W*C`` order
@@ -39,7 +44,8 @@ SUPPORTED_KINDS = (
     "conv2d", "conv_transpose2d", "linear", "quantized_conv2d", "quantized_linear", "batch_norm",
     "max_pool2d", "avg_pool2d", "adaptive_avg_pool2d", "global_avg_pool2d", "flatten",
     "identity", "dropout", "relu", "relu6", "leaky_relu", "elu", "gelu", "silu", "hardswish",
-    "sigmoid", "tanh", "softmax", "log_softmax")
+    "sigmoid", "tanh", "softmax", "log_softmax",
+    "hardsigmoid", "stochastic_depth", "layer_scale", "layer_norm")
 # Above this many bytes of weights the protobuf (2 GiB limit) keeps them in a side file.
 _EXTERNAL_DATA_BYTES = 1536 * 2**20
 
@@ -152,6 +158,14 @@ class _Exporter:
             if layer.config["combine"] == "add":
                 return self.g.node("Sum", names, f"{path}.sum"), r
             return self.g.node("Concat", names, f"{path}.concat", axis=1 if r == 4 else -1), r
+        if kind == "gate":
+            g, r = x, rank
+            for name, child in layer.children:
+                g, r = self.emit(child, child_path(path, name), g, r)
+            if r != rank:
+                raise ExportError(f"ONNX export: gate {show(path)} computes a rank-{r} factor "
+                                  f"for a rank-{rank} input")
+            return self.g.node("Mul", [x, g], f"{path}.mul"), rank
         if kind not in SUPPORTED_KINDS:
             raise ExportError(f"ONNX export: layer {show(path)} of kind {kind!r} is not supported "
                               f"(supported: {', '.join(supported_kinds())})")
@@ -300,6 +314,22 @@ class _Exporter:
         return x, rank
 
     _dropout = _identity
+    _stochastic_depth = _identity     # the identity in eval mode
+
+    def _layer_scale(self, c, path, x, rank, rec, p, s):
+        scale = _f32(p["scale"])
+        if rank == 4:
+            scale = scale.reshape(1, -1, 1, 1)
+        return self.g.node("Mul", [x, self.g.const(f"{path}.scale", scale)], path), rank
+
+    def _layer_norm(self, c, path, x, rank, rec, p, s):
+        if tuple(a % len(rec.input_shape) for a in c["axes"]) != (len(rec.input_shape) - 1,):
+            raise ExportError(f"ONNX export: layer_norm {show(path)} over axes {c['axes']} is not "
+                              "supported (only over the last, channel axis)")
+        w = self.g.const(f"{path}.weight", _f32(p["scale"]))
+        b = self.g.const(f"{path}.bias", _f32(p["bias"]))
+        return self._channels_last(path, x, rank, lambda v: self.g.node(
+            "LayerNormalization", [v, w, b], path, axis=-1, epsilon=float(c["eps"]))), rank
 
     def _unary(self, op, path, x, rank, **attrs):
         return self.g.node(op, [x], path, **attrs), rank
@@ -325,6 +355,9 @@ class _Exporter:
 
     def _hardswish(self, c, path, x, rank, rec, p, s):
         return self._unary("HardSwish", path, x, rank)
+
+    def _hardsigmoid(self, c, path, x, rank, rec, p, s):   # relu6(x + 3) / 6
+        return self._unary("HardSigmoid", path, x, rank, alpha=1.0 / 6.0, beta=0.5)
 
     def _silu(self, c, path, x, rank, rec, p, s):
         sig = self.g.node("Sigmoid", [x], f"{path}.sigmoid")

@@ -21,9 +21,10 @@ Typical use::
 """
 from jaxcnn.functional._dispatch import default_impl  # removed: raises, naming the argument
 from jaxcnn.functional.activation import (
-    elu, gelu, hardswish, leaky_relu, log_softmax, relu, relu6, sigmoid, silu, softmax, tanh)
+    elu, gelu, hardsigmoid, hardswish, leaky_relu, log_softmax, relu, relu6, sigmoid, silu,
+    softmax, tanh)
 from jaxcnn.functional.conv import conv2d, conv_transpose2d
-from jaxcnn.functional.dropout import dropout
+from jaxcnn.functional.dropout import STOCHASTIC_DEPTH_MODES, dropout, stochastic_depth
 from jaxcnn.functional.linear import linear
 from jaxcnn.functional.loss import cross_entropy, top_k_accuracy, top_k_correct
 from jaxcnn.functional.norm import (
@@ -38,8 +39,9 @@ __all__ = [
     "linear",
     "batch_norm", "batch_norm_train", "layer_norm", "group_norm",
     "BATCH_NORM_GRADS",
-    "dropout",
-    "relu", "relu6", "leaky_relu", "elu", "gelu", "silu", "hardswish", "sigmoid", "tanh",
+    "dropout", "stochastic_depth", "STOCHASTIC_DEPTH_MODES",
+    "relu", "relu6", "leaky_relu", "elu", "gelu", "silu", "hardswish", "hardsigmoid", "sigmoid",
+    "tanh",
     "softmax", "log_softmax",
     "cross_entropy", "top_k_correct", "top_k_accuracy",
 ]

@@ -2,8 +2,8 @@
 
 Where PyTorch's derivative at a kink differs from what a naive JAX formula
 gives (``relu6`` at 6, where ``jnp.minimum`` would split it in halves,
-``leaky_relu`` at 0, ``hardswish`` at -3 and 3), the functions are written with
-``jnp.where`` so that the chosen branch gives PyTorch's one-sided derivative.
+``leaky_relu`` at 0, ``hardswish`` and ``hardsigmoid`` at -3 and 3), the functions
+are written with ``jnp.where`` so that the chosen branch gives PyTorch's one-sided derivative.
 """
 from __future__ import annotations
 
@@ -78,6 +78,17 @@ def hardswish(x):
         x: any array.
     """
     return jnp.where(x <= -3, jnp.zeros_like(x), jnp.where(x < 3, x * (x + 3) / 6, x))
+
+
+def hardsigmoid(x):
+    """``relu6(x + 3) / 6``; derivative ``1/6`` strictly inside ``(-3, 3)`` and 0 at
+    -3 and 3, as PyTorch's ``F.hardsigmoid``.
+
+    Arguments:
+        x: any array.
+    """
+    return jnp.where(x <= -3, jnp.zeros_like(x),
+                     jnp.where(x >= 3, jnp.ones_like(x), (x + 3) / 6))
 
 
 def sigmoid(x):

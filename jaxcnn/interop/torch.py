@@ -11,6 +11,8 @@ abstract ``init`` reports every leaf layer's dotted path, kind and shapes, and
 * its layout is converted by the layer's kind: ``conv2d`` OIHW <-> HWIO,
   ``conv_transpose2d`` ``(C_in, C_out/g, KH, KW)`` <-> ``(KH, KW, C_in, C_out/g)``,
   ``linear`` ``(out, in)`` <-> ``(in, out)``;
+* a ``layer_scale`` leaf is a parameter of the enclosing PyTorch module: its
+  path is the PyTorch name (``features.1.0.layer_scale``), of shape ``(C, 1, 1)``;
 * the first ``linear`` layer after a ``flatten`` of an ``(N, H, W, C)`` input with
   ``H * W > 1`` also has its input rows permuted, because PyTorch flattens
   NCHW (index ``c*H*W + h*W + w``) and we flatten NHWC (``(h*W + w)*C + c``).
@@ -88,7 +90,7 @@ def _entries(model, input_shape, model_options) -> tuple[str, list[_Entry]]:
     with record_layers() as records:
         params, state = jax.eval_shape(lambda k: model.init(k, tuple(input_shape))[:2],
                                        jax.random.PRNGKey(0))
-    entries, flatten_input = [], None
+    entries, flatten_input, own = [], None, set()
     for rec in records:
         if rec.kind == "flatten":
             flatten_input = rec.input_shape
@@ -103,6 +105,10 @@ def _entries(model, input_shape, model_options) -> tuple[str, list[_Entry]]:
                         f"{flatten_input} but takes {rec.input_shape[-1]} features; cannot "
                         f"map PyTorch's NCHW flatten order onto it")
             flatten_input = None
+        if rec.kind in _OWN_PARAMETER_KINDS:
+            entries.append(_own_parameter(label, rec))
+            own.add(entries[-1].torch_name)
+            continue
         found = []
         for collection, tree in (("params", rec.params), ("state", rec.state)):
             for leaf_path, leaf in tree_items(tree):
@@ -118,8 +124,38 @@ def _entries(model, input_shape, model_options) -> tuple[str, list[_Entry]]:
                                     np.dtype(leaf.dtype), torch_shape, to_ours, to_torch))
         found.sort(key=lambda e: _TORCH_ORDER.index(e.torch_name.rsplit(".", 1)[-1]))
         entries += found
+    entries = _own_parameters_first(entries, own)
     _check_paths(label, entries, params, state)
     return label, entries
+
+
+# Leaf kinds that stand for a parameter PyTorch keeps on the enclosing module
+# itself (``nn.Parameter`` attribute, not a submodule): the leaf's path is the
+# PyTorch name.  ConvNeXt's ``features.1.0.layer_scale`` is a ``(C, 1, 1)`` tensor.
+_OWN_PARAMETER_KINDS = {"layer_scale": "scale"}
+
+
+def _own_parameter(label, rec) -> _Entry:
+    leaf_name = _OWN_PARAMETER_KINDS[rec.kind]
+    if set(rec.params) != {leaf_name} or rec.state:
+        raise ValueError(f"{label}: {rec.kind} layer {rec.path!r} must hold exactly the "
+                         f"params leaf {leaf_name!r}")
+    shape = tuple(rec.params[leaf_name].shape)
+    torch_shape = shape + (1, 1)
+    return _Entry("params", f"{rec.path}.{leaf_name}", rec.path, shape,
+                  np.dtype(rec.params[leaf_name].dtype), torch_shape,
+                  (lambda t: t.reshape(shape)), (lambda a: a.reshape(torch_shape)))
+
+
+def _own_parameters_first(entries, own):
+    """PyTorch's ``state_dict`` lists a module's own parameters before its
+    submodules' entries: move each entry named in ``own`` before its siblings'."""
+    out = [e for e in entries if e.torch_name not in own]
+    for e in (e for e in entries if e.torch_name in own):
+        parent = e.torch_name.rsplit(".", 1)[0] + "." if "." in e.torch_name else ""
+        at = next((i for i, f in enumerate(out) if f.torch_name.startswith(parent)), len(out))
+        out.insert(at, e)
+    return out
 
 
 def _check_paths(label, entries, params, state):

@@ -14,17 +14,18 @@ Example::
     logits, state = net.apply(params, state, x, train=True)
 """
 from jaxcnn.layers import initializers
-from jaxcnn.layers.activation import (Elu, Gelu, Hardswish, LeakyRelu, LogSoftmax, Relu, Relu6,
-                                      Sigmoid, Silu, Softmax, Tanh)
+from jaxcnn.layers.activation import (Elu, Gelu, Hardsigmoid, Hardswish, LeakyRelu, LogSoftmax,
+                                      Relu, Relu6, Sigmoid, Silu, Softmax, Tanh)
 from jaxcnn.layers.base import (Choices, Layer, LayerRecord, leaf, name_scope, record_layers,
                                 split_rng)
-from jaxcnn.layers.combinators import parallel, residual, serial
+from jaxcnn.layers.combinators import gate, parallel, residual, serial
 from jaxcnn.layers.conv import Conv2D, ConvTranspose2D
-from jaxcnn.layers.dropout import Dropout
+from jaxcnn.layers.dropout import Dropout, StochasticDepth
 from jaxcnn.layers.linear import Linear
 from jaxcnn.layers.norm import BatchNorm, GroupNorm, LayerNorm
 from jaxcnn.layers.pool import AdaptiveAvgPool2D, AvgPool2D, GlobalAvgPool2D, MaxPool2D
 from jaxcnn.layers.reshape import Flatten, Identity
+from jaxcnn.layers.scale import LayerScale, SqueezeExcitation
 
 __all__ = [
     "Choices", "Layer", "LayerRecord", "leaf", "name_scope", "record_layers", "split_rng",
@@ -36,4 +37,5 @@ __all__ = [
     "Softmax", "LogSoftmax",
     "Dropout", "Flatten", "Identity",
     "serial", "residual", "parallel",
+    "Hardsigmoid", "StochasticDepth", "LayerScale", "SqueezeExcitation", "gate",
 ]

@@ -5,7 +5,7 @@ static description every :class:`~jaxcnn.layers.base.Layer` carries (``kind``,
 ``config``, ``children``) and some of them rebuild it with some leaves
 replaced.  The combinators are rebuilt from their kind and config:
 ``serial(*children)``, ``residual(*main, shortcut=..., shortcut_name=...,
-activation=...)`` and ``parallel(*branches, combine=...)``.
+activation=...)``, ``parallel(*branches, combine=...)`` and ``gate(*body)``.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from jaxcnn.errors import ExportError
 from jaxcnn.layers import combinators as L
 from jaxcnn.layers.base import Layer
 
-COMBINATORS = ("serial", "residual", "parallel")
+COMBINATORS = ("serial", "residual", "parallel", "gate")
 
 
 def child_path(path: str, name: str) -> str:
@@ -47,8 +47,8 @@ def residual_parts(layer: Layer):
 
 def sequence_names(layer: Layer) -> list[str]:
     """Names of the children that run one after the other on one tensor: all
-    of a serial's, a residual's main branch, none of a parallel's."""
-    if layer.kind == "serial":
+    of a serial's and a gate's, a residual's main branch, none of a parallel's."""
+    if layer.kind in ("serial", "gate"):
         return [n for n, _ in layer.children]
     if layer.kind == "residual":
         return [n for n, _ in residual_parts(layer)[0]]
@@ -62,6 +62,8 @@ def rebuild(layer: Layer, children: list[tuple[str, Layer]]) -> Layer:
         return L.serial(*children)
     if layer.kind == "parallel":
         return L.parallel(*children, combine=layer.config["combine"])
+    if layer.kind == "gate":
+        return L.gate(*children)
     if layer.kind == "residual":
         main, shortcut, activation = residual_parts(layer)
         return L.residual(*[(n, new[n]) for n, _ in main],

@@ -72,6 +72,11 @@ def Hardswish() -> Layer:
     return _activation("hardswish", F.hardswish)
 
 
+def Hardsigmoid() -> Layer:
+    """``relu6(x + 3) / 6``; kind ``"hardsigmoid"``."""
+    return _activation("hardsigmoid", F.hardsigmoid)
+
+
 def Sigmoid() -> Layer:
     """``1 / (1 + exp(-x))``; kind ``"sigmoid"``."""
     return _activation("sigmoid", F.sigmoid)

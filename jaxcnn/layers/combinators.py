@@ -1,4 +1,5 @@
-"""Combinators: layers made of layers — :func:`serial`, :func:`residual`, :func:`parallel`.
+"""Combinators: layers made of layers — :func:`serial`, :func:`residual`, :func:`parallel`,
+:func:`gate`.
 
 Children are named like PyTorch modules: an item is a Layer (named by its
 position, ``"0"``, ``"1"``, ... as in ``nn.Sequential``) or a ``(name, Layer)``
@@ -211,3 +212,47 @@ def parallel(*layers, combine: str = "concat") -> Layer:
         return jnp.concatenate(outs, axis=-1), new_state
 
     return Layer(init, apply, "parallel", dict(combine=combine), tuple(children))
+
+
+def gate(*layers) -> Layer:
+    """``y = x * body(x)``: the input rescaled by what its layers compute from
+    it, as in squeeze-and-excitation (``body`` pools to ``(N, 1, 1, C)`` and the
+    product broadcasts).  The children run one after the other like
+    :func:`serial`'s and are named the same way.  Under a policy both factors
+    are cast to the compute dtype before the product.
+
+    Arguments:
+        *layers: the body, each a Layer or a ``(name, Layer)`` pair.
+
+    Returns:
+        A Layer of kind ``"gate"``; output shape = input shape.  Raises
+        ``ValueError`` at ``init`` when the body's output does not broadcast
+        against the input to the input's shape.
+    """
+    children = _named(layers, "gate")
+    if not children:
+        raise ValueError("gate: needs at least one layer")
+    _check_unique(children, "gate")
+    n = len(children)
+
+    def init(key, input_shape):
+        input_shape = tuple(int(d) for d in input_shape)
+        params, state, shape = {}, {}, input_shape
+        for (name, layer), k in zip(children, split_rng(key, n)):
+            shape = _init_child(name, layer, k, shape, params, state)
+        ok = len(shape) == len(input_shape) and all(
+            g in (1, d) for g, d in zip(shape, input_shape))
+        if not ok:
+            raise ValueError(f"gate at {current_path()!r}: body output {shape} does not "
+                             f"broadcast to the input shape {input_shape}")
+        return params, state, input_shape
+
+    def apply(params, state, x, *, train=False, rng=None, policy=None, choices=None):
+        new_state = {}
+        g = x
+        for (name, layer), r in zip(children, split_rng(rng, n)):
+            g = _apply_child(name, layer, r, params, state, g, train, policy, choices, new_state)
+        x, g = cast_for(policy, "gate", (x, g))
+        return x * g, new_state
+
+    return Layer(init, apply, "gate", {}, tuple(children))

@@ -10,6 +10,7 @@ so a PyTorch parameter name is the dotted path with the leaf renamed
 >>> model = get("resnet18", num_classes=10, cifar_stem=True)
 """
 from jaxcnn.models import alexnet, lenet, mnist_cnn, mobilenet, resnet, vgg  # noqa: F401 (register)
+from jaxcnn.models import convnext, efficientnet, mobilenet_v3  # noqa: F401 (register)
 from jaxcnn.models.registry import default_input_shape, get, names, register
 
 __all__ = ["get", "names", "default_input_shape", "register"]

@@ -29,6 +29,7 @@ REFERENCES = {
                   lambda x: 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x ** 3)))),
     "silu": (F.silu, lambda x: x / (1 + np.exp(-x))),
     "hardswish": (F.hardswish, lambda x: x * np.clip(x + 3, 0, 6) / 6),
+    "hardsigmoid": (F.hardsigmoid, lambda x: np.clip(x + 3, 0, 6) / 6),
     "sigmoid": (F.sigmoid, lambda x: 1 / (1 + np.exp(-x))),
     "tanh": (F.tanh, np.tanh),
 }
@@ -58,6 +59,7 @@ def test_derivatives_at_kinks_follow_pytorch():
     np.testing.assert_array_equal(grad_at(F.relu6, kinks), [0, 0, 1, 0])
     np.testing.assert_allclose(grad_at(lambda x: F.leaky_relu(x, 0.2), kinks), [0.2, 0.2, 1, 1])
     np.testing.assert_allclose(grad_at(F.hardswish, kinks), [0.0, 0.5, 1.0, 1.0])
+    np.testing.assert_allclose(grad_at(F.hardsigmoid, kinks), [0.0, 1 / 6, 0.0, 0.0])
     np.testing.assert_allclose(grad_at(lambda x: F.elu(x, 1.5), kinks), [1.5 * np.exp(-3), 1.5, 1, 1],
                                rtol=1e-6)
 
@@ -85,6 +87,7 @@ def test_values_and_gradients_match_torch():
         "elu": lambda t: tf.elu(t, 1.5), "gelu": tf.gelu,
         "gelu_tanh": lambda t: tf.gelu(t, approximate="tanh"), "silu": tf.silu,
         "hardswish": tf.hardswish, "sigmoid": torch.sigmoid, "tanh": torch.tanh,
+        "hardsigmoid": tf.hardsigmoid,
     }
     for name, tfn in torch_fns.items():
         ours = REFERENCES[name][0]

@@ -9,6 +9,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import torch_zoo  # noqa: E402  (needs torch)
+import torch_zoo_modern  # noqa: E402
 
 from jaxcnn import models  # noqa: E402
 from jaxcnn.interop import from_torch_state_dict, to_torch_state_dict  # noqa: E402
@@ -31,6 +32,7 @@ CASES = [
     ("mobilenet_v2", {"num_classes": 10}, (2, 64, 64, 3)),
     ("mobilenet_v2", {"num_classes": 10, "width_mult": 0.5}, (1, 32, 32, 3)),
 ]
+CASES += torch_zoo_modern.CASES     # MobileNetV3, EfficientNet-B0, ConvNeXt-T; train: *_modern.py
 
 
 def _id(case):

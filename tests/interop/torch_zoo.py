@@ -6,6 +6,7 @@ Only imported by tests that already did ``pytest.importorskip("torch")``.
 from __future__ import annotations
 
 import torch
+import torch_zoo_modern
 from torch import nn
 
 # ---------------------------------------------------------------- MNIST models
@@ -224,6 +225,8 @@ def build(name, num_classes=None, **options):
     kw = dict(options)
     if num_classes is not None:
         kw["num_classes"] = num_classes
+    if name in torch_zoo_modern.NAMES:       # MobileNetV3, EfficientNet-B0, ConvNeXt-T
+        return torch_zoo_modern.build(name, **kw)
     if name == "mnist_cnn":
         return MnistNet(**kw)
     if name == "lenet5":
@@ -258,4 +261,5 @@ def randomize_(model, seed=0):
                 m.running_mean.copy_(0.1 * torch.randn(c, generator=g))
                 m.running_var.copy_(0.5 + torch.rand(c, generator=g))
                 m.num_batches_tracked.fill_(int(torch.randint(1, 1000, (1,), generator=g)))
+    torch_zoo_modern.randomize_extra_(model, g)
     return model

@@ -38,6 +38,12 @@ def _flat_names(tree):
             for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
+# MobileNetV3, EfficientNet-B0, ConvNeXt-T: torchvision's counts; their other tests are in
+# test_models_modern.py.
+PARAM_COUNTS.update({"mobilenet_v3_small": 2_542_856, "mobilenet_v3_large": 5_483_032,
+                     "efficientnet_b0": 5_288_548, "convnext_tiny": 28_589_128})
+
+
 def test_registry_lists_every_family():
     assert models.names() == sorted(PARAM_COUNTS)
 
