@@ -108,3 +108,18 @@ def test_eval_and_train_logits_and_state_dict_match_pytorch(name, options, shape
     fresh = torch_zoo.build(name, **options)
     fresh.load_state_dict(back, strict=True)
 
+
+def test_state_dict_without_counters_loads_as_in_pytorch():
+    # PyTorch's load_state_dict accepts a state dict without num_batches_tracked and
+    # leaves those counters at a fresh module's 0; from_torch_state_dict does the same,
+    # and infers the 10 classes from fc.weight.
+    net = torch_zoo.randomize_(torch_zoo.build("resnext50_32x4d", num_classes=10), seed=2)
+    sd = {k: v for k, v in net.state_dict().items() if not k.endswith("num_batches_tracked")}
+    fresh = torch_zoo.build("resnext50_32x4d", num_classes=10)
+    fresh.load_state_dict(sd, strict=True)
+    params, state = from_torch_state_dict("resnext50_32x4d", sd, input_shape=(1, 32, 32, 3))
+    back = to_torch_state_dict("resnext50_32x4d", params, state, num_classes=10)
+    expected = fresh.state_dict()
+    assert list(back) == list(expected)
+    for key, value in expected.items():
+        assert torch.equal(back[key], value), key
