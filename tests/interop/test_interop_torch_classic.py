@@ -9,13 +9,14 @@ statistics that one training step leaves (momentum 0.1, unbiased variance,
 counter + 1); the exact ``to_torch_state_dict`` round trip in PyTorch's key
 order, loaded with ``strict=True``.  Tolerances, float32, relative to the
 output's scale (max |ours - torch| <= rtol * max |torch|): eval logits 1e-4
-(different summation orders); running statistics 1e-4; train logits 1e-4,
-except for the deepest nets: in train mode every BatchNorm divides by a
-standard deviation of few values (8 per channel in ``layer4``), and with
-random weights the float32 rounding differences grow block after block.
-Measured train-mode errors: ResNeXt-50 6.6e-5, ResNet-101 3.8e-4, ResNet-152
-1.4e-3 (1e-3 and 5e-3 allowed), while the same ResNet-152 comparison in
-float64 on both sides agrees to 2.6e-12, so the gap is rounding, not a
+(measured <= 1e-6); train logits and the running statistics (made from
+train-mode activations) 1e-4 for the VGGs (measured <= 2e-5), looser for the
+ResNets: in train mode every BatchNorm divides by a standard deviation of few
+values (8 per channel in ``layer4``), and with random weights the float32
+rounding differences grow block after block.  Measured train-mode logit
+errors: ResNeXt-50 5.9e-5 and Wide ResNet-50 8.5e-5 (3e-4 allowed), ResNet-101
+3.8e-4 (1e-3), ResNet-152 1.4e-3 (5e-3), while the same ResNet-152 comparison
+in float64 on both sides agrees to 2.6e-12: the gap is rounding, not a
 difference in what is computed.
 
 Inputs are tiny (batch 2, 32x32 for VGG, 64x64 for ResNets so that ``layer4``'s
@@ -49,8 +50,8 @@ CASES = [
     ("vgg13_bn", VGG, (2, 32, 32, 3), 1e-4, False),
     ("vgg19", VGG, (2, 32, 32, 3), 1e-4, True),
     ("vgg19_bn", VGG, (2, 32, 32, 3), 1e-4, False),
-    ("resnext50_32x4d", RESNET, (2, 64, 64, 3), 1e-4, False),
-    ("wide_resnet50_2", RESNET, (2, 64, 64, 3), 1e-4, True),
+    ("resnext50_32x4d", RESNET, (2, 64, 64, 3), 3e-4, False),
+    ("wide_resnet50_2", RESNET, (2, 64, 64, 3), 3e-4, True),
     ("resnet101", RESNET, (2, 64, 64, 3), 1e-3, True),
     ("resnet152", RESNET, (2, 64, 64, 3), 5e-3, True),
 ]
@@ -96,8 +97,8 @@ def test_eval_and_train_logits_and_state_dict_match_pytorch(name, options, shape
         if key.endswith("num_batches_tracked"):
             assert int(after[key]) == int(sd[key]) + 1 == int(value), key
         elif "running_" in key:
-            np.testing.assert_allclose(after[key].numpy(), value.numpy(), rtol=RTOL,
-                                       atol=RTOL * float(value.abs().max()), err_msg=key)
+            np.testing.assert_allclose(after[key].numpy(), value.numpy(), rtol=train_rtol,
+                                       atol=train_rtol * float(value.abs().max()), err_msg=key)
     assert any("running_" in k for k in after) == name.endswith(("_bn", "resnet50_2", "32x4d",
                                                                  "resnet101", "resnet152"))
 
