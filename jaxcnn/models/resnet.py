@@ -97,6 +97,8 @@ def resnet(block: str, blocks_per_stage, *, num_classes: int = 1000, cifar_stem:
     Returns:
         A Layer: ``(N, H, W, 3)`` images -> ``(N, num_classes)`` logits.
     """
+    if block not in ("basic", "bottleneck"):
+        raise ValueError(f"block must be 'basic' or 'bottleneck', got {block!r}")
     if block == "basic":
         if groups != 1 or width_per_group != 64:
             raise ValueError(f"basic blocks take only groups=1 and width_per_group=64, got "

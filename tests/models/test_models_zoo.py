@@ -88,6 +88,8 @@ def test_wide_and_grouped_bottlenecks():
         assert params["layer4"]["0"]["conv2"]["w"].shape == (3, 3, per_group * 8, width * 8)
     with pytest.raises(ValueError, match="basic blocks take only groups=1"):
         resnet.resnet("basic", (2, 2, 2, 2), groups=32)
+    with pytest.raises(ValueError, match="block must be 'basic' or 'bottleneck', got 'wide'"):
+        resnet.resnet("wide", (2, 2, 2, 2))
 
 
 def test_counts_follow_options():
