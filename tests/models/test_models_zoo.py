@@ -203,6 +203,7 @@ JIT_CASES = [
     ("resnet18", {"num_classes": 10, "cifar_stem": True}, (2, 32, 32, 3)),
     ("resnet34", {"num_classes": 10}, (2, 32, 32, 3)),
     ("resnet50", {"num_classes": 10}, (2, 32, 32, 3)),
+    ("resnext50_32x4d", {"num_classes": 10}, (2, 32, 32, 3)),   # grouped 3x3 convolutions
     ("mobilenet_v2", {"num_classes": 10}, (2, 32, 32, 3)),
 ]
 
