@@ -31,11 +31,12 @@ from jaxcnn.functional.norm import (
     BATCH_NORM_GRADS, batch_norm, batch_norm_train, default_batch_norm_grad,  # removed: raises
     group_norm, layer_norm)
 from jaxcnn.functional.pool import (
-    adaptive_avg_pool2d, avg_pool2d, global_avg_pool2d, max_pool2d)
+    adaptive_avg_pool2d, adaptive_max_pool2d, avg_pool2d, global_avg_pool2d, max_pool2d)
 
 __all__ = [
     "conv2d", "conv_transpose2d",
-    "max_pool2d", "avg_pool2d", "adaptive_avg_pool2d", "global_avg_pool2d",
+    "max_pool2d", "avg_pool2d", "adaptive_avg_pool2d", "adaptive_max_pool2d",
+    "global_avg_pool2d",
     "linear",
     "batch_norm", "batch_norm_train", "layer_norm", "group_norm",
     "BATCH_NORM_GRADS",

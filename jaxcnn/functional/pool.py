@@ -135,6 +135,77 @@ def adaptive_avg_pool2d(x, output_size):
     return y.astype(x.dtype)
 
 
+def _adaptive_bins(n: int, out: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(start, end)`` of PyTorch's adaptive bins: ``[floor(i*n/out), ceil((i+1)*n/out))``."""
+    i = np.arange(out)
+    return (i * n) // out, -((-(i + 1) * n) // out)
+
+
+def _first_max_over_bins(x, axis: int, out: int):
+    """Max over the adaptive bins along ``axis`` (1 or 2 of an NHWC array), the
+    first maximum (lowest index) of each bin being the one taken (and the one
+    the gradient reaches).
+
+    Each bin is gathered into ``k`` taps (``k`` the largest bin); taps beyond a
+    shorter bin's end are masked to the dtype's lowest value and come after
+    its real taps, so they are never the first maximum.
+    """
+    n = x.shape[axis]
+    start, end = _adaptive_bins(n, out)
+    k = int((end - start).max())
+    taps_idx = start[:, None] + np.arange(k)[None, :]                 # (out, k)
+    valid = taps_idx < end[:, None]
+    taps = jnp.take(x, np.minimum(taps_idx, n - 1).reshape(-1), axis=axis)
+    shape = x.shape[:axis] + (out, k) + x.shape[axis + 1:]
+    mask = valid.reshape((1,) * axis + (out, k) + (1,) * (x.ndim - axis - 1))
+    taps = jnp.where(mask, taps.reshape(shape), geo.lowest(x.dtype))
+    first = jnp.argmax(taps, axis=axis + 1, keepdims=True)             # first of equal maxima
+    return jnp.squeeze(jnp.take_along_axis(taps, first, axis=axis + 1), axis + 1)
+
+
+def adaptive_max_pool2d(x, output_size):
+    """Adaptive max pooling with PyTorch ``AdaptiveMaxPool2d`` bins, in NHWC.
+
+    Output ``(i, j)`` is the maximum over input rows ``floor(i * H / OH)`` up
+    to (not including) ``ceil((i + 1) * H / OH)`` and the columns likewise;
+    bins overlap when the sizes do not divide, and any output size works,
+    including ones larger than the input.
+
+    Ties: the gradient of each output goes to one input, the first maximum of
+    its bin in row-major order (lowest row, then lowest column), as PyTorch's
+    kernels pick it; where bins overlap an input collects the gradients of
+    every output that picked it.  A NaN in a bin makes that output NaN (as in
+    PyTorch; with several NaNs PyTorch's gradient goes to the last one, ours
+    to the first).  PyTorch's ``return_indices`` is not offered.
+
+    Arguments:
+        x: input ``(N, H, W, C)``, floating point or integer.
+        output_size: int or ``(OH, OW)``; an entry ``None`` keeps that input size.
+
+    Returns:
+        ``(N, OH, OW, C)`` in ``x.dtype``.
+
+    Raises:
+        ValueError: on a wrong rank or an output size below 1.
+    """
+    op = "adaptive_max_pool2d"
+    x_shape = tuple(jnp.shape(x))
+    geo.check_rank(op, "x", x_shape, 4, "(N, H, W, C)")
+    if isinstance(output_size, (tuple, list)) and len(output_size) == 2:
+        output_size = tuple(n if o is None else o for o, n in zip(output_size, x_shape[1:3]))
+    oh, ow = geo.pair(output_size, "output_size", op)
+    x = jnp.asarray(x)
+    h, w = x_shape[1:3]
+    if h % oh == 0 and w % ow == 0:
+        # Equal, non-overlapping bins: a strided max-pool (its gradient also
+        # goes to the first maximum in row-major order).
+        window = (h // oh, w // ow)
+        return geo.xla_max_pool(x, window, window, (1, 1), ((0, 0), (0, 0)), (oh, ow))
+    # Columns first, then rows: the first row holding the bin's maximum, and in
+    # it the first column, is the bin's first maximum in row-major order.
+    return _first_max_over_bins(_first_max_over_bins(x, 2, ow), 1, oh)
+
+
 def global_avg_pool2d(x, keepdims=False):
     """Mean over the spatial axes of an NHWC image.
 

@@ -49,6 +49,7 @@ class _Entry(NamedTuple):
     torch_shape: tuple
     to_ours: Callable[[np.ndarray], np.ndarray]
     to_torch: Callable[[np.ndarray], np.ndarray]
+    kind: str = ""           # the layer's kind, e.g. "linear"
 
 
 def _identity(a):
@@ -121,7 +122,8 @@ def _entries(model, input_shape, model_options) -> tuple[str, list[_Entry]]:
                 torch_shape, to_ours, to_torch = _layout(rec.kind, leaf_name, shape, flatten_hwc)
                 found.append(_Entry(collection, ".".join(filter(None, [rec.path, leaf_path])),
                                     ".".join(filter(None, [rec.path, torch_leaf])), shape,
-                                    np.dtype(leaf.dtype), torch_shape, to_ours, to_torch))
+                                    np.dtype(leaf.dtype), torch_shape, to_ours, to_torch,
+                                    rec.kind))
         found.sort(key=lambda e: _TORCH_ORDER.index(e.torch_name.rsplit(".", 1)[-1]))
         entries += found
     entries = _own_parameters_first(entries, own)
@@ -181,6 +183,18 @@ def _to_numpy(value) -> np.ndarray:
     return np.asarray(value)
 
 
+def _shape(value) -> tuple:
+    """The shape of a torch tensor or array-like, without converting it."""
+    shape = getattr(value, "shape", None)
+    return tuple(np.shape(value) if shape is None else shape)
+
+
+def _head(entries) -> _Entry | None:
+    """The classifier's weight: the last ``linear`` layer's ``w``, if any."""
+    heads = [e for e in entries if e.kind == "linear" and e.path.rsplit(".", 1)[-1] == "w"]
+    return heads[-1] if heads else None
+
+
 def from_torch_state_dict(model, state_dict, *, input_shape=None, **model_options):
     """Parameters and state of a zoo model from a PyTorch ``state_dict``.
 
@@ -189,9 +203,15 @@ def from_torch_state_dict(model, state_dict, *, input_shape=None, **model_option
             PyTorch's module names.
         state_dict: mapping of PyTorch names to tensors (torch tensors or
             anything ``np.asarray`` accepts), e.g. ``torch_model.state_dict()``.
+            BatchNorm ``num_batches_tracked`` entries may be left out, as
+            PyTorch's ``load_state_dict`` allows: those counters start at 0,
+            a fresh BatchNorm's value.
         input_shape: input shape used for the abstract ``init``; default
             ``models.default_input_shape(name)``; required for a Layer.
         **model_options: passed to ``models.get`` (``num_classes``, ``cifar_stem``...).
+            Without ``num_classes``, a registry model takes the number of rows of
+            the state dict's classifier weight (the last linear layer's, e.g.
+            ``fc.weight``), so a 10-class ResNet's state dict loads as one.
 
     Returns:
         ``(params, state)``: nested dicts of ``jax.Array`` in our layouts and
@@ -199,22 +219,35 @@ def from_torch_state_dict(model, state_dict, *, input_shape=None, **model_option
 
     Raises:
         ValueError: naming the keys that are missing, unexpected, or shaped
-            differently from what the model needs.
+            differently from what the model needs (with both shapes), before
+            any array is converted.
     """
     label, entries = _entries(model, input_shape, model_options)
+    head = _head(entries) if isinstance(model, str) and "num_classes" not in model_options else None
+    if head is not None and head.torch_name in state_dict:
+        shape = _shape(state_dict[head.torch_name])
+        if len(shape) == 2 and shape[0] != head.torch_shape[0]:
+            model_options = dict(model_options, num_classes=int(shape[0]))
+            label, entries = _entries(model, input_shape, model_options)
     expected = {e.torch_name for e in entries}
-    missing = [e.torch_name for e in entries if e.torch_name not in state_dict]
+    missing = [e.torch_name for e in entries if e.torch_name not in state_dict
+               and not e.torch_name.endswith("num_batches_tracked")]
     unexpected = sorted(set(state_dict) - expected)
     if missing or unexpected:
         raise ValueError(f"{label}: state_dict does not match the model: missing keys "
                          f"{missing}, unexpected keys {unexpected}")
+    wrong = [f"state_dict[{e.torch_name!r}] has shape {_shape(state_dict[e.torch_name])}, "
+             f"expected {e.torch_shape} (for our {e.collection} {e.path!r} of shape {e.shape})"
+             for e in entries
+             if e.torch_name in state_dict and _shape(state_dict[e.torch_name]) != e.torch_shape]
+    if wrong:
+        raise ValueError(f"{label}: " + "; ".join(wrong))
     flat = {"params": {}, "state": {}}
     for e in entries:
+        if e.torch_name not in state_dict:           # a num_batches_tracked left out
+            flat[e.collection][e.path] = jnp.zeros(e.shape, e.dtype)
+            continue
         array = _to_numpy(state_dict[e.torch_name])
-        if tuple(array.shape) != e.torch_shape:
-            raise ValueError(f"{label}: state_dict[{e.torch_name!r}] has shape "
-                             f"{tuple(array.shape)}, expected {e.torch_shape} "
-                             f"(for our {e.collection} {e.path!r} of shape {e.shape})")
         flat[e.collection][e.path] = jnp.array(e.to_ours(array), dtype=e.dtype)   # copies
     return unflatten(flat["params"]), unflatten(flat["state"])
 

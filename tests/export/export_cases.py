@@ -22,9 +22,11 @@ ZOO = {
     "vgg11": ({"classifier_width": 32}, (32, 32, 3)),
     "vgg16": ({"classifier_width": 32}, (32, 32, 3)),
     "vgg16_bn": ({"classifier_width": 32}, (32, 32, 3)),
+    "vgg11_bn": ({"classifier_width": 32}, (32, 32, 3)),
     "resnet18": ({}, (32, 32, 3)),
     "resnet34": ({}, (32, 32, 3)),
     "resnet50": ({}, (32, 32, 3)),
+    "resnext50_32x4d": ({}, (32, 32, 3)),    # grouped 3x3 convolutions
     "mobilenet_v2": ({}, (32, 32, 3)),
 }
 

@@ -342,3 +342,98 @@ def test_adaptive_avg_pool2d_matches_torch(hw, out):
     yt.backward(torch.tensor(g.transpose(0, 3, 1, 2)))
     assert_close(y, yt.detach().numpy().transpose(0, 2, 3, 1), RTOL[jnp.float32])
     assert_close(vjp(jnp.asarray(g))[0], xt.grad.numpy().transpose(0, 2, 3, 1), GRAD_RTOL)
+
+
+# ---------------------------------------------------------------- adaptive max pooling
+
+
+def adaptive_max_ref(x, out_hw, g=None):
+    """Loops over PyTorch's adaptive bins: the max of each bin and, given a cotangent
+    ``g``, the gradient, sent to each bin's first maximum in row-major order."""
+    x = np.asarray(x, np.float64)
+    n, h, w, c = x.shape
+    oh_, ow_ = out_hw
+    y = np.zeros((n, oh_, ow_, c))
+    gx = np.zeros(x.shape)
+    for i in range(oh_):
+        for j in range(ow_):
+            h0, h1 = (i * h) // oh_, -(-((i + 1) * h) // oh_)
+            w0, w1 = (j * w) // ow_, -(-((j + 1) * w) // ow_)
+            for b in range(n):
+                for ch in range(c):
+                    window = x[b, h0:h1, w0:w1, ch]
+                    first = np.argmax(window)                  # row-major, first of equals
+                    y[b, i, j, ch] = window.flat[first]
+                    if g is not None:
+                        r, s = divmod(first, w1 - w0)
+                        gx[b, h0 + r, w0 + s, ch] += g[b, i, j, ch]
+    return y, gx
+
+
+# (H, W, OH, OW): overlapping bins, uneven bins, outputs larger than the input, equal
+# bins on both axes (the strided max-pool path) and on one axis only.
+ADAPTIVE_MAX_CASES = [(7, 7, 3, 3), (10, 6, 4, 5), (5, 5, 7, 7), (8, 8, 2, 4), (9, 4, 2, 4),
+                      (6, 5, 1, 1), (3, 8, 3, 3)]
+
+
+@pytest.mark.parametrize("h,w,oh,ow", ADAPTIVE_MAX_CASES[:4])
+def test_adaptive_max_pool2d_matches_loops_with_ties(h, w, oh, ow):
+    rng = np.random.default_rng(h * 100 + w * 10 + oh + ow)
+    x = rng.integers(-2, 3, size=(2, h, w, 3)).astype(np.float32)   # many ties
+    y, vjp = jax.vjp(lambda x: F.adaptive_max_pool2d(x, (oh, ow)), jnp.asarray(x))
+    g = rng.standard_normal(y.shape).astype(np.float32)
+    y_ref, gx_ref = adaptive_max_ref(x, (oh, ow), g)
+    np.testing.assert_array_equal(np.asarray(y), y_ref)               # a max is exact
+    assert_close(vjp(jnp.asarray(g))[0], gx_ref, GRAD_RTOL)
+
+
+def test_adaptive_max_pool2d_sizes_dtypes_and_jit():
+    rng = np.random.default_rng(12)
+    x = rng.standard_normal((2, 6, 5, 3)).astype(np.float32)
+    assert F.adaptive_max_pool2d(x, 2).shape == (2, 2, 2, 3)
+    np.testing.assert_array_equal(F.adaptive_max_pool2d(x, (None, 3)),
+                                  adaptive_max_ref(x, (6, 3))[0])
+    np.testing.assert_array_equal(jax.jit(F.adaptive_max_pool2d, static_argnums=1)(x, (4, 3)),
+                                  adaptive_max_ref(x, (4, 3))[0])
+    xi = rng.integers(-100, 100, size=(1, 7, 5, 2)).astype(np.int32)   # integers: exact
+    yi = F.adaptive_max_pool2d(xi, (3, 2))
+    assert yi.dtype == jnp.int32
+    np.testing.assert_array_equal(yi, adaptive_max_ref(xi, (3, 2))[0])
+    xb = jnp.asarray(x, jnp.bfloat16)                                  # bfloat16: exact too
+    yb = F.adaptive_max_pool2d(xb, (4, 3))
+    assert yb.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(yb, np.float32),
+                                  adaptive_max_ref(np.asarray(xb, np.float32), (4, 3))[0])
+    xn = x.copy()
+    xn[0, 0, 0, 0] = np.nan                                           # NaN propagates
+    yn = np.asarray(F.adaptive_max_pool2d(xn, (4, 3)))
+    assert np.isnan(yn[0, 0, 0, 0]) and np.isfinite(np.delete(yn.ravel(), 0)).all()
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda: F.adaptive_max_pool2d(X, 0), r"adaptive_max_pool2d: output_size must be >= 1"),
+    (lambda: F.adaptive_max_pool2d(X, (2, 2, 2)), r"adaptive_max_pool2d: output_size must be"),
+    (lambda: F.adaptive_max_pool2d(X[0], 2), r"adaptive_max_pool2d: x must have rank 4"),
+])
+def test_adaptive_max_pool2d_bad_arguments_raise(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("h,w,oh,ow,ties", [(*c, True) for c in ADAPTIVE_MAX_CASES]
+                         + [(*c, False) for c in ADAPTIVE_MAX_CASES[:3]])
+def test_adaptive_max_pool2d_matches_torch(h, w, oh, ow, ties):
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(13)
+    if ties:
+        x = np.maximum(rng.integers(-2, 3, size=(2, h, w, 3)), 0).astype(np.float32)
+    else:
+        x = rng.standard_normal((2, h, w, 3)).astype(np.float32)
+    y, vjp = jax.vjp(lambda x: F.adaptive_max_pool2d(x, (oh, ow)), jnp.asarray(x))
+    g = rng.standard_normal(y.shape).astype(np.float32)
+    xt = torch.tensor(x.transpose(0, 3, 1, 2), requires_grad=True)
+    yt = torch.nn.functional.adaptive_max_pool2d(xt, (oh, ow))
+    yt.backward(torch.tensor(g.transpose(0, 3, 1, 2)))
+    np.testing.assert_array_equal(np.asarray(y), yt.detach().numpy().transpose(0, 2, 3, 1))
+    assert_close(vjp(jnp.asarray(g))[0], xt.grad.numpy().transpose(0, 2, 3, 1), GRAD_RTOL)

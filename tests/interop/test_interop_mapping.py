@@ -122,3 +122,51 @@ def test_params_errors_name_paths():
         to_torch_state_dict("lenet6", params, state)
     with pytest.raises(ValueError, match="needs input_shape"):
         to_torch_state_dict(models.get("lenet5"), params, state)
+
+
+@pytest.mark.parametrize("name, options, head", [
+    ("resnet18", {"cifar_stem": True}, "fc"), ("vgg11_bn", {"classifier_width": 16}, "classifier.6"),
+    ("mnist_cnn", {}, "fc2")])
+def test_num_classes_is_inferred_from_the_head(name, options, head):
+    sd = _numpy_state_dict(name, num_classes=7, **options)
+    params, state = from_torch_state_dict(name, sd, **options)     # no num_classes given
+    w = params
+    for part in head.split("."):
+        w = w[part]
+    assert w["w"].shape[1] == 7 and w["b"].shape == (7,)
+    back = to_torch_state_dict(name, params, state, num_classes=7, **options)
+    assert list(back) == list(sd) and all(np.array_equal(np.asarray(back[k]), sd[k]) for k in sd)
+    # A num_classes given is obeyed: a head of another size is an error naming both shapes.
+    with pytest.raises(ValueError, match=rf"state_dict\['{head}.weight'\] has shape \(7, \d+\), "
+                                         rf"expected \(5, \d+\)"):
+        from_torch_state_dict(name, sd, num_classes=5, **options)
+
+
+def test_num_batches_tracked_may_be_left_out():
+    sd = _numpy_state_dict("resnet18", num_classes=10)
+    counters = [k for k in sd if k.endswith("num_batches_tracked")]
+    assert len(counters) == 20
+    for dropped in (counters, counters[::2]):              # all of them, or some
+        kept = {k: v for k, v in sd.items() if k not in dropped}
+        params, state = from_torch_state_dict("resnet18", kept)
+        back = to_torch_state_dict("resnet18", params, state, num_classes=10)
+        assert list(back) == list(sd)
+        for k, v in sd.items():            # a left-out counter starts at 0, as in PyTorch
+            np.testing.assert_array_equal(np.asarray(back[k]), 0 if k in dropped else v, err_msg=k)
+    # Only the counters may be left out.
+    with pytest.raises(ValueError, match=r"missing keys \['bn1.running_mean'\], unexpected keys \[\]"):
+        from_torch_state_dict("resnet18", {k: v for k, v in sd.items() if k != "bn1.running_mean"})
+
+
+def test_every_mismatched_key_is_named_with_both_shapes():
+    sd = _numpy_state_dict("resnet18")
+    sd["layer2.0.conv1.weight"] = np.zeros((128, 64, 3, 1), np.float32)
+    sd["layer3.1.bn2.running_var"] = np.zeros((255,), np.float32)
+    with pytest.raises(ValueError) as info:
+        from_torch_state_dict("resnet18", sd)
+    message = str(info.value)
+    assert "\n" not in message and message.startswith("resnet18: ")
+    assert ("state_dict['layer2.0.conv1.weight'] has shape (128, 64, 3, 1), expected "
+            "(128, 64, 3, 3) (for our params 'layer2.0.conv1.w' of shape (3, 3, 64, 128))") in message
+    assert ("state_dict['layer3.1.bn2.running_var'] has shape (255,), expected (256,) "
+            "(for our state 'layer3.1.bn2.var' of shape (256,))") in message

@@ -41,7 +41,9 @@ def _id(case):
 
 
 def test_every_model_is_covered():
-    assert {c[0] for c in CASES} == set(models.names())
+    # The newer ResNets and VGGs are checked in eval and train mode there.
+    from test_interop_torch_classic import NAMES as CLASSIC
+    assert {c[0] for c in CASES} | set(CLASSIC) == set(models.names())
 
 
 @pytest.mark.parametrize("name", models.names())

@@ -72,13 +72,16 @@ class AlexNet(nn.Module):
 
 VGG_CONFIGS = {
     "vgg11": [64, "M", 128, "M", 256, 256, "M", 512, 512, "M", 512, 512, "M"],
+    "vgg13": [64, 64, "M", 128, 128, "M", 256, 256, "M", 512, 512, "M", 512, 512, "M"],
     "vgg16": [64, 64, "M", 128, 128, "M", 256, 256, 256, "M", 512, 512, 512, "M",
               512, 512, 512, "M"],
+    "vgg19": [64, 64, "M", 128, 128, "M", 256, 256, 256, 256, "M", 512, 512, 512, 512, "M",
+              512, 512, 512, 512, "M"],
 }
 
 
 class VGG(nn.Module):
-    def __init__(self, config, batch_norm, num_classes=1000, classifier_width=4096):
+    def __init__(self, config, batch_norm, num_classes=1000, classifier_width=4096, dropout=0.5):
         super().__init__()
         layers, c = [], 3
         for v in config:
@@ -92,8 +95,8 @@ class VGG(nn.Module):
         self.features = nn.Sequential(*layers)
         self.avgpool = nn.AdaptiveAvgPool2d((7, 7))
         self.classifier = nn.Sequential(
-            nn.Linear(512 * 49, classifier_width), nn.ReLU(), nn.Dropout(),
-            nn.Linear(classifier_width, classifier_width), nn.ReLU(), nn.Dropout(),
+            nn.Linear(512 * 49, classifier_width), nn.ReLU(), nn.Dropout(dropout),
+            nn.Linear(classifier_width, classifier_width), nn.ReLU(), nn.Dropout(dropout),
             nn.Linear(classifier_width, num_classes))
 
     def forward(self, x):
@@ -124,14 +127,15 @@ class BasicBlock(nn.Module):
 class Bottleneck(nn.Module):
     expansion = 4
 
-    def __init__(self, cin, planes, stride):
+    def __init__(self, cin, planes, stride, groups=1, width_per_group=64):
         super().__init__()
         cout = planes * 4
-        self.conv1 = nn.Conv2d(cin, planes, 1, bias=False)
-        self.bn1 = nn.BatchNorm2d(planes)
-        self.conv2 = nn.Conv2d(planes, planes, 3, stride, 1, bias=False)
-        self.bn2 = nn.BatchNorm2d(planes)
-        self.conv3 = nn.Conv2d(planes, cout, 1, bias=False)
+        width = int(planes * (width_per_group / 64.0)) * groups     # torchvision's rule
+        self.conv1 = nn.Conv2d(cin, width, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(width)
+        self.conv2 = nn.Conv2d(width, width, 3, stride, 1, groups=groups, bias=False)
+        self.bn2 = nn.BatchNorm2d(width)
+        self.conv3 = nn.Conv2d(width, cout, 1, bias=False)
         self.bn3 = nn.BatchNorm2d(cout)
         self.downsample = None
         if stride != 1 or cin != cout:
@@ -146,7 +150,7 @@ class Bottleneck(nn.Module):
 
 
 class ResNet(nn.Module):
-    def __init__(self, block, counts, num_classes=1000, cifar_stem=False):
+    def __init__(self, block, counts, num_classes=1000, cifar_stem=False, **block_options):
         super().__init__()
         if cifar_stem:
             self.conv1 = nn.Conv2d(3, 64, 3, 1, 1, bias=False)
@@ -160,7 +164,7 @@ class ResNet(nn.Module):
         for i, (planes, n) in enumerate(zip((64, 128, 256, 512), counts)):
             blocks = []
             for j in range(n):
-                blocks.append(block(cin, planes, 2 if i > 0 and j == 0 else 1))
+                blocks.append(block(cin, planes, 2 if i > 0 and j == 0 else 1, **block_options))
                 cin = planes * block.expansion
             setattr(self, f"layer{i + 1}", nn.Sequential(*blocks))
         self.avgpool = nn.AdaptiveAvgPool2d((1, 1))
@@ -238,7 +242,15 @@ def build(name, num_classes=None, **options):
     if name == "mobilenet_v2":
         return MobileNetV2(**kw)
     block, counts = {"resnet18": (BasicBlock, (2, 2, 2, 2)), "resnet34": (BasicBlock, (3, 4, 6, 3)),
-                     "resnet50": (Bottleneck, (3, 4, 6, 3))}[name]
+                     "resnet50": (Bottleneck, (3, 4, 6, 3))}.get(name, (None, None))
+    if block is None:       # the deeper, wide and grouped bottleneck ResNets
+        block, counts, extra = {
+            "resnet101": (Bottleneck, (3, 4, 23, 3), {}),
+            "resnet152": (Bottleneck, (3, 8, 36, 3), {}),
+            "wide_resnet50_2": (Bottleneck, (3, 4, 6, 3), {"width_per_group": 128}),
+            "resnext50_32x4d": (Bottleneck, (3, 4, 6, 3), {"groups": 32, "width_per_group": 4}),
+        }[name]
+        kw.update(extra)
     return ResNet(block, counts, **kw)
 
 

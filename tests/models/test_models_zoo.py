@@ -8,7 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxcnn import models
+from jaxcnn import models, summary
+from jaxcnn.models import resnet
 
 # torchvision's counts (and PyTorch's MNIST example, and LeNet-5 6-16-120-84-10).
 PARAM_COUNTS = {
@@ -18,9 +19,18 @@ PARAM_COUNTS = {
     "vgg11": 132_863_336,
     "vgg16": 138_357_544,
     "vgg16_bn": 138_365_992,
+    "vgg11_bn": 132_868_840,
+    "vgg13": 133_047_848,
+    "vgg13_bn": 133_053_736,
+    "vgg19": 143_667_240,
+    "vgg19_bn": 143_678_248,
     "resnet18": 11_689_512,
     "resnet34": 21_797_672,
     "resnet50": 25_557_032,
+    "resnet101": 44_549_160,
+    "resnet152": 60_192_808,
+    "wide_resnet50_2": 68_883_240,
+    "resnext50_32x4d": 25_028_904,
     "mobilenet_v2": 3_504_872,
 }
 
@@ -52,6 +62,40 @@ def test_registry_lists_every_family():
 def test_parameter_count(name):
     params, _ = _abstract_init(models.get(name), models.default_input_shape(name))
     assert _count(params) == PARAM_COUNTS[name]
+
+
+# torchvision's published GFLOPS (its model tables; really GMACs, at 224x224), two decimals.
+TORCHVISION_GMACS = {
+    "alexnet": 0.71, "vgg11": 7.61, "vgg16": 15.47, "vgg16_bn": 15.47,
+    "resnet18": 1.81, "resnet34": 3.66, "resnet50": 4.09, "mobilenet_v2": 0.30,
+    "resnet101": 7.80, "resnet152": 11.51, "wide_resnet50_2": 11.40, "resnext50_32x4d": 4.23,
+    "vgg11_bn": 7.61, "vgg13": 11.31, "vgg13_bn": 11.31, "vgg19": 19.63, "vgg19_bn": 19.63,
+}
+
+
+@pytest.mark.parametrize("name", sorted(TORCHVISION_GMACS))
+def test_summary_macs_match_torchvision(name):
+    # summary() traces abstractly (no parameters allocated); ours must round to the
+    # published figure: |ours - published| <= 0.005 GMACs.
+    s = summary(models.get(name), (1, 224, 224, 3))
+    assert abs(s.total_macs / 1e9 - TORCHVISION_GMACS[name]) <= 0.005, s.total_macs
+    assert s.total_params == PARAM_COUNTS[name]
+
+
+def test_wide_and_grouped_bottlenecks():
+    # torchvision's inner width int(planes * width_per_group / 64) * groups, grouped 3x3.
+    for name, width, per_group in [("resnext50_32x4d", 128, 4), ("wide_resnet50_2", 128, 128),
+                                   ("resnet101", 64, 64)]:
+        params, _ = _abstract_init(models.get(name), (1, 224, 224, 3))
+        block = params["layer1"]["0"]
+        assert block["conv1"]["w"].shape == (1, 1, 64, width)
+        assert block["conv2"]["w"].shape == (3, 3, per_group, width)
+        assert block["conv3"]["w"].shape == (1, 1, width, 256)
+        assert params["layer4"]["0"]["conv2"]["w"].shape == (3, 3, per_group * 8, width * 8)
+    with pytest.raises(ValueError, match="basic blocks take only groups=1"):
+        resnet.resnet("basic", (2, 2, 2, 2), groups=32)
+    with pytest.raises(ValueError, match="block must be 'basic' or 'bottleneck', got 'wide'"):
+        resnet.resnet("wide", (2, 2, 2, 2))
 
 
 def test_counts_follow_options():
@@ -165,6 +209,7 @@ JIT_CASES = [
     ("resnet18", {"num_classes": 10, "cifar_stem": True}, (2, 32, 32, 3)),
     ("resnet34", {"num_classes": 10}, (2, 32, 32, 3)),
     ("resnet50", {"num_classes": 10}, (2, 32, 32, 3)),
+    ("resnext50_32x4d", {"num_classes": 10}, (2, 32, 32, 3)),   # grouped 3x3 convolutions
     ("mobilenet_v2", {"num_classes": 10}, (2, 32, 32, 3)),
 ]
 
