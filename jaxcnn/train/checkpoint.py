@@ -108,11 +108,23 @@ def config_digest(config_dict: Mapping) -> str:
 
 
 def config_changes(old: Mapping, new: Mapping) -> list[str]:
-    """``"key: old -> new"`` for each training-math key whose value differs, sorted by key."""
+    """``"key: old -> new"`` for each training-math key whose value differs, sorted by key.
+
+    A key the old config does not have (it was saved by a jaxcnn without it) is no change when
+    the new config leaves it at its default: a run resumes across a version that adds keys."""
+    from jaxcnn.train.config import schema_default
     a, b = training_config(old), training_config(new)
     missing = "(unset)"
     return [f"{k}: {a.get(k, missing)!r} -> {b.get(k, missing)!r}"
-            for k in sorted(a.keys() | b.keys()) if a.get(k, missing) != b.get(k, missing)]
+            for k in sorted(a.keys() | b.keys()) if a.get(k, missing) != b.get(k, missing)
+            and not (k not in a and _as_saved(schema_default(k)) == b[k])]
+
+
+def _as_saved(value):
+    """A schema default as a resolved config holds it (lists for tuples, plain dicts)."""
+    if isinstance(value, tuple):
+        return list(value)
+    return value
 
 
 _CONFIG_WAYS_ON = ("start a new run with --workdir DIR, or continue this one under the new config "
@@ -681,6 +693,8 @@ class CheckpointManager:
             digest = config_digest(saved)
         if digest is None or digest == config_digest(config):
             return
+        if isinstance(saved, Mapping) and not config_changes(saved, config):
+            return  # saved before keys were added that this config leaves at their defaults
         what = _summary(config_changes(saved, config)) if isinstance(saved, Mapping) else "its config digest differs"
         raise ConfigChangedError(f"checkpoint {self._step_path(step)} was trained under another config "
                                  f"({what}); {_CONFIG_WAYS_ON}")

@@ -1035,6 +1035,20 @@ def train_steps(train_cfg, steps_per_epoch: int | None) -> int:
 
 # ----------------------------------------------------------------- helpers
 
+_NO_DEFAULT = object()
+
+
+def schema_default(key: str):
+    """The schema's default of dotted ``key`` (a leaf), or ``_NO_DEFAULT`` for a key the schema
+    does not have."""
+    node = SCHEMA
+    for part in key.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return _NO_DEFAULT
+        node = node[part]
+    return node.default if isinstance(node, Field) else _NO_DEFAULT
+
+
 def _join(prefix: str, key: str) -> str:
     return f"{prefix}.{key}" if prefix else key
 

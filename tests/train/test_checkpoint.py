@@ -3,6 +3,7 @@ import errno
 import gc
 import hashlib
 import logging
+import pathlib
 import shutil
 import sys
 
@@ -457,6 +458,27 @@ def test_checkpoint_from_another_config_is_refused(tmp_path):
             mgr.restore(target=target, config=other)
         assert restore_for_resume(mgr, target, config=None)[0] == 2  # on_config_change=continue
 
+
+
+def test_a_checkpoint_saved_before_a_key_existed_resumes_when_the_key_is_at_its_default(tmp_path):
+    """A jaxcnn that adds config keys (train.ema_decay, ...) still resumes the checkpoints of one
+    without them, unless the new key is set to something other than its default."""
+    from jaxcnn.train.checkpoint import ConfigChangedError, config_changes
+    from jaxcnn.train.config import load_config, to_dict
+    new = to_dict(load_config(str(pathlib.Path(__file__).parents[2] / "configs" / "mnist_cnn.yaml")))
+    old = {**new, "train": {k: v for k, v in new["train"].items()
+                            if k not in ("ema_decay", "early_stopping")}}
+    assert config_changes(old, new) == []
+    changed = {**new, "train": {**new["train"], "ema_decay": 0.5}}
+    assert config_changes(old, changed) == ["train.ema_decay: '(unset)' -> 0.5"]
+    assert config_changes(new, old) != []  # a key the new config lacks is a change
+    state = make_state()
+    with CheckpointManager(tmp_path / "ckpt", keep=10) as mgr:
+        mgr.save(3, state, config_dict=old)
+    with CheckpointManager(tmp_path / "ckpt", keep=10) as mgr:
+        assert restore_for_resume(mgr, abstract(state), config=new)[0] == 3
+        with pytest.raises(ConfigChangedError, match=r"train.ema_decay: '\(unset\)' -> 0.5"):
+            restore_for_resume(mgr, abstract(state), config=changed)
 
 def test_cli_hook_sends_abandoned_orbax_coroutines_to_the_log(tmp_path, monkeypatch):
     """jaxcnn-train/-eval's process hook: an orbax coroutine's late "Exception ignored" report
