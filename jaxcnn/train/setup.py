@@ -350,7 +350,7 @@ def _read_init_from(run: Run, path: str, like, skip: tuple, fail):
         message = str(e).replace(f"{path}: {run.model.kind}: ", f"{path}: {run.cfg.model.name}: ", 1)
         if torch_named and " names no layer " in message:
             fail(message, "model.init_from_skip")
-        if torch_named and "has shape" in message and not skip:
+        if "has shape" in message and not skip:
             message += " (model.init_from_skip: [LAYER] re-initialises a layer instead of loading it)"
         fail(message)
 
