@@ -2,7 +2,7 @@
 
 Each is re-exported where it was first defined (``jaxcnn.train.config.ConfigError``,
 ``jaxcnn.data.dataset.DataError``, ``jaxcnn.train.checkpoint.CheckpointError``,
-``jaxcnn.export.ExportError``, ``jaxcnn.train.loop.WorkdirError`` and ``TrainingStopped``,
+``jaxcnn.export.ExportError``, ``jaxcnn.predict.PredictError``, ``jaxcnn.train.loop.WorkdirError`` and ``TrainingStopped``,
 ``jaxcnn.parallel.distributed.DistributedError``), so any layer can raise them without
 importing the layer that reports them.
 """
@@ -44,6 +44,10 @@ class ConfigChangedError(CheckpointError):
 class ExportError(ValueError):
     """A model, parameter file or option that export cannot handle; the message
     names the layer path, kind, file or option at fault."""
+
+
+class PredictError(ValueError):
+    """An image or model that ``jaxcnn-predict`` cannot use; the message names the file."""
 
 
 class WorkdirError(RuntimeError):

@@ -98,7 +98,12 @@ def _parse_meta(path, text):
     return meta
 
 
-def _decode(path, arrays: dict, meta: dict, like):
+def _under(leaf_path: str, skip) -> bool:
+    """Whether dotted ``leaf_path`` is one of the ``skip`` prefixes or lies under one."""
+    return any(leaf_path == p or leaf_path.startswith(p + ".") for p in skip)
+
+
+def _decode(path, arrays: dict, meta: dict, like, skip=()):
     dtypes = meta.get("dtypes", {})
     trees = {c: {} for c in COLLECTIONS}
     for key, array in arrays.items():
@@ -106,6 +111,8 @@ def _decode(path, arrays: dict, meta: dict, like):
         if collection not in trees or not leaf_path:
             raise ValueError(f"{path}: unexpected key {key!r}; keys must start with "
                              f"'params/' or 'state/'")
+        if _under(leaf_path, skip):
+            continue
         if key in dtypes:
             try:
                 array = array.view(jnp.dtype(dtypes[key]))
@@ -114,11 +121,11 @@ def _decode(path, arrays: dict, meta: dict, like):
                                  f"{dtypes[key]!r} ({e})") from e
         trees[collection][leaf_path] = array
     if like is not None:
-        _check_against(path, trees, like)
+        _check_against(path, trees, like, skip)
     return unflatten(trees["params"]), unflatten(trees["state"])
 
 
-def _declared(path, shapes: dict, like):
+def _declared(path, shapes: dict, like, skip=()):
     """Check the shapes a file declares (``{key: shape}``, read from its headers) against the
     ``(params, state)`` template before any array is read: a header is free to claim a
     shape of 10**12 floats, and reading it would try to allocate that."""
@@ -127,15 +134,16 @@ def _declared(path, shapes: dict, like):
         collection, _, leaf_path = key.partition("/")
         if collection in trees and leaf_path:
             trees[collection][leaf_path] = SimpleNamespace(shape=tuple(shape))
-    _check_against(path, trees, like)
+    _check_against(path, trees, like, skip)
 
 
-def _check_against(path, trees, like):
-    """Compare the file's keys and shapes with the ``(params, state)`` template."""
+def _check_against(path, trees, like, skip=()):
+    """Compare the file's keys and shapes with the ``(params, state)`` template; keys under
+    a ``skip`` prefix are left out on both sides."""
     problems = []
     for collection, template in zip(COLLECTIONS, like):
-        expected = {k: tuple(v.shape) for k, v in tree_items(template)}
-        found = trees[collection]
+        expected = {k: tuple(v.shape) for k, v in tree_items(template) if not _under(k, skip)}
+        found = {k: v for k, v in trees[collection].items() if not _under(k, skip)}
         for k in sorted(set(expected) - set(found)):
             problems.append(f"missing key '{collection}/{k}' (expected shape {expected[k]})")
         for k in sorted(set(found) - set(expected)):
@@ -176,7 +184,7 @@ def save_npz(path, params, state=None) -> None:
     np.savez(path, **arrays, **{_META_KEY: np.array(json.dumps(meta))})
 
 
-def load_npz(path, *, like=None):
+def load_npz(path, *, like=None, skip=()):
     """Read a file written by :func:`save_npz`.
 
     Arguments:
@@ -184,6 +192,8 @@ def load_npz(path, *, like=None):
         like: optional ``(params, state)`` template (arrays or
             ``jax.ShapeDtypeStruct``, e.g. from ``jax.eval_shape`` of a model's
             init); a missing, unexpected or mis-shaped key is then a ValueError.
+        skip: dotted path prefixes (``"fc"``, ``"layer4.1"``) left out: neither read
+            nor required by ``like``; the result lacks them.
 
     Returns:
         ``(params, state)`` as nested dicts of NumPy arrays.
@@ -194,14 +204,15 @@ def load_npz(path, *, like=None):
     # given): NumPy allocates whatever a header declares before it finds the data missing.
     headers = npz_headers(path)
     if like is not None:
-        _declared(path, {k: shape for k, (shape, _, _) in headers.items()}, like)
+        _declared(path, {k: shape for k, (shape, _, _) in headers.items()}, like, skip)
     try:
         with np.load(path, allow_pickle=False) as data:
             arrays = {k: data[k] for k in data.files}
     except (zipfile.BadZipFile, OSError, ValueError, EOFError) as e:
         raise ValueError(f"{path}: not a readable .npz file ({type(e).__name__}: {e})") from e
     meta = arrays.pop(_META_KEY, None)
-    return _decode(path, arrays, _parse_meta(path, None if meta is None else str(meta)), like)
+    return _decode(path, arrays, _parse_meta(path, None if meta is None else str(meta)), like,
+                   skip)
 
 
 def save_safetensors(path, params, state=None) -> None:
@@ -216,12 +227,12 @@ def save_safetensors(path, params, state=None) -> None:
     safetensors.numpy.save_file(arrays, os.fspath(path), metadata={_META_KEY: json.dumps(meta)})
 
 
-def load_safetensors(path, *, like=None):
+def load_safetensors(path, *, like=None, skip=()):
     """Read a file written by :func:`save_safetensors`.
 
     Arguments:
         path: the ``.safetensors`` file.
-        like: optional ``(params, state)`` template, as in :func:`load_npz`.
+        like, skip: as in :func:`load_npz`.
 
     Returns:
         ``(params, state)`` as nested dicts of NumPy arrays.
@@ -232,9 +243,11 @@ def load_safetensors(path, *, like=None):
         with safetensors.safe_open(path, framework="numpy") as f:
             meta_text = (f.metadata() or {}).get(_META_KEY)
             if like is not None:  # shapes from the header, before any tensor is read
-                _declared(path, {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}, like)
-            arrays = {k: f.get_tensor(k) for k in f.keys()}
+                _declared(path, {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}, like,
+                          skip)
+            arrays = {k: f.get_tensor(k) for k in f.keys()
+                      if not _under(k.partition("/")[2], skip)}
     except (safetensors.SafetensorError, OSError, ValueError) as e:
         raise ValueError(f"{path}: not a readable .safetensors file "
                          f"({type(e).__name__}: {e})") from e
-    return _decode(path, arrays, _parse_meta(path, meta_text), like)
+    return _decode(path, arrays, _parse_meta(path, meta_text), like, skip)

@@ -23,6 +23,7 @@ duck typing (``.detach().cpu().numpy()`` or ``np.asarray``), and
 """
 from __future__ import annotations
 
+import os
 from typing import Callable, NamedTuple
 
 import jax
@@ -183,19 +184,84 @@ def _to_numpy(value) -> np.ndarray:
     return np.asarray(value)
 
 
-def _shape(value) -> tuple:
-    """The shape of a torch tensor or array-like, without converting it."""
-    shape = getattr(value, "shape", None)
-    return tuple(np.shape(value) if shape is None else shape)
+def _under(name: str, prefixes) -> bool:
+    """Whether dotted ``name`` is one of ``prefixes`` or lies under one (whole components)."""
+    return any(name == p or name.startswith(p + ".") for p in prefixes)
 
 
-def _head(entries) -> _Entry | None:
-    """The classifier's weight: the last ``linear`` layer's ``w``, if any."""
-    heads = [e for e in entries if e.kind == "linear" and e.path.rsplit(".", 1)[-1] == "w"]
-    return heads[-1] if heads else None
+def _skipped(entry: _Entry, skip) -> bool:
+    return _under(entry.path, skip) or _under(entry.torch_name, skip)
 
 
-def from_torch_state_dict(model, state_dict, *, input_shape=None, **model_options):
+def _head_classes(model, shapes, input_shape, model_options):
+    """The class count of the state dict's classifier (the model's last 2-D weight), or None."""
+    if not isinstance(model, str) or "num_classes" in model_options:
+        return None
+    _, entries = _entries(model, input_shape, model_options)
+    heads = [e for e in entries if e.collection == "params" and len(e.torch_shape) == 2
+             and e.torch_name.endswith(".weight")]
+    if not heads or heads[-1].torch_name not in shapes:
+        return None
+    shape = tuple(shapes[heads[-1].torch_name])
+    return int(shape[0]) if len(shape) == 2 and shape[0] != heads[-1].torch_shape[0] else None
+
+
+def match_state_dict(model, shapes, *, input_shape=None, skip=(), **model_options):
+    """Check a PyTorch ``state_dict``'s names and shapes against a model, before reading it.
+
+    Arguments:
+        model, input_shape, model_options: as :func:`from_torch_state_dict`.
+        shapes: ``{torch name: shape}`` of the state dict (e.g. a safetensors header).
+        skip: layer paths (``"fc"``, ``"layer4.1"``; torchvision's module names, which are
+            ours too) or full parameter names in either naming (``"fc.weight"``, ``"fc.w"``)
+            whose entries are not taken from the state dict: not required, not checked, and
+            the state dict's own entries under them ignored.
+
+    Returns:
+        ``(label, entries)``: the model's entries to read, skipped ones left out.
+
+    Raises:
+        ValueError: naming each missing key (with the model's shape), unexpected key (with
+            the state dict's shape) and mis-shaped key (with both shapes), and each ``skip``
+            entry that names no parameter of the model. A missing ``num_batches_tracked`` is
+            not a problem (PyTorch loads such state dicts; it reads as 0).
+    """
+    label, entries = _entries(model, input_shape, model_options)
+    skip = tuple(skip)
+    unknown = [p for p in skip if not any(_skipped(e, (p,)) for e in entries)]
+    if unknown:
+        layers = sorted({e.path.rsplit(".", 1)[0] for e in entries})
+        raise ValueError(f"{label}: skip {unknown} names no layer or parameter of the model "
+                         f"(its layers: {layers[:8]}{' ...' if len(layers) > 8 else ''})")
+    kept = [e for e in entries if not _skipped(e, skip)]
+    expected = {e.torch_name for e in entries}
+    missing = [e for e in kept if e.torch_name not in shapes
+               and not e.torch_name.endswith("num_batches_tracked")]
+    unexpected = sorted(k for k in set(shapes) - expected if not _under(k, skip))
+    problems = [f"missing key {e.torch_name!r} (the model's shape {e.torch_shape})"
+                for e in missing]
+    problems += [f"unexpected key {k!r} (shape {tuple(shapes[k])})" for k in unexpected]
+    problems += [f"key {e.torch_name!r} has shape {tuple(shapes[e.torch_name])}, the model's "
+                 f"is {e.torch_shape}" for e in kept
+                 if e.torch_name in shapes and tuple(shapes[e.torch_name]) != e.torch_shape]
+    if problems:
+        raise ValueError(f"{label}: state_dict does not match the model: " + "; ".join(problems))
+    return label, kept
+
+
+def _convert(entries, read) -> tuple[dict, dict]:
+    """``(params, state)`` from ``read(torch name)`` (None: absent) for ``entries``."""
+    flat = {"params": {}, "state": {}}
+    for e in entries:
+        array = read(e.torch_name)
+        if array is None:  # num_batches_tracked, which PyTorch state dicts may leave out
+            flat[e.collection][e.path] = jnp.zeros(e.shape, e.dtype)
+            continue
+        flat[e.collection][e.path] = jnp.array(e.to_ours(_to_numpy(array)), dtype=e.dtype)  # copies
+    return unflatten(flat["params"]), unflatten(flat["state"])
+
+
+def from_torch_state_dict(model, state_dict, *, input_shape=None, skip=(), **model_options):
     """Parameters and state of a zoo model from a PyTorch ``state_dict``.
 
     Arguments:
@@ -203,53 +269,83 @@ def from_torch_state_dict(model, state_dict, *, input_shape=None, **model_option
             PyTorch's module names.
         state_dict: mapping of PyTorch names to tensors (torch tensors or
             anything ``np.asarray`` accepts), e.g. ``torch_model.state_dict()``.
-            BatchNorm ``num_batches_tracked`` entries may be left out, as
-            PyTorch's ``load_state_dict`` allows: those counters start at 0,
-            a fresh BatchNorm's value.
+            ``num_batches_tracked`` entries may be left out (they read as 0).
         input_shape: input shape used for the abstract ``init``; default
             ``models.default_input_shape(name)``; required for a Layer.
-        **model_options: passed to ``models.get`` (``num_classes``, ``cifar_stem``...).
-            Without ``num_classes``, a registry model takes the number of rows of
-            the state dict's classifier weight (the last linear layer's, e.g.
-            ``fc.weight``), so a 10-class ResNet's state dict loads as one.
+        skip: layers (or parameters) left out of the result and not read from
+            ``state_dict``, as in :func:`match_state_dict`.
+        **model_options: passed to ``models.get`` (``cifar_stem``...). Without
+            ``num_classes``, a registry model takes the state dict's classifier width.
 
     Returns:
         ``(params, state)``: nested dicts of ``jax.Array`` in our layouts and
-        dtypes, ready for ``model.apply``.
+        dtypes, ready for ``model.apply`` (without the skipped entries).
 
     Raises:
         ValueError: naming the keys that are missing, unexpected, or shaped
             differently from what the model needs (with both shapes), before
             any array is converted.
     """
-    label, entries = _entries(model, input_shape, model_options)
-    head = _head(entries) if isinstance(model, str) and "num_classes" not in model_options else None
-    if head is not None and head.torch_name in state_dict:
-        shape = _shape(state_dict[head.torch_name])
-        if len(shape) == 2 and shape[0] != head.torch_shape[0]:
-            model_options = dict(model_options, num_classes=int(shape[0]))
-            label, entries = _entries(model, input_shape, model_options)
-    expected = {e.torch_name for e in entries}
-    missing = [e.torch_name for e in entries if e.torch_name not in state_dict
-               and not e.torch_name.endswith("num_batches_tracked")]
-    unexpected = sorted(set(state_dict) - expected)
-    if missing or unexpected:
-        raise ValueError(f"{label}: state_dict does not match the model: missing keys "
-                         f"{missing}, unexpected keys {unexpected}")
-    wrong = [f"state_dict[{e.torch_name!r}] has shape {_shape(state_dict[e.torch_name])}, "
-             f"expected {e.torch_shape} (for our {e.collection} {e.path!r} of shape {e.shape})"
-             for e in entries
-             if e.torch_name in state_dict and _shape(state_dict[e.torch_name]) != e.torch_shape]
-    if wrong:
-        raise ValueError(f"{label}: " + "; ".join(wrong))
-    flat = {"params": {}, "state": {}}
-    for e in entries:
-        if e.torch_name not in state_dict:           # a num_batches_tracked left out
-            flat[e.collection][e.path] = jnp.zeros(e.shape, e.dtype)
-            continue
-        array = _to_numpy(state_dict[e.torch_name])
-        flat[e.collection][e.path] = jnp.array(e.to_ours(array), dtype=e.dtype)   # copies
-    return unflatten(flat["params"]), unflatten(flat["state"])
+    shapes = {k: tuple(v.shape) if hasattr(v, "shape") else np.shape(v)
+              for k, v in state_dict.items()}
+    classes = _head_classes(model, shapes, input_shape, model_options) if not skip else None
+    if classes is not None:
+        model_options = dict(model_options, num_classes=classes)
+    _, entries = match_state_dict(model, shapes, input_shape=input_shape, skip=skip,
+                                  **model_options)
+    return _convert(entries, state_dict.get)
+
+
+def is_torch_safetensors(path) -> bool:
+    """Whether a ``.safetensors`` file holds a PyTorch ``state_dict`` (torchvision/timm names
+    such as ``conv1.weight``, ``layer1.0.bn1.running_mean``) rather than jaxcnn's own
+    ``params/...``/``state/...`` keys. Reads only the header."""
+    import safetensors
+    try:
+        with safetensors.safe_open(os.fspath(path), framework="numpy") as f:
+            keys = list(f.keys())
+    except (safetensors.SafetensorError, OSError, ValueError):
+        return False
+    leaves = set(_TORCH_ORDER)
+    return bool(keys) and not any(k.startswith(("params/", "state/")) for k in keys) and any(
+        k.rsplit(".", 1)[-1] in leaves for k in keys)
+
+
+def load_torch_safetensors(path, model, *, input_shape=None, skip=(), **model_options):
+    """:func:`from_torch_state_dict` of a state dict saved as safetensors
+    (``safetensors.torch.save_file(torch.load(p), out)``), checked from the file's header
+    before any tensor is read (a header may declare any size).
+
+    Returns:
+        ``(params, state)`` as NumPy trees, without the ``skip`` entries.
+
+    Raises:
+        ValueError: naming the file and each missing, unexpected or mis-shaped key.
+    """
+    import safetensors
+    path = os.fspath(path)
+    try:
+        with safetensors.safe_open(path, framework="numpy") as f:
+            shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+            try:
+                _, entries = match_state_dict(model, shapes, input_shape=input_shape, skip=skip,
+                                              **model_options)
+            except ValueError as e:
+                raise ValueError(f"{path}: {e}") from None
+
+            def read(name):
+                if name not in shapes:
+                    return None
+                try:
+                    return f.get_tensor(name)
+                except (TypeError, ValueError) as e:  # e.g. bfloat16, which NumPy lacks
+                    raise ValueError(f"{path}: key {name!r} cannot be read as a NumPy array "
+                                     f"({e}); save it as float32") from None
+            trees = _convert(entries, read)
+    except (safetensors.SafetensorError, OSError) as e:
+        raise ValueError(f"{path}: not a readable .safetensors file "
+                         f"({type(e).__name__}: {e})") from None
+    return jax.device_get(trees)
 
 
 def to_torch_state_dict(model, params, state, *, input_shape=None, **model_options) -> dict:

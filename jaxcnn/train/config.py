@@ -113,9 +113,15 @@ SCHEMA: dict[str, dict] = {
         "num_classes": _f("int", None, "classifier outputs; null = the model's default", nullable=True, **_POS_INT),
         "options": _f("dict", {}, "extra keyword arguments for the model constructor, e.g. {cifar_stem: true}"),
         "init_from": _f("str", None, "start from these parameters instead of a random init: a .npz/.safetensors "
-                        "file (params and state, as jaxcnn-train writes them) or a run directory; checked "
+                        "file (params and state, as jaxcnn-train writes them), a PyTorch state dict saved as "
+                        ".safetensors (torchvision/timm names: conv1.weight, fc.weight...) or a run directory; checked "
                         "against the model before any compute; null = random init from train.seed",
                         nullable=True, low=1),
+        "init_from_skip": _f("list", [], "layers re-initialised from train.seed instead of loaded from "
+                             "model.init_from (fine-tuning to another class count): layer paths such as fc "
+                             "or layer4.1, the same in torchvision's and jaxcnn's naming, or full parameter "
+                             "names as the file names them (fc.weight, fc.w)",
+                             item=_f("str", None, "layer path", low=1)),
         "impl": _f("str", "auto", "convolution/pooling kernels of the layers: auto (XLA, or a Pallas "
                    "kernel where the autotuner measured it faster on this GPU), xla, or pallas "
                    "(see README, Pallas kernels)", choices=("auto", "xla", "pallas")),
@@ -894,6 +900,9 @@ def _cross_checks(cfg: dict, source_of):
             and data["num_classes"] > model["num_classes"]):
         fail("data.num_classes", f"{data['num_classes']} label classes do not fit a model with "
              f"model.num_classes={model['num_classes']}")
+    if model["init_from_skip"] and model["init_from"] is None:
+        fail("model.init_from_skip", f"{model['init_from_skip']} re-initialises layers of "
+             "model.init_from's parameters, but model.init_from is null")
     sched = optim["schedule"]
     if sched["name"] == "step" and sched["decay_every"] is None:
         fail("optim.schedule.decay_every", "schedule 'step' needs decay_every (a duration), got null")

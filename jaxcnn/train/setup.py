@@ -26,6 +26,7 @@ from jaxcnn.data.files import check_regular_file
 from jaxcnn.data.synthetic import NOISE_MEAN, NOISE_STD
 from jaxcnn.errors import ConfigError, DataError
 from jaxcnn.data.mix import MixSpec
+from jaxcnn.interop.arrays import tree_items, unflatten
 from jaxcnn.train import prune
 from jaxcnn.train.ema import ema
 from jaxcnn.train.config import resolve_duration, train_steps
@@ -314,17 +315,25 @@ def init_state(run: Run, start=None, keep=None) -> TrainState:
 def load_init_from(run: Run):
     """Read ``model.init_from`` and check it against the model, before any compute.
 
+    The file is a jaxcnn parameter file (``params/...``, ``state/...`` keys), a run directory's,
+    or a PyTorch ``state_dict`` saved as ``.safetensors`` (torchvision/timm names, recognised by
+    its keys; converted by :func:`jaxcnn.interop.load_torch_safetensors`). The layers
+    ``model.init_from_skip`` names are left out: :func:`initial_params` initialises them
+    from ``train.seed``.
+
     Returns:
-        ``(params, model_state)`` as NumPy trees in the model's dtypes.
+        ``(params, model_state)`` as NumPy trees in the model's dtypes, without the skipped
+        layers.
 
     Raises:
         ConfigError: naming the file and the missing, unexpected, mis-shaped
-            or non-float key.
+            or non-float key (with both shapes), or a skip entry that names no layer.
     """
     path = run.cfg.model.init_from
+    skip = tuple(run.cfg.model.init_from_skip or ())
 
-    def fail(message):
-        raise ConfigError(f"model.init_from: {message}", path="model.init_from")
+    def fail(message, key="model.init_from"):
+        raise ConfigError(f"{key}: {message}", path=key)
 
     if os.path.isdir(path):
         found = RunDir(path).find_params()
@@ -338,41 +347,88 @@ def load_init_from(run: Run):
         except DataError as e:
             raise ConfigError(str(e), path="model.init_from") from None
     like = jax.eval_shape(lambda: run.model.init(jax.random.PRNGKey(0), run.input_shape)[:2])
-    load = {".npz": interop.load_npz, ".safetensors": interop.load_safetensors}.get(
-        os.path.splitext(path)[1])
-    if load is None:
+    ext = os.path.splitext(path)[1]
+    if ext not in (".npz", ".safetensors"):
         fail(f"{path!r}: expected a .npz or .safetensors parameter file or a run directory")
+    trees = _read_init_from(run, path, like, skip, fail)
+    likes = [dict(tree_items(t)) for t in like]
+    out = []
+    for where, tree, want_tree in zip(("params", "state"), trees, likes):
+        flat = {}
+        for key, x in tree_items(tree):
+            want = want_tree[key]
+            if jnp.issubdtype(want.dtype, jnp.floating) != jnp.issubdtype(x.dtype, jnp.floating):
+                fail(f"{path}: key '{where}/{key}' has dtype {x.dtype}, expected {want.dtype}")
+            flat[key] = np.asarray(x, want.dtype)
+        out.append(unflatten(flat))
+    return tuple(out)
+
+
+def _under(name: str, prefixes) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in prefixes)
+
+
+def _read_init_from(run: Run, path: str, like, skip: tuple, fail):
+    """The ``(params, state)`` trees of ``path``, a jaxcnn parameter file or a torch-named
+    safetensors state dict, checked against ``like`` without the ``skip`` layers."""
+    torch_named = path.endswith(".safetensors") and interop.is_torch_safetensors(path)
+    if not torch_named:
+        names = [k for t in like for k, _ in tree_items(t)]
+        unknown = [p for p in skip if not any(_under(n, (p,)) for n in names)]
+        if unknown:
+            fail(f"{unknown} names no layer of model {run.cfg.model.name!r}",
+                 "model.init_from_skip")
     try:
-        trees = load(path, like=like)
+        if torch_named:
+            return interop.load_torch_safetensors(path, run.model, input_shape=run.input_shape,
+                                                  skip=skip)
+        load = interop.load_npz if path.endswith(".npz") else interop.load_safetensors
+        return load(path, like=like, skip=skip)
     except (ValueError, OSError) as e:
-        fail(str(e))
+        message = str(e).replace(f"{path}: {run.model.kind}: ", f"{path}: {run.cfg.model.name}: ", 1)
+        if torch_named and " names no layer " in message:
+            fail(message, "model.init_from_skip")
+        if "has shape" in message and not skip:
+            message += " (model.init_from_skip: [LAYER] re-initialises a layer instead of loading it)"
+        fail(message)
 
-    def cast(keypath, x, want):
-        if jnp.issubdtype(want.dtype, jnp.floating) != jnp.issubdtype(x.dtype, jnp.floating):
-            where = "params" if keypath[0].idx == 0 else "state"
-            fail(f"{path}: key '{where}/{'.'.join(str(k.key) for k in keypath[1:])}' has dtype "
-                 f"{x.dtype}, expected {want.dtype}")
-        return np.asarray(x, want.dtype)
 
-    return jax.tree_util.tree_map_with_path(cast, trees, tuple(like))
+def _fresh_params(run: Run):
+    """The random initialisation from ``train.seed`` as host trees: what a run without
+    ``model.init_from`` starts from (the master copy under a mixed-precision policy)."""
+    fresh = jax.jit(lambda: init_state(run))()
+    params = fresh.opt_state.master if isinstance(fresh.opt_state, MasterCopyState) else fresh.params
+    return jax.device_get((params, fresh.state))
+
+
+def _with_skipped(run: Run, loaded):
+    """``loaded`` with the layers ``model.init_from_skip`` left out filled in from the seed's
+    random initialisation."""
+    fresh = _fresh_params(run)
+    out = []
+    for have, init in zip(loaded, fresh):
+        flat = dict(tree_items(init))
+        flat.update(tree_items(have))
+        out.append(unflatten(flat))
+    return tuple(out)
 
 
 def initial_params(run: Run, loaded=None):
-    """What a fresh run starts from: the loaded ``model.init_from`` trees, pruned
-    as the ``prune`` section says (from the random initialisation when nothing
-    was loaded).
+    """What a fresh run starts from: the loaded ``model.init_from`` trees (the layers of
+    ``model.init_from_skip`` initialised from ``train.seed``), pruned as the ``prune`` section
+    says (from the random initialisation when nothing was loaded).
 
     Returns:
         ``(start, keep)``: ``(params, model_state)`` host trees or None (plain
         random init), and the pruning masks for :func:`init_state` or None.
     """
     cfg = run.cfg
+    if loaded is not None and cfg.model.init_from_skip:
+        loaded = _with_skipped(run, loaded)
     if cfg.prune.amount == 0:
         return loaded, None
     if loaded is None:
-        fresh = jax.jit(lambda: init_state(run))()
-        params = fresh.opt_state.master if isinstance(fresh.opt_state, MasterCopyState) else fresh.params
-        loaded = jax.device_get((params, fresh.state))
+        loaded = _fresh_params(run)
     return prune.prune_start(run.model, loaded, amount=cfg.prune.amount, scope=cfg.prune.scope,
                              structure=cfg.prune.structure)
 

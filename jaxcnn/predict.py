@@ -1,0 +1,454 @@
+"""Classify image files with a trained run or an exported model: ``jaxcnn-predict``.
+
+    jaxcnn-predict runs/mnist_cnn digit.png [more.png ...] [--top-k 5] [--json]
+    jaxcnn-predict mnist.onnx digit.png
+
+In Python, ``jaxcnn.predict(source, images, top_k=5)`` returns one :class:`Prediction` per
+image (``load_predictor(source)`` keeps the model for many calls).
+
+``source`` is a run directory (its ``config.resolved.yaml`` and ``params.npz`` or
+``params.safetensors``; run with JAX), an ``.onnx`` export (run with onnxruntime) or a
+StableHLO export with its ``.preprocessing.json`` sidecar (run with ``jax.export``). Every
+image gets the run's own preprocessing, read from the run's ``preprocessing.json`` or the
+export's record of it, so nobody has to know the training mean and std:
+
+1. decode with Pillow (EXIF orientation applied), convert to the model's channels (``L``
+   for one channel, ``RGB`` for three; an alpha channel is dropped);
+2. resize to the model's ``H x W`` with bilinear filtering (antialiased when shrinking),
+   unless the preprocessing record holds ``"resize": {"shorter_side": S}``: then the shorter
+   side goes to ``S`` (aspect ratio kept) and the centre ``H x W`` is cropped, as
+   torchvision's ``Resize(S)`` + ``CenterCrop``. The trainer itself never resizes (its data
+   come at the model's size), so its records leave ``resize`` out; an image already ``H x W``
+   is not resampled either way;
+3. ``uint8`` pixels, normalised as the trainer did (``(x / 255 - mean) / std``; float
+   datasets: ``x / 255`` first, as on their unit scale). Exports that build the
+   normalisation in take the raw pixels, as the exporter recorded.
+
+The softmax of the logits gives the probabilities (float64, summing to 1); class names come
+from the record's ``class_names``, else the class index. A missing, unreadable or corrupt
+image, or a source that is none of the three, is a :class:`PredictError` naming the file:
+one line and exit code 2 from the command.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import warnings
+from typing import Any, Callable, NamedTuple, Optional, Sequence
+
+import numpy as np
+
+from jaxcnn.data.preprocessing import Preprocessing, from_dict
+from jaxcnn.errors import PredictError
+
+EXIT_BAD_INPUT = 2
+_CHUNK = 32                      # images per forward pass (the last one padded)
+_MAX_RECORD_BYTES = 1 << 20      # a preprocessing record larger than this is not one
+
+
+class ClassScore(NamedTuple):
+    """One of an image's top classes."""
+
+    index: int
+    name: str
+    probability: float
+
+
+class Prediction(NamedTuple):
+    """What the model says about one image.
+
+    Fields:
+        image: the file name (``"<image 0>"`` ... for in-memory images).
+        top_k: the ``k`` most probable classes, most probable first.
+        probabilities: ``(num_classes,)`` float64, summing to 1.
+    """
+
+    image: str
+    top_k: tuple
+    probabilities: np.ndarray
+
+    def to_dict(self) -> dict:
+        return {"image": self.image, "top_k": [s._asdict() for s in self.top_k]}
+
+
+class Resize(NamedTuple):
+    """How an image of any size becomes ``H x W`` (see the module's docstring)."""
+
+    shorter_side: Optional[int] = None   # None: resize to H x W directly
+
+
+def resize_rule(record: dict, where: str) -> Resize:
+    """The ``"resize"`` entry of a preprocessing record (absent: resize to ``H x W``)."""
+    value = record.get("resize")
+    if value is None:
+        return Resize()
+    side = value.get("shorter_side") if isinstance(value, dict) else None
+    if not (isinstance(side, int) and not isinstance(side, bool) and side > 0) or set(value) != {
+            "shorter_side"}:
+        raise PredictError(f"{where}: key 'resize' must be {{\"shorter_side\": positive int}} or "
+                           f"null, got {str(value)[:80]}")
+    return Resize(side)
+
+
+class Predictor(NamedTuple):
+    """A loaded model: ``logits(images)`` maps preprocessed ``(N, H, W, C)`` images to
+    ``(N, num_classes)`` float32 logits."""
+
+    source: str
+    kind: str                    # "run", "onnx" or "stablehlo"
+    preprocessing: Preprocessing
+    resize: Resize
+    logits: Callable[[np.ndarray], np.ndarray]
+
+    @property
+    def image_shape(self) -> tuple:
+        return tuple(self.preprocessing.image_shape)
+
+    def predict(self, images: Sequence[Any], top_k: int = 5) -> list[Prediction]:
+        """:func:`predict` with this model."""
+        _check_top_k(top_k)
+        images = list(images)
+        return self._predict([decode_image(im, _name(im, i)) for i, im in enumerate(images)],
+                             [_name(im, i) for i, im in enumerate(images)], top_k)
+
+    def _predict(self, decoded, names, top_k) -> list[Prediction]:
+        pixels = np.stack([to_pixels(d, self.image_shape, self.resize) for d in decoded]) \
+            if decoded else np.zeros((0,) + self.image_shape, np.uint8)
+        if self.preprocessing.pixel_dtype == "float32":  # float datasets: the unit scale
+            pixels = pixels.astype(np.float32) / np.float32(255)
+        logits = np.concatenate([self.logits(pixels[i:i + _CHUNK])
+                                 for i in range(0, len(pixels), _CHUNK)]) if len(pixels) else \
+            np.zeros((0, 0), np.float32)
+        class_names = self.preprocessing.class_names or ()
+        out = []
+        for name, row in zip(names, logits):
+            probs = softmax(row)
+            order = np.argsort(-probs, kind="stable")[:top_k]
+            top = tuple(ClassScore(int(i), class_names[i] if i < len(class_names) else str(int(i)),
+                                   float(probs[i])) for i in order)
+            out.append(Prediction(name, top, probs))
+        return out
+
+
+def _name(image, i: int) -> str:
+    return os.fspath(image) if isinstance(image, (str, os.PathLike)) else f"<image {i}>"
+
+
+def _check_top_k(top_k) -> None:
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
+        raise PredictError(f"top_k must be a positive int, got {top_k!r}")
+
+
+def softmax(logits) -> np.ndarray:
+    """float64 softmax of one row of logits."""
+    z = np.asarray(logits, np.float64)
+    z = np.exp(z - z.max())
+    return z / z.sum()
+
+
+def decode_image(image, name: str = "image"):
+    """A Pillow image, fully decoded, from a file path, a Pillow image or a ``(H, W)`` /
+    ``(H, W, C)`` ``uint8`` array; a missing, unreadable or corrupt file is a
+    :class:`PredictError` naming it."""
+    from PIL import Image, ImageOps
+    if isinstance(image, Image.Image):
+        return image
+    if isinstance(image, np.ndarray):
+        if image.dtype != np.uint8 or image.ndim not in (2, 3) or (
+                image.ndim == 3 and image.shape[-1] not in (1, 3, 4)):
+            raise PredictError(f"{name}: an image array must be uint8 (H, W) or (H, W, C) with "
+                               f"C in 1, 3, 4, got {image.dtype} {image.shape}")
+        return Image.fromarray(image[..., 0] if image.ndim == 3 and image.shape[-1] == 1 else image)
+    path = os.fspath(image)
+    if os.path.isdir(path):
+        raise PredictError(f"{path}: is a directory, not an image")
+    if not os.path.exists(path):
+        raise PredictError(f"{path}: no such image file")
+    try:
+        with warnings.catch_warnings():   # a decompression bomb is refused, not warned about
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            with Image.open(path) as opened:
+                opened.load()
+                img = ImageOps.exif_transpose(opened)
+                img.load()
+    except (OSError, ValueError, SyntaxError, EOFError, Image.DecompressionBombWarning,
+            Image.DecompressionBombError) as e:
+        kind = "not an image Pillow can read" if isinstance(e, Image.UnidentifiedImageError) \
+            else "a corrupt or unreadable image"
+        detail = " ".join(str(e).split())[:160]
+        raise PredictError(f"{path}: {kind} ({type(e).__name__}: {detail})") from None
+    return img
+
+
+def to_pixels(img, image_shape: tuple, resize: Resize = Resize()) -> np.ndarray:
+    """``(H, W, C)`` ``uint8`` pixels of a Pillow image: channels converted, resized (and
+    centre-cropped) as :class:`Resize` says."""
+    from PIL import Image
+    h, w, c = (int(d) for d in image_shape)
+    if c not in (1, 3):
+        raise PredictError(f"the model takes {c}-channel images; image files give 1 (L) or 3 (RGB)")
+    img = img.convert("L" if c == 1 else "RGB")
+    if resize.shorter_side is not None and img.size != (w, h):
+        s = resize.shorter_side
+        iw, ih = img.size
+        size = (s, max(1, round(ih * s / iw))) if iw <= ih else (max(1, round(iw * s / ih)), s)
+        if size != img.size:
+            img = img.resize(size, Image.BILINEAR)
+        iw, ih = img.size
+        if iw < w or ih < h:
+            raise PredictError(f"resize.shorter_side {s} gives {iw}x{ih} images, smaller than the "
+                               f"model's {w}x{h}")
+        left, top = int(round((iw - w) / 2.0)), int(round((ih - h) / 2.0))
+        img = img.crop((left, top, left + w, top + h))
+    elif img.size != (w, h):
+        img = img.resize((w, h), Image.BILINEAR)
+    pixels = np.asarray(img, np.uint8)
+    return pixels.reshape(h, w, c)
+
+
+# ------------------------------------------------------------------ sources
+
+def _run_predictor(path: str) -> Predictor:
+    """A run directory, run with JAX in eval mode under the run's precision policy."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxcnn import precision as P
+    from jaxcnn.export.pipeline import load_source
+    from jaxcnn.layers import Choices
+    from jaxcnn.train.rundir import RunDir
+    from jaxcnn.train.setup import matmul_precision
+
+    src = load_source(path)
+    prep = src.preprocessing
+    cfg = src.cfg
+    try:
+        policy = P.get_policy(cfg.precision.policy, dict(cfg.precision.overrides))
+    except ValueError as e:
+        raise PredictError(f"{path}: precision.policy: {e}") from None
+    choices = Choices(impl=cfg.model.impl)
+    scale, offset = (jnp.asarray(v) for v in prep.scale_offset())
+
+    @jax.jit
+    def forward(params, state, x):  # the normalisation as jaxcnn.data.normalize computes it
+        x = x.astype(jnp.float32) * scale - offset
+        logits, _ = src.model.apply(params, state, x, train=False, policy=policy, choices=choices)
+        return logits.astype(jnp.float32)
+
+    params, state = jax.device_put((src.params, src.state))
+
+    def logits(pixels):
+        n = len(pixels)
+        padded = np.concatenate([pixels, np.zeros((_CHUNK - n,) + pixels.shape[1:], pixels.dtype)]) \
+            if n < _CHUNK else pixels
+        with matmul_precision(cfg):
+            return np.asarray(forward(params, state, padded))[:n]
+
+    record = _read_record(RunDir(path).preprocessing) if os.path.isfile(
+        RunDir(path).preprocessing) else {}
+    return Predictor(path, "run", prep, resize_rule(record, RunDir(path).preprocessing), logits)
+
+
+def _read_record(path: str) -> dict:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.loads(f.read(_MAX_RECORD_BYTES))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise PredictError(f"{path}: cannot read the preprocessing record ({e})") from None
+
+
+def _export_record(record, where: str):
+    """``(Preprocessing, Resize, in_graph, layout)`` of an export's preprocessing record."""
+    if not isinstance(record, dict):
+        raise PredictError(f"{where}: the preprocessing record is not a JSON object")
+    prep = from_dict(record, where)
+    layout = str(record.get("input_layout", "NHWC")).upper()
+    if layout not in ("NHWC", "NCHW"):
+        raise PredictError(f"{where}: input_layout must be NHWC or NCHW, got {layout!r}")
+    return prep, resize_rule(record, where), bool(record.get("in_graph", True)), layout
+
+
+def _feed(prep: Preprocessing, in_graph: bool, layout: str):
+    """Raw pixels -> what the export takes: raw (normalised inside) or normalised float32."""
+    def convert(pixels):
+        x = pixels if in_graph else prep.apply(pixels)
+        return np.transpose(x, (0, 3, 1, 2)) if layout == "NCHW" else x
+    return convert
+
+
+def _onnx_predictor(path: str) -> Predictor:
+    try:
+        import onnxruntime as ort
+    except ImportError:
+        raise PredictError(f"{path}: running an .onnx export needs onnxruntime "
+                           "(pip install 'jaxcnn[export]')") from None
+    try:
+        session = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+    except Exception as e:  # onnxruntime's load errors share no base class
+        detail = " ".join(str(e).split())[:200]
+        raise PredictError(f"{path}: not a readable ONNX model ({type(e).__name__}: {detail})") from None
+    meta = session.get_modelmeta().custom_metadata_map
+    where = f"{path} (metadata 'jaxcnn.preprocessing')"
+    if "jaxcnn.preprocessing" not in meta:
+        raise PredictError(f"{path}: no 'jaxcnn.preprocessing' metadata; export a run directory "
+                           "with jaxcnn-export to record its preprocessing")
+    try:
+        record = json.loads(meta["jaxcnn.preprocessing"])
+    except json.JSONDecodeError as e:
+        raise PredictError(f"{where}: not valid JSON ({e})") from None
+    prep, resize, in_graph, layout = _export_record(record, where)
+    feed = _feed(prep, in_graph, layout)
+    inp = session.get_inputs()[0]
+    fixed = inp.shape[0] if isinstance(inp.shape[0], int) else None
+
+    def logits(pixels):
+        x = feed(pixels)
+        step = fixed or len(x)
+        rows = []
+        for i in range(0, len(x), step):
+            part = x[i:i + step]
+            n = len(part)
+            if fixed and n < fixed:
+                part = np.concatenate([part, np.zeros((fixed - n,) + part.shape[1:], part.dtype)])
+            rows.append(np.asarray(session.run(None, {inp.name: part})[0], np.float32)[:n])
+        return np.concatenate(rows)
+
+    return Predictor(path, "onnx", prep, resize, logits)
+
+
+def _stablehlo_predictor(path: str, sidecar: str) -> Predictor:
+    from jaxcnn.export.stablehlo import load_stablehlo
+    prep, resize, in_graph, layout = _export_record(_read_record(sidecar), sidecar)
+    exported = load_stablehlo(path)
+    feed = _feed(prep, in_graph, layout)
+    batch = exported.in_avals[0].shape[0]
+    fixed = batch if isinstance(batch, int) else None
+
+    def logits(pixels):
+        x = feed(pixels)
+        step = fixed or len(x)
+        rows = []
+        for i in range(0, len(x), step):
+            part = x[i:i + step]
+            n = len(part)
+            if fixed and n < fixed:
+                part = np.concatenate([part, np.zeros((fixed - n,) + part.shape[1:], part.dtype)])
+            rows.append(np.asarray(exported.call(part), np.float32)[:n])
+        return np.concatenate(rows)
+
+    return Predictor(path, "stablehlo", prep, resize, logits)
+
+
+def load_predictor(source) -> Predictor:
+    """Load a run directory, an ``.onnx`` export or a StableHLO export (with its
+    ``.preprocessing.json``) for :meth:`Predictor.predict`.
+
+    Raises:
+        PredictError (or another ``ValueError``: ``ExportError``, ``DataError``,
+        ``ConfigError``) naming the file at fault.
+    """
+    path = os.fspath(source)
+    if os.path.isdir(path):
+        from jaxcnn.train.rundir import RunDir
+        if not os.path.isfile(RunDir(path).config):
+            raise PredictError(f"{path}: not a jaxcnn run directory (no {RunDir.CONFIG})")
+        return _run_predictor(path)
+    if not os.path.isfile(path):
+        raise PredictError(f"{path}: no such run directory or exported model")
+    if path.lower().endswith(".onnx"):
+        return _onnx_predictor(path)
+    sidecar = path + ".preprocessing.json"
+    if os.path.isfile(sidecar):
+        return _stablehlo_predictor(path, sidecar)
+    raise PredictError(f"{path}: not a run directory, an .onnx export or a StableHLO export "
+                       f"(which has its preprocessing in {os.path.basename(sidecar)})")
+
+
+def predict(source, images: Sequence[Any], top_k: int = 5) -> list[Prediction]:
+    """Classify images with a trained run or an exported model.
+
+    Arguments:
+        source: a run directory, an ``.onnx`` export, a StableHLO export (with its
+            ``.preprocessing.json``), or a :class:`Predictor` from :func:`load_predictor`.
+        images: image file paths (anything Pillow reads), Pillow images, or ``uint8``
+            arrays ``(H, W)``/``(H, W, C)``; each is preprocessed as the module's docstring
+            says.
+        top_k: how many classes to report per image (at most the class count).
+
+    Returns:
+        One :class:`Prediction` per image, in order: ``top_k`` :class:`ClassScore`
+        ``(index, name, probability)`` and all ``probabilities``.
+
+    Raises:
+        PredictError (a ``ValueError``) naming the bad image or source.
+    """
+    _check_top_k(top_k)
+    images = list(images)
+    names = [_name(im, i) for i, im in enumerate(images)]
+    # Every image is decoded (and so checked) before the model is loaded.
+    decoded = [decode_image(im, name) for im, name in zip(images, names)]
+    predictor = source if isinstance(source, Predictor) else load_predictor(source)
+    return predictor._predict(decoded, names, top_k)
+
+
+def format_predictions(predictions: Sequence[Prediction]) -> str:
+    """The command's text output: per image its name, then one line per class."""
+    lines = []
+    for p in predictions:
+        lines.append(p.image)
+        width = max((len(s.name) for s in p.top_k), default=0)
+        lines += [f"  {s.name:<{width}}  {s.probability:.4f}" for s in p.top_k]
+    return "\n".join(lines)
+
+
+def parser() -> argparse.ArgumentParser:
+    from jaxcnn.train.cli import OneLineParser
+    p = OneLineParser(
+        prog="jaxcnn-predict",
+        description="Print the top classes of images, with their names and probabilities, "
+                    "as a trained run (or its ONNX/StableHLO export) sees them after the run's "
+                    "own preprocessing (resize, normalisation).")
+    p.add_argument("source", help="a run directory, an .onnx export, or a StableHLO export "
+                                  "(with its .preprocessing.json beside it)")
+    p.add_argument("images", nargs="+", metavar="IMAGE", help="image files (PNG, JPEG, ...)")
+    p.add_argument("--top-k", type=_positive_int, default=5, help="classes per image (default 5)")
+    p.add_argument("--json", action="store_true",
+                   help="one JSON object: {source, predictions: [{image, top_k: [{index, name, "
+                        "probability}]}]}")
+    return p
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive int, got {text!r}")
+    return value
+
+
+def main(argv=None) -> int:
+    """Entry point of ``jaxcnn-predict``; returns the exit code."""
+    from jaxcnn import cpu
+    cpu.configure()  # before JAX starts, as the other commands
+    args = parser().parse_args(argv)
+    from jaxcnn.train.checkpoint import CheckpointError
+    try:
+        predictions = predict(args.source, args.images, top_k=args.top_k)
+    except (ValueError, OSError, CheckpointError) as e:  # PredictError, ExportError, DataError...
+        message = " ".join(str(e).split())
+        print(f"jaxcnn-predict: error: {message}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    if args.json:
+        print(json.dumps({"source": args.source,
+                          "predictions": [p.to_dict() for p in predictions]}))
+    else:
+        print(format_predictions(predictions))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,192 @@
+"""``jaxcnn-predict`` and ``jaxcnn.predict``: a short MNIST run (in process, on the packaged
+digits), a few test digits saved as PNG files, and the predictions of the run directory and
+of its ONNX and StableHLO exports checked against the run's own model (applied here to the
+dataset's pixels, normalised with the dataset's statistics) and the true labels. Also the
+resize rule and the bad-input errors (one line, exit code 2)."""
+import json
+import os
+import shutil
+
+import jax
+import numpy as np
+import pytest
+
+PIL = pytest.importorskip("PIL")
+from PIL import Image  # noqa: E402
+
+import jaxcnn  # noqa: E402
+from jaxcnn.data import load_mnist  # noqa: E402
+from jaxcnn.export import export, load_source  # noqa: E402
+from jaxcnn.predict import PredictError, Resize, load_predictor, main, to_pixels  # noqa: E402
+from jaxcnn.train.cli import train_main  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TRAIN_STEPS = 40
+N_DIGITS = 8
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("predict_run") / "run")
+    rc = train_main([os.path.join(ROOT, "configs", "mnist_cnn.yaml"), f"train.steps={TRAIN_STEPS}",
+                     "checkpoint.enabled=false", "train.eval_every=null", "--workdir", path])
+    assert rc == 0
+    return path
+
+
+@pytest.fixture(scope="module")
+def digits(tmp_path_factory):
+    """The first test digits as PNG files, their pixels and labels."""
+    ds = load_mnist()
+    folder = tmp_path_factory.mktemp("digits")
+    x, y = ds.x_test[:N_DIGITS], ds.y_test[:N_DIGITS]
+    paths = []
+    for i, img in enumerate(x):
+        paths.append(str(folder / f"digit{i}.png"))
+        Image.fromarray(img[..., 0]).save(paths[-1])
+    return paths, x, y, ds
+
+
+@pytest.fixture(scope="module")
+def own(run_dir, digits):
+    """The run's own model on the digits: logits from model.apply on the dataset's pixels,
+    normalised with the dataset's mean and std (what the trainer's evaluation does)."""
+    _, x, _, ds = digits
+    src = load_source(run_dir)
+    normalised = (x.astype(np.float32) / 255 - ds.mean) / ds.std
+    logits, _ = src.model.apply(src.params, src.state, normalised, train=False)
+    return np.asarray(logits)
+
+
+def _softmax(z):
+    z = np.asarray(z, np.float64)
+    e = np.exp(z - z.max(-1, keepdims=True))
+    return e / e.sum(-1, keepdims=True)
+
+
+def _check(predictions, paths, own_logits, labels, *, atol):
+    assert [p.image for p in predictions] == paths
+    probs = np.stack([p.probabilities for p in predictions])
+    np.testing.assert_allclose(probs.sum(-1), 1.0, rtol=0, atol=1e-12)
+    np.testing.assert_allclose(probs, _softmax(own_logits), rtol=0, atol=atol)
+    top1 = [p.top_k[0].index for p in predictions]
+    assert top1 == list(np.argmax(own_logits, -1))
+    assert np.mean(np.array(top1) == labels) >= 0.75, (top1, labels)
+    for p in predictions:
+        assert [s.name for s in p.top_k] == [str(s.index) for s in p.top_k]  # MNIST's names
+        ps = [s.probability for s in p.top_k]
+        assert ps == sorted(ps, reverse=True) and ps[0] == p.probabilities.max()
+
+
+def test_run_directory(run_dir, digits, own):
+    paths, _, labels, _ = digits
+    predictions = jaxcnn.predict(run_dir, paths, top_k=3)
+    assert all(len(p.top_k) == 3 for p in predictions)
+    # The same float32 network and normalisation, one compiled forward pass: near-exact.
+    _check(predictions, paths, own, labels, atol=1e-5)
+
+
+@pytest.mark.parametrize("fmt", ["onnx", "stablehlo"])
+def test_exports(run_dir, digits, own, tmp_path, fmt):
+    if fmt == "onnx":
+        pytest.importorskip("onnxruntime")
+    paths, _, labels, _ = digits
+    out = str(tmp_path / f"mnist.{fmt}")
+    export(run_dir, out, format=fmt, batch="dynamic")
+    predictor = load_predictor(out)
+    assert predictor.kind == fmt and predictor.preprocessing.pixel_dtype == "uint8"
+    _check(predictor.predict(paths, top_k=10), paths, own, labels, atol=1e-4)
+
+
+def test_export_without_preprocessing_and_fixed_batch(run_dir, digits, own, tmp_path):
+    """--no-preprocessing exports take normalised float32: predict normalises as recorded; a
+    fixed batch of 3 takes the 8 digits in padded batches of 3."""
+    pytest.importorskip("onnxruntime")
+    paths, _, labels, _ = digits
+    out = str(tmp_path / "bare.onnx")
+    export(run_dir, out, format="onnx", batch=3, layout="nchw", preprocessing=False)
+    _check(jaxcnn.predict(out, paths, top_k=2), paths, own, labels, atol=1e-4)
+
+
+def test_command_line(run_dir, digits, own, capsys):
+    paths, _, _, _ = digits
+    assert main([run_dir, *paths[:2], "--top-k", "2", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["source"] == run_dir and [p["image"] for p in report["predictions"]] == paths[:2]
+    first = report["predictions"][0]["top_k"]
+    assert len(first) == 2 and first[0]["index"] == int(np.argmax(own[0]))
+    assert first[0]["name"] == str(first[0]["index"]) and 0 < first[0]["probability"] <= 1
+    assert main([run_dir, paths[0], "--top-k", "50"]) == 0   # clipped to the 10 classes
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == paths[0] and len(lines) == 11
+    name, prob = lines[1].split()
+    assert name == str(int(np.argmax(own[0]))) and 0 < float(prob) <= 1
+
+
+def _one_line(capsys, code):
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("jaxcnn-predict: error: "), err
+    return lines[0]
+
+
+def test_bad_input_is_one_line(run_dir, digits, tmp_path, capsys):
+    paths, _, _, _ = digits
+    missing = str(tmp_path / "nope.png")
+    assert missing in _one_line(capsys, main([run_dir, paths[0], missing]))
+    text = tmp_path / "notes.png"
+    text.write_text("not an image at all")
+    line = _one_line(capsys, main([run_dir, str(text)]))
+    assert f"{text}: not an image Pillow can read" in line
+    corrupt = tmp_path / "corrupt.png"
+    corrupt.write_bytes(open(paths[0], "rb").read()[:60])   # the header, then nothing
+    assert f"{corrupt}: a corrupt or unreadable image" in _one_line(capsys, main([run_dir, str(corrupt)]))
+    assert "is a directory, not an image" in _one_line(capsys, main([run_dir, str(tmp_path)]))
+    empty_run = tmp_path / "no_params"
+    shutil.copytree(run_dir, empty_run, ignore=shutil.ignore_patterns("params.*"))
+    line = _one_line(capsys, main([str(empty_run), paths[0]]))
+    assert str(empty_run) in line and "has no parameters" in line
+    line = _one_line(capsys, main([str(tmp_path), paths[0]]))
+    assert "not a jaxcnn run directory" in line
+    line = _one_line(capsys, main([paths[0], paths[0]]))
+    assert f"{paths[0]}: not a run directory, an .onnx export or a StableHLO export" in line
+    bad_onnx = tmp_path / "bad.onnx"
+    bad_onnx.write_bytes(b"\x00garbage")
+    assert f"{bad_onnx}: not a readable ONNX model" in _one_line(capsys, main([str(bad_onnx), paths[0]]))
+    assert "--top-k" in _one_line(capsys, _exit_code(lambda: main([run_dir, paths[0], "--top-k", "0"])))
+    with pytest.raises(PredictError, match="top_k must be a positive int"):
+        jaxcnn.predict(run_dir, paths[:1], top_k=0)
+
+
+def _exit_code(call):
+    with pytest.raises(SystemExit) as e:
+        call()
+    return e.value.code
+
+
+def _bars(h, w):
+    """A (h, w) image: black, with a white band over the middle third of the columns."""
+    img = np.zeros((h, w), np.uint8)
+    img[:, w // 3: 2 * w // 3] = 255
+    return img
+
+
+def test_resize_rules():
+    """Resize to H x W (the default), or shorter side then centre crop; channels converted."""
+    img = Image.fromarray(_bars(30, 60))
+    # Stretched: the band's columns 20..40 of 60 land on 9.3..18.7 of 28.
+    x = to_pixels(img, (28, 28, 1))
+    assert x.shape == (28, 28, 1) and x.dtype == np.uint8
+    assert (x[:, 11:17] == 255).all() and (x[:, :8] == 0).all() and (x[:, 21:] == 0).all()
+    # Shorter side 28: 56 wide, band at 18.7..37.3; the centre 28 columns start at 14,
+    # so the band lies on 4.7..23.3 of the crop.
+    y = to_pixels(img, (28, 28, 3), Resize(shorter_side=28))
+    assert y.shape == (28, 28, 3) and (y[..., 0] == y[..., 2]).all()
+    assert (y[:, 6:22] == 255).all() and (y[:, :3] == 0).all() and (y[:, 26:] == 0).all()
+    # An image already H x W is left as it is; RGB -> L is Pillow's luma (ITU-R 601-2).
+    rgb = np.random.default_rng(0).integers(0, 256, (28, 28, 3), dtype=np.uint8)
+    grey = to_pixels(Image.fromarray(rgb), (28, 28, 1))[..., 0].astype(np.int64)
+    r, g, b = (rgb[..., i].astype(np.int64) for i in range(3))
+    want = (r * 19595 + g * 38470 + b * 7471 + 0x8000) >> 16
+    assert np.abs(grey - want).max() <= 1
+    np.testing.assert_array_equal(to_pixels(Image.fromarray(rgb), (28, 28, 3)), rgb)

@@ -1,0 +1,165 @@
+"""Fine-tuning from pretrained PyTorch weights by config: ``model.init_from`` naming a
+torchvision-named state dict saved as safetensors, ``model.init_from_skip`` re-initialising
+the classifier from the seed. The weights are a random 1000-class resnet18 written with
+``to_torch_state_dict`` (no torch needed); the run is a 10-class one on tiny synthetic images.
+"""
+import contextlib
+import io
+
+import jax
+import numpy as np
+import pytest
+import safetensors.numpy
+import yaml
+
+from jaxcnn import interop, models
+from jaxcnn.train import setup
+from jaxcnn.train.cli import train_main
+from jaxcnn.train.config import ConfigError, load_config
+
+# 16x16 RGB synthetic images: resnet18 takes them (down to 1x1 before its pooling) in seconds.
+TINY = {"model": {"name": "resnet18", "num_classes": 10},
+        "train": {"steps": 1, "eval_every": None, "seed": 3},
+        "data": {"source": "synthetic", "image_size": [16, 16, 3], "num_train": 8, "num_eval": 4,
+                 "num_classes": 10, "batch_size": 4, "prefetch": 0},
+        "checkpoint": {"enabled": False},
+        "logging": {"progress": "lines"}, "mesh": {"data": 1}}
+
+
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory):
+    """A 1000-class resnet18 state dict, torchvision names and layouts, without
+    ``num_batches_tracked`` (as some published files are), saved as safetensors."""
+    model = models.get("resnet18", num_classes=1000)
+    template = jax.eval_shape(lambda k: model.init(k, (1, 16, 16, 3))[:2], jax.random.PRNGKey(0))
+    rng = np.random.default_rng(0)
+    params, state = jax.tree_util.tree_map(
+        lambda s: (rng.standard_normal(s.shape) * 0.1 + (1.0 if s.dtype.kind == "f" else 0)
+                   ).astype(s.dtype), template)
+    sd = {k: np.asarray(v) for k, v in to_torch(params, state).items()
+          if not k.endswith("num_batches_tracked")}
+    path = str(tmp_path_factory.mktemp("pretrained") / "resnet18.safetensors")
+    safetensors.numpy.save_file(sd, path)
+    return path, sd
+
+
+def to_torch(params, state, num_classes=1000):
+    return interop.to_torch_state_dict("resnet18", params, state, num_classes=num_classes,
+                                       input_shape=(1, 16, 16, 3))
+
+
+@pytest.fixture
+def tiny(tmp_path):
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(TINY))
+    return str(path)
+
+
+def cli(args):
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = train_main([str(a) for a in args])
+    return code, out.getvalue(), err.getvalue()
+
+
+def one_line(code, err):
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("jaxcnn-train: error: "), (code, err)
+    return lines[0]
+
+
+def test_the_file_is_recognised_by_its_names(pretrained, tmp_path):
+    path, _ = pretrained
+    assert interop.is_torch_safetensors(path)
+    ours = str(tmp_path / "ours.safetensors")
+    interop.save_safetensors(ours, {"fc": {"w": np.zeros((2, 3), np.float32)}})
+    assert not interop.is_torch_safetensors(ours)
+
+
+@pytest.mark.parametrize("skip", ["fc", "fc.weight,fc.bias", "fc.w,fc.b"])
+def test_a_1000_class_file_starts_a_10_class_run_bit_for_bit(pretrained, tiny, skip):
+    """Every loaded layer of the initial state equals the file's value bit for bit (converted
+    to our layout: a transpose, exact); fc is the seed's random initialisation, as in a run
+    without init_from. Skip entries in torch's or our naming alike."""
+    path, sd = pretrained
+    cfg = load_config(tiny, [f"model.init_from={path}", f"model.init_from_skip=[{skip}]"])
+    run = setup.build_run(cfg)
+    loaded = setup.load_init_from(run)
+    assert "fc" not in loaded[0]
+    state = jax.jit(lambda t: setup.init_state(run, t))(setup.initial_params(run, loaded)[0])
+    fresh = jax.jit(lambda: setup.init_state(run))()
+    got = to_torch(*jax.device_get((state.params, state.state)), num_classes=10)
+    # The head as the seed makes it, in the 10-class model; the rest as in the file.
+    fc_fresh = to_torch(*jax.device_get((fresh.params, fresh.state)), num_classes=10)
+    assert set(got) == set(sd) | {k for k in got if k.endswith("num_batches_tracked")}
+    for k, v in got.items():
+        v = np.asarray(v)
+        if k.startswith("fc."):
+            assert v.shape == (10, 512)[:v.ndim] and np.array_equal(v, np.asarray(fc_fresh[k])), k
+        elif k.endswith("num_batches_tracked"):
+            assert v == 0, k
+        else:
+            assert v.dtype == sd[k].dtype and np.array_equal(v, sd[k]), k
+    assert not np.array_equal(np.asarray(state.params["layer1"]["0"]["conv1"]["w"]),
+                              np.asarray(fresh.params["layer1"]["0"]["conv1"]["w"]))
+
+
+def test_the_fine_tune_trains(pretrained, tiny, tmp_path):
+    """The whole trainer starts from the file and takes its step."""
+    path, _ = pretrained
+    code, out, err = cli([tiny, f"model.init_from={path}", "model.init_from_skip=[fc]",
+                          "--workdir", tmp_path / "run"])
+    assert code == 0, err
+    assert f"parameters from {path}" in out + err
+    params, _ = interop.load_npz(tmp_path / "run" / "params.npz")
+    assert params["fc"]["w"].shape == (512, 10)
+
+
+def test_a_shape_mismatch_without_skip_is_one_line_naming_key_and_shapes(pretrained, tiny):
+    path, _ = pretrained
+    line = one_line(*cli([tiny, f"model.init_from={path}", "--dry-run"])[::2])
+    assert line.startswith(f"jaxcnn-train: error: model.init_from: {path}: resnet18: ")
+    assert "key 'fc.weight' has shape (1000, 512), the model's is (10, 512)" in line
+    assert "key 'fc.bias' has shape (1000,), the model's is (10,)" in line
+    assert "model.init_from_skip" in line
+
+
+def test_missing_unexpected_and_unknown_skip_are_named(pretrained, tiny, tmp_path):
+    _, sd = pretrained
+    broken = {k: v for k, v in sd.items() if k != "layer2.0.bn1.running_var"}
+    broken["head.extra.weight"] = np.zeros((3, 4), np.float32)
+    path = str(tmp_path / "broken.safetensors")
+    safetensors.numpy.save_file(broken, path)
+    line = one_line(*cli([tiny, f"model.init_from={path}", "model.init_from_skip=[fc]",
+                          "--dry-run"])[::2])
+    assert "missing key 'layer2.0.bn1.running_var' (the model's shape (128,))" in line
+    assert "unexpected key 'head.extra.weight' (shape (3, 4))" in line
+    line = one_line(*cli([tiny, f"model.init_from={path}", "model.init_from_skip=[fcc]",
+                          "--dry-run"])[::2])
+    assert line.startswith("jaxcnn-train: error: model.init_from_skip: ") and "'fcc'" in line
+    with pytest.raises(ConfigError, match="model.init_from_skip: .*model.init_from is null"):
+        load_config(tiny, ["model.init_from_skip=[fc]"])
+
+
+def test_skip_in_a_jaxcnn_parameter_file(tiny, tmp_path):
+    """The same option for jaxcnn's own files: a 4-class run's parameters start a 10-class run."""
+    small = ["model.name=mnist_cnn", "data.image_size=[12,12,1]"]
+    cfg4 = load_config(tiny, small + ["model.num_classes=4", "data.num_classes=4"])
+    run4 = setup.build_run(cfg4)
+    p4 = jax.device_get(jax.jit(lambda: setup.init_state(run4))())
+    path = str(tmp_path / "p4.npz")
+    interop.save_npz(path, p4.params, p4.state)
+    cfg = load_config(tiny, small + [f"model.init_from={path}", "model.init_from_skip=[fc2]"])
+    run = setup.build_run(cfg)
+    start, _ = setup.initial_params(run, setup.load_init_from(run))
+    for layer in ("conv1", "conv2", "fc1"):
+        assert np.array_equal(start[0][layer]["w"], p4.params[layer]["w"]), layer
+    fresh = jax.device_get(jax.jit(lambda: setup.init_state(run))())
+    assert np.array_equal(start[0]["fc2"]["w"], fresh.params["fc2"]["w"])
+    assert start[0]["fc2"]["w"].shape == (128, 10)
+    with pytest.raises(ConfigError, match=r"key 'params/fc2.w' has shape \(128, 4\), expected "
+                                          r"\(128, 10\)"):
+        setup.load_init_from(setup.build_run(load_config(tiny, small + [f"model.init_from={path}"])))
+    with pytest.raises(ConfigError, match=r"model.init_from_skip: \['fc3'\] names no layer"):
+        setup.load_init_from(setup.build_run(load_config(
+            tiny, small + [f"model.init_from={path}", "model.init_from_skip=[fc3]"])))
