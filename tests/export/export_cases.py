@@ -28,7 +28,16 @@ ZOO = {
     "resnet50": ({}, (32, 32, 3)),
     "resnext50_32x4d": ({}, (32, 32, 3)),    # grouped 3x3 convolutions
     "mobilenet_v2": ({}, (32, 32, 3)),
+    # deeper and wider variants of the kinds above: ONNX-checked in the slow run only (HEAVY)
+    "resnet101": ({}, (32, 32, 3)),
+    "resnet152": ({}, (32, 32, 3)),
+    "wide_resnet50_2": ({}, (32, 32, 3)),
+    "vgg13": ({"classifier_width": 32}, (32, 32, 3)),
+    "vgg13_bn": ({"classifier_width": 32}, (32, 32, 3)),
+    "vgg19": ({"classifier_width": 32}, (32, 32, 3)),
+    "vgg19_bn": ({"classifier_width": 32}, (32, 32, 3)),
 }
+HEAVY = {"resnet101", "resnet152", "wide_resnet50_2", "vgg13", "vgg13_bn", "vgg19", "vgg19_bn"}
 
 
 def randomize(params, state, seed=0):

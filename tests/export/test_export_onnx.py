@@ -10,7 +10,7 @@ import pytest
 onnx = pytest.importorskip("onnx")
 pytest.importorskip("onnxruntime")
 
-from export_cases import ZOO, eval_logits, init_model, onnx_run  # noqa: E402
+from export_cases import HEAVY, ZOO, eval_logits, init_model, onnx_run  # noqa: E402
 
 from jaxcnn import layers as L  # noqa: E402
 from jaxcnn.export import ExportError, export_onnx  # noqa: E402
@@ -25,7 +25,8 @@ def assert_close(out, ref, rtol=RTOL):
     assert err <= rtol * scale, f"max error {err:g} vs output scale {scale:g}"
 
 
-@pytest.mark.parametrize("name", sorted(ZOO))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in HEAVY else n
+                                  for n in sorted(ZOO)])
 def test_zoo_model_matches_onnxruntime(zoo_case, name):
     case = zoo_case(name)
     proto = export_onnx(case.model, case.params, case.state, case.image_shape)
