@@ -63,3 +63,8 @@ class DistributedError(RuntimeError):
     def __init__(self, message: str, *, must_exit: bool = False):
         super().__init__(message)
         self.must_exit = must_exit
+
+
+class KernelUnsupported(NotImplementedError):
+    """A kernel backend cannot run this call (dtype, channel count, stride, jax version...);
+    the message is one line naming the reason.  Dispatchers catch it and take another path."""

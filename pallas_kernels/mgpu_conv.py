@@ -1,0 +1,407 @@
+"""Dense convolution for Hopper (sm_90a) in Pallas **Mosaic GPU**: TMA, ``wgmma``, mbarrier pipeline.
+
+The Triton kernels of :mod:`pallas_kernels.conv` cannot reach the Hopper
+Tensor Memory Accelerator (TMA) or issue asynchronous ``wgmma``; this module
+is the same implicit GEMM written for Pallas's Mosaic GPU backend (jax >= 0.11),
+used on H100/H200 for the shapes it supports and tested on the CPU in GPU
+interpret mode.  Nothing here has been timed on a GPU yet (docs/BENCHMARKS.md).
+
+Design of :func:`conv_forward` (stride 1, any dilation and padding, NHWC x HWIO,
+bfloat16/float16 in, float32 accumulation):
+
+- **Tiles.**  One CTA (one warpgroup, 128 threads) owns ``64`` output pixels x
+  ``block_n`` output channels.  The 64 pixels are a ``tile_h x tile_w``
+  rectangle of one image's output (``tile_w`` a power of two <= the output
+  width, ``tile_h = 64 // tile_w``), so every output row of the tile is a
+  contiguous run of pixels in NHWC memory.  The grid is
+  ``(N * ceil(OH / tile_h) * ceil(OW / tile_w), ceil(C_out / block_n))``.
+- **K loop.**  The reduction runs over ``taps x ceil(C_in / block_k)`` steps
+  (``taps = KH * KW``).  For step (tap ``(i, j)``, channel chunk ``c0``) the
+  input operand is the output tile shifted by the tap: ``tile_h`` TMA copies,
+  one per output row ``r``, of the window ``x[n, oh0 + r + i*dh, ow0 + j*dw :
+  + tile_w, c0 : c0 + block_k]`` into rows ``r*tile_w ...`` of a
+  ``(64, block_k)`` shared-memory slot; the weight operand is one TMA copy
+  of ``w[tap, c0 : + block_k, co0 : + block_n]`` into a 128-byte-swizzled
+  slot (``TilingTransform((8, swizzle_elems))`` + ``SwizzleTransform``), the
+  layout ``wgmma`` reads from shared memory.  All copies of a step arrive on
+  that slot's mbarrier (``tile_h + 1`` arrivals with their byte counts).
+- **Why the input operand goes through registers.**  A tap shifts the window
+  by one pixel, so the window's row start is not a multiple of 8; Mosaic's
+  swizzled (tiled) TMA requires tile-aligned coordinates on the tiled
+  dimensions, and the shift cannot be moved to an untiled dimension in NHWC.
+  The input slot is therefore unswizzled, and each step loads it into
+  registers in ``wgmma``'s fragment layout (``plgpu.load(...,
+  layout=plgpu.Layout.WGMMA)``) and issues ``plgpu.wgmma(acc, a_regs,
+  w_smem)``: ``wgmma`` takes its left operand from registers.  (That is also
+  where a BatchNorm-apply + ReLU prologue would go.)  The cost is bank
+  conflicts on those shared-memory reads; unmeasured.
+- **Pipeline.**  ``stages`` slots (default 3) of both operands; the prologue
+  issues the first ``stages`` steps; step ``s`` waits on its slot's barrier,
+  issues its ``wgmma``, waits until at most one ``wgmma`` is in flight
+  (``wgmma_wait(1)``: the one of step ``s - 1`` has finished reading its
+  slot) and refills that slot with step ``s - 1 + stages``.  The loop is
+  unrolled by ``stages`` so every slot index is static.  Single warpgroup,
+  no warp specialisation (a producer warpgroup with ``setmaxnreg`` is the
+  next step once a GPU can say whether it pays).
+- **Zero padding.**  The bottom/right padding (and every read past the image,
+  channel or weight tails) is TMA's out-of-bounds zero fill on the
+  multi-dimensional window.  The top/left padding is explicit: the input is
+  padded by ``(pad_top, pad_left)`` with ``jnp.pad`` before the kernel (one
+  extra pass over the input), because a TMA window starting at a negative
+  coordinate cannot be checked offline (GPU interpret mode cannot simulate
+  it) and so is not relied on.
+- **Epilogue.**  The float32 accumulator is cast, stored to a shared-memory
+  tile (``commit_smem``), and written with one TMA store per output row,
+  skipped (``pl.when``) for rows past the image.  The last column tile of a
+  row stores only its valid columns, as a few power-of-two windows (5 = 4 + 1),
+  never relying on clipping there: Mosaic sends a store whose window is
+  contiguous in memory (``block_n == C_out``) through the non-tensor bulk
+  copy, which is clamped to the whole array only, so a window overhanging
+  the row would write into the next row.  (Overlapping the last tile instead
+  would write some pixels twice, a race the interpreter's detector reports.)
+  Channel tails are clipped by the tensor TMA.
+- **Not supported** (:class:`~jaxcnn.errors.KernelUnsupported`, which the
+  dispatcher turns into the Triton/XLA path): stride > 1, groups > 1,
+  float32, channel counts that are not a multiple of 8 (TMA needs 16-byte
+  strides: 1- and 3-channel stems), negative padding.
+
+:func:`conv_dgrad` (input gradient, stride 1) is the forward kernel on
+``dy`` with the flipped, transposed weights.  :func:`conv_wgrad` (weight
+gradient) is a split-K over ``N * OH * OW`` without atomics: every CTA owns a
+tap x ``64`` input channels x ``block_n`` output channels x one split,
+accumulates ``x_tap^T @ dy`` over its share of output tiles with ``wgmma``
+(both operands restaged into swizzled shared memory, the input one read
+transposed), and writes its float32 partial; the splits are summed by XLA in
+a fixed order, so the result is deterministic.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxcnn.errors import KernelUnsupported
+
+F32 = jnp.float32
+DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+TILE_M = 64  # output pixels per CTA: one warpgroup's wgmma M
+HOPPER_KINDS = ("H100", "H200", "H800", "H20", "GH200")
+MIN_JAX = (0, 11)
+
+
+def _jax_version() -> tuple[int, int]:
+    parts = jax.__version__.split(".")
+    return int(parts[0]), int(parts[1])
+
+
+def unavailable_reason() -> str | None:
+    """Why Mosaic GPU kernels cannot be built with this jax, or None when they can."""
+    if _jax_version() < MIN_JAX:
+        return f"jax {jax.__version__} < 0.11 (the Mosaic GPU kernels need jax >= 0.11)"
+    try:
+        from jax.experimental.pallas import mosaic_gpu as plgpu
+    except ImportError as e:  # pragma: no cover - depends on the jax build
+        return f"jax.experimental.pallas.mosaic_gpu does not import: {e}"
+    missing = [a for a in ("InterpretGPUParams", "LoweringSemantics", "Layout", "wgmma",
+                           "copy_gmem_to_smem", "TilingTransform", "SwizzleTransform")
+               if not hasattr(plgpu, a)]
+    if missing:
+        return f"jax {jax.__version__}: mosaic_gpu lacks {missing}"
+    return None
+
+
+def is_hopper(device_kind: str) -> bool:
+    """Whether ``device_kind`` (``jax.Device.device_kind``) names a Hopper (sm_90) GPU."""
+    kind = device_kind.upper()
+    return any(k in kind for k in HOPPER_KINDS)
+
+
+def _plgpu():
+    reason = unavailable_reason()
+    if reason is not None:
+        raise KernelUnsupported(f"Mosaic GPU conv: {reason}")
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    return plgpu
+
+
+@dataclasses.dataclass(frozen=True)
+class MgpuConfig:
+    """Tiles of the Mosaic GPU convolution kernels.
+
+    Attributes:
+        tile_w: output pixels per row of the 64-pixel tile (power of two, <= 64);
+            None picks the widest that fits the output width.
+        block_n: output channels per CTA (multiple of 16, <= 256; the 32-byte
+            swizzle is the smallest Mosaic accepts).
+        block_k: input channels per K step (16, 32 or 64 for 16-bit types).
+        stages: pipeline depth (shared-memory slots per operand, >= 1).
+        split: weight gradient only: how many CTAs share the pixel reduction.
+    """
+    tile_w: int | None = None
+    block_n: int = 128
+    block_k: int = 64
+    stages: int = 3
+    split: int = 1
+
+
+DEFAULT = MgpuConfig()
+
+
+@dataclasses.dataclass(frozen=True)
+class _Geom:
+    n: int
+    hq: int  # input height after the explicit top padding
+    wq: int
+    c: int
+    kh: int
+    kw: int
+    dh: int
+    dw: int
+    oh: int
+    ow: int
+    co: int
+
+
+def check_supported(x_shape, w_shape, dtype, *, stride=(1, 1), pads=((0, 0), (0, 0)),
+                    groups=1) -> None:
+    """Raises :class:`~jaxcnn.errors.KernelUnsupported` (one line naming the reason) when the
+    Mosaic GPU forward cannot run this convolution; returns None when it can."""
+    op = "Mosaic GPU conv"
+    reason = unavailable_reason()
+    if reason is not None:
+        raise KernelUnsupported(f"{op}: {reason}")
+    if jnp.dtype(dtype) not in DTYPES:
+        raise KernelUnsupported(f"{op}: dtype {jnp.dtype(dtype).name} unsupported "
+                                "(bfloat16/float16 only)")
+    if groups != 1:
+        raise KernelUnsupported(f"{op}: groups={groups} unsupported (dense only)")
+    if tuple(stride) != (1, 1):
+        raise KernelUnsupported(f"{op}: stride {tuple(stride)} unsupported (stride 1 only)")
+    c, co = x_shape[3], w_shape[3]
+    for name, v in (("C_in", c), ("C_out", co)):
+        if v % 8:
+            raise KernelUnsupported(
+                f"{op}: {name}={v} is not a multiple of 8 (TMA needs 16-byte strides)")
+    if any(p < 0 for pair in pads for p in pair):
+        raise KernelUnsupported(f"{op}: negative padding {pads} unsupported")
+
+
+def pick_tile_w(ow: int) -> int:
+    """The widest power of two <= min(ow, 64): each tile row is one TMA window."""
+    t = 1
+    while t * 2 <= min(ow, TILE_M):
+        t *= 2
+    return t
+
+
+def _swizzle(plgpu, elems: int, itemsize: int) -> int:
+    return plgpu.find_swizzle(elems * itemsize * 8)
+
+
+def _block_k(c: int, cfg: MgpuConfig) -> int:
+    bk = cfg.block_k
+    while bk > 16 and bk // 2 >= c:
+        bk //= 2
+    return bk
+
+
+def _block_n(co: int, cfg: MgpuConfig) -> int:
+    bn = cfg.block_n
+    while bn > 16 and bn // 2 >= co:
+        bn //= 2
+    return bn
+
+
+def _check_config(cfg: MgpuConfig, bk: int, bn: int) -> None:
+    if bk not in (16, 32, 64):
+        raise ValueError(f"MgpuConfig.block_k must be 16, 32 or 64, got {cfg.block_k}")
+    if bn % 16 or not 16 <= bn <= 256:
+        raise ValueError(f"MgpuConfig.block_n must be a multiple of 16 in [16, 256], got "
+                         f"{cfg.block_n}")
+    if cfg.stages < 2:
+        raise ValueError(f"MgpuConfig.stages must be >= 2, got {cfg.stages}")
+    if cfg.tile_w is not None and (cfg.tile_w < 1 or TILE_M % cfg.tile_w):
+        raise ValueError(f"MgpuConfig.tile_w must divide {TILE_M}, got {cfg.tile_w}")
+
+
+def _interpret_params(plgpu, interpret, detect_races: bool):
+    if not interpret:
+        return None
+    return plgpu.InterpretGPUParams(detect_races=detect_races)
+
+
+def _lane_params(plgpu):
+    return plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)
+
+
+def _implicit_gemm(x, w3, gm: _Geom, cfg: MgpuConfig, *, interpret, detect_races, name):
+    """``y[n, oh, ow, :] = sum_{tap, c} x[n, oh + i*dh, ow + j*dw, c] * w3[tap, c, :]``.
+
+    ``x`` is already padded at the top/left; reads past its bottom/right are TMA zero fill.
+    """
+    plgpu = _plgpu()
+    dtype = x.dtype
+    itemsize = jnp.dtype(dtype).itemsize
+    bk, bn = _block_k(gm.c, cfg), _block_n(gm.co, cfg)
+    _check_config(cfg, bk, bn)
+    tw = cfg.tile_w or pick_tile_w(gm.ow)
+    tw = min(tw, pick_tile_w(gm.ow))  # no tile wider than the output row
+    th = TILE_M // tw
+    stages = cfg.stages
+    taps = gm.kh * gm.kw
+    kc = pl_cdiv(gm.c, bk)
+    nsteps = taps * kc
+    tiles_h, tiles_w = pl_cdiv(gm.oh, th), pl_cdiv(gm.ow, tw)
+    tail = gm.ow - (tiles_w - 1) * tw  # valid columns of the last column tile
+    swz = _swizzle(plgpu, bn, itemsize)
+    w_transforms = (plgpu.TilingTransform((8, swz // itemsize)), plgpu.SwizzleTransform(swz))
+    swz_k = _swizzle(plgpu, bk, itemsize)
+    a_transforms = (plgpu.TilingTransform((8, swz_k // itemsize)), plgpu.SwizzleTransform(swz_k))
+    from jax.experimental import pallas as pl
+
+    def body(x_ref, w_ref, o_ref, a_smem, a_sw, b_smem, o_smem, bars):
+        mi, ni = lax.axis_index("m"), lax.axis_index("n")
+        img = mi // (tiles_h * tiles_w)
+        rest = mi % (tiles_h * tiles_w)
+        oh0 = (rest // tiles_w) * th
+        col = rest % tiles_w
+        ow0 = col * tw
+        co0 = ni * bn
+
+        def issue(s, slot):
+            tap, cc = s // kc, s % kc
+            i, j = tap // gm.kw, tap % gm.kw
+            for r in range(th):
+                plgpu.copy_gmem_to_smem(
+                    x_ref.at[img, oh0 + r + i * gm.dh, pl.ds(ow0 + j * gm.dw, tw),
+                             pl.ds(cc * bk, bk)],
+                    a_smem.at[slot, pl.ds(r * tw, tw)], bars.at[slot])
+            plgpu.copy_gmem_to_smem(w_ref.at[tap, pl.ds(cc * bk, bk), pl.ds(co0, bn)],
+                                    b_smem.at[slot], bars.at[slot])
+
+        def scoped(acc_ref):
+            # A traced zero keeps the prologue's window starts dynamic: Pallas rejects
+            # static windows that overhang the array, which TMA zero-fills.
+            zero = ni * 0
+            for s in range(min(stages, nsteps)):
+                issue(zero + s, s)
+
+            def group(g, carry):
+                for slot in range(stages):
+                    s = g * stages + slot
+
+                    @pl.when(s < nsteps)
+                    def _step():
+                        plgpu.barrier_wait(bars.at[slot])
+                        # Restage the (unswizzled, tap-shifted) input tile into the
+                        # swizzled layout wgmma reads; the previous user of this
+                        # slot (step s - stages) finished at step s - stages + 1.
+                        a = plgpu.load(a_smem.at[slot], layout=plgpu.Layout.WGMMA,
+                                       optimized=False)
+                        a_sw[slot] = a
+                        plgpu.commit_smem()
+                        plgpu.wgmma(acc_ref, a_sw.at[slot], b_smem.at[slot])
+                        plgpu.wgmma_wait(1)  # step s-1's wgmma is done with its slot
+                        nxt = s - 1 + stages
+
+                        @pl.when((s >= 1) & (nxt < nsteps))
+                        def _refill():
+                            issue(nxt, (slot - 1) % stages)
+                return carry
+
+            lax.fori_loop(0, pl_cdiv(nsteps, stages), group, None)
+            plgpu.wgmma_wait(0)
+            o_smem[...] = acc_ref[...].astype(dtype)
+            plgpu.commit_smem()
+            for r in range(th):
+                def store(off, size, r=r):
+                    plgpu.copy_smem_to_gmem(
+                        o_smem.at[pl.ds(r * tw + off, size)],
+                        o_ref.at[img, oh0 + r, pl.ds(ow0 + off, size), pl.ds(co0, bn)])
+
+                row_ok = oh0 + r < gm.oh
+                if tail == tw:
+                    pl.when(row_ok)(lambda: store(0, tw))
+                else:
+                    pl.when(row_ok & (col < tiles_w - 1))(lambda: store(0, tw))
+
+                    @pl.when(row_ok & (col == tiles_w - 1))
+                    def _tail():
+                        for off, size in _pieces(tail):
+                            store(off, size)
+            plgpu.wait_smem_to_gmem(0)
+
+        pl.run_scoped(scoped, plgpu.ACC((TILE_M, bn), F32))
+
+    kernel = plgpu.kernel(
+        body,
+        out_type=jax.ShapeDtypeStruct((gm.n, gm.oh, gm.ow, gm.co), dtype),
+        grid=(gm.n * tiles_h * tiles_w, pl_cdiv(gm.co, bn)),
+        grid_names=("m", "n"),
+        scratch_types=[
+            plgpu.SMEM((stages, TILE_M, bk), dtype),
+            plgpu.SMEM((stages, TILE_M, bk), dtype, transforms=a_transforms),
+            plgpu.SMEM((stages, bk, bn), dtype, transforms=w_transforms),
+            plgpu.SMEM((TILE_M, bn), dtype),
+            plgpu.Barrier(num_arrivals=th + 1, num_barriers=stages),
+        ],
+        compiler_params=_lane_params(plgpu),
+        interpret=_interpret_params(plgpu, interpret, detect_races),
+        kernel_name=name,
+    )
+    return kernel(x, w3)
+
+
+def _pieces(width: int) -> list[tuple[int, int]]:
+    """``(offset, size)`` windows of power-of-two sizes that tile ``[0, width)`` exactly."""
+    out, off = [], 0
+    for bit in reversed(range(width.bit_length())):
+        if width >> bit & 1:
+            out.append((off, 1 << bit))
+            off += 1 << bit
+    return out
+
+
+def pl_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def conv_forward(x, w, *, pads=((0, 0), (0, 0)), dilation=(1, 1), config: MgpuConfig | None = None,
+                 interpret: bool = False, detect_races: bool = False):
+    """Stride-1 dense convolution ``(N, H, W, C_in) x (KH, KW, C_in, C_out)`` on Mosaic GPU.
+
+    Arguments:
+        x, w: bfloat16 or float16, NHWC and HWIO.
+        pads: ``((top, bottom), (left, right))``, each >= 0.
+        dilation: ``(dh, dw)``.
+        config: tiles (:class:`MgpuConfig`); None takes the defaults.
+        interpret: run in Mosaic GPU interpret mode (on the CPU).
+        detect_races: with ``interpret``, run the interpreter's race detector.
+
+    Returns:
+        ``(N, OH, OW, C_out)`` in ``x.dtype`` (float32 accumulation).
+
+    Raises:
+        KernelUnsupported: for a call the kernel cannot run (see :func:`check_supported`).
+    """
+    check_supported(x.shape, w.shape, x.dtype, pads=pads)
+    if x.dtype != w.dtype:
+        raise ValueError(f"Mosaic GPU conv: x and w dtypes differ ({x.dtype}, {w.dtype})")
+    n, h, wd, c = x.shape
+    kh, kw, _, co = w.shape
+    dh, dw = dilation
+    (pt, pb), (pleft, pr) = pads
+    oh = h + pt + pb - dh * (kh - 1)
+    ow = wd + pleft + pr - dw * (kw - 1)
+    if oh < 1 or ow < 1:
+        raise ValueError(f"Mosaic GPU conv: empty output {oh}x{ow} for x {x.shape}, w {w.shape}")
+    if pt or pleft:
+        x = jnp.pad(x, ((0, 0), (pt, 0), (pleft, 0), (0, 0)))
+    gm = _Geom(n=n, hq=h + pt, wq=wd + pleft, c=c, kh=kh, kw=kw, dh=dh, dw=dw, oh=oh, ow=ow,
+               co=co)
+    return _implicit_gemm(x, w.reshape(kh * kw, c, co), gm, config or DEFAULT,
+                          interpret=interpret, detect_races=detect_races,
+                          name="jaxcnn_mgpu_conv_fwd")
