@@ -238,9 +238,11 @@ def _lane_params(plgpu):
 
 
 def _implicit_gemm(x, w3, gm: _Geom, cfg: MgpuConfig, *, interpret, detect_races, name):
-    """``y[n, oh, ow, :] = sum_{tap, c} x[n, oh + i*dh, ow + j*dw, c] * w3[tap, c, :]``.
+    """``y[n, oh, ow, :] = sum_{tap, c} x[n, oh + i*dh, ow + j*dw, c] * w3[tap, c, :gm.co]``.
 
     ``x`` is already padded at the top/left; reads past its bottom/right are TMA zero fill.
+    ``w3``'s last dimension is padded to a multiple of ``block_n``: the swizzled TMA
+    tiles it by the swizzle width, which must divide it.
     """
     plgpu = _plgpu()
     dtype = x.dtype
@@ -256,10 +258,10 @@ def _implicit_gemm(x, w3, gm: _Geom, cfg: MgpuConfig, *, interpret, detect_races
     nsteps = taps * kc
     tiles_h, tiles_w = pl_cdiv(gm.oh, th), pl_cdiv(gm.ow, tw)
     tail = gm.ow - (tiles_w - 1) * tw  # valid columns of the last column tile
-    swz = _swizzle(plgpu, bn, itemsize)
+    # wgmma wants both operands in the same swizzle: the widest that both tiles' rows fill.
+    swz = min(_swizzle(plgpu, bn, itemsize), _swizzle(plgpu, bk, itemsize))
     w_transforms = (plgpu.TilingTransform((8, swz // itemsize)), plgpu.SwizzleTransform(swz))
-    swz_k = _swizzle(plgpu, bk, itemsize)
-    a_transforms = (plgpu.TilingTransform((8, swz_k // itemsize)), plgpu.SwizzleTransform(swz_k))
+    a_transforms = w_transforms
     from jax.experimental import pallas as pl
 
     def body(x_ref, w_ref, o_ref, a_smem, a_sw, b_smem, o_smem, bars):
@@ -370,7 +372,8 @@ def pl_cdiv(a: int, b: int) -> int:
 
 
 def conv_forward(x, w, *, pads=((0, 0), (0, 0)), dilation=(1, 1), config: MgpuConfig | None = None,
-                 interpret: bool = False, detect_races: bool = False):
+                 interpret: bool = False, detect_races: bool = False,
+                 name: str = "jaxcnn_mgpu_conv_fwd"):
     """Stride-1 dense convolution ``(N, H, W, C_in) x (KH, KW, C_in, C_out)`` on Mosaic GPU.
 
     Arguments:
@@ -380,6 +383,8 @@ def conv_forward(x, w, *, pads=((0, 0), (0, 0)), dilation=(1, 1), config: MgpuCo
         config: tiles (:class:`MgpuConfig`); None takes the defaults.
         interpret: run in Mosaic GPU interpret mode (on the CPU).
         detect_races: with ``interpret``, run the interpreter's race detector.
+        name: the kernel's name (the input gradient runs this kernel as
+            ``jaxcnn_mgpu_conv_dgrad``).
 
     Returns:
         ``(N, OH, OW, C_out)`` in ``x.dtype`` (float32 accumulation).
@@ -402,6 +407,262 @@ def conv_forward(x, w, *, pads=((0, 0), (0, 0)), dilation=(1, 1), config: MgpuCo
         x = jnp.pad(x, ((0, 0), (pt, 0), (pleft, 0), (0, 0)))
     gm = _Geom(n=n, hq=h + pt, wq=wd + pleft, c=c, kh=kh, kw=kw, dh=dh, dw=dw, oh=oh, ow=ow,
                co=co)
-    return _implicit_gemm(x, w.reshape(kh * kw, c, co), gm, config or DEFAULT,
-                          interpret=interpret, detect_races=detect_races,
-                          name="jaxcnn_mgpu_conv_fwd")
+    cfg = config or DEFAULT
+    w3 = w.reshape(kh * kw, c, co)
+    bn = _block_n(co, cfg)
+    if co % bn:  # the swizzled weight tiles need C_out a multiple of the tile (tiny XLA pad)
+        w3 = jnp.pad(w3, ((0, 0), (0, 0), (0, pl_cdiv(co, bn) * bn - co)))
+    return _implicit_gemm(x, w3, gm, cfg,
+                          interpret=interpret, detect_races=detect_races, name=name)
+
+
+def conv_dgrad(dy, w, *, x_hw, pads=((0, 0), (0, 0)), dilation=(1, 1),
+               config: MgpuConfig | None = None, interpret: bool = False,
+               detect_races: bool = False):
+    """Input gradient of the stride-1 :func:`conv_forward`: the same kernel on ``dy`` with
+    the flipped, transposed weights (a full correlation), padded so it returns ``x_hw``.
+
+    Raises:
+        KernelUnsupported: when the correlation would need negative padding (a
+            forward padded by more than its dilated window) or the channels do not fit.
+    """
+    kh, kw = w.shape[:2]
+    dh, dw = dilation
+    (pt, pb), (pleft, pr) = pads
+    back = ((dh * (kh - 1) - pt, dh * (kh - 1) - pb), (dw * (kw - 1) - pleft, dw * (kw - 1) - pr))
+    w_t = jnp.flip(w, (0, 1)).transpose(0, 1, 3, 2)
+    dx = conv_forward(dy, w_t, pads=back, dilation=dilation, config=config,
+                      interpret=interpret, detect_races=detect_races,
+                      name="jaxcnn_mgpu_conv_dgrad")
+    if dx.shape[1:3] != tuple(x_hw):
+        raise AssertionError(f"dgrad shape {dx.shape} does not match input {x_hw}")
+    return dx
+
+
+def conv_wgrad(x, dy, *, kernel_hw, pads=((0, 0), (0, 0)), dilation=(1, 1),
+               config: MgpuConfig | None = None, interpret: bool = False,
+               detect_races: bool = False):
+    """Weight gradient of the stride-1 :func:`conv_forward`, ``(KH, KW, C_in, C_out)`` float32.
+
+    ``dw[tap, c, co] = sum_p x[p + tap, c] * dy[p, co]`` over all output pixels ``p``:
+    a GEMM whose reduction runs over ``N * OH * OW``.  ``config.split`` CTAs share
+    that reduction per output tile, each writing a float32 partial; XLA sums the
+    partials in a fixed order (deterministic, no atomics).
+
+    Raises:
+        KernelUnsupported: as :func:`check_supported`.
+    """
+    kh, kw = kernel_hw
+    check_supported(x.shape, (kh, kw, x.shape[3], dy.shape[3]), x.dtype, pads=pads)
+    if x.dtype != dy.dtype:
+        raise ValueError(f"Mosaic GPU wgrad: x and dy dtypes differ ({x.dtype}, {dy.dtype})")
+    plgpu = _plgpu()
+    from jax.experimental import pallas as pl
+    cfg = config or DEFAULT
+    n, h, wd, c = x.shape
+    co = dy.shape[3]
+    dh, dw_ = dilation
+    (pt, pb), (pleft, pr) = pads
+    oh, ow = dy.shape[1:3]
+    if (oh, ow) != (h + pt + pb - dh * (kh - 1), wd + pleft + pr - dw_ * (kw - 1)):
+        raise ValueError(f"Mosaic GPU wgrad: dy {dy.shape} does not match x {x.shape}")
+    if pt or pleft:
+        x = jnp.pad(x, ((0, 0), (pt, 0), (pleft, 0), (0, 0)))
+    dtype = x.dtype
+    itemsize = jnp.dtype(dtype).itemsize
+    bm = TILE_M  # input channels per CTA (wgmma M)
+    bn = _block_n(co, cfg)
+    _check_config(cfg, 64, bn)
+    if cfg.split < 1:
+        raise ValueError(f"MgpuConfig.split must be >= 1, got {cfg.split}")
+    tw = min(cfg.tile_w or pick_tile_w(ow), pick_tile_w(ow))
+    th = TILE_M // tw  # the K step: 64 output pixels, a th x tw rectangle
+    stages = cfg.stages
+    taps = kh * kw
+    tiles_h, tiles_w = pl_cdiv(oh, th), pl_cdiv(ow, tw)
+    tiles = n * tiles_h * tiles_w
+    split = min(cfg.split, tiles)
+    per_split = pl_cdiv(tiles, split)
+    cp, cop = pl_cdiv(c, bm) * bm, pl_cdiv(co, bn) * bn  # partials padded: in-bounds stores
+
+    swz = min(_swizzle(plgpu, bm, itemsize), _swizzle(plgpu, bn, itemsize))  # wgmma: equal
+
+    def tr(cols):
+        return (plgpu.TilingTransform((8, swz // itemsize)), plgpu.SwizzleTransform(swz))
+
+    def body(x_ref, dy_ref, o_ref, x_un, dy_un, x_sw, dy_sw, o_smem, bars):
+        tap, ci, ni, si = (lax.axis_index(a) for a in ("tap", "c", "n", "s"))
+        i, j = tap // kw, tap % kw
+        c0, co0 = ci * bm, ni * bn
+        first = si * per_split
+        count = jnp.minimum(per_split, tiles - first)
+
+        def issue(t, slot):
+            img = t // (tiles_h * tiles_w)
+            rest = t % (tiles_h * tiles_w)
+            oh0, ow0 = (rest // tiles_w) * th, (rest % tiles_w) * tw
+            for r in range(th):
+                # Pixels past the output read zeros from dy (TMA fill), so they add nothing.
+                plgpu.copy_gmem_to_smem(
+                    x_ref.at[img, oh0 + r + i * dh, pl.ds(ow0 + j * dw_, tw), pl.ds(c0, bm)],
+                    x_un.at[slot, pl.ds(r * tw, tw)], bars.at[slot])
+                plgpu.copy_gmem_to_smem(
+                    dy_ref.at[img, oh0 + r, pl.ds(ow0, tw), pl.ds(co0, bn)],
+                    dy_un.at[slot, pl.ds(r * tw, tw)], bars.at[slot])
+
+        def scoped(acc_ref):
+            for s in range(stages):
+                pl.when(s < count)(functools.partial(issue, first + s, s))
+
+            def group(g, carry):
+                for slot in range(stages):
+                    s = g * stages + slot
+
+                    @pl.when(s < count)
+                    def _step():
+                        plgpu.barrier_wait(bars.at[slot])
+                        x_sw[slot] = plgpu.load(x_un.at[slot], layout=plgpu.Layout.WGMMA,
+                                                optimized=False)
+                        dy_sw[slot] = plgpu.load(dy_un.at[slot], layout=plgpu.Layout.WGMMA,
+                                                 optimized=False)
+                        plgpu.commit_smem()
+                        # (C x pixels) @ (pixels x C_out): the input tile read transposed.
+                        plgpu.wgmma(acc_ref, x_sw.at[slot].T, dy_sw.at[slot])
+                        plgpu.wgmma_wait(1)
+                        nxt = s - 1 + stages
+
+                        @pl.when((s >= 1) & (nxt < count))
+                        def _refill():
+                            issue(first + nxt, (slot - 1) % stages)
+                return carry
+
+            lax.fori_loop(0, pl_cdiv(per_split, stages), group, None)
+            plgpu.wgmma_wait(0)
+            o_smem[...] = acc_ref[...]
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_smem, o_ref.at[si, tap, pl.ds(c0, bm), pl.ds(co0, bn)])
+            plgpu.wait_smem_to_gmem(0)
+
+        pl.run_scoped(scoped, plgpu.ACC((bm, bn), F32))
+
+    kernel = plgpu.kernel(
+        body,
+        out_type=jax.ShapeDtypeStruct((split, taps, cp, cop), F32),
+        grid=(taps, cp // bm, cop // bn, split),
+        grid_names=("tap", "c", "n", "s"),
+        scratch_types=[
+            plgpu.SMEM((stages, TILE_M, bm), dtype),
+            plgpu.SMEM((stages, TILE_M, bn), dtype),
+            plgpu.SMEM((stages, TILE_M, bm), dtype, transforms=tr(bm)),
+            plgpu.SMEM((stages, TILE_M, bn), dtype, transforms=tr(bn)),
+            plgpu.SMEM((bm, bn), F32),
+            plgpu.Barrier(num_arrivals=2 * th, num_barriers=stages),
+        ],
+        compiler_params=_lane_params(plgpu),
+        interpret=_interpret_params(plgpu, interpret, detect_races),
+        kernel_name="jaxcnn_mgpu_conv_wgrad",
+    )
+    partial = kernel(x, dy)
+    return jnp.sum(partial, axis=0)[:, :c, :co].reshape(kh, kw, c, co)
+
+
+# --- the differentiable op ---------------------------------------------------------------
+
+BACKWARDS = ("mosaic", "xla")
+_DIMS = ("NHWC", "HWIO", "NHWC")
+
+
+def conv2d(x, w, b=None, *, padding=((0, 0), (0, 0)), dilation=(1, 1), residual=None,
+           relu=False, backward="mosaic", config=None, interpret=False,
+           detect_races=False):
+    """``relu?(conv(x, w) + b + residual)`` with the Mosaic GPU kernels and a ``custom_vjp``.
+
+    The structure of :func:`pallas_kernels.conv2d`: the forward kernel, then the
+    backward as the input-gradient and weight-gradient kernels (``backward="mosaic"``)
+    or XLA's convolution gradients (``"xla"``).  Bias, residual and ReLU are applied by
+    XLA on the kernel's output (one fused elementwise pass; not yet in the kernel's
+    epilogue).  Where the input gradient cannot run here (a forward padded by more
+    than its dilated window), XLA computes it.
+
+    Arguments:
+        x: ``(N, H, W, C_in)``; w: ``(KH, KW, C_in, C_out)``; bfloat16 or float16.
+        b: optional ``(C_out,)``; residual: optional, the output's shape.
+        padding: ``((top, bottom), (left, right))``; dilation: ``(dh, dw)``.  Stride is 1.
+        config: one :class:`MgpuConfig` or ``{"fwd"|"dgrad"|"wgrad": MgpuConfig}``.
+        interpret: run in Mosaic GPU interpret mode; detect_races: its race detector.
+
+    Raises:
+        KernelUnsupported: for a call the kernels cannot run (:func:`check_supported`).
+    """
+    if backward not in BACKWARDS:
+        raise ValueError(f"Mosaic GPU conv2d: backward must be one of {BACKWARDS}, got "
+                         f"{backward!r}")
+    pads = tuple(tuple(int(p) for p in pair) for pair in padding)
+    dilation = tuple(int(d) for d in dilation)
+    check_supported(x.shape, w.shape, x.dtype, pads=pads)
+    if isinstance(config, MgpuConfig) or config is None:
+        cfgs = (config or DEFAULT,) * 3
+    else:
+        unknown = set(config) - {"fwd", "dgrad", "wgrad"}
+        if unknown:
+            raise ValueError(f"Mosaic GPU conv2d: unknown config keys {sorted(unknown)}")
+        cfgs = tuple(config.get(k) or DEFAULT for k in ("fwd", "dgrad", "wgrad"))
+    static = (pads, dilation, bool(relu), backward, cfgs, bool(interpret), bool(detect_races))
+    return _conv(static, x, w, b, residual)
+
+
+def _epilogue(y, b, residual, relu):
+    if b is None and residual is None and not relu:
+        return y
+    out = y.astype(F32)
+    if b is not None:
+        out = out + b.astype(F32)
+    if residual is not None:
+        out = out + residual.astype(F32)
+    if relu:
+        out = jnp.maximum(out, 0.0)
+    return out.astype(y.dtype)
+
+
+def _forward(static, x, w, b, residual):
+    pads, dilation, relu, _, (cfg, _, _), interpret, races = static
+    y = conv_forward(x, w, pads=pads, dilation=dilation, config=cfg, interpret=interpret,
+                     detect_races=races)
+    return _epilogue(y, b, residual, relu)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _conv(static, x, w, b, residual):
+    return _forward(static, x, w, b, residual)
+
+
+def _conv_fwd(static, x, w, b, residual):
+    y = _forward(static, x, w, b, residual)
+    return y, (x, w, b, residual, y if static[2] else None)
+
+
+def _conv_bwd(static, saved, dy):
+    pads, dilation, relu, backward, (_, cfg_d, cfg_w), interpret, races = static
+    x, w, b, residual, y = saved
+    if relu:
+        dy = jnp.where(y > 0, dy, jnp.zeros_like(dy))
+    db = None if b is None else jnp.sum(dy.astype(F32), axis=(0, 1, 2)).astype(b.dtype)
+    dres = None if residual is None else dy.astype(residual.dtype)
+    conv = functools.partial(lax.conv_general_dilated, window_strides=(1, 1), padding=pads,
+                             rhs_dilation=dilation, dimension_numbers=_DIMS)
+    if backward == "xla":
+        _, vjp = jax.vjp(conv, x, w)
+        dx, dw = vjp(dy)
+        return dx, dw, db, dres
+    dy = dy.astype(x.dtype)
+    try:
+        dx = conv_dgrad(dy, w, x_hw=x.shape[1:3], pads=pads, dilation=dilation, config=cfg_d,
+                        interpret=interpret, detect_races=races)
+    except KernelUnsupported:  # a static property of the call: decided while tracing
+        dx = jax.vjp(lambda x_: conv(x_, w), x)[1](dy)[0]
+    dw = conv_wgrad(x, dy, kernel_hw=w.shape[:2], pads=pads, dilation=dilation, config=cfg_w,
+                    interpret=interpret, detect_races=races)
+    return dx.astype(x.dtype), dw.astype(w.dtype), db, dres
+
+
+_conv.defvjp(_conv_fwd, _conv_bwd)
