@@ -301,7 +301,7 @@ def main(argv=None) -> int:
         x_shape = (opts.batch or batch, *hwc)
         args = [jax.ShapeDtypeStruct(a.shape, a.dtype)
                 for a in jax.eval_shape(lambda: bk._args(op, x_shape, w_shape, dtype))]
-        kernel, _ = bk._fns(op, {**kw, "interpret": False})
+        kernel, _ = bk._fns(op, {**kw, "interpret": False}, backend="triton")
         fns = [kernel, bk._grad_of(kernel, len(args))]
         try:
             found = []
@@ -455,12 +455,11 @@ def main_mosaic(opts, bk) -> int:
             print(f"{name:<18} skipped: {e}")
             continue
 
-        def grad(x, w, pads=pads):
-            def loss(x, w):
-                return jnp.sum(mc.conv2d(x, w, padding=pads).astype(jnp.float32))
-            return jax.grad(loss, argnums=(0, 1))(x, w)
+        def fwd_and_grads(x, w, pads=pads):  # the output is kept: the forward is lowered too
+            y, vjp = jax.vjp(lambda x, w: mc.conv2d(x, w, padding=pads), x, w)
+            return y, vjp(y)
         try:
-            reports = inspect_mosaic(grad, *args, kind=opts.device_kind)
+            reports = inspect_mosaic(fwd_and_grads, *args, kind=opts.device_kind)
         except Exception as e:  # report and go on: one shape must not hide the others
             print(f"{name:<18} FAILED: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
             rows.append({"shape": name, "error": f"{type(e).__name__}: {e}"[:2000]})
