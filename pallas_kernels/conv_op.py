@@ -105,7 +105,8 @@ def conv2d(x, w, b=None, *, stride=1, padding=0, dilation=1, groups=1, residual=
                 f"{op}: the Mosaic GPU kernels run dense convolutions without the fused input "
                 "BatchNorm or a precision override")
         mgpu_conv.check_supported(x_shape, w_shape, x.dtype, stride=stride, pads=pads)
-        return mgpu_conv.conv2d(x, w, b, padding=pads, dilation=dilation, residual=residual,
+        return mgpu_conv.conv2d(x, w, b, stride=stride, padding=pads, dilation=dilation,
+                                residual=residual,
                                 relu=relu, backward="mosaic" if backward == "pallas" else "xla",
                                 config=config, interpret=interpret)
     g = cm.geometry(x_shape, w_shape[:2], stride, dilation, pads, out_hw)
@@ -120,7 +121,8 @@ def select_backend(dtype, kind, stride, x_shape, w_shape, pads, has_input_bn, pr
 
     Mosaic needs: a real GPU run (not interpret mode) on a Hopper device kind
     (H100/H200, sm_90), jax >= 0.11, bfloat16 (float32 stays on Triton, whose TF32
-    path is tested), a dense stride-1 convolution whose channels TMA can address,
+    path is tested), a dense convolution whose channels TMA can address (strides
+    above 1 by phase decomposition; their input gradient is XLA's),
     no fused input BatchNorm or precision override, and no Triton ``BlockConfig``.
     """
     if interpret or kind != "dense" or has_input_bn or precision is not None:

@@ -6,7 +6,7 @@ is the same implicit GEMM written for Pallas's Mosaic GPU backend (jax >= 0.11),
 used on H100/H200 for the shapes it supports and tested on the CPU in GPU
 interpret mode.  Nothing here has been timed on a GPU yet (docs/BENCHMARKS.md).
 
-Design of :func:`conv_forward` (stride 1, any dilation and padding, NHWC x HWIO,
+Design of :func:`conv_forward` (any stride, dilation and padding, NHWC x HWIO,
 bfloat16/float16 in, float32 accumulation):
 
 - **Tiles.**  One CTA (one warpgroup, 128 threads) owns ``64`` output pixels x
@@ -15,6 +15,10 @@ bfloat16/float16 in, float32 accumulation):
   width, ``tile_h = 64 // tile_w``), so every output row of the tile is a
   contiguous run of pixels in NHWC memory.  The grid is
   ``(N * ceil(OH / tile_h) * ceil(OW / tile_w), ceil(C_out / block_n))``.
+- **Stride** by phase decomposition: above 1, the input is first split into
+  its ``sh * sw`` phases (``x[:, a::sh, b::sw]``, one XLA copy), and tap
+  ``(i, j)`` reads phase ``((i*dh) % sh, (j*dw) % sw)`` at offset
+  ``((i*dh) // sh, (j*dw) // sw)``: a stride-1 window again.  Below, stride 1.
 - **K loop.**  The reduction runs over ``taps x ceil(C_in / block_k)`` steps
   (``taps = KH * KW``).  For step (tap ``(i, j)``, channel chunk ``c0``) the
   input operand is the output tile shifted by the tap: ``tile_h`` TMA copies,
@@ -61,12 +65,13 @@ bfloat16/float16 in, float32 accumulation):
   would write some pixels twice, a race the interpreter's detector reports.)
   Channel tails are clipped by the tensor TMA.
 - **Not supported** (:class:`~jaxcnn.errors.KernelUnsupported`, which the
-  dispatcher turns into the Triton/XLA path): stride > 1, groups > 1,
+  dispatcher turns into the Triton/XLA path): stride > 4, groups > 1,
   float32, channel counts that are not a multiple of 8 (TMA needs 16-byte
   strides: 1- and 3-channel stems), negative padding.
 
 :func:`conv_dgrad` (input gradient, stride 1) is the forward kernel on
-``dy`` with the flipped, transposed weights.  :func:`conv_wgrad` (weight
+``dy`` with the flipped, transposed weights; for strided convolutions the
+op's backward takes XLA's input gradient (no kernel yet).  :func:`conv_wgrad` (weight
 gradient) is a split-K over ``N * OH * OW`` without atomics: every CTA owns a
 tap x ``64`` input channels x ``block_n`` output channels x one split,
 accumulates ``x_tap^T @ dy`` over its share of output tiles with ``wgmma``
@@ -153,8 +158,8 @@ DEFAULT = MgpuConfig()
 @dataclasses.dataclass(frozen=True)
 class _Geom:
     n: int
-    hq: int  # input height after the explicit top padding
-    wq: int
+    sh: int  # stride: the input arrives as sh*sw phase images (phase decomposition)
+    sw: int
     c: int
     kh: int
     kw: int
@@ -166,7 +171,7 @@ class _Geom:
 
 
 def check_supported(x_shape, w_shape, dtype, *, stride=(1, 1), pads=((0, 0), (0, 0)),
-                    groups=1) -> None:
+                    groups=1, max_stride: int = 4) -> None:
     """Raises :class:`~jaxcnn.errors.KernelUnsupported` (one line naming the reason) when the
     Mosaic GPU forward cannot run this convolution; returns None when it can."""
     op = "Mosaic GPU conv"
@@ -178,8 +183,8 @@ def check_supported(x_shape, w_shape, dtype, *, stride=(1, 1), pads=((0, 0), (0,
                                 "(bfloat16/float16 only)")
     if groups != 1:
         raise KernelUnsupported(f"{op}: groups={groups} unsupported (dense only)")
-    if tuple(stride) != (1, 1):
-        raise KernelUnsupported(f"{op}: stride {tuple(stride)} unsupported (stride 1 only)")
+    if not all(1 <= s <= max_stride for s in stride):
+        raise KernelUnsupported(f"{op}: stride {tuple(stride)} unsupported (1 to {max_stride})")
     c, co = x_shape[3], w_shape[3]
     for name, v in (("C_in", c), ("C_out", co)):
         if v % 8:
@@ -275,10 +280,10 @@ def _implicit_gemm(x, w3, gm: _Geom, cfg: MgpuConfig, *, interpret, detect_races
 
         def issue(s, slot):
             tap, cc = s // kc, s % kc
-            i, j = tap // gm.kw, tap % gm.kw
+            (qh, qw), phase = _tap_offset(tap, gm)
             for r in range(th):
                 plgpu.copy_gmem_to_smem(
-                    x_ref.at[img, oh0 + r + i * gm.dh, pl.ds(ow0 + j * gm.dw, tw),
+                    x_ref.at[phase * gm.n + img, oh0 + r + qh, pl.ds(ow0 + qw, tw),
                              pl.ds(cc * bk, bk)],
                     a_smem.at[slot, pl.ds(r * tw, tw)], bars.at[slot])
             plgpu.copy_gmem_to_smem(w_ref.at[tap, pl.ds(cc * bk, bk), pl.ds(co0, bn)],
@@ -357,6 +362,38 @@ def _implicit_gemm(x, w3, gm: _Geom, cfg: MgpuConfig, *, interpret, detect_races
     return kernel(x, w3)
 
 
+def _out_hw(hw, kernel_hw, stride, pads, dilation):
+    return tuple((n + lo + hi - d * (k - 1) - 1) // s + 1 for n, k, s, (lo, hi), d in
+                 zip(hw, kernel_hw, stride, pads, dilation))
+
+
+def _tap_offset(tap, gm: _Geom):
+    """``((row, column) offset, phase)`` of tap ``tap`` in the phase-decomposed input: tap
+    ``(i, j)`` reads input row ``oh * sh + i * dh``, which is row ``oh + (i * dh) // sh`` of
+    phase ``(i * dh) % sh``."""
+    i, j = tap // gm.kw, tap % gm.kw
+    rh, rw = i * gm.dh, j * gm.dw
+    return (rh // gm.sh, rw // gm.sw), (rh % gm.sh) * gm.sw + rw % gm.sw
+
+
+def _phases(x, pads, stride):
+    """``x`` padded at the top/left (bottom/right padding is TMA zero fill) and split into its
+    ``sh * sw`` stride phases, ``(sh * sw * N, ceil(Hp / sh), ceil(Wp / sw), C)`` with phase
+    ``a * sw + b`` holding rows ``a::sh`` and columns ``b::sw``: one XLA copy (none at stride 1
+    without top/left padding)."""
+    (pt, _), (pleft, _) = pads
+    sh, sw = stride
+    n, h, w, c = x.shape
+    extra_h, extra_w = -(h + pt) % sh, -(w + pleft) % sw  # whole phases; zeros, never read
+    if pt or pleft or extra_h or extra_w:
+        x = jnp.pad(x, ((0, 0), (pt, extra_h), (pleft, extra_w), (0, 0)))
+    if sh == sw == 1:
+        return x
+    hs, ws = x.shape[1] // sh, x.shape[2] // sw
+    x = x.reshape(n, hs, sh, ws, sw, c).transpose(2, 4, 0, 1, 3, 5)
+    return x.reshape(sh * sw * n, hs, ws, c)
+
+
 def _pieces(width: int) -> list[tuple[int, int]]:
     """``(offset, size)`` windows of power-of-two sizes that tile ``[0, width)`` exactly."""
     out, off = [], 0
@@ -371,13 +408,15 @@ def pl_cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def conv_forward(x, w, *, pads=((0, 0), (0, 0)), dilation=(1, 1), config: MgpuConfig | None = None,
-                 interpret: bool = False, detect_races: bool = False,
-                 name: str = "jaxcnn_mgpu_conv_fwd"):
-    """Stride-1 dense convolution ``(N, H, W, C_in) x (KH, KW, C_in, C_out)`` on Mosaic GPU.
+def conv_forward(x, w, *, stride=(1, 1), pads=((0, 0), (0, 0)), dilation=(1, 1),
+                 config: MgpuConfig | None = None, interpret: bool = False,
+                 detect_races: bool = False, name: str = "jaxcnn_mgpu_conv_fwd"):
+    """Dense convolution ``(N, H, W, C_in) x (KH, KW, C_in, C_out)`` on Mosaic GPU.
 
     Arguments:
         x, w: bfloat16 or float16, NHWC and HWIO.
+        stride: ``(sh, sw)``; above 1 the input is split into its stride phases
+            first (one XLA copy), so every tap reads a stride-1 window of one phase.
         pads: ``((top, bottom), (left, right))``, each >= 0.
         dilation: ``(dh, dw)``.
         config: tiles (:class:`MgpuConfig`); None takes the defaults.
@@ -392,21 +431,18 @@ def conv_forward(x, w, *, pads=((0, 0), (0, 0)), dilation=(1, 1), config: MgpuCo
     Raises:
         KernelUnsupported: for a call the kernel cannot run (see :func:`check_supported`).
     """
-    check_supported(x.shape, w.shape, x.dtype, pads=pads)
+    stride = tuple(stride)
+    check_supported(x.shape, w.shape, x.dtype, stride=stride, pads=pads)
     if x.dtype != w.dtype:
         raise ValueError(f"Mosaic GPU conv: x and w dtypes differ ({x.dtype}, {w.dtype})")
     n, h, wd, c = x.shape
     kh, kw, _, co = w.shape
-    dh, dw = dilation
-    (pt, pb), (pleft, pr) = pads
-    oh = h + pt + pb - dh * (kh - 1)
-    ow = wd + pleft + pr - dw * (kw - 1)
+    oh, ow = _out_hw((h, wd), (kh, kw), stride, pads, dilation)
     if oh < 1 or ow < 1:
         raise ValueError(f"Mosaic GPU conv: empty output {oh}x{ow} for x {x.shape}, w {w.shape}")
-    if pt or pleft:
-        x = jnp.pad(x, ((0, 0), (pt, 0), (pleft, 0), (0, 0)))
-    gm = _Geom(n=n, hq=h + pt, wq=wd + pleft, c=c, kh=kh, kw=kw, dh=dh, dw=dw, oh=oh, ow=ow,
-               co=co)
+    x = _phases(x, pads, stride)
+    gm = _Geom(n=n, sh=stride[0], sw=stride[1], c=c, kh=kh, kw=kw, dh=dilation[0],
+               dw=dilation[1], oh=oh, ow=ow, co=co)
     cfg = config or DEFAULT
     w3 = w.reshape(kh * kw, c, co)
     bn = _block_n(co, cfg)
@@ -416,16 +452,20 @@ def conv_forward(x, w, *, pads=((0, 0), (0, 0)), dilation=(1, 1), config: MgpuCo
                           interpret=interpret, detect_races=detect_races, name=name)
 
 
-def conv_dgrad(dy, w, *, x_hw, pads=((0, 0), (0, 0)), dilation=(1, 1),
+def conv_dgrad(dy, w, *, x_hw, stride=(1, 1), pads=((0, 0), (0, 0)), dilation=(1, 1),
                config: MgpuConfig | None = None, interpret: bool = False,
                detect_races: bool = False):
     """Input gradient of the stride-1 :func:`conv_forward`: the same kernel on ``dy`` with
     the flipped, transposed weights (a full correlation), padded so it returns ``x_hw``.
 
     Raises:
-        KernelUnsupported: when the correlation would need negative padding (a
-            forward padded by more than its dilated window) or the channels do not fit.
+        KernelUnsupported: for a strided forward (no kernel yet: XLA computes it), when
+            the correlation would need negative padding (a forward padded by more than
+            its dilated window), or when the channels do not fit.
     """
+    if tuple(stride) != (1, 1):
+        raise KernelUnsupported(f"Mosaic GPU conv: no input-gradient kernel for stride "
+                                f"{tuple(stride)} yet (stride 1 only)")
     kh, kw = w.shape[:2]
     dh, dw = dilation
     (pt, pb), (pleft, pr) = pads
@@ -439,12 +479,13 @@ def conv_dgrad(dy, w, *, x_hw, pads=((0, 0), (0, 0)), dilation=(1, 1),
     return dx
 
 
-def conv_wgrad(x, dy, *, kernel_hw, pads=((0, 0), (0, 0)), dilation=(1, 1),
+def conv_wgrad(x, dy, *, kernel_hw, stride=(1, 1), pads=((0, 0), (0, 0)), dilation=(1, 1),
                config: MgpuConfig | None = None, interpret: bool = False,
                detect_races: bool = False):
-    """Weight gradient of the stride-1 :func:`conv_forward`, ``(KH, KW, C_in, C_out)`` float32.
+    """Weight gradient of :func:`conv_forward`, ``(KH, KW, C_in, C_out)`` float32.
 
-    ``dw[tap, c, co] = sum_p x[p + tap, c] * dy[p, co]`` over all output pixels ``p``:
+    ``dw[tap, c, co] = sum_p x[p * stride + tap, c] * dy[p, co]`` over all output pixels
+    ``p`` (the input split into its stride phases as in the forward):
     a GEMM whose reduction runs over ``N * OH * OW``.  ``config.split`` CTAs share
     that reduction per output tile, each writing a float32 partial; XLA sums the
     partials in a fixed order (deterministic, no atomics).
@@ -453,7 +494,9 @@ def conv_wgrad(x, dy, *, kernel_hw, pads=((0, 0), (0, 0)), dilation=(1, 1),
         KernelUnsupported: as :func:`check_supported`.
     """
     kh, kw = kernel_hw
-    check_supported(x.shape, (kh, kw, x.shape[3], dy.shape[3]), x.dtype, pads=pads)
+    stride = tuple(stride)
+    check_supported(x.shape, (kh, kw, x.shape[3], dy.shape[3]), x.dtype, stride=stride,
+                    pads=pads)
     if x.dtype != dy.dtype:
         raise ValueError(f"Mosaic GPU wgrad: x and dy dtypes differ ({x.dtype}, {dy.dtype})")
     plgpu = _plgpu()
@@ -461,13 +504,12 @@ def conv_wgrad(x, dy, *, kernel_hw, pads=((0, 0), (0, 0)), dilation=(1, 1),
     cfg = config or DEFAULT
     n, h, wd, c = x.shape
     co = dy.shape[3]
-    dh, dw_ = dilation
-    (pt, pb), (pleft, pr) = pads
     oh, ow = dy.shape[1:3]
-    if (oh, ow) != (h + pt + pb - dh * (kh - 1), wd + pleft + pr - dw_ * (kw - 1)):
+    if (oh, ow) != _out_hw((h, wd), kernel_hw, stride, pads, dilation):
         raise ValueError(f"Mosaic GPU wgrad: dy {dy.shape} does not match x {x.shape}")
-    if pt or pleft:
-        x = jnp.pad(x, ((0, 0), (pt, 0), (pleft, 0), (0, 0)))
+    x = _phases(x, pads, stride)
+    gm = _Geom(n=n, sh=stride[0], sw=stride[1], c=c, kh=kh, kw=kw, dh=dilation[0],
+               dw=dilation[1], oh=oh, ow=ow, co=co)
     dtype = x.dtype
     itemsize = jnp.dtype(dtype).itemsize
     bm = TILE_M  # input channels per CTA (wgmma M)
@@ -492,7 +534,7 @@ def conv_wgrad(x, dy, *, kernel_hw, pads=((0, 0), (0, 0)), dilation=(1, 1),
 
     def body(x_ref, dy_ref, o_ref, x_un, dy_un, x_sw, dy_sw, o_smem, bars):
         tap, ci, ni, si = (lax.axis_index(a) for a in ("tap", "c", "n", "s"))
-        i, j = tap // kw, tap % kw
+        (qh, qw), phase = _tap_offset(tap, gm)
         c0, co0 = ci * bm, ni * bn
         first = si * per_split
         count = jnp.minimum(per_split, tiles - first)
@@ -504,7 +546,8 @@ def conv_wgrad(x, dy, *, kernel_hw, pads=((0, 0), (0, 0)), dilation=(1, 1),
             for r in range(th):
                 # Pixels past the output read zeros from dy (TMA fill), so they add nothing.
                 plgpu.copy_gmem_to_smem(
-                    x_ref.at[img, oh0 + r + i * dh, pl.ds(ow0 + j * dw_, tw), pl.ds(c0, bm)],
+                    x_ref.at[phase * n + img, oh0 + r + qh, pl.ds(ow0 + qw, tw),
+                             pl.ds(c0, bm)],
                     x_un.at[slot, pl.ds(r * tw, tw)], bars.at[slot])
                 plgpu.copy_gmem_to_smem(
                     dy_ref.at[img, oh0 + r, pl.ds(ow0, tw), pl.ds(co0, bn)],
@@ -572,8 +615,8 @@ BACKWARDS = ("mosaic", "xla")
 _DIMS = ("NHWC", "HWIO", "NHWC")
 
 
-def conv2d(x, w, b=None, *, padding=((0, 0), (0, 0)), dilation=(1, 1), residual=None,
-           relu=False, backward="mosaic", config=None, interpret=False,
+def conv2d(x, w, b=None, *, stride=(1, 1), padding=((0, 0), (0, 0)), dilation=(1, 1),
+           residual=None, relu=False, backward="mosaic", config=None, interpret=False,
            detect_races=False):
     """``relu?(conv(x, w) + b + residual)`` with the Mosaic GPU kernels and a ``custom_vjp``.
 
@@ -581,13 +624,14 @@ def conv2d(x, w, b=None, *, padding=((0, 0), (0, 0)), dilation=(1, 1), residual=
     backward as the input-gradient and weight-gradient kernels (``backward="mosaic"``)
     or XLA's convolution gradients (``"xla"``).  Bias, residual and ReLU are applied by
     XLA on the kernel's output (one fused elementwise pass; not yet in the kernel's
-    epilogue).  Where the input gradient cannot run here (a forward padded by more
-    than its dilated window), XLA computes it.
+    epilogue).  Where the input gradient has no kernel (a strided forward, or one
+    padded by more than its dilated window), XLA computes it.
 
     Arguments:
         x: ``(N, H, W, C_in)``; w: ``(KH, KW, C_in, C_out)``; bfloat16 or float16.
         b: optional ``(C_out,)``; residual: optional, the output's shape.
-        padding: ``((top, bottom), (left, right))``; dilation: ``(dh, dw)``.  Stride is 1.
+        stride: ``(sh, sw)``; padding: ``((top, bottom), (left, right))``; dilation:
+            ``(dh, dw)``.
         config: one :class:`MgpuConfig` or ``{"fwd"|"dgrad"|"wgrad": MgpuConfig}``.
         interpret: run in Mosaic GPU interpret mode; detect_races: its race detector.
 
@@ -599,7 +643,8 @@ def conv2d(x, w, b=None, *, padding=((0, 0), (0, 0)), dilation=(1, 1), residual=
                          f"{backward!r}")
     pads = tuple(tuple(int(p) for p in pair) for pair in padding)
     dilation = tuple(int(d) for d in dilation)
-    check_supported(x.shape, w.shape, x.dtype, pads=pads)
+    stride = tuple(int(v) for v in stride)
+    check_supported(x.shape, w.shape, x.dtype, stride=stride, pads=pads)
     if isinstance(config, MgpuConfig) or config is None:
         cfgs = (config or DEFAULT,) * 3
     else:
@@ -607,7 +652,8 @@ def conv2d(x, w, b=None, *, padding=((0, 0), (0, 0)), dilation=(1, 1), residual=
         if unknown:
             raise ValueError(f"Mosaic GPU conv2d: unknown config keys {sorted(unknown)}")
         cfgs = tuple(config.get(k) or DEFAULT for k in ("fwd", "dgrad", "wgrad"))
-    static = (pads, dilation, bool(relu), backward, cfgs, bool(interpret), bool(detect_races))
+    static = (pads, dilation, bool(relu), backward, cfgs, bool(interpret), bool(detect_races),
+              stride)
     return _conv(static, x, w, b, residual)
 
 
@@ -625,9 +671,9 @@ def _epilogue(y, b, residual, relu):
 
 
 def _forward(static, x, w, b, residual):
-    pads, dilation, relu, _, (cfg, _, _), interpret, races = static
-    y = conv_forward(x, w, pads=pads, dilation=dilation, config=cfg, interpret=interpret,
-                     detect_races=races)
+    pads, dilation, relu, _, (cfg, _, _), interpret, races, stride = static
+    y = conv_forward(x, w, stride=stride, pads=pads, dilation=dilation, config=cfg,
+                     interpret=interpret, detect_races=races)
     return _epilogue(y, b, residual, relu)
 
 
@@ -642,13 +688,13 @@ def _conv_fwd(static, x, w, b, residual):
 
 
 def _conv_bwd(static, saved, dy):
-    pads, dilation, relu, backward, (_, cfg_d, cfg_w), interpret, races = static
+    pads, dilation, relu, backward, (_, cfg_d, cfg_w), interpret, races, stride = static
     x, w, b, residual, y = saved
     if relu:
         dy = jnp.where(y > 0, dy, jnp.zeros_like(dy))
     db = None if b is None else jnp.sum(dy.astype(F32), axis=(0, 1, 2)).astype(b.dtype)
     dres = None if residual is None else dy.astype(residual.dtype)
-    conv = functools.partial(lax.conv_general_dilated, window_strides=(1, 1), padding=pads,
+    conv = functools.partial(lax.conv_general_dilated, window_strides=stride, padding=pads,
                              rhs_dilation=dilation, dimension_numbers=_DIMS)
     if backward == "xla":
         _, vjp = jax.vjp(conv, x, w)
@@ -656,12 +702,12 @@ def _conv_bwd(static, saved, dy):
         return dx, dw, db, dres
     dy = dy.astype(x.dtype)
     try:
-        dx = conv_dgrad(dy, w, x_hw=x.shape[1:3], pads=pads, dilation=dilation, config=cfg_d,
-                        interpret=interpret, detect_races=races)
+        dx = conv_dgrad(dy, w, x_hw=x.shape[1:3], stride=stride, pads=pads, dilation=dilation,
+                        config=cfg_d, interpret=interpret, detect_races=races)
     except KernelUnsupported:  # a static property of the call: decided while tracing
         dx = jax.vjp(lambda x_: conv(x_, w), x)[1](dy)[0]
-    dw = conv_wgrad(x, dy, kernel_hw=w.shape[:2], pads=pads, dilation=dilation, config=cfg_w,
-                    interpret=interpret, detect_races=races)
+    dw = conv_wgrad(x, dy, kernel_hw=w.shape[:2], stride=stride, pads=pads, dilation=dilation,
+                    config=cfg_w, interpret=interpret, detect_races=races)
     return dx.astype(x.dtype), dw.astype(w.dtype), db, dres
 
 

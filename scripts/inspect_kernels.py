@@ -448,15 +448,15 @@ def main_mosaic(opts, bk) -> int:
         x_shape = (opts.batch or batch, *hwc)
         args = (jax.ShapeDtypeStruct(x_shape, dtype), jax.ShapeDtypeStruct(w_shape, dtype))
         pads = _explicit_pads(kw.get("padding", 0), w_shape)
+        stride = _pair(kw.get("stride", 1))
         try:
-            mc.check_supported(x_shape, w_shape, dtype, stride=_pair(kw.get("stride", 1)),
-                               pads=pads)
+            mc.check_supported(x_shape, w_shape, dtype, stride=stride, pads=pads)
         except NotImplementedError as e:
             print(f"{name:<18} skipped: {e}")
             continue
 
-        def fwd_and_grads(x, w, pads=pads):  # the output is kept: the forward is lowered too
-            y, vjp = jax.vjp(lambda x, w: mc.conv2d(x, w, padding=pads), x, w)
+        def fwd_and_grads(x, w, pads=pads, stride=stride):  # keeps y: the forward is lowered
+            y, vjp = jax.vjp(lambda x, w: mc.conv2d(x, w, stride=stride, padding=pads), x, w)
             return y, vjp(y)
         try:
             reports = inspect_mosaic(fwd_and_grads, *args, kind=opts.device_kind)

@@ -47,8 +47,8 @@ HALF_STEP = {jnp.dtype(jnp.bfloat16): 2.0 ** -8, jnp.dtype(jnp.float16): 2.0 ** 
 H100 = "NVIDIA H100 80GB HBM3"
 
 
-def _ref_conv(x, w, pads, dilation=(1, 1)):
-    return lax.conv_general_dilated(x.astype(jnp.float32), w.astype(jnp.float32), (1, 1),
+def _ref_conv(x, w, pads, dilation=(1, 1), stride=(1, 1)):
+    return lax.conv_general_dilated(x.astype(jnp.float32), w.astype(jnp.float32), stride,
                                     pads, rhs_dilation=dilation, dimension_numbers=DIMS,
                                     precision=lax.Precision.HIGHEST)
 
@@ -85,7 +85,7 @@ def races():
     assert not found, "the interpreter's race detector found a data race"
 
 
-# name, x shape, w shape, pads, dilation, config, dtype
+# name, x shape, w shape, pads, dilation, config, dtype[, stride]
 FORWARD_CASES = [
     # 3x3, every tail: 5 rows (tile_h 16), 7 columns (tile_w 4: 4 + 3), C_in 24 (block_k
     # 16: 16 + 8), C_out 40 (block_n 32: 32 + 8)
@@ -97,18 +97,27 @@ FORWARD_CASES = [
      None, jnp.bfloat16),
     ("float16, 64 channels, 3 stages", (1, 3, 9, 64), (3, 3, 64, 64), ((1, 1), (1, 1)),
      (1, 1), None, jnp.float16),
+    # stride 2 by phase decomposition: odd sizes, so the phases differ in size
+    ("3x3 stride 2", (1, 7, 9, 8), (3, 3, 8, 16), ((1, 1), (1, 1)), (1, 1), None,
+     jnp.bfloat16, (2, 2)),
+    ("1x1 stride 2", (2, 6, 7, 16), (1, 1, 16, 16), ((0, 0), (0, 0)), (1, 1), None,
+     jnp.bfloat16, (2, 2)),
+    ("stride 2x1, dilation 1x2, asymmetric pad", (1, 9, 8, 8), (3, 3, 8, 8), ((1, 0), (2, 1)),
+     (1, 2), None, jnp.bfloat16, (2, 1)),
 ]
 
 
 @needs_mgpu
-@pytest.mark.parametrize("name, xs, ws, pads, dil, cfg, dtype", FORWARD_CASES,
-                         ids=[c[0] for c in FORWARD_CASES])
-def test_forward_matches_lax(name, xs, ws, pads, dil, cfg, dtype):
+@pytest.mark.parametrize("case", FORWARD_CASES, ids=[c[0] for c in FORWARD_CASES])
+def test_forward_matches_lax(case):
+    name, xs, ws, pads, dil, cfg, dtype, *stride = case
+    stride = stride[0] if stride else (1, 1)
     rng = np.random.default_rng(0)
     x, w = _normal(rng, xs, dtype), _normal(rng, ws, dtype)
-    y = mc.conv_forward(x, w, pads=pads, dilation=dil, config=cfg, interpret=True)
+    y = mc.conv_forward(x, w, stride=stride, pads=pads, dilation=dil, config=cfg,
+                        interpret=True)
     assert y.dtype == dtype
-    _assert_16bit_close(y, _ref_conv(x, w, pads, dil), dtype, name)
+    _assert_16bit_close(y, _ref_conv(x, w, pads, dil, stride), dtype, name)
 
 
 @needs_mgpu
@@ -128,24 +137,27 @@ def _loss_grads(fn, x, w, b, res, ct):
 
 
 @needs_mgpu
-@pytest.mark.parametrize("xs, ws, pads, cfg", [
-    ((2, 2, 8, 24), (3, 3, 24, 16), ((1, 0), (2, 1)), mc.MgpuConfig(split=3, stages=2)),
-    ((1, 2, 9, 8), (1, 1, 8, 24), ((0, 0), (0, 0)), None),
-], ids=["3x3 asymmetric pad, split 3", "1x1"])
-def test_gradients_match_lax(xs, ws, pads, cfg):
+@pytest.mark.parametrize("xs, ws, stride, pads, cfg", [
+    ((2, 2, 8, 24), (3, 3, 24, 16), (1, 1), ((1, 0), (2, 1)), mc.MgpuConfig(split=3, stages=2)),
+    ((1, 2, 9, 8), (1, 1, 8, 24), (1, 1), ((0, 0), (0, 0)), None),
+    ((1, 5, 9, 8), (3, 3, 8, 16), (2, 2), ((1, 1), (1, 1)), None),
+], ids=["3x3 asymmetric pad, split 3", "1x1", "3x3 stride 2 (input gradient by XLA)"])
+def test_gradients_match_lax(xs, ws, stride, pads, cfg):
     """Input, weight, bias and residual gradients of the custom VJP against jax.grad of lax."""
     rng = np.random.default_rng(2)
     x, w = _normal(rng, xs, jnp.bfloat16), _normal(rng, ws, jnp.bfloat16)
     b = _normal(rng, ws[3:], jnp.bfloat16)
-    y_shape = _ref_conv(x, w, pads).shape
+    y_shape = _ref_conv(x, w, pads, stride=stride).shape
     res = _normal(rng, y_shape, jnp.bfloat16)
     ct = _normal(rng, y_shape, jnp.bfloat16).astype(jnp.float32)
 
     def kernel(x, w, b, res):
-        return mc.conv2d(x, w, b, padding=pads, residual=res, config=cfg, interpret=True)
+        return mc.conv2d(x, w, b, stride=stride, padding=pads, residual=res, config=cfg,
+                         interpret=True)
 
     def reference(x, w, b, res):
-        return _ref_conv(x, w, pads) + b.astype(jnp.float32) + res.astype(jnp.float32)
+        return (_ref_conv(x, w, pads, stride=stride) + b.astype(jnp.float32)
+                + res.astype(jnp.float32))
 
     f32 = [a.astype(jnp.float32) for a in (x, w, b, res)]
     got, want = _loss_grads(kernel, x, w, b, res, ct), _loss_grads(reference, *f32, ct)
@@ -221,7 +233,7 @@ def test_pallas_conv2d_backend_mosaic_runs_the_mosaic_kernels():
 @pytest.mark.parametrize("xs, ws, kw, match", [
     ((1, 8, 8, 3), (3, 3, 3, 16), {}, "C_in=3 is not a multiple of 8"),
     ((1, 8, 8, 16), (3, 3, 16, 12), {}, "C_out=12"),
-    ((1, 8, 8, 16), (3, 3, 16, 16), {"stride": (2, 2)}, "stride"),
+    ((1, 8, 8, 16), (3, 3, 16, 16), {"stride": (5, 5)}, "stride"),
     ((1, 8, 8, 16), (3, 3, 16, 16), {"dtype": jnp.float32}, "float32"),
 ])
 def test_unsupported_calls_raise_one_clear_line(xs, ws, kw, match):
@@ -246,7 +258,8 @@ def test_old_jax_is_unsupported_and_the_library_falls_back(monkeypatch):
     ({"interpret": True}, "triton"),
     ({"dtype": jnp.float32}, "triton"),
     ({"x_shape": (1, 8, 8, 3), "w_shape": (3, 3, 3, 16)}, "triton"),
-    ({"stride": (2, 2)}, "triton"),
+    ({"stride": (2, 2)}, "mosaic"),
+    ({"stride": (5, 5)}, "triton"),
     ({"has_input_bn": True}, "triton"),
     ({"kind": "depthwise"}, "triton"),
     ({"config": pk.BlockConfig(block_m=64, block_n=64, block_k=16)}, "triton"),
@@ -302,22 +315,25 @@ LOWERED = [  # x shape, w shape, pads, config: the default tiles and the tails o
                                                                    stages=2, split=2)),
     ((2, 7, 7, 256), (1, 1, 256, 64), ((0, 0), (0, 0)), None),
     ((1, 16, 16, 16), (7, 7, 16, 64), ((3, 3), (3, 3)), mc.MgpuConfig(stages=4)),
+    ((2, 28, 28, 128), (3, 3, 128, 128), ((1, 1), (1, 1)), None, (2, 2)),
 ]
 
 
 @needs_mgpu
-@pytest.mark.parametrize("xs, ws, pads, cfg", LOWERED, ids=["3x3", "3x3 tails", "1x1", "7x7"])
-def test_kernels_lower_for_hopper_with_tma_and_wgmma(xs, ws, pads, cfg):
+@pytest.mark.parametrize("case", LOWERED, ids=["3x3", "3x3 tails", "1x1", "7x7", "3x3/2"])
+def test_kernels_lower_for_hopper_with_tma_and_wgmma(case):
+    xs, ws, pads, cfg, *stride = case
+    stride = stride[0] if stride else (1, 1)
     ik = _inspect_kernels()
 
     def fwd_and_grads(x, w):
-        y, vjp = jax.vjp(lambda x, w: mc.conv2d(x, w, padding=pads, relu=True, config=cfg),
-                         x, w)
+        y, vjp = jax.vjp(lambda x, w: mc.conv2d(x, w, stride=stride, padding=pads, relu=True,
+                                                config=cfg), x, w)
         return y, vjp(y)
     reports = ik.inspect_mosaic(fwd_and_grads, S(xs, jnp.bfloat16), S(ws, jnp.bfloat16))
     names = sorted(r.name for r in reports)
     want = ["jaxcnn_mgpu_conv_fwd", "jaxcnn_mgpu_conv_wgrad"]
-    if pads[0][0] <= ws[0] - 1 and pads[1][0] <= ws[1] - 1:
+    if pads[0][0] <= ws[0] - 1 and pads[1][0] <= ws[1] - 1 and stride == (1, 1):
         want.append("jaxcnn_mgpu_conv_dgrad")
     assert names == sorted(want)
     for r in reports:
