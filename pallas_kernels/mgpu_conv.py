@@ -54,8 +54,11 @@ bfloat16/float16 in, float32 accumulation):
   extra pass over the input), because a TMA window starting at a negative
   coordinate cannot be checked offline (GPU interpret mode cannot simulate
   it) and so is not relied on.
-- **Epilogue.**  The float32 accumulator is cast, stored to a shared-memory
-  tile (``commit_smem``), and written with one TMA store per output row,
+- **Epilogue.**  The float32 accumulator gets the bias (read in the
+  accumulator's column layout), the residual (both TMA-loaded, the residual
+  per output row, while the main loop runs) and the ReLU, each optional; it
+  is cast, stored to a shared-memory tile (``commit_smem``), and written
+  with one TMA store per output row,
   skipped (``pl.when``) for rows past the image.  The last column tile of a
   row stores only its valid columns, as a few power-of-two windows (5 = 4 + 1),
   never relying on clipping there: Mosaic sends a store whose window is
@@ -242,12 +245,14 @@ def _lane_params(plgpu):
     return plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)
 
 
-def _implicit_gemm(x, w3, gm: _Geom, cfg: MgpuConfig, *, interpret, detect_races, name):
-    """``y[n, oh, ow, :] = sum_{tap, c} x[n, oh + i*dh, ow + j*dw, c] * w3[tap, c, :gm.co]``.
+def _implicit_gemm(x, w3, bias, residual, gm: _Geom, cfg: MgpuConfig, *, relu, interpret,
+                   detect_races, name):
+    """``y[n, oh, ow, :] = sum_{tap, c} x[n, oh + i*dh, ow + j*dw, c] * w3[tap, c, :gm.co]``,
+    then ``+ bias + residual`` and ReLU on the float32 accumulator (each optional).
 
     ``x`` is already padded at the top/left; reads past its bottom/right are TMA zero fill.
     ``w3``'s last dimension is padded to a multiple of ``block_n``: the swizzled TMA
-    tiles it by the swizzle width, which must divide it.
+    tiles it by the swizzle width, which must divide it; so is ``bias`` (float32).
     """
     plgpu = _plgpu()
     dtype = x.dtype
@@ -269,7 +274,14 @@ def _implicit_gemm(x, w3, gm: _Geom, cfg: MgpuConfig, *, interpret, detect_races
     a_transforms = w_transforms
     from jax.experimental import pallas as pl
 
-    def body(x_ref, w_ref, o_ref, a_smem, a_sw, b_smem, o_smem, bars):
+    has_bias, has_res = bias is not None, residual is not None
+
+    def body(*refs):
+        refs = list(refs)
+        x_ref, w_ref = refs.pop(0), refs.pop(0)
+        bias_ref = refs.pop(0) if has_bias else None
+        res_ref = refs.pop(0) if has_res else None
+        o_ref, a_smem, a_sw, b_smem, o_smem, bars, *epi_scratch = refs
         mi, ni = lax.axis_index("m"), lax.axis_index("n")
         img = mi // (tiles_h * tiles_w)
         rest = mi % (tiles_h * tiles_w)
@@ -293,6 +305,17 @@ def _implicit_gemm(x, w3, gm: _Geom, cfg: MgpuConfig, *, interpret, detect_races
             # A traced zero keeps the prologue's window starts dynamic: Pallas rejects
             # static windows that overhang the array, which TMA zero-fills.
             zero = ni * 0
+            if has_bias or has_res:  # the epilogue's operands load during the main loop
+                *epi_smem, epi_bar = epi_scratch
+                bias_smem = epi_smem.pop(0) if has_bias else None
+                res_smem = epi_smem.pop(0) if has_res else None
+            if has_bias:
+                plgpu.copy_gmem_to_smem(bias_ref.at[pl.ds(co0 + zero, bn)], bias_smem, epi_bar)
+            if has_res:
+                for r in range(th):
+                    plgpu.copy_gmem_to_smem(
+                        res_ref.at[img, oh0 + r + zero, pl.ds(ow0, tw), pl.ds(co0, bn)],
+                        res_smem.at[pl.ds(r * tw, tw)], epi_bar)
             for s in range(min(stages, nsteps)):
                 issue(zero + s, s)
 
@@ -321,7 +344,18 @@ def _implicit_gemm(x, w3, gm: _Geom, cfg: MgpuConfig, *, interpret, detect_races
 
             lax.fori_loop(0, pl_cdiv(nsteps, stages), group, None)
             plgpu.wgmma_wait(0)
-            o_smem[...] = acc_ref[...].astype(dtype)
+            acc = acc_ref[...]
+            if has_bias or has_res:
+                plgpu.barrier_wait(epi_bar)
+            if has_bias:
+                b = plgpu.load(bias_smem, layout=plgpu.Layout.WGMMA.reduce(0))
+                acc = acc + lax.broadcast_in_dim(b, (TILE_M, bn), [1])
+            if has_res:
+                acc = acc + plgpu.load(res_smem, layout=plgpu.Layout.WGMMA,
+                                       optimized=False).astype(F32)
+            if relu:
+                acc = jnp.maximum(acc, 0.0)
+            o_smem[...] = acc.astype(dtype)
             plgpu.commit_smem()
             for r in range(th):
                 def store(off, size, r=r):
@@ -354,12 +388,15 @@ def _implicit_gemm(x, w3, gm: _Geom, cfg: MgpuConfig, *, interpret, detect_races
             plgpu.SMEM((stages, bk, bn), dtype, transforms=w_transforms),
             plgpu.SMEM((TILE_M, bn), dtype),
             plgpu.Barrier(num_arrivals=th + 1, num_barriers=stages),
-        ],
+        ] + ([plgpu.SMEM((bn,), F32)] if has_bias else [])
+          + ([plgpu.SMEM((TILE_M, bn), residual.dtype)] if has_res else [])
+          + ([plgpu.Barrier(num_arrivals=int(has_bias) + th * int(has_res))]
+             if has_bias or has_res else []),
         compiler_params=_lane_params(plgpu),
         interpret=_interpret_params(plgpu, interpret, detect_races),
         kernel_name=name,
     )
-    return kernel(x, w3)
+    return kernel(x, w3, *[a for a in (bias, residual) if a is not None])
 
 
 def _out_hw(hw, kernel_hw, stride, pads, dilation):
@@ -408,13 +445,16 @@ def pl_cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def conv_forward(x, w, *, stride=(1, 1), pads=((0, 0), (0, 0)), dilation=(1, 1),
-                 config: MgpuConfig | None = None, interpret: bool = False,
-                 detect_races: bool = False, name: str = "jaxcnn_mgpu_conv_fwd"):
+def conv_forward(x, w, b=None, residual=None, *, relu=False, stride=(1, 1),
+                 pads=((0, 0), (0, 0)), dilation=(1, 1), config: MgpuConfig | None = None,
+                 interpret: bool = False, detect_races: bool = False,
+                 name: str = "jaxcnn_mgpu_conv_fwd"):
     """Dense convolution ``(N, H, W, C_in) x (KH, KW, C_in, C_out)`` on Mosaic GPU.
 
     Arguments:
         x, w: bfloat16 or float16, NHWC and HWIO.
+        b: optional ``(C_out,)``, residual: optional ``(N, OH, OW, C_out)`` (x's dtype),
+            added to the float32 accumulator in the epilogue, then ``relu`` if set.
         stride: ``(sh, sw)``; above 1 the input is split into its stride phases
             first (one XLA copy), so every tap reads a stride-1 window of one phase.
         pads: ``((top, bottom), (left, right))``, each >= 0.
@@ -446,10 +486,16 @@ def conv_forward(x, w, *, stride=(1, 1), pads=((0, 0), (0, 0)), dilation=(1, 1),
     cfg = config or DEFAULT
     w3 = w.reshape(kh * kw, c, co)
     bn = _block_n(co, cfg)
+    cop = pl_cdiv(co, bn) * bn
     if co % bn:  # the swizzled weight tiles need C_out a multiple of the tile (tiny XLA pad)
-        w3 = jnp.pad(w3, ((0, 0), (0, 0), (0, pl_cdiv(co, bn) * bn - co)))
-    return _implicit_gemm(x, w3, gm, cfg,
-                          interpret=interpret, detect_races=detect_races, name=name)
+        w3 = jnp.pad(w3, ((0, 0), (0, 0), (0, cop - co)))
+    if b is not None:
+        b = jnp.pad(b.astype(F32), (0, cop - co))
+    if residual is not None and residual.shape != (n, oh, ow, co):
+        raise ValueError(f"Mosaic GPU conv: residual shape {residual.shape} != output "
+                         f"{(n, oh, ow, co)}")
+    return _implicit_gemm(x, w3, b, residual, gm, cfg, relu=bool(relu), interpret=interpret,
+                          detect_races=detect_races, name=name)
 
 
 def conv_dgrad(dy, w, *, x_hw, stride=(1, 1), pads=((0, 0), (0, 0)), dilation=(1, 1),
@@ -622,9 +668,8 @@ def conv2d(x, w, b=None, *, stride=(1, 1), padding=((0, 0), (0, 0)), dilation=(1
 
     The structure of :func:`pallas_kernels.conv2d`: the forward kernel, then the
     backward as the input-gradient and weight-gradient kernels (``backward="mosaic"``)
-    or XLA's convolution gradients (``"xla"``).  Bias, residual and ReLU are applied by
-    XLA on the kernel's output (one fused elementwise pass; not yet in the kernel's
-    epilogue).  Where the input gradient has no kernel (a strided forward, or one
+    or XLA's convolution gradients (``"xla"``).  Bias, residual and ReLU are applied in
+    the forward kernel's epilogue, on the float32 accumulator.  Where the input gradient has no kernel (a strided forward, or one
     padded by more than its dilated window), XLA computes it.
 
     Arguments:
@@ -657,24 +702,11 @@ def conv2d(x, w, b=None, *, stride=(1, 1), padding=((0, 0), (0, 0)), dilation=(1
     return _conv(static, x, w, b, residual)
 
 
-def _epilogue(y, b, residual, relu):
-    if b is None and residual is None and not relu:
-        return y
-    out = y.astype(F32)
-    if b is not None:
-        out = out + b.astype(F32)
-    if residual is not None:
-        out = out + residual.astype(F32)
-    if relu:
-        out = jnp.maximum(out, 0.0)
-    return out.astype(y.dtype)
-
-
 def _forward(static, x, w, b, residual):
     pads, dilation, relu, _, (cfg, _, _), interpret, races, stride = static
-    y = conv_forward(x, w, stride=stride, pads=pads, dilation=dilation, config=cfg,
-                     interpret=interpret, detect_races=races)
-    return _epilogue(y, b, residual, relu)
+    return conv_forward(x, w, b, residual, relu=relu, stride=stride, pads=pads,
+                        dilation=dilation, config=cfg, interpret=interpret,
+                        detect_races=races)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))

@@ -121,13 +121,19 @@ def test_forward_matches_lax(case):
 
 
 @needs_mgpu
-def test_forward_has_no_race_with_tails(races):
+def test_forward_with_fused_epilogue_has_no_race(races):
+    """Bias, residual and ReLU on the float32 accumulator, tails in every dimension
+    (C_out 24 with block_n 16), under the race detector."""
     rng = np.random.default_rng(1)
     x, w = _normal(rng, (1, 5, 7, 8), jnp.bfloat16), _normal(rng, (3, 3, 8, 24), jnp.bfloat16)
+    b, res = _normal(rng, (24,), jnp.bfloat16), _normal(rng, (1, 5, 7, 24), jnp.bfloat16)
     pads = ((1, 1), (1, 1))
-    y = mc.conv_forward(x, w, pads=pads, config=mc.MgpuConfig(stages=2), interpret=True,
+    y = mc.conv_forward(x, w, b, res, relu=True, pads=pads,
+                        config=mc.MgpuConfig(block_n=16, stages=2), interpret=True,
                         detect_races=races)
-    _assert_16bit_close(y, _ref_conv(x, w, pads), jnp.bfloat16, "raced forward")
+    want = jnp.maximum(_ref_conv(x, w, pads) + b.astype(jnp.float32)
+                       + res.astype(jnp.float32), 0.0)
+    _assert_16bit_close(y, want, jnp.bfloat16, "raced forward with epilogue")
 
 
 def _loss_grads(fn, x, w, b, res, ct):
@@ -326,11 +332,12 @@ def test_kernels_lower_for_hopper_with_tma_and_wgmma(case):
     stride = stride[0] if stride else (1, 1)
     ik = _inspect_kernels()
 
-    def fwd_and_grads(x, w):
-        y, vjp = jax.vjp(lambda x, w: mc.conv2d(x, w, stride=stride, padding=pads, relu=True,
-                                                config=cfg), x, w)
+    def fwd_and_grads(x, w, b):  # the fused epilogue (bias, ReLU) lowers too
+        y, vjp = jax.vjp(lambda x, w, b: mc.conv2d(x, w, b, stride=stride, padding=pads,
+                                                   relu=True, config=cfg), x, w, b)
         return y, vjp(y)
-    reports = ik.inspect_mosaic(fwd_and_grads, S(xs, jnp.bfloat16), S(ws, jnp.bfloat16))
+    reports = ik.inspect_mosaic(fwd_and_grads, S(xs, jnp.bfloat16), S(ws, jnp.bfloat16),
+                                S(ws[3:], jnp.bfloat16))
     names = sorted(r.name for r in reports)
     want = ["jaxcnn_mgpu_conv_fwd", "jaxcnn_mgpu_conv_wgrad"]
     if pads[0][0] <= ws[0] - 1 and pads[1][0] <= ws[1] - 1 and stride == (1, 1):
@@ -342,3 +349,15 @@ def test_kernels_lower_for_hopper_with_tma_and_wgmma(case):
         assert r.mbarrier, f"{r.name}: no mbarrier wait"
         assert r.wgmma and all(s.startswith("m64n") and s.endswith(".bf16.bf16")
                                for s in r.wgmma), f"{r.name}: wgmma {r.wgmma}"
+
+
+@needs_mgpu
+def test_residual_epilogue_lowers_for_hopper():
+    ik = _inspect_kernels()
+
+    def fwd(x, w, b, r):
+        return mc.conv_forward(x, w, b, r, relu=True, pads=((1, 1), (1, 1)))
+    (r,) = ik.inspect_mosaic(fwd, S((2, 14, 14, 64), jnp.bfloat16),
+                             S((3, 3, 64, 40), jnp.bfloat16), S((40,), jnp.bfloat16),
+                             S((2, 14, 14, 40), jnp.bfloat16))
+    assert r.name == "jaxcnn_mgpu_conv_fwd" and r.tma_load and r.tma_store and r.wgmma
