@@ -122,7 +122,7 @@ def select_backend(dtype, kind, stride, x_shape, w_shape, pads, has_input_bn, pr
     Mosaic needs: a real GPU run (not interpret mode) on a Hopper device kind
     (H100/H200, sm_90), jax >= 0.11, bfloat16 (float32 stays on Triton, whose TF32
     path is tested), a dense convolution whose channels TMA can address (strides
-    above 1 by phase decomposition; their input gradient is XLA's),
+    above 1 by phase decomposition),
     no fused input BatchNorm or precision override, and no Triton ``BlockConfig``.
     """
     if interpret or kind != "dense" or has_input_bn or precision is not None:

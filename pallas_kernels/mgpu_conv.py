@@ -72,9 +72,10 @@ bfloat16/float16 in, float32 accumulation):
   float32, channel counts that are not a multiple of 8 (TMA needs 16-byte
   strides: 1- and 3-channel stems), negative padding.
 
-:func:`conv_dgrad` (input gradient, stride 1) is the forward kernel on
-``dy`` with the flipped, transposed weights; for strided convolutions the
-op's backward takes XLA's input gradient (no kernel yet).  :func:`conv_wgrad` (weight
+:func:`conv_dgrad` (input gradient) is the forward kernel on ``dy`` with
+the flipped, transposed weights; strided, by phase decomposition of the
+input gradient (one forward-kernel call per stride phase with that phase's
+taps, interleaved by XLA).  :func:`conv_wgrad` (weight
 gradient) is a split-K over ``N * OH * OW`` without atomics: every CTA owns a
 tap x ``64`` input channels x ``block_n`` output channels x one split,
 accumulates ``x_tap^T @ dy`` over its share of output tiles with ``wgmma``
@@ -501,28 +502,70 @@ def conv_forward(x, w, b=None, residual=None, *, relu=False, stride=(1, 1),
 def conv_dgrad(dy, w, *, x_hw, stride=(1, 1), pads=((0, 0), (0, 0)), dilation=(1, 1),
                config: MgpuConfig | None = None, interpret: bool = False,
                detect_races: bool = False):
-    """Input gradient of the stride-1 :func:`conv_forward`: the same kernel on ``dy`` with
-    the flipped, transposed weights (a full correlation), padded so it returns ``x_hw``.
+    """Input gradient of :func:`conv_forward`, ``(N, H, W, C_in)`` in ``dy``'s dtype.
+
+    Stride 1: the forward kernel on ``dy`` with the flipped, transposed weights (a
+    full correlation), padded so it returns ``x_hw``.  Stride ``s`` (dilation 1): by
+    phase decomposition of the input gradient.  Input row ``r`` of the padded input
+    with ``r % s == a`` receives only the taps ``i = a, a + s, ...``, from output rows
+    ``r // s - k``: per phase ``(a, b)`` that is a stride-1 correlation of ``dy`` with
+    those taps flipped (``ceil((KH - a) / s) x ceil((KW - b) / s)`` of them: 4, 2, 2
+    and 1 for a 3x3/2, nine in all), run by the forward kernel; XLA interleaves the
+    ``s * s`` phase results and crops the padding (one pass over ``dx``).  A phase no
+    tap reaches (1x1/2) is zeros.
 
     Raises:
-        KernelUnsupported: for a strided forward (no kernel yet: XLA computes it), when
-            the correlation would need negative padding (a forward padded by more than
-            its dilated window), or when the channels do not fit.
+        KernelUnsupported: for a strided, dilated forward; when the correlation would
+            need negative padding (a forward padded by more than its dilated window);
+            or when the channels do not fit.
     """
-    if tuple(stride) != (1, 1):
-        raise KernelUnsupported(f"Mosaic GPU conv: no input-gradient kernel for stride "
-                                f"{tuple(stride)} yet (stride 1 only)")
+    stride = tuple(stride)
     kh, kw = w.shape[:2]
     dh, dw = dilation
     (pt, pb), (pleft, pr) = pads
-    back = ((dh * (kh - 1) - pt, dh * (kh - 1) - pb), (dw * (kw - 1) - pleft, dw * (kw - 1) - pr))
-    w_t = jnp.flip(w, (0, 1)).transpose(0, 1, 3, 2)
-    dx = conv_forward(dy, w_t, pads=back, dilation=dilation, config=config,
-                      interpret=interpret, detect_races=detect_races,
-                      name="jaxcnn_mgpu_conv_dgrad")
+    kwargs = dict(config=config, interpret=interpret, detect_races=detect_races,
+                  name="jaxcnn_mgpu_conv_dgrad")
+    if stride == (1, 1):
+        back = ((dh * (kh - 1) - pt, dh * (kh - 1) - pb),
+                (dw * (kw - 1) - pleft, dw * (kw - 1) - pr))
+        dx = conv_forward(dy, jnp.flip(w, (0, 1)).transpose(0, 1, 3, 2), pads=back,
+                          dilation=dilation, **kwargs)
+    else:
+        if tuple(dilation) != (1, 1):
+            raise KernelUnsupported(f"Mosaic GPU conv: no input-gradient kernel for stride "
+                                    f"{stride} with dilation {tuple(dilation)}")
+        dx = _strided_dgrad(dy, w, x_hw, stride, pads, kwargs)
     if dx.shape[1:3] != tuple(x_hw):
         raise AssertionError(f"dgrad shape {dx.shape} does not match input {x_hw}")
     return dx
+
+
+def _strided_dgrad(dy, w, x_hw, stride, pads, kwargs):
+    n, oh, ow, _ = dy.shape
+    kh, kw, c, _ = w.shape
+    sh, sw = stride
+    (pt, _), (pleft, _) = pads
+    mh, mw = pl_cdiv(pt + x_hw[0], sh), pl_cdiv(pleft + x_hw[1], sw)  # rows per phase
+    if mh < oh or mw < ow:  # over-padded at the bottom/right: negative correlation padding
+        raise KernelUnsupported(f"Mosaic GPU conv: negative padding in the strided input "
+                                f"gradient (pads {pads}, stride {stride})")
+    check_supported((n, oh, ow, dy.shape[3]), (1, 1, dy.shape[3], c), dy.dtype)
+    rows = []
+    for a in range(sh):
+        cols = []
+        for b in range(sw):
+            taps = w[a::sh, b::sw]  # (ceil((KH - a) / sh), ceil((KW - b) / sw), C_in, C_out)
+            ka, kb = taps.shape[:2]
+            if ka == 0 or kb == 0:
+                cols.append(jnp.zeros((n, mh, mw, c), dy.dtype))
+                continue
+            cols.append(conv_forward(
+                dy, jnp.flip(taps, (0, 1)).transpose(0, 1, 3, 2),
+                pads=((ka - 1, mh - oh), (kb - 1, mw - ow)), **kwargs))
+        rows.append(jnp.stack(cols))
+    phases = jnp.stack(rows)  # (sh, sw, N, mh, mw, C): padded row m * sh + a, column ...
+    dx = phases.transpose(2, 3, 0, 4, 1, 5).reshape(n, mh * sh, mw * sw, c)
+    return dx[:, pt:pt + x_hw[0], pleft:pleft + x_hw[1]]
 
 
 def conv_wgrad(x, dy, *, kernel_hw, stride=(1, 1), pads=((0, 0), (0, 0)), dilation=(1, 1),
@@ -669,8 +712,9 @@ def conv2d(x, w, b=None, *, stride=(1, 1), padding=((0, 0), (0, 0)), dilation=(1
     The structure of :func:`pallas_kernels.conv2d`: the forward kernel, then the
     backward as the input-gradient and weight-gradient kernels (``backward="mosaic"``)
     or XLA's convolution gradients (``"xla"``).  Bias, residual and ReLU are applied in
-    the forward kernel's epilogue, on the float32 accumulator.  Where the input gradient has no kernel (a strided forward, or one
-    padded by more than its dilated window), XLA computes it.
+    the forward kernel's epilogue, on the float32 accumulator.  Where the input gradient
+    has no kernel (strided and dilated, or padded by more than the dilated window), XLA
+    computes it.
 
     Arguments:
         x: ``(N, H, W, C_in)``; w: ``(KH, KW, C_in, C_out)``; bfloat16 or float16.
