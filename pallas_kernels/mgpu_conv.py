@@ -44,9 +44,12 @@ bfloat16/float16 in, float32 accumulation):
   issues its ``wgmma``, waits until at most one ``wgmma`` is in flight
   (``wgmma_wait(1)``: the one of step ``s - 1`` has finished reading its
   slot) and refills that slot with step ``s - 1 + stages``.  The loop is
-  unrolled by ``stages`` so every slot index is static.  Single warpgroup,
-  no warp specialisation (a producer warpgroup with ``setmaxnreg`` is the
-  next step once a GPU can say whether it pays).
+  unrolled by ``stages`` so every slot index is static.  With
+  ``MgpuConfig(warp_specialized=True)`` a second warpgroup only issues the
+  TMA copies (``setmaxnreg`` moves registers to the computing warpgroup),
+  waiting on per-slot "consumed" mbarriers the computing warpgroup arrives
+  on once a slot's ``wgmma`` has finished; off by default until a GPU says
+  which is faster.
 - **Zero padding.**  The bottom/right padding (and every read past the image,
   channel or weight tails) is TMA's out-of-bounds zero fill on the
   multi-dimensional window.  The top/left padding is explicit: the input is
@@ -148,12 +151,17 @@ class MgpuConfig:
         block_k: input channels per K step (16, 32 or 64 for 16-bit types).
         stages: pipeline depth (shared-memory slots per operand, >= 1).
         split: weight gradient only: how many CTAs share the pixel reduction.
+        warp_specialized: forward/input gradient only: a second warpgroup issues the
+            TMA copies (``setmaxnreg`` moves registers to the computing one), which
+            hands slots back through "consumed" mbarriers.  Off until a GPU says
+            which is faster.
     """
     tile_w: int | None = None
     block_n: int = 128
     block_k: int = 64
     stages: int = 3
     split: int = 1
+    warp_specialized: bool = False
 
 
 DEFAULT = MgpuConfig()
@@ -283,6 +291,9 @@ def _implicit_gemm(x, w3, bias, residual, gm: _Geom, cfg: MgpuConfig, *, relu, i
         bias_ref = refs.pop(0) if has_bias else None
         res_ref = refs.pop(0) if has_res else None
         o_ref, a_smem, a_sw, b_smem, o_smem, bars, *epi_scratch = refs
+        consumed_scratch = []
+        if cfg.warp_specialized:
+            consumed_scratch.append(epi_scratch.pop(0))
         mi, ni = lax.axis_index("m"), lax.axis_index("n")
         img = mi // (tiles_h * tiles_w)
         rest = mi % (tiles_h * tiles_w)
@@ -302,14 +313,15 @@ def _implicit_gemm(x, w3, bias, residual, gm: _Geom, cfg: MgpuConfig, *, relu, i
             plgpu.copy_gmem_to_smem(w_ref.at[tap, pl.ds(cc * bk, bk), pl.ds(co0, bn)],
                                     b_smem.at[slot], bars.at[slot])
 
-        def scoped(acc_ref):
-            # A traced zero keeps the prologue's window starts dynamic: Pallas rejects
-            # static windows that overhang the array, which TMA zero-fills.
-            zero = ni * 0
-            if has_bias or has_res:  # the epilogue's operands load during the main loop
-                *epi_smem, epi_bar = epi_scratch
-                bias_smem = epi_smem.pop(0) if has_bias else None
-                res_smem = epi_smem.pop(0) if has_res else None
+        # A traced zero keeps the first windows' starts dynamic: Pallas rejects static
+        # windows that overhang the array, which TMA zero-fills.
+        zero = ni * 0
+        if has_bias or has_res:
+            *epi_smem, epi_bar = epi_scratch
+            bias_smem = epi_smem.pop(0) if has_bias else None
+            res_smem = epi_smem.pop(0) if has_res else None
+
+        def load_epilogue_operands():  # issued first: they load during the main loop
             if has_bias:
                 plgpu.copy_gmem_to_smem(bias_ref.at[pl.ds(co0 + zero, bn)], bias_smem, epi_bar)
             if has_res:
@@ -317,33 +329,28 @@ def _implicit_gemm(x, w3, bias, residual, gm: _Geom, cfg: MgpuConfig, *, relu, i
                     plgpu.copy_gmem_to_smem(
                         res_ref.at[img, oh0 + r + zero, pl.ds(ow0, tw), pl.ds(co0, bn)],
                         res_smem.at[pl.ds(r * tw, tw)], epi_bar)
-            for s in range(min(stages, nsteps)):
-                issue(zero + s, s)
 
+        def mma(acc_ref, slot):
+            plgpu.barrier_wait(bars.at[slot])
+            # Restage the (unswizzled, tap-shifted) input tile into the swizzled layout
+            # wgmma reads; the previous user of this slot (step s - stages) finished at
+            # step s - stages + 1 (stages >= 2).
+            a_sw[slot] = plgpu.load(a_smem.at[slot], layout=plgpu.Layout.WGMMA,
+                                    optimized=False)
+            plgpu.commit_smem()
+            plgpu.wgmma(acc_ref, a_sw.at[slot], b_smem.at[slot])
+            plgpu.wgmma_wait(1)  # step s-1's wgmma is done with its slot
+
+        def steps(body_fn):
+            """``body_fn(s, slot)`` for s < nsteps, unrolled by ``stages``: static slots."""
             def group(g, carry):
                 for slot in range(stages):
                     s = g * stages + slot
-
-                    @pl.when(s < nsteps)
-                    def _step():
-                        plgpu.barrier_wait(bars.at[slot])
-                        # Restage the (unswizzled, tap-shifted) input tile into the
-                        # swizzled layout wgmma reads; the previous user of this
-                        # slot (step s - stages) finished at step s - stages + 1.
-                        a = plgpu.load(a_smem.at[slot], layout=plgpu.Layout.WGMMA,
-                                       optimized=False)
-                        a_sw[slot] = a
-                        plgpu.commit_smem()
-                        plgpu.wgmma(acc_ref, a_sw.at[slot], b_smem.at[slot])
-                        plgpu.wgmma_wait(1)  # step s-1's wgmma is done with its slot
-                        nxt = s - 1 + stages
-
-                        @pl.when((s >= 1) & (nxt < nsteps))
-                        def _refill():
-                            issue(nxt, (slot - 1) % stages)
+                    pl.when(s < nsteps)(functools.partial(body_fn, s, slot))
                 return carry
-
             lax.fori_loop(0, pl_cdiv(nsteps, stages), group, None)
+
+        def epilogue(acc_ref):
             plgpu.wgmma_wait(0)
             acc = acc_ref[...]
             if has_bias or has_res:
@@ -376,7 +383,54 @@ def _implicit_gemm(x, w3, bias, residual, gm: _Geom, cfg: MgpuConfig, *, relu, i
                             store(off, size)
             plgpu.wait_smem_to_gmem(0)
 
-        pl.run_scoped(scoped, plgpu.ACC((TILE_M, bn), F32))
+        if not cfg.warp_specialized:
+            def scoped(acc_ref):
+                load_epilogue_operands()
+                for s in range(min(stages, nsteps)):
+                    issue(zero + s, s)
+
+                def step(s, slot):
+                    mma(acc_ref, slot)
+                    nxt = s - 1 + stages
+
+                    @pl.when((s >= 1) & (nxt < nsteps))
+                    def _refill():
+                        issue(nxt, (slot - 1) % stages)
+                steps(step)
+                epilogue(acc_ref)
+
+            pl.run_scoped(scoped, plgpu.ACC((TILE_M, bn), F32))
+            return
+
+        # Warp-specialised: warpgroup 1 only issues TMA copies (few registers), warpgroup 0
+        # restages, multiplies and runs the epilogue; "consumed" barriers hand slots back.
+        consumed = consumed_scratch[0]
+        wg = lax.axis_index("wg")
+
+        @pl.when(wg == 1)
+        def _producer():
+            plgpu.set_max_registers(40, action="decrease")
+            load_epilogue_operands()
+
+            def produce(s, slot):
+                pl.when(s >= stages)(lambda: plgpu.barrier_wait(consumed.at[slot]))
+                issue(s, slot)
+            steps(produce)
+
+        @pl.when(wg == 0)
+        def _consumer():
+            plgpu.set_max_registers(232, action="increase")
+
+            def scoped(acc_ref):
+                def consume(s, slot):
+                    mma(acc_ref, slot)  # waits until step s - 1's wgmma is done
+                    # Hand step s - 1's slot back, where the producer will wait for it.
+                    pl.when((s >= 1) & (s - 1 + stages < nsteps))(
+                        lambda: plgpu.barrier_arrive(consumed.at[(slot - 1) % stages]))
+                steps(consume)
+                epilogue(acc_ref)
+
+            pl.run_scoped(scoped, plgpu.ACC((TILE_M, bn), F32))
 
     kernel = plgpu.kernel(
         body,
@@ -389,13 +443,16 @@ def _implicit_gemm(x, w3, bias, residual, gm: _Geom, cfg: MgpuConfig, *, relu, i
             plgpu.SMEM((stages, bk, bn), dtype, transforms=w_transforms),
             plgpu.SMEM((TILE_M, bn), dtype),
             plgpu.Barrier(num_arrivals=th + 1, num_barriers=stages),
-        ] + ([plgpu.SMEM((bn,), F32)] if has_bias else [])
+        ] + ([plgpu.Barrier(num_arrivals=1, num_barriers=stages)]
+             if cfg.warp_specialized else [])
+          + ([plgpu.SMEM((bn,), F32)] if has_bias else [])
           + ([plgpu.SMEM((TILE_M, bn), residual.dtype)] if has_res else [])
           + ([plgpu.Barrier(num_arrivals=int(has_bias) + th * int(has_res))]
              if has_bias or has_res else []),
         compiler_params=_lane_params(plgpu),
         interpret=_interpret_params(plgpu, interpret, detect_races),
         kernel_name=name,
+        **(dict(num_threads=2, thread_name="wg") if cfg.warp_specialized else {}),
     )
     return kernel(x, w3, *[a for a in (bias, residual) if a is not None])
 

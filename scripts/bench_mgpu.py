@@ -15,7 +15,8 @@ from XLA's relative to XLA's largest value (a wrong result on the GPU shows
 here first).
 
 ``--sweep`` times every :class:`~pallas_kernels.mgpu_conv.MgpuConfig` of a
-small grid (block_n, block_k, stages) per shape and reports the fastest.
+small grid (block_n, block_k, stages, warp specialisation) per shape and
+reports the fastest.
 ``--tune`` races the Mosaic op against XLA with the autotuner and stores the
 verdict keyed with ``backend="mosaic"`` in the user's cache: only such a
 measurement lets ``impl="auto"`` choose the Mosaic kernel.
@@ -63,8 +64,8 @@ SHAPES = [
     ("mnist", "mnist conv2", (26, 26, 32), {}, (3, 3, 32, 64), 128),
 ]
 GROUPS = sorted({s[0] for s in SHAPES})
-SWEEP = [mc.MgpuConfig(block_n=bn, block_k=bk, stages=st)
-         for bn, bk, st in itertools.product((64, 128, 256), (32, 64), (2, 3, 4))]
+SWEEP = [mc.MgpuConfig(block_n=bn, block_k=bk, stages=st, warp_specialized=ws)
+         for bn, bk, st, ws in itertools.product((64, 128, 256), (32, 64), (2, 4), (False, True))]
 
 
 def _bench_kernels():
@@ -162,7 +163,8 @@ def main(argv=None) -> int:
             rows.append({"name": name, "error": f"{type(e).__name__}: {e}"[:2000]})
             continue
         cfg_text = "default" if config is None else (
-            f"n{config.block_n}k{config.block_k}s{config.stages}")
+            f"n{config.block_n}k{config.block_k}s{config.stages}"
+            + ("ws" if config.warp_specialized else ""))
         print(f"{name:<18} {x_shape[0]:>4} {1e3 * t[0]:>9.3f} {1e3 * t[1]:>9.3f} "
               f"{1e3 * t[2]:>8.3f} {flops / t[0] / 1e12:>8.1f} {t[2] / t[0]:>7.2f} "
               f"{1e3 * g[0]:>9.3f} {1e3 * g[1]:>9.3f} {1e3 * g[2]:>9.3f} {g[2] / g[0]:>7.2f} "

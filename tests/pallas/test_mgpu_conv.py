@@ -121,16 +121,19 @@ def test_forward_matches_lax(case):
 
 
 @needs_mgpu
-def test_forward_with_fused_epilogue_has_no_race(races):
+@pytest.mark.parametrize("warp_specialized", [False, True], ids=["one warpgroup", "producer wg"])
+def test_forward_with_fused_epilogue_has_no_race(races, warp_specialized):
     """Bias, residual and ReLU on the float32 accumulator, tails in every dimension
-    (C_out 24 with block_n 16), under the race detector."""
+    (C_out 24 with block_n 16), under the race detector; also with a producer warpgroup
+    handing slots back through "consumed" barriers."""
     rng = np.random.default_rng(1)
     x, w = _normal(rng, (1, 5, 7, 8), jnp.bfloat16), _normal(rng, (3, 3, 8, 24), jnp.bfloat16)
     b, res = _normal(rng, (24,), jnp.bfloat16), _normal(rng, (1, 5, 7, 24), jnp.bfloat16)
     pads = ((1, 1), (1, 1))
     y = mc.conv_forward(x, w, b, res, relu=True, pads=pads,
-                        config=mc.MgpuConfig(block_n=16, stages=2), interpret=True,
-                        detect_races=races)
+                        config=mc.MgpuConfig(block_n=16, stages=2,
+                                             warp_specialized=warp_specialized),
+                        interpret=True, detect_races=races)
     want = jnp.maximum(_ref_conv(x, w, pads) + b.astype(jnp.float32)
                        + res.astype(jnp.float32), 0.0)
     _assert_16bit_close(y, want, jnp.bfloat16, "raced forward with epilogue")
@@ -330,12 +333,13 @@ def _inspect_kernels():
 
 
 S = jax.ShapeDtypeStruct
-LOWERED = [  # x shape, w shape, pads, config: the default tiles and the tails of the CPU cases
+LOWERED = [  # x shape, w shape, pads, config[, stride]: default tiles, the CPU cases' tails
     ((2, 14, 14, 64), (3, 3, 64, 128), ((1, 1), (1, 1)), None),
     ((1, 5, 7, 24), (3, 3, 24, 40), ((1, 1), (1, 1)), mc.MgpuConfig(block_n=32, block_k=16,
                                                                    stages=2, split=2)),
     ((2, 7, 7, 256), (1, 1, 256, 64), ((0, 0), (0, 0)), None),
-    ((1, 16, 16, 16), (7, 7, 16, 64), ((3, 3), (3, 3)), mc.MgpuConfig(stages=4)),
+    ((1, 16, 16, 16), (7, 7, 16, 64), ((3, 3), (3, 3)), mc.MgpuConfig(
+        stages=4, warp_specialized=True)),
     ((2, 28, 28, 128), (3, 3, 128, 128), ((1, 1), (1, 1)), None, (2, 2)),
 ]
 
@@ -366,6 +370,9 @@ def test_kernels_lower_for_hopper_with_tma_and_wgmma(case):
         assert r.mbarrier, f"{r.name}: no mbarrier wait"
         assert r.wgmma and all(s.startswith("m64n") and s.endswith(".bf16.bf16")
                                for s in r.wgmma), f"{r.name}: wgmma {r.wgmma}"
+        # Warp specialisation rebalances registers (the weight gradient has no such variant).
+        ws = cfg is not None and cfg.warp_specialized and r.name != "jaxcnn_mgpu_conv_wgrad"
+        assert r.setmaxnreg == ws, f"{r.name}: setmaxnreg {r.setmaxnreg}"
 
 
 @needs_mgpu
