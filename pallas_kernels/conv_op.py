@@ -133,8 +133,11 @@ def select_backend(dtype, kind, stride, x_shape, w_shape, pads, has_input_bn, pr
         return "triton"
     if jnp.dtype(dtype) != jnp.bfloat16:
         return "triton"
-    kind_name = autotune.device_kind() if device_kind is None else device_kind
-    if not mgpu_conv.is_hopper(kind_name):
+    if device_kind is None:
+        hopper = mgpu_conv.is_hopper(autotune.device_kind(), mgpu_conv.device_capability())
+    else:
+        hopper = mgpu_conv.is_hopper(device_kind)
+    if not hopper:
         return "triton"
     try:
         mgpu_conv.check_supported(x_shape, w_shape, dtype, stride=stride, pads=pads)

@@ -1,4 +1,4 @@
-"""Dense convolution for Hopper (sm_90a) in Pallas **Mosaic GPU**: TMA, ``wgmma``, mbarrier pipeline.
+"""Dense convolution for Hopper (sm_90a) in Pallas **Mosaic GPU**: TMA, wgmma, mbarriers.
 
 The Triton kernels of :mod:`pallas_kernels.conv` cannot reach the Hopper
 Tensor Memory Accelerator (TMA) or issue asynchronous ``wgmma``; this module
@@ -9,7 +9,7 @@ interpret mode.  Nothing here has been timed on a GPU yet (docs/BENCHMARKS.md).
 Design of :func:`conv_forward` (any stride, dilation and padding, NHWC x HWIO,
 bfloat16/float16 in, float32 accumulation):
 
-- **Tiles.**  One CTA (one warpgroup, 128 threads) owns ``64`` output pixels x
+- **Tiles.**  One CTA (one computing warpgroup, 128 threads) owns ``64`` output pixels x
   ``block_n`` output channels.  The 64 pixels are a ``tile_h x tile_w``
   rectangle of one image's output (``tile_w`` a power of two <= the output
   width, ``tile_h = 64 // tile_w``), so every output row of the tile is a
@@ -29,16 +29,19 @@ bfloat16/float16 in, float32 accumulation):
   slot (``TilingTransform((8, swizzle_elems))`` + ``SwizzleTransform``), the
   layout ``wgmma`` reads from shared memory.  All copies of a step arrive on
   that slot's mbarrier (``tile_h + 1`` arrivals with their byte counts).
-- **Why the input operand goes through registers.**  A tap shifts the window
-  by one pixel, so the window's row start is not a multiple of 8; Mosaic's
-  swizzled (tiled) TMA requires tile-aligned coordinates on the tiled
-  dimensions, and the shift cannot be moved to an untiled dimension in NHWC.
-  The input slot is therefore unswizzled, and each step loads it into
-  registers in ``wgmma``'s fragment layout (``plgpu.load(...,
-  layout=plgpu.Layout.WGMMA)``) and issues ``plgpu.wgmma(acc, a_regs,
-  w_smem)``: ``wgmma`` takes its left operand from registers.  (That is also
-  where a BatchNorm-apply + ReLU prologue would go.)  The cost is bank
-  conflicts on those shared-memory reads; unmeasured.
+- **Why the input operand is restaged.**  A tap shifts the window by one
+  pixel, so the window's row start is not a multiple of 8; Mosaic's swizzled
+  (tiled) TMA requires tile-aligned coordinates on the tiled dimensions, and
+  the shift cannot be moved to an untiled dimension in NHWC.  The input slot
+  is therefore unswizzled, and each step loads it into registers in
+  ``wgmma``'s fragment layout (``plgpu.load(..., layout=plgpu.Layout.WGMMA)``,
+  ``ldmatrix``) and stores it into a swizzled slot (``stmatrix``) that
+  ``wgmma`` reads with the weights.  (``wgmma`` could take its left operand
+  straight from registers, and the lowering accepts that, but GPU interpret
+  mode cannot simulate it, so the tested path restages.  The registers are
+  also where a BatchNorm-apply + ReLU prologue would go.)  The cost is one
+  shared-memory round trip per step, with bank conflicts on the unswizzled
+  reads; unmeasured.
 - **Pipeline.**  ``stages`` slots (default 3) of both operands; the prologue
   issues the first ``stages`` steps; step ``s`` waits on its slot's barrier,
   issues its ``wgmma``, waits until at most one ``wgmma`` is in flight
@@ -125,10 +128,18 @@ def unavailable_reason() -> str | None:
     return None
 
 
-def is_hopper(device_kind: str) -> bool:
-    """Whether ``device_kind`` (``jax.Device.device_kind``) names a Hopper (sm_90) GPU."""
+def is_hopper(device_kind: str, compute_capability: str | None = None) -> bool:
+    """Whether ``device_kind`` (``jax.Device.device_kind``) names a Hopper GPU, or the
+    device's ``compute_capability`` (CUDA devices: ``"9.0"``) says sm_90."""
+    if compute_capability is not None and str(compute_capability).startswith("9."):
+        return True
     kind = device_kind.upper()
     return any(k in kind for k in HOPPER_KINDS)
+
+
+def device_capability() -> str | None:
+    """The first device's CUDA compute capability (``"9.0"``), None off CUDA."""
+    return getattr(jax.devices()[0], "compute_capability", None)
 
 
 def _plgpu():
@@ -149,7 +160,7 @@ class MgpuConfig:
         block_n: output channels per CTA (multiple of 16, <= 256; the 32-byte
             swizzle is the smallest Mosaic accepts).
         block_k: input channels per K step (16, 32 or 64 for 16-bit types).
-        stages: pipeline depth (shared-memory slots per operand, >= 1).
+        stages: pipeline depth (shared-memory slots per operand, >= 2).
         split: weight gradient only: how many CTAs share the pixel reduction.
         warp_specialized: forward/input gradient only: a second warpgroup issues the
             TMA copies (``setmaxnreg`` moves registers to the computing one), which

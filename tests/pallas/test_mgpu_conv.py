@@ -297,6 +297,7 @@ def test_select_backend_is_a_lookup_by_device_kind_and_shape(change, want):
     args.update(change)
     assert conv_op.select_backend(**args) == want
     assert mc.is_hopper("NVIDIA H200") and not mc.is_hopper("NVIDIA L4")
+    assert mc.is_hopper("some GPU", "9.0") and not mc.is_hopper("NVIDIA A100", "8.0")
 
 
 def test_auto_needs_a_measurement_of_the_mosaic_kernel(monkeypatch):
