@@ -109,6 +109,11 @@ def conv2d(x, w, b=None, *, stride=1, padding=0, dilation=1, groups=1, residual=
                                 residual=residual,
                                 relu=relu, backward="mosaic" if backward == "pallas" else "xla",
                                 config=config, interpret=interpret)
+    if isinstance(config, mgpu_conv.MgpuConfig) or (isinstance(config, dict) and any(
+            isinstance(v, mgpu_conv.MgpuConfig) for v in config.values())):
+        raise ValueError(f"{op}: config holds an MgpuConfig, but this call runs the Triton "
+                         f"kernels (backend={backend!r}); pass backend='mosaic' or a "
+                         "BlockConfig")
     g = cm.geometry(x_shape, w_shape[:2], stride, dilation, pads, out_hw)
     cfgs = _configs(kind, g, co, x.dtype, config, interpret)
     static = (kind, g, pads, cfgs, bool(relu), backward, interpret, precision)

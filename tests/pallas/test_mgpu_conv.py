@@ -267,6 +267,12 @@ def test_unsupported_calls_raise_one_clear_line(xs, ws, kw, match):
     assert "\n" not in str(e.value)
 
 
+def test_a_mosaic_config_on_the_triton_path_is_one_clear_error():
+    x, w = jnp.zeros((1, 8, 8, 16), jnp.bfloat16), jnp.zeros((3, 3, 16, 16), jnp.bfloat16)
+    with pytest.raises(ValueError, match="MgpuConfig, but this call runs the Triton"):
+        pk.conv2d(x, w, padding=1, backend="triton", config=mc.MgpuConfig())
+
+
 def test_old_jax_is_unsupported_and_the_library_falls_back(monkeypatch):
     monkeypatch.setattr(mc, "_jax_version", lambda: (0, 10))
     with pytest.raises(KernelUnsupported, match=r"jax .* < 0\.11"):
