@@ -93,6 +93,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -176,6 +177,46 @@ class MgpuConfig:
 
 
 DEFAULT = MgpuConfig()
+PARTS = ("fwd", "dgrad", "wgrad")
+
+
+def config_key(part: str, x_shape, w_shape, stride, pads, dilation, dtype) -> str:
+    """Autotune-cache key of one Mosaic kernel's tiles for one convolution call."""
+    if part not in PARTS:
+        raise ValueError(f"Mosaic GPU conv: part must be one of {PARTS}, got {part!r}")
+    geo = (f"x={list(x_shape)},w={list(w_shape)},stride={list(stride)},"
+           f"pads={[list(p) for p in pads]},dilation={list(dilation)}")
+    return f"mgpu_{part}|{geo}|{jnp.dtype(dtype).name}"
+
+
+def tuned_config(part: str, x_shape, w_shape, stride, pads, dilation, dtype):
+    """The cached :class:`MgpuConfig` of this call's ``part`` on this device kind (the
+    user's cache over ``tuned.json``), or None: a pure lookup, safe while tracing."""
+    from pallas_kernels import autotune
+    key = config_key(part, x_shape, w_shape, stride, pads, dilation, dtype)
+    entry = autotune._entries().get("kernels", {}).get(key)
+    if entry is None:
+        return None
+    try:
+        return MgpuConfig(**entry)
+    except TypeError as e:
+        warnings.warn(f"autotune cache entry {key!r} is invalid ({e}); using the default",
+                      stacklevel=2)
+        return None
+
+
+def store_config(part: str, x_shape, w_shape, stride, pads, dilation, dtype,
+                 config: MgpuConfig) -> str:
+    """Saves ``config`` as this call's ``part`` tiles in the user's autotune cache under
+    this device kind (what ``scripts/bench_mgpu.py --sweep --tune`` measured); returns
+    the key."""
+    from pallas_kernels import autotune
+    key = config_key(part, x_shape, w_shape, stride, pads, dilation, dtype)
+    devices = autotune.load_cache()
+    mine = devices.setdefault(autotune.device_kind(), {"kernels": {}, "ops": {}})
+    mine.setdefault("kernels", {})[key] = dataclasses.asdict(config)
+    autotune.save_cache(devices)
+    return key
 
 
 @dataclasses.dataclass(frozen=True)
@@ -789,7 +830,9 @@ def conv2d(x, w, b=None, *, stride=(1, 1), padding=((0, 0), (0, 0)), dilation=(1
         b: optional ``(C_out,)``; residual: optional, the output's shape.
         stride: ``(sh, sw)``; padding: ``((top, bottom), (left, right))``; dilation:
             ``(dh, dw)``.
-        config: one :class:`MgpuConfig` or ``{"fwd"|"dgrad"|"wgrad": MgpuConfig}``.
+        config: one :class:`MgpuConfig` or ``{"fwd"|"dgrad"|"wgrad": MgpuConfig}``; a
+            part not given takes its cached tiles (:func:`tuned_config`), else the
+            defaults.
         interpret: run in Mosaic GPU interpret mode; detect_races: its race detector.
 
     Raises:
@@ -802,13 +845,16 @@ def conv2d(x, w, b=None, *, stride=(1, 1), padding=((0, 0), (0, 0)), dilation=(1
     dilation = tuple(int(d) for d in dilation)
     stride = tuple(int(v) for v in stride)
     check_supported(x.shape, w.shape, x.dtype, stride=stride, pads=pads)
-    if isinstance(config, MgpuConfig) or config is None:
-        cfgs = (config or DEFAULT,) * 3
+    if isinstance(config, MgpuConfig):
+        cfgs = (config,) * 3
     else:
-        unknown = set(config) - {"fwd", "dgrad", "wgrad"}
+        config = dict(config or {})
+        unknown = set(config) - set(PARTS)
         if unknown:
             raise ValueError(f"Mosaic GPU conv2d: unknown config keys {sorted(unknown)}")
-        cfgs = tuple(config.get(k) or DEFAULT for k in ("fwd", "dgrad", "wgrad"))
+        cfgs = tuple(config.get(part) or tuned_config(
+            part, x.shape, w.shape, stride, pads, dilation, x.dtype) or DEFAULT
+            for part in PARTS)
     static = (pads, dilation, bool(relu), backward, cfgs, bool(interpret), bool(detect_races),
               stride)
     return _conv(static, x, w, b, residual)

@@ -18,8 +18,9 @@ here first).
 small grid (block_n, block_k, stages, warp specialisation) per shape and
 reports the fastest.
 ``--tune`` races the Mosaic op against XLA with the autotuner and stores the
-verdict keyed with ``backend="mosaic"`` in the user's cache: only such a
-measurement lets ``impl="auto"`` choose the Mosaic kernel.
+verdict keyed with ``backend="mosaic"`` in the user's cache (with ``--sweep``,
+the fastest forward tiles too, which ``pallas_kernels.conv2d`` then uses): only
+such a measurement lets ``impl="auto"`` choose the Mosaic kernel.
 
 On a CPU backend the kernels would run in interpret mode, which is no
 benchmark: the script says so and exits 0 unless ``--force`` (a smoke test
@@ -156,6 +157,9 @@ def main(argv=None) -> int:
                         / max(np.abs(ref).max(), 1e-30))
             if opts.tune:
                 arrays, static = tuning.canonical_call("conv2d", (x, w), kw)
+                if config is not None:  # the swept tiles, then the verdict measured with them
+                    mc.store_config("fwd", x.shape, w.shape, static["stride"],
+                                    static["padding"], static["dilation"], x.dtype, config)
                 autotune.tune_op("conv2d", arrays, {**static, "backend": "mosaic"},
                                  xla=lambda *a, s=static: F.conv2d(*a, **s, impl="xla"))
         except Exception as e:  # report and go on: one shape must not hide the others
