@@ -46,6 +46,11 @@ class ExportError(ValueError):
     names the layer path, kind, file or option at fault."""
 
 
+class KernelUnsupported(NotImplementedError):
+    """A kernel backend cannot run this call (dtype, channel count, stride, jax version...);
+    the message is one line naming the reason.  Dispatchers catch it and take another path."""
+
+
 class WorkdirError(RuntimeError):
     """The run directory cannot be used, or the run's outputs cannot be written to it: one line
     naming the directory or file and the reason (exit code 2 from ``jaxcnn-train``)."""
@@ -63,8 +68,3 @@ class DistributedError(RuntimeError):
     def __init__(self, message: str, *, must_exit: bool = False):
         super().__init__(message)
         self.must_exit = must_exit
-
-
-class KernelUnsupported(NotImplementedError):
-    """A kernel backend cannot run this call (dtype, channel count, stride, jax version...);
-    the message is one line naming the reason.  Dispatchers catch it and take another path."""
