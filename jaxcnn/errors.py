@@ -50,6 +50,11 @@ class PredictError(ValueError):
     """An image or model that ``jaxcnn-predict`` cannot use; the message names the file."""
 
 
+class KernelUnsupported(NotImplementedError):
+    """A kernel backend cannot run this call (dtype, channel count, stride, jax version...);
+    the message is one line naming the reason.  Dispatchers catch it and take another path."""
+
+
 class WorkdirError(RuntimeError):
     """The run directory cannot be used, or the run's outputs cannot be written to it: one line
     naming the directory or file and the reason (exit code 2 from ``jaxcnn-train``)."""

@@ -14,6 +14,12 @@ kernels and an XLA backward selectable with ``backward="xla"``.
 - :func:`max_pool2d`, :func:`avg_pool2d`: PyTorch pooling semantics.
 - :mod:`pallas_kernels.autotune`: per-shape tile choice and the
   kernel-vs-XLA verdict behind ``impl="auto"`` in :mod:`jaxcnn.functional`.
+- :mod:`pallas_kernels.mgpu_conv`: the dense convolution (forward and both
+  gradients) in Pallas **Mosaic GPU** for Hopper (TMA, mbarrier pipeline,
+  ``wgmma``; jax >= 0.11).  :func:`conv2d` runs it on an H100/H200 for the
+  calls it supports (``backend=None``; see
+  :func:`pallas_kernels.conv_op.select_backend`) and the Triton kernels
+  everywhere else; ``backend="triton"``/``"mosaic"`` pins one.
 
 Kernels never import :mod:`jaxcnn.functional` or :mod:`jaxcnn.layers` (which
 sit above them); argument forms, padding and output sizes come from the leaf

@@ -16,18 +16,20 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxcnn import _geometry as geo
+from jaxcnn.errors import KernelUnsupported
 from pallas_kernels import _common as cm
-from pallas_kernels import autotune
+from pallas_kernels import autotune, mgpu_conv
 from pallas_kernels.conv import conv_forward
 from pallas_kernels.conv_grad import conv_dgrad, conv_wgrad
 from pallas_kernels.depthwise import depthwise_dgrad, depthwise_forward, depthwise_wgrad
 
 BACKWARDS = ("pallas", "xla")
+BACKENDS = (None, "triton", "mosaic")
 
 
 def conv2d(x, w, b=None, *, stride=1, padding=0, dilation=1, groups=1, residual=None,
            relu=False, input_scale=None, input_shift=None, backward="pallas", config=None,
-           interpret=None, precision=None):
+           interpret=None, precision=None, backend=None):
     """Convolution (PyTorch ``Conv2d`` semantics, NHWC/HWIO) run by Pallas kernels.
 
     Computes ``relu?(conv(x_in, w) + b + residual)`` where
@@ -51,6 +53,11 @@ def conv2d(x, w, b=None, *, stride=1, padding=0, dilation=1, groups=1, residual=
         interpret: run in the Pallas interpreter; None means "unless on a GPU".
         precision: ``jax.lax.Precision`` for the in-kernel dots (GPU float32
             dots default to TF32; ``HIGHEST`` asks for full float32).
+        backend: ``"triton"`` (the kernels of this module), ``"mosaic"`` (the
+            Hopper kernels of :mod:`pallas_kernels.mgpu_conv`; ``config`` is then
+            an :class:`~pallas_kernels.mgpu_conv.MgpuConfig` or a dict of them, and
+            ``interpret`` means Mosaic GPU interpret mode), or None: Mosaic on a
+            Hopper GPU for the calls it supports (:func:`select_backend`), else Triton.
 
     Returns:
         ``(N, H_out, W_out, C_out)`` in ``x.dtype``.
@@ -58,6 +65,7 @@ def conv2d(x, w, b=None, *, stride=1, padding=0, dilation=1, groups=1, residual=
     Raises:
         ValueError: on malformed arguments or mismatched shapes/dtypes.
         NotImplementedError: for grouped convolutions other than depthwise.
+        KernelUnsupported: ``backend="mosaic"`` for a call the Mosaic kernels cannot run.
     """
     op = "pallas_kernels.conv2d"
     x_shape, w_shape = tuple(jnp.shape(x)), tuple(jnp.shape(w))
@@ -85,11 +93,62 @@ def conv2d(x, w, b=None, *, stride=1, padding=0, dilation=1, groups=1, residual=
                            ("input_scale", input_scale, (c,)), ("input_shift", input_shift, (c,))):
         if v is not None and tuple(jnp.shape(v)) != shape:
             raise ValueError(f"{op}: {name} must have shape {shape}, got {tuple(jnp.shape(v))}")
-    g = cm.geometry(x_shape, w_shape[:2], stride, dilation, pads, out_hw)
     interpret = cm.interpret_default(interpret)
+    if backend not in BACKENDS:
+        raise ValueError(f"{op}: backend must be one of {BACKENDS}, got {backend!r}")
+    if backend is None:
+        backend = select_backend(x.dtype, kind, stride, x_shape, w_shape, pads,
+                                 input_scale is not None, precision, config, interpret)
+    if backend == "mosaic":
+        if kind != "dense" or input_scale is not None or precision is not None:
+            raise KernelUnsupported(
+                f"{op}: the Mosaic GPU kernels run dense convolutions without the fused input "
+                "BatchNorm or a precision override")
+        mgpu_conv.check_supported(x_shape, w_shape, x.dtype, stride=stride, pads=pads)
+        return mgpu_conv.conv2d(x, w, b, stride=stride, padding=pads, dilation=dilation,
+                                residual=residual,
+                                relu=relu, backward="mosaic" if backward == "pallas" else "xla",
+                                config=config, interpret=interpret)
+    if isinstance(config, mgpu_conv.MgpuConfig) or (isinstance(config, dict) and any(
+            isinstance(v, mgpu_conv.MgpuConfig) for v in config.values())):
+        raise ValueError(f"{op}: config holds an MgpuConfig, but this call runs the Triton "
+                         f"kernels (backend={backend!r}); pass backend='mosaic' or a "
+                         "BlockConfig")
+    g = cm.geometry(x_shape, w_shape[:2], stride, dilation, pads, out_hw)
     cfgs = _configs(kind, g, co, x.dtype, config, interpret)
     static = (kind, g, pads, cfgs, bool(relu), backward, interpret, precision)
     return _conv(static, x, w, b, residual, input_scale, input_shift)
+
+
+def select_backend(dtype, kind, stride, x_shape, w_shape, pads, has_input_bn, precision, config,
+                   interpret, device_kind=None) -> str:
+    """``"mosaic"`` where the Hopper kernels take this call, else ``"triton"``: a pure lookup.
+
+    Mosaic needs: a real GPU run (not interpret mode) on a Hopper device kind
+    (H100/H200, sm_90), jax >= 0.11, bfloat16 (float32 stays on Triton, whose TF32
+    path is tested), a dense convolution whose channels TMA can address (strides
+    above 1 by phase decomposition),
+    no fused input BatchNorm or precision override, and no Triton ``BlockConfig``.
+    """
+    if interpret or kind != "dense" or has_input_bn or precision is not None:
+        return "triton"
+    if isinstance(config, cm.BlockConfig) or (
+            isinstance(config, dict) and any(isinstance(v, cm.BlockConfig)
+                                             for v in config.values())):
+        return "triton"
+    if jnp.dtype(dtype) != jnp.bfloat16:
+        return "triton"
+    if device_kind is None:
+        hopper = mgpu_conv.is_hopper(autotune.device_kind(), mgpu_conv.device_capability())
+    else:
+        hopper = mgpu_conv.is_hopper(device_kind)
+    if not hopper:
+        return "triton"
+    try:
+        mgpu_conv.check_supported(x_shape, w_shape, dtype, stride=stride, pads=pads)
+    except KernelUnsupported:
+        return "triton"
+    return "mosaic"
 
 
 def _configs(kind, g, co, dtype, config, interpret):

@@ -125,8 +125,9 @@ def _args(op, x_shape, w_shape, dtype):
     return args
 
 
-def _fns(op, kw):
-    """(Pallas forward, XLA forward) taking the same positional arrays."""
+def _fns(op, kw, backend=None):
+    """(Pallas forward, XLA forward) taking the same positional arrays; ``backend`` picks the
+    convolution kernels (``"triton"``, ``"mosaic"``, or None: by device kind)."""
     if op == "bn_relu_conv2d":
         def kernel(x, w, scale, shift):
             return pk.bn_relu_conv2d(x, w, scale=scale, shift=shift, **kw)
@@ -135,7 +136,8 @@ def _fns(op, kw):
             a = jax.nn.relu(x.astype(jnp.float32) * scale + shift).astype(x.dtype)
             return F.conv2d(a, w, **kw, impl="xla")
         return kernel, xla
-    return (lambda *a: getattr(pk, op)(*a, **kw),
+    kernel_kw = {**kw, "backend": backend} if op == "conv2d" else kw
+    return (lambda *a: getattr(pk, op)(*a, **kernel_kw),
             lambda *a: getattr(F, op)(*a, **kw, impl="xla"))
 
 
@@ -161,6 +163,10 @@ def main(argv=None) -> int:
     parser.add_argument("--bandwidth-mib", type=int, default=1024,
                         help="size of the bandwidth-measuring pass")
     parser.add_argument("--json", help="also write the rows here")
+    parser.add_argument("--backend", default="triton", choices=("triton", "mosaic", "auto"),
+                        help="convolution kernels to time: Triton (what --tune measures), the "
+                             "Mosaic GPU Hopper kernels (scripts/bench_mgpu.py compares both), "
+                             "or auto: by device kind")
     opts = parser.parse_args(argv)
     groups = [g for g in opts.groups.split(",") if g]
     unknown = sorted(set(groups) - set(GROUPS))
@@ -188,7 +194,7 @@ def main(argv=None) -> int:
             continue
         x_shape = (opts.batch or batch, *hwc)
         args = _args(op, x_shape, w_shape, dtype)
-        kernel, xla = _fns(op, kw)
+        kernel, xla = _fns(op, kw, None if opts.backend == "auto" else opts.backend)
         try:
             if opts.tune and op != "bn_relu_conv2d" and (
                     opts.retune or not tuning.tuned_here(op, args, kw)):

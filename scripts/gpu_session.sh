@@ -7,6 +7,8 @@
 #   bash scripts/gpu_session.sh train      # ResNet-50 step: auto vs xla, each with both
 #                                          # BatchNorm backwards; torch.compile, Flax
 #   bash scripts/gpu_session.sh profile    # where the ResNet-50 step's device time goes
+#   bash scripts/gpu_session.sh mgpu       # Hopper only: the Mosaic GPU conv against Triton
+#                                          # and cuDNN (bench_mgpu --sweep --tune)
 #
 # Extra arguments go to the stage's script (e.g. `kernels --groups pool,mobilenet`).
 # `kernels` tunes only shapes not yet in $OUT/autotune.json, so when a call runs out of
@@ -17,7 +19,7 @@
 # when it exists, so run `kernels` first in the same call or bring the file back.
 # Copying it over pallas_kernels/tuned.json ships the measurements.
 set -euo pipefail
-stage=${1:?usage: gpu_session.sh check|kernels|train|profile [args...]}
+stage=${1:?usage: gpu_session.sh check|kernels|train|profile|mgpu [args...]}
 shift
 OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
@@ -43,6 +45,10 @@ case $stage in
       --steps 5 --reps 7 --json "$OUT/train.json" "$@" 2>&1 | log ;;
   profile)
     python3 scripts/profile_step.py --out "$OUT/profile" "$@" 2>&1 | log ;;
+  mgpu)
+    python3 scripts/bench_mgpu.py --sweep --tune --repeats 10 --json "$OUT/mgpu.json" "$@" \
+      2>&1 | log ;;
   *)
-    echo "gpu_session.sh: unknown stage '$stage' (check, kernels, train, profile)" >&2; exit 2 ;;
+    echo "gpu_session.sh: unknown stage '$stage' (check, kernels, train, profile, mgpu)" >&2
+    exit 2 ;;
 esac

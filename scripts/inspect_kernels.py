@@ -272,11 +272,16 @@ def main(argv=None) -> int:
     parser.add_argument("--candidates", action="store_true",
                         help="inspect every config the autotuner would time, per kernel")
     parser.add_argument("--json", help="also write the rows here")
+    parser.add_argument("--mosaic", action="store_true",
+                        help="report the Mosaic GPU (Hopper) convolution kernels instead: TMA, "
+                             "wgmma, mbarrier per kernel (needs jax >= 0.11, not triton)")
     opts = parser.parse_args(argv)
     groups = [g for g in opts.groups.split(",") if g]
     unknown = sorted(set(groups) - set(bk.GROUPS))
     if unknown:
         parser.error(f"unknown group(s) {unknown}; choose from {bk.GROUPS}")
+    if opts.mosaic:
+        return main_mosaic(opts, bk)
     try:
         _triton()
         _lowering_module()
@@ -296,7 +301,7 @@ def main(argv=None) -> int:
         x_shape = (opts.batch or batch, *hwc)
         args = [jax.ShapeDtypeStruct(a.shape, a.dtype)
                 for a in jax.eval_shape(lambda: bk._args(op, x_shape, w_shape, dtype))]
-        kernel, _ = bk._fns(op, {**kw, "interpret": False})
+        kernel, _ = bk._fns(op, {**kw, "interpret": False}, backend="triton")
         fns = [kernel, bk._grad_of(kernel, len(args))]
         try:
             found = []
@@ -352,6 +357,134 @@ def _candidates(fn, args, kind) -> list:
                 f"/{cfg.split}" if cfg.split > 1 else "")
             out += [(r, text) for r in reports if r.name in launch_names(kernel)]
     return out
+
+
+MOSAIC_TARGET = "mosaic_gpu_v2"
+_MOSAIC_FEATURES = {
+    # what each field means -> byte strings in the kernel's serialized MLIR module
+    "tma_load": (b"nvvm.cp.async.bulk.tensor.shared.cluster.global",),
+    "tma_store": (b"nvvm.cp.async.bulk.tensor.global.shared.cta",
+                  b"cp.async.bulk.tensor.global.shared", b"cp.async.bulk.global.shared"),
+    "mbarrier": (b"nvvm.mbarrier.try_wait.parity",),
+    "setmaxnreg": (b"setmaxnreg",),
+    "ldmatrix": (b"nvvm.ldmatrix",),
+    "stmatrix": (b"nvvm.stmatrix",),
+}
+
+
+@dataclasses.dataclass
+class MosaicReport:
+    """What one Mosaic GPU kernel's lowered module uses (presence, not counts: the module is
+    MLIR bytecode, which names each operation once in its string table)."""
+    name: str
+    tma_load: bool  # cp.async.bulk.tensor global -> shared (TMA)
+    tma_store: bool  # cp.async.bulk[.tensor] shared -> global
+    wgmma: tuple  # the wgmma.mma_async shapes/types, e.g. "m64n128k16.f32.bf16.bf16"
+    mbarrier: bool
+    setmaxnreg: bool  # warp specialisation's register rebalancing
+    ldmatrix: bool
+    stmatrix: bool
+
+
+def lower_mosaic_kernels(fn, *args, kind: str = H100) -> list:
+    """``[(kernel name, module bytes)]`` of the Mosaic GPU kernels ``jit(fn)`` launches on ``kind``,
+    lowered offline for CUDA in the abstract-mesh recipe (no GPU needed)."""
+    from jax._src.lib.mlir import ir
+    jax.clear_caches()
+    with _abstract_gpu(kind), as_device_kind(kind):
+        lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+    out = []
+
+    def walk(op):
+        for region in op.regions:
+            for block in region.blocks:
+                for inner in block.operations:
+                    o = inner.operation
+                    if (o.name == "stablehlo.custom_call" and ir.StringAttr(
+                            o.attributes["call_target_name"]).value == MOSAIC_TARGET):
+                        cfg = ir.DictAttr(o.attributes["mhlo.backend_config"])
+                        module = ir.StringAttr(cfg["module"]).value_bytes
+                        name = re.search(rb"jaxcnn_mgpu_[a-z_]*[a-z]", module)
+                        out.append((name.group(0).decode() if name else "?", module))
+                    walk(o)
+    walk(lowered.compiler_ir("stablehlo").operation)
+    return out
+
+
+def mosaic_report(name: str, module: bytes) -> MosaicReport:
+    flags = {k: any(p in module for p in pats) for k, pats in _MOSAIC_FEATURES.items()}
+    shapes = sorted({m.decode() for m in re.findall(
+        rb"wgmma\.mma_async\.sync\.aligned\.([a-z0-9.]+)", module)})
+    return MosaicReport(name=name, wgmma=tuple(shapes), **flags)
+
+
+def inspect_mosaic(fn, *args, kind: str = H100) -> list:
+    """A :class:`MosaicReport` for every Mosaic GPU kernel ``jit(fn)`` launches on ``kind``."""
+    return [mosaic_report(n, m) for n, m in lower_mosaic_kernels(fn, *args, kind=kind)]
+
+
+def _mosaic_row(shape: str, r: MosaicReport) -> str:
+    yes = lambda b: "yes" if b else "-"  # noqa: E731
+    return (f"{shape:<18} {r.name:<24} {yes(r.tma_load):>7} {yes(r.tma_store):>8} "
+            f"{yes(r.mbarrier):>8} {yes(r.ldmatrix):>8} {yes(r.stmatrix):>8} "
+            f"{yes(r.setmaxnreg):>10}  {','.join(r.wgmma) or 'NO WGMMA'}")
+
+
+def main_mosaic(opts, bk) -> int:
+    """``--mosaic``: the Mosaic GPU convolution kernels of each dense-conv benchmark shape."""
+    import pallas_kernels.mgpu_conv as mc
+    reason = mc.unavailable_reason()
+    if reason is not None:
+        print(f"inspect_kernels: {reason}", file=sys.stderr)
+        return 2
+    dtype = jnp.dtype(opts.dtype)
+    print(f"jax {jax.__version__}  Mosaic GPU  target sm_90a  dtype: {dtype.name}")
+    print(f"{'shape':<18} {'kernel':<24} {'tmaLoad':>7} {'tmaStore':>8} {'mbarrier':>8} "
+          f"{'ldmatrix':>8} {'stmatrix':>8} {'setmaxnreg':>10}  wgmma")
+    rows, failed = [], 0
+    for group, name, op, hwc, kw, w_shape, batch in bk.SHAPES:
+        if group not in opts.groups.split(",") or op != "conv2d" or kw.get("groups", 1) != 1:
+            continue
+        x_shape = (opts.batch or batch, *hwc)
+        args = (jax.ShapeDtypeStruct(x_shape, dtype), jax.ShapeDtypeStruct(w_shape, dtype))
+        pads = _explicit_pads(kw.get("padding", 0), w_shape)
+        stride = _pair(kw.get("stride", 1))
+        try:
+            mc.check_supported(x_shape, w_shape, dtype, stride=stride, pads=pads)
+        except NotImplementedError as e:
+            print(f"{name:<18} skipped: {e}")
+            continue
+
+        def fwd_and_grads(x, w, pads=pads, stride=stride):  # keeps y: the forward is lowered
+            y, vjp = jax.vjp(lambda x, w: mc.conv2d(x, w, stride=stride, padding=pads), x, w)
+            return y, vjp(y)
+        try:
+            reports = inspect_mosaic(fwd_and_grads, *args, kind=opts.device_kind)
+        except Exception as e:  # report and go on: one shape must not hide the others
+            print(f"{name:<18} FAILED: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+            rows.append({"shape": name, "error": f"{type(e).__name__}: {e}"[:2000]})
+            failed += 1
+            continue
+        for r in reports:
+            print(_mosaic_row(name, r), flush=True)
+            rows.append({"shape": name, **dataclasses.asdict(r)})
+    if opts.json:
+        with open(opts.json, "w", encoding="utf-8") as f:
+            json.dump({"jax": jax.__version__, "backend": "mosaic_gpu", "dtype": dtype.name,
+                       "rows": rows}, f, indent=1)
+    return 1 if failed else 0
+
+
+def _pair(v):
+    return (v, v) if isinstance(v, int) else tuple(v)
+
+
+def _explicit_pads(padding, w_shape):
+    if padding == "same":
+        return tuple(((k - 1) // 2, k - 1 - (k - 1) // 2) for k in w_shape[:2])
+    if isinstance(padding, int):
+        return ((padding, padding), (padding, padding))
+    return tuple(_pair(p) for p in padding)
 
 
 if __name__ == "__main__":

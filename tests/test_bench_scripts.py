@@ -43,6 +43,25 @@ def test_bench_kernels_runs_in_the_interpreter(tmp_path, capsys):
         bk.main(["--force", "--groups", "nope"])
 
 
+def test_bench_mgpu_runs_in_interpret_mode(tmp_path, capsys):
+    """The Mosaic GPU benchmark refuses the CPU, or runs its kernels in interpret mode with
+    --force and records how far the Mosaic forward is from XLA's (a bfloat16 rounding)."""
+    bm = _load("bench_mgpu")
+    reason = bm.mc.unavailable_reason()
+    if reason is not None:  # jax < 0.11: one line, exit 2
+        assert bm.main([]) == 2 and reason in capsys.readouterr().err
+        return
+    assert bm.main([]) == 0 and "not a benchmark" in capsys.readouterr().out
+    out = tmp_path / "m.json"
+    assert bm.main(["--force", "--batch", "1", "--groups", "mnist", "--repeats", "1",
+                    "--no-grad", "--json", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    assert "error" not in row and row["mosaic_ms"] > 0 and row["xla_ms"] > 0
+    assert row["max_rel_err"] <= 2.0 ** -8
+    with pytest.raises(SystemExit):
+        bm.main(["--force", "--groups", "nope"])
+
+
 def test_profile_step_sums_device_kernels_per_step(tmp_path):
     ps = _load("profile_step")
     events = [

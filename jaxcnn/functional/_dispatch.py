@@ -112,9 +112,23 @@ def _kernel(op: str, static: dict):
 
 
 def _tuned_kernel(op: str, arrays, static: dict):
-    """The kernel where the tuned verdict for this call on this device kind prefers it."""
+    """The kernel where the tuned verdict for this call on this device kind prefers it.
+
+    A convolution's verdict names the kernel backend it measured: entries keyed with
+    ``backend="mosaic"`` (the Hopper kernels) are looked up first, then the plain
+    entries, which measured the Triton kernels and so pin ``backend="triton"``: no
+    kernel is chosen without a measurement of that kernel.
+    """
     from pallas_kernels import autotune
-    verdict = autotune.verdict(op, arrays, static)
+    if op == "conv2d":
+        mosaic = {**static, "backend": "mosaic"}
+        verdict = autotune.verdict(op, arrays, mosaic)
+        static = mosaic if verdict is not None else {**static, "backend": "triton"}
+        if verdict is None:
+            verdict = autotune.verdict(op, arrays, {k: v for k, v in static.items()
+                                                     if k != "backend"})
+    else:
+        verdict = autotune.verdict(op, arrays, static)
     if verdict is None or verdict == (False, False):
         return None
     forward, training = verdict
@@ -122,7 +136,8 @@ def _tuned_kernel(op: str, arrays, static: dict):
     if forward and training:
         return kernel
     from jaxcnn import functional  # the XLA form of the same call
-    xla = functools.partial(getattr(functional, op), **static, impl="xla")
+    xla_static = {k: v for k, v in static.items() if k != "backend"}
+    xla = functools.partial(getattr(functional, op), **xla_static, impl="xla")
     return _split_by_use(kernel if forward else xla, xla if forward else kernel)
 
 

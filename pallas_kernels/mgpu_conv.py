@@ -1,0 +1,904 @@
+"""Dense convolution for Hopper (sm_90a) in Pallas **Mosaic GPU**: TMA, wgmma, mbarriers.
+
+The Triton kernels of :mod:`pallas_kernels.conv` cannot reach the Hopper
+Tensor Memory Accelerator (TMA) or issue asynchronous ``wgmma``; this module
+is the same implicit GEMM written for Pallas's Mosaic GPU backend (jax >= 0.11),
+used on H100/H200 for the shapes it supports and tested on the CPU in GPU
+interpret mode.  Nothing here has been timed on a GPU yet (docs/BENCHMARKS.md).
+
+Design of :func:`conv_forward` (any stride, dilation and padding, NHWC x HWIO,
+bfloat16/float16 in, float32 accumulation):
+
+- **Tiles.**  One CTA (one computing warpgroup, 128 threads) owns ``64`` output pixels x
+  ``block_n`` output channels.  The 64 pixels are a ``tile_h x tile_w``
+  rectangle of one image's output (``tile_w`` a power of two <= the output
+  width, ``tile_h = 64 // tile_w``), so every output row of the tile is a
+  contiguous run of pixels in NHWC memory.  The grid is
+  ``(N * ceil(OH / tile_h) * ceil(OW / tile_w), ceil(C_out / block_n))``.
+- **Stride** by phase decomposition: above 1, the input is first split into
+  its ``sh * sw`` phases (``x[:, a::sh, b::sw]``, one XLA copy), and tap
+  ``(i, j)`` reads phase ``((i*dh) % sh, (j*dw) % sw)`` at offset
+  ``((i*dh) // sh, (j*dw) // sw)``: a stride-1 window again.  Below, stride 1.
+- **K loop.**  The reduction runs over ``taps x ceil(C_in / block_k)`` steps
+  (``taps = KH * KW``).  For step (tap ``(i, j)``, channel chunk ``c0``) the
+  input operand is the output tile shifted by the tap: ``tile_h`` TMA copies,
+  one per output row ``r``, of the window ``x[n, oh0 + r + i*dh, ow0 + j*dw :
+  + tile_w, c0 : c0 + block_k]`` into rows ``r*tile_w ...`` of a
+  ``(64, block_k)`` shared-memory slot; the weight operand is one TMA copy
+  of ``w[tap, c0 : + block_k, co0 : + block_n]`` into a 128-byte-swizzled
+  slot (``TilingTransform((8, swizzle_elems))`` + ``SwizzleTransform``), the
+  layout ``wgmma`` reads from shared memory.  All copies of a step arrive on
+  that slot's mbarrier (``tile_h + 1`` arrivals with their byte counts).
+- **Why the input operand is restaged.**  A tap shifts the window by one
+  pixel, so the window's row start is not a multiple of 8; Mosaic's swizzled
+  (tiled) TMA requires tile-aligned coordinates on the tiled dimensions, and
+  the shift cannot be moved to an untiled dimension in NHWC.  The input slot
+  is therefore unswizzled, and each step loads it into registers in
+  ``wgmma``'s fragment layout (``plgpu.load(..., layout=plgpu.Layout.WGMMA)``,
+  ``ldmatrix``) and stores it into a swizzled slot (``stmatrix``) that
+  ``wgmma`` reads with the weights.  (``wgmma`` could take its left operand
+  straight from registers, and the lowering accepts that, but GPU interpret
+  mode cannot simulate it, so the tested path restages.  The registers are
+  also where a BatchNorm-apply + ReLU prologue would go.)  The cost is one
+  shared-memory round trip per step, with bank conflicts on the unswizzled
+  reads; unmeasured.
+- **Pipeline.**  ``stages`` slots (default 3) of both operands; the prologue
+  issues the first ``stages`` steps; step ``s`` waits on its slot's barrier,
+  issues its ``wgmma``, waits until at most one ``wgmma`` is in flight
+  (``wgmma_wait(1)``: the one of step ``s - 1`` has finished reading its
+  slot) and refills that slot with step ``s - 1 + stages``.  The loop is
+  unrolled by ``stages`` so every slot index is static.  With
+  ``MgpuConfig(warp_specialized=True)`` a second warpgroup only issues the
+  TMA copies (``setmaxnreg`` moves registers to the computing warpgroup),
+  waiting on per-slot "consumed" mbarriers the computing warpgroup arrives
+  on once a slot's ``wgmma`` has finished; off by default until a GPU says
+  which is faster.
+- **Zero padding.**  The bottom/right padding (and every read past the image,
+  channel or weight tails) is TMA's out-of-bounds zero fill on the
+  multi-dimensional window.  The top/left padding is explicit: the input is
+  padded by ``(pad_top, pad_left)`` with ``jnp.pad`` before the kernel (one
+  extra pass over the input), because a TMA window starting at a negative
+  coordinate cannot be checked offline (GPU interpret mode cannot simulate
+  it) and so is not relied on.
+- **Epilogue.**  The float32 accumulator gets the bias (read in the
+  accumulator's column layout), the residual (both TMA-loaded, the residual
+  per output row, while the main loop runs) and the ReLU, each optional; it
+  is cast, stored to a shared-memory tile (``commit_smem``), and written
+  with one TMA store per output row,
+  skipped (``pl.when``) for rows past the image.  The last column tile of a
+  row stores only its valid columns, as a few power-of-two windows (5 = 4 + 1),
+  never relying on clipping there: Mosaic sends a store whose window is
+  contiguous in memory (``block_n == C_out``) through the non-tensor bulk
+  copy, which is clamped to the whole array only, so a window overhanging
+  the row would write into the next row.  (Overlapping the last tile instead
+  would write some pixels twice, a race the interpreter's detector reports.)
+  Channel tails are clipped by the tensor TMA.
+- **Not supported** (:class:`~jaxcnn.errors.KernelUnsupported`, which the
+  dispatcher turns into the Triton/XLA path): stride > 4, groups > 1,
+  float32, channel counts that are not a multiple of 8 (TMA needs 16-byte
+  strides: 1- and 3-channel stems), negative padding.
+
+:func:`conv_dgrad` (input gradient) is the forward kernel on ``dy`` with
+the flipped, transposed weights; strided, by phase decomposition of the
+input gradient (one forward-kernel call per stride phase with that phase's
+taps, interleaved by XLA).  :func:`conv_wgrad` (weight
+gradient) is a split-K over ``N * OH * OW`` without atomics: every CTA owns a
+tap x ``64`` input channels x ``block_n`` output channels x one split,
+accumulates ``x_tap^T @ dy`` over its share of output tiles with ``wgmma``
+(both operands restaged into swizzled shared memory, the input one read
+transposed), and writes its float32 partial; the splits are summed by XLA in
+a fixed order, so the result is deterministic.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import warnings
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxcnn.errors import KernelUnsupported
+
+F32 = jnp.float32
+DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+TILE_M = 64  # output pixels per CTA: one warpgroup's wgmma M
+HOPPER_KINDS = ("H100", "H200", "H800", "H20", "GH200")
+MIN_JAX = (0, 11)
+
+
+def _jax_version() -> tuple[int, int]:
+    parts = jax.__version__.split(".")
+    return int(parts[0]), int(parts[1])
+
+
+def unavailable_reason() -> str | None:
+    """Why Mosaic GPU kernels cannot be built with this jax, or None when they can."""
+    if _jax_version() < MIN_JAX:
+        return f"jax {jax.__version__} < 0.11 (the Mosaic GPU kernels need jax >= 0.11)"
+    try:
+        from jax.experimental.pallas import mosaic_gpu as plgpu
+    except ImportError as e:  # pragma: no cover - depends on the jax build
+        return f"jax.experimental.pallas.mosaic_gpu does not import: {e}"
+    missing = [a for a in ("InterpretGPUParams", "LoweringSemantics", "Layout", "wgmma",
+                           "copy_gmem_to_smem", "TilingTransform", "SwizzleTransform")
+               if not hasattr(plgpu, a)]
+    if missing:
+        return f"jax {jax.__version__}: mosaic_gpu lacks {missing}"
+    return None
+
+
+def is_hopper(device_kind: str, compute_capability: str | None = None) -> bool:
+    """Whether ``device_kind`` (``jax.Device.device_kind``) names a Hopper GPU, or the
+    device's ``compute_capability`` (CUDA devices: ``"9.0"``) says sm_90."""
+    if compute_capability is not None and str(compute_capability).startswith("9."):
+        return True
+    kind = device_kind.upper()
+    return any(k in kind for k in HOPPER_KINDS)
+
+
+def device_capability() -> str | None:
+    """The first device's CUDA compute capability (``"9.0"``), None off CUDA."""
+    return getattr(jax.devices()[0], "compute_capability", None)
+
+
+def _plgpu():
+    reason = unavailable_reason()
+    if reason is not None:
+        raise KernelUnsupported(f"Mosaic GPU conv: {reason}")
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    return plgpu
+
+
+@dataclasses.dataclass(frozen=True)
+class MgpuConfig:
+    """Tiles of the Mosaic GPU convolution kernels.
+
+    Attributes:
+        tile_w: output pixels per row of the 64-pixel tile (power of two, <= 64);
+            None picks the widest that fits the output width.
+        block_n: output channels per CTA (multiple of 16, <= 256; the 32-byte
+            swizzle is the smallest Mosaic accepts).
+        block_k: input channels per K step (16, 32 or 64 for 16-bit types).
+        stages: pipeline depth (shared-memory slots per operand, >= 2).
+        split: weight gradient only: how many CTAs share the pixel reduction.
+        warp_specialized: forward/input gradient only: a second warpgroup issues the
+            TMA copies (``setmaxnreg`` moves registers to the computing one), which
+            hands slots back through "consumed" mbarriers.  Off until a GPU says
+            which is faster.
+    """
+    tile_w: int | None = None
+    block_n: int = 128
+    block_k: int = 64
+    stages: int = 3
+    split: int = 1
+    warp_specialized: bool = False
+
+
+DEFAULT = MgpuConfig()
+PARTS = ("fwd", "dgrad", "wgrad")
+
+
+def config_key(part: str, x_shape, w_shape, stride, pads, dilation, dtype) -> str:
+    """Autotune-cache key of one Mosaic kernel's tiles for one convolution call."""
+    if part not in PARTS:
+        raise ValueError(f"Mosaic GPU conv: part must be one of {PARTS}, got {part!r}")
+    geo = (f"x={list(x_shape)},w={list(w_shape)},stride={list(stride)},"
+           f"pads={[list(p) for p in pads]},dilation={list(dilation)}")
+    return f"mgpu_{part}|{geo}|{jnp.dtype(dtype).name}"
+
+
+def tuned_config(part: str, x_shape, w_shape, stride, pads, dilation, dtype):
+    """The cached :class:`MgpuConfig` of this call's ``part`` on this device kind (the
+    user's cache over ``tuned.json``), or None: a pure lookup, safe while tracing."""
+    from pallas_kernels import autotune
+    key = config_key(part, x_shape, w_shape, stride, pads, dilation, dtype)
+    entry = autotune._entries().get("kernels", {}).get(key)
+    if entry is None:
+        return None
+    try:
+        return MgpuConfig(**entry)
+    except TypeError as e:
+        warnings.warn(f"autotune cache entry {key!r} is invalid ({e}); using the default",
+                      stacklevel=2)
+        return None
+
+
+def store_config(part: str, x_shape, w_shape, stride, pads, dilation, dtype,
+                 config: MgpuConfig) -> str:
+    """Saves ``config`` as this call's ``part`` tiles in the user's autotune cache under
+    this device kind (what ``scripts/bench_mgpu.py --sweep --tune`` measured); returns
+    the key."""
+    from pallas_kernels import autotune
+    key = config_key(part, x_shape, w_shape, stride, pads, dilation, dtype)
+    devices = autotune.load_cache()
+    mine = devices.setdefault(autotune.device_kind(), {"kernels": {}, "ops": {}})
+    mine.setdefault("kernels", {})[key] = dataclasses.asdict(config)
+    autotune.save_cache(devices)
+    return key
+
+
+@dataclasses.dataclass(frozen=True)
+class _Geom:
+    n: int
+    sh: int  # stride: the input arrives as sh*sw phase images (phase decomposition)
+    sw: int
+    c: int
+    kh: int
+    kw: int
+    dh: int
+    dw: int
+    oh: int
+    ow: int
+    co: int
+
+
+def check_supported(x_shape, w_shape, dtype, *, stride=(1, 1), pads=((0, 0), (0, 0)),
+                    groups=1, max_stride: int = 4) -> None:
+    """Raises :class:`~jaxcnn.errors.KernelUnsupported` (one line naming the reason) when the
+    Mosaic GPU forward cannot run this convolution; returns None when it can."""
+    op = "Mosaic GPU conv"
+    reason = unavailable_reason()
+    if reason is not None:
+        raise KernelUnsupported(f"{op}: {reason}")
+    if jnp.dtype(dtype) not in DTYPES:
+        raise KernelUnsupported(f"{op}: dtype {jnp.dtype(dtype).name} unsupported "
+                                "(bfloat16/float16 only)")
+    if groups != 1:
+        raise KernelUnsupported(f"{op}: groups={groups} unsupported (dense only)")
+    if not all(1 <= s <= max_stride for s in stride):
+        raise KernelUnsupported(f"{op}: stride {tuple(stride)} unsupported (1 to {max_stride})")
+    c, co = x_shape[3], w_shape[3]
+    for name, v in (("C_in", c), ("C_out", co)):
+        if v % 8:
+            raise KernelUnsupported(
+                f"{op}: {name}={v} is not a multiple of 8 (TMA needs 16-byte strides)")
+    if any(p < 0 for pair in pads for p in pair):
+        raise KernelUnsupported(f"{op}: negative padding {pads} unsupported")
+
+
+def pick_tile_w(ow: int) -> int:
+    """The widest power of two <= min(ow, 64): each tile row is one TMA window."""
+    t = 1
+    while t * 2 <= min(ow, TILE_M):
+        t *= 2
+    return t
+
+
+def _swizzle(plgpu, elems: int, itemsize: int) -> int:
+    return plgpu.find_swizzle(elems * itemsize * 8)
+
+
+def _block_k(c: int, cfg: MgpuConfig) -> int:
+    bk = cfg.block_k
+    while bk > 16 and bk // 2 >= c:
+        bk //= 2
+    return bk
+
+
+def _block_n(co: int, cfg: MgpuConfig) -> int:
+    bn = cfg.block_n
+    while bn > 16 and bn // 2 >= co:
+        bn //= 2
+    return bn
+
+
+def _check_config(cfg: MgpuConfig, bk: int, bn: int) -> None:
+    if bk not in (16, 32, 64):
+        raise ValueError(f"MgpuConfig.block_k must be 16, 32 or 64, got {cfg.block_k}")
+    if bn % 16 or not 16 <= bn <= 256:
+        raise ValueError(f"MgpuConfig.block_n must be a multiple of 16 in [16, 256], got "
+                         f"{cfg.block_n}")
+    if cfg.stages < 2:
+        raise ValueError(f"MgpuConfig.stages must be >= 2, got {cfg.stages}")
+    if cfg.tile_w is not None and (cfg.tile_w < 1 or TILE_M % cfg.tile_w):
+        raise ValueError(f"MgpuConfig.tile_w must divide {TILE_M}, got {cfg.tile_w}")
+
+
+def _interpret_params(plgpu, interpret, detect_races: bool):
+    if not interpret:
+        return None
+    return plgpu.InterpretGPUParams(detect_races=detect_races)
+
+
+def _lane_params(plgpu):
+    return plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)
+
+
+def _implicit_gemm(x, w3, bias, residual, gm: _Geom, cfg: MgpuConfig, *, relu, interpret,
+                   detect_races, name):
+    """``y[n, oh, ow, :] = sum_{tap, c} x[n, oh + i*dh, ow + j*dw, c] * w3[tap, c, :gm.co]``,
+    then ``+ bias + residual`` and ReLU on the float32 accumulator (each optional).
+
+    ``x`` is already padded at the top/left; reads past its bottom/right are TMA zero fill.
+    ``w3``'s last dimension is padded to a multiple of ``block_n``: the swizzled TMA
+    tiles it by the swizzle width, which must divide it; so is ``bias`` (float32).
+    """
+    plgpu = _plgpu()
+    dtype = x.dtype
+    itemsize = jnp.dtype(dtype).itemsize
+    bk, bn = _block_k(gm.c, cfg), _block_n(gm.co, cfg)
+    _check_config(cfg, bk, bn)
+    tw = cfg.tile_w or pick_tile_w(gm.ow)
+    tw = min(tw, pick_tile_w(gm.ow))  # no tile wider than the output row
+    th = TILE_M // tw
+    stages = cfg.stages
+    taps = gm.kh * gm.kw
+    kc = pl_cdiv(gm.c, bk)
+    nsteps = taps * kc
+    tiles_h, tiles_w = pl_cdiv(gm.oh, th), pl_cdiv(gm.ow, tw)
+    tail = gm.ow - (tiles_w - 1) * tw  # valid columns of the last column tile
+    # wgmma wants both operands in the same swizzle: the widest that both tiles' rows fill.
+    swz = min(_swizzle(plgpu, bn, itemsize), _swizzle(plgpu, bk, itemsize))
+    w_transforms = (plgpu.TilingTransform((8, swz // itemsize)), plgpu.SwizzleTransform(swz))
+    a_transforms = w_transforms
+    from jax.experimental import pallas as pl
+
+    has_bias, has_res = bias is not None, residual is not None
+
+    def body(*refs):
+        refs = list(refs)
+        x_ref, w_ref = refs.pop(0), refs.pop(0)
+        bias_ref = refs.pop(0) if has_bias else None
+        res_ref = refs.pop(0) if has_res else None
+        o_ref, a_smem, a_sw, b_smem, o_smem, bars, *epi_scratch = refs
+        consumed_scratch = []
+        if cfg.warp_specialized:
+            consumed_scratch.append(epi_scratch.pop(0))
+        mi, ni = lax.axis_index("m"), lax.axis_index("n")
+        img = mi // (tiles_h * tiles_w)
+        rest = mi % (tiles_h * tiles_w)
+        oh0 = (rest // tiles_w) * th
+        col = rest % tiles_w
+        ow0 = col * tw
+        co0 = ni * bn
+
+        def issue(s, slot):
+            tap, cc = s // kc, s % kc
+            (qh, qw), phase = _tap_offset(tap, gm)
+            for r in range(th):
+                plgpu.copy_gmem_to_smem(
+                    x_ref.at[phase * gm.n + img, oh0 + r + qh, pl.ds(ow0 + qw, tw),
+                             pl.ds(cc * bk, bk)],
+                    a_smem.at[slot, pl.ds(r * tw, tw)], bars.at[slot])
+            plgpu.copy_gmem_to_smem(w_ref.at[tap, pl.ds(cc * bk, bk), pl.ds(co0, bn)],
+                                    b_smem.at[slot], bars.at[slot])
+
+        # A traced zero keeps the first windows' starts dynamic: Pallas rejects static
+        # windows that overhang the array, which TMA zero-fills.
+        zero = ni * 0
+        if has_bias or has_res:
+            *epi_smem, epi_bar = epi_scratch
+            bias_smem = epi_smem.pop(0) if has_bias else None
+            res_smem = epi_smem.pop(0) if has_res else None
+
+        def load_epilogue_operands():  # issued first: they load during the main loop
+            if has_bias:
+                plgpu.copy_gmem_to_smem(bias_ref.at[pl.ds(co0 + zero, bn)], bias_smem, epi_bar)
+            if has_res:
+                for r in range(th):
+                    plgpu.copy_gmem_to_smem(
+                        res_ref.at[img, oh0 + r + zero, pl.ds(ow0, tw), pl.ds(co0, bn)],
+                        res_smem.at[pl.ds(r * tw, tw)], epi_bar)
+
+        def mma(acc_ref, slot):
+            plgpu.barrier_wait(bars.at[slot])
+            # Restage the (unswizzled, tap-shifted) input tile into the swizzled layout
+            # wgmma reads; the previous user of this slot (step s - stages) finished at
+            # step s - stages + 1 (stages >= 2).
+            a_sw[slot] = plgpu.load(a_smem.at[slot], layout=plgpu.Layout.WGMMA,
+                                    optimized=False)
+            plgpu.commit_smem()
+            plgpu.wgmma(acc_ref, a_sw.at[slot], b_smem.at[slot])
+            plgpu.wgmma_wait(1)  # step s-1's wgmma is done with its slot
+
+        def steps(body_fn):
+            """``body_fn(s, slot)`` for s < nsteps, unrolled by ``stages``: static slots."""
+            def group(g, carry):
+                for slot in range(stages):
+                    s = g * stages + slot
+                    pl.when(s < nsteps)(functools.partial(body_fn, s, slot))
+                return carry
+            lax.fori_loop(0, pl_cdiv(nsteps, stages), group, None)
+
+        def epilogue(acc_ref):
+            plgpu.wgmma_wait(0)
+            acc = acc_ref[...]
+            if has_bias or has_res:
+                plgpu.barrier_wait(epi_bar)
+            if has_bias:
+                b = plgpu.load(bias_smem, layout=plgpu.Layout.WGMMA.reduce(0))
+                acc = acc + lax.broadcast_in_dim(b, (TILE_M, bn), [1])
+            if has_res:
+                acc = acc + plgpu.load(res_smem, layout=plgpu.Layout.WGMMA,
+                                       optimized=False).astype(F32)
+            if relu:
+                acc = jnp.maximum(acc, 0.0)
+            o_smem[...] = acc.astype(dtype)
+            plgpu.commit_smem()
+            for r in range(th):
+                def store(off, size, r=r):
+                    plgpu.copy_smem_to_gmem(
+                        o_smem.at[pl.ds(r * tw + off, size)],
+                        o_ref.at[img, oh0 + r, pl.ds(ow0 + off, size), pl.ds(co0, bn)])
+
+                row_ok = oh0 + r < gm.oh
+                if tail == tw:
+                    pl.when(row_ok)(lambda: store(0, tw))
+                else:
+                    pl.when(row_ok & (col < tiles_w - 1))(lambda: store(0, tw))
+
+                    @pl.when(row_ok & (col == tiles_w - 1))
+                    def _tail():
+                        for off, size in _pieces(tail):
+                            store(off, size)
+            plgpu.wait_smem_to_gmem(0)
+
+        if not cfg.warp_specialized:
+            def scoped(acc_ref):
+                load_epilogue_operands()
+                for s in range(min(stages, nsteps)):
+                    issue(zero + s, s)
+
+                def step(s, slot):
+                    mma(acc_ref, slot)
+                    nxt = s - 1 + stages
+
+                    @pl.when((s >= 1) & (nxt < nsteps))
+                    def _refill():
+                        issue(nxt, (slot - 1) % stages)
+                steps(step)
+                epilogue(acc_ref)
+
+            pl.run_scoped(scoped, plgpu.ACC((TILE_M, bn), F32))
+            return
+
+        # Warp-specialised: warpgroup 1 only issues TMA copies (few registers), warpgroup 0
+        # restages, multiplies and runs the epilogue; "consumed" barriers hand slots back.
+        consumed = consumed_scratch[0]
+        wg = lax.axis_index("wg")
+
+        @pl.when(wg == 1)
+        def _producer():
+            plgpu.set_max_registers(40, action="decrease")
+            load_epilogue_operands()
+
+            def produce(s, slot):
+                pl.when(s >= stages)(lambda: plgpu.barrier_wait(consumed.at[slot]))
+                issue(s, slot)
+            steps(produce)
+
+        @pl.when(wg == 0)
+        def _consumer():
+            plgpu.set_max_registers(232, action="increase")
+
+            def scoped(acc_ref):
+                def consume(s, slot):
+                    mma(acc_ref, slot)  # waits until step s - 1's wgmma is done
+                    # Hand step s - 1's slot back, where the producer will wait for it.
+                    pl.when((s >= 1) & (s - 1 + stages < nsteps))(
+                        lambda: plgpu.barrier_arrive(consumed.at[(slot - 1) % stages]))
+                steps(consume)
+                epilogue(acc_ref)
+
+            pl.run_scoped(scoped, plgpu.ACC((TILE_M, bn), F32))
+
+    kernel = plgpu.kernel(
+        body,
+        out_type=jax.ShapeDtypeStruct((gm.n, gm.oh, gm.ow, gm.co), dtype),
+        grid=(gm.n * tiles_h * tiles_w, pl_cdiv(gm.co, bn)),
+        grid_names=("m", "n"),
+        scratch_types=[
+            plgpu.SMEM((stages, TILE_M, bk), dtype),
+            plgpu.SMEM((stages, TILE_M, bk), dtype, transforms=a_transforms),
+            plgpu.SMEM((stages, bk, bn), dtype, transforms=w_transforms),
+            plgpu.SMEM((TILE_M, bn), dtype),
+            plgpu.Barrier(num_arrivals=th + 1, num_barriers=stages),
+        ] + ([plgpu.Barrier(num_arrivals=1, num_barriers=stages)]
+             if cfg.warp_specialized else [])
+          + ([plgpu.SMEM((bn,), F32)] if has_bias else [])
+          + ([plgpu.SMEM((TILE_M, bn), residual.dtype)] if has_res else [])
+          + ([plgpu.Barrier(num_arrivals=int(has_bias) + th * int(has_res))]
+             if has_bias or has_res else []),
+        compiler_params=_lane_params(plgpu),
+        interpret=_interpret_params(plgpu, interpret, detect_races),
+        kernel_name=name,
+        **(dict(num_threads=2, thread_name="wg") if cfg.warp_specialized else {}),
+    )
+    return kernel(x, w3, *[a for a in (bias, residual) if a is not None])
+
+
+def _out_hw(hw, kernel_hw, stride, pads, dilation):
+    return tuple((n + lo + hi - d * (k - 1) - 1) // s + 1 for n, k, s, (lo, hi), d in
+                 zip(hw, kernel_hw, stride, pads, dilation))
+
+
+def _tap_offset(tap, gm: _Geom):
+    """``((row, column) offset, phase)`` of tap ``tap`` in the phase-decomposed input: tap
+    ``(i, j)`` reads input row ``oh * sh + i * dh``, which is row ``oh + (i * dh) // sh`` of
+    phase ``(i * dh) % sh``."""
+    i, j = tap // gm.kw, tap % gm.kw
+    rh, rw = i * gm.dh, j * gm.dw
+    return (rh // gm.sh, rw // gm.sw), (rh % gm.sh) * gm.sw + rw % gm.sw
+
+
+def _phases(x, pads, stride):
+    """``x`` padded at the top/left (bottom/right padding is TMA zero fill) and split into its
+    ``sh * sw`` stride phases, ``(sh * sw * N, ceil(Hp / sh), ceil(Wp / sw), C)`` with phase
+    ``a * sw + b`` holding rows ``a::sh`` and columns ``b::sw``: one XLA copy (none at stride 1
+    without top/left padding)."""
+    (pt, _), (pleft, _) = pads
+    sh, sw = stride
+    n, h, w, c = x.shape
+    extra_h, extra_w = -(h + pt) % sh, -(w + pleft) % sw  # whole phases; zeros, never read
+    if pt or pleft or extra_h or extra_w:
+        x = jnp.pad(x, ((0, 0), (pt, extra_h), (pleft, extra_w), (0, 0)))
+    if sh == sw == 1:
+        return x
+    hs, ws = x.shape[1] // sh, x.shape[2] // sw
+    x = x.reshape(n, hs, sh, ws, sw, c).transpose(2, 4, 0, 1, 3, 5)
+    return x.reshape(sh * sw * n, hs, ws, c)
+
+
+def _pieces(width: int) -> list[tuple[int, int]]:
+    """``(offset, size)`` windows of power-of-two sizes that tile ``[0, width)`` exactly."""
+    out, off = [], 0
+    for bit in reversed(range(width.bit_length())):
+        if width >> bit & 1:
+            out.append((off, 1 << bit))
+            off += 1 << bit
+    return out
+
+
+def pl_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def conv_forward(x, w, b=None, residual=None, *, relu=False, stride=(1, 1),
+                 pads=((0, 0), (0, 0)), dilation=(1, 1), config: MgpuConfig | None = None,
+                 interpret: bool = False, detect_races: bool = False,
+                 name: str = "jaxcnn_mgpu_conv_fwd"):
+    """Dense convolution ``(N, H, W, C_in) x (KH, KW, C_in, C_out)`` on Mosaic GPU.
+
+    Arguments:
+        x, w: bfloat16 or float16, NHWC and HWIO.
+        b: optional ``(C_out,)``, residual: optional ``(N, OH, OW, C_out)`` (x's dtype),
+            added to the float32 accumulator in the epilogue, then ``relu`` if set.
+        stride: ``(sh, sw)``; above 1 the input is split into its stride phases
+            first (one XLA copy), so every tap reads a stride-1 window of one phase.
+        pads: ``((top, bottom), (left, right))``, each >= 0.
+        dilation: ``(dh, dw)``.
+        config: tiles (:class:`MgpuConfig`); None takes the defaults.
+        interpret: run in Mosaic GPU interpret mode (on the CPU).
+        detect_races: with ``interpret``, run the interpreter's race detector.
+        name: the kernel's name (the input gradient runs this kernel as
+            ``jaxcnn_mgpu_conv_dgrad``).
+
+    Returns:
+        ``(N, OH, OW, C_out)`` in ``x.dtype`` (float32 accumulation).
+
+    Raises:
+        KernelUnsupported: for a call the kernel cannot run (see :func:`check_supported`).
+    """
+    stride = tuple(stride)
+    check_supported(x.shape, w.shape, x.dtype, stride=stride, pads=pads)
+    if x.dtype != w.dtype:
+        raise ValueError(f"Mosaic GPU conv: x and w dtypes differ ({x.dtype}, {w.dtype})")
+    n, h, wd, c = x.shape
+    kh, kw, _, co = w.shape
+    oh, ow = _out_hw((h, wd), (kh, kw), stride, pads, dilation)
+    if oh < 1 or ow < 1:
+        raise ValueError(f"Mosaic GPU conv: empty output {oh}x{ow} for x {x.shape}, w {w.shape}")
+    x = _phases(x, pads, stride)
+    gm = _Geom(n=n, sh=stride[0], sw=stride[1], c=c, kh=kh, kw=kw, dh=dilation[0],
+               dw=dilation[1], oh=oh, ow=ow, co=co)
+    cfg = config or DEFAULT
+    w3 = w.reshape(kh * kw, c, co)
+    bn = _block_n(co, cfg)
+    cop = pl_cdiv(co, bn) * bn
+    if co % bn:  # the swizzled weight tiles need C_out a multiple of the tile (tiny XLA pad)
+        w3 = jnp.pad(w3, ((0, 0), (0, 0), (0, cop - co)))
+    if b is not None:
+        b = jnp.pad(b.astype(F32), (0, cop - co))
+    if residual is not None and residual.shape != (n, oh, ow, co):
+        raise ValueError(f"Mosaic GPU conv: residual shape {residual.shape} != output "
+                         f"{(n, oh, ow, co)}")
+    return _implicit_gemm(x, w3, b, residual, gm, cfg, relu=bool(relu), interpret=interpret,
+                          detect_races=detect_races, name=name)
+
+
+def conv_dgrad(dy, w, *, x_hw, stride=(1, 1), pads=((0, 0), (0, 0)), dilation=(1, 1),
+               config: MgpuConfig | None = None, interpret: bool = False,
+               detect_races: bool = False):
+    """Input gradient of :func:`conv_forward`, ``(N, H, W, C_in)`` in ``dy``'s dtype.
+
+    Stride 1: the forward kernel on ``dy`` with the flipped, transposed weights (a
+    full correlation), padded so it returns ``x_hw``.  Stride ``s`` (dilation 1): by
+    phase decomposition of the input gradient.  Input row ``r`` of the padded input
+    with ``r % s == a`` receives only the taps ``i = a, a + s, ...``, from output rows
+    ``r // s - k``: per phase ``(a, b)`` that is a stride-1 correlation of ``dy`` with
+    those taps flipped (``ceil((KH - a) / s) x ceil((KW - b) / s)`` of them: 4, 2, 2
+    and 1 for a 3x3/2, nine in all), run by the forward kernel; XLA interleaves the
+    ``s * s`` phase results and crops the padding (one pass over ``dx``).  A phase no
+    tap reaches (1x1/2) is zeros.
+
+    Raises:
+        KernelUnsupported: for a strided, dilated forward; when the correlation would
+            need negative padding (a forward padded by more than its dilated window);
+            or when the channels do not fit.
+    """
+    stride = tuple(stride)
+    kh, kw = w.shape[:2]
+    dh, dw = dilation
+    (pt, pb), (pleft, pr) = pads
+    kwargs = dict(config=config, interpret=interpret, detect_races=detect_races,
+                  name="jaxcnn_mgpu_conv_dgrad")
+    if stride == (1, 1):
+        back = ((dh * (kh - 1) - pt, dh * (kh - 1) - pb),
+                (dw * (kw - 1) - pleft, dw * (kw - 1) - pr))
+        dx = conv_forward(dy, jnp.flip(w, (0, 1)).transpose(0, 1, 3, 2), pads=back,
+                          dilation=dilation, **kwargs)
+    else:
+        if tuple(dilation) != (1, 1):
+            raise KernelUnsupported(f"Mosaic GPU conv: no input-gradient kernel for stride "
+                                    f"{stride} with dilation {tuple(dilation)}")
+        dx = _strided_dgrad(dy, w, x_hw, stride, pads, kwargs)
+    if dx.shape[1:3] != tuple(x_hw):
+        raise AssertionError(f"dgrad shape {dx.shape} does not match input {x_hw}")
+    return dx
+
+
+def _strided_dgrad(dy, w, x_hw, stride, pads, kwargs):
+    n, oh, ow, _ = dy.shape
+    kh, kw, c, _ = w.shape
+    sh, sw = stride
+    (pt, _), (pleft, _) = pads
+    mh, mw = pl_cdiv(pt + x_hw[0], sh), pl_cdiv(pleft + x_hw[1], sw)  # rows per phase
+    if mh < oh or mw < ow:  # over-padded at the bottom/right: negative correlation padding
+        raise KernelUnsupported(f"Mosaic GPU conv: negative padding in the strided input "
+                                f"gradient (pads {pads}, stride {stride})")
+    check_supported((n, oh, ow, dy.shape[3]), (1, 1, dy.shape[3], c), dy.dtype)
+    rows = []
+    for a in range(sh):
+        cols = []
+        for b in range(sw):
+            taps = w[a::sh, b::sw]  # (ceil((KH - a) / sh), ceil((KW - b) / sw), C_in, C_out)
+            ka, kb = taps.shape[:2]
+            if ka == 0 or kb == 0:
+                cols.append(jnp.zeros((n, mh, mw, c), dy.dtype))
+                continue
+            cols.append(conv_forward(
+                dy, jnp.flip(taps, (0, 1)).transpose(0, 1, 3, 2),
+                pads=((ka - 1, mh - oh), (kb - 1, mw - ow)), **kwargs))
+        rows.append(jnp.stack(cols))
+    phases = jnp.stack(rows)  # (sh, sw, N, mh, mw, C): padded row m * sh + a, column ...
+    dx = phases.transpose(2, 3, 0, 4, 1, 5).reshape(n, mh * sh, mw * sw, c)
+    return dx[:, pt:pt + x_hw[0], pleft:pleft + x_hw[1]]
+
+
+def conv_wgrad(x, dy, *, kernel_hw, stride=(1, 1), pads=((0, 0), (0, 0)), dilation=(1, 1),
+               config: MgpuConfig | None = None, interpret: bool = False,
+               detect_races: bool = False):
+    """Weight gradient of :func:`conv_forward`, ``(KH, KW, C_in, C_out)`` float32.
+
+    ``dw[tap, c, co] = sum_p x[p * stride + tap, c] * dy[p, co]`` over all output pixels
+    ``p`` (the input split into its stride phases as in the forward):
+    a GEMM whose reduction runs over ``N * OH * OW``.  ``config.split`` CTAs share
+    that reduction per output tile, each writing a float32 partial; XLA sums the
+    partials in a fixed order (deterministic, no atomics).
+
+    Raises:
+        KernelUnsupported: as :func:`check_supported`.
+    """
+    kh, kw = kernel_hw
+    stride = tuple(stride)
+    check_supported(x.shape, (kh, kw, x.shape[3], dy.shape[3]), x.dtype, stride=stride,
+                    pads=pads)
+    if x.dtype != dy.dtype:
+        raise ValueError(f"Mosaic GPU wgrad: x and dy dtypes differ ({x.dtype}, {dy.dtype})")
+    plgpu = _plgpu()
+    from jax.experimental import pallas as pl
+    cfg = config or DEFAULT
+    n, h, wd, c = x.shape
+    co = dy.shape[3]
+    oh, ow = dy.shape[1:3]
+    if (oh, ow) != _out_hw((h, wd), kernel_hw, stride, pads, dilation):
+        raise ValueError(f"Mosaic GPU wgrad: dy {dy.shape} does not match x {x.shape}")
+    x = _phases(x, pads, stride)
+    gm = _Geom(n=n, sh=stride[0], sw=stride[1], c=c, kh=kh, kw=kw, dh=dilation[0],
+               dw=dilation[1], oh=oh, ow=ow, co=co)
+    dtype = x.dtype
+    itemsize = jnp.dtype(dtype).itemsize
+    bm = TILE_M  # input channels per CTA (wgmma M)
+    bn = _block_n(co, cfg)
+    _check_config(cfg, 64, bn)
+    if cfg.split < 1:
+        raise ValueError(f"MgpuConfig.split must be >= 1, got {cfg.split}")
+    tw = min(cfg.tile_w or pick_tile_w(ow), pick_tile_w(ow))
+    th = TILE_M // tw  # the K step: 64 output pixels, a th x tw rectangle
+    stages = cfg.stages
+    taps = kh * kw
+    tiles_h, tiles_w = pl_cdiv(oh, th), pl_cdiv(ow, tw)
+    tiles = n * tiles_h * tiles_w
+    split = min(cfg.split, tiles)
+    per_split = pl_cdiv(tiles, split)
+    cp, cop = pl_cdiv(c, bm) * bm, pl_cdiv(co, bn) * bn  # partials padded: in-bounds stores
+
+    swz = min(_swizzle(plgpu, bm, itemsize), _swizzle(plgpu, bn, itemsize))  # wgmma: equal
+
+    def tr(cols):
+        return (plgpu.TilingTransform((8, swz // itemsize)), plgpu.SwizzleTransform(swz))
+
+    def body(x_ref, dy_ref, o_ref, x_un, dy_un, x_sw, dy_sw, o_smem, bars):
+        tap, ci, ni, si = (lax.axis_index(a) for a in ("tap", "c", "n", "s"))
+        (qh, qw), phase = _tap_offset(tap, gm)
+        c0, co0 = ci * bm, ni * bn
+        first = si * per_split
+        count = jnp.minimum(per_split, tiles - first)
+
+        def issue(t, slot):
+            img = t // (tiles_h * tiles_w)
+            rest = t % (tiles_h * tiles_w)
+            oh0, ow0 = (rest // tiles_w) * th, (rest % tiles_w) * tw
+            for r in range(th):
+                # Pixels past the output read zeros from dy (TMA fill), so they add nothing.
+                plgpu.copy_gmem_to_smem(
+                    x_ref.at[phase * n + img, oh0 + r + qh, pl.ds(ow0 + qw, tw),
+                             pl.ds(c0, bm)],
+                    x_un.at[slot, pl.ds(r * tw, tw)], bars.at[slot])
+                plgpu.copy_gmem_to_smem(
+                    dy_ref.at[img, oh0 + r, pl.ds(ow0, tw), pl.ds(co0, bn)],
+                    dy_un.at[slot, pl.ds(r * tw, tw)], bars.at[slot])
+
+        def scoped(acc_ref):
+            for s in range(stages):
+                pl.when(s < count)(functools.partial(issue, first + s, s))
+
+            def group(g, carry):
+                for slot in range(stages):
+                    s = g * stages + slot
+
+                    @pl.when(s < count)
+                    def _step():
+                        plgpu.barrier_wait(bars.at[slot])
+                        x_sw[slot] = plgpu.load(x_un.at[slot], layout=plgpu.Layout.WGMMA,
+                                                optimized=False)
+                        dy_sw[slot] = plgpu.load(dy_un.at[slot], layout=plgpu.Layout.WGMMA,
+                                                 optimized=False)
+                        plgpu.commit_smem()
+                        # (C x pixels) @ (pixels x C_out): the input tile read transposed.
+                        plgpu.wgmma(acc_ref, x_sw.at[slot].T, dy_sw.at[slot])
+                        plgpu.wgmma_wait(1)
+                        nxt = s - 1 + stages
+
+                        @pl.when((s >= 1) & (nxt < count))
+                        def _refill():
+                            issue(first + nxt, (slot - 1) % stages)
+                return carry
+
+            lax.fori_loop(0, pl_cdiv(per_split, stages), group, None)
+            plgpu.wgmma_wait(0)
+            o_smem[...] = acc_ref[...]
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_smem, o_ref.at[si, tap, pl.ds(c0, bm), pl.ds(co0, bn)])
+            plgpu.wait_smem_to_gmem(0)
+
+        pl.run_scoped(scoped, plgpu.ACC((bm, bn), F32))
+
+    kernel = plgpu.kernel(
+        body,
+        out_type=jax.ShapeDtypeStruct((split, taps, cp, cop), F32),
+        grid=(taps, cp // bm, cop // bn, split),
+        grid_names=("tap", "c", "n", "s"),
+        scratch_types=[
+            plgpu.SMEM((stages, TILE_M, bm), dtype),
+            plgpu.SMEM((stages, TILE_M, bn), dtype),
+            plgpu.SMEM((stages, TILE_M, bm), dtype, transforms=tr(bm)),
+            plgpu.SMEM((stages, TILE_M, bn), dtype, transforms=tr(bn)),
+            plgpu.SMEM((bm, bn), F32),
+            plgpu.Barrier(num_arrivals=2 * th, num_barriers=stages),
+        ],
+        compiler_params=_lane_params(plgpu),
+        interpret=_interpret_params(plgpu, interpret, detect_races),
+        kernel_name="jaxcnn_mgpu_conv_wgrad",
+    )
+    partial = kernel(x, dy)
+    return jnp.sum(partial, axis=0)[:, :c, :co].reshape(kh, kw, c, co)
+
+
+# --- the differentiable op ---------------------------------------------------------------
+
+BACKWARDS = ("mosaic", "xla")
+_DIMS = ("NHWC", "HWIO", "NHWC")
+
+
+def conv2d(x, w, b=None, *, stride=(1, 1), padding=((0, 0), (0, 0)), dilation=(1, 1),
+           residual=None, relu=False, backward="mosaic", config=None, interpret=False,
+           detect_races=False):
+    """``relu?(conv(x, w) + b + residual)`` with the Mosaic GPU kernels and a ``custom_vjp``.
+
+    The structure of :func:`pallas_kernels.conv2d`: the forward kernel, then the
+    backward as the input-gradient and weight-gradient kernels (``backward="mosaic"``)
+    or XLA's convolution gradients (``"xla"``).  Bias, residual and ReLU are applied in
+    the forward kernel's epilogue, on the float32 accumulator.  Where the input gradient
+    has no kernel (strided and dilated, or padded by more than the dilated window), XLA
+    computes it.
+
+    Arguments:
+        x: ``(N, H, W, C_in)``; w: ``(KH, KW, C_in, C_out)``; bfloat16 or float16.
+        b: optional ``(C_out,)``; residual: optional, the output's shape.
+        stride: ``(sh, sw)``; padding: ``((top, bottom), (left, right))``; dilation:
+            ``(dh, dw)``.
+        config: one :class:`MgpuConfig` or ``{"fwd"|"dgrad"|"wgrad": MgpuConfig}``; a
+            part not given takes its cached tiles (:func:`tuned_config`), else the
+            defaults.
+        interpret: run in Mosaic GPU interpret mode; detect_races: its race detector.
+
+    Raises:
+        KernelUnsupported: for a call the kernels cannot run (:func:`check_supported`).
+    """
+    if backward not in BACKWARDS:
+        raise ValueError(f"Mosaic GPU conv2d: backward must be one of {BACKWARDS}, got "
+                         f"{backward!r}")
+    pads = tuple(tuple(int(p) for p in pair) for pair in padding)
+    dilation = tuple(int(d) for d in dilation)
+    stride = tuple(int(v) for v in stride)
+    check_supported(x.shape, w.shape, x.dtype, stride=stride, pads=pads)
+    if isinstance(config, MgpuConfig):
+        cfgs = (config,) * 3
+    else:
+        config = dict(config or {})
+        unknown = set(config) - set(PARTS)
+        if unknown:
+            raise ValueError(f"Mosaic GPU conv2d: unknown config keys {sorted(unknown)}")
+        cfgs = tuple(config.get(part) or tuned_config(
+            part, x.shape, w.shape, stride, pads, dilation, x.dtype) or DEFAULT
+            for part in PARTS)
+    static = (pads, dilation, bool(relu), backward, cfgs, bool(interpret), bool(detect_races),
+              stride)
+    return _conv(static, x, w, b, residual)
+
+
+def _forward(static, x, w, b, residual):
+    pads, dilation, relu, _, (cfg, _, _), interpret, races, stride = static
+    return conv_forward(x, w, b, residual, relu=relu, stride=stride, pads=pads,
+                        dilation=dilation, config=cfg, interpret=interpret,
+                        detect_races=races)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _conv(static, x, w, b, residual):
+    return _forward(static, x, w, b, residual)
+
+
+def _conv_fwd(static, x, w, b, residual):
+    y = _forward(static, x, w, b, residual)
+    return y, (x, w, b, residual, y if static[2] else None)
+
+
+def _conv_bwd(static, saved, dy):
+    pads, dilation, relu, backward, (_, cfg_d, cfg_w), interpret, races, stride = static
+    x, w, b, residual, y = saved
+    if relu:
+        dy = jnp.where(y > 0, dy, jnp.zeros_like(dy))
+    db = None if b is None else jnp.sum(dy.astype(F32), axis=(0, 1, 2)).astype(b.dtype)
+    dres = None if residual is None else dy.astype(residual.dtype)
+    conv = functools.partial(lax.conv_general_dilated, window_strides=stride, padding=pads,
+                             rhs_dilation=dilation, dimension_numbers=_DIMS)
+    if backward == "xla":
+        _, vjp = jax.vjp(conv, x, w)
+        dx, dw = vjp(dy)
+        return dx, dw, db, dres
+    dy = dy.astype(x.dtype)
+    try:
+        dx = conv_dgrad(dy, w, x_hw=x.shape[1:3], stride=stride, pads=pads, dilation=dilation,
+                        config=cfg_d, interpret=interpret, detect_races=races)
+    except KernelUnsupported:  # a static property of the call: decided while tracing
+        dx = jax.vjp(lambda x_: conv(x_, w), x)[1](dy)[0]
+    dw = conv_wgrad(x, dy, kernel_hw=w.shape[:2], stride=stride, pads=pads, dilation=dilation,
+                    config=cfg_w, interpret=interpret, detect_races=races)
+    return dx.astype(x.dtype), dw.astype(w.dtype), db, dres
+
+
+_conv.defvjp(_conv_fwd, _conv_bwd)

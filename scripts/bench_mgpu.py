@@ -1,0 +1,190 @@
+#!/usr/bin/env python3
+"""Times the Mosaic GPU (Hopper) convolution against the Triton kernel and XLA (cuDNN), same run.
+
+Usage (on an H100/H200, jax >= 0.11)::
+
+    python scripts/bench_mgpu.py [--groups resnet50,bottleneck,mnist] [--batch N]
+                                 [--repeats 20] [--no-grad] [--sweep] [--tune] [--json out.json]
+
+Per shape (bfloat16, batch 256 unless ``--batch``) it prints the forward time of
+the Mosaic kernel (``pallas_kernels.conv2d(..., backend="mosaic")``), the Triton
+kernel (``backend="triton"``) and XLA (``impl="xla"``: cuDNN on a GPU), the
+Mosaic kernel's TFLOP/s and its speed relative to XLA (above 1: faster), the
+same for forward + both gradients, and the largest difference of its forward
+from XLA's relative to XLA's largest value (a wrong result on the GPU shows
+here first).
+
+``--sweep`` times every :class:`~pallas_kernels.mgpu_conv.MgpuConfig` of a
+small grid (block_n, block_k, stages, warp specialisation) per shape and
+reports the fastest.
+``--tune`` races the Mosaic op against XLA with the autotuner and stores the
+verdict keyed with ``backend="mosaic"`` in the user's cache (with ``--sweep``,
+the fastest forward tiles too, which ``pallas_kernels.conv2d`` then uses): only
+such a measurement lets ``impl="auto"`` choose the Mosaic kernel.
+
+On a CPU backend the kernels would run in interpret mode, which is no
+benchmark: the script says so and exits 0 unless ``--force`` (a smoke test
+of the script itself; use ``--batch 1 --groups mnist``).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import itertools
+import json
+import os
+import platform
+import sys
+
+import jaxcnn.cpu
+jaxcnn.cpu.configure()  # first: the XLA:CPU flag and malloc settings, before JAX starts
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import pallas_kernels as pk  # noqa: E402
+from jaxcnn import functional as F  # noqa: E402
+from jaxcnn.functional import tuning  # noqa: E402
+from pallas_kernels import autotune  # noqa: E402
+from pallas_kernels import mgpu_conv as mc  # noqa: E402
+
+_P1 = dict(padding=1)
+# (group, name, x shape NHWC, kwargs, w shape HWIO, batch)
+SHAPES = [
+    ("resnet50", "res3x3 56x64", (56, 56, 64), _P1, (3, 3, 64, 64), 256),
+    ("resnet50", "res3x3 28x128", (28, 28, 128), _P1, (3, 3, 128, 128), 256),
+    ("resnet50", "res3x3 14x256", (14, 14, 256), _P1, (3, 3, 256, 256), 256),
+    ("resnet50", "res3x3 7x512", (7, 7, 512), _P1, (3, 3, 512, 512), 256),
+    ("bottleneck", "1x1 56x64->256", (56, 56, 64), {}, (1, 1, 64, 256), 256),
+    ("bottleneck", "1x1 56x256->64", (56, 56, 256), {}, (1, 1, 256, 64), 256),
+    ("bottleneck", "1x1 28x512->128", (28, 28, 512), {}, (1, 1, 512, 128), 256),
+    ("bottleneck", "1x1 14x1024->256", (14, 14, 1024), {}, (1, 1, 1024, 256), 256),
+    ("bottleneck", "1x1 7x2048->512", (7, 7, 2048), {}, (1, 1, 2048, 512), 256),
+    ("mnist", "mnist conv2", (26, 26, 32), {}, (3, 3, 32, 64), 128),
+]
+GROUPS = sorted({s[0] for s in SHAPES})
+SWEEP = [mc.MgpuConfig(block_n=bn, block_k=bk, stages=st, warp_specialized=ws)
+         for bn, bk, st, ws in itertools.product((64, 128, 256), (32, 64), (2, 4), (False, True))]
+
+
+def _bench_kernels():
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_kernels.py")
+    spec = importlib.util.spec_from_file_location("bench_kernels", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _fns(kw, config=None):
+    """(Mosaic, Triton, XLA) forward functions of ``(x, w)``."""
+    return (lambda x, w: pk.conv2d(x, w, **kw, backend="mosaic", config=config),
+            lambda x, w: pk.conv2d(x, w, **kw, backend="triton"),
+            lambda x, w: F.conv2d(x, w, **kw, impl="xla"))
+
+
+def _time(fn, args, repeats, grad):
+    f = jax.jit(fn) if not grad else jax.jit(jax.grad(
+        lambda x, w: jnp.sum(fn(x, w).astype(jnp.float32) ** 2), argnums=(0, 1)))
+    return autotune.time_call(f, *args, repeats=repeats)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--force", action="store_true", help="run even on a CPU backend")
+    parser.add_argument("--groups", default=",".join(GROUPS),
+                        help=f"comma-separated subset of {GROUPS}")
+    parser.add_argument("--batch", type=int, help="batch size N of every shape")
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--no-grad", action="store_true", help="time the forward pass only")
+    parser.add_argument("--sweep", action="store_true", help="time a grid of Mosaic tiles")
+    parser.add_argument("--tune", action="store_true",
+                        help="store a backend='mosaic' verdict per shape in the user's cache")
+    parser.add_argument("--json", help="also write the rows here")
+    opts = parser.parse_args(argv)
+    groups = [g for g in opts.groups.split(",") if g]
+    unknown = sorted(set(groups) - set(GROUPS))
+    if unknown:
+        parser.error(f"unknown group(s) {unknown}; choose from {GROUPS}")
+    reason = mc.unavailable_reason()
+    if reason is not None:
+        print(f"bench_mgpu: {reason}", file=sys.stderr)
+        return 2
+    backend = jax.default_backend()
+    if backend != "gpu" and not opts.force:
+        print(f"backend is {backend!r}: the kernels would run in interpret mode, which is not "
+              "a benchmark. Pass --force to time it anyway.")
+        return 0
+    bk = _bench_kernels()
+    kind = autotune.device_kind()
+    if backend == "gpu" and not mc.is_hopper(kind):
+        print(f"bench_mgpu: {kind} is not a Hopper GPU; the Mosaic kernels need sm_90",
+              file=sys.stderr)
+        return 2
+    dtype = jnp.dtype(jnp.bfloat16)
+    print(f"device: {kind}  jax {jax.__version__}  python {platform.python_version()}  "
+          f"dtype: {dtype.name}")
+    print(f"{'shape':<18} {'N':>4} {'mosaic ms':>9} {'triton ms':>9} {'xla ms':>8} "
+          f"{'TFLOP/s':>8} {'xla/mos':>7} {'grad m ms':>9} {'grad t ms':>9} {'grad x ms':>9} "
+          f"{'xla/mos':>7} {'max err':>8}  config")
+    rows = []
+    for group, name, hwc, kw, w_shape, batch in SHAPES:
+        if group not in groups:
+            continue
+        x_shape = (opts.batch or batch, *hwc)
+        x, w = bk._args("conv2d", x_shape, w_shape, dtype)
+        flops, _ = bk.work("conv2d", x_shape, kw, w_shape, dtype.itemsize)
+        try:
+            config = None
+            if opts.sweep:
+                timed = []
+                for cfg in SWEEP:
+                    try:
+                        timed.append((_time(_fns(kw, cfg)[0], (x, w), opts.repeats, False),
+                                      cfg))
+                    except Exception as e:  # e.g. over the shared-memory limit
+                        print(f"  {name}: {cfg} skipped: {type(e).__name__}: "
+                              f"{str(e).splitlines()[0][:120]}")
+                config = min(timed, key=lambda t: t[0])[1] if timed else None
+            mosaic, triton, xla = _fns(kw, config)
+            t = [_time(f, (x, w), opts.repeats, False) for f in (mosaic, triton, xla)]
+            g = [float("nan")] * 3
+            if not opts.no_grad:
+                g = [_time(f, (x, w), opts.repeats, True) for f in (mosaic, triton, xla)]
+            ref = np.asarray(jax.jit(xla)(x, w), np.float32)
+            err = float(np.abs(np.asarray(jax.jit(mosaic)(x, w), np.float32) - ref).max()
+                        / max(np.abs(ref).max(), 1e-30))
+            if opts.tune:
+                arrays, static = tuning.canonical_call("conv2d", (x, w), kw)
+                if config is not None:  # the swept tiles, then the verdict measured with them
+                    mc.store_config("fwd", x.shape, w.shape, static["stride"],
+                                    static["padding"], static["dilation"], x.dtype, config)
+                autotune.tune_op("conv2d", arrays, {**static, "backend": "mosaic"},
+                                 xla=lambda *a, s=static: F.conv2d(*a, **s, impl="xla"))
+        except Exception as e:  # report and go on: one shape must not hide the others
+            print(f"{name:<18} FAILED: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+            rows.append({"name": name, "error": f"{type(e).__name__}: {e}"[:2000]})
+            continue
+        cfg_text = "default" if config is None else (
+            f"n{config.block_n}k{config.block_k}s{config.stages}"
+            + ("ws" if config.warp_specialized else ""))
+        print(f"{name:<18} {x_shape[0]:>4} {1e3 * t[0]:>9.3f} {1e3 * t[1]:>9.3f} "
+              f"{1e3 * t[2]:>8.3f} {flops / t[0] / 1e12:>8.1f} {t[2] / t[0]:>7.2f} "
+              f"{1e3 * g[0]:>9.3f} {1e3 * g[1]:>9.3f} {1e3 * g[2]:>9.3f} {g[2] / g[0]:>7.2f} "
+              f"{err:>8.1e}  {cfg_text}", flush=True)
+        rows.append({"group": group, "name": name, "x_shape": list(x_shape), "kwargs": kw,
+                     "mosaic_ms": 1e3 * t[0], "triton_ms": 1e3 * t[1], "xla_ms": 1e3 * t[2],
+                     "mosaic_grad_ms": 1e3 * g[0], "triton_grad_ms": 1e3 * g[1],
+                     "xla_grad_ms": 1e3 * g[2], "tflops": flops / t[0] / 1e12,
+                     "max_rel_err": err,
+                     "config": None if config is None else dataclasses.asdict(config)})
+    if opts.json:
+        with open(opts.json, "w", encoding="utf-8") as f:
+            json.dump({"device_kind": kind, "jax": jax.__version__, "dtype": dtype.name,
+                       "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
