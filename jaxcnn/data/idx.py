@@ -54,6 +54,12 @@ def _parse_header(stream, path, expected_magic, max_bytes, raw_size):
     if payload > max_bytes:
         raise DataError(f"{path}: header dims {dims} imply {payload} bytes of data, more than the "
                         f"{max_bytes}-byte limit")
+    # An empty array (a dim of 0) still needs the product of its other dims to fit numpy's index
+    # range: dims (0, 15598649, 4144701587, ...) made numpy refuse the reshape with "too big".
+    extent = int(np.prod([d for d in dims if d], dtype=object)) * dtype.itemsize
+    if payload == 0 and extent > max_bytes:
+        raise DataError(f"{path}: header dims {dims} describe an empty array whose other dims "
+                        f"({extent} bytes) exceed the {max_bytes}-byte limit")
     if raw_size is not None and header_size + payload != raw_size:
         raise DataError(f"{path}: header dims {dims} imply {header_size + payload} bytes, "
                         f"but the file has {raw_size}")

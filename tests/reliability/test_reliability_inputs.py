@@ -17,7 +17,7 @@ import tempfile
 import numpy as np
 import pytest
 import yaml
-from hypothesis import HealthCheck, event, given, settings
+from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
 from jaxcnn.data import DataError, load_cifar10, load_npz, read_idx
@@ -185,6 +185,7 @@ def _write(path, data):
 
 @SOME
 @given(data=idx_bytes())
+@example(data=b"\x00\x00\x08\x04\x00\x00\x00\x00\x00\x00\x00\xee\x049\xf7\x0b \x93~l")  # empty, huge dims
 def test_read_idx_loads_or_raises_data_error(data):
     with tempfile.TemporaryDirectory() as tmp, time_limit():
         path = _write(os.path.join(tmp, "f-idx"), data)
