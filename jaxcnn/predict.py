@@ -278,6 +278,25 @@ def _feed(prep: Preprocessing, in_graph: bool, layout: str):
     return convert
 
 
+def _batched(feed, fixed: int | None, run):
+    """``pixels -> float32 logits`` of an exported model: ``feed`` prepares its input, ``run``
+    calls it; a model exported for a fixed batch gets batches of that size, the last one
+    zero-padded (and its padding rows dropped)."""
+    def logits(pixels):
+        x = feed(pixels)
+        step = fixed or len(x)
+        rows = []
+        for i in range(0, len(x), step):
+            part = x[i:i + step]
+            n = len(part)
+            if fixed and n < fixed:
+                part = np.concatenate([part, np.zeros((fixed - n,) + part.shape[1:], part.dtype)])
+            rows.append(np.asarray(run(part), np.float32)[:n])
+        return np.concatenate(rows)
+
+    return logits
+
+
 def _onnx_predictor(path: str) -> Predictor:
     try:
         import onnxruntime as ort
@@ -303,19 +322,8 @@ def _onnx_predictor(path: str) -> Predictor:
     inp = session.get_inputs()[0]
     fixed = inp.shape[0] if isinstance(inp.shape[0], int) else None
 
-    def logits(pixels):
-        x = feed(pixels)
-        step = fixed or len(x)
-        rows = []
-        for i in range(0, len(x), step):
-            part = x[i:i + step]
-            n = len(part)
-            if fixed and n < fixed:
-                part = np.concatenate([part, np.zeros((fixed - n,) + part.shape[1:], part.dtype)])
-            rows.append(np.asarray(session.run(None, {inp.name: part})[0], np.float32)[:n])
-        return np.concatenate(rows)
-
-    return Predictor(path, "onnx", prep, resize, logits)
+    return Predictor(path, "onnx", prep, resize, _batched(
+        feed, fixed, lambda part: session.run(None, {inp.name: part})[0]))
 
 
 def _stablehlo_predictor(path: str, sidecar: str) -> Predictor:
@@ -325,20 +333,7 @@ def _stablehlo_predictor(path: str, sidecar: str) -> Predictor:
     feed = _feed(prep, in_graph, layout)
     batch = exported.in_avals[0].shape[0]
     fixed = batch if isinstance(batch, int) else None
-
-    def logits(pixels):
-        x = feed(pixels)
-        step = fixed or len(x)
-        rows = []
-        for i in range(0, len(x), step):
-            part = x[i:i + step]
-            n = len(part)
-            if fixed and n < fixed:
-                part = np.concatenate([part, np.zeros((fixed - n,) + part.shape[1:], part.dtype)])
-            rows.append(np.asarray(exported.call(part), np.float32)[:n])
-        return np.concatenate(rows)
-
-    return Predictor(path, "stablehlo", prep, resize, logits)
+    return Predictor(path, "stablehlo", prep, resize, _batched(feed, fixed, exported.call))
 
 
 def load_predictor(source) -> Predictor:

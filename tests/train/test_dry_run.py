@@ -1,9 +1,7 @@
 """``jaxcnn-train --dry-run`` checks what the real run checks, with the same setup
 (``setup.prepare``): mesh and plan, the wrapped train and eval steps (traced, lowered and
 compiled from abstract inputs), sizes against the data and memory, and the workdir."""
-import contextlib
 import errno
-import io
 import os
 
 import jax
@@ -12,8 +10,9 @@ import pytest
 import yaml
 
 from jaxcnn.train import loop, memory, rundir, setup
-from jaxcnn.train.cli import train_main
 from jaxcnn.train.config import load_config
+
+from train_cli import cli, one_line
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIG = os.path.join(ROOT, "configs", "mnist_cnn.yaml")
@@ -25,18 +24,6 @@ TINY = {"model": {"name": "mnist_cnn"}, "train": {"steps": 2, "eval_every": None
         "logging": {"progress": "lines"}, "mesh": {"data": 1}}
 
 
-def cli(args):
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = train_main([str(a) for a in args])
-    return code, out.getvalue(), err.getvalue()
-
-
-def one_line(code, err):
-    lines = err.strip().splitlines()
-    assert code == 2 and len(lines) == 1 and lines[0].startswith("jaxcnn-train: error: "), (code, err)
-    assert "Traceback" not in err
-    return lines[0]
 
 
 @pytest.fixture

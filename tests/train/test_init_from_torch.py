@@ -3,8 +3,6 @@ torchvision-named state dict saved as safetensors, ``model.init_from_skip`` re-i
 the classifier from the seed. The weights are a random 1000-class resnet18 written with
 ``to_torch_state_dict`` (no torch needed); the run is a 10-class one on tiny synthetic images.
 """
-import contextlib
-import io
 
 import jax
 import numpy as np
@@ -14,8 +12,9 @@ import yaml
 
 from jaxcnn import interop, models
 from jaxcnn.train import setup
-from jaxcnn.train.cli import train_main
 from jaxcnn.train.config import ConfigError, load_config
+
+from train_cli import cli, one_line
 
 # 16x16 RGB synthetic images: resnet18 takes them (down to 1x1 before its pooling) in seconds.
 TINY = {"model": {"name": "resnet18", "num_classes": 10},
@@ -55,17 +54,6 @@ def tiny(tmp_path):
     return str(path)
 
 
-def cli(args):
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = train_main([str(a) for a in args])
-    return code, out.getvalue(), err.getvalue()
-
-
-def one_line(code, err):
-    lines = err.strip().splitlines()
-    assert code == 2 and len(lines) == 1 and lines[0].startswith("jaxcnn-train: error: "), (code, err)
-    return lines[0]
 
 
 def test_the_file_is_recognised_by_its_names(pretrained, tmp_path):
