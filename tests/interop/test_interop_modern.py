@@ -17,7 +17,6 @@ depth with a matched mask is checked on a ConvNeXt block in
 """
 import copy
 
-import jax
 import numpy as np
 import pytest
 
@@ -54,15 +53,8 @@ def test_eval_and_train_logits_and_state_dict_match_pytorch(case):
     params, state = from_torch_state_dict(name, sd, **options)
     model = models.get(name, **options)
 
-    @jax.jit
-    def both(params, state, x):      # one compilation for both modes
-        y_eval, _ = model.apply(params, state, x)
-        y_train, new_state = model.apply(params, state, x, train=True,
-                                         rng=jax.random.PRNGKey(0))
-        return y_eval, y_train, new_state
-
     x = np.random.default_rng(0).standard_normal(shape, dtype=np.float32)
-    y_eval, y_train, new_state = both(params, state, x)
+    y_eval, y_train, new_state = torch_zoo.both_modes(model, params, state, x)
     xt = torch.from_numpy(x.transpose(0, 3, 1, 2))
     with torch.no_grad():
         _close(y_eval, net(xt).numpy(), f"{name} eval logits")

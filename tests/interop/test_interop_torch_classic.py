@@ -76,15 +76,8 @@ def test_eval_and_train_logits_and_state_dict_match_pytorch(name, options, shape
 
     model = models.get(name, **options)
 
-    @jax.jit
-    def both(params, state, x):         # one compilation for both modes
-        y_eval, _ = model.apply(params, state, x)
-        y_train, new_state = model.apply(params, state, x, train=True,
-                                         rng=jax.random.PRNGKey(0))
-        return y_eval, y_train, new_state
-
     x = np.random.default_rng(0).standard_normal(shape, dtype=np.float32)
-    y_eval, y_train, new_state = both(params, state, x)
+    y_eval, y_train, new_state = torch_zoo.both_modes(model, params, state, x)
     xt = torch.from_numpy(x.transpose(0, 3, 1, 2))
     trained = copy.deepcopy(net).train()
     with torch.no_grad():

@@ -275,3 +275,17 @@ def randomize_(model, seed=0):
                 m.num_batches_tracked.fill_(int(torch.randint(1, 1000, (1,), generator=g)))
     torch_zoo_modern.randomize_extra_(model, g)
     return model
+
+
+def both_modes(model, params, state, x):
+    """``(eval logits, train logits, train-mode new state)`` of a jaxcnn model on ``x``, from one
+    compilation (``train=True`` with a fixed dropout key)."""
+    import jax
+
+    @jax.jit
+    def both(params, state, x):
+        y_eval, _ = model.apply(params, state, x)
+        y_train, new_state = model.apply(params, state, x, train=True, rng=jax.random.PRNGKey(0))
+        return y_eval, y_train, new_state
+
+    return both(params, state, x)
