@@ -29,6 +29,12 @@ class DataError(ValueError):
     """A data file or array is malformed; the message names the file or array and the problem."""
 
 
+class BadImageError(DataError):
+    """One image (a file of an image folder, or a record of a record file) cannot be used:
+    unreadable, not an image, corrupt or truncated, or a record whose checksum does not
+    match. With ``data.on_bad_image: skip`` the loader counts it and moves on."""
+
+
 class CheckpointError(Exception):
     """A checkpoint could not be saved or restored; the message names the path and the cause."""
 

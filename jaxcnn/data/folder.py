@@ -1,0 +1,231 @@
+"""Image folders in torchvision's ``ImageFolder`` layout: ``ROOT/<split>/<class>/<image>``.
+
+Classes are indexed by their folder names in sorted order (as ``ImageFolder`` does); the
+examples of a split are ordered by ``(class, file name)``, so example ``i`` is the same file
+on every host and in every run. Scanning the folder only lists file names (1.28 million
+ImageNet files take seconds); an image is read and decoded when a batch needs it, and a bad
+one (unreadable, not an image, corrupt or truncated) raises :class:`BadImageError` naming the
+file, which the loader counts and skips or stops on (``data.on_bad_image``).
+
+Decoding is Pillow's, fully (``Image.load()``, so a truncated JPEG fails here rather than
+decoding into grey rows), and every mode Pillow reads (grey, grey+alpha, palette, CMYK,
+RGBA, 16-bit) is converted to 8-bit RGB; alpha is dropped, as ``ImageFolder``'s default
+loader does.
+"""
+from __future__ import annotations
+
+import io
+import os
+import stat
+import warnings
+from typing import NamedTuple
+
+from jaxcnn.errors import BadImageError, DataError
+
+# What ImageFolder's default loader accepts, less the formats Pillow may not read everywhere.
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp", ".gif")
+SPLITS = ("train", "val")
+# An image larger than this many pixels is refused before it is decoded (a decompression bomb
+# would otherwise take the memory of the worker): 8K x 8K, far beyond any training photo.
+MAX_PIXELS = 1 << 26
+# Refuse to read more bytes than this for one image (a FIFO or /dev/zero named like an image).
+MAX_FILE_BYTES = 256 << 20
+
+
+class FolderIndex(NamedTuple):
+    """The file list of one split of an image folder.
+
+    Fields:
+        root: the split directory, ``ROOT/<split>``.
+        paths: file paths relative to ``root`` (``"<class>/<file>"``), ordered by class then name.
+        labels: class index of each file.
+        class_names: the sorted class folder names.
+        skipped: files left out because their names are not images' (``on_bad_image="skip"``).
+    """
+
+    root: str
+    paths: tuple
+    labels: tuple
+    class_names: tuple
+    skipped: tuple = ()
+
+    def __len__(self):
+        return len(self.paths)
+
+
+def is_image_name(name: str) -> bool:
+    """Whether a file name has one of the `IMAGE_EXTENSIONS` (any case)."""
+    return name.lower().endswith(IMAGE_EXTENSIONS)
+
+
+def split_dir(root, split: str) -> str:
+    """``ROOT/<split>``, checked to be a directory; a missing one is a :class:`DataError`."""
+    root = os.fspath(root)
+    if not os.path.isdir(root):
+        raise DataError(f"{root}: image folder does not exist or is not a directory")
+    path = os.path.join(root, split)
+    if not os.path.isdir(path):
+        have = sorted(d for d in os.listdir(root) if os.path.isdir(os.path.join(root, d)))
+        raise DataError(f"{path}: missing split {split!r} (an image folder holds {root}/train/<class>/<image> "
+                        f"and {root}/val/<class>/<image>; found folders {have})")
+    return path
+
+
+def scan_split(root, split: str, class_names=None, *, on_bad_image: str = "fail") -> FolderIndex:
+    """Lists the images of ``ROOT/<split>``.
+
+    Arguments:
+        root: the image folder.
+        split: ``"train"`` or ``"val"`` (any sub-folder name).
+        class_names: the classes to expect (the training split's); None takes this split's
+            folders. A validation split must have the same class folders as the training split.
+        on_bad_image: ``"fail"``: a file whose name is not an image's is an error; ``"skip"``:
+            it is left out and listed in ``skipped``.
+
+    Returns:
+        A `FolderIndex`.
+
+    Raises:
+        DataError naming the folder or file: a missing split, no class folders, a class folder
+        with no images, a file that is not an image by its extension (with ``on_bad_image="fail"``;
+        hidden files such as ``.DS_Store`` are ignored), class folders that differ from ``train``'s.
+    """
+    path = split_dir(root, split)
+    try:
+        entries = sorted(os.listdir(path))
+    except OSError as err:
+        raise DataError(f"{path}: cannot list ({err.strerror or err})") from None
+    classes = [e for e in entries if os.path.isdir(os.path.join(path, e)) and not e.startswith(".")]
+    stray = [e for e in entries if e not in classes and not e.startswith(".")]
+    if stray:
+        raise DataError(f"{os.path.join(path, stray[0])}: not a class folder (every entry of {path} "
+                        f"must be a folder of images)")
+    if not classes:
+        raise DataError(f"{path}: no class folders (expected {path}/<class>/<image>)")
+    if class_names is not None and list(class_names) != classes:
+        missing = sorted(set(class_names) - set(classes))
+        extra = sorted(set(classes) - set(class_names))
+        raise DataError(f"{path}: class folders differ from the training split's "
+                        f"(missing {missing[:5]}, extra {extra[:5]})")
+    if on_bad_image not in ("skip", "fail"):
+        raise ValueError(f"on_bad_image must be 'skip' or 'fail', got {on_bad_image!r}")
+    paths, labels, skipped = [], [], []
+    for label, name in enumerate(classes):
+        folder = os.path.join(path, name)
+        files = []
+        for dirpath, dirnames, filenames in os.walk(folder, followlinks=True):
+            dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+            rel = os.path.relpath(dirpath, path)
+            for fname in sorted(filenames):
+                if fname.startswith("."):
+                    continue
+                if not is_image_name(fname):
+                    if on_bad_image == "skip":
+                        skipped.append(os.path.join(dirpath, fname))
+                        continue
+                    raise DataError(f"{os.path.join(dirpath, fname)}: not an image file (extensions "
+                                    f"{', '.join(IMAGE_EXTENSIONS)}); remove it, or set "
+                                    f"data.on_bad_image: skip")
+                files.append(os.path.join(rel, fname))
+        if not files:
+            raise DataError(f"{folder}: empty class folder (no images)")
+        paths.extend(sorted(files))
+        labels.extend([label] * len(files))
+    return FolderIndex(path, tuple(paths), tuple(labels), tuple(classes), tuple(skipped))
+
+
+def scan_folder(root, splits=SPLITS, *, on_bad_image: str = "fail") -> dict:
+    """``{split: FolderIndex}`` for ``splits`` of an image folder, the classes taken from the first."""
+    out = {}
+    names = None
+    for split in splits:
+        out[split] = scan_split(root, split, names, on_bad_image=on_bad_image)
+        names = out[split].class_names
+    return out
+
+
+def read_file(path: str) -> bytes:
+    """The bytes of one image file; any problem is a :class:`BadImageError` naming it."""
+    try:
+        if not stat.S_ISREG(os.stat(path).st_mode):  # before open: opening a FIFO would block
+            raise BadImageError(f"{path}: not a regular file")
+        with open(path, "rb") as f:
+            data = f.read(MAX_FILE_BYTES + 1)
+    except OSError as err:
+        raise BadImageError(f"{path}: unreadable ({err.strerror or err})") from None
+    if len(data) > MAX_FILE_BYTES:
+        raise BadImageError(f"{path}: larger than {MAX_FILE_BYTES >> 20} MiB; not read as an image")
+    if not data:
+        raise BadImageError(f"{path}: empty file")
+    return data
+
+
+def decode_image(data: bytes, name: str):
+    """Decodes encoded image bytes to an 8-bit RGB ``PIL.Image`` (fully loaded).
+
+    Arguments:
+        data: the file's bytes.
+        name: what names the image in an error (its path, or ``records:index``).
+
+    Raises:
+        BadImageError naming ``name``: not an image, corrupt, truncated, or too large.
+    """
+    from PIL import Image
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            image = Image.open(io.BytesIO(data))
+            width, height = image.size
+            if width * height > MAX_PIXELS:
+                raise BadImageError(f"{name}: {width}x{height} pixels is more than the "
+                                    f"{MAX_PIXELS}-pixel limit")
+            image.load()  # decode everything now: a truncated file fails here
+            if image.mode != "RGB":
+                image = _to_rgb(image)
+    except BadImageError:
+        raise
+    except Image.UnidentifiedImageError:
+        raise BadImageError(f"{name}: not an image (Pillow cannot identify it)") from None
+    except (OSError, ValueError, SyntaxError, EOFError, Image.DecompressionBombError,
+            Image.DecompressionBombWarning, MemoryError) as err:
+        raise BadImageError(f"{name}: corrupt or truncated image ({type(err).__name__}: {err})") from None
+    return image
+
+
+def _to_rgb(image):
+    """8-bit RGB from any Pillow mode: 16/32-bit grey is scaled to 8 bits, alpha dropped."""
+    if image.mode in ("I;16", "I;16B", "I;16L", "I"):
+        import numpy as np
+        from PIL import Image
+
+        values = np.asarray(image, np.float64)
+        peak = 65535.0 if image.mode.startswith("I;16") else max(float(values.max()), 1.0)
+        grey = np.clip(np.rint(values * (255.0 / peak)), 0, 255).astype(np.uint8)
+        return Image.fromarray(grey).convert("RGB")
+    if image.mode == "P" and "transparency" in image.info:
+        image = image.convert("RGBA")
+    return image.convert("RGB")
+
+
+class FolderSource:
+    """Random access to the encoded images of one split of an image folder.
+
+    ``source[i]`` is ``(encoded bytes, label, name)``; reading a file that cannot be read is a
+    :class:`BadImageError`. Holds only the file list, so it pickles small into loader workers.
+    """
+
+    def __init__(self, index: FolderIndex):
+        self.index = index
+        self.class_names = index.class_names
+
+    def __len__(self):
+        return len(self.index.paths)
+
+    def __getitem__(self, i: int):
+        path = os.path.join(self.index.root, self.index.paths[i])
+        return read_file(path), int(self.index.labels[i]), path
+
+    @property
+    def name(self) -> str:
+        return self.index.root

@@ -1,0 +1,136 @@
+"""Image folders: scanning, decoding every mode to RGB, and one-line errors naming the bad file."""
+import os
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from jaxcnn.data.folder import FolderSource, decode_image, read_file, scan_folder, scan_split
+from jaxcnn.data.shapes import write_shapes_folder
+from jaxcnn.errors import BadImageError, DataError
+
+
+def _save(path, array, mode=None, **kw):
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    image = Image.fromarray(array)
+    if mode:
+        image = image.convert(mode)
+    image.save(path, **kw)
+    return path
+
+
+def test_scan_orders_classes_and_files(tmp_path):
+    rng = np.random.default_rng(0)
+    for split in ("train", "val"):
+        for cls in ("zebra", "ant", "Moth"):  # sorted as strings: "Moth" < "ant" < "zebra"
+            for name in ("b.png", "a.jpg", "c.JPEG"):
+                _save(str(tmp_path / split / cls / name), rng.integers(0, 255, (8, 9, 3), dtype=np.uint8))
+    (tmp_path / "train" / "ant" / ".DS_Store").write_bytes(b"x")  # hidden: ignored
+    index = scan_folder(tmp_path)
+    assert index["train"].class_names == ("Moth", "ant", "zebra")
+    assert index["train"].paths[:3] == ("Moth/a.jpg", "Moth/b.png", "Moth/c.JPEG")
+    assert index["train"].labels == (0, 0, 0, 1, 1, 1, 2, 2, 2)
+    source = FolderSource(index["val"])
+    payload, label, name = source[4]
+    assert label == 1 and name.endswith(os.path.join("val", "ant", "b.png"))
+    assert payload == open(name, "rb").read()
+
+
+@pytest.mark.parametrize("mode,ext", [("L", "png"), ("LA", "png"), ("P", "png"), ("RGBA", "png"),
+                                      ("CMYK", "jpg"), ("L", "jpg"), ("I;16", "png"), ("1", "png")])
+def test_decode_converts_every_mode_to_rgb(tmp_path, mode, ext):
+    rng = np.random.default_rng(1)
+    rgb = rng.integers(0, 255, (11, 7, 3), dtype=np.uint8)
+    if mode == "I;16":
+        grey = rng.integers(0, 65536, (11, 7), dtype=np.uint16)
+        Image.fromarray(grey).save(tmp_path / f"x.{ext}")
+        expect = np.repeat(np.clip(np.rint(grey / 65535.0 * 255.0), 0, 255).astype(np.uint8)[..., None], 3, -1)
+    else:
+        _save(str(tmp_path / f"x.{ext}"), rgb, mode)
+        # Reference: Pillow's own conversion of the decoded file (alpha dropped, as ImageFolder does).
+        expect = np.asarray(Image.open(tmp_path / f"x.{ext}").convert("RGB"))
+    image = decode_image(read_file(str(tmp_path / f"x.{ext}")), "x")
+    assert image.mode == "RGB" and image.size == (7, 11)
+    np.testing.assert_array_equal(np.asarray(image), expect)
+    if ext == "png" and mode in ("RGBA",):  # lossless: the colour channels survive exactly
+        np.testing.assert_array_equal(np.asarray(image), rgb)
+
+
+def _bad_folder(tmp_path):
+    write_shapes_folder(tmp_path, per_class=(2, 1), classes=["red", "blue"], size_range=(16, 20))
+    return tmp_path
+
+
+def test_missing_split_empty_class_no_classes(tmp_path):
+    with pytest.raises(DataError, match="does not exist"):
+        scan_folder(tmp_path / "nope")
+    root = _bad_folder(tmp_path)
+    with pytest.raises(DataError, match=r"missing split 'test'") as err:
+        scan_split(root, "test")
+    assert str(tmp_path / "test") in str(err.value) and "\n" not in str(err.value)
+    os.makedirs(root / "train" / "green")
+    with pytest.raises(DataError, match="empty class folder") as err:
+        scan_folder(root)
+    assert str(root / "train" / "green") in str(err.value)
+    os.rmdir(root / "train" / "green")
+    (root / "train" / "notes.txt").write_text("x")
+    with pytest.raises(DataError, match="not a class folder"):
+        scan_folder(root)
+    os.unlink(root / "train" / "notes.txt")
+    os.makedirs(tmp_path / "e" / "train")
+    with pytest.raises(DataError, match="no class folders"):
+        scan_split(tmp_path / "e", "train")
+
+
+def test_val_classes_must_match_train(tmp_path):
+    root = _bad_folder(tmp_path)
+    os.rename(root / "val" / "red", root / "val" / "crimson")
+    with pytest.raises(DataError, match=r"differ from the training split's \(missing \['red'\], extra \['crimson'\]\)"):
+        scan_folder(root)
+
+
+def test_non_image_file_fails_or_is_skipped(tmp_path):
+    root = _bad_folder(tmp_path)
+    stray = root / "train" / "red" / "labels.csv"
+    stray.write_text("a,b")
+    with pytest.raises(DataError, match="not an image file") as err:
+        scan_folder(root)
+    assert str(stray) in str(err.value)
+    index = scan_folder(root, on_bad_image="skip")
+    assert index["train"].skipped == (str(stray),) and len(index["train"]) == 4
+
+
+def test_bad_files_raise_bad_image_error_naming_the_file(tmp_path):
+    rng = np.random.default_rng(2)
+    good = _save(str(tmp_path / "good.jpg"), rng.integers(0, 255, (32, 32, 3), dtype=np.uint8), quality=95)
+    data = open(good, "rb").read()
+    cases = {
+        "truncated.jpg": (data[:len(data) // 2], "corrupt or truncated"),
+        "garbage.jpg": (b"\xff\xd8\xff\xe0" + bytes(rng.integers(0, 255, 300, dtype=np.uint8)), "corrupt or truncated"),
+        "text.png": (b"hello, I am not a picture", "not an image"),
+        "empty.jpg": (b"", "empty file"),
+    }
+    for name, (payload, message) in cases.items():
+        (tmp_path / name).write_bytes(payload)
+        with pytest.raises(BadImageError, match=message) as err:
+            decode_image(read_file(str(tmp_path / name)), str(tmp_path / name))
+        assert str(tmp_path / name) in str(err.value) and "\n" not in str(err.value)
+    with pytest.raises(BadImageError, match="unreadable"):
+        read_file(str(tmp_path / "missing.jpg"))
+    os.mkfifo(tmp_path / "fifo.jpg")
+    with pytest.raises(BadImageError, match="not a regular file"):  # never opened: it would block
+        read_file(str(tmp_path / "fifo.jpg"))
+    if os.geteuid() != 0:  # root reads anything
+        os.chmod(good, 0)
+        with pytest.raises(BadImageError, match="unreadable"):
+            read_file(good)
+
+
+def test_shapes_folder_has_mixed_modes_and_sizes(tmp_path):
+    written = write_shapes_folder(tmp_path, per_class=(6, 2), classes=["red", "green"], size_range=(16, 40))
+    assert len(written["train"]) == 12 and len(written["val"]) == 4
+    modes = {Image.open(p).mode for p in written["train"]}
+    sizes = {Image.open(p).size for p in written["train"]}
+    assert {"RGB", "RGBA", "P", "CMYK"} <= modes and len(sizes) > 3
+    index = scan_folder(tmp_path)
+    assert index["train"].class_names == ("green", "red")
