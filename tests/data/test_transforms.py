@@ -1,0 +1,136 @@
+"""The ImageNet transforms against independent references: torchvision's crop rule written out
+as a plain loop, torch's antialiased bilinear resize on the CPU, and naive index arithmetic."""
+import math
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from jaxcnn.data.transforms import (center_crop_box, default_eval_resize, eval_transform, example_rng,
+                                    random_resized_crop_box, resized_shape, train_transform)
+
+
+def reference_crop_box(draws, height, width, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3)):
+    """torchvision.transforms.RandomResizedCrop.get_params (v0.20), transcribed; ``draws`` is an
+    object with ``uniform(a, b)`` and ``integers(lo, hi)`` standing in for torch's generator."""
+    area = height * width
+    log_ratio = (math.log(ratio[0]), math.log(ratio[1]))
+    for _ in range(10):
+        target_area = area * draws.uniform(scale[0], scale[1])
+        aspect_ratio = math.exp(draws.uniform(log_ratio[0], log_ratio[1]))
+        w = int(round(math.sqrt(target_area * aspect_ratio)))
+        h = int(round(math.sqrt(target_area / aspect_ratio)))
+        if 0 < w <= width and 0 < h <= height:
+            i = int(draws.integers(0, height - h + 1))
+            j = int(draws.integers(0, width - w + 1))
+            return i, j, h, w
+    in_ratio = float(width) / float(height)
+    if in_ratio < min(ratio):
+        w = width
+        h = int(round(w / min(ratio)))
+    elif in_ratio > max(ratio):
+        h = height
+        w = int(round(h * max(ratio)))
+    else:
+        w = width
+        h = height
+    i = (height - h) // 2
+    j = (width - w) // 2
+    return i, j, h, w
+
+
+def test_crop_box_matches_torchvision_rule_on_random_sizes():
+    sizes = np.random.default_rng(0).integers(1, 600, size=(400, 2))
+    fallbacks = 0
+    for n, (h, w) in enumerate(sizes):
+        for scale, ratio in (((0.08, 1.0), (3 / 4, 4 / 3)), ((0.9, 1.0), (2.0, 3.0))):
+            got = random_resized_crop_box(np.random.default_rng(n), int(h), int(w), scale, ratio)
+            want = reference_crop_box(np.random.default_rng(n), int(h), int(w), scale, ratio)
+            if 0 in want[2:]:  # torchvision's fallback can round a 1-pixel side to 0: ours keeps 1 pixel
+                want = ((h - max(1, want[2])) // 2, (w - max(1, want[3])) // 2, max(1, want[2]), max(1, want[3]))
+            assert got == want, (h, w, scale, ratio)
+            top, left, ch, cw = got
+            assert 0 <= top and top + ch <= h and 0 <= left and left + cw <= w and ch > 0 and cw > 0
+    # The centre-crop fallback is taken for thin images and extreme ratios: make sure it was exercised.
+    for h, w in ((1, 500), (500, 1), (3, 3), (100, 100)):
+        got = random_resized_crop_box(np.random.default_rng(1), h, w, (0.9, 1.0), (2.0, 3.0))
+        if got == reference_crop_box(np.random.default_rng(1), h, w, (0.9, 1.0), (2.0, 3.0)):
+            fallbacks += got[:2] == ((h - got[2]) // 2, (w - got[3]) // 2)
+    assert fallbacks >= 2
+
+
+def test_crop_statistics_follow_scale_and_ratio():
+    """Over many draws on a large image, the crop's area fraction and log aspect ratio are uniform."""
+    areas, logs = [], []
+    for n in range(3000):
+        _, _, h, w = random_resized_crop_box(np.random.default_rng(n), 1000, 1000)
+        areas.append(h * w / 1e6)
+        logs.append(math.log(w / h))
+    areas, logs = np.array(areas), np.array(logs)
+    assert 0.075 <= areas.min() and areas.max() <= 1.0
+    # Crops that do not fit are redrawn, so large areas are under-represented: mean below 0.54.
+    assert 0.40 < areas.mean() < 0.54
+    assert abs(logs.mean()) < 0.02 and logs.min() >= math.log(3 / 4) - 0.01 and logs.max() <= math.log(4 / 3) + 0.01
+
+
+def test_train_transform_is_crop_resize_flip():
+    """Output = Pillow's bilinear resize of the crop the box names, mirrored by the flip draw,
+    checked against torch's antialiased bilinear interpolation (the resize) and naive slicing."""
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(3)
+    flips = 0
+    for n in range(40):
+        h, w = (int(v) for v in rng.integers(17, 90, size=2))
+        pixels = rng.integers(0, 256, size=(h, w, 3), dtype=np.uint8)
+        size = (int(rng.integers(8, 40)), int(rng.integers(8, 40)))
+        out = train_transform(Image.fromarray(pixels), size, example_rng(5, n, 7))
+        assert out.shape == size + (3,) and out.dtype == np.uint8
+        draws = example_rng(5, n, 7)
+        top, left, ch, cw = reference_crop_box(draws, h, w)
+        flip = draws.random() < 0.5
+        flips += flip
+        crop = torch.from_numpy(pixels[top:top + ch, left:left + cw].copy()).permute(2, 0, 1)[None].float()
+        ref = torch.nn.functional.interpolate(crop, size=size, mode="bilinear", antialias=True, align_corners=False)
+        ref = ref[0].permute(1, 2, 0).round().clamp(0, 255).numpy().astype(np.uint8)
+        if flip:
+            ref = ref[:, ::-1]
+        # Pillow resamples in fixed point (8 fraction bits for 8-bit images): one level apart at most.
+        diff = np.abs(out.astype(int) - ref.astype(int))
+        assert diff.max() <= 1, (n, diff.max())
+    assert 5 < flips < 35
+
+
+def test_eval_transform_resize_and_centre_crop():
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(4)
+    for n in range(30):
+        h, w = (int(v) for v in rng.integers(10, 120, size=2))
+        pixels = rng.integers(0, 256, size=(h, w, 3), dtype=np.uint8)
+        size = (int(rng.integers(4, 30)), int(rng.integers(4, 30)))
+        resize = max(size) + int(rng.integers(0, 10))
+        out = eval_transform(Image.fromarray(pixels), size, resize)
+        new_h, new_w = resized_shape(h, w, resize)
+        assert min(new_h, new_w) == resize
+        # torchvision: the long side is int(resize * long / short)
+        assert max(new_h, new_w) == int(resize * max(h, w) / min(h, w))
+        t = torch.from_numpy(pixels).permute(2, 0, 1)[None].float()
+        ref = torch.nn.functional.interpolate(t, size=(new_h, new_w), mode="bilinear", antialias=True,
+                                              align_corners=False)[0].permute(1, 2, 0)
+        ref = ref.round().clamp(0, 255).numpy().astype(np.uint8)
+        top = int(round((new_h - size[0]) / 2.0))
+        left = int(round((new_w - size[1]) / 2.0))
+        assert center_crop_box(new_h, new_w, size) == (top, left)
+        ref = ref[top:top + size[0], left:left + size[1]]
+        assert out.shape == size + (3,)
+        assert np.abs(out.astype(int) - ref.astype(int)).max() <= 1, n
+    with pytest.raises(ValueError, match="smaller than the crop"):
+        eval_transform(Image.fromarray(pixels), (20, 20), 19)
+    assert default_eval_resize((224, 224)) == 256 and default_eval_resize((32, 28)) == 37
+
+
+def test_draws_depend_only_on_seed_step_position():
+    image = Image.fromarray(np.random.default_rng(5).integers(0, 256, (50, 60, 3), dtype=np.uint8))
+    a = train_transform(image, (16, 16), example_rng(1, 2, 3))
+    np.testing.assert_array_equal(a, train_transform(image, (16, 16), example_rng(1, 2, 3)))
+    others = [train_transform(image, (16, 16), example_rng(*key)) for key in ((2, 2, 3), (1, 3, 3), (1, 2, 4))]
+    assert all(not np.array_equal(a, b) for b in others)
