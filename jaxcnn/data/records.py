@@ -1,0 +1,223 @@
+"""Image folders as ArrayRecord files, read by index through grain's ``ArrayRecordDataSource``.
+
+``jaxcnn-data convert ROOT OUT`` writes ``OUT/train.array_record`` and ``OUT/val.array_record``
+(one record per image, in the image folder's order) and ``OUT/dataset.json``, which names the
+classes and counts the records. A record is a fixed header followed by the image file's
+bytes, exactly as they were on disk::
+
+    b"JXIR" | version (1 byte) | label (uint32, little-endian) | sha256(label bytes + image bytes) | image bytes
+
+Reading a record checks the magic, the version and the SHA-256 before anything is decoded:
+a damaged record is a :class:`BadImageError` naming the file and the index, handled like a
+bad image (``data.on_bad_image``). Nothing in these files is ever unpickled; the sidecar is
+plain JSON.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+
+from jaxcnn.errors import BadImageError, DataError
+
+MAGIC = b"JXIR"
+VERSION = 1
+_HEADER = struct.Struct("<4sBI32s")  # magic, version, label, sha256
+HEADER_BYTES = _HEADER.size
+SIDECAR = "dataset.json"
+FORMAT = "jaxcnn-image-records"
+SIDECAR_MAX_BYTES = 64 << 20
+# One record per chunk: random access reads only the record asked for.
+WRITER_OPTIONS = "group_size:1"
+
+
+def record_file(split: str) -> str:
+    """The file name of a split's records."""
+    return f"{split}.array_record"
+
+
+def _digest(label: int, payload: bytes) -> bytes:
+    return hashlib.sha256(struct.pack("<I", label) + payload).digest()
+
+
+def encode_record(payload: bytes, label: int) -> bytes:
+    """One record: header (magic, version, label, SHA-256) then the encoded image bytes."""
+    if not 0 <= label < 1 << 32:
+        raise ValueError(f"label {label} does not fit a uint32")
+    return _HEADER.pack(MAGIC, VERSION, label, _digest(label, payload)) + payload
+
+
+def decode_record(record: bytes, name: str):
+    """``(payload, label)`` of a record, checked; a damaged one is a :class:`BadImageError` naming ``name``."""
+    if not isinstance(record, (bytes, bytearray, memoryview)) or len(record) < HEADER_BYTES:
+        raise BadImageError(f"{name}: damaged record (shorter than its {HEADER_BYTES}-byte header)")
+    magic, version, label, digest = _HEADER.unpack_from(record)
+    if magic != MAGIC:
+        raise BadImageError(f"{name}: damaged record (bad magic {magic!r}; not written by jaxcnn-data convert)")
+    if version != VERSION:
+        raise BadImageError(f"{name}: record format version {version}, expected {VERSION}")
+    payload = bytes(record[HEADER_BYTES:])
+    if _digest(label, payload) != digest:
+        raise BadImageError(f"{name}: damaged record (SHA-256 checksum mismatch)")
+    return payload, int(label)
+
+
+def read_sidecar(out_dir) -> dict:
+    """The checked ``dataset.json`` of a record directory; a problem is a :class:`DataError` naming it."""
+    path = os.path.join(os.fspath(out_dir), SIDECAR)
+    if not os.path.isdir(os.fspath(out_dir)):
+        raise DataError(f"{os.fspath(out_dir)}: record directory does not exist or is not a directory")
+    try:
+        if os.path.getsize(path) > SIDECAR_MAX_BYTES:
+            raise DataError(f"{path}: larger than {SIDECAR_MAX_BYTES >> 20} MiB")
+        with open(path, encoding="utf-8") as f:
+            meta = json.load(f)
+    except FileNotFoundError:
+        raise DataError(f"{path}: missing (write the records with `jaxcnn-data convert ROOT OUT`)") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise DataError(f"{path}: cannot read ({err})") from None
+    except json.JSONDecodeError as err:
+        raise DataError(f"{path}: not valid JSON ({err})") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT or meta.get("version") != VERSION:
+        raise DataError(f"{path}: not a jaxcnn record sidecar (expected format {FORMAT!r} version {VERSION})")
+    names = meta.get("class_names")
+    if not isinstance(names, list) or not names or not all(isinstance(n, str) for n in names):
+        raise DataError(f"{path}: key 'class_names' must be a non-empty list of strings")
+    splits = meta.get("splits")
+    if not isinstance(splits, dict):
+        raise DataError(f"{path}: key 'splits' must be an object")
+    for split, info in splits.items():
+        if (not isinstance(info, dict) or not isinstance(info.get("count"), int) or info["count"] < 0
+                or not isinstance(info.get("file"), str) or os.path.basename(info["file"]) != info["file"]):
+            raise DataError(f"{path}: key 'splits.{split}' must be {{'file': a file name, 'count': an int}}")
+    return meta
+
+
+class RecordSource:
+    """Random access to one split's records: ``source[i]`` is ``(encoded bytes, label, name)``.
+
+    Arguments:
+        out_dir: the directory ``jaxcnn-data convert`` wrote.
+        split: ``"train"`` or ``"val"``.
+
+    Raises:
+        DataError naming the file: missing sidecar or split, a record count that differs from
+        the sidecar's, a file grain cannot open.
+    """
+
+    def __init__(self, out_dir, split: str):
+        meta = read_sidecar(out_dir)
+        self.class_names = tuple(meta["class_names"])
+        info = meta["splits"].get(split)
+        if info is None:
+            raise DataError(f"{os.path.join(os.fspath(out_dir), SIDECAR)}: missing split {split!r} "
+                            f"(has {sorted(meta['splits'])})")
+        self.path = os.path.join(os.fspath(out_dir), info["file"])
+        if not os.path.isfile(self.path):
+            raise DataError(f"{self.path}: record file missing")
+        self.skipped = int(info.get("skipped", 0))
+        from grain.sources import ArrayRecordDataSource
+
+        try:
+            self._records = ArrayRecordDataSource([self.path])
+            count = len(self._records)
+        except Exception as err:  # noqa: BLE001 - the reader's errors are C++ status strings
+            raise DataError(f"{self.path}: cannot open as an ArrayRecord file "
+                            f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})") from None
+        if count != info["count"]:
+            raise DataError(f"{self.path}: holds {count} records but {SIDECAR} says {info['count']}")
+
+    def __len__(self):
+        return len(self._records)
+
+    def __getitem__(self, i: int):
+        name = f"{self.path}[{i}]"
+        try:
+            record = self._records[i]
+        except Exception as err:  # noqa: BLE001 - a damaged chunk fails in the reader
+            raise BadImageError(f"{name}: damaged record ({type(err).__name__}: "
+                                f"{str(err).splitlines()[0] if str(err) else ''})") from None
+        payload, label = decode_record(record, name)
+        if label >= len(self.class_names):
+            raise BadImageError(f"{name}: label {label} is not below the {len(self.class_names)} classes")
+        return payload, label, name
+
+    @property
+    def name(self) -> str:
+        return self.path
+
+
+def write_split(index, path, *, on_bad_image: str = "skip", workers: int = 0, progress=None):
+    """Writes one split of an image folder to an ArrayRecord file.
+
+    Arguments:
+        index: the split's `jaxcnn.data.folder.FolderIndex`.
+        path: the ``.array_record`` file to write (written to ``path + ".partial"`` and renamed).
+        on_bad_image: ``"skip"``: a file that does not decode is left out and listed;
+            ``"fail"``: it raises :class:`BadImageError`.
+        workers: processes that read and verify images (0: this process).
+        progress: called with the number of images done after each image, or None.
+
+    Returns:
+        ``(written, bad)``: the record count and the list of bad images' messages.
+    """
+    from array_record.python.array_record_module import ArrayRecordWriter
+
+    partial = os.fspath(path) + ".partial"
+    writer = ArrayRecordWriter(partial, WRITER_OPTIONS)
+    bad, written = [], 0
+    items = [(os.path.join(index.root, p), int(label)) for p, label in zip(index.paths, index.labels)]
+    pool = None
+    try:
+        if workers > 0:
+            import multiprocessing
+
+            pool = multiprocessing.get_context("spawn").Pool(workers)
+            results = pool.imap(_verified, items, chunksize=16)
+        else:
+            results = map(_verified, items)
+        for payload, label, error in results:
+            if error is not None:
+                if on_bad_image == "fail":
+                    raise BadImageError(error)
+                bad.append(error)
+            else:
+                writer.write(encode_record(payload, label))
+                written += 1
+            if progress is not None:
+                progress(1)
+        writer.close()
+        writer = None
+        os.replace(partial, path)
+    finally:
+        if pool is not None:
+            pool.terminate()
+        if writer is not None:
+            writer.close()
+            os.unlink(partial)
+    return written, bad
+
+
+def _verified(item):
+    """``(bytes, label, None)`` for an image that decodes, ``(None, label, message)`` otherwise."""
+    from jaxcnn.data.folder import decode_image, read_file
+
+    path, label = item
+    try:
+        payload = read_file(path)
+        decode_image(payload, path)
+    except BadImageError as err:
+        return None, label, str(err)
+    return payload, label, None
+
+
+def write_sidecar(out_dir, class_names, splits: dict) -> None:
+    """Writes ``dataset.json`` atomically: ``splits = {split: {"file", "count", "skipped"}}``."""
+    path = os.path.join(os.fspath(out_dir), SIDECAR)
+    partial = path + ".partial"
+    with open(partial, "w", encoding="utf-8") as f:
+        json.dump({"format": FORMAT, "version": VERSION, "class_names": list(class_names), "splits": splits},
+                  f, indent=2)
+        f.write("\n")
+    os.replace(partial, path)
