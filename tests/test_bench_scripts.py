@@ -160,3 +160,14 @@ def test_gpu_session_script_stages_and_resume(tmp_path):
     subprocess.run(["bash", script, "kernels", "--groups", "pool"], env=env, check=True,
                    capture_output=True, cwd=root)
     assert (out / "autotune.json").read_text() == '{"version": 1, "devices": {}}'
+
+
+def test_bench_data_times_the_pipeline_against_a_plain_loop(tmp_path, capsys):
+    bd = _load("bench_data")
+    out = tmp_path / "d.json"
+    assert bd.main(["--images", "12", "--size", "40", "--crop", "24", "--batch", "4", "--steps", "2",
+                    "--workers", "0", "--repeats", "1", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["name"] for r in rows] == ["plain loop", "jaxcnn workers=0"]
+    assert all(r["images_per_s"] > 0 for r in rows) and rows[0]["vs_plain"] == 1.0
+    assert "vs plain" in capsys.readouterr().out

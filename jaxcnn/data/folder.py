@@ -170,8 +170,7 @@ def decode_image(data: bytes, name: str):
     Raises:
         BadImageError naming ``name``: not an image, corrupt, truncated, or too large.
     """
-    from PIL import Image
-
+    Image = _pil()
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
@@ -191,6 +190,18 @@ def decode_image(data: bytes, name: str):
             Image.DecompressionBombWarning, MemoryError) as err:
         raise BadImageError(f"{name}: corrupt or truncated image ({type(err).__name__}: {err})") from None
     return image
+
+
+_PIL_IMAGE = None
+
+
+def _pil():
+    global _PIL_IMAGE
+    if _PIL_IMAGE is None:  # imported on first use, once: decode_image runs for every image
+        from PIL import Image
+
+        _PIL_IMAGE = Image
+    return _PIL_IMAGE
 
 
 def _to_rgb(image):

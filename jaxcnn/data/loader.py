@@ -86,7 +86,7 @@ class TrainBatches:
         bad = []
         for k, index in enumerate(indices):
             image, labels[k] = self._load(int(index), bad)
-            images[k] = train_transform(image, self.image_size, example_rng(self.seed, step, self.start + k))
+            train_transform(image, self.image_size, example_rng(self.seed, step, self.start + k), out=images[k])
         return {"image": images, "label": labels, "bad_images": np.int32(len(bad)), "bad_files": tuple(bad)}
 
     def _load(self, index, bad):

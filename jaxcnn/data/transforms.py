@@ -63,21 +63,38 @@ def random_resized_crop_box(rng: np.random.Generator, height: int, width: int, s
     return (height - h) // 2, (width - w) // 2, h, w
 
 
-def train_transform(image, size, rng: np.random.Generator, *, scale=SCALE, ratio=RATIO, flip: bool = True):
+def _pil():
+    global _PIL_IMAGE
+    if _PIL_IMAGE is None:  # imported on first use: the loaders' hot loop calls this per image
+        from PIL import Image
+
+        _PIL_IMAGE = Image
+    return _PIL_IMAGE
+
+
+_PIL_IMAGE = None
+
+
+def train_transform(image, size, rng: np.random.Generator, *, scale=SCALE, ratio=RATIO, flip: bool = True,
+                    out=None):
     """Random-resized crop to ``size = (H, W)`` and random horizontal flip of an RGB ``PIL.Image``.
 
-    Returns:
-        ``(H, W, 3)`` ``uint8`` array.
-    """
-    from PIL import Image
+    Arguments:
+        out: an ``(H, W, 3)`` ``uint8`` array to write into (a batch row), or None.
 
+    Returns:
+        ``(H, W, 3)`` ``uint8`` array (``out`` when given).
+    """
     out_h, out_w = size
     top, left, h, w = random_resized_crop_box(rng, image.height, image.width, scale, ratio)
-    crop = image.crop((left, top, left + w, top + h)).resize((out_w, out_h), Image.BILINEAR)
+    crop = image.crop((left, top, left + w, top + h)).resize((out_w, out_h), _pil().BILINEAR)
     array = np.asarray(crop, np.uint8)
     if flip and rng.random() < 0.5:
         array = array[:, ::-1]
-    return np.ascontiguousarray(array)
+    if out is None:
+        return np.ascontiguousarray(array)
+    np.copyto(out, array)
+    return out
 
 
 def resized_shape(height: int, width: int, resize: int):
@@ -102,14 +119,12 @@ def eval_transform(image, size, resize: int):
     Returns:
         ``(H, W, 3)`` ``uint8`` array.
     """
-    from PIL import Image
-
     out_h, out_w = size
     if resize < max(out_h, out_w):
         raise ValueError(f"eval resize {resize} is smaller than the crop {tuple(size)}")
     new_h, new_w = resized_shape(image.height, image.width, resize)
     if (new_h, new_w) != (image.height, image.width):
-        image = image.resize((new_w, new_h), Image.BILINEAR)
+        image = image.resize((new_w, new_h), _pil().BILINEAR)
     top, left = center_crop_box(new_h, new_w, size)
     return np.ascontiguousarray(np.asarray(image, np.uint8)[top:top + out_h, left:left + out_w])
 
