@@ -147,10 +147,14 @@ def scan_folder(root, splits=SPLITS, *, on_bad_image: str = "fail") -> dict:
 def read_file(path: str) -> bytes:
     """The bytes of one image file; any problem is a :class:`BadImageError` naming it."""
     try:
-        if not stat.S_ISREG(os.stat(path).st_mode):  # before open: opening a FIFO would block
+        info = os.stat(path)
+        if not stat.S_ISREG(info.st_mode):  # before open: opening a FIFO would block
             raise BadImageError(f"{path}: not a regular file")
-        with open(path, "rb") as f:
-            data = f.read(MAX_FILE_BYTES + 1)
+        if info.st_size > MAX_FILE_BYTES:
+            raise BadImageError(f"{path}: larger than {MAX_FILE_BYTES >> 20} MiB; not read as an image")
+        with open(path, "rb", buffering=0) as f:
+            # Sized by the file, not by the limit: read(n) allocates n bytes up front.
+            data = f.read(info.st_size + 1)
     except OSError as err:
         raise BadImageError(f"{path}: unreadable ({err.strerror or err})") from None
     if len(data) > MAX_FILE_BYTES:

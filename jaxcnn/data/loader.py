@@ -33,7 +33,7 @@ ON_BAD_IMAGE = ("skip", "fail")
 # A run of this many bad images in a row is not bad luck but a broken dataset.
 MAX_CONSECUTIVE_BAD = 64
 # The keys of a batch that are bookkeeping, not arrays for the device.
-INFO_KEYS = ("bad_images", "bad_files")
+INFO_KEYS = ("bad_images", "bad_files", "index")
 
 
 def _check_common(source, batch_size, image_size, on_bad_image, process_index, process_count):
@@ -64,7 +64,8 @@ class TrainBatches:
         process_index, process_count: this process among those sharing each global batch.
 
     A batch is ``{"image": (B, H, W, 3) uint8, "label": (B,) int32, "bad_images": () int32,
-    "bad_files": tuple of messages}`` with ``B = batch_size // process_count``.
+    "bad_files": tuple of messages, "index": (B,) int64 example numbers}`` with
+    ``B = batch_size // process_count``.
     Picklable (it holds the file list or the record reader), so grain can send it to workers.
     """
 
@@ -83,17 +84,19 @@ class TrainBatches:
         indices = indices[self.start:self.start + self.local]
         images = np.empty((self.local,) + self.image_size + (3,), np.uint8)
         labels = np.empty(self.local, np.int32)
+        used = np.empty(self.local, np.int64)
         bad = []
         for k, index in enumerate(indices):
-            image, labels[k] = self._load(int(index), bad)
+            image, labels[k], used[k] = self._load(int(index), bad)
             train_transform(image, self.image_size, example_rng(self.seed, step, self.start + k), out=images[k])
-        return {"image": images, "label": labels, "bad_images": np.int32(len(bad)), "bad_files": tuple(bad)}
+        return {"image": images, "label": labels, "bad_images": np.int32(len(bad)), "bad_files": tuple(bad),
+                "index": used}
 
     def _load(self, index, bad):
         n = len(self.source)
         for attempt in range(MAX_CONSECUTIVE_BAD):
             try:
-                return load_rgb(self.source, (index + attempt) % n)
+                return load_rgb(self.source, (index + attempt) % n) + ((index + attempt) % n,)
             except BadImageError as err:
                 if self.on_bad_image == "fail":
                     raise

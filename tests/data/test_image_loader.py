@@ -133,6 +133,7 @@ def test_processes_share_each_epoch_exactly_once(folder):
             batch = maker(step)
             idx = batch_indices(len(source), 6, 3, step)[maker.start:maker.start + maker.local]
             assert [source.index.labels[i] for i in idx] == batch["label"].tolist()
+            assert batch["index"].tolist() == idx.tolist()
             rows.extend(idx.tolist())
         return rows
 
@@ -159,7 +160,7 @@ def test_bad_image_skip_counts_fail_names_it_in_workers(folder, tmp_path):
     # Its place holds the next example of the dataset, with the full batch kept.
     _same(skipped, _batches(source, 4, workers=0, on_bad_image="skip"))
     arrays, count, names = split_info(skipped[0])
-    assert set(arrays) == {"image", "label"}
+    assert set(arrays) == {"image", "label"} and count == int(skipped[0]["bad_images"])
     for workers in (0, 2):
         with pytest.raises(BadImageError) as err:
             _batches(source, 4, workers=workers, on_bad_image="fail")
