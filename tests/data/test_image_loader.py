@@ -206,3 +206,18 @@ def test_shapes_cli(tmp_path):
     index = scan_folder(tmp_path / "s")
     assert len(index["train"]) == 8 and len(index["val"]) == 4
     assert Image.open(os.path.join(index["train"].root, index["train"].paths[0])).size[0] >= 16
+
+
+def test_image_data_opens_folder_and_records_alike(folder, records, tmp_path):
+    from jaxcnn.data.images import ImageData
+    a = ImageData("folder", folder, image_size=(16, 16))
+    b = ImageData("records", records, image_size=(16, 16))
+    assert a.class_names == b.class_names == ("blue", "green", "red") and a.num_classes == 3
+    assert a.image_shape == (16, 16, 3) and a.eval_resize == 18 and len(a.train) == 18 and len(a.val) == 9
+    _same([a.train_batches(seed=1, batch_size=6)(s) for s in range(2)],
+          [b.train_batches(seed=1, batch_size=6)(s) for s in range(2)])
+    _same([a.eval_batches(batch_size=6)(n) for n in range(2)], [b.eval_batches(batch_size=6)(n) for n in range(2)])
+    with pytest.raises(ValueError, match="smaller than the crop"):
+        ImageData("folder", folder, image_size=(16, 20), eval_resize=19)
+    with pytest.raises(DataError, match="missing"):
+        ImageData("records", tmp_path, image_size=(16, 16))

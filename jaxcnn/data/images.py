@@ -1,0 +1,93 @@
+"""An image folder or a record directory as the trainer uses it: ``data.source: folder|records``.
+
+`ImageData` opens both splits (``train`` and ``val``), names the classes, and makes the
+batch makers the grain `jaxcnn.data.Loader` runs: `TrainBatches` (random-resized crop and
+flip, the batch for a step a pure function of the seed and the step) and `EvalBatches`
+(resize and centre crop, each validation image once). Images reach the device as ``uint8``
+and are normalised there with the ImageNet channel statistics (`IMAGENET_MEAN`,
+`IMAGENET_STD`, the convention of torchvision's and timm's ImageNet models), which a run's
+``preprocessing.json`` records with the class names.
+"""
+from __future__ import annotations
+
+import os
+
+from jaxcnn.data.loader import EvalBatches, TrainBatches
+from jaxcnn.data.transforms import default_eval_resize
+from jaxcnn.errors import DataError
+
+SOURCES = ("folder", "records")
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+
+
+class ImageData:
+    """The two splits of an image folder (``source="folder"``) or a record directory (``"records"``).
+
+    Arguments:
+        source: ``"folder"`` or ``"records"``.
+        path: the image folder (``PATH/train/<class>/<image>``, ``PATH/val/<class>/<image>``) or
+            the directory ``jaxcnn-data convert`` wrote.
+        image_size: ``(H, W)`` both transforms produce.
+        on_bad_image: ``"skip"`` (count and go on) or ``"fail"``.
+        eval_resize: the shorter side before the evaluation centre crop; None:
+            `default_eval_resize` (224 -> 256).
+
+    Raises:
+        DataError naming the folder or file (missing split, empty class folder, ...).
+
+    Attributes:
+        train, val: the splits' sources; class_names; ``skipped_at_open``: images left out
+        before training (non-image files of a folder, or the converter's skipped images).
+    """
+
+    def __init__(self, source: str, path, *, image_size, on_bad_image: str = "fail", eval_resize=None):
+        if source not in SOURCES:
+            raise ValueError(f"image source must be one of {list(SOURCES)}, got {source!r}")
+        path = os.fspath(path)
+        self.source, self.path = source, path
+        self.image_size = (int(image_size[0]), int(image_size[1]))
+        self.on_bad_image = on_bad_image
+        self.eval_resize = default_eval_resize(self.image_size) if eval_resize is None else int(eval_resize)
+        if self.eval_resize < max(self.image_size):
+            raise ValueError(f"eval resize {self.eval_resize} is smaller than the crop {list(self.image_size)}")
+        if source == "folder":
+            from jaxcnn.data.folder import FolderSource, scan_folder
+
+            index = scan_folder(path, on_bad_image=on_bad_image)
+            self.train, self.val = FolderSource(index["train"]), FolderSource(index["val"])
+            self.skipped_at_open = len(index["train"].skipped) + len(index["val"].skipped)
+        else:
+            from jaxcnn.data.records import RecordSource
+
+            self.train, self.val = RecordSource(path, "train"), RecordSource(path, "val")
+            self.skipped_at_open = self.train.skipped + self.val.skipped
+            if self.train.class_names != self.val.class_names:
+                raise DataError(f"{path}: train and val records name different classes")
+        self.class_names = tuple(self.train.class_names)
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.class_names)
+
+    @property
+    def image_shape(self) -> tuple:
+        """``(H, W, 3)``."""
+        return self.image_size + (3,)
+
+    @property
+    def name(self) -> str:
+        return os.path.basename(os.path.normpath(self.path)) or self.path
+
+    def train_batches(self, *, seed: int, batch_size: int, process_index: int = 0,
+                      process_count: int = 1) -> TrainBatches:
+        """The training batch maker (``step -> batch``) for this process."""
+        return TrainBatches(self.train, seed=seed, batch_size=batch_size, image_size=self.image_size,
+                            on_bad_image=self.on_bad_image, process_index=process_index,
+                            process_count=process_count)
+
+    def eval_batches(self, *, batch_size: int, process_index: int = 0, process_count: int = 1) -> EvalBatches:
+        """The evaluation batch maker (``batch number -> batch``) over the ``val`` split."""
+        return EvalBatches(self.val, batch_size=batch_size, image_size=self.image_size, resize=self.eval_resize,
+                           on_bad_image=self.on_bad_image, process_index=process_index,
+                           process_count=process_count)
