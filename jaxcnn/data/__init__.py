@@ -6,6 +6,12 @@ Loaders return an in-memory `Dataset` (NHWC images, int32 labels, per-channel me
 batch for a step as a pure function of ``(seed, step)``; `eval_batches` covers a test set
 with a padding mask; `Prefetcher` prepares batches in a background thread;
 `synthetic_batch` makes ImageNet-shaped noise on the fly for throughput runs.
+
+Datasets that do not fit in memory: `ImageData` opens an image folder
+(``ROOT/{train,val}/<class>/<image>``, `scan_folder`, `FolderSource`) or the ArrayRecord files
+``jaxcnn-data convert`` writes from one (`RecordSource`); `TrainBatches`/`EvalBatches` make a
+step's batch (ImageNet crop and flip, or resize and centre crop) and `Loader` runs them in
+grain worker processes. `write_shapes_folder` writes a small example folder.
 `download_mnist` is the only function that touches the network, and only when called.
 """
 from jaxcnn.data.augment import Augment, as_augment, augment_draws, crop_and_flip
@@ -13,6 +19,11 @@ from jaxcnn.data.cifar import load_cifar10, read_cifar_bin
 from jaxcnn.data.dataset import DataError, Dataset, channel_mean_std, check_dataset, normalize, to_unit_scale
 from jaxcnn.data.download import download_file, download_mnist, sha256_of
 from jaxcnn.data.files import check_regular_file
+from jaxcnn.data.folder import FolderSource, scan_folder
+from jaxcnn.data.images import ImageData
+from jaxcnn.data.loader import EvalBatches, Loader, TrainBatches
+from jaxcnn.data.records import RecordSource
+from jaxcnn.data.shapes import write_shapes_folder
 from jaxcnn.data.idx import read_idx, read_idx_images, read_idx_labels
 from jaxcnn.data.mnist import MNIST_FILES, load_mnist, packaged_mnist_dir
 from jaxcnn.data.npz import load_npz
@@ -22,7 +33,8 @@ from jaxcnn.data.sources import load_dataset
 from jaxcnn.data.synthetic import SyntheticSpec, synthetic_batch, synthetic_dataset
 
 __all__ = [
-    "Augment", "DataError", "Dataset", "MNIST_FILES", "Prefetcher", "SyntheticSpec",
+    "Augment", "DataError", "Dataset", "EvalBatches", "FolderSource", "ImageData", "Loader", "MNIST_FILES",
+    "Prefetcher", "RecordSource", "SyntheticSpec", "TrainBatches", "scan_folder", "write_shapes_folder",
     "as_augment", "augment_draws", "batch_indices", "channel_mean_std", "check_dataset", "check_regular_file",
     "crop_and_flip",
     "download_file", "download_mnist", "eval_batches", "load_cifar10", "load_dataset", "load_mnist",
