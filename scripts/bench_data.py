@@ -20,7 +20,9 @@ The rows are timed in turn, ``--repeats`` rounds, and each reports its best roun
 pipeline first makes enough batches to fill its workers' buffers (start-up, and the
 batches made during it, are not counted), then is timed over ``--steps`` batches. Ratios:
 each row against the plain loop, and 2 workers against 1 (the goals are >= 0.9x and >= 1.8x
-on 2 idle cores). The per-core figure is 1 worker's images/s; the cores a GPU needs at
+on 2 idle cores). ``CPU ms/img here`` is the CPU time of this process per image: for the
+plain loop and 0 workers the whole cost of an image, which other work on the machine does
+not inflate as it does wall time. The per-core figure is 1 worker's images/s; the cores a GPU needs at
 ``--target`` images/s is the target over it. The load average is printed: on a machine other
 work shares, the multi-worker figures are an underestimate.
 """
@@ -68,7 +70,8 @@ def write_jpegs(root, count, size, seed=0, classes=4):
 
 
 def plain_loop(paths, batch_size, steps, out_size, seed=0):
-    """The baseline: a single-process Pillow loop doing the pipeline's work. Returns images/s."""
+    """The baseline: a single-process Pillow loop doing the pipeline's work.
+    Returns (images/s, CPU seconds per image)."""
     from PIL import Image
 
     rnd = random.Random(seed)
@@ -86,10 +89,10 @@ def plain_loop(paths, batch_size, steps, out_size, seed=0):
                 return left, top, left + w, top + h
         return 0, 0, width, height
 
-    t0 = None
+    t0 = c0 = None
     for step in range(steps + 1):  # the first batch warms up (Pillow's decoders load lazily): untimed
         if step == 1:
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
         rnd.shuffle(order) if step * batch_size % len(paths) == 0 else None
         batch = np.empty((batch_size, out_size, out_size, 3), np.uint8)
         for k in range(batch_size):
@@ -99,11 +102,12 @@ def plain_loop(paths, batch_size, steps, out_size, seed=0):
             image = image.convert("RGB")
             array = np.asarray(image.crop(crop_box(*image.size)).resize((out_size, out_size), Image.BILINEAR))
             batch[k] = array[:, ::-1] if rnd.random() < 0.5 else array
-    return batch_size * steps / (time.perf_counter() - t0)
+    return batch_size * steps / (time.perf_counter() - t0), (time.process_time() - c0) / (batch_size * steps)
 
 
 def pipeline(root, batch_size, steps, out_size, workers, buffer=2):
-    """jaxcnn's loader with ``workers`` processes. Returns (images/s, start-up seconds)."""
+    """jaxcnn's loader with ``workers`` processes. Returns (images/s, start-up seconds, CPU
+    seconds per image of this process: the whole cost with 0 workers)."""
     from jaxcnn.data.folder import FolderSource, scan_split
     from jaxcnn.data.loader import Loader, TrainBatches
 
@@ -114,12 +118,12 @@ def pipeline(root, batch_size, steps, out_size, workers, buffer=2):
     with Loader(maker, 0, warm + steps, workers=workers, buffer=buffer) as loader:
         for _ in range(warm):
             next(loader)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         for _ in range(steps):
             batch = next(loader)
-        elapsed = time.perf_counter() - t0
+        elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
     assert batch["image"].shape == (batch_size, out_size, out_size, 3)
-    return batch_size * steps / elapsed, t0 - t_start
+    return batch_size * steps / elapsed, t0 - t_start, cpu / (batch_size * steps)
 
 
 def versions():
@@ -159,26 +163,33 @@ def main(argv=None) -> int:
         mb = sum(os.path.getsize(p) for p in paths) / len(paths) / 1e3
         print(f"  mean JPEG {mb:.1f} kB")
         rates = {None: []} | {w: [] for w in workers}
+        cpus = {None: []} | {w: [] for w in workers}
         startups = {w: [] for w in workers}
         for _ in range(args.repeats):  # interleaved, so a burst of other work hits every row alike
-            rates[None].append(plain_loop(paths, args.batch, args.steps, args.crop))
+            rate, cpu = plain_loop(paths, args.batch, args.steps, args.crop)
+            rates[None].append(rate)
+            cpus[None].append(cpu)
             for w in workers:
-                rate, startup = pipeline(root, args.batch, args.steps, args.crop, w)
+                rate, startup, cpu = pipeline(root, args.batch, args.steps, args.crop, w)
                 rates[w].append(rate)
+                cpus[w].append(cpu)
                 startups[w].append(startup)
         plain = max(rates[None])
-        rows.append({"name": "plain loop", "workers": None, "images_per_s": plain, "all": rates[None]})
+        rows.append({"name": "plain loop", "workers": None, "images_per_s": plain, "all": rates[None],
+                     "cpu_ms_per_image": 1e3 * min(cpus[None])})
         for w in workers:
             rows.append({"name": f"jaxcnn workers={w}", "workers": w, "images_per_s": max(rates[w]),
-                         "all": rates[w], "startup_s": min(startups[w])})
+                         "all": rates[w], "startup_s": min(startups[w]), "cpu_ms_per_image": 1e3 * min(cpus[w])})
     one = next((r["images_per_s"] for r in rows if r["workers"] == 1), None)
-    print(f"{'pipeline':<22}{'images/s':>10}{'vs plain':>10}{'vs 1 worker':>13}{'start-up s':>12}")
+    print(f"{'pipeline':<22}{'images/s':>10}{'vs plain':>10}{'vs 1 worker':>13}{'start-up s':>12}"
+          f"{'CPU ms/img here':>17}")
     for r in rows:
         r["vs_plain"] = r["images_per_s"] / plain
         r["vs_one_worker"] = r["images_per_s"] / one if one else None
         print(f"{r['name']:<22}{r['images_per_s']:>10.1f}{r['vs_plain']:>9.2f}x"
               f"{'' if r['vs_one_worker'] is None else format(r['vs_one_worker'], '.2f') + 'x':>13}"
-              f"{'' if 'startup_s' not in r else format(r['startup_s'], '.1f'):>12}")
+              f"{'' if 'startup_s' not in r else format(r['startup_s'], '.1f'):>12}"
+              f"{r['cpu_ms_per_image']:>17.3f}")
     load_end = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     summary = {"cores": cores, "load_average_start": load, "load_average_end": load_end,
                "versions": versions(), "args": vars(args), "rows": rows}
