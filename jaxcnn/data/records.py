@@ -37,6 +37,12 @@ def record_file(split: str) -> str:
     return f"{split}.array_record"
 
 
+def _first_line(err) -> str:
+    """The first non-empty line of an exception's message (the reader's are multi-line)."""
+    return next((line.strip() for line in str(err).splitlines() if line.strip()),
+                "no detail from the reader: truncated, or not an ArrayRecord file")
+
+
 def _digest(label: int, payload: bytes) -> bytes:
     return hashlib.sha256(struct.pack("<I", label) + payload).digest()
 
@@ -124,7 +130,7 @@ class RecordSource:
             count = len(self._records)
         except Exception as err:  # noqa: BLE001 - the reader's errors are C++ status strings
             raise DataError(f"{self.path}: cannot open as an ArrayRecord file "
-                            f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})") from None
+                            f"({type(err).__name__}: {_first_line(err)})") from None
         if count != info["count"]:
             raise DataError(f"{self.path}: holds {count} records but {SIDECAR} says {info['count']}")
 
@@ -136,8 +142,7 @@ class RecordSource:
         try:
             record = self._records[i]
         except Exception as err:  # noqa: BLE001 - a damaged chunk fails in the reader
-            raise BadImageError(f"{name}: damaged record ({type(err).__name__}: "
-                                f"{str(err).splitlines()[0] if str(err) else ''})") from None
+            raise BadImageError(f"{name}: damaged record ({type(err).__name__}: {_first_line(err)})") from None
         payload, label = decode_record(record, name)
         if label >= len(self.class_names):
             raise BadImageError(f"{name}: label {label} is not below the {len(self.class_names)} classes")

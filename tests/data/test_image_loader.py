@@ -88,6 +88,12 @@ def test_damaged_record_is_a_bad_image(folder, tmp_path):
     batches = _batches(source, 5, on_bad_image="skip")
     assert sum(int(b["bad_images"]) for b in batches) >= 1
     assert all("damaged record" in f for b in batches for f in b["bad_files"])
+    # A truncated file is refused when it is opened, in one line naming it (never an abort).
+    for cut in (len(data) // 2, len(data) - 10, 0):
+        path.write_bytes(bytes(data[:cut]))
+        with pytest.raises(DataError, match="cannot open as an ArrayRecord file") as err:
+            RecordSource(out, "train")
+        assert str(path) in str(err.value) and "\n" not in str(err.value) and not str(err.value).endswith(": )")
 
 
 def test_workers_give_the_same_batches_and_resume(folder):
