@@ -105,7 +105,7 @@ def plain_loop(paths, batch_size, steps, out_size, seed=0):
     return batch_size * steps / (time.perf_counter() - t0), (time.process_time() - c0) / (batch_size * steps)
 
 
-def pipeline(root, batch_size, steps, out_size, workers, buffer=2):
+def pipeline(root, batch_size, steps, out_size, workers, buffer=2, shared_memory=False):
     """jaxcnn's loader with ``workers`` processes. Returns (images/s, start-up seconds, CPU
     seconds per image of this process: the whole cost with 0 workers)."""
     from jaxcnn.data.folder import FolderSource, scan_split
@@ -115,7 +115,7 @@ def pipeline(root, batch_size, steps, out_size, workers, buffer=2):
     maker = TrainBatches(source, seed=0, batch_size=batch_size, image_size=(out_size, out_size))
     warm = max(1, workers * (buffer + 1))
     t_start = time.perf_counter()
-    with Loader(maker, 0, warm + steps, workers=workers, buffer=buffer) as loader:
+    with Loader(maker, 0, warm + steps, workers=workers, buffer=buffer, shared_memory=shared_memory) as loader:
         for _ in range(warm):
             next(loader)
         t0, c0 = time.perf_counter(), time.process_time()
@@ -147,6 +147,8 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=8, help="timed batches per pipeline")
     parser.add_argument("--workers", default=None, help="comma-separated worker counts (default 0,1,2,ncpu)")
     parser.add_argument("--repeats", type=int, default=3, help="rounds; each row reports its best")
+    parser.add_argument("--shared-memory", action="store_true",
+                        help="workers hand batches over in /dev/shm rather than pipes (Loader's shared_memory)")
     parser.add_argument("--target", type=float, default=7000.0, help="images/s a GPU consumes")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
@@ -170,7 +172,8 @@ def main(argv=None) -> int:
             rates[None].append(rate)
             cpus[None].append(cpu)
             for w in workers:
-                rate, startup, cpu = pipeline(root, args.batch, args.steps, args.crop, w)
+                rate, startup, cpu = pipeline(root, args.batch, args.steps, args.crop, w,
+                                              shared_memory=args.shared_memory)
                 rates[w].append(rate)
                 cpus[w].append(cpu)
                 startups[w].append(startup)

@@ -101,6 +101,11 @@ def test_workers_give_the_same_batches_and_resume(folder):
     serial = _batches(source, 9)  # 18 images, batch 4: 4 steps an epoch, so this crosses two epochs
     _same(_batches(source, 9, workers=2), serial)
     _same(_batches(source, 9, start=5), serial[5:])  # resume: the position is the step
+    maker = TrainBatches(source, seed=3, batch_size=4, image_size=SIZE)
+    with Loader(maker, 6, 9, workers=1, shared_memory=True) as loader:  # arrays via /dev/shm
+        shared = list(loader)
+    assert all(type(b["image"]) is np.ndarray for b in shared)  # copied out of shared memory
+    _same(shared, serial[6:])
     images = np.concatenate([b["image"] for b in serial[:4]])
     assert images.shape == (16,) + SIZE + (3,) and images.dtype == np.uint8
     assert not np.array_equal(serial[0]["image"], serial[4]["image"])  # a new epoch, new order and crops
