@@ -122,6 +122,15 @@ def from_run(run) -> Preprocessing:
     cfg = run.cfg
     if run.dataset is not None:
         return from_dataset(run.dataset, normalize=cfg.data.normalize, source=cfg.data.source)
+    images = getattr(run, "images", None)
+    if images is not None:  # an image folder or records: uint8 crops, ImageNet statistics
+        from jaxcnn.data.images import IMAGENET_MEAN, IMAGENET_STD
+        norm = bool(cfg.data.normalize)
+        mean = IMAGENET_MEAN if norm else (0.0, 0.0, 0.0)
+        std = IMAGENET_STD if norm else (1.0, 1.0, 1.0)
+        return Preprocessing(tuple(int(d) for d in images.image_shape), "uint8",
+                             tuple(float(np.float32(v)) for v in mean), tuple(float(np.float32(v)) for v in std),
+                             norm, tuple(images.class_names), cfg.data.source)
     from jaxcnn.data.synthetic import NOISE_MEAN, NOISE_STD
     shape = tuple(int(d) for d in run.input_shape[1:])
     c = shape[-1]

@@ -76,6 +76,9 @@ _ENTRY_KEYS = {"path", "shape", "dtype", "sha256"}
 NON_TRAINING_KEYS = (
     "logging.", "checkpoint.", "distributed.", "mesh.",
     "data.prefetch", "data.eval_batch_size", "train.eval_every",
+    # Worker count: the same batches for any. on_bad_image: a run stopped by a bad image
+    # (fail) may go on skipping it. eval_resize: evaluation only.
+    "data.workers", "data.on_bad_image", "data.eval_resize",
     "model.impl", "model.batch_norm_grad",
     "parallel.strategy", "parallel.fsdp", "parallel.rules",
 )

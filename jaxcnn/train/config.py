@@ -130,13 +130,24 @@ SCHEMA: dict[str, dict] = {
                               choices=("auto", "autodiff", "closed_form")),
     },
     "data": {
-        "source": _f("str", "mnist", "dataset", choices=("mnist", "cifar10", "npz", "synthetic")),
+        "source": _f("str", "mnist", "dataset: mnist, cifar10, npz, synthetic, folder (an image folder "
+                     "PATH/{train,val}/<class>/<image>) or records (written by jaxcnn-data convert)",
+                     choices=("mnist", "cifar10", "npz", "synthetic", "folder", "records")),
         "path": _f("str", None, "dataset file/directory (relative to the working directory); "
                    "null = packaged MNIST sample for mnist", nullable=True, low=1),
         "batch_size": _f("int", 128, "global training batch size (all devices together)", **_POS_INT),
         "eval_batch_size": _f("int", None, "global evaluation batch size; null = batch_size", nullable=True, **_POS_INT),
-        "image_size": _f("list", None, "synthetic image shape [H, W, C]; null = the model's default input shape",
-                         nullable=True, length=3, item=_f("int", None, "dimension", **_POS_INT)),
+        "image_size": _f("list", None, "synthetic: image shape [H, W, C]; folder/records: the crop size [H, W] "
+                         "both transforms produce; null = the model's default input shape",
+                         nullable=True, item=_f("int", None, "dimension", **_POS_INT)),
+        "workers": _f("int", 0, "folder/records: grain worker processes that read, decode and augment "
+                      "images (0 = in the training process's prefetch thread)", low=0),
+        "on_bad_image": _f("str", "fail", "folder/records: a corrupt, truncated or unreadable image, or a "
+                           "non-image file: skip it (counted in metrics.jsonl) or stop the run",
+                           choices=("skip", "fail")),
+        "eval_resize": _f("int", None, "folder/records: resize the shorter side to this before the "
+                          "evaluation centre crop; null = max(image_size) / 0.875 (224 -> 256)",
+                          nullable=True, **_POS_INT),
         "num_train": _f("int", 1024, "synthetic: number of training images", **_POS_INT),
         "num_eval": _f("int", 256, "synthetic: number of evaluation images", low=0),
         "num_classes": _f("int", None, "synthetic: number of label classes; null = model.num_classes or 10",
@@ -893,9 +904,21 @@ def _cross_checks(cfg: dict, source_of):
     if (train["steps"] is None) == (train["epochs"] is None):
         fail("train.steps", "set exactly one of train.steps or train.epochs "
              f"(got steps={train['steps']!r}, epochs={train['epochs']!r})")
-    if data["source"] in ("cifar10", "npz") and data["path"] is None:
-        fail("data.path", f"data.source={data['source']!r} needs data.path (a "
-             f"{'directory' if data['source'] == 'cifar10' else '.npz file'}), got null")
+    if data["source"] in ("cifar10", "npz", "folder", "records") and data["path"] is None:
+        what = {"cifar10": "directory", "npz": ".npz file", "folder": "image folder",
+                "records": "directory written by jaxcnn-data convert"}[data["source"]]
+        fail("data.path", f"data.source={data['source']!r} needs data.path (a {what}), got null")
+    size = data["image_size"]
+    if size is not None:
+        if data["source"] in ("folder", "records"):
+            if len(size) not in (2, 3) or (len(size) == 3 and size[2] != 3):
+                fail("data.image_size", f"expected [H, W] (RGB crops of that size) for data.source="
+                     f"{data['source']!r}, got {size!r}")
+            if data["eval_resize"] is not None and data["eval_resize"] < max(size[:2]):
+                fail("data.eval_resize", f"{data['eval_resize']} is smaller than the crop "
+                     f"data.image_size={list(size[:2])}: the centre crop would not fit")
+        elif len(size) != 3:
+            fail("data.image_size", f"expected a list of 3 items [H, W, C], got {size!r}")
     if (data["num_classes"] is not None and model["num_classes"] is not None
             and data["num_classes"] > model["num_classes"]):
         fail("data.num_classes", f"{data['num_classes']} label classes do not fit a model with "
@@ -933,9 +956,12 @@ def _cross_checks(cfg: dict, source_of):
 
 # Keys that only some choices use: key -> (the choosing key, the values that use it).
 _USED_ONLY_WITH = {
-    **{f"data.{k}": ("data.source", ("synthetic",))
-       for k in ("image_size", "num_train", "num_eval", "num_classes")},
-    "data.path": ("data.source", ("mnist", "cifar10", "npz")),
+    **{f"data.{k}": ("data.source", ("synthetic",)) for k in ("num_train", "num_eval", "num_classes")},
+    "data.image_size": ("data.source", ("synthetic", "folder", "records")),
+    **{f"data.{k}": ("data.source", ("folder", "records")) for k in ("workers", "on_bad_image", "eval_resize")},
+    **{f"data.augment.{k}": ("data.source", ("mnist", "cifar10", "npz", "synthetic"))
+       for k in ("crop_padding", "flip")},
+    "data.path": ("data.source", ("mnist", "cifar10", "npz", "folder", "records")),
     "optim.momentum": ("optim.name", ("sgd", "lars")),
     "optim.nesterov": ("optim.name", ("sgd", "lars")),
     "optim.b1": ("optim.name", ("adam", "adamw", "lamb")),

@@ -34,33 +34,49 @@ from jaxcnn.train.checkpoint import (CheckpointManager, check_resume_config, rec
                                      restore_for_resume)
 from jaxcnn.train.config import resolve_duration, to_dict
 from jaxcnn.train.ema import eval_params
+from jaxcnn.train.image_input import TrainInput, eval_image_batches
 from jaxcnn.train.metrics import (MetricsWriter, Progress, describe_devices, describe_precision,
                                   read_metrics)
 from jaxcnn.train.rundir import RunDir
 from jaxcnn.train.setup import (Prepared, Run, batch_fn, eval_batch_size, init_state, initial_params,
-                                matmul_precision, parallel_config_errors, prepare)
+                                matmul_precision, parallel_config_errors, prepare, test_set_size)
 
 __all__ = ["train", "evaluate", "start", "Training", "TrainingStopped"]
 
 
-def evaluate(run: Run, eval_step, params, model_state) -> dict:
-    """Loss, top-1 and top-5 over the whole test set (nothing dropped)."""
-    if run.dataset is None:
-        return {}
-    cfg = run.cfg
-    batch_size = eval_batch_size(run)
+def _eval_inputs(run: Run, bad: list):
+    """The test set's batches, each example once; an image source's bad images (skipped, their
+    rows masked out) are appended to ``bad``."""
+    cfg, share = run.cfg, {"process_index": jax.process_index(), "process_count": jax.process_count()}
+    if run.images is not None:
+        for batch, files in eval_image_batches(run.images, cfg, eval_batch_size(run), workers=cfg.data.workers,
+                                               **share):
+            bad.extend(files)
+            yield batch
+        return
     mean, std = (run.dataset.mean, run.dataset.std) if cfg.data.normalize else (None, None)
-    totals = None
-    for batch in eval_batches(run.dataset.x_test, run.dataset.y_test, batch_size, mean=mean, std=std,
-                              process_index=jax.process_index(), process_count=jax.process_count()):
+    yield from eval_batches(run.dataset.x_test, run.dataset.y_test, eval_batch_size(run), mean=mean, std=std,
+                            **share)
+
+
+def evaluate(run: Run, eval_step, params, model_state) -> dict:
+    """Loss, top-1 and top-5 over the whole test set (nothing dropped; for an image source,
+    ``bad_images`` counts the validation images skipped)."""
+    if test_set_size(run) is None:
+        return {}
+    totals, bad = None, []
+    for batch in _eval_inputs(run, bad):
         sums = eval_step(params, model_state, batch)
         totals = sums if totals is None else jax.tree_util.tree_map(jnp.add, totals, sums)
     if totals is None:
         return {}
     totals = jax.device_get(totals)
     count = max(float(totals["count"]), 1.0)
-    return {"loss": float(totals["loss_sum"]) / count, "top1": float(totals["top1_sum"]) / count,
-            "top5": float(totals["top5_sum"]) / count, "count": int(totals["count"])}
+    result = {"loss": float(totals["loss_sum"]) / count, "top1": float(totals["top1_sum"]) / count,
+              "top5": float(totals["top5_sum"]) / count, "count": int(totals["count"])}
+    if run.images is not None:
+        result["bad_images"] = len(bad)
+    return result
 
 
 class _StopSignal:
@@ -162,8 +178,12 @@ def start(cfg, run_dir: RunDir, *, argv=None, config_path=None) -> tuple[Prepare
 def startup_lines(cfg, prepared: Prepared, workdir: str, prepare_s: float) -> list[str]:
     """What ``jaxcnn-train`` prints before its first step."""
     run = prepared.run
-    data = ("synthetic" if run.dataset is None
-            else f"{len(run.dataset.x_train)} train / {len(run.dataset.x_test)} test")
+    if run.images is not None:
+        data = (f"{len(run.images.train)} train / {len(run.images.val)} val images, {run.images.num_classes} "
+                f"classes, {cfg.data.workers} workers")
+    else:
+        data = ("synthetic" if run.dataset is None
+                else f"{len(run.dataset.x_train)} train / {len(run.dataset.x_test)} test")
     lines = [f"model {cfg.model.name}  data {cfg.data.source} ({data})  batch {cfg.data.batch_size}  "
              f"steps {run.total_steps} ({run.steps_per_epoch}/epoch)",
              f"{describe_precision(cfg, run)}  optimiser {cfg.optim.name} lr {cfg.optim.lr:g} "
@@ -172,7 +192,10 @@ def startup_lines(cfg, prepared: Prepared, workdir: str, prepare_s: float) -> li
              f"model, data and compiled steps ready in {prepare_s:.1f} s"]
     if cfg.data.eval_batch_size and prepared.eval_batch_size < cfg.data.eval_batch_size:
         lines.append(f"data.eval_batch_size {cfg.data.eval_batch_size} clipped to the "
-                     f"{len(run.dataset.x_test)} test images: eval batch {prepared.eval_batch_size}")
+                     f"{test_set_size(run)} test images: eval batch {prepared.eval_batch_size}")
+    if run.images is not None and run.images.skipped_at_open:
+        lines.append(f"{run.images.skipped_at_open} files left out of {cfg.data.path} (not images; "
+                     "data.on_bad_image is skip)")
     return lines
 
 
@@ -194,6 +217,8 @@ class Training:
         self.history: list = []   # the step metrics since the last log line (device arrays)
         self.metrics = self.progress = self.stopper = None
         self.last_eval = (None, {})  # (step, metrics) of the latest evaluation
+        # Images skipped so far (data.on_bad_image: skip), counted as their batches are consumed.
+        self.bad_images = 0 if self.run.images is None else self.run.images.skipped_at_open
 
     def say(self, text: str) -> None:
         if self.is_main:
@@ -234,12 +259,38 @@ class Training:
 
     def _batches(self, start: int):
         """Placed batches for steps ``start ...``: prefetched on a thread, or made in turn."""
+        if self.run.images is not None:
+            return self._image_batches(start)
         make_batch, put = batch_fn(self.run), self.plan.put_batch
         if self.cfg.data.prefetch:
             prefetch = Prefetcher(make_batch, size=max(1, self.cfg.data.prefetch), start=start,
                                   stop=self.run.total_steps, device_put=put)
             return iter(prefetch), prefetch.close
         return (put(make_batch(s)) for s in range(start, self.run.total_steps)), lambda: None
+
+    def _image_batches(self, start: int):
+        """An image source's batches, made by ``data.workers`` grain processes and prefetched on a
+        thread; each bad image skipped is counted when its batch is consumed (and the first are
+        named)."""
+        cfg, put = self.cfg, self.plan.put_batch
+        source = TrainInput(self.run.images, seed=self.run.data_seed, batch_size=cfg.data.batch_size,
+                            start=start, stop=self.run.total_steps, workers=cfg.data.workers,
+                            process_index=jax.process_index(), process_count=jax.process_count())
+        if cfg.data.prefetch:
+            prefetch = Prefetcher(source, size=max(1, cfg.data.prefetch),
+                                  device_put=lambda item: (put(item[0]), item[1]))
+            items, closers = iter(prefetch), (prefetch.close, source.close)
+        else:
+            items, closers = ((put(arrays), bad) for arrays, bad in source), (source.close,)
+
+        def counted():
+            for batch, bad in items:
+                for message in bad[:max(0, 20 - self.bad_images)]:
+                    self.progress.message(f"[jaxcnn] skipped a bad image: {message}")
+                self.bad_images += len(bad)
+                yield batch
+
+        return counted(), lambda: [close() for close in closers]
 
     def run_steps(self, state, start: int):
         """Steps ``start`` to the end (or to a SIGTERM/SIGINT, which saves and stops).
@@ -309,6 +360,8 @@ class Training:
         img_s = self.cfg.data.batch_size / step_time if steps else float("nan")
         values = _summarise(self.history)
         values.update(epoch=done / run.steps_per_epoch, img_per_s=img_s, step_time_ms=step_time * 1000)
+        if run.images is not None:  # running total of the images skipped (data.on_bad_image: skip)
+            values["bad_images"] = self.bad_images
         eta = (run.total_steps - done) * (step_time if steps else 0.0)
         self.metrics.write(done, "train", values)
         self.progress.update(done, done / run.steps_per_epoch, values, img_per_s=img_s,

@@ -90,6 +90,7 @@ class Run(NamedTuple):
     policy: Any
     loss_scale: Any
     data_seed: int
+    images: Any = None      # a jaxcnn.data.ImageData for data.source folder/records, else None
 
 
 def _model_defaults(name: str):
@@ -107,6 +108,7 @@ class DataSetup(NamedTuple):
     image_shape: tuple      # (H, W, C)
     num_classes: int        # what the model predicts: model.num_classes, else the data's
     steps_per_epoch: int
+    images: Any = None      # a jaxcnn.data.ImageData (folder/records): batches made by grain workers
 
 
 def build_data(cfg, data_seed: int) -> DataSetup:
@@ -119,6 +121,8 @@ def build_data(cfg, data_seed: int) -> DataSetup:
     batch_size = cfg.data.batch_size
     if cfg.data.source == "synthetic":
         return _synthetic_data(cfg, data_seed)
+    if cfg.data.source in ("folder", "records"):
+        return _image_data(cfg)
     path = cfg.data.path
     if path is not None and not os.path.exists(path):
         raise ConfigError(f"data.path: {path!r} does not exist", path="data.path")
@@ -134,6 +138,22 @@ def build_data(cfg, data_seed: int) -> DataSetup:
                           f"({len(dataset.x_train)} images)", path="data.batch_size")
     return DataSetup(dataset, None, tuple(dataset.image_shape), cfg.model.num_classes or num_classes,
                      steps_per_epoch(len(dataset.x_train), batch_size))
+
+
+def _image_data(cfg) -> DataSetup:
+    """An image folder or record directory, opened (file lists, record counts, class names),
+    its images read by the loader's workers as batches need them."""
+    from jaxcnn.train.image_input import open_images
+
+    images = open_images(cfg, _model_defaults(cfg.model.name)[1:3])
+    if cfg.model.num_classes is not None and cfg.model.num_classes < images.num_classes:
+        raise ConfigError(f"model.num_classes: {cfg.model.num_classes} is smaller than the "
+                          f"{images.num_classes} classes of {cfg.data.path}", path="model.num_classes")
+    if len(images.train) < cfg.data.batch_size:
+        raise ConfigError(f"data.batch_size: {cfg.data.batch_size} is larger than the training set "
+                          f"({len(images.train)} images)", path="data.batch_size")
+    return DataSetup(None, None, images.image_shape, cfg.model.num_classes or images.num_classes,
+                     steps_per_epoch(len(images.train), cfg.data.batch_size), images)
 
 
 def _synthetic_data(cfg, data_seed: int) -> DataSetup:
@@ -264,21 +284,27 @@ def build_run(cfg) -> Run:
     if cfg.train.ema_decay > 0:  # last: it averages the parameters the update produces
         tx = optax.chain(tx, ema(cfg.train.ema_decay))
     mix_spec(cfg)  # probabilities checked before any compute
-    if cfg.train.early_stopping.patience is not None and (cfg.train.eval_every is None
-                                                          or data.dataset is None):
+    if cfg.train.early_stopping.patience is not None and (
+            cfg.train.eval_every is None or (data.dataset is None and data.images is None)):
         why = ("train.eval_every is null" if cfg.train.eval_every is None
                else "the data has no test set (per-step synthetic data)")
         raise ConfigError(f"train.early_stopping.patience: early stopping watches evaluations, and "
                           f"{why}", path="train.early_stopping.patience")
     return Run(cfg, model, data.dataset, data.synthetic, (cfg.data.batch_size,) + data.image_shape,
                data.num_classes, per_epoch, total, tx, schedule, policy, _loss_scale(cfg, policy),
-               data_seed)
+               data_seed, data.images)
 
 
 def batch_fn(run: Run):
-    """``step -> batch`` (host numpy arrays) for the run's training data."""
+    """``step -> batch`` (host numpy arrays) for the run's training data. For an image source the
+    loop runs these makers in grain workers (:class:`jaxcnn.train.image_input.TrainInput`); this
+    one makes them in turn, without the bookkeeping keys."""
     cfg = run.cfg
     share = {"process_index": jax.process_index(), "process_count": jax.process_count()}
+    if run.images is not None:  # uint8: the train step normalises them on the device
+        from jaxcnn.data.loader import split_info
+        maker = run.images.train_batches(seed=run.data_seed, batch_size=cfg.data.batch_size, **share)
+        return lambda step: split_info(maker(step))[0]
     if run.synthetic is not None:  # bytes: the train step normalises them on the device
         return lambda step: synthetic_batch(run.synthetic, step, seed=run.data_seed,
                                             batch_size=cfg.data.batch_size, image_dtype="uint8",
@@ -445,10 +471,30 @@ def eval_batch_size(run: Run) -> int:
     allocated 2.85 TiB of it)."""
     cfg = run.cfg
     size = cfg.data.eval_batch_size or cfg.data.batch_size
-    if run.dataset is not None and size > len(run.dataset.x_test):
+    count = test_set_size(run)
+    if count is not None and size > count:
         procs = jax.process_count()
-        size = max(procs, -(-len(run.dataset.x_test) // procs) * procs)
+        size = max(procs, -(-count // procs) * procs)
     return size
+
+
+def test_set_size(run: Run):
+    """The number of evaluation images (the test split, or an image source's ``val``), or None
+    when there is none (synthetic batches made per step)."""
+    if run.images is not None:
+        return len(run.images.val)
+    return None if run.dataset is None else len(run.dataset.x_test)
+
+
+def train_image_norm(run: Run):
+    """``(mean, std)`` the train step normalises ``uint8`` batches with on the device, or None
+    for sources whose batches arrive normalised."""
+    if run.synthetic is not None:
+        return NOISE_MEAN, NOISE_STD
+    if run.images is not None:
+        from jaxcnn.train.image_input import image_norm
+        return image_norm(run.cfg)
+    return None
 
 
 def _size_keys(run: Run, shape=None) -> list:
@@ -461,7 +507,7 @@ def _size_keys(run: Run, shape=None) -> list:
         key = "model.num_classes" if cfg.model.num_classes else "data.num_classes"
         if cfg.model.num_classes or cfg.data.num_classes:
             keys.append(f"{key}={run.num_classes}")
-    if not by_classes and cfg.data.source == "synthetic" and cfg.data.image_size:
+    if not by_classes and cfg.data.source in ("synthetic", "folder", "records") and cfg.data.image_size:
         keys.append(f"data.image_size={list(cfg.data.image_size)}")
     return keys
 
@@ -475,7 +521,8 @@ def _compile(lowered):
 def abstract_batch(run: Run, plan):
     """The training batch as the wrapped step takes it (``plan.put_batch``'s output), as shapes."""
     batch, rest = run.input_shape[0], tuple(run.input_shape[1:])
-    image = np.uint8 if run.synthetic is not None else np.float32  # synthetic: bytes, normalised on device
+    # synthetic and image sources: bytes, normalised on the device
+    image = np.uint8 if run.synthetic is not None or run.images is not None else np.float32
     if plan.strategy == "pmap":
         n = plan.mesh.devices.size
         return {"image": jax.ShapeDtypeStruct((n, batch // n) + rest, image),
@@ -538,7 +585,7 @@ def prepare(cfg) -> Prepared:
         run.model, run.tx, policy=run.policy, label_smoothing=cfg.optim.label_smoothing,
         schedule=run.schedule, skip_nonfinite=cfg.train.nan_policy == "skip",
         axis_name=plan.step_axis_name, sync_batch_norm=plan.sync_batch_norm,
-        image_norm=(NOISE_MEAN, NOISE_STD) if run.synthetic is not None else None,
+        image_norm=train_image_norm(run),
         impl=cfg.model.impl, batch_norm_grad=cfg.model.batch_norm_grad, mix=mix_spec(cfg),
         accumulate=cfg.train.accumulate_steps))
     eval_step = plan.wrap_eval(make_eval_step(run.model, policy=run.policy, impl=cfg.model.impl))
@@ -549,7 +596,7 @@ def prepare(cfg) -> Prepared:
         memory["train_step"] = check_step_memory(
             compiled, plan, available, [f"data.batch_size={cfg.data.batch_size}"] + _size_keys(run),
             "train step")
-        if run.dataset is not None:  # without a test set (synthetic throughput runs) nothing evaluates
+        if test_set_size(run) is not None:  # without a test set (synthetic throughput runs) nothing evaluates
             compiled_eval = _compile(eval_step.lower(plan.abstract_state.params, plan.abstract_state.state,
                                                      abstract_eval_batch(run, plan, eval_size)))
             key = "data.eval_batch_size" if cfg.data.eval_batch_size else "data.batch_size"

@@ -1,0 +1,81 @@
+"""The trainer's input from an image folder or record files (``data.source: folder|records``).
+
+`open_images` opens the data a config names (`jaxcnn.data.ImageData`), with config errors
+naming the key. `TrainInput` is the stream of training batches from a step on: grain
+`jaxcnn.data.Loader` workers (``data.workers``) make this process's share of each global batch
+(`jaxcnn.data.TrainBatches`: the batch for step ``s`` depends only on the data seed and ``s``,
+so a resumed run starts the stream at its step), each batch with the messages of the bad images
+skipped in it (``data.on_bad_image: skip``), which the loop counts into ``metrics.jsonl``.
+`eval_image_batches` gives the validation split once, normalised on the host like the
+in-memory test sets.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from jaxcnn.data.dataset import normalize
+from jaxcnn.data.images import IMAGENET_MEAN, IMAGENET_STD, ImageData
+from jaxcnn.data.loader import Loader, split_info
+from jaxcnn.errors import ConfigError
+
+
+def open_images(cfg, default_hw) -> ImageData:
+    """The `ImageData` of ``cfg.data`` (``source`` folder or records); ``default_hw`` is the
+    model's ``(H, W)`` used when ``data.image_size`` is null."""
+    data = cfg.data
+    if data.path is None or not os.path.exists(data.path):
+        raise ConfigError(f"data.path: {data.path!r} does not exist", path="data.path")
+    size = tuple(data.image_size[:2]) if data.image_size else tuple(default_hw)
+    if data.eval_resize is not None and data.eval_resize < max(size):
+        raise ConfigError(f"data.eval_resize: {data.eval_resize} is smaller than the crop {list(size)}",
+                          path="data.eval_resize")
+    return ImageData(data.source, data.path, image_size=size, on_bad_image=data.on_bad_image,
+                     eval_resize=data.eval_resize)
+
+
+def image_norm(cfg):
+    """``(mean, std)`` the train step normalises ``uint8`` images with on the device:
+    ImageNet's channel statistics, or the unit scale only with ``data.normalize: false``."""
+    if cfg.data.normalize:
+        return np.asarray(IMAGENET_MEAN, np.float32), np.asarray(IMAGENET_STD, np.float32)
+    return np.zeros(3, np.float32), np.ones(3, np.float32)
+
+
+class TrainInput:
+    """Training batches ``start, start + 1, ...`` of an image source, made by ``workers`` grain
+    processes: iterating gives ``(arrays, bad)``, ``arrays = {"image": uint8, "label": int32}``
+    (this process's share) and ``bad`` the messages of the images skipped in that batch (the
+    loop counts them as it consumes the batch, so a prefetched batch is not counted early).
+    """
+
+    def __init__(self, images: ImageData, *, seed: int, batch_size: int, start: int, stop: int, workers: int,
+                 process_index: int = 0, process_count: int = 1):
+        maker = images.train_batches(seed=seed, batch_size=batch_size, process_index=process_index,
+                                     process_count=process_count)
+        self._loader = Loader(maker, start, stop, workers=workers)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        arrays, _, files = split_info(next(self._loader))
+        return arrays, files
+
+    def close(self):
+        self._loader.close()
+
+
+def eval_image_batches(images: ImageData, cfg, batch_size: int, *, workers: int, process_index: int = 0,
+                       process_count: int = 1):
+    """Yields ``(arrays, bad)`` for the validation split: ``arrays = {"image": float32 normalised
+    on the host as the in-memory test sets are, "label", "mask"}`` (a skipped image's row is
+    masked out) and ``bad`` the messages of the images skipped in the batch."""
+    maker = images.eval_batches(batch_size=batch_size, process_index=process_index, process_count=process_count)
+    mean, std = image_norm(cfg)
+    with Loader(maker, 0, len(maker), workers=workers) as loader:
+        for batch in loader:
+            arrays, _, files = split_info(batch)
+            arrays["image"] = normalize(arrays["image"], mean, std)
+            yield arrays, files

@@ -1,0 +1,117 @@
+"""``jaxcnn-train`` on an image folder and on its record files: a tiny folder of coloured shapes
+(three classes, JPEG and PNG, mixed sizes and Pillow modes, one corrupt file) is learnt above
+chance, the corrupt file is skipped and counted in metrics.jsonl, the class names reach
+preprocessing.json, records train bit for bit like the folder, and a run resumed from a
+checkpoint ends with the parameters of a run that went straight through."""
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+from jaxcnn.data.cli import main as data_main
+from jaxcnn.data.shapes import write_shapes_folder
+from jaxcnn.interop import load_npz
+from jaxcnn.train.cli import train_main
+from jaxcnn.train.metrics import read_metrics
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+CONFIG = os.path.join(ROOT, "configs", "shapes_folder.yaml")
+CLASSES = ["blue", "green", "red"]
+STEPS = 24
+
+
+def _args(path, workdir, *extra):
+    return [CONFIG, f"data.path={path}", "mesh.data=1", "data.image_size=[16,16]", "data.batch_size=12",
+            "data.eval_batch_size=12", "data.workers=0", "data.prefetch=1", "optim.name=adam", "optim.lr=0.003",
+            "optim.schedule.name=constant", f"train.steps={STEPS}", "train.epochs=null", "train.eval_every=null",
+            "logging.log_every=4", "logging.progress=lines", "checkpoint.every=8", "checkpoint.keep=5",
+            *extra, "--workdir", str(workdir)]
+
+
+def _params(workdir):
+    params, state = load_npz(os.path.join(workdir, "params.npz"))
+    flat = {}
+
+    def walk(tree, prefix):
+        for k, v in tree.items():
+            if isinstance(v, dict):
+                walk(v, f"{prefix}{k}/")
+            else:
+                flat[prefix + k] = np.asarray(v)
+    walk(params, "")
+    walk(state, "state/")
+    return flat
+
+
+def _assert_same_params(a, b):
+    pa, pb = _params(a), _params(b)
+    assert pa.keys() == pb.keys()
+    for key in pa:
+        np.testing.assert_array_equal(pa[key], pb[key], err_msg=key)
+
+
+@pytest.fixture(scope="module")
+def shapes(tmp_path_factory):
+    """The folder, and a finished reference run on it."""
+    base = tmp_path_factory.mktemp("imgfolder")
+    folder = base / "shapes"
+    write_shapes_folder(folder, per_class=(16, 4), classes=CLASSES, size_range=(16, 40))
+    corrupt = folder / "train" / "green" / "99999.jpg"
+    first_jpeg = sorted((folder / "train" / "green").glob("*.jpg"))[0]
+    corrupt.write_bytes(first_jpeg.read_bytes()[:150])  # truncated
+    assert train_main(_args(folder, base / "ref", "data.on_bad_image=skip")) == 0
+    return folder, base / "ref", corrupt
+
+
+def test_trains_above_chance_and_counts_the_bad_image(shapes):
+    folder, ref, corrupt = shapes
+    records = read_metrics(ref)
+    train = [r for r in records if r["kind"] == "train"]
+    losses = [r["loss"] for r in train]
+    assert np.mean(losses[-2:]) < np.mean(losses[:2]), losses
+    final = [r for r in records if r["kind"] == "eval"][-1]
+    assert final["count"] == 12 and final["top1"] > 0.6, final  # chance is 1/3
+    # 49 training files, batch 12: 4 steps an epoch, 6 epochs; the corrupt one is met in some of them.
+    counts = [r["bad_images"] for r in train]  # running total of the images skipped so far
+    assert counts == sorted(counts) and counts[-1] >= 1, counts
+    prep = json.loads((ref / "preprocessing.json").read_text())
+    assert prep["class_names"] == CLASSES and prep["image_shape"] == [16, 16, 3]
+    assert prep["pixel_dtype"] == "uint8" and prep["dataset"] == "folder"
+
+
+def test_fail_stops_with_the_file_name(shapes, tmp_path, capsys):
+    folder, _, corrupt = shapes
+    code = train_main(_args(folder, tmp_path / "w", "data.on_bad_image=fail", "checkpoint.enabled=false"))
+    err = capsys.readouterr().err
+    assert code == 2 and str(corrupt) in err and err.count("\n") == 1, err
+
+
+def test_bad_folder_is_one_line_exit_2(tmp_path, capsys):
+    os.makedirs(tmp_path / "f" / "train" / "a")
+    assert train_main(_args(tmp_path / "f", tmp_path / "w")) == 2
+    err = capsys.readouterr().err
+    assert "empty class folder" in err and str(tmp_path / "f" / "train" / "a") in err and err.count("\n") == 1
+
+
+def test_resume_and_records_and_workers_are_bitwise_equal(shapes, tmp_path):
+    folder, ref, _ = shapes
+    # Resume: the straight run's checkpoints after step 8 removed, then the run again.
+    work = tmp_path / "resumed"
+    shutil.copytree(ref, work)
+    for name in os.listdir(work / "checkpoints"):
+        if name.isdigit() and int(name) > 8:
+            shutil.rmtree(work / "checkpoints" / name)
+    os.remove(work / "params.npz")
+    assert train_main(_args(folder, work, "data.on_bad_image=skip", "data.workers=2")) == 0
+    _assert_same_params(ref, work)
+    # Records: the same images, so the same training, bit for bit (the corrupt file is left out
+    # by the converter, so convert a copy without it).
+    clean = tmp_path / "clean"
+    shutil.copytree(folder, clean)
+    os.remove(clean / "train" / "green" / "99999.jpg")
+    assert data_main(["convert", str(clean), str(tmp_path / "rec"), "--no-progress"]) == 0
+    assert train_main(_args(clean, tmp_path / "a", "checkpoint.enabled=false")) == 0
+    assert train_main(_args(tmp_path / "rec", tmp_path / "b", "data.source=records", "checkpoint.enabled=false")) == 0
+    _assert_same_params(tmp_path / "a", tmp_path / "b")
