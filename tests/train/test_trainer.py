@@ -203,8 +203,16 @@ def cifar_dir(tmp_path_factory):
     return _write_cifar(str(tmp_path_factory.mktemp("cifar")), np.random.default_rng(0))
 
 
+@pytest.fixture(scope="module")
+def image_folder(tmp_path_factory):
+    from jaxcnn.data.shapes import write_shapes_folder
+    root = tmp_path_factory.mktemp("shapes")
+    write_shapes_folder(root, per_class=(2, 1), size_range=(16, 24))
+    return str(root)
+
+
 @pytest.mark.parametrize("config", sorted(f for f in os.listdir(CONFIGS) if f.endswith(".yaml")))
-def test_every_shipped_config_dry_runs(config, cifar_dir, capsys, monkeypatch):
+def test_every_shipped_config_dry_runs(config, cifar_dir, image_folder, capsys, monkeypatch):
     # Traced and lowered as the real run would (the same wrapped steps), but not compiled by
     # XLA: that takes minutes for the ImageNet models on a 2-core CPU, and their memory depends
     # on the machine (tests/train/test_dry_run.py checks the compiled memory check).
@@ -213,6 +221,9 @@ def test_every_shipped_config_dry_runs(config, cifar_dir, capsys, monkeypatch):
     args = [os.path.join(CONFIGS, config), "--dry-run"]
     if "cifar10" in config:
         args.append(f"data.path={cifar_dir}")
+    if (yaml.safe_load(open(os.path.join(CONFIGS, config))).get("data") or {}).get("source") == "folder":
+        # a tiny folder of 8 training images: one step an epoch, too short for a warm-up in steps
+        args += [f"data.path={image_folder}", "data.batch_size=8", "optim.schedule.warmup=0"]
     assert train_main(args) == 0, capsys.readouterr().err
     out = capsys.readouterr().out
     assert "dry run ok" in out and "Total MACs" in out
