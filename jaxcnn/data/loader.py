@@ -22,6 +22,11 @@ on the seed and the step; in evaluation its row is masked out.
 """
 from __future__ import annotations
 
+import functools
+import os
+import threading
+import time
+
 import numpy as np
 
 from jaxcnn.data.folder import decode_image
@@ -32,6 +37,8 @@ from jaxcnn.errors import BadImageError, DataError
 ON_BAD_IMAGE = ("skip", "fail")
 # A run of this many bad images in a row is not bad luck but a broken dataset.
 MAX_CONSECUTIVE_BAD = 64
+# How often a worker checks that the process that started it is still there.
+_PARENT_POLL_S = 0.5
 # The keys of a batch that are bookkeeping, not arrays for the device.
 INFO_KEYS = ("bad_images", "bad_files", "index")
 
@@ -156,6 +163,18 @@ class EvalBatches:
                 "bad_files": tuple(bad)}
 
 
+def _exit_with_parent(parent: int, worker_index: int = 0, worker_count: int = 1) -> None:
+    """In a worker: a daemon thread that ends this process once the process that started it is
+    gone. A trainer killed with SIGKILL runs no clean-up, and its grain workers, blocked on a
+    full queue, were left behind for good (re-parented to init)."""
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(_PARENT_POLL_S)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="jaxcnn-loader-parent-watch", daemon=True).start()
+
+
 def _unshared(batch):
     """The batch with its shared-memory arrays copied out, so each block is unlinked as soon as
     it is read: Python < 3.13 reports blocks still mapped at exit as leaked."""
@@ -213,7 +232,8 @@ class Loader:
                 ds = grain.experimental.WithOptionsIterDataset(
                     ds, grain.experimental.DatasetOptions(min_shm_size=1 << 62))
             ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=int(workers),
-                                                             per_worker_buffer_size=max(1, int(buffer))))
+                                                             per_worker_buffer_size=max(1, int(buffer))),
+                                worker_init_fn=functools.partial(_exit_with_parent, os.getpid()))
         self._iter = iter(ds)
         self._closed = False
 

@@ -233,3 +233,64 @@ def test_image_data_opens_folder_and_records_alike(folder, records, tmp_path):
         ImageData("folder", folder, image_size=(16, 20), eval_resize=19)
     with pytest.raises(DataError, match="missing"):
         ImageData("records", tmp_path, image_size=(16, 16))
+
+
+ORPHAN_SCRIPT = """
+import os, sys, time
+import numpy as np
+from jaxcnn.data.loader import Loader
+
+
+class Marks:
+    def __init__(self, folder):
+        self.folder = folder
+
+    def __call__(self, step):
+        open(os.path.join(self.folder, str(os.getpid())), "w").close()
+        return {"x": np.zeros(4)}
+
+
+if __name__ == "__main__":
+    with Loader(Marks(sys.argv[1]), 0, 10**6, workers=2) as loader:
+        next(loader)
+        print("ready", flush=True)
+        time.sleep(600)
+"""
+
+
+def _running(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has ended
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs /proc")
+def test_workers_end_when_their_process_is_killed(tmp_path):
+    """SIGKILL runs no clean-up: the workers, blocked on a full queue, must see their parent go."""
+    import signal
+    import subprocess
+    import sys
+    import time
+    script = tmp_path / "s.py"
+    script.write_text(ORPHAN_SCRIPT)
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.Popen([sys.executable, str(script), str(marks)], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        deadline = time.time() + 60
+        while len(os.listdir(marks)) < 2 and time.time() < deadline:
+            time.sleep(0.1)
+        workers = [int(p) for p in os.listdir(marks)]
+        assert len(workers) == 2 and all(_running(p) for p in workers)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    deadline = time.time() + 20
+    while any(_running(p) for p in workers) and time.time() < deadline:
+        time.sleep(0.1)
+    assert not any(_running(p) for p in workers), workers
