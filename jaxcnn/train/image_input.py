@@ -20,6 +20,12 @@ from jaxcnn.data.images import IMAGENET_MEAN, IMAGENET_STD, ImageData
 from jaxcnn.data.loader import Loader, split_info
 from jaxcnn.errors import ConfigError
 
+# data.workers is bounded by this many per core (and at least MAX_WORKERS_FLOOR in all).
+WORKERS_PER_CORE = 4
+MAX_WORKERS_FLOOR = 16
+# The evaluation resize is at most this many times the crop (each image is resized to it first).
+MAX_RESIZE_FACTOR = 8
+
 
 def open_images(cfg, default_hw) -> ImageData:
     """The `ImageData` of ``cfg.data`` (``source`` folder or records); ``default_hw`` is the
@@ -27,9 +33,14 @@ def open_images(cfg, default_hw) -> ImageData:
     data = cfg.data
     if data.path is None or not os.path.exists(data.path):
         raise ConfigError(f"data.path: {data.path!r} does not exist", path="data.path")
+    most = max(MAX_WORKERS_FLOOR, WORKERS_PER_CORE * (os.cpu_count() or 1))
+    if data.workers > most:  # each is a process: 2**31-1 of them would never start
+        raise ConfigError(f"data.workers: {data.workers} worker processes is more than {most} "
+                          f"({WORKERS_PER_CORE} per core of this machine's {os.cpu_count()})", path="data.workers")
     size = tuple(data.image_size[:2]) if data.image_size else tuple(default_hw)
-    if data.eval_resize is not None and data.eval_resize < max(size):
-        raise ConfigError(f"data.eval_resize: {data.eval_resize} is smaller than the crop {list(size)}",
+    if data.eval_resize is not None and not max(size) <= data.eval_resize <= MAX_RESIZE_FACTOR * max(size):
+        raise ConfigError(f"data.eval_resize: {data.eval_resize} must be from the crop's longer side "
+                          f"{max(size)} (data.image_size={list(size)}) to {MAX_RESIZE_FACTOR} times it",
                           path="data.eval_resize")
     return ImageData(data.source, data.path, image_size=size, on_bad_image=data.on_bad_image,
                      eval_resize=data.eval_resize)

@@ -93,6 +93,11 @@ def test_bad_folder_is_one_line_exit_2(tmp_path, capsys):
     assert train_main(_args(tmp_path / "f", tmp_path / "w")) == 2
     err = capsys.readouterr().err
     assert "empty class folder" in err and str(tmp_path / "f" / "train" / "a") in err and err.count("\n") == 1
+    assert train_main(_args(tmp_path / "f", tmp_path / "w", "data.workers=2147483647", "--dry-run")) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("jaxcnn-train: error: data.workers: 2147483647 worker processes is more than")
+    assert train_main(_args(tmp_path / "f", tmp_path / "w", "data.eval_resize=2147483647", "--dry-run")) == 2
+    assert "data.eval_resize: 2147483647 must be from the crop's longer side 16" in capsys.readouterr().err
 
 
 def test_resume_and_records_and_workers_are_bitwise_equal(shapes, tmp_path):
