@@ -1,8 +1,8 @@
 """``jaxcnn-train`` on an image folder and on its record files: a tiny folder of coloured shapes
 (three classes, JPEG and PNG, mixed sizes and Pillow modes, one corrupt file) is learnt above
 chance, the corrupt file is skipped and counted in metrics.jsonl, the class names reach
-preprocessing.json, records train bit for bit like the folder, and a run resumed from a
-checkpoint ends with the parameters of a run that went straight through."""
+preprocessing.json, and records train bit for bit like the folder (with grain workers). Kill -9
+and resume: tests/reliability/test_reliability_image_folder.py."""
 import json
 import os
 import shutil
@@ -100,23 +100,16 @@ def test_bad_folder_is_one_line_exit_2(tmp_path, capsys):
     assert "data.eval_resize: 2147483647 must be from the crop's longer side 16" in capsys.readouterr().err
 
 
-def test_resume_and_records_and_workers_are_bitwise_equal(shapes, tmp_path):
-    folder, ref, _ = shapes
-    # Resume: the straight run's checkpoints after step 8 removed, then the run again.
-    work = tmp_path / "resumed"
-    shutil.copytree(ref, work)
-    for name in os.listdir(work / "checkpoints"):
-        if name.isdigit() and int(name) > 8:
-            shutil.rmtree(work / "checkpoints" / name)
-    os.remove(work / "params.npz")
-    assert train_main(_args(folder, work, "data.on_bad_image=skip", "data.workers=2")) == 0
-    _assert_same_params(ref, work)
-    # Records: the same images, so the same training, bit for bit (the corrupt file is left out
-    # by the converter, so convert a copy without it).
+def test_records_train_bit_for_bit_like_the_folder(shapes, tmp_path):
+    """The same images, so the same training, bit for bit (the corrupt file is left out by the
+    converter, so a copy of the folder without it is the reference). Kill and resume with
+    workers: tests/reliability/test_reliability_image_folder.py."""
+    folder = shapes[0]
     clean = tmp_path / "clean"
     shutil.copytree(folder, clean)
     os.remove(clean / "train" / "green" / "99999.jpg")
     assert data_main(["convert", str(clean), str(tmp_path / "rec"), "--no-progress"]) == 0
     assert train_main(_args(clean, tmp_path / "a", "checkpoint.enabled=false")) == 0
-    assert train_main(_args(tmp_path / "rec", tmp_path / "b", "data.source=records", "checkpoint.enabled=false")) == 0
+    assert train_main(_args(tmp_path / "rec", tmp_path / "b", "data.source=records", "data.workers=2",
+                            "checkpoint.enabled=false")) == 0
     _assert_same_params(tmp_path / "a", tmp_path / "b")

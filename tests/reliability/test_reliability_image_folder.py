@@ -1,0 +1,75 @@
+"""Kill -9 of a trainer reading an image folder with grain workers, then resume: the finished
+run's parameters are bitwise equal to an uninterrupted run's (the batch for a step depends
+only on the seed and the step, so the resumed run reads the same images in the same order),
+and the killed run's workers do not outlive it."""
+import os
+
+import pytest
+
+from jaxcnn.data.shapes import write_shapes_folder
+from jaxcnn.train.cli import train_main
+from reliability_lib import (ORBAX_LEFTOVER_WARNINGS, ROOT, Killable, assert_params_bitwise_equal, resumed_step,
+                             step_dirs, wait_for)
+
+pytestmark = ORBAX_LEFTOVER_WARNINGS
+STEPS = 16
+
+
+def _args(folder, workdir, *extra):
+    return [str(ROOT / "configs" / "shapes_folder.yaml"), f"data.path={folder}", "mesh.data=1",
+            "data.image_size=[16,16]", "data.batch_size=12", "data.eval_batch_size=12", "data.prefetch=1",
+            "optim.name=adam", "optim.lr=0.003", "optim.schedule.name=constant", "optim.schedule.warmup=0",
+            f"train.steps={STEPS}",
+            "train.epochs=null", "train.eval_every=null", "logging.log_every=2", "logging.progress=lines",
+            "checkpoint.every=2", "checkpoint.keep=10", "data.on_bad_image=skip", *extra,
+            "--workdir", str(workdir)]
+
+
+def _children(pid):
+    """Process ids whose parent is ``pid`` (from /proc)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid and fields[0] != "Z":
+                out.append(int(entry))
+    return out
+
+
+def _running(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs /proc")
+def test_kill_minus_9_with_workers_then_resume_is_bitwise(tmp_path, capsys):
+    import time
+    folder = tmp_path / "shapes"
+    write_shapes_folder(folder, per_class=(12, 2), classes=["blue", "green", "red"], size_range=(16, 32))
+    (folder / "train" / "red" / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n" + b"\0" * 40)
+    assert train_main(_args(folder, tmp_path / "ref")) == 0
+
+    work = tmp_path / "killed"
+    proc = Killable(_args(folder, work, "data.workers=2"))
+    try:
+        assert wait_for(lambda: 6 in step_dirs(work / "checkpoints")[0], proc), proc.output
+        workers = [p for p in _children(proc.proc.pid) if _running(p)]
+    finally:
+        proc.kill()
+    assert not (work / "params.npz").exists()
+    deadline = time.time() + 20  # the workers see their trainer gone and end
+    while any(_running(p) for p in workers) and time.time() < deadline:
+        time.sleep(0.1)
+    assert workers and not any(_running(p) for p in workers), workers
+
+    capsys.readouterr()
+    assert train_main(_args(folder, work, "data.workers=1")) == 0
+    assert resumed_step(capsys.readouterr().out) >= 6
+    assert_params_bitwise_equal(tmp_path / "ref" / "params.npz", work / "params.npz")
