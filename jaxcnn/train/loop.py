@@ -39,7 +39,7 @@ from jaxcnn.train.metrics import (MetricsWriter, Progress, describe_devices, des
                                   read_metrics)
 from jaxcnn.train.rundir import RunDir
 from jaxcnn.train.setup import (Prepared, Run, batch_fn, eval_batch_size, init_state, initial_params,
-                                matmul_precision, parallel_config_errors, prepare, test_set_size)
+                                eval_set_size, matmul_precision, parallel_config_errors, prepare)
 
 __all__ = ["train", "evaluate", "start", "Training", "TrainingStopped"]
 
@@ -62,7 +62,7 @@ def _eval_inputs(run: Run, bad: list):
 def evaluate(run: Run, eval_step, params, model_state) -> dict:
     """Loss, top-1 and top-5 over the whole test set (nothing dropped; for an image source,
     ``bad_images`` counts the validation images skipped)."""
-    if test_set_size(run) is None:
+    if eval_set_size(run) is None:
         return {}
     totals, bad = None, []
     for batch in _eval_inputs(run, bad):
@@ -192,7 +192,7 @@ def startup_lines(cfg, prepared: Prepared, workdir: str, prepare_s: float) -> li
              f"model, data and compiled steps ready in {prepare_s:.1f} s"]
     if cfg.data.eval_batch_size and prepared.eval_batch_size < cfg.data.eval_batch_size:
         lines.append(f"data.eval_batch_size {cfg.data.eval_batch_size} clipped to the "
-                     f"{test_set_size(run)} test images: eval batch {prepared.eval_batch_size}")
+                     f"{eval_set_size(run)} test images: eval batch {prepared.eval_batch_size}")
     if run.images is not None and run.images.skipped_at_open:
         lines.append(f"{run.images.skipped_at_open} files left out of {cfg.data.path} (not images; "
                      "data.on_bad_image is skip)")

@@ -471,14 +471,14 @@ def eval_batch_size(run: Run) -> int:
     allocated 2.85 TiB of it)."""
     cfg = run.cfg
     size = cfg.data.eval_batch_size or cfg.data.batch_size
-    count = test_set_size(run)
+    count = eval_set_size(run)
     if count is not None and size > count:
         procs = jax.process_count()
         size = max(procs, -(-count // procs) * procs)
     return size
 
 
-def test_set_size(run: Run):
+def eval_set_size(run: Run):
     """The number of evaluation images (the test split, or an image source's ``val``), or None
     when there is none (synthetic batches made per step)."""
     if run.images is not None:
@@ -596,7 +596,7 @@ def prepare(cfg) -> Prepared:
         memory["train_step"] = check_step_memory(
             compiled, plan, available, [f"data.batch_size={cfg.data.batch_size}"] + _size_keys(run),
             "train step")
-        if test_set_size(run) is not None:  # without a test set (synthetic throughput runs) nothing evaluates
+        if eval_set_size(run) is not None:  # without a test set (synthetic throughput runs) nothing evaluates
             compiled_eval = _compile(eval_step.lower(plan.abstract_state.params, plan.abstract_state.state,
                                                      abstract_eval_batch(run, plan, eval_size)))
             key = "data.eval_batch_size" if cfg.data.eval_batch_size else "data.batch_size"
