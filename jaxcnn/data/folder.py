@@ -112,9 +112,17 @@ def scan_split(root, split: str, class_names=None, *, on_bad_image: str = "fail"
     paths, labels, skipped = [], [], []
     for label, name in enumerate(classes):
         folder = os.path.join(path, name)
-        files = []
+        files, seen = [], {os.path.realpath(folder)}
         for dirpath, dirnames, filenames in os.walk(folder, followlinks=True):
-            dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+            # Linked folders are followed (as ImageFolder does), each real folder once: a link
+            # back to a parent made the walk endless.
+            keep = []
+            for d in sorted(dirnames):
+                real = os.path.realpath(os.path.join(dirpath, d))
+                if not d.startswith(".") and real not in seen:
+                    seen.add(real)
+                    keep.append(d)
+            dirnames[:] = keep
             rel = os.path.relpath(dirpath, path)
             for fname in sorted(filenames):
                 if fname.startswith("."):

@@ -134,3 +134,15 @@ def test_shapes_folder_has_mixed_modes_and_sizes(tmp_path):
     assert {"RGB", "RGBA", "P", "CMYK"} <= modes and len(sizes) > 3
     index = scan_folder(tmp_path)
     assert index["train"].class_names == ("green", "red")
+
+
+def test_linked_folders_are_followed_once(tmp_path):
+    """A link back to a parent folder made the walk endless; a linked folder of images is read."""
+    rng = np.random.default_rng(3)
+    for split in ("train", "val"):
+        _save(str(tmp_path / split / "a" / "x.png"), rng.integers(0, 255, (8, 8, 3), dtype=np.uint8))
+    _save(str(tmp_path / "elsewhere" / "y.png"), rng.integers(0, 255, (8, 8, 3), dtype=np.uint8))
+    os.symlink(tmp_path / "train", tmp_path / "train" / "a" / "loop")
+    os.symlink(tmp_path / "elsewhere", tmp_path / "train" / "a" / "more")
+    index = scan_folder(tmp_path)
+    assert index["train"].paths == ("a/more/y.png", "a/x.png")
