@@ -17,9 +17,10 @@ export's record of it, so nobody has to know the training mean and std:
 2. resize to the model's ``H x W`` with bilinear filtering (antialiased when shrinking),
    unless the preprocessing record holds ``"resize": {"shorter_side": S}``: then the shorter
    side goes to ``S`` (aspect ratio kept) and the centre ``H x W`` is cropped, as
-   torchvision's ``Resize(S)`` + ``CenterCrop``. The trainer itself never resizes (its data
-   come at the model's size), so its records leave ``resize`` out; an image already ``H x W``
-   is not resampled either way;
+   torchvision's ``Resize(S)`` + ``CenterCrop``. Runs on an image folder or record files
+   record their evaluation transform so (``data.eval_resize``); other runs' data come at the
+   model's size, so their records leave ``resize`` out; an image already ``H x W`` is not
+   resampled either way;
 3. ``uint8`` pixels, normalised as the trainer did (``(x / 255 - mean) / std``; float
    datasets: ``x / 255`` first, as on their unit scale). Exports that build the
    normalisation in take the raw pixels, as the exporter recorded.

@@ -52,6 +52,10 @@ class Preprocessing(NamedTuple):
         normalize: False when the run had ``data.normalize: false`` (mean 0, std 1).
         class_names: the label names, or None when the data does not name them.
         dataset: the data source's name, or None.
+        resize_shorter_side: images of any size are resized so that their shorter side is this,
+            then the centre ``H x W`` is cropped (the evaluation transform of an image folder,
+            ``data.eval_resize``); None when the run's images all come at ``H x W``. Written as
+            ``"resize": {"shorter_side": S}``, which ``jaxcnn-predict`` applies.
     """
 
     image_shape: tuple
@@ -61,6 +65,7 @@ class Preprocessing(NamedTuple):
     normalize: bool = True
     class_names: Optional[tuple] = None
     dataset: Optional[str] = None
+    resize_shorter_side: Optional[int] = None
 
     @property
     def pixel_range(self) -> tuple:
@@ -87,7 +92,9 @@ class Preprocessing(NamedTuple):
                 "normalize": bool(self.normalize), "mean": [float(v) for v in self.mean],
                 "std": [float(v) for v in self.std], "formula": self.formula,
                 "class_names": None if self.class_names is None else list(self.class_names),
-                "dataset": self.dataset}
+                "dataset": self.dataset,
+                **({} if self.resize_shorter_side is None
+                   else {"resize": {"shorter_side": int(self.resize_shorter_side)}})}
 
     def describe(self) -> str:
         """One line for people: what raw input is and how it is normalised."""
@@ -130,7 +137,7 @@ def from_run(run) -> Preprocessing:
         std = IMAGENET_STD if norm else (1.0, 1.0, 1.0)
         return Preprocessing(tuple(int(d) for d in images.image_shape), "uint8",
                              tuple(float(np.float32(v)) for v in mean), tuple(float(np.float32(v)) for v in std),
-                             norm, tuple(images.class_names), cfg.data.source)
+                             norm, tuple(images.class_names), cfg.data.source, int(images.eval_resize))
     from jaxcnn.data.synthetic import NOISE_MEAN, NOISE_STD
     shape = tuple(int(d) for d in run.input_shape[1:])
     c = shape[-1]
@@ -140,6 +147,16 @@ def from_run(run) -> Preprocessing:
 
 def _fail(path, message):
     raise DataError(f"{path}: {message}")
+
+
+def _resize(value, path):
+    """The shorter side of a record's ``"resize": {"shorter_side": S}`` (absent or null: None)."""
+    if value is None:
+        return None
+    side = value.get("shorter_side") if isinstance(value, dict) else None
+    if not (isinstance(side, int) and not isinstance(side, bool) and side > 0) or set(value) != {"shorter_side"}:
+        _fail(path, f"key 'resize' must be {{\"shorter_side\": positive int}} or null, got {str(value)[:80]}")
+    return side
 
 
 def from_dict(d, path="preprocessing") -> Preprocessing:
@@ -177,7 +194,7 @@ def from_dict(d, path="preprocessing") -> Preprocessing:
     dataset = d.get("dataset")
     return Preprocessing(tuple(shape), d["pixel_dtype"], stats["mean"], stats["std"], normalize_,
                          None if names is None else tuple(names),
-                         dataset if isinstance(dataset, str) else None)
+                         dataset if isinstance(dataset, str) else None, _resize(d.get("resize"), path))
 
 
 def read_preprocessing(path) -> Preprocessing:

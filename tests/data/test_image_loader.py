@@ -294,3 +294,14 @@ def test_workers_end_when_their_process_is_killed(tmp_path):
     while any(_running(p) for p in workers) and time.time() < deadline:
         time.sleep(0.1)
     assert not any(_running(p) for p in workers), workers
+
+
+def test_preprocessing_records_the_evaluation_resize():
+    from jaxcnn.data.preprocessing import Preprocessing, from_dict
+    prep = Preprocessing((16, 16, 3), "uint8", (0.5,) * 3, (0.25,) * 3, True, ("a", "b"), "folder", 18)
+    d = prep.to_dict()
+    assert d["resize"] == {"shorter_side": 18} and from_dict(d) == prep
+    assert "resize" not in prep._replace(resize_shorter_side=None).to_dict()  # older records unchanged
+    for bad in ({"shorter_side": 0}, {"shorter_side": True}, {"longer_side": 18}, 18):
+        with pytest.raises(DataError, match="key 'resize' must be"):
+            from_dict({**d, "resize": bad}, "p.json")

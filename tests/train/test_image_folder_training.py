@@ -79,6 +79,13 @@ def test_trains_above_chance_and_counts_the_bad_image(shapes):
     prep = json.loads((ref / "preprocessing.json").read_text())
     assert prep["class_names"] == CLASSES and prep["image_shape"] == [16, 16, 3]
     assert prep["pixel_dtype"] == "uint8" and prep["dataset"] == "folder"
+    assert prep["resize"] == {"shorter_side": 18}  # data.eval_resize's default: 16 / 0.875
+    # jaxcnn-predict reads it all: the class names, and resize + centre crop for any image size.
+    from jaxcnn.predict import predict
+    val = sorted((folder / "val").glob("*/*"))
+    found = predict(str(ref), [str(p) for p in val], top_k=1)
+    right = sum(f.top_k[0].name == p.parent.name for f, p in zip(found, val))
+    assert right / len(val) > 0.6, [(f.top_k[0].name, p.parent.name) for f, p in zip(found, val)]
 
 
 def test_fail_stops_with_the_file_name(shapes, tmp_path, capsys):
