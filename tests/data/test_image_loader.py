@@ -97,6 +97,9 @@ def test_damaged_record_is_a_bad_image(folder, tmp_path):
         assert str(path) in str(err.value) and "\n" not in str(err.value) and not str(err.value).endswith(": )")
 
 
+# Python 3.12's resource tracker warns when a garbage collection inside it finalises grain's
+# multiprocessing semaphores (nothing leaks: the tracker removes them at exit).
+@pytest.mark.filterwarnings("ignore:ResourceTracker called reentrantly:UserWarning")
 def test_workers_give_the_same_batches_and_resume(folder):
     source = FolderSource(scan_folder(folder)["train"])
     serial = _batches(source, 9)  # 18 images, batch 4: 4 steps an epoch, so this crosses two epochs
