@@ -107,22 +107,23 @@ def _abstract_gpu(kind: str):
 def _launches(stablehlo) -> list:
     """``(name, num_warps, num_stages)`` of every Triton custom call, in module order."""
     from jax._src.lib.mlir import ir
-    out = []
+    return [(ir.StringAttr(cfg["name"]).value, ir.IntegerAttr(cfg["num_warps"]).value,
+             ir.IntegerAttr(cfg["num_stages"]).value)
+            for cfg in _custom_call_configs(stablehlo.operation, TRITON_TARGET)]
 
-    def walk(op):
-        for region in op.regions:
-            for block in region.blocks:
-                for inner in block.operations:
-                    o = inner.operation
-                    if (o.name == "stablehlo.custom_call" and ir.StringAttr(
-                            o.attributes["call_target_name"]).value == TRITON_TARGET):
-                        cfg = ir.DictAttr(o.attributes["mhlo.backend_config"])
-                        out.append((ir.StringAttr(cfg["name"]).value,
-                                    ir.IntegerAttr(cfg["num_warps"]).value,
-                                    ir.IntegerAttr(cfg["num_stages"]).value))
-                    walk(o)
-    walk(stablehlo.operation)
-    return out
+
+def _custom_call_configs(operation, target: str):
+    """The ``mhlo.backend_config`` (an ``ir.DictAttr``) of every ``stablehlo.custom_call`` to
+    ``target`` in ``operation``, nested regions included, in module order."""
+    from jax._src.lib.mlir import ir
+    for region in operation.regions:
+        for block in region.blocks:
+            for inner in block.operations:
+                o = inner.operation
+                if (o.name == "stablehlo.custom_call"
+                        and ir.StringAttr(o.attributes["call_target_name"]).value == target):
+                    yield ir.DictAttr(o.attributes["mhlo.backend_config"])
+                yield from _custom_call_configs(o, target)
 
 
 def lower_kernels(fn, *args, kind: str = H100) -> list:
@@ -394,20 +395,10 @@ def lower_mosaic_kernels(fn, *args, kind: str = H100) -> list:
     with _abstract_gpu(kind), as_device_kind(kind):
         lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
     out = []
-
-    def walk(op):
-        for region in op.regions:
-            for block in region.blocks:
-                for inner in block.operations:
-                    o = inner.operation
-                    if (o.name == "stablehlo.custom_call" and ir.StringAttr(
-                            o.attributes["call_target_name"]).value == MOSAIC_TARGET):
-                        cfg = ir.DictAttr(o.attributes["mhlo.backend_config"])
-                        module = ir.StringAttr(cfg["module"]).value_bytes
-                        name = re.search(rb"jaxcnn_mgpu_[a-z_]*[a-z]", module)
-                        out.append((name.group(0).decode() if name else "?", module))
-                    walk(o)
-    walk(lowered.compiler_ir("stablehlo").operation)
+    for cfg in _custom_call_configs(lowered.compiler_ir("stablehlo").operation, MOSAIC_TARGET):
+        module = ir.StringAttr(cfg["module"]).value_bytes
+        name = re.search(rb"jaxcnn_mgpu_[a-z_]*[a-z]", module)
+        out.append((name.group(0).decode() if name else "?", module))
     return out
 
 

@@ -69,14 +69,7 @@ def test_full_width_classifier_matches_pytorch(name):
 
 
 def _check_against_pytorch(name, options, shape):
-    net = torch_zoo.randomize_(torch_zoo.build(name, **options)).eval()
-    sd = net.state_dict()
-    params, state = from_torch_state_dict(name, sd, **options)
-
-    n_ours = sum(int(np.prod(p.shape)) for p in jax.tree_util.tree_leaves(params))
-    assert n_ours == sum(p.numel() for p in net.parameters())
-
-    model = models.get(name, **options)
+    net, sd, params, state, model = torch_zoo.twin_and_ours(name, **options)
     x = np.random.default_rng(0).standard_normal(shape, dtype=np.float32)
     ours, new_state = jax.jit(model.apply)(params, state, x)
     with torch.no_grad():

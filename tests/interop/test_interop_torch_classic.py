@@ -29,7 +29,6 @@ share their configurations); the others, 3 to 28 s of CPU each, run with
 """
 import copy
 
-import jax
 import numpy as np
 import pytest
 
@@ -37,7 +36,6 @@ torch = pytest.importorskip("torch")
 
 import torch_zoo  # noqa: E402  (needs torch)
 
-from jaxcnn import models  # noqa: E402
 from jaxcnn.interop import from_torch_state_dict, to_torch_state_dict  # noqa: E402
 
 RTOL = 1e-4
@@ -68,14 +66,7 @@ def _close(ours, theirs, what, rtol=RTOL):
 @pytest.mark.parametrize("name, options, shape, train_rtol", [
     pytest.param(*c[:4], id=c[0], marks=[pytest.mark.slow] if c[4] else []) for c in CASES])
 def test_eval_and_train_logits_and_state_dict_match_pytorch(name, options, shape, train_rtol):
-    net = torch_zoo.randomize_(torch_zoo.build(name, **options), seed=1).eval()
-    sd = net.state_dict()
-    params, state = from_torch_state_dict(name, sd, **options)
-    n_ours = sum(int(np.prod(p.shape)) for p in jax.tree_util.tree_leaves(params))
-    assert n_ours == sum(p.numel() for p in net.parameters())
-
-    model = models.get(name, **options)
-
+    net, sd, params, state, model = torch_zoo.twin_and_ours(name, seed=1, **options)
     x = np.random.default_rng(0).standard_normal(shape, dtype=np.float32)
     y_eval, y_train, new_state = torch_zoo.both_modes(model, params, state, x)
     xt = torch.from_numpy(x.transpose(0, 3, 1, 2))

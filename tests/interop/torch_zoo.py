@@ -289,3 +289,20 @@ def both_modes(model, params, state, x):
         return y_eval, y_train, new_state
 
     return both(params, state, x)
+
+
+def twin_and_ours(name, seed=0, **options):
+    """A randomised PyTorch twin of zoo model ``name`` (eval mode) and the same weights in
+    jaxcnn: ``(net, state_dict, params, state, model)``; checks both hold as many parameters."""
+    import jax
+    import numpy as np
+
+    from jaxcnn import models
+    from jaxcnn.interop import from_torch_state_dict
+
+    net = randomize_(build(name, **options), seed=seed).eval()
+    sd = net.state_dict()
+    params, state = from_torch_state_dict(name, sd, **options)
+    n_ours = sum(int(np.prod(p.shape)) for p in jax.tree_util.tree_leaves(params))
+    assert n_ours == sum(p.numel() for p in net.parameters())
+    return net, sd, params, state, models.get(name, **options)
