@@ -9,12 +9,12 @@
 * :mod:`~jaxcnn.parallel.plan`: :func:`setup`, all of it for the training loop.
 """
 from jaxcnn.parallel.distributed import DistributedError, global_batch, initialize, to_host
-from jaxcnn.parallel.mesh import DATA, MODEL, check_batch, make_mesh, mesh_from_config, mesh_shape
+from jaxcnn.parallel.mesh import DATA, MODEL, PIPE, SPATIAL, axis_size, check_batch, make_mesh, mesh_from_config, mesh_shape
 from jaxcnn.parallel.plan import ParallelPlan, setup
 from jaxcnn.parallel.rules import DEFAULT_RULES, logical_axes, partition_spec
 from jaxcnn.parallel.strategies import STRATEGIES, per_device, wrap_train_step
 
-__all__ = ["DATA", "MODEL", "DEFAULT_RULES", "STRATEGIES", "DistributedError", "ParallelPlan",
+__all__ = ["DATA", "MODEL", "PIPE", "SPATIAL", "axis_size", "DEFAULT_RULES", "STRATEGIES", "DistributedError", "ParallelPlan",
            "check_batch", "global_batch", "initialize", "logical_axes", "make_mesh",
            "mesh_from_config", "mesh_shape", "partition_spec", "per_device", "setup", "to_host",
            "wrap_train_step"]

@@ -1,9 +1,16 @@
-"""The device mesh: one ``jax.sharding.Mesh`` with named axes ``("data", "model")``.
+"""The device mesh: one ``jax.sharding.Mesh`` with named axes ``("data", "model")``,
+and ``"pipe"`` / ``"spatial"`` between them when a run asks for pipeline stages or
+spatial shards.
 
 ``mesh: {data: -1, model: 1}`` in a config becomes a mesh over all devices
-(of every process) whose ``data`` axis takes whatever ``model`` leaves; every
+(of every process) whose ``data`` axis takes whatever the other axes leave; every
 size problem is a ``ValueError`` whose message starts with the key (the trainer
 reports it as a config error; this package knows nothing of the config schema).
+
+Axis order, outermost first: ``data, pipe, spatial, model``.  ``pipe`` and
+``spatial`` are present only when their size is above 1, so a plain data/model
+mesh keeps its two axes (and its checkpoints their shardings); read any axis
+size with :func:`axis_size`, which gives 1 for an absent axis.
 """
 from __future__ import annotations
 
@@ -14,41 +21,60 @@ import numpy as np
 from jax.sharding import Mesh
 
 DATA, MODEL = "data", "model"
+PIPE, SPATIAL = "pipe", "spatial"
 AXES = (DATA, MODEL)
+ALL_AXES = (DATA, PIPE, SPATIAL, MODEL)  # mesh order, outermost first
 
 
-def mesh_shape(data: int, model: int, device_count: int, *, allow_subset: bool = False) -> tuple[int, int]:
+def axis_size(mesh: Mesh, name: str) -> int:
+    """The size of axis ``name`` of ``mesh``; 1 when the mesh has no such axis."""
+    return dict(mesh.shape).get(name, 1)
+
+
+def mesh_shape(data: int, model: int, device_count: int, *, allow_subset: bool = False,
+               pipe: int = 1, spatial: int = 1) -> tuple[int, int]:
     """Resolve ``-1`` and check that the axis sizes fit ``device_count`` devices.
 
     Arguments:
-        data: devices on the data axis, or -1 for all the model axis leaves.
+        data: devices on the data axis, or -1 for all the other axes leave.
         model: devices on the model axis (>= 1).
         device_count: devices available.
         allow_subset: accept explicit sizes that use fewer devices than there
             are (single-process runs: the mesh takes the first ones).
+        pipe, spatial: devices on the pipeline and spatial axes (>= 1).
 
     Returns:
-        ``(data, model)`` as positive ints with ``data * model == device_count``
-        (``<=`` with ``allow_subset``).
+        ``(data, model)`` as positive ints with ``data * pipe * spatial * model ==
+        device_count`` (``<=`` with ``allow_subset``).
 
     Raises:
-        ValueError: naming ``mesh.model`` or ``mesh.data`` when the sizes do not fit.
+        ValueError: naming ``mesh.model``, ``mesh.pipe``, ``mesh.spatial`` or
+            ``mesh.data`` when the sizes do not fit.
     """
-    if model < 1:
-        raise ValueError(f"mesh.model: expected a positive int, got {model}")
-    if model > device_count or device_count % model:
-        raise ValueError(f"mesh.model: {model} does not divide the {device_count} available devices")
+    others = 1
+    for key, size in (("model", model), ("pipe", pipe), ("spatial", spatial)):
+        if size < 1:
+            raise ValueError(f"mesh.{key}: expected a positive int, got {size}")
+        others *= size
+        if others > device_count or device_count % others:
+            raise ValueError(f"mesh.{key}: {size} does not divide the {device_count} available devices"
+                             + (f" (with the other axes: {others} devices)" if others != size else ""))
     if data == -1:
-        data = device_count // model
-    fits = data * model <= device_count if allow_subset else data * model == device_count
+        data = device_count // others
+    fits = data * others <= device_count if allow_subset else data * others == device_count
     if data < 1 or not fits:
-        raise ValueError(f"mesh.data: data x model = {data} x {model} = {data * model} devices, but "
-                         f"{device_count} are available (use mesh.data=-1 to take the rest)")
+        shown = [(k, v) for k, v in (("data", data), ("pipe", pipe), ("spatial", spatial), ("model", model))
+                 if k in AXES or v > 1]
+        raise ValueError(f"mesh.data: {' x '.join(k for k, _ in shown)} = {' x '.join(str(v) for _, v in shown)}"
+                         f" = {data * others} devices, but {device_count} are available "
+                         f"(use mesh.data=-1 to take the rest)")
     return data, model
 
 
-def make_mesh(data: int = -1, model: int = 1, *, devices: Sequence | None = None) -> Mesh:
-    """A ``(data, model)`` mesh over ``devices`` (all devices of all processes by default).
+def make_mesh(data: int = -1, model: int = 1, *, devices: Sequence | None = None,
+              pipe: int = 1, spatial: int = 1) -> Mesh:
+    """A ``(data, [pipe], [spatial], model)`` mesh over ``devices`` (all devices of all
+    processes by default).
 
     Both axes are ``AxisType.Auto`` (classic GSPMD propagation): the newer
     ``jax.make_mesh`` default, Explicit, would put shardings into the types and
@@ -59,23 +85,31 @@ def make_mesh(data: int = -1, model: int = 1, *, devices: Sequence | None = None
         model: model-axis size.
         devices: the devices to use, in mesh order; None = ``jax.devices()``
             (in a single process, explicit sizes may take only the first ones).
+        pipe: pipeline stages (the ``pipe`` axis, present when above 1).
+        spatial: spatial shards of each image (the ``spatial`` axis, present when above 1).
 
     Returns:
-        A ``jax.sharding.Mesh`` with axis names ``("data", "model")``.
+        A ``jax.sharding.Mesh`` with axis names ``("data", "model")``, with
+        ``"pipe"`` and ``"spatial"`` between them when asked for.
     """
     subset = devices is None and jax.process_count() == 1
     devices = list(jax.devices() if devices is None else devices)
-    shape = mesh_shape(data, model, len(devices), allow_subset=subset)
-    auto = (jax.sharding.AxisType.Auto,) * 2
-    if shape[0] * shape[1] == len(jax.devices()):
-        return jax.make_mesh(shape, AXES, axis_types=auto)
-    devices = devices[:shape[0] * shape[1]]
-    return Mesh(np.asarray(devices, dtype=object).reshape(shape), AXES, axis_types=auto)
+    data, model = mesh_shape(data, model, len(devices), allow_subset=subset, pipe=pipe, spatial=spatial)
+    sizes = {DATA: data, PIPE: pipe, SPATIAL: spatial, MODEL: model}
+    names = tuple(a for a in ALL_AXES if a in AXES or sizes[a] > 1)
+    shape = tuple(sizes[a] for a in names)
+    auto = (jax.sharding.AxisType.Auto,) * len(names)
+    count = int(np.prod(shape))
+    if count == len(jax.devices()):
+        return jax.make_mesh(shape, names, axis_types=auto)
+    devices = devices[:count]
+    return Mesh(np.asarray(devices, dtype=object).reshape(shape), names, axis_types=auto)
 
 
 def mesh_from_config(cfg, *, devices: Sequence | None = None) -> Mesh:
-    """:func:`make_mesh` from a config's ``mesh`` section (``cfg.mesh.data``, ``cfg.mesh.model``)."""
-    return make_mesh(cfg.mesh.data, cfg.mesh.model, devices=devices)
+    """:func:`make_mesh` from a config's ``mesh`` section (``data``, ``model``, ``pipe``, ``spatial``)."""
+    return make_mesh(cfg.mesh.data, cfg.mesh.model, devices=devices, pipe=cfg.mesh.pipe,
+                     spatial=cfg.mesh.spatial)
 
 
 def check_batch(mesh: Mesh, batch_size: int, *, path: str = "data.batch_size") -> None:

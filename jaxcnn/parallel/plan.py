@@ -19,7 +19,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxcnn.parallel import rules as R
 from jaxcnn.parallel import strategies as S
 from jaxcnn.parallel.distributed import global_batch
-from jaxcnn.parallel.mesh import DATA, MODEL, check_batch, make_mesh
+from jaxcnn.parallel.mesh import DATA, MODEL, PIPE, SPATIAL, axis_size, check_batch, make_mesh
 
 class ParallelPlan:
     """Mesh, shardings and step wrapper of one run.
@@ -50,6 +50,9 @@ class ParallelPlan:
         if strategy == "jit" and not sync_batch_norm:
             raise ValueError("parallel.sync_batch_norm: false needs strategy shard_map or pmap; jit "
                              "always normalises with the statistics of the global batch")
+        for axis in (PIPE, SPATIAL):
+            if axis_size(mesh, axis) > 1:
+                raise ValueError(f"mesh.{axis}: this plan runs data and model parallelism only")
         check_batch(mesh, input_shape[0])
         self.mesh, self.strategy, self.fsdp, self.sync_batch_norm = mesh, strategy, fsdp, sync_batch_norm
         self.rules = R.merge_rules(rules)
@@ -141,7 +144,8 @@ def setup(cfg, model, input_shape, abstract_state, *, devices=None) -> ParallelP
         ValueError: mesh sizes that do not fit the devices, a batch that does
             not divide over the data axis, or a strategy that cannot run the config.
     """
-    mesh = make_mesh(cfg.mesh.data, cfg.mesh.model, devices=devices)
+    mesh = make_mesh(cfg.mesh.data, cfg.mesh.model, devices=devices, pipe=cfg.mesh.pipe,
+                     spatial=cfg.mesh.spatial)
     return ParallelPlan(mesh, model, input_shape, abstract_state, strategy=cfg.parallel.strategy,
                         rules=dict(cfg.parallel.rules), fsdp=cfg.parallel.fsdp,
                         sync_batch_norm=cfg.parallel.sync_batch_norm)

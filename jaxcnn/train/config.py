@@ -279,6 +279,8 @@ SCHEMA: dict[str, dict] = {
     "mesh": {
         "data": _f("int", -1, "devices on the data axis; -1 = all devices left over", extra=(-1,), **_POS_INT),
         "model": _f("int", 1, "devices on the model axis", **_POS_INT),
+        "pipe": _f("int", 1, "pipeline stages: devices on the pipe axis", **_POS_INT),
+        "spatial": _f("int", 1, "spatial shards of each image: devices on the spatial axis", **_POS_INT),
     },
     "parallel": {
         "strategy": _f("str", "shard_map", "how the step is distributed", choices=("shard_map", "pmap", "jit")),

@@ -65,3 +65,26 @@ def test_mesh_from_config_and_default_strategy():
                             "data": {"source": "synthetic"}}, ["mesh.model=2"])
     assert cfg.parallel.strategy == "shard_map"
     assert dict(parallel.mesh_from_config(cfg).shape) == {"data": 4, "model": 2}
+
+
+def test_pipe_and_spatial_axes_appear_only_when_asked_for():
+    mesh = parallel.make_mesh(-1, 1, pipe=4)
+    assert mesh.axis_names == ("data", "pipe", "model")
+    assert dict(mesh.shape) == {"data": 2, "pipe": 4, "model": 1}
+    mesh = parallel.make_mesh(2, 1, spatial=4)
+    assert mesh.axis_names == ("data", "spatial", "model")
+    assert parallel.axis_size(mesh, "spatial") == 4 and parallel.axis_size(mesh, "pipe") == 1
+    mesh = parallel.make_mesh(-1, 2, pipe=2, spatial=2)
+    assert dict(mesh.shape) == {"data": 1, "pipe": 2, "spatial": 2, "model": 2}
+    assert parallel.make_mesh(-1, 1).axis_names == ("data", "model")
+
+
+@pytest.mark.parametrize("kw,key,words", [
+    (dict(data=-1, pipe=3), "mesh.pipe", "3 does not divide the 8"),
+    (dict(data=-1, model=2, spatial=8), "mesh.spatial", "8 does not divide the 8 available devices (with"),
+    (dict(data=4, pipe=4), "mesh.data", "data x pipe x model = 4 x 4 x 1 = 16 devices, but 8"),
+])
+def test_pipe_and_spatial_sizes_that_do_not_fit_name_the_key(kw, key, words):
+    with pytest.raises(ValueError, match=f"^{key}: ") as err:
+        parallel.make_mesh(**kw)
+    assert words in str(err.value), str(err.value)
