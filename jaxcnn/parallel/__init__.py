@@ -5,16 +5,18 @@
   table that maps them to mesh axes (model parallelism, fsdp).
 * :mod:`~jaxcnn.parallel.strategies`: a pure train step under ``shard_map``,
   ``pmap`` or ``jit`` with ``NamedSharding``.
+* :mod:`~jaxcnn.parallel.pipeline`: pipeline stages over a ``pipe`` axis (GPipe).
 * :mod:`~jaxcnn.parallel.distributed`: multi-process runs.
 * :mod:`~jaxcnn.parallel.plan`: :func:`setup`, all of it for the training loop.
 """
 from jaxcnn.parallel.distributed import DistributedError, global_batch, initialize, to_host
 from jaxcnn.parallel.mesh import DATA, MODEL, PIPE, SPATIAL, axis_size, check_batch, make_mesh, mesh_from_config, mesh_shape
+from jaxcnn.parallel.pipeline import Pipeline, pipeline_blocks
 from jaxcnn.parallel.plan import ParallelPlan, setup
 from jaxcnn.parallel.rules import DEFAULT_RULES, logical_axes, partition_spec
 from jaxcnn.parallel.strategies import STRATEGIES, per_device, wrap_train_step
 
-__all__ = ["DATA", "MODEL", "PIPE", "SPATIAL", "axis_size", "DEFAULT_RULES", "STRATEGIES", "DistributedError", "ParallelPlan",
+__all__ = ["DATA", "MODEL", "PIPE", "SPATIAL", "axis_size", "DEFAULT_RULES", "STRATEGIES", "DistributedError", "ParallelPlan", "Pipeline",
            "check_batch", "global_batch", "initialize", "logical_axes", "make_mesh",
-           "mesh_from_config", "mesh_shape", "partition_spec", "per_device", "setup", "to_host",
+           "mesh_from_config", "mesh_shape", "partition_spec", "per_device", "pipeline_blocks", "setup", "to_host",
            "wrap_train_step"]

@@ -20,6 +20,7 @@ from jaxcnn.parallel import rules as R
 from jaxcnn.parallel import strategies as S
 from jaxcnn.parallel.distributed import global_batch
 from jaxcnn.parallel.mesh import DATA, MODEL, PIPE, SPATIAL, axis_size, check_batch, make_mesh
+from jaxcnn.parallel.pipeline import Pipeline
 
 class ParallelPlan:
     """Mesh, shardings and step wrapper of one run.
@@ -34,13 +35,18 @@ class ParallelPlan:
         rules: logical axis -> mesh axis overrides (merged over ``rules.DEFAULT_RULES``).
         fsdp: shard large parameters and optimiser moments over ``data`` too.
         sync_batch_norm: BatchNorm statistics over the global batch.
+        pipeline: with a ``pipe`` axis: ``{"microbatches": M, "split": None | [blocks per
+            stage], "balance": "params" | "macs"}`` (all optional; ``microbatches``
+            defaults to twice the stages); the plan's :attr:`pipeline` (a
+            :class:`~jaxcnn.parallel.pipeline.Pipeline`) then goes to
+            ``make_train_step(..., pipeline=plan.pipeline)``.
 
     Raises:
         ValueError: for a combination the strategy cannot run (naming the key).
     """
 
     def __init__(self, mesh: Mesh, model, input_shape, abstract_state, *, strategy: str = "shard_map",
-                 rules=None, fsdp: bool = False, sync_batch_norm: bool = True):
+                 rules=None, fsdp: bool = False, sync_batch_norm: bool = True, pipeline=None):
         if strategy not in S.STRATEGIES:
             raise ValueError(f"parallel.strategy: expected one of {S.STRATEGIES}, got {strategy!r}")
         if strategy == "pmap" and (mesh.shape[MODEL] > 1 or fsdp or jax.process_count() > 1):
@@ -50,10 +56,10 @@ class ParallelPlan:
         if strategy == "jit" and not sync_batch_norm:
             raise ValueError("parallel.sync_batch_norm: false needs strategy shard_map or pmap; jit "
                              "always normalises with the statistics of the global batch")
-        for axis in (PIPE, SPATIAL):
-            if axis_size(mesh, axis) > 1:
-                raise ValueError(f"mesh.{axis}: this plan runs data and model parallelism only")
+        if axis_size(mesh, SPATIAL) > 1:
+            raise ValueError(f"mesh.{SPATIAL}: this plan runs data, model and pipeline parallelism only")
         check_batch(mesh, input_shape[0])
+        self.pipeline = _pipeline(mesh, model, input_shape, strategy, fsdp, pipeline or {})
         self.mesh, self.strategy, self.fsdp, self.sync_batch_norm = mesh, strategy, fsdp, sync_batch_norm
         self.rules = R.merge_rules(rules)
         self.params_axes, self.state_axes = R.logical_axes(model, input_shape)
@@ -117,8 +123,12 @@ class ParallelPlan:
         return global_batch(local_batch, self.batch_sharding())
 
     def wrap_step(self, train_step, *, donate: bool = True):
-        """``train_step`` (built with ``axis_name=self.step_axis_name`` and
-        ``sync_batch_norm=self.sync_batch_norm``) distributed over the mesh."""
+        """``train_step`` (built with ``axis_name=self.step_axis_name``,
+        ``sync_batch_norm=self.sync_batch_norm`` and ``pipeline=self.pipeline``)
+        distributed over the mesh."""
+        if getattr(train_step, "pipeline", self.pipeline) is not self.pipeline:
+            raise ValueError("parallel.pipeline: the train step was not built with this plan's pipeline; "
+                             "build it with make_train_step(..., pipeline=plan.pipeline)")
         return S.wrap_train_step(train_step, self.strategy, self.mesh, self.state_shardings,
                                  sync_batch_norm=self.sync_batch_norm, donate=donate)
 
@@ -128,6 +138,31 @@ class ParallelPlan:
         sh = self.state_shardings
         return jax.jit(eval_step, in_shardings=(sh.params, sh.state, self.batch_sharding()),
                        out_shardings=self.replicated)
+
+
+def _pipeline(mesh, model, input_shape, strategy, fsdp, spec) -> Pipeline | None:
+    """The :class:`Pipeline` of a mesh with a ``pipe`` axis (None without one), its
+    combinations with the other settings and the batch checked before any compute."""
+    stages = axis_size(mesh, PIPE)
+    unknown = set(spec) - {"microbatches", "split", "balance"}
+    if unknown:
+        raise ValueError(f"parallel.pipeline: unknown key(s) {sorted(unknown)}; expected microbatches, "
+                         "split, balance")
+    if stages == 1:
+        return None
+    if strategy != "shard_map":
+        raise ValueError(f"parallel.strategy: pipeline parallelism (mesh.pipe={stages}) runs under "
+                         f"shard_map, got {strategy!r}")
+    if mesh.shape[MODEL] > 1:
+        raise ValueError(f"mesh.model: {mesh.shape[MODEL]} with mesh.pipe={stages}; pipeline stages "
+                         "combine with the data axis only")
+    if fsdp:
+        raise ValueError(f"parallel.fsdp: not with pipeline parallelism (mesh.pipe={stages})")
+    microbatches = spec.get("microbatches")
+    pipe = Pipeline(model, input_shape, stages, 2 * stages if microbatches is None else microbatches,
+                    balance=spec.get("balance") or "params", split=spec.get("split"))
+    pipe.check_batch(input_shape[0] // mesh.shape[DATA])
+    return pipe
 
 
 def setup(cfg, model, input_shape, abstract_state, *, devices=None) -> ParallelPlan:

@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxcnn.parallel.mesh import DATA
+from jaxcnn.parallel.mesh import DATA, PIPE
 
 STRATEGIES = ("shard_map", "pmap", "jit")
 CPU_MAX_IN_FLIGHT = 2
@@ -123,8 +123,9 @@ def _compile(train_step, strategy, mesh, state_shardings, sync_batch_norm, donat
                        out_shardings=(state_shardings, replicated), donate_argnums=donate_argnums)
     program = per_device(train_step, sync_batch_norm=sync_batch_norm)
     if strategy == "shard_map":
+        manual = {DATA} | ({PIPE} & set(mesh.axis_names))  # a pipeline step is manual over pipe too
         mapped = _shard_map(program, mesh=mesh, in_specs=(P(), P(DATA)), out_specs=(P(), P()),
-                            axis_names={DATA}, check_vma=False)
+                            axis_names=manual, check_vma=False)
         return jax.jit(mapped, in_shardings=(state_shardings, batch_sharding(mesh)),
                        out_shardings=(state_shardings, replicated), donate_argnums=donate_argnums)
     if strategy == "pmap":

@@ -107,9 +107,41 @@ def _loss_fn(model, *, policy, choices, label_smoothing, image_norm, mix):
     return loss_fn
 
 
+def _head(*, policy, label_smoothing):
+    """``head(logits, labels, loss_scale) -> (scaled loss, (loss, top1))``: the loss of
+    :func:`_loss_fn` without mixing, for a pipeline's last stage."""
+    loss_policy = _loss_policy(policy)
+
+    def head(logits, labels, loss_scale):
+        logits = P.cast_for(loss_policy, "loss", logits)
+        loss = F.cross_entropy(logits, labels, label_smoothing=label_smoothing)
+        return loss_scale.scale(loss), (loss, F.top_k_accuracy(logits, labels, k=1))
+
+    return head
+
+
+def _pipeline_gradients(pipeline, policy, choices, image_norm, label_smoothing, mix, accumulate):
+    """:func:`_gradients`'s contract from a ``jaxcnn.parallel.Pipeline``'s GPipe schedule."""
+    if accumulate not in (1, pipeline.microbatches):
+        raise ValueError(f"train.accumulate_steps: {accumulate} micro-batches, but the pipeline runs "
+                         f"parallel.pipeline.microbatches={pipeline.microbatches}")
+    if mix is not None and mix.enabled:
+        raise ValueError("data.mix: mixup/CutMix is not supported with pipeline parallelism (mesh.pipe > 1)")
+    piped = pipeline.gradients(_head(policy=policy, label_smoothing=label_smoothing),
+                               prepare=lambda x: device_normalize(x, image_norm),
+                               policy=policy, choices=choices)
+
+    def gradients(state, batch, rng):
+        return piped(state.params, state.state, batch, rng, state.loss_scale)
+
+    return gradients
+
+
 def _gradients(loss_fn, accumulate: int):
     """``gradients(state, batch, rng) -> (scaled gradients, loss, top1, new model state)``,
     over ``accumulate`` micro-batches (see :func:`make_train_step`)."""
+    if not isinstance(accumulate, int) or accumulate < 1:
+        raise ValueError(f"accumulate must be an int >= 1, got {accumulate!r}")
     grad_fn = jax.grad(loss_fn, has_aux=True)
 
     def whole(state, batch, rng):
@@ -144,7 +176,7 @@ def make_train_step(model, tx: optax.GradientTransformation, *, policy=None,
                     skip_nonfinite: bool = False, axis_name: str | None = None,
                     image_norm: tuple | None = None, impl: str = "auto",
                     batch_norm_grad: str = "auto", sync_batch_norm: bool = True,
-                    mix: mixing.MixSpec | None = None, accumulate: int = 1):
+                    mix: mixing.MixSpec | None = None, accumulate: int = 1, pipeline=None):
     """Build ``train_step(state, batch) -> (state, metrics)``.
 
     Arguments:
@@ -173,6 +205,8 @@ def make_train_step(model, tx: optax.GradientTransformation, *, policy=None,
         accumulate: micro-batches per step (example ``i`` in micro-batch ``i % accumulate``),
             run in turn (``lax.scan``), gradients averaged into one update; BatchNorm uses
             and updates its statistics per micro-batch, as PyTorch does.
+        pipeline: a :class:`jaxcnn.parallel.Pipeline` (``plan.pipeline``): gradients from its
+            GPipe schedule over the ``accumulate`` micro-batches (``accumulate``: 1 or its count).
 
     The returned function carries ``batch_norm_axis_name`` (the axis BatchNorm syncs
     over, or None), which :func:`jaxcnn.parallel.strategies.wrap_train_step` checks.
@@ -183,11 +217,10 @@ def make_train_step(model, tx: optax.GradientTransformation, *, policy=None,
     """
     bn_axis = axis_name if sync_batch_norm else None
     choices = Choices(impl=impl, batch_norm_grad=batch_norm_grad, axis_name=bn_axis)
-    if not isinstance(accumulate, int) or accumulate < 1:
-        raise ValueError(f"accumulate must be an int >= 1, got {accumulate!r}")
     loss_fn = _loss_fn(model, policy=policy, choices=choices, label_smoothing=label_smoothing,
                        image_norm=image_norm, mix=mix)
-    gradients = _gradients(loss_fn, accumulate)
+    gradients = _gradients(loss_fn, accumulate) if pipeline is None else _pipeline_gradients(
+        pipeline, policy, choices, image_norm, label_smoothing, mix, accumulate)
 
     def train_step(state: TrainState, batch):
         rng = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
@@ -216,7 +249,7 @@ def make_train_step(model, tx: optax.GradientTransformation, *, policy=None,
         }
         return new_state, metrics
 
-    train_step.batch_norm_axis_name = bn_axis
+    train_step.batch_norm_axis_name, train_step.pipeline = bn_axis, pipeline  # wrap_step checks both
     return train_step
 
 

@@ -1,0 +1,426 @@
+"""Pipeline parallelism: a serial model's blocks split into stages over the ``pipe`` axis.
+
+A model that is a ``serial`` stack (every zoo model) is read as a list of
+*blocks*: its children, with nested ``serial`` children opened up (so
+ResNet-18's ``layer1`` gives ``layer1.0`` and ``layer1.1``, VGG's ``features``
+gives its convolutions one by one).  :class:`Pipeline` assigns contiguous runs
+of blocks to ``stages`` devices (balanced by parameter or MAC count from
+:func:`jaxcnn.summary`, or an explicit ``split``) and runs a training step's
+forward and backward on them with a GPipe schedule:
+
+* the per-device batch is cut into ``microbatches`` micro-batches, example
+  ``i`` in micro-batch ``i % microbatches`` (the split of
+  ``make_train_step(accumulate=...)``, so that step on one device is the
+  reference of a pipelined one);
+* forward: a ``lax.scan`` over ``M + S - 1`` ticks; at tick ``t`` stage ``s``
+  runs micro-batch ``t - s`` (``lax.switch`` on ``axis_index("pipe")``) and
+  sends its output to stage ``s + 1`` with ``lax.ppermute``.  Activations
+  travel as float32 buffers ``(micro-batch, width)`` padded to the widest
+  stage boundary (bfloat16 and float16 round-trip exactly);
+* backward: a second scan of ``M + S - 1`` ticks in the other direction; each
+  stage recomputes its forward from the input it stashed (``M`` buffers per
+  device) inside its own ``lax.switch`` branch and takes its ``jax.vjp`` there,
+  so a device holds the intermediate activations of its own stage and of one
+  micro-batch only; cotangents go back with the reverse ``ppermute``.  The
+  recomputation costs one more forward of each stage (as ``jax.checkpoint``
+  would); it uses the model state from before the step, which is exact for
+  BatchNorm in training mode (it normalises with the micro-batch's own
+  statistics) and for dropout (the key of micro-batch ``m`` is a pure function
+  of ``m``);
+* the bubble: every device is idle (computes on padding) ``S - 1`` of its
+  ``M + S - 1`` ticks each way, a fraction ``(S - 1) / (M + S - 1)``.
+
+BatchNorm normalises with the statistics of each micro-batch and updates its
+running statistics once per micro-batch, in micro-batch order, as PyTorch's
+pipeline implementations (GPipe in torchgpipe / ``torch.distributed.pipelining``)
+do; with a ``data`` axis the statistics of a micro-batch are synced over it
+(``sync_batch_norm``), so they are those of the global micro-batch.
+
+Parameters, model state and optimiser state stay whole (replicated over
+``pipe``) and the optimiser runs on the whole tree after the step: gradients
+and new BatchNorm statistics of each stage are summed over ``pipe`` (each
+stage contributes its own blocks, zeros elsewhere).  So every optimiser runs
+exactly as on one device (global-norm clipping, masks and per-layer trust
+ratios included) and checkpoints are those of data parallelism (resuming onto
+another layout needs nothing); what falls with the number of stages is the
+activation memory of the step, not the parameter memory.
+
+This module knows nothing of losses and optimisers: ``jaxcnn.train.step``
+gives :meth:`Pipeline.gradients` the loss head and the input preparation.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxcnn.layers.base import Layer, split_rng
+from jaxcnn.parallel.mesh import PIPE
+
+BALANCE = ("params", "macs")
+
+
+class Block(NamedTuple):
+    """One unit of stage assignment: a child of the model (or of a nested serial).
+
+    ``path``: its names from the root (``("layer1", "0")``); ``rng_path``: the
+    positions whose ``split_rng`` keys lead to it from the model's key.
+    """
+
+    path: tuple
+    rng_path: tuple
+    layer: Layer
+
+    @property
+    def name(self) -> str:
+        return ".".join(self.path)
+
+
+def pipeline_blocks(model: Layer) -> list[Block]:
+    """The blocks of a serial model, in order (nested ``serial`` children opened up).
+
+    Raises:
+        ValueError: naming ``parallel.pipeline`` when ``model`` is not a ``serial``.
+    """
+    if model.kind != "serial":
+        raise ValueError(f"parallel.pipeline: the model must be a serial stack of blocks to be split "
+                         f"into stages, got a layer of kind {model.kind!r}")
+    out = []
+
+    def walk(layer, path, rng_path):
+        for i, (name, child) in enumerate(layer.children):
+            if child.kind == "serial" and child.children:
+                walk(child, path + (name,), rng_path + (i,))
+            else:
+                out.append(Block(path + (name,), rng_path + (i, len(layer.children)), child))
+
+    walk(model, (), ())
+    return out
+
+
+def block_costs(model: Layer, input_shape, blocks, balance: str) -> list[int]:
+    """Parameter (``"params"``) or MAC (``"macs"``) count of each block at ``input_shape``."""
+    if balance not in BALANCE:
+        raise ValueError(f"parallel.pipeline.balance: expected one of {BALANCE}, got {balance!r}")
+    from jaxcnn.summary import summary  # the whole model, abstractly (no memory)
+    rows = summary(model, input_shape).rows
+    costs = []
+    for b in blocks:
+        prefix = b.name
+        costs.append(sum(getattr(r, balance) for r in rows
+                         if r.name == prefix or r.name.startswith(prefix + ".")))
+    return costs
+
+
+def balanced_split(costs, stages: int) -> list[int]:
+    """Blocks per stage: contiguous, non-empty, minimising the largest stage's cost
+    (ties: the earliest stage boundaries).  Every block counts at least 1, so
+    free blocks (pooling, activations) spread too."""
+    n = len(costs)
+    costs = [max(int(c), 1) for c in costs]
+    prefix = np.concatenate([[0], np.cumsum(costs)])
+    inf = float("inf")
+    # best[k][i]: the smallest max-cost of splitting the first i blocks into k stages
+    best = [[inf] * (n + 1) for _ in range(stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(stages + 1)]
+    best[0][0] = 0
+    for k in range(1, stages + 1):
+        for i in range(k, n + 1):
+            for j in range(k - 1, i):
+                v = max(best[k - 1][j], prefix[i] - prefix[j])
+                if v < best[k][i]:
+                    best[k][i], cut[k][i] = v, j
+    sizes, i = [], n
+    for k in range(stages, 0, -1):
+        sizes.append(i - cut[k][i])
+        i = cut[k][i]
+    return sizes[::-1]
+
+
+def check_split(split, stages: int, n_blocks: int) -> list[int]:
+    """An explicit ``split`` (blocks per stage) checked against the stages and blocks."""
+    if not isinstance(split, (list, tuple)) or not all(isinstance(v, int) and not isinstance(v, bool)
+                                                       for v in split):
+        raise ValueError(f"parallel.pipeline.split: expected a list of block counts per stage, got {split!r}")
+    if len(split) != stages:
+        raise ValueError(f"parallel.pipeline.split: {len(split)} stages listed, but mesh.pipe={stages}")
+    if any(v < 1 for v in split):
+        raise ValueError(f"parallel.pipeline.split: every stage needs at least one block, got {list(split)}")
+    if sum(split) != n_blocks:
+        raise ValueError(f"parallel.pipeline.split: {list(split)} adds up to {sum(split)} blocks, "
+                         f"but the model has {n_blocks}")
+    return list(split)
+
+
+def _get(tree, path):
+    for p in path:
+        tree = tree.get(p, {}) if isinstance(tree, dict) else {}
+    return tree
+
+
+def _set(tree, path, value):
+    """A copy of nested dict ``tree`` with ``value`` at ``path`` (dicts on the path copied)."""
+    if not path:
+        return value
+    out = dict(tree)
+    out[path[0]] = _set(tree.get(path[0], {}), path[1:], value)
+    return out
+
+
+class Pipeline:
+    """The stage assignment and GPipe schedule of one model.
+
+    Arguments:
+        model: a ``serial`` Layer.
+        input_shape: the model's global input shape ``(B, H, W, C)`` (for the
+            MAC balance; any batch size will do).
+        stages: pipeline stages (the size of the mesh's ``pipe`` axis).
+        microbatches: micro-batches per device step (``M``; at least 1).
+        balance: ``"params"`` or ``"macs"``: what a balanced split evens out.
+        split: blocks per stage (a list of ``stages`` positive ints adding up to
+            the number of blocks), or None for the balanced split.
+        axis_name: the pipeline mesh axis.
+
+    Raises:
+        ValueError: naming the ``parallel.pipeline`` key (or ``mesh.pipe``) when the
+            model cannot be split as asked: not a serial stack, more stages than
+            blocks, a bad split, ``microbatches`` below 1.
+    """
+
+    def __init__(self, model: Layer, input_shape, stages: int, microbatches: int, *,
+                 balance: str = "params", split=None, axis_name: str = PIPE):
+        if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
+            raise ValueError(f"parallel.pipeline.microbatches: expected an int >= 1, got {microbatches!r}")
+        if balance not in BALANCE:
+            raise ValueError(f"parallel.pipeline.balance: expected one of {BALANCE}, got {balance!r}")
+        self.model, self.stages, self.microbatches, self.axis_name = model, stages, microbatches, axis_name
+        self.blocks = pipeline_blocks(model)
+        if stages > len(self.blocks):
+            raise ValueError(f"mesh.pipe: {stages} stages but the model has only {len(self.blocks)} blocks "
+                             f"({', '.join(b.name for b in self.blocks)})")
+        if split is None:
+            self.costs = block_costs(model, input_shape, self.blocks, balance)
+            sizes = balanced_split(self.costs, stages)
+        else:
+            sizes = check_split(split, stages, len(self.blocks))
+            self.costs = None
+        bounds = np.concatenate([[0], np.cumsum(sizes)]).tolist()
+        self.stage_blocks = [self.blocks[bounds[s]:bounds[s + 1]] for s in range(stages)]
+
+    @property
+    def split(self) -> list[int]:
+        """Blocks per stage."""
+        return [len(b) for b in self.stage_blocks]
+
+    @property
+    def bubble_fraction(self) -> float:
+        """The share of ticks a device is idle: ``(S - 1) / (M + S - 1)``."""
+        s, m = self.stages, self.microbatches
+        return (s - 1) / (m + s - 1)
+
+    def describe(self) -> str:
+        """One line per stage: its blocks (and their cost when balanced)."""
+        lines = []
+        for s, blocks in enumerate(self.stage_blocks):
+            names = ", ".join(b.name for b in blocks)
+            lines.append(f"stage {s}: {names}")
+        return "\n".join(lines)
+
+    def check_batch(self, per_device_batch: int, *, path: str = "parallel.pipeline.microbatches") -> None:
+        """Check that the batch of each data shard splits into the micro-batches."""
+        if per_device_batch % self.microbatches:
+            raise ValueError(f"{path}: {self.microbatches} micro-batches do not divide the batch of "
+                             f"{per_device_batch} examples of each data shard")
+
+    # ----- the schedule -----------------------------------------------------------------
+
+    def _run_stage(self, s, params, state, x, rng, *, policy, choices):
+        """Stage ``s`` on ``x``: ``(y, {block path: new state})``."""
+        new_states = {}
+        for b in self.stage_blocks[s]:
+            r = None if rng is None else _path_key(rng, b.rng_path)
+            x, ns = b.layer.apply(_get(params, b.path), _get(state, b.path), x, train=True, rng=r,
+                                  policy=policy, choices=choices)
+            if ns:
+                new_states[b.path] = ns
+        return x, new_states
+
+    def owners(self, tree) -> dict:
+        """``{block path: stage}`` of the blocks that hold leaves in ``tree``."""
+        return {b.path: s for s, blocks in enumerate(self.stage_blocks) for b in blocks if _get(tree, b.path)}
+
+    def gradients(self, head: Callable, *, prepare: Callable = lambda x: x, policy=None, choices=None):
+        """``gradients(params, model_state, batch, rng, loss_scale) -> (grads, loss, top1, new model
+        state)`` of this device's share of the batch, to run inside ``shard_map`` over ``pipe``.
+
+        Arguments:
+            head: ``head(logits, labels, loss_scale) -> (scaled loss, (loss, top1))`` of one
+                micro-batch, run on the last stage.
+            prepare: the first stage's input from a micro-batch's images (normalisation).
+            policy, choices: passed to every block's ``apply``.
+
+        Returns the gradients of the scaled loss averaged over micro-batches (in the
+        parameters' dtypes), the mean loss and accuracy, and the model state after
+        every micro-batch (all replicated over ``pipe``).
+        """
+        S, M, axis = self.stages, self.microbatches, self.axis_name
+        run = lambda s, p, st, x, r: self._run_stage(s, p, st, x, r, policy=policy, choices=choices)
+
+        def gradients(params, model_state, batch, rng, loss_scale):
+            images, labels = batch["image"], batch["label"]
+            n = images.shape[0]
+            self.check_batch(n)
+            mb = n // M
+            micro = jax.tree_util.tree_map(
+                lambda x: x.reshape((mb, M) + x.shape[1:]).swapaxes(0, 1), (images, labels))
+            images_m, labels_m = micro
+            def key_of(m):  # micro-batch m's key, as make_train_step(accumulate=M) draws it
+                return None if rng is None else jax.random.fold_in(rng, m)
+
+            # boundary shapes (abstractly, per micro-batch)
+            structs = []
+            x = jax.ShapeDtypeStruct(images_m.shape[1:], images_m.dtype)
+            x = jax.eval_shape(prepare, x)
+            abstract = lambda t: jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), t)
+            for s in range(S):
+                structs.append(x)
+                x = jax.eval_shape(lambda p, st, v, s=s: self._run_stage(s, p, st, v, key_of(0), policy=policy,
+                                                                          choices=None)[0],
+                                   abstract(params), abstract(model_state), x)
+            width = max([math.prod(st.shape[1:]) for st in structs[1:]] + [1])
+
+            def to_buf(y):
+                f = y.astype(jnp.float32).reshape(y.shape[0], -1)
+                return jnp.pad(f, ((0, 0), (0, width - f.shape[1])))
+
+            def from_buf(buf, st):
+                k = math.prod(st.shape[1:])
+                return buf[:, :k].reshape(st.shape).astype(st.dtype)
+
+            def stage_input(s, buf, m):
+                return prepare(images_m[m]) if s == 0 else from_buf(buf, structs[s])
+
+            def own(s, tree):
+                return {b.path: _get(tree, b.path) for b in self.stage_blocks[s]}
+
+            def with_own(s, tree, parts):
+                for path, v in parts.items():
+                    if v:
+                        tree = _set(tree, path, v)
+                return tree
+
+            # ----- forward ------------------------------------------------------------------
+            def fwd_branch(s):
+                def f(buf, m, model_state):
+                    x = stage_input(s, buf, m)
+                    y, new = run(s, params, model_state, x, key_of(m))
+                    model_state = with_own(s, model_state, new)
+                    if s == S - 1:
+                        _, (loss, top1) = head(y, labels_m[m], loss_scale)
+                        return jnp.zeros((mb, width), jnp.float32), model_state, \
+                            loss.astype(jnp.float32), top1.astype(jnp.float32)
+                    return to_buf(y), model_state, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32)
+                return f
+
+            stage = jax.lax.axis_index(axis)
+            fwd = [fwd_branch(s) for s in range(S)]
+            forward_perm = [(i, i + 1) for i in range(S - 1)]
+
+            def fwd_tick(carry, t):
+                recv, st, stash, loss_sum, top1_sum = carry
+                m = t - stage
+                valid = (m >= 0) & (m < M)
+                mc = jnp.clip(m, 0, M - 1)
+                stash = stash.at[mc].set(jnp.where(valid, recv, stash[mc]))
+                out, new_st, loss, top1 = jax.lax.switch(stage, fwd, recv, mc, st)
+                st = jax.tree_util.tree_map(lambda a, b: jnp.where(valid, a, b), new_st, st)
+                loss_sum = loss_sum + jnp.where(valid, loss, 0.0)
+                top1_sum = top1_sum + jnp.where(valid, top1, 0.0)
+                recv = jax.lax.ppermute(out, axis, forward_perm) if S > 1 else out
+                return (recv, st, stash, loss_sum, top1_sum), None
+
+            zero_buf = jnp.zeros((mb, width), jnp.float32)
+            carry = (zero_buf, model_state, jnp.zeros((M, mb, width), jnp.float32),
+                     jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
+            (_, new_state, stash, loss_sum, top1_sum), _ = jax.lax.scan(fwd_tick, carry,
+                                                                        jnp.arange(M + S - 1))
+
+            # ----- backward -----------------------------------------------------------------
+            acc_dtype = lambda p: jnp.promote_types(p.dtype, jnp.float32)
+            zeros = jax.tree_util.tree_map(lambda p: jnp.zeros(p.shape, acc_dtype(p)), params)
+
+            def bwd_branch(s):
+                def f(buf, ct, m):
+                    mine = own(s, params)
+
+                    def g(mine, buf):
+                        p = with_own(s, params, mine)
+                        y, _ = run(s, p, model_state, stage_input(s, buf, m), key_of(m))
+                        if s == S - 1:
+                            return head(y, labels_m[m], loss_scale)[0]
+                        return to_buf(y)
+
+                    out, vjp = jax.vjp(g, mine, buf)
+                    d_mine, d_buf = vjp(jnp.ones_like(out) if s == S - 1 else ct)
+                    grads = with_own(s, zeros, jax.tree_util.tree_map(
+                        lambda d: d.astype(acc_dtype(d)), d_mine))
+                    return grads, (jnp.zeros_like(d_buf) if s == 0 else d_buf)
+                return f
+
+            bwd = [bwd_branch(s) for s in range(S)]
+            backward_perm = [(i + 1, i) for i in range(S - 1)]
+
+            def bwd_tick(carry, t):
+                ct, total = carry
+                m = t - (S - 1 - stage)
+                valid = (m >= 0) & (m < M)
+                mc = jnp.clip(m, 0, M - 1)
+                grads, d_buf = jax.lax.switch(stage, bwd, stash[mc], ct, mc)
+                total = jax.tree_util.tree_map(lambda a, g: a + jnp.where(valid, g, 0), total, grads)
+                ct = jax.lax.ppermute(d_buf, axis, backward_perm) if S > 1 else d_buf
+                return (ct, total), None
+
+            (_, total), _ = jax.lax.scan(bwd_tick, (zero_buf, zeros), jnp.arange(M + S - 1))
+
+            # ----- every stage's part to every device --------------------------------------
+            total = _psum_f32(total, axis)
+            grads = jax.tree_util.tree_map(lambda t, p: (t / M).astype(p.dtype), total, params)
+            new_state = self._gather_state(new_state, model_state, stage)
+            loss = jax.lax.psum(loss_sum, axis) / M
+            top1 = jax.lax.psum(top1_sum, axis) / M
+            return grads, loss, top1, new_state
+
+        return gradients
+
+    def _gather_state(self, new_state, old_state, stage):
+        """Each leaf of the model state from the stage that owns its block."""
+        owner = self.owners(old_state)
+        for path, s in owner.items():
+            part = jax.tree_util.tree_map(
+                lambda x, s=s: jnp.where(stage == s, x, jnp.zeros_like(x)), _get(new_state, path))
+            new_state = _set(new_state, path, _psum_f32(part, self.axis_name))
+        return new_state
+
+
+def _psum_f32(tree, axis):
+    """``lax.psum`` with 16-bit floats summed as float32 (XLA:CPU has no 16-bit all-reduce;
+    every sum here has one non-zero term, so the result is exact)."""
+    def one(x):
+        if jnp.issubdtype(x.dtype, jnp.floating) and jnp.finfo(x.dtype).bits < 32:
+            return jax.lax.psum(x.astype(jnp.float32), axis).astype(x.dtype)
+        return jax.lax.psum(x, axis)
+    return jax.tree_util.tree_map(one, tree)
+
+
+def _path_key(rng, rng_path):
+    """The key ``serial.apply`` hands a block: ``split_rng(key, n)[i]`` at every level
+    (``rng_path`` holds the positions of the opened serials, then the block's own
+    position and its serial's length)."""
+    *outer, i, n = rng_path
+    key = rng
+    for j in outer:
+        key = jax.random.fold_in(key, j)
+    return split_rng(key, n)[i]

@@ -1,0 +1,205 @@
+"""Pipeline parallelism over the ``pipe`` axis: stage assignment, its errors, and a GPipe
+step that trains like one device running the same micro-batches in turn
+(``make_train_step(accumulate=M)``, BatchNorm per micro-batch)."""
+import itertools
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+from jaxcnn import layers as L
+from jaxcnn.models import get as get_model
+from jaxcnn.parallel import ParallelPlan, Pipeline, make_mesh, pipeline_blocks
+from jaxcnn.parallel.pipeline import balanced_split
+from jaxcnn.train.step import make_train_step
+
+from _helpers import MOMENTUM, batches, bn_net, init, max_diff
+
+# float32: the pipeline sums a stage's gradients over micro-batches in another order and XLA
+# fuses each stage apart, so gradients agree to a few float32 roundings relative to their size.
+LOSS_RTOL = 1e-5
+GRAD_RTOL = 1e-4  # of the largest |gradient| of each leaf (BatchNorm backward amplifies rounding)
+STATE_TOL = 2e-5
+
+SHAPE = (16, 32, 32, 3)  # micro-batches of 8 at M = 2: BatchNorm on 1x1 maps of 4 is ill-conditioned
+_MODELS = {}
+
+
+def _model(name):
+    if name not in _MODELS:
+        _MODELS[name] = {"resnet18": lambda: get_model("resnet18", num_classes=10),
+                         "vgg11": lambda: get_model("vgg11", num_classes=10, classifier_width=16),
+                         "vgg11_nodrop": lambda: get_model("vgg11", num_classes=10, classifier_width=16,
+                                                           dropout=0.0),
+                         "bn_net": bn_net}[name]()
+    return _MODELS[name]
+
+
+def _abstract(state):
+    return jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), state)
+
+
+def _plan(model, tx, shape, data, pipe, **pipeline):
+    return ParallelPlan(make_mesh(data, 1, pipe=pipe), model, shape, _abstract(init(model, tx, shape)),
+                        pipeline=pipeline)
+
+
+def _pipelined(plan, model, tx, shape, data):
+    step = plan.wrap_step(make_train_step(model, tx, axis_name=plan.step_axis_name,
+                                          pipeline=plan.pipeline), donate=False)
+    state = plan.shard_state(init(model, tx, shape))
+    metrics = []
+    for b in data:
+        state, m = step(state, plan.put_batch(b))
+        metrics.append(jax.device_get(m))
+    return metrics, jax.device_get(state)
+
+
+def _reference(model, tx, shape, data, accumulate):
+    """One device, the same micro-batches in turn; the rng as data shard 0 folds it."""
+    step = jax.jit(make_train_step(model, tx, accumulate=accumulate))
+    state = init(model, tx, shape)
+    shared = state.rng
+    folded = jax.random.key_data(jax.random.fold_in(jax.random.wrap_key_data(shared), 0))
+    metrics = []
+    for b in data:
+        state, m = step(state._replace(rng=folded), b)
+        metrics.append(jax.device_get(m))
+    return metrics, jax.device_get(state._replace(rng=shared))
+
+
+def _assert_grads_close(got, ref):
+    """Momentum traces after one step from zero are the gradients."""
+    for g, r in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(ref)):
+        g, r = np.asarray(g, np.float64), np.asarray(r, np.float64)
+        scale = max(np.max(np.abs(r)), 1e-12)
+        assert np.max(np.abs(g - r)) <= GRAD_RTOL * scale, (np.max(np.abs(g - r)), scale)
+
+
+def _compare(name, data_axis, pipe, microbatches, steps=1):
+    model, tx = _model(name), MOMENTUM
+    data = batches(SHAPE, steps, seed=1)
+    plan = _plan(model, tx, SHAPE, data_axis, pipe, microbatches=microbatches)
+    got_m, got = _pipelined(plan, model, tx, SHAPE, data)
+    ref_m, ref = _reference(model, tx, SHAPE, data, microbatches)
+    for g, r in zip(got_m, ref_m):
+        np.testing.assert_allclose(g["loss"], r["loss"], rtol=LOSS_RTOL)
+        assert g["top1"] == r["top1"]
+        np.testing.assert_allclose(g["grad_norm"], r["grad_norm"], rtol=GRAD_RTOL)
+    if steps == 1:
+        _assert_grads_close(got.opt_state, ref.opt_state)
+    assert max_diff(got.state, ref.state) < STATE_TOL
+    assert max_diff(got.params, ref.params) < STATE_TOL
+    assert int(got.step) == steps and np.array_equal(got.rng, ref.rng)
+    return plan, got, ref
+
+
+@pytest.mark.parametrize("data_axis", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_resnet18_pipelined_matches_one_device_on_the_same_micro_batches(data_axis):
+    """ResNet-18 on 4 stages (x 2 data shards): loss, accuracy, gradients, BatchNorm
+    statistics and parameters of one step as one device with accumulate=2."""
+    plan, _, _ = _compare("resnet18", data_axis, 4, 2)
+    assert plan.pipeline.stages == 4 and sum(plan.pipeline.split) == 14
+
+
+@pytest.mark.parametrize("name,data_axis", [("vgg11", 1), ("vgg11_nodrop", 2)])
+def test_vgg11_pipelined_matches_one_device_on_the_same_micro_batches(name, data_axis):
+    """VGG-11 on 4 stages; with dropout (p=0.5) on one data shard, whose masks are the
+    reference's: each block draws the key ``serial`` would give it for its micro-batch."""
+    _compare(name, data_axis, 4, 2)
+
+
+def test_batch_norm_per_micro_batch_over_steps():
+    """A small BatchNorm net, 3 steps of momentum SGD on 4 stages x 2 data shards with 4
+    micro-batches: as accumulate=4 on one device, and measurably not as accumulate=1
+    (running statistics and losses of micro-batches differ from the whole batch's)."""
+    model, tx = _model("bn_net"), MOMENTUM
+    data = batches(SHAPE, 3, seed=2)
+    plan = _plan(model, tx, SHAPE, 2, 4, microbatches=4)
+    got_m, got = _pipelined(plan, model, tx, SHAPE, data)
+    ref_m, ref = _reference(model, tx, SHAPE, data, 4)
+    whole_m, whole = _reference(model, tx, SHAPE, data, 1)
+    np.testing.assert_allclose([m["loss"] for m in got_m], [m["loss"] for m in ref_m], rtol=LOSS_RTOL)
+    assert max_diff(got.params, ref.params) < STATE_TOL
+    assert max_diff(got.state, ref.state) < STATE_TOL
+    assert max_diff(got.opt_state, ref.opt_state) < 1e-4
+    assert max_diff(whole.state, ref.state) > 100 * STATE_TOL
+
+
+def test_blocks_open_nested_serials():
+    names = [b.name for b in pipeline_blocks(_model("resnet18"))]
+    assert names == ["conv1", "bn1", "relu", "maxpool", "layer1.0", "layer1.1", "layer2.0", "layer2.1",
+                     "layer3.0", "layer3.1", "layer4.0", "layer4.1", "avgpool", "fc"]
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_balanced_split_is_the_best_contiguous_split(seed):
+    """Against every contiguous split into non-empty stages (brute force)."""
+    rng = np.random.default_rng(seed)
+    costs = rng.integers(1, 100, size=rng.integers(4, 9)).tolist()
+    for stages in range(1, min(len(costs), 4) + 1):
+        sizes = balanced_split(costs, stages)
+        assert len(sizes) == stages and min(sizes) >= 1 and sum(sizes) == len(costs)
+
+        def worst(cuts):
+            edges = [0, *cuts, len(costs)]
+            return max(sum(costs[a:b]) for a, b in zip(edges, edges[1:]))
+
+        best = min(worst(c) for c in itertools.combinations(range(1, len(costs)), stages - 1))
+        assert worst(np.cumsum(sizes)[:-1].tolist()) == best
+
+
+def test_split_by_params_macs_or_explicitly():
+    model = _model("resnet18")
+    by_params = Pipeline(model, SHAPE, 4, 2).split
+    by_macs = Pipeline(model, SHAPE, 4, 2, balance="macs").split
+    assert by_params != by_macs and sum(by_params) == sum(by_macs) == 14
+    assert Pipeline(model, SHAPE, 2, 2, split=[10, 4]).split == [10, 4]
+    assert Pipeline(model, SHAPE, 4, 4).bubble_fraction == pytest.approx(3 / 7)
+
+
+def _tiny():
+    return L.serial(("conv", L.Conv2D(4, 3)), ("relu", L.Relu()), ("fc", L.serial(L.Flatten(), L.Linear(3))))
+
+
+@pytest.mark.parametrize("kw,key,words", [
+    (dict(model="tiny", pipe=8), "mesh.pipe", "8 stages but the model has only 4 blocks"),
+    (dict(split=[2, 2]), "parallel.pipeline.split", "2 stages listed, but mesh.pipe=4"),
+    (dict(split=[3, 3, 3, 4]), "parallel.pipeline.split", "adds up to 13 blocks, but the model has 14"),
+    (dict(split=[0, 4, 4, 6]), "parallel.pipeline.split", "at least one block"),
+    (dict(microbatches=3), "parallel.pipeline.microbatches", "3 micro-batches do not divide the batch of 8"),
+    (dict(microbatches=0), "parallel.pipeline.microbatches", "expected an int >= 1"),
+    (dict(balance="flops"), "parallel.pipeline.balance", "expected one of"),
+    (dict(bogus=1), "parallel.pipeline", "unknown key(s) ['bogus']"),
+    (dict(strategy="jit"), "parallel.strategy", "runs under shard_map"),
+    (dict(model_axis=2), "mesh.model", "combine with the data axis only"),
+    (dict(fsdp=True), "parallel.fsdp", "not with pipeline parallelism"),
+    (dict(model="conv"), "parallel.pipeline", "must be a serial stack"),
+])
+def test_a_model_that_cannot_be_split_as_asked_is_one_line_before_any_compute(kw, key, words):
+    kw = dict(kw)
+    name = kw.pop("model", "resnet18")
+    model = {"resnet18": _model("resnet18"), "tiny": _tiny(), "conv": L.Conv2D(4, 3)}[name]
+    pipe, model_axis = kw.pop("pipe", 4), kw.pop("model_axis", 1)
+    plan_kw = {k: kw.pop(k) for k in ("strategy", "fsdp") if k in kw}
+    shape = (16, 8, 8, 3)
+    abstract = _abstract(jax.eval_shape(lambda: init_abstract(model, shape)))
+    with pytest.raises(ValueError, match=f"^{key}: ") as err:
+        ParallelPlan(make_mesh(-1, model_axis, pipe=pipe), model, shape, abstract, pipeline=kw, **plan_kw)
+    assert words in str(err.value) and "\n" not in str(err.value), str(err.value)
+
+
+def init_abstract(model, shape):
+    from jaxcnn import precision as P
+    from jaxcnn.train.state import create_train_state
+    return create_train_state(model, optax.sgd(0.1), jax.random.PRNGKey(0), shape,
+                              loss_scale=P.make_loss_scale("none"))
+
+
+def test_a_step_built_without_the_plans_pipeline_is_refused():
+    model, tx = _model("bn_net"), MOMENTUM
+    plan = _plan(model, tx, SHAPE, 2, 4)
+    assert plan.pipeline.microbatches == 8  # twice the stages by default
+    with pytest.raises(ValueError, match="^parallel.pipeline: the train step was not built"):
+        plan.wrap_step(make_train_step(model, tx, axis_name="data"))
