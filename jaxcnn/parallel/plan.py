@@ -183,4 +183,17 @@ def setup(cfg, model, input_shape, abstract_state, *, devices=None) -> ParallelP
                      spatial=cfg.mesh.spatial)
     return ParallelPlan(mesh, model, input_shape, abstract_state, strategy=cfg.parallel.strategy,
                         rules=dict(cfg.parallel.rules), fsdp=cfg.parallel.fsdp,
-                        sync_batch_norm=cfg.parallel.sync_batch_norm)
+                        sync_batch_norm=cfg.parallel.sync_batch_norm,
+                        pipeline=_pipeline_config(cfg))
+
+
+def _pipeline_config(cfg) -> dict:
+    """``parallel.pipeline`` as ``ParallelPlan(pipeline=...)`` takes it; the micro-batches are
+    ``train.accumulate_steps`` when ``parallel.pipeline.microbatches`` is unset."""
+    spec = {k: getattr(cfg.parallel.pipeline, k) for k in ("microbatches", "split", "balance")}
+    if spec["microbatches"] is None and cfg.train.accumulate_steps > 1:
+        spec["microbatches"] = cfg.train.accumulate_steps
+    if cfg.mesh.pipe > 1 and spec["microbatches"] is None:
+        raise ValueError(f"parallel.pipeline.microbatches: required with mesh.pipe={cfg.mesh.pipe} "
+                         f"(e.g. {2 * cfg.mesh.pipe}; or train.accumulate_steps)")
+    return spec

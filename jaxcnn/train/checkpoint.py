@@ -80,7 +80,8 @@ NON_TRAINING_KEYS = (
     # (fail) may go on skipping it. eval_resize: evaluation only.
     "data.workers", "data.on_bad_image", "data.eval_resize",
     "model.impl", "model.batch_norm_grad",
-    "parallel.strategy", "parallel.fsdp", "parallel.rules",
+    "parallel.strategy", "parallel.fsdp", "parallel.rules", "parallel.pipeline.split",
+    "parallel.pipeline.balance",
 )
 
 

@@ -289,6 +289,15 @@ SCHEMA: dict[str, dict] = {
         "rules": _f("dict", {}, "logical parameter axis -> mesh axis (data, model) or null; "
                     "merged over the built-in rules",
                     item=_f("str", None, "mesh axis", nullable=True, choices=("data", "model"))),
+        "pipeline": {
+            "microbatches": _f("int", None, "micro-batches per step of each data shard: the GPipe "
+                               "schedule's with mesh.pipe > 1 (required there), gradient accumulation "
+                               "without; null = train.accumulate_steps", nullable=True, **_POS_INT),
+            "split": _f("list", None, "mesh.pipe > 1: blocks per stage; null = balanced",
+                        nullable=True, item=_f("int", None, "blocks", **_POS_INT)),
+            "balance": _f("str", "params", "mesh.pipe > 1: what a balanced split evens out",
+                          choices=("params", "macs")),
+        },
     },
     "distributed": {
         "mode": _f("str", "auto", "jax.distributed.initialize: auto-detect, always, or never",

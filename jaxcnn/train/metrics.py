@@ -226,6 +226,10 @@ def describe_devices(plan) -> str:
             f"({plan.strategy})")
     if n_model > 1:
         text += f", model parallel over {n_model}"
+    pipe = getattr(plan, "pipeline", None)
+    if pipe is not None:
+        text += (f", pipeline over {pipe.stages} stages ({pipe.microbatches} micro-batches, bubble "
+                 f"{pipe.bubble_fraction:.0%}; blocks per stage {pipe.split})")
     if plan.fsdp:
         text += ", parameters and optimiser state sharded over the data axis (fsdp)"
     if jax.process_count() > 1:

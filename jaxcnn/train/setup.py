@@ -253,13 +253,28 @@ def mix_spec(cfg) -> MixSpec | None:
     return spec
 
 
+def micro_batches(cfg) -> int:
+    """Micro-batches per step: ``parallel.pipeline.microbatches`` when set (the same split
+    with or without pipeline stages, so a run resumes across layouts), else
+    ``train.accumulate_steps``."""
+    k, m = cfg.train.accumulate_steps, cfg.parallel.pipeline.microbatches
+    if m is not None and k not in (1, m):
+        raise ConfigError(f"train.accumulate_steps: {k}, but parallel.pipeline.microbatches={m} "
+                          "(both are micro-batches per step: set one)", path="train.accumulate_steps")
+    return k if m is None else m
+
+
 def _check_accumulate(cfg, plan) -> None:
-    k = cfg.train.accumulate_steps
+    k = micro_batches(cfg)
+    if plan.pipeline is not None and mix_spec(cfg) is not None:
+        raise ConfigError("data.augment.mixup.prob: mixup/CutMix is not supported with mesh.pipe > 1",
+                          path="data.augment.mixup.prob")
+    key = "train.accumulate_steps" if cfg.parallel.pipeline.microbatches is None else "parallel.pipeline.microbatches"
     per_device = cfg.data.batch_size // plan.mesh.shape["data"]
     if per_device % k:
-        raise ConfigError(f"train.accumulate_steps: {k} does not divide the {per_device} examples of "
+        raise ConfigError(f"{key}: {k} does not divide the {per_device} examples of "
                           f"each device's batch (data.batch_size={cfg.data.batch_size} over "
-                          f"{plan.mesh.shape['data']} devices)", path="train.accumulate_steps")
+                          f"{plan.mesh.shape['data']} devices)", path=key)
 
 
 def build_run(cfg) -> Run:
@@ -587,7 +602,7 @@ def prepare(cfg) -> Prepared:
         axis_name=plan.step_axis_name, sync_batch_norm=plan.sync_batch_norm,
         image_norm=train_image_norm(run),
         impl=cfg.model.impl, batch_norm_grad=cfg.model.batch_norm_grad, mix=mix_spec(cfg),
-        accumulate=cfg.train.accumulate_steps))
+        accumulate=micro_batches(cfg), pipeline=plan.pipeline))
     eval_step = plan.wrap_eval(make_eval_step(run.model, policy=run.policy, impl=cfg.model.impl))
     eval_size = eval_batch_size(run)
     with matmul_precision(cfg):  # traced as the loop traces it, so the loop reuses the executable

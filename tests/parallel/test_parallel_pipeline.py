@@ -203,3 +203,80 @@ def test_a_step_built_without_the_plans_pipeline_is_refused():
     assert plan.pipeline.microbatches == 8  # twice the stages by default
     with pytest.raises(ValueError, match="^parallel.pipeline: the train step was not built"):
         plan.wrap_step(make_train_step(model, tx, axis_name="data"))
+
+
+# ----- the trainer: config keys, checkpoints, resume onto another layout --------------------
+
+def _train(args, workdir):
+    import contextlib
+    import io
+    import os
+
+    from jaxcnn.train.cli import train_main
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    common = [os.path.join(root, "configs", "mnist_cnn.yaml"), "model.name=lenet5", "data.batch_size=32",
+              "data.eval_batch_size=500", "data.prefetch=1", "logging.log_every=1",
+              "logging.progress=lines", "optim.name=adam", "optim.lr=0.002", "optim.schedule.name=constant",
+              "train.eval_every=null", "train.steps=4", "checkpoint.every=2", "checkpoint.keep=3"]
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = train_main(common + list(args) + ["--workdir", str(workdir)])
+    return code, out.getvalue(), err.getvalue()
+
+
+def _final(workdir):
+    from jaxcnn.interop import load_npz
+    from jaxcnn.train.metrics import read_metrics
+    params, _ = load_npz(workdir / "params.npz")
+    losses = {r["step"]: r["loss"] for r in read_metrics(workdir) if r["kind"] == "train"}
+    return params, [losses[s] for s in sorted(losses)]
+
+
+def test_trainer_runs_pipelined_and_resumes_onto_other_layouts(tmp_path):
+    """jaxcnn-train with mesh.data=2 mesh.pipe=4 trains as one device with the same 4
+    micro-batches; its step-2 checkpoint resumes on data 1 x pipe 2 and on 8 data-parallel
+    devices (micro-batches as accumulation), each ending where the one-device run does."""
+    import shutil
+
+    micro = "parallel.pipeline.microbatches=4"
+    code, out, err = _train(["mesh.data=1", micro], tmp_path / "ref")
+    assert code == 0, err
+    ref_params, ref_losses = _final(tmp_path / "ref")
+    code, out, err = _train(["mesh.data=2", "mesh.pipe=4", micro], tmp_path / "pipe")
+    assert code == 0, err
+    assert "pipeline over 4 stages (4 micro-batches, bubble 43%" in out
+    params, losses = _final(tmp_path / "pipe")
+    np.testing.assert_allclose(losses, ref_losses, rtol=LOSS_RTOL)
+    assert max_diff(params, ref_params) < 1e-5
+    for layout in (["mesh.data=1", "mesh.pipe=2"], ["mesh.data=8"]):
+        work = tmp_path / ("moved" + "_".join(layout))
+        shutil.copytree(tmp_path / "pipe", work)
+        shutil.rmtree(work / "checkpoints" / "4")
+        (work / "params.npz").unlink()
+        code, out, err = _train(layout + [micro, "checkpoint.resume=must"], work)
+        assert code == 0, err
+        assert "resumed from step 2" in out
+        params, losses = _final(work)
+        np.testing.assert_allclose(losses, ref_losses, rtol=LOSS_RTOL)
+        assert max_diff(params, ref_params) < 1e-5
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["mesh.pipe=4"], "parallel.pipeline.microbatches: required with mesh.pipe=4"),
+    (["mesh.pipe=4", "parallel.pipeline.microbatches=3"],
+     "parallel.pipeline.microbatches: 3 micro-batches do not divide the batch of 16"),
+    (["mesh.pipe=4", "parallel.pipeline.microbatches=4", "train.accumulate_steps=2"],
+     "train.accumulate_steps: 2, but parallel.pipeline.microbatches=4"),
+    (["mesh.pipe=4", "parallel.pipeline.microbatches=4", "parallel.pipeline.split=[1,1,1]"],
+     "parallel.pipeline.split: 3 stages listed, but mesh.pipe=4"),
+    (["mesh.pipe=4", "parallel.pipeline.microbatches=4", "parallel.pipeline.split=[9,1,1,2]"],
+     "parallel.pipeline.split: [9, 1, 1, 2] adds up to 13 blocks, but the model has 12"),
+    (["mesh.pipe=4", "parallel.pipeline.microbatches=4", "parallel.strategy=pmap"],
+     "parallel.strategy: pipeline parallelism (mesh.pipe=4) runs under shard_map"),
+    (["mesh.pipe=4", "parallel.pipeline.microbatches=4", "data.augment.mixup.alpha=0.2"],
+     "data.augment.mixup.prob: mixup/CutMix is not supported with mesh.pipe > 1"),
+])
+def test_trainer_refuses_a_split_it_cannot_run_in_one_line(tmp_path, args, needle):
+    code, out, err = _train(["checkpoint.enabled=false"] + args, tmp_path / "w")
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and needle in lines[0], (code, err)

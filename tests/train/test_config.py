@@ -392,8 +392,9 @@ def test_every_int_key_has_a_range_the_run_can_hold(path):
     tracebacks. Every int key (and step duration) now has an upper bound, named in its error."""
     seed = path.endswith("seed")
     top = 2**32 - 1 if seed else 2**31 - 1
-    value = f"[8, 8, {top + 1}]" if path == "data.image_size" else str(top + 1)
-    shown = f"{path}[2]" if path == "data.image_size" else path
+    listed = path in ("data.image_size", "parallel.pipeline.split")  # lists of ints
+    value = f"[8, 8, {top + 1}]" if listed else str(top + 1)
+    shown = f"{path}[2]" if listed else path
     for bad in (value, value.replace(str(top + 1), str(2**64)), value.replace(str(top + 1), "1" + "0" * 400)):
         err = error_of(config_from_dict, MINIMAL, [f"{path}={bad}"])
         assert str(err).startswith(f"{shown}: expected ") and f"<= {top}" in str(err), err
