@@ -11,6 +11,15 @@ partitioning), not a real speed-up: ideal efficiency is then about
 ``cores / devices`` at best.  On real accelerators the same command measures
 true scaling.  Weak scaling (default) keeps the per-device batch fixed; strong
 scaling keeps the global batch fixed (``--per-device-batch`` x the largest count).
+
+``--pipe 1,2,4`` measures pipeline stages instead (one data shard, the batch
+``--per-device-batch``, ``--microbatches`` micro-batches; ``pipe 1`` is one device
+accumulating the same micro-batches): each count's compiled step's per-device memory
+(XLA's ``memory_analysis``: arguments + outputs + temporaries - aliased), the
+pipeline's bubble fraction and the step time (``--steps 0``: compile only)::
+
+    python scripts/bench_scaling.py --model resnet50 --pipe 1,2,4 --per-device-batch 16 \
+        --microbatches 4 --steps 2
 """
 from __future__ import annotations
 
@@ -34,12 +43,14 @@ def _parse_args(argv):
     p.add_argument("--steps", type=int, default=10, help="timed steps per device count")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps (compilation) per device count")
     p.add_argument("--json", action="store_true", help="print the rows as JSON lines too")
+    p.add_argument("--pipe", default=None, help="comma-separated pipeline stage counts (see above)")
+    p.add_argument("--microbatches", type=int, default=4, help="--pipe: micro-batches per step")
     return p.parse_args(argv)
 
 
 def main(argv=None) -> int:
     args = _parse_args(argv)
-    counts = [int(c) for c in args.devices.split(",")]
+    counts = [int(c) for c in (args.pipe or args.devices).split(",")]
     if not os.environ.get("JAX_PLATFORMS") or os.environ["JAX_PLATFORMS"] == "cpu":
         # Emulate devices on the CPU; must be set before jax is imported.
         flag = f"--xla_force_host_platform_device_count={max(counts)}"
@@ -64,6 +75,8 @@ def main(argv=None) -> int:
     image = (tuple(int(x) for x in args.image_size.split(",")) if args.image_size
              else models.default_input_shape(args.model)[1:])
     tx = optax.sgd(0.01, momentum=0.9)
+    if args.pipe:
+        return _pipeline_rows(args, counts, model, image, tx)
     rows = []
     for n in counts:
         batch = args.per_device_batch * (n if args.mode == "weak" else max(counts))
@@ -108,6 +121,67 @@ def main(argv=None) -> int:
     if args.json:
         for r in rows:
             print(json.dumps(r))
+    return 0
+
+
+def _pipeline_rows(args, counts, model, image, tx) -> int:
+    """``--pipe``: memory, bubble and step time of each stage count on one data shard."""
+    import jax
+    import numpy as np
+
+    from jaxcnn import precision as P
+    from jaxcnn.parallel import ParallelPlan, make_mesh
+    from jaxcnn.train.state import create_train_state
+    from jaxcnn.train.step import make_train_step
+
+    shape, m = (args.per_device_batch,) + image, args.microbatches
+
+    def init():
+        return create_train_state(model, tx, jax.random.PRNGKey(0), shape, loss_scale=P.make_loss_scale("none"))
+
+    rng = np.random.default_rng(0)
+    host = {"image": rng.normal(size=shape).astype(np.float32),
+            "label": rng.integers(0, args.num_classes, shape[0]).astype(np.int32)}
+    rows = []
+    for pipe in counts:
+        plan = ParallelPlan(make_mesh(1, 1, pipe=pipe, devices=jax.devices()[:pipe]), model, shape,
+                            jax.eval_shape(init), pipeline={"microbatches": m})
+        step = plan.wrap_step(make_train_step(model, tx, axis_name=plan.step_axis_name, accumulate=m,
+                                              pipeline=plan.pipeline))
+        placed = plan.put_batch(host)
+        t0 = time.perf_counter()
+        compiled = step.lower(plan.abstract_state, placed).compile()
+        compile_s = time.perf_counter() - t0
+        mem = compiled.memory_analysis()
+        per_device = (mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes
+                      - mem.alias_size_in_bytes)
+        row = {"pipe": pipe, "microbatches": m, "batch": shape[0], "memory_mib": per_device / 2**20,
+               "temp_mib": mem.temp_size_in_bytes / 2**20,
+               "bubble": 0.0 if plan.pipeline is None else plan.pipeline.bubble_fraction,
+               "split": None if plan.pipeline is None else plan.pipeline.split,
+               "compile_s": compile_s, "step_ms": None}
+        if args.steps:
+            state = jax.jit(init, out_shardings=plan.state_shardings)()
+            for _ in range(args.warmup):
+                state, metrics = compiled(state, placed)
+            jax.block_until_ready(metrics)
+            t0 = time.perf_counter()
+            for _ in range(args.steps):
+                state, metrics = compiled(state, placed)
+            jax.block_until_ready((state, metrics))
+            row["step_ms"] = (time.perf_counter() - t0) / args.steps * 1e3
+        rows.append(row)
+        print(json.dumps(row) if args.json else f"pipe {pipe}: {row['memory_mib']:.0f} MiB per device",
+              flush=True)
+    print(f"model {args.model} {image}  batch {shape[0]} in {m} micro-batches  backend "
+          f"{jax.default_backend()} ({os.cpu_count()} host cores)")
+    print(f"{'pipe':>4} {'MiB/device':>11} {'temp MiB':>9} {'vs pipe 1':>9} {'bubble':>7} {'step ms':>9}  "
+          "blocks per stage")
+    for r in rows:
+        step_ms = "-" if r["step_ms"] is None else f"{r['step_ms']:.0f}"
+        print(f"{r['pipe']:>4} {r['memory_mib']:>11.0f} {r['temp_mib']:>9.0f} "
+              f"{r['memory_mib'] / rows[0]['memory_mib']:>9.2f} {r['bubble']:>7.2f} {step_ms:>9}  "
+              f"{r['split'] or '-'}")
     return 0
 
 

@@ -92,7 +92,8 @@ def make_mesh(data: int = -1, model: int = 1, *, devices: Sequence | None = None
         A ``jax.sharding.Mesh`` with axis names ``("data", "model")``, with
         ``"pipe"`` and ``"spatial"`` between them when asked for.
     """
-    subset = devices is None and jax.process_count() == 1
+    given = devices is not None
+    subset = not given and jax.process_count() == 1
     devices = list(jax.devices() if devices is None else devices)
     data, model = mesh_shape(data, model, len(devices), allow_subset=subset, pipe=pipe, spatial=spatial)
     sizes = {DATA: data, PIPE: pipe, SPATIAL: spatial, MODEL: model}
@@ -100,7 +101,7 @@ def make_mesh(data: int = -1, model: int = 1, *, devices: Sequence | None = None
     shape = tuple(sizes[a] for a in names)
     auto = (jax.sharding.AxisType.Auto,) * len(names)
     count = int(np.prod(shape))
-    if count == len(jax.devices()):
+    if count == len(jax.devices()) and not given:  # devices given: their order is the mesh's
         return jax.make_mesh(shape, names, axis_types=auto)
     devices = devices[:count]
     return Mesh(np.asarray(devices, dtype=object).reshape(shape), names, axis_types=auto)

@@ -179,7 +179,8 @@ class Pipeline:
             MAC balance; any batch size will do).
         stages: pipeline stages (the size of the mesh's ``pipe`` axis).
         microbatches: micro-batches per device step (``M``; at least 1).
-        balance: ``"params"`` or ``"macs"``: what a balanced split evens out.
+        balance: ``"macs"`` (default: compute time, what keeps every stage busy) or
+            ``"params"``: what a balanced split evens out.
         split: blocks per stage (a list of ``stages`` positive ints adding up to
             the number of blocks), or None for the balanced split.
         axis_name: the pipeline mesh axis.
@@ -191,7 +192,7 @@ class Pipeline:
     """
 
     def __init__(self, model: Layer, input_shape, stages: int, microbatches: int, *,
-                 balance: str = "params", split=None, axis_name: str = PIPE):
+                 balance: str = "macs", split=None, axis_name: str = PIPE):
         if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
             raise ValueError(f"parallel.pipeline.microbatches: expected an int >= 1, got {microbatches!r}")
         if balance not in BALANCE:
@@ -349,13 +350,27 @@ class Pipeline:
                                                                         jnp.arange(M + S - 1))
 
             # ----- backward -----------------------------------------------------------------
-            acc_dtype = lambda p: jnp.promote_types(p.dtype, jnp.float32)
-            zeros = jax.tree_util.tree_map(lambda p: jnp.zeros(p.shape, acc_dtype(p)), params)
+            # Each stage's gradients accumulate packed in one flat buffer as long as the
+            # largest stage's parameters (not a whole tree per device); an all_gather over
+            # pipe then gives every device every stage's part.
+            acc = jnp.result_type(jnp.float32, *[p.dtype for p in jax.tree_util.tree_leaves(params)])
+            own_leaves = [jax.tree_util.tree_flatten(own(s, params)) for s in range(S)]
+            length = max([sum(math.prod(x.shape) for x in leaves) for leaves, _ in own_leaves] + [1])
+
+            def pack(leaves):
+                flat = jnp.concatenate([x.astype(acc).reshape(-1) for x in leaves] + [jnp.zeros((0,), acc)])
+                return jnp.pad(flat, (0, length - flat.shape[0]))
+
+            def unpack(s, flat):
+                leaves, treedef = own_leaves[s]
+                out, start = [], 0
+                for x in leaves:
+                    out.append(flat[start:start + x.size].reshape(x.shape))
+                    start += x.size
+                return jax.tree_util.tree_unflatten(treedef, out)
 
             def bwd_branch(s):
                 def f(buf, ct, m):
-                    mine = own(s, params)
-
                     def g(mine, buf):
                         p = with_own(s, params, mine)
                         y, _ = run(s, p, model_state, stage_input(s, buf, m), key_of(m))
@@ -363,11 +378,9 @@ class Pipeline:
                             return head(y, labels_m[m], loss_scale)[0]
                         return to_buf(y)
 
-                    out, vjp = jax.vjp(g, mine, buf)
+                    out, vjp = jax.vjp(g, own(s, params), buf)
                     d_mine, d_buf = vjp(jnp.ones_like(out) if s == S - 1 else ct)
-                    grads = with_own(s, zeros, jax.tree_util.tree_map(
-                        lambda d: d.astype(acc_dtype(d)), d_mine))
-                    return grads, (jnp.zeros_like(d_buf) if s == 0 else d_buf)
+                    return pack(jax.tree_util.tree_leaves(d_mine)), (jnp.zeros_like(d_buf) if s == 0 else d_buf)
                 return f
 
             bwd = [bwd_branch(s) for s in range(S)]
@@ -379,15 +392,19 @@ class Pipeline:
                 valid = (m >= 0) & (m < M)
                 mc = jnp.clip(m, 0, M - 1)
                 grads, d_buf = jax.lax.switch(stage, bwd, stash[mc], ct, mc)
-                total = jax.tree_util.tree_map(lambda a, g: a + jnp.where(valid, g, 0), total, grads)
+                total = total + jnp.where(valid, grads, 0)
                 ct = jax.lax.ppermute(d_buf, axis, backward_perm) if S > 1 else d_buf
                 return (ct, total), None
 
-            (_, total), _ = jax.lax.scan(bwd_tick, (zero_buf, zeros), jnp.arange(M + S - 1))
+            (_, total), _ = jax.lax.scan(bwd_tick, (zero_buf, jnp.zeros((length,), acc)),
+                                         jnp.arange(M + S - 1))
 
             # ----- every stage's part to every device --------------------------------------
-            total = _psum_f32(total, axis)
-            grads = jax.tree_util.tree_map(lambda t, p: (t / M).astype(p.dtype), total, params)
+            every = jax.lax.all_gather(total, axis) if S > 1 else total[None]
+            summed = params
+            for s in range(S):
+                summed = with_own(s, summed, unpack(s, every[s]))
+            grads = jax.tree_util.tree_map(lambda t, p: (t / M).astype(p.dtype), summed, params)
             new_state = self._gather_state(new_state, model_state, stage)
             loss = jax.lax.psum(loss_sum, axis) / M
             top1 = jax.lax.psum(top1_sum, axis) / M

@@ -160,7 +160,7 @@ def _pipeline(mesh, model, input_shape, strategy, fsdp, spec) -> Pipeline | None
         raise ValueError(f"parallel.fsdp: not with pipeline parallelism (mesh.pipe={stages})")
     microbatches = spec.get("microbatches")
     pipe = Pipeline(model, input_shape, stages, 2 * stages if microbatches is None else microbatches,
-                    balance=spec.get("balance") or "params", split=spec.get("split"))
+                    balance=spec.get("balance") or "macs", split=spec.get("split"))
     pipe.check_batch(input_shape[0] // mesh.shape[DATA])
     return pipe
 

@@ -152,8 +152,8 @@ def test_balanced_split_is_the_best_contiguous_split(seed):
 
 def test_split_by_params_macs_or_explicitly():
     model = _model("resnet18")
-    by_params = Pipeline(model, SHAPE, 4, 2).split
-    by_macs = Pipeline(model, SHAPE, 4, 2, balance="macs").split
+    by_params = Pipeline(model, SHAPE, 4, 2, balance="params").split
+    by_macs = Pipeline(model, SHAPE, 4, 2).split  # the default: compute time
     assert by_params != by_macs and sum(by_params) == sum(by_macs) == 14
     assert Pipeline(model, SHAPE, 2, 2, split=[10, 4]).split == [10, 4]
     assert Pipeline(model, SHAPE, 4, 4).bubble_fraction == pytest.approx(3 / 7)
@@ -280,3 +280,39 @@ def test_trainer_refuses_a_split_it_cannot_run_in_one_line(tmp_path, args, needl
     code, out, err = _train(["checkpoint.enabled=false"] + args, tmp_path / "w")
     lines = err.strip().splitlines()
     assert code == 2 and len(lines) == 1 and needle in lines[0], (code, err)
+
+
+def test_two_processes_with_the_pipe_axis_across_them(tmp_path):
+    """data 2 x pipe 4 over two processes of 4 CPU devices, stages 0-1 on one and 2-3 on the
+    other: 2 steps as one device with the same 4 micro-batches."""
+    import json
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    from jaxcnn.interop import load_npz
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(os.path.dirname(here)), here,
+                                         env.get("PYTHONPATH", "")])
+    env.pop("XLA_FLAGS", None)  # the worker asks for 4 devices itself
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [subprocess.Popen([sys.executable, os.path.join(here, "_mp_pipe_worker.py"), str(port), str(pid),
+                               "2", str(tmp_path), "60"], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for pid in (0, 1)]
+    for p in procs:
+        try:
+            _, err = p.communicate(timeout=300)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            _, err = p.communicate()
+        assert p.returncode == 0, err[-3000:]
+    losses = json.loads((tmp_path / "losses.json").read_text())
+    params, _ = load_npz(tmp_path / "params.npz")
+    shape = (16, 8, 8, 3)
+    ref_m, ref = _reference(_model("bn_net"), MOMENTUM, shape, batches(shape, 2, seed=4), 4)
+    np.testing.assert_allclose(losses, [m["loss"] for m in ref_m], rtol=LOSS_RTOL)
+    assert max_diff(params, ref.params) < STATE_TOL

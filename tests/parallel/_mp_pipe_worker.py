@@ -1,0 +1,69 @@
+"""One process of a two-process pipeline run on 127.0.0.1 (run by test_parallel_pipeline.py).
+
+    python _mp_pipe_worker.py PORT PROCESS_ID STEPS OUT_DIR [TIMEOUT_S]
+
+Each process has 4 CPU devices; together they form a ``data 2 x pipe 4`` mesh whose
+pipe axis crosses the processes (stages 0-1 on process 0, stages 2-3 on process 1, for
+both data shards), so activations and their gradients travel between the processes
+(``ppermute`` over gloo).  Every process holds rows of both data shards, so each feeds
+the whole global batch of ``_helpers.batches``.  Process 0 writes ``losses.json`` and
+``params.npz``.
+"""
+import json
+import os
+import sys
+import types
+
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+os.environ["JAX_PLATFORMS"] = "cpu"
+
+import jax  # noqa: E402
+
+jax.config.update("jax_default_matmul_precision", "highest")
+
+from jaxcnn import parallel  # noqa: E402
+from jaxcnn.interop import save_npz  # noqa: E402
+
+SHAPE, MICROBATCHES = (16, 8, 8, 3), 4
+
+
+def pipe_devices():
+    """Mesh order (data, pipe): pipe stages 0-1 on process 0, 2-3 on process 1."""
+    by_process = [[d for d in jax.devices() if d.process_index == p] for p in (0, 1)]
+    return [by_process[s // 2][2 * d + s % 2] for d in range(2) for s in range(4)]
+
+
+def main(port, pid, steps, out_dir, timeout_s=60.0):
+    parallel.initialize(types.SimpleNamespace(mode="on", coordinator_address=f"127.0.0.1:{port}",
+                                              num_processes=2, process_id=pid, timeout_s=timeout_s))
+    from _helpers import MOMENTUM, batches, bn_net, init
+    from jaxcnn.train.step import make_train_step
+
+    assert jax.process_count() == 2 and jax.device_count() == 8
+    model = bn_net()
+    abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
+                                      init(model, MOMENTUM, SHAPE))
+    mesh = parallel.make_mesh(2, 1, pipe=4, devices=pipe_devices())
+    plan = parallel.ParallelPlan(mesh, model, SHAPE, abstract, pipeline={"microbatches": MICROBATCHES})
+    owners = {tuple(sorted({d.process_index for d in mesh.devices[:, s].reshape(-1)})) for s in range(4)}
+    assert owners == {(0,), (1,)}, owners  # every stage on one process, the stages on both
+    step = plan.wrap_step(make_train_step(model, MOMENTUM, axis_name=plan.step_axis_name,
+                                          pipeline=plan.pipeline))
+    state = jax.jit(lambda: init(model, MOMENTUM, SHAPE), out_shardings=plan.state_shardings)()
+    losses = []
+    for b in batches(SHAPE, steps, seed=4):
+        placed = {k: jax.make_array_from_process_local_data(plan.batch_sharding(), v, v.shape)
+                  for k, v in b.items()}
+        state, m = step(state, placed)
+        losses.append(float(m["loss"]))
+    params = parallel.to_host(state.params)
+    if pid == 0:
+        with open(os.path.join(out_dir, "losses.json"), "w") as f:
+            json.dump(losses, f)
+        save_npz(os.path.join(out_dir, "params.npz"), params, {})
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    a = sys.argv[1:]
+    main(int(a[0]), int(a[1]), int(a[2]), a[3], *(float(x) for x in a[4:]))
