@@ -181,10 +181,25 @@ def setup(cfg, model, input_shape, abstract_state, *, devices=None) -> ParallelP
     """
     mesh = make_mesh(cfg.mesh.data, cfg.mesh.model, devices=devices, pipe=cfg.mesh.pipe,
                      spatial=cfg.mesh.spatial)
+    _check_process_rows(mesh)
     return ParallelPlan(mesh, model, input_shape, abstract_state, strategy=cfg.parallel.strategy,
                         rules=dict(cfg.parallel.rules), fsdp=cfg.parallel.fsdp,
                         sync_batch_norm=cfg.parallel.sync_batch_norm,
                         pipeline=_pipeline_config(cfg))
+
+
+def _check_process_rows(mesh) -> None:
+    """The trainer feeds each process its own rows of the batch (``put_batch``), so every data
+    shard must live in one process: with ``pipe`` above 1 that needs ``mesh.data`` to be a
+    multiple of the process count (the pipe axis then stays inside a process)."""
+    if axis_size(mesh, PIPE) == 1 or jax.process_count() == 1:
+        return
+    rows = mesh.devices.reshape(mesh.shape[DATA], -1)
+    if any(len({d.process_index for d in row}) > 1 for row in rows):
+        raise ValueError(f"mesh.data: {mesh.shape[DATA]} data shards over {jax.process_count()} processes "
+                         f"with mesh.pipe={axis_size(mesh, PIPE)} puts a data shard's pipeline stages in "
+                         "several processes, which the trainer cannot feed; use a multiple of the process "
+                         "count (ParallelPlan from Python runs it, fed whole batches)")
 
 
 def _pipeline_config(cfg) -> dict:
