@@ -45,6 +45,8 @@ def _parse_args(argv):
     p.add_argument("--json", action="store_true", help="print the rows as JSON lines too")
     p.add_argument("--pipe", default=None, help="comma-separated pipeline stage counts (see above)")
     p.add_argument("--microbatches", type=int, default=4, help="--pipe: micro-batches per step")
+    p.add_argument("--balance", default="macs", choices=("macs", "params", "activations"),
+                   help="--pipe: what the stages' split evens out")
     return p.parse_args(argv)
 
 
@@ -145,7 +147,7 @@ def _pipeline_rows(args, counts, model, image, tx) -> int:
     rows = []
     for pipe in counts:
         plan = ParallelPlan(make_mesh(1, 1, pipe=pipe, devices=jax.devices()[:pipe]), model, shape,
-                            jax.eval_shape(init), pipeline={"microbatches": m})
+                            jax.eval_shape(init), pipeline={"microbatches": m, "balance": args.balance})
         step = plan.wrap_step(make_train_step(model, tx, axis_name=plan.step_axis_name, accumulate=m,
                                               pipeline=plan.pipeline))
         placed = plan.put_batch(host)
@@ -173,7 +175,7 @@ def _pipeline_rows(args, counts, model, image, tx) -> int:
         rows.append(row)
         print(json.dumps(row) if args.json else f"pipe {pipe}: {row['memory_mib']:.0f} MiB per device",
               flush=True)
-    print(f"model {args.model} {image}  batch {shape[0]} in {m} micro-batches  backend "
+    print(f"model {args.model} {image}  batch {shape[0]} in {m} micro-batches  balance {args.balance}  backend "
           f"{jax.default_backend()} ({os.cpu_count()} host cores)")
     print(f"{'pipe':>4} {'MiB/device':>11} {'temp MiB':>9} {'vs pipe 1':>9} {'bubble':>7} {'step ms':>9}  "
           "blocks per stage")

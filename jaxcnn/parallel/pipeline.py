@@ -60,7 +60,7 @@ import numpy as np
 from jaxcnn.layers.base import Layer, split_rng
 from jaxcnn.parallel.mesh import PIPE
 
-BALANCE = ("params", "macs")
+BALANCE = ("macs", "params", "activations")
 
 
 class Block(NamedTuple):
@@ -102,16 +102,18 @@ def pipeline_blocks(model: Layer) -> list[Block]:
 
 
 def block_costs(model: Layer, input_shape, blocks, balance: str) -> list[int]:
-    """Parameter (``"params"``) or MAC (``"macs"``) count of each block at ``input_shape``."""
+    """Each block's MACs (``"macs"``), parameters (``"params"``) or output elements of its
+    layers (``"activations"``, what its backward keeps) at ``input_shape``."""
     if balance not in BALANCE:
         raise ValueError(f"parallel.pipeline.balance: expected one of {BALANCE}, got {balance!r}")
     from jaxcnn.summary import summary  # the whole model, abstractly (no memory)
     rows = summary(model, input_shape).rows
+    cost = {"macs": lambda r: r.macs, "params": lambda r: r.params,
+            "activations": lambda r: math.prod(r.output_shape)}[balance]
     costs = []
     for b in blocks:
         prefix = b.name
-        costs.append(sum(getattr(r, balance) for r in rows
-                         if r.name == prefix or r.name.startswith(prefix + ".")))
+        costs.append(sum(cost(r) for r in rows if r.name == prefix or r.name.startswith(prefix + ".")))
     return costs
 
 
@@ -179,8 +181,9 @@ class Pipeline:
             MAC balance; any batch size will do).
         stages: pipeline stages (the size of the mesh's ``pipe`` axis).
         microbatches: micro-batches per device step (``M``; at least 1).
-        balance: ``"macs"`` (default: compute time, what keeps every stage busy) or
-            ``"params"``: what a balanced split evens out.
+        balance: what a balanced split evens out: ``"macs"`` (default: compute time, what
+            keeps every stage busy), ``"params"`` or ``"activations"`` (the layers' output
+            elements: the activation memory of each stage).
         split: blocks per stage (a list of ``stages`` positive ints adding up to
             the number of blocks), or None for the balanced split.
         axis_name: the pipeline mesh axis.

@@ -295,8 +295,8 @@ SCHEMA: dict[str, dict] = {
                                "without; null = train.accumulate_steps", nullable=True, **_POS_INT),
             "split": _f("list", None, "mesh.pipe > 1: blocks per stage; null = balanced",
                         nullable=True, item=_f("int", None, "blocks", **_POS_INT)),
-            "balance": _f("str", "macs", "mesh.pipe > 1: what a balanced split evens out (MACs: time)",
-                          choices=("params", "macs")),
+            "balance": _f("str", "macs", "mesh.pipe > 1: what a balanced split evens out (MACs: time; "
+                          "activations: memory)", choices=("macs", "params", "activations")),
         },
     },
     "distributed": {

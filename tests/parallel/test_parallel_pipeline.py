@@ -150,6 +150,22 @@ def test_balanced_split_is_the_best_contiguous_split(seed):
         assert worst(np.cumsum(sizes)[:-1].tolist()) == best
 
 
+def test_block_costs_against_the_model():
+    """bn_net at (16, 8, 8, 3): parameters from its initialised tree, conv1's MACs and every
+    block's output elements by hand."""
+    from jaxcnn.parallel.pipeline import block_costs
+    model, shape = _model("bn_net"), (16, 8, 8, 3)
+    blocks = pipeline_blocks(model)
+    assert [b.name for b in blocks] == ["conv1", "bn1", "relu", "block", "pool", "fc"]
+    params, _, _ = model.init(jax.random.PRNGKey(0), shape)
+    sizes = [sum(np.size(x) for x in jax.tree_util.tree_leaves(params.get(b.name, {}))) for b in blocks]
+    assert block_costs(model, shape, blocks, "params") == sizes
+    assert block_costs(model, shape, blocks, "macs")[0] == 16 * 8 * 8 * 8 * (3 * 3 * 3)
+    acts = block_costs(model, shape, blocks, "activations")
+    assert acts[:3] == [16 * 8 * 8 * 8] * 3 and acts[4:] == [16 * 16, 16 * 10]
+    assert acts[3] > 16 * 4 * 4 * 16  # the block's convolutions, norms and shortcut
+
+
 def test_split_by_params_macs_or_explicitly():
     model = _model("resnet18")
     by_params = Pipeline(model, SHAPE, 4, 2, balance="params").split
