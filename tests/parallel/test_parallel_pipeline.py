@@ -332,3 +332,29 @@ def test_two_processes_with_the_pipe_axis_across_them(tmp_path):
     ref_m, ref = _reference(_model("bn_net"), MOMENTUM, shape, batches(shape, 2, seed=4), 4)
     np.testing.assert_allclose(losses, [m["loss"] for m in ref_m], rtol=LOSS_RTOL)
     assert max_diff(params, ref.params) < STATE_TOL
+
+
+@pytest.mark.parametrize("policy", ["bf16", "bf16_params"])
+def test_mixed_precision_pipelined_matches_one_device(policy):
+    """bfloat16 compute (activations cross stages as float32 buffers, exactly) and bfloat16
+    parameters with a float32 master copy: 2 steps as one device with accumulate=4, to
+    bfloat16 rounding (XLA rounds at other fusion boundaries in each stage's program)."""
+    from jaxcnn import precision as P
+    from jaxcnn.train.state import create_train_state
+    model, tx, shape = _model("bn_net"), MOMENTUM, (16, 8, 8, 3)
+    pol = P.get_policy(policy)
+    state = jax.device_get(create_train_state(model, tx, jax.random.PRNGKey(0), shape, policy=pol,
+                                              loss_scale=P.make_loss_scale("none")))
+    plan = ParallelPlan(make_mesh(2, 1, pipe=4), model, shape, _abstract(state), pipeline={"microbatches": 4})
+    step = plan.wrap_step(make_train_step(model, tx, policy=pol, axis_name="data", pipeline=plan.pipeline),
+                          donate=False)
+    ref_step = jax.jit(make_train_step(model, tx, policy=pol, accumulate=4))
+    folded = jax.random.key_data(jax.random.fold_in(jax.random.wrap_key_data(state.rng), 0))
+    got, ref = plan.shard_state(state), state
+    for b in batches(shape, 2, seed=6):
+        got, m = step(got, plan.put_batch(b))
+        ref, r = ref_step(ref._replace(rng=folded), b)
+        np.testing.assert_allclose(m["loss"], r["loss"], rtol=1e-3)
+    assert jax.tree_util.tree_leaves(got.params)[0].dtype == jax.tree_util.tree_leaves(state.params)[0].dtype
+    assert max_diff(got.params, ref.params) < 4e-3  # a few bfloat16 ulps of weights ~0.5
+    assert max_diff(got.state, ref.state) < 2e-3
