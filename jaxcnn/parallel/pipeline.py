@@ -226,7 +226,7 @@ class Pipeline:
         return (s - 1) / (m + s - 1)
 
     def describe(self) -> str:
-        """One line per stage: its blocks (and their cost when balanced)."""
+        """One line per stage: its blocks."""
         lines = []
         for s, blocks in enumerate(self.stage_blocks):
             names = ", ".join(b.name for b in blocks)
@@ -281,6 +281,7 @@ class Pipeline:
             micro = jax.tree_util.tree_map(
                 lambda x: x.reshape((mb, M) + x.shape[1:]).swapaxes(0, 1), (images, labels))
             images_m, labels_m = micro
+
             def key_of(m):  # micro-batch m's key, as make_train_step(accumulate=M) draws it
                 return None if rng is None else jax.random.fold_in(rng, m)
 
@@ -295,9 +296,10 @@ class Pipeline:
                                                                           choices=None)[0],
                                    abstract(params), abstract(model_state), x)
             width = max([math.prod(st.shape[1:]) for st in structs[1:]] + [1])
+            wire = jnp.result_type(jnp.float32, *[st.dtype for st in structs[1:]])  # holds each exactly
 
             def to_buf(y):
-                f = y.astype(jnp.float32).reshape(y.shape[0], -1)
+                f = y.astype(wire).reshape(y.shape[0], -1)
                 return jnp.pad(f, ((0, 0), (0, width - f.shape[1])))
 
             def from_buf(buf, st):
@@ -324,7 +326,7 @@ class Pipeline:
                     model_state = with_own(s, model_state, new)
                     if s == S - 1:
                         _, (loss, top1) = head(y, labels_m[m], loss_scale)
-                        return jnp.zeros((mb, width), jnp.float32), model_state, \
+                        return jnp.zeros((mb, width), wire), model_state, \
                             loss.astype(jnp.float32), top1.astype(jnp.float32)
                     return to_buf(y), model_state, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32)
                 return f
@@ -346,8 +348,8 @@ class Pipeline:
                 recv = jax.lax.ppermute(out, axis, forward_perm) if S > 1 else out
                 return (recv, st, stash, loss_sum, top1_sum), None
 
-            zero_buf = jnp.zeros((mb, width), jnp.float32)
-            carry = (zero_buf, model_state, jnp.zeros((M, mb, width), jnp.float32),
+            zero_buf = jnp.zeros((mb, width), wire)
+            carry = (zero_buf, model_state, jnp.zeros((M, mb, width), wire),
                      jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
             (_, new_state, stash, loss_sum, top1_sum), _ = jax.lax.scan(fwd_tick, carry,
                                                                         jnp.arange(M + S - 1))
