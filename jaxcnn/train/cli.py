@@ -112,7 +112,7 @@ def dry_run(cfg, stream=None) -> None:
     of = f" of {fmt_bytes(memory['available'])} available" if memory.get("available") else ""
     print(f"dry run ok: model {cfg.model.name}{start}, input {run.input_shape}, "
           f"{run.total_steps} steps ({run.steps_per_epoch}/epoch), policy {run.policy.to_string()}, "
-          f"mesh data {plan.mesh.shape['data']} x model {plan.mesh.shape['model']} ({plan.strategy}), "
+          f"mesh {' x '.join(f'{k} {v}' for k, v in plan.mesh.shape.items())} ({plan.strategy}), "
           f"eval batch {prepared.eval_batch_size}{clipped}, memory {', '.join(need) or 'unknown'}{of}, "
           f"step metrics {sorted(metrics)}", file=stream)
 
