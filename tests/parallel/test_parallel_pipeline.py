@@ -334,7 +334,7 @@ def test_two_processes_with_the_pipe_axis_across_them(tmp_path):
     assert max_diff(params, ref.params) < STATE_TOL
 
 
-@pytest.mark.parametrize("policy", ["bf16", "bf16_params"])
+@pytest.mark.parametrize("policy", ["bf16", pytest.param("bf16_params", marks=pytest.mark.slow)])
 def test_mixed_precision_pipelined_matches_one_device(policy):
     """bfloat16 compute (activations cross stages as float32 buffers, exactly) and bfloat16
     parameters with a float32 master copy: 2 steps as one device with accumulate=4, to
