@@ -358,3 +358,13 @@ def test_mixed_precision_pipelined_matches_one_device(policy):
     assert jax.tree_util.tree_leaves(got.params)[0].dtype == jax.tree_util.tree_leaves(state.params)[0].dtype
     assert max_diff(got.params, ref.params) < 4e-3  # a few bfloat16 ulps of weights ~0.5
     assert max_diff(got.state, ref.state) < 2e-3
+
+
+def test_make_mesh_keeps_the_order_of_the_devices_it_is_given():
+    """All 8 devices given in another order: the mesh is laid out in that order (it used to
+    take jax.make_mesh's own order whenever every device was used, which put the 2-process
+    test's stages in the wrong processes)."""
+    devices = jax.devices()[::-1]
+    mesh = make_mesh(2, 1, pipe=4, devices=devices)
+    assert list(mesh.devices.reshape(-1)) == devices
+    assert list(make_mesh(2, 1, pipe=4).devices.reshape(-1)) == jax.devices()
