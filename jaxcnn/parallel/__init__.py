@@ -5,6 +5,7 @@
   table that maps them to mesh axes (model parallelism, fsdp).
 * :mod:`~jaxcnn.parallel.strategies`: a pure train step under ``shard_map``,
   ``pmap`` or ``jit`` with ``NamedSharding``.
+* :mod:`~jaxcnn.parallel.spatial`: images split along height over ``spatial``.
 * :mod:`~jaxcnn.parallel.distributed`: multi-process runs.
 * :mod:`~jaxcnn.parallel.plan`: :func:`setup`, all of it for the training loop.
 """
@@ -12,9 +13,11 @@ from jaxcnn.parallel.distributed import DistributedError, global_batch, initiali
 from jaxcnn.parallel.mesh import DATA, MODEL, PIPE, SPATIAL, axis_size, check_batch, make_mesh, mesh_from_config, mesh_shape
 from jaxcnn.parallel.plan import ParallelPlan, setup
 from jaxcnn.parallel.rules import DEFAULT_RULES, logical_axes, partition_spec
+from jaxcnn.parallel.spatial import SpatialLayout, spatial_layout
 from jaxcnn.parallel.strategies import STRATEGIES, per_device, wrap_train_step
 
 __all__ = ["DATA", "MODEL", "PIPE", "SPATIAL", "axis_size", "DEFAULT_RULES", "STRATEGIES", "DistributedError", "ParallelPlan",
            "check_batch", "global_batch", "initialize", "logical_axes", "make_mesh",
-           "mesh_from_config", "mesh_shape", "partition_spec", "per_device", "setup", "to_host",
+           "mesh_from_config", "mesh_shape", "partition_spec", "per_device", "setup", "SpatialLayout",
+           "spatial_layout", "to_host",
            "wrap_train_step"]
