@@ -213,8 +213,9 @@ def activation_sharding(mesh: Mesh) -> NamedSharding:
 
 
 def gathered_sharding(mesh: Mesh) -> NamedSharding:
-    """Batch over ``data``, the spatial axis gathered; the rest left to the partitioner."""
-    return NamedSharding(mesh, P(DATA))
+    """Batch over ``data``, the spatial axis gathered (height and width whole), channels left
+    to the partitioner."""
+    return NamedSharding(mesh, P(DATA, None, None, P.UNCONSTRAINED))
 
 
 def _pinned(layer: Layer, sharding) -> Layer:
