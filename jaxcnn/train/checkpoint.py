@@ -71,7 +71,7 @@ _ENTRY_KEYS = {"path", "shape", "dtype", "sha256"}
 # computes: how it is logged, checkpointed, evaluated, fed and laid out over devices. Changing
 # them between a run and its resumption is not a config change; every other key is.
 # (model.impl and model.batch_norm_grad pick kernels of the same function, equal up to rounding;
-# mesh/parallel.strategy/fsdp/rules place the same computation; parallel.sync_batch_norm does
+# mesh/parallel.strategy/fsdp/rules/spatial place the same computation; parallel.sync_batch_norm does
 # change the math and is not listed.)
 NON_TRAINING_KEYS = (
     "logging.", "checkpoint.", "distributed.", "mesh.",
@@ -80,7 +80,7 @@ NON_TRAINING_KEYS = (
     # (fail) may go on skipping it. eval_resize: evaluation only.
     "data.workers", "data.on_bad_image", "data.eval_resize",
     "model.impl", "model.batch_norm_grad",
-    "parallel.strategy", "parallel.fsdp", "parallel.rules",
+    "parallel.strategy", "parallel.fsdp", "parallel.rules", "parallel.spatial.",
 )
 
 

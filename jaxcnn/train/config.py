@@ -289,6 +289,10 @@ SCHEMA: dict[str, dict] = {
         "rules": _f("dict", {}, "logical parameter axis -> mesh axis (data, model) or null; "
                     "merged over the built-in rules",
                     item=_f("str", None, "mesh axis", nullable=True, choices=("data", "model"))),
+        "spatial": {
+            "until": _f("str", "auto", "with mesh.spatial > 1: the last layer (a path such as layer3) whose "
+                        "activations stay split along height; auto = as far as the model allows", low=1),
+        },
     },
     "distributed": {
         "mode": _f("str", "auto", "jax.distributed.initialize: auto-detect, always, or never",

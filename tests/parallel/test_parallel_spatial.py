@@ -165,3 +165,81 @@ def test_until_stops_the_split_where_asked():
     assert layout.halos["conv1"] == 3 and layout.halos["maxpool"] == 1
     auto = spatial_layout(model, shape, 4)
     assert auto.split[-1] == "layer2.1" and auto.split[:len(layout.split)] == layout.split
+
+
+# -- through jaxcnn-train: config keys, dry run, checkpoint and resume onto another layout ---------
+
+SPATIAL4 = ["mesh.data=2", "mesh.spatial=4", "parallel.strategy=jit"]
+DATA_ONLY = ["mesh.data=-1", "mesh.spatial=1", "parallel.strategy=jit"]
+
+
+def _tiny16(path, n_train=64, n_test=32, classes=4):
+    """tiny_npz's learnable grey images (brightness encodes the label), 16x16 so 4 shards split them."""
+    rng = np.random.default_rng(0)
+    labels = rng.integers(0, classes, n_train + n_test)
+    x = (rng.random((n_train + n_test, 16, 16)) * 60 + labels[:, None, None] * 50).astype(np.uint8)
+    np.savez(path, x_train=x[:n_train], y_train=labels[:n_train], x_test=x[n_train:], y_test=labels[n_train:])
+    return str(path)
+
+
+def _cli_args(data, workdir, *extra):
+    from reliability.reliability_lib import tiny_args
+    return [a for a in tiny_args(data, "model.name=lenet5", "train.steps=8", "checkpoint.every=2",
+                                 "checkpoint.keep=10", *extra, "--workdir", str(workdir))
+            if a != "model.name=mnist_cnn"]
+
+
+def _keep_until(workdir, step):
+    import os
+    import shutil
+    for name in os.listdir(workdir / "checkpoints"):
+        if name.isdigit() and int(name) > step:
+            shutil.rmtree(workdir / "checkpoints" / name)
+    os.remove(workdir / "params.npz")
+
+
+def test_train_cli_spatial_run_resumes_onto_data_only_and_back(tmp_path, capsys):
+    """lenet5 on 16x16 images: spatial 4 (data 2) splits conv1 (5x5, 2 halo rows of 4), act1 and
+    pool1 and gathers before conv2 (whose 5x5 window needs 3 rows of a 2-row shard).  A spatial run
+    resumed at step 4 as data-parallel, and that run resumed at step 6 as spatial again, end where
+    the spatial run ends (float32: 1e-5; the layout is not a config change)."""
+    import shutil
+
+    from jaxcnn.interop import load_npz
+    from jaxcnn.train.cli import train_main
+    data = _tiny16(tmp_path / "tiny16.npz")
+    assert train_main(_cli_args(data, tmp_path / "dry", *SPATIAL4, "--dry-run")) == 0
+    out = capsys.readouterr().out
+    assert "mesh data 2 x model 1 x spatial 4 (images split along height through pool1) (jit)" in out
+
+    ref = tmp_path / "spatial"
+    assert train_main(_cli_args(data, ref, *SPATIAL4)) == 0
+    capsys.readouterr()
+    flat = tmp_path / "data_only"
+    shutil.copytree(ref, flat)
+    _keep_until(flat, 4)
+    assert train_main(_cli_args(data, flat, *DATA_ONLY)) == 0
+    assert "resumed from step 4" in capsys.readouterr().out
+    back = tmp_path / "back"
+    shutil.copytree(flat, back)
+    _keep_until(back, 6)
+    assert train_main(_cli_args(data, back, *SPATIAL4, "parallel.spatial.until=act1")) == 0
+    assert "resumed from step 6" in capsys.readouterr().out
+    want = load_npz(str(ref / "params.npz"))
+    for run in (flat, back):
+        got = load_npz(str(run / "params.npz"))
+        assert max_diff(got, want) < 1e-5, run.name
+
+
+def test_train_cli_refuses_an_impossible_split_before_compute(tmp_path, capsys):
+    from jaxcnn.train.cli import train_main
+    data = _tiny16(tmp_path / "tiny16.npz")
+    assert train_main(_cli_args(data, tmp_path / "a", *SPATIAL4, "parallel.spatial.until=conv2",
+                                "--dry-run")) == 2
+    err = capsys.readouterr().err
+    assert ("parallel.spatial.until: cannot split up to 'conv2' over 4 spatial shards: conv2 (conv2d 5x5, "
+            "stride 1, padding (0, 0)) needs 3 halo rows from its neighbour but a shard of its 8-row "
+            "input holds 2") in err
+    assert "Traceback" not in err
+    assert train_main(_cli_args(data, tmp_path / "b", "mesh.spatial=4", "--dry-run")) == 2
+    assert "parallel.strategy: mesh.spatial=4 needs strategy jit" in capsys.readouterr().err
