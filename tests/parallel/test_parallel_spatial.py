@@ -243,3 +243,22 @@ def test_train_cli_refuses_an_impossible_split_before_compute(tmp_path, capsys):
     assert "Traceback" not in err
     assert train_main(_cli_args(data, tmp_path / "b", "mesh.spatial=4", "--dry-run")) == 2
     assert "parallel.strategy: mesh.spatial=4 needs strategy jit" in capsys.readouterr().err
+
+
+def test_bench_scaling_reports_memory_and_halo_exchanges(capsys):
+    import importlib.util
+    import json
+    import pathlib
+    path = pathlib.Path(__file__).resolve().parents[2] / "scripts" / "bench_scaling.py"
+    spec = importlib.util.spec_from_file_location("bench_scaling", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main(["--model", "mnist_cnn", "--layout", "spatial", "--devices", "1,2",
+                       "--per-device-batch", "4", "--compile-only", "--json"]) == 0
+    out = capsys.readouterr().out
+    rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    assert [(r["data"], r["spatial"], r["global_batch"]) for r in rows] == [(1, 1, 4), (1, 2, 4)]
+    assert rows[0]["split_through"] is None and rows[1]["split_through"] == "dropout1"
+    assert rows[0]["collective-permute"] == 0 and rows[1]["collective-permute"] > 0
+    assert all(r["step_bytes"] > 0 for r in rows)
+    assert "mem/device" in out
