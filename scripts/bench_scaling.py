@@ -121,8 +121,12 @@ def main(argv=None) -> int:
         row = {"devices": n, "data": data, "spatial": spatial, "global_batch": batch,
                "split_through": plan.spatial.gather_after if plan.spatial else None,
                "step_bytes": _step_bytes(compiled), "lower_compile_s": time.perf_counter() - t0}
+        try:  # the temporaries (activations and their gradients) are what spatial shards divide
+            row["temp_bytes"] = int(compiled.memory_analysis().temp_size_in_bytes)
+        except Exception:  # not every backend implements memory_analysis
+            row["temp_bytes"] = None
         for op in ("collective-permute", "all-gather", "all-reduce", "all-to-all", "reduce-scatter"):
-            row[op] = len(re.findall(rf"= [^=]*? {op}(-start)?\(", hlo))
+            row[op] = len(re.findall(rf"^\s*(?:ROOT )?\S+ = .* {op}(?:-start)?\(", hlo, re.M))
         if args.compile_only:
             rows.append(row)
             continue
@@ -144,10 +148,12 @@ def main(argv=None) -> int:
           f"({os.cpu_count()} host cores){'  plain channel sums' if args.plain_channel_sums else ''}")
     if args.compile_only:
         print(f"{'devices':>7} {'data':>4} {'spatial':>7} {'batch':>6} {'mem/device':>11} {'vs 1st':>6} "
-              f"{'permutes':>8} {'gathers':>7} {'reduces':>7}  split through")
+              f"{'temp':>9} {'vs 1st':>6} {'permutes':>8} {'gathers':>7} {'reduces':>7}  split through")
         for r in rows:
+            mem, temp = r["step_bytes"] or 0, r["temp_bytes"] or 0
             print(f"{r['devices']:>7} {r['data']:>4} {r['spatial']:>7} {r['global_batch']:>6} "
-                  f"{fmt_bytes(r['step_bytes'] or 0):>11} {(r['step_bytes'] or 0) / (rows[0]['step_bytes'] or 1):>6.2f} "
+                  f"{fmt_bytes(mem):>11} {mem / (rows[0]['step_bytes'] or 1):>6.2f} "
+                  f"{fmt_bytes(temp):>9} {temp / (rows[0]['temp_bytes'] or 1):>6.2f} "
                   f"{r['collective-permute']:>8} {r['all-gather']:>7} {r['all-reduce']:>7}  "
                   f"{r['split_through'] or '-'}")
         if args.json:

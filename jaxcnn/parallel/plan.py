@@ -66,6 +66,11 @@ class ParallelPlan:
         check_batch(mesh, input_shape[0])
         self.spatial, self.step_model = None, model
         if axis_size(mesh, SPATIAL) > 1:
+            if mesh.shape[MODEL] > 1:
+                raise ValueError(f"mesh.model: {mesh.shape[MODEL]} with mesh.spatial="
+                                 f"{axis_size(mesh, SPATIAL)}: spatial partitioning composes with the "
+                                 f"data axis only (XLA's partitioner gave wrong gradients for "
+                                 f"spatial x model meshes); use mesh.model=1")
             if strategy != "jit":
                 raise ValueError(f"parallel.strategy: mesh.spatial={axis_size(mesh, SPATIAL)} needs strategy "
                                  f"jit (one global program that XLA partitions), got {strategy!r}")

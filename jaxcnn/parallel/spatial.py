@@ -6,8 +6,12 @@ they are: XLA's SPMD partitioner gives every height-sharded convolution and
 pooling window the rows it needs from the neighbouring shards (halo
 exchanges, ``collective-permute`` in the compiled HLO: no whole activation is
 gathered for them), and BatchNorm's mean over ``(N, H, W)`` becomes an
-all-reduce over ``data`` and ``spatial`` together.  What this module decides is
-*how far* the split goes and that it is sound:
+all-reduce over ``data`` and ``spatial`` together.  (On the CPU backend the
+per-channel sums of :mod:`jaxcnn.functional._channels` fold ``(N, H, W, C)``
+into ``(rows, lanes)`` with a reshape that the partitioner can only do by
+all-gathering a height-split activation: CPU-emulated devices see those
+gathers, other backends do not fold; docs/BENCHMARKS.md has the counts.)
+What this module decides is *how far* the split goes and that it is sound:
 
 * The model is read as a sequence of **units**: the children of its top-level
   ``serial``, with nested ``serial``\\ s opened (ResNet's ``layer1`` gives
@@ -20,8 +24,9 @@ all-reduce over ``data`` and ``spatial`` together.  What this module decides is
   each neighbour (its *halo*), and no window is taller than the whole image
   (for such a window, e.g. a 3x3 convolution on a 2-row image split in two,
   XLA's SPMD partitioner computes a wrong input gradient when ``data`` is above
-  1: seen with jax 0.10.2 and 0.11.2 on CPU; the forward pass is right).  Global or adaptive pooling, flatten, linear
-  layers, transposed convolutions and anything unknown end the split.
+  1: seen with jax 0.10.2 and 0.11.2 on CPU; the forward pass is right).
+  Global or adaptive pooling, flatten, linear layers, transposed convolutions
+  and anything unknown end the split.
 * ``until="auto"`` (default) splits the longest run of units from the input on
   that can be split; ``until="<path>"`` (a unit or a nested ``serial`` such as
   ``"layer3"``) splits exactly up to and including it and raises, before any
@@ -31,6 +36,14 @@ all-reduce over ``data`` and ``spatial`` together.  What this module decides is
   the input and after every split unit, then to ``P(data)`` (the spatial axis
   gathered) after the last one, so global pooling, flatten and the classifier
   see whole images.
+* The ``spatial`` axis composes with ``data`` only: with a ``model`` axis too
+  (data 2 x spatial 2 x model 2, or 1 x 2 x 2) XLA's partitioner returned wrong
+  gradients and BatchNorm statistics (0.02-0.2 off, the loss right) with the
+  channels either left to it or pinned whole, so the plan refuses it.
+
+Batches arrive as under data parallelism (``P(data)``: each spatial shard's
+device holds its data shard's whole images); the first constraint slices them
+locally, without communication.
 """
 from __future__ import annotations
 
@@ -207,15 +220,13 @@ def spatial_layout(model: Layer, input_shape, shards: int, *, until: str = "auto
 
 
 def activation_sharding(mesh: Mesh) -> NamedSharding:
-    """Images split over ``data`` (batch) and ``spatial`` (height); width whole, channels
-    left to the partitioner (so a ``model`` axis keeps its channel split)."""
-    return NamedSharding(mesh, P(DATA, SPATIAL, None, P.UNCONSTRAINED))
+    """Images split over ``data`` (batch) and ``spatial`` (height), the rest whole."""
+    return NamedSharding(mesh, P(DATA, SPATIAL))
 
 
 def gathered_sharding(mesh: Mesh) -> NamedSharding:
-    """Batch over ``data``, the spatial axis gathered (height and width whole), channels left
-    to the partitioner."""
-    return NamedSharding(mesh, P(DATA, None, None, P.UNCONSTRAINED))
+    """Batch over ``data``, the spatial axis gathered."""
+    return NamedSharding(mesh, P(DATA))
 
 
 def _pinned(layer: Layer, sharding) -> Layer:

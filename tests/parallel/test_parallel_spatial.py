@@ -95,8 +95,8 @@ def test_activations_are_height_sharded_until_the_gather():
     specs = re.findall(r"sharding_constraint\[[^\]]*?spec=P\(([^)]*)\)", jaxpr)
     # input + every split unit (4 stem units + 4 blocks of layer1/layer2), the last one gathering.
     assert len(specs) == 1 + len(plan.spatial.split)
-    assert specs[:-1] == ["'data', 'spatial', None, UNCONSTRAINED"] * len(plan.spatial.split)
-    assert specs[-1] == "'data', None, None, UNCONSTRAINED"
+    assert specs[:-1] == ["'data', 'spatial'"] * len(plan.spatial.split)
+    assert specs[-1] == "'data',"
 
 
 def test_halo_rows_against_the_convolution_jacobian():
@@ -155,6 +155,10 @@ def test_refused_before_compute():
                                       init(model, LR1, shape))
     with pytest.raises(ValueError, match=r"^parallel.strategy: mesh.spatial=4 needs strategy jit"):
         ParallelPlan(make_mesh(2, 1, spatial=4), model, shape, abstract, strategy="shard_map")
+    # Not with a model axis: XLA's partitioner got spatial x model wrong (0.02-0.2 off).
+    with pytest.raises(ValueError, match=r"^mesh.model: 2 with mesh.spatial=2: spatial partitioning "
+                                         r"composes with the data axis only"):
+        ParallelPlan(make_mesh(2, 2, spatial=2), model, shape, abstract, strategy="jit")
 
 
 def test_until_stops_the_split_where_asked():
