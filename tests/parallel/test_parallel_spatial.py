@@ -266,3 +266,17 @@ def test_bench_scaling_reports_memory_and_halo_exchanges(capsys):
     assert rows[0]["collective-permute"] == 0 and rows[1]["collective-permute"] > 0
     assert all(r["step_bytes"] > 0 for r in rows)
     assert "mem/device" in out
+
+
+def test_cpu_fence_reads_one_element_of_a_height_split_activation():
+    """The CPU lowering's fence (a stored copy of a convolution's input) reads the first element
+    without flattening, so a height-split input is not all-gathered to read it."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from jaxcnn.functional import _cpu_lowering as CL
+    mesh = make_mesh(2, 1, spatial=4)
+    x = jax.device_put(np.random.default_rng(0).normal(size=(4, 8, 8, 16)).astype(np.float32),
+                       NamedSharding(mesh, P("data", "spatial")))
+    fenced = jax.jit(CL._fence)
+    assert np.asarray(fenced(x)).tobytes() == np.asarray(x).tobytes()
+    assert "all-gather" not in fenced.lower(x).compile().as_text()
