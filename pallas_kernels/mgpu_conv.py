@@ -178,6 +178,11 @@ class MgpuConfig:
 
 DEFAULT = MgpuConfig()
 PARTS = ("fwd", "dgrad", "wgrad")
+# The forward tiles ``scripts/bench_mgpu.py --sweep`` times and can store for a shape:
+# every configuration the tuner can choose (each lowered for sm_90a in the tests).
+SWEEP = tuple(MgpuConfig(block_n=bn, block_k=bk, stages=st, warp_specialized=ws)
+              for bn in (64, 128, 256) for bk in (32, 64) for st in (2, 4)
+              for ws in (False, True))
 
 
 def config_key(part: str, x_shape, w_shape, stride, pads, dilation, dtype) -> str:
@@ -300,6 +305,28 @@ def _check_config(cfg: MgpuConfig, bk: int, bn: int) -> None:
         raise ValueError(f"MgpuConfig.tile_w must divide {TILE_M}, got {cfg.tile_w}")
 
 
+# Shared memory one CTA may use on sm_90 (227 KiB, the opt-in maximum Mosaic checks against).
+MAX_SMEM = 232448
+_REDUCTION_SCRATCH = 128 * 4 * 4  # plgpu.CompilerParams.reduction_scratch_bytes' default
+_BARRIER = 8
+
+
+def smem_bytes(cfg: MgpuConfig, c: int, co: int, dtype, *, bias=False, residual_dtype=None,
+               prologue=False, stats=False) -> int:
+    """Shared memory the forward kernel's scratch takes for ``C_in = c``, ``C_out = co``
+    (the sum Mosaic checks against :data:`MAX_SMEM` when it lowers the kernel)."""
+    it = jnp.dtype(dtype).itemsize
+    bk, bn, st = _block_k(c, cfg), _block_n(co, cfg), cfg.stages
+    total = 2 * st * TILE_M * bk * it + st * bk * bn * it + TILE_M * bn * it + st * _BARRIER
+    total += st * 2 * bk * 4 if prologue else 0
+    total += 2 * bn * 4 + _REDUCTION_SCRATCH if stats else 0
+    total += st * _BARRIER if cfg.warp_specialized else 0
+    total += bn * 4 if bias else 0
+    if residual_dtype is not None:
+        total += TILE_M * bn * jnp.dtype(residual_dtype).itemsize
+    return total + (_BARRIER if bias or residual_dtype is not None else 0)
+
+
 def _interpret_params(plgpu, interpret, detect_races: bool):
     if not interpret:
         return None
@@ -347,6 +374,11 @@ def _implicit_gemm(x, w3, bias, residual, gm: _Geom, cfg: MgpuConfig, *, relu, i
     from jax.experimental import pallas as pl
 
     has_bias, has_res, has_pro = bias is not None, residual is not None, in_ss is not None
+    smem = smem_bytes(cfg, gm.c, gm.co, dtype, bias=has_bias, prologue=has_pro, stats=stats,
+                      residual_dtype=residual.dtype if has_res else None)
+    if smem > MAX_SMEM:
+        raise KernelUnsupported(f"Mosaic GPU conv: {cfg} needs {smem} bytes of shared memory "
+                                f"(more than {MAX_SMEM}) for C_in={gm.c}, C_out={gm.co}")
     if has_pro and in_ss.shape != (2, kc * bk):
         raise AssertionError(f"prologue scale/shift {in_ss.shape} != {(2, kc * bk)}")
     tiles_m = gm.n * tiles_h * tiles_w
@@ -652,7 +684,8 @@ def conv_forward(x, w, b=None, residual=None, *, relu=False, stride=(1, 1),
         interpret: run in Mosaic GPU interpret mode (on the CPU).
         detect_races: with ``interpret``, run the interpreter's race detector.
         name: the kernel's name (the input gradient runs this kernel as
-            ``jaxcnn_mgpu_conv_dgrad``).
+            ``jaxcnn_mgpu_conv_dgrad``); the forward's default gets ``_bnrelu`` with the
+            prologue and ``_stats`` with the statistics appended.
 
     Returns:
         ``(N, OH, OW, C_out)`` in ``x.dtype`` (float32 accumulation); with ``stats``,
@@ -695,6 +728,8 @@ def conv_forward(x, w, b=None, residual=None, *, relu=False, stride=(1, 1),
     if residual is not None and residual.shape != (n, oh, ow, co):
         raise ValueError(f"Mosaic GPU conv: residual shape {residual.shape} != output "
                          f"{(n, oh, ow, co)}")
+    if name == "jaxcnn_mgpu_conv_fwd":  # the fused variants, by name in profiles and reports
+        name += "_bnrelu" * (input_scale is not None) + "_stats" * bool(stats)
     out = _implicit_gemm(x, w3, b, residual, gm, cfg, relu=bool(relu), interpret=interpret,
                          detect_races=detect_races, name=name, in_ss=in_ss, stats=bool(stats))
     if not stats:

@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.util
-import itertools
 import json
 import os
 import platform
@@ -65,8 +64,7 @@ SHAPES = [
     ("mnist", "mnist conv2", (26, 26, 32), {}, (3, 3, 32, 64), 128),
 ]
 GROUPS = sorted({s[0] for s in SHAPES})
-SWEEP = [mc.MgpuConfig(block_n=bn, block_k=bk, stages=st, warp_specialized=ws)
-         for bn, bk, st, ws in itertools.product((64, 128, 256), (32, 64), (2, 4), (False, True))]
+SWEEP = mc.SWEEP
 
 
 def _bench_kernels():

@@ -19,12 +19,15 @@ Tolerances:
   cotangents are rounded to bfloat16 in different places), so 2e-2 of
   ``max(1, max |reference|)`` for bfloat16, as the Triton kernels' tests.
 """
+from unittest import mock
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
 
+from jaxcnn.errors import KernelUnsupported
 from mgpu_testlib import HALF_STEP, S, inspect_kernels, needs_mgpu, races  # noqa: F401
 from mgpu_testlib import assert_16bit_close, normal, ref_conv
 from pallas_kernels import mgpu_conv as mc
@@ -243,8 +246,45 @@ def test_fused_variants_lower_for_hopper_with_tma_and_wgmma():
         reports = ik.inspect_mosaic(fwd_and_grads, S(xs, jnp.bfloat16), S(ws, jnp.bfloat16),
                                     S(ws[3:], jnp.bfloat16), S((128,), F32), S((128,), F32))
         names = [r.name for r in reports]
-        assert names.count("jaxcnn_mgpu_conv_fwd") == 2, names
+        assert "jaxcnn_mgpu_conv_fwd_stats" in names, names
+        assert "jaxcnn_mgpu_conv_fwd_bnrelu_stats" in names, names
         assert "jaxcnn_mgpu_conv_wgrad" in names and "jaxcnn_mgpu_conv_dgrad" in names
         for r in reports:
             assert r.tma_load and r.tma_store and r.mbarrier, f"{r.name}: {r}"
             assert r.wgmma and all(s.endswith(".bf16.bf16") for s in r.wgmma), r.wgmma
+
+
+def test_every_tuner_config_of_the_fused_forward_lowers_or_is_refused_by_its_smem():
+    """Each forward tile configuration ``bench_mgpu.py --sweep`` can choose
+    (``mgpu_conv.SWEEP``), on the fused kernel with every option (prologue, bias,
+    residual, ReLU, statistics): where :func:`smem_bytes` says it fits, it lowers for an
+    abstract H100 with TMA loads and stores, mbarriers, ``wgmma`` of its ``block_n`` and
+    ``setmaxnreg`` exactly when warp-specialised; where it does not, the kernel refuses it
+    in one line, and Mosaic's own check agrees (its count is the estimate's)."""
+    ik = inspect_kernels()
+    xs, ws = (2, 14, 14, 128), (3, 3, 128, 256)
+    args = (S(xs, jnp.bfloat16), S(ws, jnp.bfloat16), S((256,), jnp.bfloat16),
+            S((2, 14, 14, 256), jnp.bfloat16), S((128,), F32), S((128,), F32))
+    fitted = 0
+    for cfg in mc.SWEEP:
+        def fwd(x, w, b, res, scale, shift, cfg=cfg):
+            return mc.conv_forward(x, w, b, res, relu=True, pads=((1, 1), (1, 1)),
+                                   input_scale=scale, input_shift=shift, stats=True,
+                                   config=cfg)
+        need = mc.smem_bytes(cfg, 128, 256, jnp.bfloat16, bias=True, prologue=True,
+                             stats=True, residual_dtype=jnp.bfloat16)
+        if need > mc.MAX_SMEM:
+            with pytest.raises(KernelUnsupported, match=f"needs {need} bytes of shared"):
+                ik.inspect_mosaic(fwd, *args)
+            with pytest.raises(ValueError, match=f"smem_bytes={need} > "):
+                # Mosaic's own count, past our check: the estimate is what Mosaic sums.
+                with mock.patch.object(mc, "MAX_SMEM", 1 << 30):
+                    ik.inspect_mosaic(fwd, *args)
+            continue
+        fitted += 1
+        (r,) = ik.inspect_mosaic(fwd, *args)
+        assert r.name == "jaxcnn_mgpu_conv_fwd_bnrelu_stats"
+        assert r.tma_load and r.tma_store and r.mbarrier, f"{cfg}: {r}"
+        assert r.wgmma == (f"m64n{cfg.block_n}k16.f32.bf16.bf16",), f"{cfg}: {r.wgmma}"
+        assert r.setmaxnreg == cfg.warp_specialized, f"{cfg}: setmaxnreg {r.setmaxnreg}"
+    assert fitted == len(mc.SWEEP) - 2  # block_n 256, block_k 64, 4 stages: over 227 KiB
