@@ -144,7 +144,8 @@ def make_train_step(model, tx: optax.GradientTransformation, *, policy=None,
                     skip_nonfinite: bool = False, axis_name: str | None = None,
                     image_norm: tuple | None = None, impl: str = "auto",
                     batch_norm_grad: str = "auto", sync_batch_norm: bool = True,
-                    mix: mixing.MixSpec | None = None, accumulate: int = 1):
+                    mix: mixing.MixSpec | None = None, accumulate: int = 1,
+                    conv_bn: str = "auto"):
     """Build ``train_step(state, batch) -> (state, metrics)``.
 
     Arguments:
@@ -173,6 +174,8 @@ def make_train_step(model, tx: optax.GradientTransformation, *, policy=None,
         accumulate: micro-batches per step (example ``i`` in micro-batch ``i % accumulate``),
             run in turn (``lax.scan``), gradients averaged into one update; BatchNorm uses
             and updates its statistics per micro-batch, as PyTorch does.
+        conv_bn: ``Conv -> BatchNorm -> ReLU`` chains fused into the Mosaic GPU
+            convolutions (``Choices.conv_bn``: ``"auto"``, ``"off"``, ``"mosaic"``).
 
     The returned function carries ``batch_norm_axis_name`` (the axis BatchNorm syncs
     over, or None), which :func:`jaxcnn.parallel.strategies.wrap_train_step` checks.
@@ -182,7 +185,8 @@ def make_train_step(model, tx: optax.GradientTransformation, *, policy=None,
     applied) and ``skipped`` (steps skipped so far).
     """
     bn_axis = axis_name if sync_batch_norm else None
-    choices = Choices(impl=impl, batch_norm_grad=batch_norm_grad, axis_name=bn_axis)
+    choices = Choices(impl=impl, batch_norm_grad=batch_norm_grad, axis_name=bn_axis,
+                      conv_bn=conv_bn)
     if not isinstance(accumulate, int) or accumulate < 1:
         raise ValueError(f"accumulate must be an int >= 1, got {accumulate!r}")
     loss_fn = _loss_fn(model, policy=policy, choices=choices, label_smoothing=label_smoothing,
