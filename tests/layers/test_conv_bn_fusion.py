@@ -156,3 +156,50 @@ def test_auto_fuses_only_where_a_measured_win_is_cached(monkeypatch):
 def test_a_bad_conv_bn_choice_is_one_clear_error():
     with pytest.raises(ValueError, match=r"Choices: conv_bn must be one of .*'fused'"):
         L.Choices(conv_bn="fused")
+
+
+def test_the_chain_walk_is_transparent_where_nothing_fuses():
+    """With conv_bn="mosaic" but float32 (no kernel runs it), serial and residual walk their
+    children through the fusion code and must give exactly the unfused results: the same
+    bits, random keys (dropout) and states."""
+    model = L.serial(
+        ("conv", L.Conv2D(8, 3, padding=1)), ("bn", L.BatchNorm()), ("relu", L.Relu()),
+        ("drop", L.Dropout(0.5)),
+        ("block", L.residual(("c1", L.Conv2D(8, 1)), ("b1", L.BatchNorm()), ("r1", L.Relu()),
+                             ("c2", L.Conv2D(8, 3, padding=1)), ("b2", L.BatchNorm()),
+                             activation=L.Relu())))
+    x = jnp.asarray(np.random.default_rng(2).standard_normal((2, 5, 5, 8)).astype(np.float32))
+    params, state, _ = model.init(jax.random.PRNGKey(2), x.shape)
+
+    def run(fusion):
+        return model.apply(params, state, x, train=True, rng=jax.random.PRNGKey(3),
+                           choices=L.Choices(conv_bn=fusion))
+    (y, s), (y_ref, s_ref) = run("mosaic"), run("off")
+    assert np.array_equal(np.asarray(y), np.asarray(y_ref))
+    assert jax.tree.structure(s) == jax.tree.structure(s_ref)
+    for a, b in zip(jax.tree.leaves(s), jax.tree.leaves(s_ref)):
+        assert np.array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_batch_norm_from_fused_statistics_syncs_like_the_layer():
+    """SyncBatchNorm: the fused path's BatchNorm (from per-device conv statistics, combined
+    over the mapped axis) gives the layer's new running statistics and its normalisation."""
+    bn = L.BatchNorm(momentum=0.3)
+    y = jnp.asarray(np.random.default_rng(4).standard_normal((2, 3, 4, 4, 8)).astype(np.float32)
+                    * 2 + 1)  # (devices, N, H, W, C)
+    params, state, _ = bn.init(None, y.shape[1:])
+    params = {"scale": params["scale"] * 1.5, "bias": params["bias"] - 0.5}
+    choices = L.Choices(axis_name="d")
+
+    def fused(y):
+        mean, var = jnp.mean(y, (0, 1, 2)), jnp.var(y, (0, 1, 2))  # what the kernel returns
+        scale, shift, new = fusion._batch_norm(bn, params, state, y.shape, mean, var, choices)
+        return y * scale + shift, new
+
+    def layer(y):
+        return bn.apply(params, state, y, train=True, choices=choices)
+    (z, new), (z_ref, new_ref) = (jax.vmap(f, axis_name="d")(y) for f in (fused, layer))
+    np.testing.assert_allclose(z, z_ref, rtol=1e-5, atol=1e-5)
+    for k in ("mean", "var"):
+        np.testing.assert_allclose(new[k], new_ref[k], rtol=1e-6, atol=1e-6)
+    assert int(new["count"][0]) == 1
