@@ -39,7 +39,7 @@ bfloat16/float16 in, float32 accumulation):
   ``wgmma`` reads with the weights.  (``wgmma`` could take its left operand
   straight from registers, and the lowering accepts that, but GPU interpret
   mode cannot simulate it, so the tested path restages.  The registers are
-  also where a BatchNorm-apply + ReLU prologue would go.)  The cost is one
+  also where the BatchNorm + ReLU prologue goes, below.)  The cost is one
   shared-memory round trip per step, with bank conflicts on the unswizzled
   reads; unmeasured.
 - **Pipeline.**  ``stages`` slots (default 3) of both operands; the prologue
@@ -73,6 +73,22 @@ bfloat16/float16 in, float32 accumulation):
   the row would write into the next row.  (Overlapping the last tile instead
   would write some pixels twice, a race the interpreter's detector reports.)
   Channel tails are clipped by the tensor TMA.
+- **BatchNorm fusions** (:mod:`pallas_kernels.mgpu_fused` is the differentiable op).
+  ``stats=True``: after the epilogue, each CTA also reduces its stored (rounded)
+  tile, masked to the pixels inside the output, to a per-channel sum and a sum of
+  squares about the tile's own mean, written to a ``(tiles, 2, C_out)`` float32
+  buffer; :func:`combine_tile_stats` merges them by Chan's formula in a fixed
+  pairwise order (deterministic, no atomics, no ``E[y^2] - E[y]^2`` cancellation)
+  into BatchNorm's batch mean and biased variance.  ``input_scale``/``input_shift``:
+  a prologue applies ``relu(x * scale + shift)`` in float32 to each input tile in
+  registers, between its load and its restaging for ``wgmma`` (the step's channel
+  chunk of scale and shift arrives by TMA with the step's other copies), and zeroes
+  the positions that are padding (outside the image, found from the tile's pixel
+  coordinates), so padding is of the normalised activation as in
+  ``conv(relu(bn(x)))``.  The fused forwards are named ``..._fwd_bnrelu``,
+  ``..._fwd_stats`` and ``..._fwd_bnrelu_stats``.
+- **Shared memory**: :func:`smem_bytes` is the scratch Mosaic counts; a configuration
+  over :data:`MAX_SMEM` (227 KiB) is refused in one line before lowering.
 - **Not supported** (:class:`~jaxcnn.errors.KernelUnsupported`, which the
   dispatcher turns into the Triton/XLA path): stride > 4, groups > 1,
   float32, channel counts that are not a multiple of 8 (TMA needs 16-byte
