@@ -60,7 +60,6 @@ from jaxcnn.functional import conv_bn as fcb  # noqa: E402
 from jaxcnn.functional import tuning  # noqa: E402
 from pallas_kernels import autotune  # noqa: E402
 from pallas_kernels import mgpu_conv as mc  # noqa: E402
-from pallas_kernels import mgpu_fused as mf  # noqa: E402
 
 _P1 = dict(padding=1)
 # (group, name, x shape NHWC, kwargs, w shape HWIO, batch)
