@@ -113,6 +113,7 @@ import warnings
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from jaxcnn.errors import KernelUnsupported
@@ -524,7 +525,7 @@ def _implicit_gemm(x, w3, bias, residual, gm: _Geom, cfg: MgpuConfig, *, relu, i
                 st_smem[0] = total
                 st_smem[1] = jnp.sum(centred * centred, axis=0)
             plgpu.commit_smem()
-            if stats:
+            if stats:  # this CTA's partials: one row of the (tiles_m, 2, cop) buffer
                 plgpu.copy_smem_to_gmem(st_smem, st_ref.at[mi, :, pl.ds(co0, bn)])
             for r in range(th):
                 def store(off, size, r=r):
@@ -757,7 +758,6 @@ def conv_forward(x, w, b=None, residual=None, *, relu=False, stride=(1, 1),
 def _tile_counts(gm: _Geom, cfg: MgpuConfig):
     """Output pixels of each forward tile (its rows and columns inside the output), in the
     order of the grid's ``m`` axis: ``(tiles_m,)`` float32 (static)."""
-    import numpy as np
     tw = min(cfg.tile_w or pick_tile_w(gm.ow), pick_tile_w(gm.ow))
     th = TILE_M // tw
     rows = np.minimum(th, gm.oh - np.arange(0, gm.oh, th))

@@ -144,8 +144,7 @@ def make_train_step(model, tx: optax.GradientTransformation, *, policy=None,
                     skip_nonfinite: bool = False, axis_name: str | None = None,
                     image_norm: tuple | None = None, impl: str = "auto",
                     batch_norm_grad: str = "auto", sync_batch_norm: bool = True,
-                    mix: mixing.MixSpec | None = None, accumulate: int = 1,
-                    conv_bn: str = "auto"):
+                    mix: mixing.MixSpec | None = None, accumulate: int = 1, conv_bn="auto"):
     """Build ``train_step(state, batch) -> (state, metrics)``.
 
     Arguments:
@@ -164,9 +163,9 @@ def make_train_step(model, tx: optax.GradientTransformation, *, policy=None,
             ``uint8`` batch images are then normalised on the device,
             ``(x / 255 - mean) / std`` in float32, so the host moves bytes
             (4x less than float32).  Float images are used as given.
-        impl, batch_norm_grad: the layers' kernels and BatchNorm backward, passed to
-            ``model.apply`` as ``choices`` (:class:`jaxcnn.layers.Choices`, which checks
-            the names here, when the step is made).
+        impl, batch_norm_grad, conv_bn: the layers' kernels, BatchNorm backward and
+            Conv -> BatchNorm fusion, passed to ``model.apply`` as ``choices``
+            (:class:`jaxcnn.layers.Choices`, which checks the names when the step is made).
         sync_batch_norm: BatchNorm layers built without ``axis_name`` sync their
             statistics over ``axis_name`` (SyncBatchNorm); False keeps them per device
             (``parallel.per_device`` then averages the running statistics).
@@ -174,8 +173,6 @@ def make_train_step(model, tx: optax.GradientTransformation, *, policy=None,
         accumulate: micro-batches per step (example ``i`` in micro-batch ``i % accumulate``),
             run in turn (``lax.scan``), gradients averaged into one update; BatchNorm uses
             and updates its statistics per micro-batch, as PyTorch does.
-        conv_bn: ``Conv -> BatchNorm -> ReLU`` chains fused into the Mosaic GPU
-            convolutions (``Choices.conv_bn``: ``"auto"``, ``"off"``, ``"mosaic"``).
 
     The returned function carries ``batch_norm_axis_name`` (the axis BatchNorm syncs
     over, or None), which :func:`jaxcnn.parallel.strategies.wrap_train_step` checks.
