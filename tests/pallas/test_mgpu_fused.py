@@ -226,32 +226,34 @@ def test_fused_chain_has_the_unfused_chains_values_and_gradients(backward):
 
 # --- offline lowering of the fused kernels for sm_90a ----------------------------------
 
-def test_fused_variants_lower_for_hopper_with_tma_and_wgmma():
-    """Every fused variant, forward and gradients, for an abstract H100: each kernel's
-    module holds TMA loads and stores, mbarrier waits and bf16 wgmma."""
+def test_fused_chain_lowers_for_hopper_with_tma_and_wgmma():
+    """The fused chain (statistics epilogue; prologue, stride 2 and statistics), forward and
+    gradients, with a producer warpgroup, for an abstract H100: each kernel's module holds
+    TMA loads and stores, mbarrier waits and bf16 wgmma.  (Every forward tile configuration
+    is lowered by the next test.)"""
     ik = inspect_kernels()
     xs, ws = (2, 14, 14, 64), (3, 3, 64, 128)
+    cfg = mc.MgpuConfig(block_n=64, stages=4, warp_specialized=True)
 
-    def chain(x, w, b, gamma, beta, cfg):
+    def chain(x, w, b, gamma, beta):
         y1, m1, v1 = mf.conv_bn_stats(x, w, b, padding=((1, 1), (1, 1)), config=cfg)
         scale, shift = mf.fold_batch_norm(m1, v1, gamma, beta)
         return mf.conv2d(y1, jnp.swapaxes(w, 2, 3)[..., :64], stride=(2, 2),
                          padding=((1, 1), (1, 1)), input_scale=scale, input_shift=shift,
                          stats=True, config=cfg)
 
-    for cfg in (None, mc.MgpuConfig(block_n=64, stages=4, warp_specialized=True)):
-        def fwd_and_grads(x, w, b, gamma, beta, cfg=cfg):
-            out, vjp = jax.vjp(lambda *a: chain(*a, cfg), x, w, b, gamma, beta)
-            return out, vjp(out)
-        reports = ik.inspect_mosaic(fwd_and_grads, S(xs, jnp.bfloat16), S(ws, jnp.bfloat16),
-                                    S(ws[3:], jnp.bfloat16), S((128,), F32), S((128,), F32))
-        names = [r.name for r in reports]
-        assert "jaxcnn_mgpu_conv_fwd_stats" in names, names
-        assert "jaxcnn_mgpu_conv_fwd_bnrelu_stats" in names, names
-        assert "jaxcnn_mgpu_conv_wgrad" in names and "jaxcnn_mgpu_conv_dgrad" in names
-        for r in reports:
-            assert r.tma_load and r.tma_store and r.mbarrier, f"{r.name}: {r}"
-            assert r.wgmma and all(s.endswith(".bf16.bf16") for s in r.wgmma), r.wgmma
+    def fwd_and_grads(*args):
+        out, vjp = jax.vjp(chain, *args)
+        return out, vjp(out)
+    reports = ik.inspect_mosaic(fwd_and_grads, S(xs, jnp.bfloat16), S(ws, jnp.bfloat16),
+                                S(ws[3:], jnp.bfloat16), S((128,), F32), S((128,), F32))
+    names = [r.name for r in reports]
+    assert "jaxcnn_mgpu_conv_fwd_stats" in names, names
+    assert "jaxcnn_mgpu_conv_fwd_bnrelu_stats" in names, names
+    assert "jaxcnn_mgpu_conv_wgrad" in names and "jaxcnn_mgpu_conv_dgrad" in names
+    for r in reports:
+        assert r.tma_load and r.tma_store and r.mbarrier, f"{r.name}: {r}"
+        assert r.wgmma and all(s.endswith(".bf16.bf16") for s in r.wgmma), r.wgmma
 
 
 def test_every_tuner_config_of_the_fused_forward_lowers_or_is_refused_by_its_smem():
