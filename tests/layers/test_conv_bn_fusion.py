@@ -47,9 +47,13 @@ def _run(model, params, state, x, ct, fusion):
     def loss(params, x):
         y, new_state = model.apply(params, state, x, train=True, policy=BF16, choices=choices)
         return jnp.sum(y.astype(F32) * ct), (y, new_state)
-    (_, (y, new_state)), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(
-        params, x)
-    return y, new_state, grads
+    def run(params, x):
+        (_, (y, new_state)), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(
+            params, x)
+        return y, new_state, grads
+    # One compilation, XLA optimisations off: the interpreted kernels compile slowly.
+    return jax.jit(run).trace(params, x).lower().compile(
+        {"xla_backend_optimization_level": 0})(params, x)
 
 
 def _kernel_names(model, params, state, x, fusion):
@@ -111,8 +115,10 @@ def test_a_resnet_bottleneck_runs_its_chains_fused():
         "jaxcnn_mgpu_conv_fwd_stats", "jaxcnn_mgpu_conv_fwd_bnrelu_stats"}
 
     def forward(fusion):
-        return jax.jit(lambda p, x: block.apply(p, state, x, train=True, policy=BF16,
-                                                choices=L.Choices(conv_bn=fusion)))(params, x)
+        fn = jax.jit(lambda p, x: block.apply(p, state, x, train=True, policy=BF16,
+                                              choices=L.Choices(conv_bn=fusion)))
+        return fn.trace(params, x).lower().compile({"xla_backend_optimization_level": 0})(
+            params, x)
     (y, new_state), (y_ref, state_ref) = forward("mosaic"), forward("off")
     _assert_close(y, y_ref, "block output")
     assert set(new_state) == set(state_ref) == {"bn1", "bn2", "bn3", "downsample"}
