@@ -20,6 +20,9 @@ kernels and an XLA backward selectable with ``backward="xla"``.
   calls it supports (``backend=None``; see
   :func:`pallas_kernels.conv_op.select_backend`) and the Triton kernels
   everywhere else; ``backend="triton"``/``"mosaic"`` pins one.
+- :mod:`pallas_kernels.mgpu_fused`: BatchNorm fused into the Mosaic GPU
+  convolution (training statistics from the epilogue, BatchNorm + ReLU in the
+  input prologue), differentiable; the layers' ``Choices(conv_bn=...)`` use it.
 
 Kernels never import :mod:`jaxcnn.functional` or :mod:`jaxcnn.layers` (which
 sit above them); argument forms, padding and output sizes come from the leaf
