@@ -35,7 +35,10 @@ What this module decides is *how far* the split goes and that it is sound:
   rng streams) whose ``apply`` pins the activation to ``P(data, spatial)`` at
   the input and after every split unit, then to ``P(data)`` (the spatial axis
   gathered) after the last one, so global pooling, flatten and the classifier
-  see whole images.
+  see whole images.  The split units run XLA's own convolutions and pooling
+  (``Choices(impl="xla", conv_bn="off")``: a Pallas or Mosaic kernel is a custom
+  call the partitioner cannot split along height); the rest keeps the caller's
+  choices.
 * The ``spatial`` axis composes with ``data`` only: with a ``model`` axis too
   (data 2 x spatial 2 x model 2, or 1 x 2 x 2) XLA's partitioner returned wrong
   gradients and BatchNorm statistics (0.02-0.2 off, the loss right) with the
@@ -47,6 +50,7 @@ locally, without communication.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 import jax
@@ -55,7 +59,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxcnn._geometry import dilated, explicit_pads
 from jaxcnn.layers import combinators as C
 from jaxcnn.layers._tree import child_path, leaves
-from jaxcnn.layers.base import Layer, record_layers
+from jaxcnn.layers.base import Choices, Layer, choices_or_default, record_layers
 from jaxcnn.parallel.mesh import DATA, SPATIAL
 
 WINDOW_KINDS = frozenset({"conv2d", "max_pool2d", "avg_pool2d"})
@@ -229,8 +233,16 @@ def gathered_sharding(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P(DATA))
 
 
+def _split_choices(choices) -> Choices:
+    """The caller's choices with XLA's own convolution and pooling (``impl="xla"``) and no
+    fused Conv -> BatchNorm kernel (``conv_bn="off"``): a Pallas or Mosaic kernel is a
+    custom call that XLA's partitioner cannot split along height (it would gather)."""
+    return dataclasses.replace(choices_or_default(choices), impl="xla", conv_bn="off")
+
+
 def _pinned(layer: Layer, sharding) -> Layer:
     def apply(params, state, x, **kwargs):
+        kwargs["choices"] = _split_choices(kwargs.get("choices"))
         y, new_state = layer.apply(params, state, x, **kwargs)
         return jax.lax.with_sharding_constraint(y, sharding), new_state
     return layer._replace(apply=apply)

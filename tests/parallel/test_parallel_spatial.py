@@ -280,3 +280,23 @@ def test_cpu_fence_reads_one_element_of_a_height_split_activation():
     fenced = jax.jit(CL._fence)
     assert np.asarray(fenced(x)).tobytes() == np.asarray(x).tobytes()
     assert "all-gather" not in fenced.lower(x).compile().as_text()
+
+
+def test_split_units_run_xla_kernels_the_rest_keeps_the_callers_choices():
+    from jaxcnn.layers import Choices
+    seen = []
+
+    def spy(kind):
+        def apply(params, state, x, *, choices=None, **kw):
+            seen.append((kind, choices.impl, choices.conv_bn))
+            return x, state
+        return L.Layer(lambda k, s: ({}, {}, s), apply, "identity")
+
+    model = L.serial(("a", spy("a")), ("b", spy("b")), ("pool", L.GlobalAvgPool2D()), ("c", spy("c")))
+    mesh = make_mesh(2, 1, spatial=4)
+    from jaxcnn.parallel.spatial import SpatialLayout, constrain
+    layout = SpatialLayout(4, ("a", "b", "pool", "c"), ("a", "b"), {}, "pool")
+    x = np.zeros((2, 8, 8, 3), np.float32)
+    jax.jit(lambda x: constrain(model, layout, mesh).apply(
+        {}, {}, x, choices=Choices(impl="pallas", conv_bn="mosaic"))[0]).lower(x)
+    assert seen == [("a", "xla", "off"), ("b", "xla", "off"), ("c", "pallas", "mosaic")]
