@@ -1,0 +1,168 @@
+"""The Mosaic GPU (Hopper) pooling kernels of ``pallas_kernels.mgpu_pool``, on the CPU.
+
+The kernels run in Mosaic GPU interpret mode (simulated shared memory, TMA with its
+zero fill and store clipping, mbarriers), forward and backward, against the XLA pooling
+of ``jaxcnn.functional`` (``impl="xla"``) and its ``jax.vjp`` computed in float32 on the
+same 16-bit values, on random inputs and on inputs full of ties (ReLU'd small integers),
+with shapes whose sizes are not multiples of the tiles (output-row, column and channel
+tails), stride 1 and 2, padding, dilation, ``ceil_mode`` and both average divisors.  The
+race detector runs on a max and an average case, forward and backward.  The max pool's
+recorded tap index is checked against a numpy first-argmax.
+
+Tolerances (mgpu_testlib): max-pool outputs are exact (a maximum of 16-bit values);
+everything else is within half a step of its 16-bit type of the float32 reference.
+A last group lowers the kernels offline for an H100 (no GPU) and checks their modules for
+TMA copies.  All of it needs jax >= 0.11; on older jax it skips saying so.
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxcnn import _geometry as geo
+from jaxcnn import functional as F
+from jaxcnn.errors import KernelUnsupported
+from mgpu_testlib import (assert_16bit_close, inspect_kernels, needs_mgpu, normal,
+                          races)  # noqa: F401 (races: a fixture)
+from pallas_kernels import mgpu_pool as mp
+from pallas_kernels import mgpu_window as mw
+
+BF16, F16 = jnp.bfloat16, jnp.float16
+
+
+def _ties(shape, dtype, seed=0):
+    """ReLU'd small integers: mostly zeros and many equal maxima in each window."""
+    rng = np.random.default_rng(seed)
+    return jnp.asarray(np.maximum(np.round(rng.standard_normal(shape) * 1.5), 0), dtype)
+
+
+def _check(op, x, kw, races=False):
+    """Forward and input gradient (random cotangent) of the kernel against XLA in float32."""
+    dtype = x.dtype
+    y, vjp = jax.vjp(lambda x: getattr(mp, op)(x, **kw, interpret=True, detect_races=races), x)
+    ct = normal(np.random.default_rng(1), y.shape, dtype)
+    (dx,) = vjp(ct)
+    ref_kw = {k: v for k, v in kw.items() if k not in ("config", "backward")}
+    want_y, want_vjp = jax.vjp(lambda x: getattr(F, op)(x, **ref_kw, impl="xla"),
+                               x.astype(jnp.float32))
+    (want_dx,) = want_vjp(ct.astype(jnp.float32))
+    assert y.dtype == dtype and dx.dtype == dtype
+    if op == "max_pool2d":
+        np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(want_y))
+    else:
+        assert_16bit_close(y, want_y, dtype, f"{op} output")
+    assert_16bit_close(dx, want_dx, dtype, f"{op} dx")
+
+
+MAX_CASES = [
+    # 7x9 -> 4x5 outputs (ceil_mode overhang): tile_w 4 (4 + 1 columns), channels 16 + 8
+    ("3x3/2 pad 1 ceil, tails", (1, 7, 9, 24), dict(
+        kernel_size=3, stride=2, padding=1, ceil_mode=True,
+        config=mw.WindowConfig(block_c=16, stages=2)), BF16),
+    ("2x2/2 float16", (2, 6, 6, 8), dict(kernel_size=2), F16),
+    ("3x3/1 pad 1 dilation 2", (1, 8, 7, 8), dict(kernel_size=3, stride=1, padding=1,
+                                                   dilation=2), BF16),
+]
+
+
+@needs_mgpu
+@pytest.mark.parametrize("name, shape, kw, dtype", MAX_CASES, ids=[c[0] for c in MAX_CASES])
+def test_max_pool_with_ties_matches_xla(name, shape, kw, dtype):
+    """The gradient of each window goes to its first maximum, as XLA's (and PyTorch's)."""
+    _check("max_pool2d", _ties(shape, dtype), kw)
+
+
+@needs_mgpu
+def test_max_pool_is_race_free_and_records_the_first_maximum(races):
+    x = _ties((1, 7, 9, 16), BF16, seed=2)
+    kw = dict(kernel_size=3, stride=2, padding=1, ceil_mode=True)
+    _check("max_pool2d", x, kw, races=races)
+    kernel, stride, dilation, _, run_pads, out_hw = geo.pool_geometry(
+        "t", x.shape, 3, 2, 1, 1, True)
+    static = (kernel, stride, dilation, run_pads, out_hw, "mosaic", mw.DEFAULT, True, True)
+    _, idx = mp._max_forward(static, x, with_index=True)
+    assert idx.dtype == jnp.int16
+    # numpy: the taps of every window (row-major), -inf outside the input; first argmax.
+    xp = np.pad(np.asarray(x, np.float32), ((0, 0), *run_pads, (0, 0)), constant_values=-np.inf)
+    taps = np.stack([xp[:, i:i + 2 * out_hw[0]:2, j:j + 2 * out_hw[1]:2]
+                     for i in range(3) for j in range(3)])
+    np.testing.assert_array_equal(np.asarray(idx), np.argmax(taps, axis=0))
+
+
+AVG_CASES = [
+    ("3x3/2 pad 1 ceil, pad not counted", (1, 7, 9, 16), dict(
+        kernel_size=3, stride=2, padding=1, ceil_mode=True, count_include_pad=False,
+        config=mw.WindowConfig(block_c=8, stages=2)), BF16),
+    ("3x3/2 pad 1 ceil, pad counted", (1, 7, 9, 16), dict(
+        kernel_size=3, stride=2, padding=1, ceil_mode=True), BF16),
+    ("2x2/2 float16, odd sizes", (2, 7, 5, 8), dict(kernel_size=2), F16),
+]
+
+
+@needs_mgpu
+@pytest.mark.parametrize("name, shape, kw, dtype", AVG_CASES, ids=[c[0] for c in AVG_CASES])
+def test_avg_pool_matches_xla(name, shape, kw, dtype):
+    _check("avg_pool2d", normal(np.random.default_rng(3), shape, dtype), kw)
+
+
+@needs_mgpu
+def test_avg_pool_stride_1_same_padding_is_race_free(races):
+    kw = dict(kernel_size=3, stride=1, padding="SAME", count_include_pad=False)
+    _check("avg_pool2d", normal(np.random.default_rng(4), (1, 5, 6, 8), BF16), kw, races=races)
+
+
+@needs_mgpu
+@pytest.mark.parametrize("op", ["max_pool2d", "avg_pool2d"])
+def test_xla_backward_option_is_xlas_own_gradient(op):
+    """backward="xla": the kernel's forward, then exactly the gradient of the XLA op (in
+    the input's dtype, as XLA computes it)."""
+    x = _ties((1, 6, 6, 8), BF16) if op == "max_pool2d" else normal(
+        np.random.default_rng(5), (1, 6, 6, 8), BF16)
+    kw = dict(kernel_size=3, stride=2, padding=1)
+    y, vjp = jax.vjp(lambda x: getattr(mp, op)(x, **kw, backward="xla", interpret=True), x)
+    ct = normal(np.random.default_rng(6), y.shape, BF16)
+    want_y, want_vjp = jax.vjp(lambda x: getattr(F, op)(x, **kw, impl="xla"), x)
+    assert_16bit_close(y, want_y.astype(jnp.float32), BF16, "output")
+    np.testing.assert_array_equal(np.asarray(vjp(ct)[0], np.float32),
+                                  np.asarray(want_vjp(ct)[0], np.float32))
+    with pytest.raises(ValueError, match="backward must be one of"):
+        getattr(mp, op)(x, 2, backward="pallas")
+
+
+@needs_mgpu
+@pytest.mark.parametrize("shape, dtype, kw, match", [
+    ((1, 8, 8, 3), BF16, {}, "C=3 is not a multiple of 8"),
+    ((1, 8, 8, 8), jnp.float32, {}, "dtype float32 unsupported"),
+    ((1, 12, 12, 8), BF16, {"stride": 5}, "stride"),
+])
+def test_unsupported_calls_raise_one_clear_line(shape, dtype, kw, match):
+    for op in (mp.max_pool2d, mp.avg_pool2d):
+        with pytest.raises(KernelUnsupported, match=match) as e:
+            op(jnp.zeros(shape, dtype), 2, interpret=True, **kw)
+        assert "\n" not in str(e.value)
+
+
+# --- offline lowering for sm_90a (no GPU) -------------------------------------------------
+
+@needs_mgpu
+@pytest.mark.parametrize("op, kw", [
+    ("max_pool2d", dict(kernel_size=3, stride=2, padding=1)),
+    ("avg_pool2d", dict(kernel_size=3, stride=2, padding=1, ceil_mode=True,
+                        count_include_pad=False)),
+], ids=["max 3x3/2", "avg 3x3/2"])
+def test_pool_kernels_lower_for_hopper_with_tma(op, kw):
+    ik = inspect_kernels()
+
+    def fwd_and_grad(x):
+        y, vjp = jax.vjp(lambda x: getattr(mp, op)(x, **kw), x)
+        return y, vjp(y)
+    reports = ik.inspect_mosaic(fwd_and_grad, jax.ShapeDtypeStruct((8, 56, 56, 64), BF16))
+    name = op.replace("_pool2d", "")
+    # the backward is one launch per stride phase of the input (2 x 2)
+    assert sorted(r.name for r in reports) == (
+        [f"jaxcnn_mgpu_{name}_pool_bwd"] * 4 + [f"jaxcnn_mgpu_{name}_pool_fwd"])
+    for r in reports:
+        assert r.tma_load, f"{r.name}: no TMA load (cp.async.bulk.tensor)"
+        assert r.tma_store, f"{r.name}: no TMA store"
+        assert r.mbarrier, f"{r.name}: no mbarrier wait"
+        assert not r.wgmma, f"{r.name}: wgmma in a pooling kernel"
