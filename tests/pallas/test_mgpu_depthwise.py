@@ -1,0 +1,163 @@
+"""The Mosaic GPU (Hopper) depthwise convolution of ``pallas_kernels.mgpu_depthwise``, on the CPU.
+
+The kernels run in Mosaic GPU interpret mode (simulated shared memory, TMA with its zero
+fill and store clipping, mbarriers): forward, input gradient and weight gradient against
+``jax.lax.conv_general_dilated`` with ``feature_group_count = C`` (and its ``jax.vjp``)
+computed in float32 on the same 16-bit values, on random inputs, with shapes whose sizes
+are not multiples of the tiles (output-row, column and channel tails), stride 1 and 2,
+symmetric, asymmetric and dilated padding, 3x3 and 7x7 windows.  The race detector runs
+on all three kernels.
+
+Tolerances (mgpu_testlib): 16-bit results within half a step of their type of the float32
+reference; the float32 weight gradient within 1e-4 (summation order only: products of
+16-bit values are exact in float32).  A last group lowers the kernels offline for an H100
+(no GPU) and checks their modules for TMA copies.  Needs jax >= 0.11; skips otherwise.
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+from jaxcnn.errors import KernelUnsupported
+from mgpu_testlib import (assert_16bit_close, assert_f32_close, inspect_kernels, needs_mgpu,
+                          normal, races)  # noqa: F401 (races: a fixture)
+from pallas_kernels import mgpu_depthwise as md
+from pallas_kernels import mgpu_window as mw
+
+BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
+DIMS = ("NHWC", "HWIO", "NHWC")
+
+
+def _ref(x, w, stride, pads, dilation=(1, 1)):
+    return lax.conv_general_dilated(x.astype(F32), w.astype(F32), stride, pads,
+                                    rhs_dilation=dilation, dimension_numbers=DIMS,
+                                    feature_group_count=x.shape[3],
+                                    precision=lax.Precision.HIGHEST)
+
+
+GRAD_CASES = [
+    # 7x9 -> 4x5 outputs (tile_w 4: 4 + 1 columns), channels 16 + 8, 2 shares of the
+    # weight-gradient reduction, 2 pipeline slots
+    ("3x3/2 pad 1, tails, split 2", (1, 7, 9, 24), (3, 3), (2, 2), ((1, 1), (1, 1)), (1, 1),
+     mw.WindowConfig(block_c=16, stages=2, split=2), BF16),
+    ("3x3 stride 2x1, dilation 1x2, asymmetric pad", (1, 9, 8, 16), (3, 3), (2, 1),
+     ((1, 0), (2, 1)), (1, 2), None, BF16),
+    ("3x3/1 pad 1 float16, batch 2", (2, 5, 6, 8), (3, 3), (1, 1), ((1, 1), (1, 1)), (1, 1),
+     None, F16),
+]
+
+
+@needs_mgpu
+@pytest.mark.parametrize("case", GRAD_CASES, ids=[c[0] for c in GRAD_CASES])
+def test_forward_and_gradients_match_lax(case):
+    """Output, input, filter and bias gradients of the custom VJP against jax.grad of lax."""
+    _, xs, k, stride, pads, dil, cfg, dtype = case
+    rng = np.random.default_rng(0)
+    x, w = normal(rng, xs, dtype), normal(rng, (*k, 1, xs[3]), dtype)
+    b = normal(rng, (xs[3],), dtype)
+    y_shape = _ref(x, w, stride, pads, dil).shape
+    ct = normal(rng, y_shape, dtype).astype(F32)
+
+    def kernel(x, w, b):
+        return md.conv2d(x, w, b, stride=stride, padding=pads, dilation=dil, config=cfg,
+                         interpret=True)
+
+    def reference(x, w, b):
+        return _ref(x, w, stride, pads, dil) + b.astype(F32)
+
+    y, vjp = jax.vjp(kernel, x, w, b)
+    got = vjp(ct.astype(dtype))
+    want_y, want_vjp = jax.vjp(reference, *(a.astype(F32) for a in (x, w, b)))
+    want = want_vjp(ct)
+    assert y.dtype == dtype and all(g.dtype == dtype for g in got)
+    assert_16bit_close(y, want_y, dtype, "y")
+    for name, g, r in zip(("dx", "dw", "db"), got, want):
+        assert_16bit_close(g, r, dtype, name)
+
+
+@needs_mgpu
+def test_forward_7x7_with_relu_matches_lax():
+    """ConvNeXt's 7x7 (pad 3): 49 taps through 3 slots, bias and ReLU on the accumulator."""
+    rng = np.random.default_rng(1)
+    x, w = normal(rng, (1, 6, 5, 16), BF16), normal(rng, (7, 7, 1, 16), BF16)
+    b = normal(rng, (16,), BF16)
+    pads = ((3, 3), (3, 3))
+    y = md.depthwise_forward(x, w, b, relu=True, pads=pads, interpret=True)
+    want = jnp.maximum(_ref(x, w, (1, 1), pads) + b.astype(F32), 0.0)
+    assert_16bit_close(y, want, BF16, "7x7 relu")
+
+
+@needs_mgpu
+def test_all_three_kernels_are_race_free(races):
+    """Every slot is refilled (9 taps, and 4 output tiles per weight-gradient share, through
+    2 slots), so a refill racing with the reads of the slot would be seen."""
+    rng = np.random.default_rng(2)
+    x, w = normal(rng, (2, 9, 9, 8), BF16), normal(rng, (3, 3, 1, 8), BF16)
+    stride, pads = (1, 1), ((1, 1), (1, 1))
+    cfg = mw.WindowConfig(block_c=8, tile_w=8, stages=2, split=2)
+    kw = dict(stride=stride, pads=pads, config=cfg, interpret=True, detect_races=races)
+    y = md.depthwise_forward(x, w, **kw)
+    assert_16bit_close(y, _ref(x, w, stride, pads), BF16, "forward")
+    dy = normal(rng, y.shape, BF16)
+    _, vjp = jax.vjp(lambda x, w: _ref(x, w, stride, pads), x.astype(F32), w.astype(F32))
+    want_dx, want_dw = vjp(dy.astype(F32))
+    dx = md.depthwise_dgrad(dy, w, x_shape=x.shape, **kw)
+    assert_16bit_close(dx, want_dx, BF16, "dgrad")
+    dw = md.depthwise_wgrad(x, dy, kernel_hw=(3, 3), **kw)
+    assert dw.dtype == F32
+    assert_f32_close(dw, want_dw, "wgrad")
+
+
+@needs_mgpu
+def test_xla_backward_option():
+    rng = np.random.default_rng(3)
+    x, w = normal(rng, (1, 5, 6, 8), BF16), normal(rng, (3, 3, 1, 8), BF16)
+    pads = ((1, 1), (1, 1))
+    ct = normal(rng, (1, 5, 6, 8), BF16)
+    got = jax.vjp(lambda x, w: md.conv2d(x, w, padding=pads, backward="xla", interpret=True),
+                  x, w)[1](ct)
+    conv = lambda x, w: lax.conv_general_dilated(  # noqa: E731
+        x, w, (1, 1), pads, dimension_numbers=DIMS, feature_group_count=8)
+    want = jax.vjp(conv, x, w)[1](ct)
+    for g, r in zip(got, want):  # exactly XLA's own gradient, in the input's dtype
+        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(r, np.float32))
+    with pytest.raises(ValueError, match="backward must be one of"):
+        md.conv2d(x, w, padding=pads, backward="pallas")
+
+
+@needs_mgpu
+@pytest.mark.parametrize("xs, ws, dtype, kw, match", [
+    ((1, 8, 8, 12), (3, 3, 1, 12), BF16, {}, "C=12 is not a multiple of 8"),
+    ((1, 8, 8, 8), (3, 3, 1, 8), F32, {}, "dtype float32 unsupported"),
+    ((1, 12, 12, 8), (3, 3, 1, 8), BF16, {"stride": (5, 5)}, "stride"),
+    ((1, 8, 8, 8), (3, 3, 2, 8), BF16, {}, "not depthwise"),
+])
+def test_unsupported_calls_raise_one_clear_line(xs, ws, dtype, kw, match):
+    with pytest.raises(KernelUnsupported, match=match) as e:
+        md.conv2d(jnp.zeros(xs, dtype), jnp.zeros(ws, dtype), interpret=True, **kw)
+    assert "\n" not in str(e.value)
+
+
+# --- offline lowering for sm_90a (no GPU) -------------------------------------------------
+
+@needs_mgpu
+@pytest.mark.parametrize("stride, phases", [((1, 1), 1), ((2, 2), 4)], ids=["3x3/1", "3x3/2"])
+def test_depthwise_kernels_lower_for_hopper_with_tma(stride, phases):
+    ik = inspect_kernels()
+
+    def fwd_and_grads(x, w, b):
+        y, vjp = jax.vjp(lambda x, w, b: md.conv2d(x, w, b, stride=stride,
+                                                   padding=((1, 1), (1, 1)), relu=True),
+                         x, w, b)
+        return y, vjp(y)
+    reports = ik.inspect_mosaic(fwd_and_grads, jax.ShapeDtypeStruct((8, 56, 56, 96), BF16),
+                                jax.ShapeDtypeStruct((3, 3, 1, 96), BF16),
+                                jax.ShapeDtypeStruct((96,), BF16))
+    assert sorted(r.name for r in reports) == (["jaxcnn_mgpu_depthwise_dgrad"] * phases
+                                               + ["jaxcnn_mgpu_depthwise_fwd",
+                                                  "jaxcnn_mgpu_depthwise_wgrad"])
+    for r in reports:
+        assert r.tma_load, f"{r.name}: no TMA load (cp.async.bulk.tensor)"
+        assert r.tma_store, f"{r.name}: no TMA store"
+        assert r.mbarrier, f"{r.name}: no mbarrier wait"
