@@ -52,6 +52,25 @@ def check_supported(x_shape, w_shape, dtype, *, stride=(1, 1), pads=((0, 0), (0,
         raise KernelUnsupported(f"{op}: negative padding {pads} unsupported")
 
 
+def select_backend(x_shape, w_shape, dtype, stride, pads, has_residual, config, interpret,
+                   device_kind: str | None = None) -> str:
+    """``"mosaic"`` where these kernels take a depthwise call by default, else ``"triton"``
+    (:func:`pallas_kernels.conv_op.select_backend` asks this for depthwise calls): a real
+    GPU run on a Hopper device kind, a 16-bit float input whose channels TMA can address,
+    stride <= 4, no residual (the Triton kernel's epilogue has it), no Triton config."""
+    if interpret or has_residual or (config is not None and not isinstance(
+            config, mw.WindowConfig) and not (isinstance(config, dict) and all(
+                isinstance(v, mw.WindowConfig) for v in config.values()))):
+        return "triton"
+    if jnp.dtype(dtype) not in mw.DTYPES or not mw.on_hopper(device_kind):
+        return "triton"
+    try:
+        check_supported(x_shape, w_shape, dtype, stride=stride, pads=pads)
+    except KernelUnsupported:
+        return "triton"
+    return "mosaic"
+
+
 def _out_hw(x_shape, kernel_hw, stride, pads, dilation):
     return mc._out_hw(x_shape[1:3], kernel_hw, stride, pads, dilation)
 
@@ -249,6 +268,7 @@ def conv2d(x, w, b=None, *, stride=(1, 1), padding=((0, 0), (0, 0)), dilation=(1
     if x.dtype != w.dtype:
         raise ValueError(f"Mosaic GPU depthwise conv2d: x and w dtypes differ ({x.dtype}, "
                          f"{w.dtype})")
+    mw.check_config("Mosaic GPU depthwise conv2d", config)
     if isinstance(config, mw.WindowConfig) or config is None:
         cfgs = (config or mw.DEFAULT,) * 3
     else:

@@ -50,9 +50,27 @@ def check_supported(op: str, x_shape, dtype, kernel, stride) -> None:
         raise KernelUnsupported(f"{op}: window {kernel} has more taps than int16 indexes")
 
 
-def _setup(op, x, kernel_size, stride, padding, dilation, ceil_mode, backward):
+def select_backend(x_shape, dtype, kernel, stride, config, interpret,
+                   device_kind: str | None = None) -> str:
+    """``"mosaic"`` where these kernels take a pooling call by default, else ``"triton"``: a
+    pure lookup, as :func:`pallas_kernels.conv_op.select_backend`.  Mosaic needs a real
+    GPU run (not interpret mode) on a Hopper device kind, jax >= 0.11, a 16-bit float
+    input whose channels TMA can address, stride <= 4, and no Triton ``BlockConfig``."""
+    if interpret or (config is not None and not isinstance(config, mw.WindowConfig)):
+        return "triton"
+    if jnp.dtype(dtype) not in mw.DTYPES or not mw.on_hopper(device_kind):
+        return "triton"
+    try:
+        check_supported("pool", x_shape, dtype, kernel, stride)
+    except KernelUnsupported:
+        return "triton"
+    return "mosaic"
+
+
+def _setup(op, x, kernel_size, stride, padding, dilation, ceil_mode, backward, config):
     if backward not in BACKWARDS:
         raise ValueError(f"{op}: backward must be one of {BACKWARDS}, got {backward!r}")
+    mw.check_config(op, config)
     geom = geo.pool_geometry(op, x.shape, kernel_size, stride, padding, dilation, ceil_mode)
     check_supported(op, x.shape, x.dtype, geom[0], geom[1])
     return geom
@@ -132,7 +150,7 @@ def max_pool2d(x, kernel_size, *, stride=None, padding=0, dilation=1, ceil_mode=
     """
     op = "Mosaic GPU max_pool2d"
     kernel, stride, dilation, _, run_pads, out_hw = _setup(
-        op, x, kernel_size, stride, padding, dilation, ceil_mode, backward)
+        op, x, kernel_size, stride, padding, dilation, ceil_mode, backward, config)
     static = (kernel, stride, dilation, run_pads, out_hw, backward, config or mw.DEFAULT,
               bool(interpret), bool(detect_races))
     return _max_pool(static, x)
@@ -211,7 +229,7 @@ def avg_pool2d(x, kernel_size, *, stride=None, padding=0, ceil_mode=False,
     """
     op = "Mosaic GPU avg_pool2d"
     kernel, stride, _, pads, run_pads, out_hw = _setup(
-        op, x, kernel_size, stride, padding, 1, ceil_mode, backward)
+        op, x, kernel_size, stride, padding, 1, ceil_mode, backward, config)
     static = (kernel, stride, pads, run_pads, out_hw, bool(count_include_pad), backward,
               config or mw.DEFAULT, bool(interpret), bool(detect_races), tuple(x.shape))
     return _avg_pool(static, x)

@@ -93,6 +93,25 @@ def check_supported(op: str, x_shape, dtype, stride, *, max_stride: int = 4) -> 
         raise KernelUnsupported(f"{op}: stride {tuple(stride)} unsupported (1 to {max_stride})")
 
 
+def on_hopper(device_kind: str | None = None) -> bool:
+    """Whether ``device_kind`` (default: the first device's, with its compute capability)
+    is a Hopper GPU, where the Mosaic GPU kernels are chosen by default."""
+    if device_kind is not None:
+        return mc.is_hopper(device_kind)
+    from pallas_kernels import autotune
+    return mc.is_hopper(autotune.device_kind(), mc.device_capability())
+
+
+def check_config(op: str, config) -> None:
+    """``config`` must be None or :class:`WindowConfig` (or, where ``op`` takes per-part tiles,
+    a dict of them): one clear error for a Triton ``BlockConfig`` or a dense ``MgpuConfig``."""
+    parts = config.values() if isinstance(config, dict) else [config]
+    bad = [type(c).__name__ for c in parts if c is not None and not isinstance(c, WindowConfig)]
+    if bad:
+        raise ValueError(f"{op}: config must be a WindowConfig (the Mosaic GPU window kernels' "
+                         f"tiles), got {bad[0]}")
+
+
 def block_c(c: int, cfg: WindowConfig) -> int:
     return c if c <= cfg.block_c else cfg.block_c
 
@@ -258,5 +277,5 @@ def pad_channels(a, multiple: int):
     return jnp.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, extra)])
 
 
-__all__ = ["WindowConfig", "DEFAULT", "check_supported", "phases", "forward_taps",
+__all__ = ["WindowConfig", "DEFAULT", "check_supported", "check_config", "on_hopper", "phases", "forward_taps",
            "tap_reduce", "pad_channels", "block_c", "cdiv"]

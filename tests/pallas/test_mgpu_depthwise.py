@@ -19,9 +19,11 @@ import numpy as np
 import pytest
 from jax import lax
 
+import pallas_kernels as pk
 from jaxcnn.errors import KernelUnsupported
-from mgpu_testlib import (assert_16bit_close, assert_f32_close, inspect_kernels, needs_mgpu,
-                          normal, races)  # noqa: F401 (races: a fixture)
+from mgpu_testlib import (H100, REASON, assert_16bit_close, assert_f32_close, inspect_kernels,
+                          needs_mgpu, normal, races)  # noqa: F401 (races: a fixture)
+from pallas_kernels import conv_op
 from pallas_kernels import mgpu_depthwise as md
 from pallas_kernels import mgpu_window as mw
 
@@ -137,6 +139,72 @@ def test_unsupported_calls_raise_one_clear_line(xs, ws, dtype, kw, match):
     with pytest.raises(KernelUnsupported, match=match) as e:
         md.conv2d(jnp.zeros(xs, dtype), jnp.zeros(ws, dtype), interpret=True, **kw)
     assert "\n" not in str(e.value)
+
+
+# --- dispatch from pallas_kernels.conv2d ---------------------------------------------------
+
+@needs_mgpu
+def test_pallas_conv2d_backend_mosaic_runs_the_depthwise_kernels():
+    rng = np.random.default_rng(4)
+    x, w = normal(rng, (1, 5, 6, 16), BF16), normal(rng, (3, 3, 1, 16), BF16)
+    b = normal(rng, (16,), BF16)
+    y = pk.conv2d(x, w, b, padding=1, groups=16, relu=True, backend="mosaic", interpret=True)
+    want = jnp.maximum(_ref(x, w, (1, 1), ((1, 1), (1, 1))) + b.astype(F32), 0.0)
+    assert_16bit_close(y, want, BF16, "pk.conv2d depthwise mosaic")
+    grad = str(jax.make_jaxpr(jax.grad(
+        lambda x, w: jnp.sum(pk.conv2d(x, w, stride=2, padding=1, groups=16, backend="mosaic",
+                                       interpret=True).astype(F32)), argnums=(0, 1)))(x, w))
+    for name in ("fwd", "dgrad", "wgrad"):
+        assert f"jaxcnn_mgpu_depthwise_{name}" in grad
+    with pytest.raises(KernelUnsupported, match="without a residual") as e:
+        pk.conv2d(x, w, padding=1, groups=16, residual=y, backend="mosaic", interpret=True)
+    assert "\n" not in str(e.value)
+
+
+@needs_mgpu
+def test_float16_through_pallas_conv2d_runs_on_mosaic_only():
+    """float16 convolutions (depthwise and dense) run on the Mosaic kernels; the Triton
+    kernels refuse them in one line."""
+    rng = np.random.default_rng(5)
+    x = normal(rng, (1, 4, 5, 8), F16)
+    for w, groups in ((normal(rng, (3, 3, 1, 8), F16), 8), (normal(rng, (3, 3, 8, 16), F16), 1)):
+        y = pk.conv2d(x, w, padding=1, groups=groups, backend="mosaic", interpret=True)
+        assert y.dtype == F16
+        ref = lax.conv_general_dilated(x.astype(F32), w.astype(F32), (1, 1), ((1, 1), (1, 1)),
+                                       dimension_numbers=DIMS, feature_group_count=groups,
+                                       precision=lax.Precision.HIGHEST)
+        assert_16bit_close(y, ref, F16, f"float16 groups={groups}")
+        with pytest.raises(ValueError, match="float16 runs on the Mosaic GPU kernels only"):
+            pk.conv2d(x, w, padding=1, groups=groups, interpret=True)  # backend=None: Triton
+
+
+@pytest.mark.parametrize("change, want", [
+    ({}, "mosaic"),
+    ({"dtype": F16}, "mosaic"),
+    ({"has_residual": True}, "triton"),
+    ({"device_kind": "NVIDIA A100-SXM4-80GB"}, "triton"),
+    ({"interpret": True}, "triton"),
+    ({"dtype": F32}, "triton"),
+    ({"x_shape": (8, 28, 28, 12), "w_shape": (3, 3, 1, 12)}, "triton"),
+    ({"stride": (5, 5)}, "triton"),
+    ({"has_input_bn": True}, "triton"),
+    ({"config": pk.BlockConfig()}, "triton"),
+    ({"config": {"fwd": mw.WindowConfig(block_c=32)}}, "mosaic"),
+])
+def test_select_backend_takes_depthwise_calls_on_hopper(change, want):
+    if want == "mosaic" and REASON is not None:
+        want = "triton"  # jax < 0.11: the library falls back
+    args = dict(dtype=BF16, kind="depthwise", stride=(1, 1), x_shape=(8, 28, 28, 96),
+                w_shape=(3, 3, 1, 96), pads=((1, 1), (1, 1)), has_input_bn=False,
+                precision=None, config=None, interpret=False, device_kind=H100)
+    args.update(change)
+    assert conv_op.select_backend(**args) == want
+
+
+def test_a_window_config_on_the_triton_path_is_one_clear_error():
+    x, w = jnp.zeros((1, 8, 8, 16), BF16), jnp.zeros((3, 3, 1, 16), BF16)
+    with pytest.raises(ValueError, match="WindowConfig, but this call runs the Triton"):
+        pk.conv2d(x, w, padding=1, groups=16, backend="triton", config=mw.WindowConfig())
 
 
 # --- offline lowering for sm_90a (no GPU) -------------------------------------------------

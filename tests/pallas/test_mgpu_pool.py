@@ -19,11 +19,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import pallas_kernels as pk
 from jaxcnn import _geometry as geo
 from jaxcnn import functional as F
 from jaxcnn.errors import KernelUnsupported
-from mgpu_testlib import (assert_16bit_close, inspect_kernels, needs_mgpu, normal,
-                          races)  # noqa: F401 (races: a fixture)
+from mgpu_testlib import (H100, REASON, assert_16bit_close, inspect_kernels, needs_mgpu,
+                          normal, races)  # noqa: F401 (races: a fixture)
 from pallas_kernels import mgpu_pool as mp
 from pallas_kernels import mgpu_window as mw
 
@@ -140,6 +141,92 @@ def test_unsupported_calls_raise_one_clear_line(shape, dtype, kw, match):
         with pytest.raises(KernelUnsupported, match=match) as e:
             op(jnp.zeros(shape, dtype), 2, interpret=True, **kw)
         assert "\n" not in str(e.value)
+
+
+# --- dispatch from pallas_kernels.max_pool2d / avg_pool2d ----------------------------------
+
+def _jaxpr(fn, x):
+    return str(jax.make_jaxpr(fn)(x))
+
+
+@needs_mgpu
+def test_pallas_pool_backend_mosaic_runs_the_mosaic_kernels():
+    x = _ties((1, 6, 6, 8), BF16)
+    y = pk.max_pool2d(x, 3, stride=2, padding=1, backend="mosaic", interpret=True)
+    np.testing.assert_array_equal(np.asarray(y, np.float32),
+                                  np.asarray(F.max_pool2d(x, 3, stride=2, padding=1, impl="xla"),
+                                             np.float32))
+    for op, name in ((pk.max_pool2d, "max"), (pk.avg_pool2d, "avg")):
+        grad = _jaxpr(jax.grad(lambda x: jnp.sum(op(x, 2, backend="mosaic", interpret=True)
+                                                 .astype(jnp.float32))), x)
+        assert f"jaxcnn_mgpu_{name}_pool_fwd" in grad and f"jaxcnn_mgpu_{name}_pool_bwd" in grad
+        # backward="xla" keeps the Mosaic forward and takes XLA's gradient
+        grad = _jaxpr(jax.grad(lambda x: jnp.sum(op(x, 2, backend="mosaic", backward="xla",
+                                                    interpret=True).astype(jnp.float32))), x)
+        assert f"jaxcnn_mgpu_{name}_pool_bwd" not in grad
+
+
+def test_interpret_mode_and_other_gpus_keep_the_triton_kernels():
+    x = jnp.zeros((1, 6, 6, 8), BF16)
+    for op in (pk.max_pool2d, pk.avg_pool2d):
+        jaxpr = _jaxpr(lambda x: op(x, 2, interpret=True), x)  # backend=None
+        assert "pallas_call" in jaxpr and "jaxcnn_mgpu" not in jaxpr
+        with pytest.raises(ValueError, match="WindowConfig, but this call runs the Triton"):
+            op(x, 2, backend="triton", config=mw.WindowConfig(), interpret=True)
+        with pytest.raises(ValueError, match="backend must be one of"):
+            op(x, 2, backend="cuda")
+
+
+@needs_mgpu
+def test_backend_mosaic_refuses_what_it_cannot_run_in_one_line():
+    with pytest.raises(KernelUnsupported, match="C=3 is not a multiple of 8") as e:
+        pk.max_pool2d(jnp.zeros((1, 6, 6, 3), BF16), 2, backend="mosaic", interpret=True)
+    assert "\n" not in str(e.value)
+    with pytest.raises(ValueError, match="config must be a WindowConfig"):
+        pk.avg_pool2d(jnp.zeros((1, 6, 6, 8), BF16), 2, backend="mosaic",
+                      config=pk.BlockConfig(), interpret=True)
+
+
+@pytest.mark.parametrize("change, want", [
+    ({}, "mosaic"),
+    ({"dtype": F16}, "mosaic"),
+    ({"device_kind": "NVIDIA A100-SXM4-80GB"}, "triton"),
+    ({"interpret": True}, "triton"),
+    ({"dtype": jnp.float32}, "triton"),
+    ({"x_shape": (8, 56, 56, 3)}, "triton"),
+    ({"stride": (5, 5)}, "triton"),
+    ({"config": pk.BlockConfig()}, "triton"),
+    ({"config": mw.WindowConfig(block_c=32)}, "mosaic"),
+])
+def test_select_backend_is_a_lookup_by_device_kind_and_shape(change, want):
+    if want == "mosaic" and REASON is not None:
+        want = "triton"  # jax < 0.11: the library falls back
+    args = dict(x_shape=(8, 56, 56, 64), dtype=BF16, kernel=(3, 3), stride=(2, 2), config=None,
+                interpret=False, device_kind=H100)
+    args.update(change)
+    assert mp.select_backend(**args) == want
+
+
+@pytest.mark.parametrize("op", ["max_pool2d", "avg_pool2d"])
+def test_auto_needs_a_measurement_of_the_mosaic_kernel(monkeypatch, op):
+    """impl="auto" on a GPU takes a pooling kernel only where a verdict says so, and a
+    verdict measured on the Triton kernel pins backend="triton"."""
+    from jaxcnn.functional import _dispatch
+    from pallas_kernels import autotune
+    x = jnp.zeros((1, 8, 8, 16), BF16)
+    static = dict(kernel_size=(3, 3), stride=(2, 2), padding=((1, 1), (1, 1)))
+    chosen = []
+    monkeypatch.setattr(_dispatch, "_platform", lambda: "gpu")
+    monkeypatch.setattr(_dispatch, "_kernel", lambda op, st: chosen.append(st) or "kernel")
+    for measured, want in (("triton", "triton"), ("mosaic", "mosaic")):
+        def verdict(op, arrays, st, measured=measured):
+            return (True, True) if st.get("backend", "triton") == measured else None
+        monkeypatch.setattr(autotune, "verdict", verdict)
+        chosen.clear()
+        assert _dispatch.choose(op, "auto", (x,), static) == "kernel"
+        assert chosen[-1]["backend"] == want
+    monkeypatch.setattr(autotune, "verdict", lambda *a: None)
+    assert _dispatch.choose(op, "auto", (x,), static) is None
 
 
 # --- offline lowering for sm_90a (no GPU) -------------------------------------------------
