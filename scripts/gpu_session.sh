@@ -9,6 +9,8 @@
 #   bash scripts/gpu_session.sh profile    # where the ResNet-50 step's device time goes
 #   bash scripts/gpu_session.sh mgpu       # Hopper only: the Mosaic GPU conv against Triton
 #                                          # and cuDNN (bench_mgpu --sweep --tune)
+#   bash scripts/gpu_session.sh mgpu_window  # Hopper only: the Mosaic GPU pooling and
+#                                          # depthwise kernels against Triton and XLA
 #
 # Extra arguments go to the stage's script (e.g. `kernels --groups pool,mobilenet`).
 # `kernels` tunes only shapes not yet in $OUT/autotune.json, so when a call runs out of
@@ -19,7 +21,7 @@
 # when it exists, so run `kernels` first in the same call or bring the file back.
 # Copying it over pallas_kernels/tuned.json ships the measurements.
 set -euo pipefail
-stage=${1:?usage: gpu_session.sh check|kernels|train|profile|mgpu [args...]}
+stage=${1:?usage: gpu_session.sh check|kernels|train|profile|mgpu|mgpu_window [args...]}
 shift
 OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
@@ -48,7 +50,11 @@ case $stage in
   mgpu)
     python3 scripts/bench_mgpu.py --sweep --tune --repeats 10 --json "$OUT/mgpu.json" "$@" \
       2>&1 | log ;;
+  mgpu_window)
+    python3 scripts/bench_mgpu_window.py --tune --repeats 10 --json "$OUT/mgpu_window.json" \
+      "$@" 2>&1 | log ;;
   *)
-    echo "gpu_session.sh: unknown stage '$stage' (check, kernels, train, profile, mgpu)" >&2
+    echo "gpu_session.sh: unknown stage '$stage' (check, kernels, train, profile, mgpu," \
+      "mgpu_window)" >&2
     exit 2 ;;
 esac

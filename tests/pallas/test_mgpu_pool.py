@@ -253,3 +253,14 @@ def test_pool_kernels_lower_for_hopper_with_tma(op, kw):
         assert r.tma_store, f"{r.name}: no TMA store"
         assert r.mbarrier, f"{r.name}: no mbarrier wait"
         assert not r.wgmma, f"{r.name}: wgmma in a pooling kernel"
+
+
+@needs_mgpu
+def test_inspect_kernels_reports_the_pool_kernels(capsys):
+    """scripts/inspect_kernels.py --mosaic lists the window kernels of the pool shapes."""
+    assert inspect_kernels().main(["--mosaic", "--groups", "pool", "--batch", "2"]) == 0
+    out = capsys.readouterr().out
+    rows = [line.split() for line in out.splitlines() if "jaxcnn_mgpu_max_pool" in line]
+    # "maxpool 3x3/2" kernel tmaLoad tmaStore mbarrier ...
+    assert [r[2] for r in rows] == ["jaxcnn_mgpu_max_pool_fwd"] + ["jaxcnn_mgpu_max_pool_bwd"] * 4
+    assert all(r[3:6] == ["yes", "yes", "yes"] for r in rows), out  # TMA load, store, mbarrier
