@@ -154,7 +154,8 @@ def tap_reduce(srcs, taps, *, n: int, out_hw, c: int, out_dtypes, init, combine,
     Arguments:
         srcs: operands ``(P * n, Hs, Ws, >= c)`` read per tap (16-bit floats or int16).
         taps: ``[(phase, qh, qw)]`` per tap, static.
-        init(): the accumulator (a tuple of ``(64, block_c)`` arrays).
+        init(shape, layout): the accumulator, a tuple of ``shape`` arrays (``(64,
+            block_c)``; ``layout`` is their register layout).
         combine(t, acc, vals, w_row, pos): the accumulator after tap ``t``; ``vals`` holds
             the operands' ``(64, block_c)`` tiles, ``w_row(t)`` row ``t`` of ``weights``
             broadcast to the tile (float32), ``pos`` each element's output ``(row, column)``
