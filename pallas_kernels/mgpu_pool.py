@@ -92,8 +92,8 @@ def input_gradient(srcs, fills, *, x_shape, kernel, stride, dilation, run_pads, 
                    interpret, detect_races, name):
     """``dx`` ``(N, H, W, C)`` by phases of the padded input (see the module docstring).
 
-    ``srcs`` are ``(N, OH, OW, C)`` operands (``dy`` first) padded at the top/left with
-    ``fills``; ``make(phase_taps)`` returns the window kernel's ``(init, combine, finish,
+    ``srcs`` are ``(N, OH, OW, C)`` operands (``dy`` first), padded here at the top/left
+    with ``fills``; ``make(phase_taps)`` returns the window kernel's ``(init, combine, finish,
     weights)`` for one phase's ``[(tap, k, l)]``, whose ``combine`` receives the phase-local
     tap number.
     """
