@@ -417,6 +417,19 @@ def tune_op(op: str, arrays, static: dict, *, xla, timer=time_call,
     return entry
 
 
+def store_op_entry(op: str, arrays, static: dict, entry: dict) -> str:
+    """Saves a measured race ``entry`` (``fwd_faster``, ``grad_faster`` and the timings) for
+    this op call under this device kind in the user's cache, where :func:`verdict` finds
+    it; returns the key.  For ops timed outside :func:`tune_op` (the fused BatchNorm
+    convolutions of ``scripts/bench_mgpu.py --fused --tune``)."""
+    key = op_key(op, arrays, static)
+    devices = load_cache()
+    mine = devices.setdefault(device_kind(), {"kernels": {}, "ops": {}})
+    mine.setdefault("ops", {})[key] = dict(entry)
+    save_cache(devices)
+    return key
+
+
 def verdict(op: str, arrays, static: dict) -> tuple[bool, bool] | None:
     """``(forward faster, forward+backward faster)`` cached for this op call on this
     device kind (the user's cache, then the shipped table), or None if never measured.

@@ -416,7 +416,7 @@ def inspect_mosaic(fn, *args, kind: str = H100) -> list:
 
 def _mosaic_row(shape: str, r: MosaicReport) -> str:
     yes = lambda b: "yes" if b else "-"  # noqa: E731
-    return (f"{shape:<18} {r.name:<24} {yes(r.tma_load):>7} {yes(r.tma_store):>8} "
+    return (f"{shape:<18} {r.name:<33} {yes(r.tma_load):>7} {yes(r.tma_store):>8} "
             f"{yes(r.mbarrier):>8} {yes(r.ldmatrix):>8} {yes(r.stmatrix):>8} "
             f"{yes(r.setmaxnreg):>10}  "
             f"{','.join(r.wgmma) or ('NO WGMMA' if 'mgpu_conv' in r.name else '-')}")
@@ -432,7 +432,7 @@ def main_mosaic(opts, bk) -> int:
         return 2
     dtype = jnp.dtype(opts.dtype)
     print(f"jax {jax.__version__}  Mosaic GPU  target sm_90a  dtype: {dtype.name}")
-    print(f"{'shape':<18} {'kernel':<24} {'tmaLoad':>7} {'tmaStore':>8} {'mbarrier':>8} "
+    print(f"{'shape':<18} {'kernel':<33} {'tmaLoad':>7} {'tmaStore':>8} {'mbarrier':>8} "
           f"{'ldmatrix':>8} {'stmatrix':>8} {'setmaxnreg':>10}  wgmma")
     rows, failed = [], 0
     for group, name, op, hwc, kw, w_shape, batch in bk.SHAPES:
@@ -448,25 +448,47 @@ def main_mosaic(opts, bk) -> int:
             print(f"{name:<18} skipped: {e}")
             continue
 
-        def fwd_and_grads(x, w, pads=pads, stride=stride):  # keeps y: the forward is lowered
-            y, vjp = jax.vjp(lambda x, w: mc.conv2d(x, w, stride=stride, padding=pads), x, w)
-            return y, vjp(y)
-        try:
-            reports = inspect_mosaic(fwd_and_grads, *args, kind=opts.device_kind)
-        except Exception as e:  # report and go on: one shape must not hide the others
-            print(f"{name:<18} FAILED: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
-            rows.append({"shape": name, "error": f"{type(e).__name__}: {e}"[:2000]})
-            failed += 1
-            continue
-        for r in reports:
-            print(_mosaic_row(name, r), flush=True)
-            rows.append({"shape": name, **dataclasses.asdict(r)})
+        ss = jax.ShapeDtypeStruct((x_shape[3],), jnp.float32)
+        for fused in (False, True):  # the plain op, then BatchNorm fused in (mgpu_fused)
+            try:
+                reports = inspect_mosaic(_mosaic_op(pads, stride, fused), *args,
+                                         *((ss, ss) if fused else ()), kind=opts.device_kind)
+            except Exception as e:  # report and go on: one shape must not hide the others
+                print(f"{name:<18} FAILED: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+                rows.append({"shape": name, "fused": fused,
+                             "error": f"{type(e).__name__}: {e}"[:2000]})
+                failed += 1
+                continue
+            for r in reports:
+                print(_mosaic_row(name, r), flush=True)
+                rows.append({"shape": name, "fused": fused, **dataclasses.asdict(r)})
     failed += _mosaic_window_rows(opts, bk, dtype, rows)
     if opts.json:
         with open(opts.json, "w", encoding="utf-8") as f:
             json.dump({"jax": jax.__version__, "backend": "mosaic_gpu", "dtype": dtype.name,
                        "rows": rows}, f, indent=1)
     return 1 if failed else 0
+
+
+def _mosaic_op(pads, stride, fused: bool):
+    """Forward and both gradients of one Mosaic convolution (keeping the output, so the
+    forward is lowered too); ``fused``: with the BatchNorm+ReLU prologue and the
+    statistics epilogue (:func:`pallas_kernels.mgpu_fused.conv2d`), cotangents for all
+    three outputs."""
+    import pallas_kernels.mgpu_conv as mc
+    import pallas_kernels.mgpu_fused as mf
+    if not fused:
+        def plain(x, w):
+            y, vjp = jax.vjp(lambda x, w: mc.conv2d(x, w, stride=stride, padding=pads), x, w)
+            return y, vjp(y)
+        return plain
+
+    def fused_op(x, w, scale, shift):
+        out, vjp = jax.vjp(lambda *a: mf.conv2d(*a[:2], stride=stride, padding=pads,
+                                                input_scale=a[2], input_shift=a[3],
+                                                stats=True), x, w, scale, shift)
+        return out, vjp(out)
+    return fused_op
 
 
 def mosaic_window_call(op: str, kw: dict):

@@ -128,6 +128,11 @@ SCHEMA: dict[str, dict] = {
         "batch_norm_grad": _f("str", "auto", "BatchNorm backward: auto (= autodiff), autodiff, or "
                               "closed_form (one-pass statistics; see F.batch_norm_train)",
                               choices=("auto", "autodiff", "closed_form")),
+        "conv_bn": _f("str", "auto", "Conv -> BatchNorm -> ReLU chains in training: auto (fused "
+                      "into the Mosaic GPU convolution only where bench_mgpu.py --fused --tune "
+                      "measured a win on this Hopper GPU), off, or mosaic (fused wherever the "
+                      "kernels run the convolution; see README, Pallas kernels)",
+                      choices=("auto", "off", "mosaic")),
     },
     "data": {
         "source": _f("str", "mnist", "dataset: mnist, cifar10, npz, synthetic, folder (an image folder "

@@ -587,7 +587,7 @@ def prepare(cfg) -> Prepared:
         axis_name=plan.step_axis_name, sync_batch_norm=plan.sync_batch_norm,
         image_norm=train_image_norm(run),
         impl=cfg.model.impl, batch_norm_grad=cfg.model.batch_norm_grad, mix=mix_spec(cfg),
-        accumulate=cfg.train.accumulate_steps))
+        accumulate=cfg.train.accumulate_steps, conv_bn=cfg.model.conv_bn))
     eval_step = plan.wrap_eval(make_eval_step(run.model, policy=run.policy, impl=cfg.model.impl))
     eval_size = eval_batch_size(run)
     with matmul_precision(cfg):  # traced as the loop traces it, so the loop reuses the executable

@@ -144,7 +144,7 @@ def make_train_step(model, tx: optax.GradientTransformation, *, policy=None,
                     skip_nonfinite: bool = False, axis_name: str | None = None,
                     image_norm: tuple | None = None, impl: str = "auto",
                     batch_norm_grad: str = "auto", sync_batch_norm: bool = True,
-                    mix: mixing.MixSpec | None = None, accumulate: int = 1):
+                    mix: mixing.MixSpec | None = None, accumulate: int = 1, conv_bn="auto"):
     """Build ``train_step(state, batch) -> (state, metrics)``.
 
     Arguments:
@@ -163,9 +163,9 @@ def make_train_step(model, tx: optax.GradientTransformation, *, policy=None,
             ``uint8`` batch images are then normalised on the device,
             ``(x / 255 - mean) / std`` in float32, so the host moves bytes
             (4x less than float32).  Float images are used as given.
-        impl, batch_norm_grad: the layers' kernels and BatchNorm backward, passed to
-            ``model.apply`` as ``choices`` (:class:`jaxcnn.layers.Choices`, which checks
-            the names here, when the step is made).
+        impl, batch_norm_grad, conv_bn: the layers' kernels, BatchNorm backward and
+            Conv -> BatchNorm fusion, passed to ``model.apply`` as ``choices``
+            (:class:`jaxcnn.layers.Choices`, which checks the names when the step is made).
         sync_batch_norm: BatchNorm layers built without ``axis_name`` sync their
             statistics over ``axis_name`` (SyncBatchNorm); False keeps them per device
             (``parallel.per_device`` then averages the running statistics).
@@ -182,7 +182,8 @@ def make_train_step(model, tx: optax.GradientTransformation, *, policy=None,
     applied) and ``skipped`` (steps skipped so far).
     """
     bn_axis = axis_name if sync_batch_norm else None
-    choices = Choices(impl=impl, batch_norm_grad=batch_norm_grad, axis_name=bn_axis)
+    choices = Choices(impl=impl, batch_norm_grad=batch_norm_grad, axis_name=bn_axis,
+                      conv_bn=conv_bn)
     if not isinstance(accumulate, int) or accumulate < 1:
         raise ValueError(f"accumulate must be an int >= 1, got {accumulate!r}")
     loss_fn = _loss_fn(model, policy=policy, choices=choices, label_smoothing=label_smoothing,
