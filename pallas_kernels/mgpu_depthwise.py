@@ -156,7 +156,7 @@ def depthwise_wgrad(x, dy, *, kernel_hw, stride=(1, 1), pads=((0, 0), (0, 0)), d
     if (oh, ow) != _out_hw(x.shape, kernel_hw, stride, pads, dilation):
         raise ValueError(f"Mosaic GPU depthwise wgrad: dy {dy.shape} does not match x {x.shape}")
     (pt, _), (pleft, _) = pads
-    xp = mw.phases(x, ((pt, 0), (pleft, 0)), stride, 0)
+    xp = mw.phases(x, ((pt, 0), (pleft, 0)), stride, 0, view=False)  # 4-D: dynamic taps
     bc = mw.block_c(c, cfg)
     tw = min(cfg.tile_w or mc.pick_tile_w(ow), mc.pick_tile_w(ow))
     th = mw.TILE_M // tw

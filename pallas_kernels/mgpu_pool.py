@@ -8,10 +8,11 @@ an mbarrier pipeline over the taps, TMA stores).  bfloat16/float16 only (float32
 integers stay on the Triton kernels), channels a multiple of 8 (TMA's 16-byte
 strides), stride up to 4.
 
-- **Forward.**  The input is split into its stride phases (:func:`mgpu_window.phases`,
-  one XLA copy, none at stride 1 without padding), padded with ``-inf`` for max
-  (every padded or ``ceil_mode`` position) and with zeros at the top/left for
-  average (the bottom/right is TMA's zero fill).  Max compares in float32 with a
+- **Forward.**  The input is split into its stride phases (:func:`mgpu_window.phases`:
+  one XLA copy; none at stride 1 without padding, nor for an unpadded strided window on
+  sizes the stride divides, a 2x2/2 pool, whose phases are a free reshape), padded
+  with ``-inf`` for max (every padded or ``ceil_mode`` position) and with zeros at the
+  top/left for average (the bottom/right is TMA's zero fill).  Max compares in float32 with a
   strict ``>`` (the first maximum wins) and, under differentiation, also writes the
   winning tap's index as ``int16`` (the narrowest type TMA can store at the same
   strides as 16-bit data); average sums in float32 and divides by the divisor computed

@@ -116,14 +116,21 @@ def block_c(c: int, cfg: WindowConfig) -> int:
     return c if c <= cfg.block_c else cfg.block_c
 
 
-def phases(x, pads, stride, fill):
+def phases(x, pads, stride, fill, *, view: bool = True):
     """``x`` padded by ``pads`` (with ``fill``) and split into its ``sh * sw`` stride phases:
     ``(sh * sw * N, ceil(Hp / sh), ceil(Wp / sw), C)``, phase ``a * sw + b`` holding rows
     ``a::sh`` and columns ``b::sw`` of the padded input.  One XLA copy; none at stride 1
-    without padding."""
+    without padding.
+
+    Strided, without padding, on sizes the stride divides (a 2x2/2 pool), and with ``view``,
+    the phases are a free view instead, ``(N, H / sh, sh, W / sw, sw * C)``: phase ``(a, b)`` is index ``a``
+    of axis 2 and channels ``b * C ... (b + 1) * C`` (no copy).
+    """
     (pt, pb), (pleft, pr) = pads
     sh, sw = stride
     n, h, w, c = x.shape
+    if view and (sh, sw) != (1, 1) and not (pt or pb or pleft or pr) and not (h % sh or w % sw):
+        return x.reshape(n, h // sh, sh, w // sw, sw * c)
     pb += -(h + pt + pb) % sh
     pr += -(w + pleft + pr) % sw
     if pt or pb or pleft or pr:
@@ -152,7 +159,8 @@ def tap_reduce(srcs, taps, *, n: int, out_hw, c: int, out_dtypes, init, combine,
     """Runs the window kernel; returns one ``(n, OH, OW, c)`` array per ``out_dtypes``.
 
     Arguments:
-        srcs: operands ``(P * n, Hs, Ws, >= c)`` read per tap (16-bit floats or int16).
+        srcs: operands ``(P * n, Hs, Ws, >= c)`` read per tap (16-bit floats or int16), or
+            the 5-D phase view of :func:`phases`.
         taps: ``[(phase, qh, qw)]`` per tap, static.
         init(shape, layout): the accumulator, a tuple of ``shape`` arrays (``(64,
             block_c)``; ``layout`` is their register layout).
@@ -198,10 +206,17 @@ def tap_reduce(srcs, taps, *, n: int, out_hw, c: int, out_dtypes, init, combine,
             phase, qh, qw = taps[t]
             for src, buf in zip(src_refs, slots):
                 for r in range(th):
-                    plgpu.copy_gmem_to_smem(
-                        src.at[phase * n + img, oh0 + r + qh, pl.ds(ow0 + qw, tw),
-                               pl.ds(c0, bc)],
-                        buf.at[slot, pl.ds(r * tw, tw)], bars.at[slot])
+                    if len(src.shape) == 5:  # the phase view: (n, Hs, sh, Ws, sw * c)
+                        # (A channel tail reads the next phase's first channels, not zeros:
+                        # values of channels past c, which are never stored.)
+                        a, b = divmod(phase, src.shape[4] // c)
+                        window = src.at[img, oh0 + r + qh, a, pl.ds(ow0 + qw, tw),
+                                        pl.ds(b * c + c0, bc)]
+                    else:
+                        window = src.at[phase * n + img, oh0 + r + qh, pl.ds(ow0 + qw, tw),
+                                        pl.ds(c0, bc)]
+                    plgpu.copy_gmem_to_smem(window, buf.at[slot, pl.ds(r * tw, tw)],
+                                            bars.at[slot])
 
         if has_w:
             plgpu.copy_gmem_to_smem(w_ref.at[:, pl.ds(c0, bc)], w_smem, w_bar)
@@ -278,5 +293,5 @@ def pad_channels(a, multiple: int):
     return jnp.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, extra)])
 
 
-__all__ = ["WindowConfig", "DEFAULT", "check_supported", "check_config", "on_hopper", "phases", "forward_taps",
-           "tap_reduce", "pad_channels", "block_c", "cdiv"]
+__all__ = ["WindowConfig", "DEFAULT", "check_supported", "check_config", "on_hopper",
+           "phases", "forward_taps", "tap_reduce", "pad_channels", "block_c", "cdiv"]

@@ -91,6 +91,17 @@ def test_forward_7x7_with_relu_matches_lax():
 
 
 @needs_mgpu
+def test_unpadded_2x2_stride_2_reads_the_phase_view():
+    """2x2/2 without padding on even sizes: the input's phases are a free view (channels
+    16 + 8: the tail reads the next phase's channels, which are never stored)."""
+    rng = np.random.default_rng(6)
+    x, w = normal(rng, (1, 6, 8, 24), BF16), normal(rng, (2, 2, 1, 24), BF16)
+    y = md.depthwise_forward(x, w, stride=(2, 2), config=mw.WindowConfig(block_c=16),
+                             interpret=True)
+    assert_16bit_close(y, _ref(x, w, (2, 2), ((0, 0), (0, 0))), BF16, "2x2/2 phase view")
+
+
+@needs_mgpu
 def test_all_three_kernels_are_race_free(races):
     """Every slot is refilled (9 taps, and 4 output tiles per weight-gradient share, through
     2 slots), so a refill racing with the reads of the slot would be seen."""

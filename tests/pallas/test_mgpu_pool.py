@@ -96,6 +96,10 @@ AVG_CASES = [
     ("3x3/2 pad 1 ceil, pad counted", (1, 7, 9, 16), dict(
         kernel_size=3, stride=2, padding=1, ceil_mode=True), BF16),
     ("2x2/2 float16, odd sizes", (2, 7, 5, 8), dict(kernel_size=2), F16),
+    # even sizes: the phases are a free view; channels 16 + 8 (the tail reads the next
+    # phase's channels, never stored)
+    ("2x2/2 phase view, channel tail", (1, 6, 8, 24), dict(
+        kernel_size=2, config=mw.WindowConfig(block_c=16)), BF16),
 ]
 
 
@@ -103,6 +107,14 @@ AVG_CASES = [
 @pytest.mark.parametrize("name, shape, kw, dtype", AVG_CASES, ids=[c[0] for c in AVG_CASES])
 def test_avg_pool_matches_xla(name, shape, kw, dtype):
     _check("avg_pool2d", normal(np.random.default_rng(3), shape, dtype), kw)
+
+
+def test_unpadded_strided_phases_are_a_free_view():
+    x = jnp.zeros((2, 6, 8, 24), BF16)
+    jaxpr = str(jax.make_jaxpr(lambda x: mw.phases(x, ((0, 0), (0, 0)), (2, 2), 0))(x))
+    assert "transpose" not in jaxpr and "pad" not in jaxpr
+    assert mw.phases(x, ((0, 0), (0, 0)), (2, 2), 0).shape == (2, 3, 2, 4, 48)
+    assert mw.phases(x, ((1, 0), (0, 0)), (2, 2), 0).shape == (8, 4, 4, 24)  # padded: a copy
 
 
 @needs_mgpu
@@ -235,7 +247,8 @@ def test_auto_needs_a_measurement_of_the_mosaic_kernel(monkeypatch, op):
     ("max_pool2d", dict(kernel_size=3, stride=2, padding=1)),
     ("avg_pool2d", dict(kernel_size=3, stride=2, padding=1, ceil_mode=True,
                         count_include_pad=False)),
-], ids=["max 3x3/2", "avg 3x3/2"])
+    ("avg_pool2d", dict(kernel_size=2)),
+], ids=["max 3x3/2", "avg 3x3/2", "avg 2x2/2 (phase view)"])
 def test_pool_kernels_lower_for_hopper_with_tma(op, kw):
     ik = inspect_kernels()
 
