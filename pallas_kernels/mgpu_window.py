@@ -123,8 +123,8 @@ def phases(x, pads, stride, fill, *, view: bool = True):
     without padding.
 
     Strided, without padding, on sizes the stride divides (a 2x2/2 pool), and with ``view``,
-    the phases are a free view instead, ``(N, H / sh, sh, W / sw, sw * C)``: phase ``(a, b)`` is index ``a``
-    of axis 2 and channels ``b * C ... (b + 1) * C`` (no copy).
+    the phases are a free view instead, ``(N, H / sh, sh, W / sw, sw * C)``: phase
+    ``(a, b)`` is index ``a`` of axis 2 and channels ``b * C ... (b + 1) * C`` (no copy).
     """
     (pt, pb), (pleft, pr) = pads
     sh, sw = stride
