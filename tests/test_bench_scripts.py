@@ -100,6 +100,27 @@ def test_bench_mgpu_fused_stores_the_verdicts_conv_bn_auto_reads(tmp_path, monke
         bm.main(["--force", "--fused", "--sweep"])
 
 
+def test_bench_mgpu_window_runs_in_interpret_mode(tmp_path, capsys):
+    """The Mosaic pooling/depthwise benchmark: refuses the CPU, or runs its kernels in
+    interpret mode with --force and records their forward's distance from XLA's."""
+    bw = _load("bench_mgpu_window")
+    reason = bw.mc.unavailable_reason()
+    if reason is not None:  # jax < 0.11: one line, exit 2
+        assert bw.main([]) == 2 and reason in capsys.readouterr().err
+        return
+    assert bw.main([]) == 0 and "not a benchmark" in capsys.readouterr().out
+    out = tmp_path / "w.json"
+    assert bw.main(["--force", "--batch", "1", "--groups", "mnist", "--repeats", "1",
+                    "--no-grad", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["op"] for r in rows] == ["max_pool2d", "conv2d"]
+    for row in rows:
+        assert "error" not in row and row["mosaic_ms"] > 0 and row["xla_ms"] > 0
+        assert row["max_rel_err"] <= 2.0 ** -8
+    with pytest.raises(SystemExit):
+        bw.main(["--force", "--groups", "nope"])
+
+
 def test_profile_step_sums_device_kernels_per_step(tmp_path):
     ps = _load("profile_step")
     events = [
