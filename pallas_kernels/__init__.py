@@ -20,6 +20,13 @@ kernels and an XLA backward selectable with ``backward="xla"``.
   calls it supports (``backend=None``; see
   :func:`pallas_kernels.conv_op.select_backend`) and the Triton kernels
   everywhere else; ``backend="triton"``/``"mosaic"`` pins one.
+- :mod:`pallas_kernels.mgpu_fused`: BatchNorm fused into the Mosaic GPU
+  convolution (training statistics from the epilogue, BatchNorm + ReLU in the
+  input prologue), differentiable; the layers' ``Choices(conv_bn=...)`` use it.
+- :mod:`pallas_kernels.mgpu_pool` and :mod:`pallas_kernels.mgpu_depthwise`: max/average
+  pooling and depthwise convolution (forward and gradients) in Mosaic GPU, on the TMA
+  window kernel of :mod:`pallas_kernels.mgpu_window`; :func:`max_pool2d`,
+  :func:`avg_pool2d` and :func:`conv2d` (depthwise) choose them the same way.
 
 Kernels never import :mod:`jaxcnn.functional` or :mod:`jaxcnn.layers` (which
 sit above them); argument forms, padding and output sizes come from the leaf

@@ -349,8 +349,8 @@ def tune_op(op: str, arrays, static: dict, *, xla, timer=time_call,
             dtypes are used, random data is timed).
         static: its keyword arguments, in the form the cache is keyed by
             (:func:`jaxcnn.functional.tuning.tune_op` puts any call in that form).
-            For ``conv2d``, ``backend="mosaic"`` in ``static`` times the Mosaic GPU
-            (Hopper) kernels and keys the entry so; without it the Triton kernels run.
+            ``backend="mosaic"`` in ``static`` times the Mosaic GPU (Hopper) kernels
+            and keys the entry so; without it the Triton kernels run.
         xla: the XLA form of the same call, a function of ``arrays``.
         timer: ``timer(fn, *args) -> seconds``; ``fn`` is a compiled executable
             for each candidate config (compiled ahead, several at once), a jitted
@@ -364,9 +364,9 @@ def tune_op(op: str, arrays, static: dict, *, xla, timer=time_call,
     """
     import pallas_kernels  # the ops import this module
 
-    # A convolution entry without "backend" is a measurement of the Triton kernels (what
-    # impl="auto" reads it as); one keyed with backend="mosaic" times the Hopper kernels.
-    run_static = {"backend": "triton", **static} if op == "conv2d" else static
+    # An entry without "backend" is a measurement of the Triton kernels (what impl="auto"
+    # reads it as); one keyed with backend="mosaic" times the Hopper kernels.
+    run_static = {"backend": "triton", **static}
 
     def run_pallas(*a):
         return getattr(pallas_kernels, op)(*a, **run_static)
@@ -415,6 +415,19 @@ def tune_op(op: str, arrays, static: dict, *, xla, timer=time_call,
     mine.setdefault("ops", {})[op_key(op, arrays, static)] = entry
     save_cache(devices)
     return entry
+
+
+def store_op_entry(op: str, arrays, static: dict, entry: dict) -> str:
+    """Saves a measured race ``entry`` (``fwd_faster``, ``grad_faster`` and the timings) for
+    this op call under this device kind in the user's cache, where :func:`verdict` finds
+    it; returns the key.  For ops timed outside :func:`tune_op` (the fused BatchNorm
+    convolutions of ``scripts/bench_mgpu.py --fused --tune``)."""
+    key = op_key(op, arrays, static)
+    devices = load_cache()
+    mine = devices.setdefault(device_kind(), {"kernels": {}, "ops": {}})
+    mine.setdefault("ops", {})[key] = dict(entry)
+    save_cache(devices)
+    return key
 
 
 def verdict(op: str, arrays, static: dict) -> tuple[bool, bool] | None:

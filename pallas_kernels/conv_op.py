@@ -18,7 +18,7 @@ from jax import lax
 from jaxcnn import _geometry as geo
 from jaxcnn.errors import KernelUnsupported
 from pallas_kernels import _common as cm
-from pallas_kernels import autotune, mgpu_conv
+from pallas_kernels import autotune, mgpu_conv, mgpu_depthwise, mgpu_window
 from pallas_kernels.conv import conv_forward
 from pallas_kernels.conv_grad import conv_dgrad, conv_wgrad
 from pallas_kernels.depthwise import depthwise_dgrad, depthwise_forward, depthwise_wgrad
@@ -38,7 +38,7 @@ def conv2d(x, w, b=None, *, stride=1, padding=0, dilation=1, groups=1, residual=
     zero), else ``x``.  Accumulation is float32; the result has ``x.dtype``.
 
     Arguments:
-        x: ``(N, H, W, C_in)``, float32 or bfloat16.
+        x: ``(N, H, W, C_in)``, float32 or bfloat16 (float16: the Mosaic kernels only).
         w: ``(KH, KW, C_in // groups, C_out)``, same dtype as ``x``.
         b: optional ``(C_out,)`` bias.
         stride, padding, dilation: as in :func:`jaxcnn.functional.conv2d`.
@@ -54,8 +54,10 @@ def conv2d(x, w, b=None, *, stride=1, padding=0, dilation=1, groups=1, residual=
         precision: ``jax.lax.Precision`` for the in-kernel dots (GPU float32
             dots default to TF32; ``HIGHEST`` asks for full float32).
         backend: ``"triton"`` (the kernels of this module), ``"mosaic"`` (the
-            Hopper kernels of :mod:`pallas_kernels.mgpu_conv`; ``config`` is then
-            an :class:`~pallas_kernels.mgpu_conv.MgpuConfig` or a dict of them, and
+            Hopper kernels of :mod:`pallas_kernels.mgpu_conv`, or of
+            :mod:`pallas_kernels.mgpu_depthwise` for depthwise calls; ``config`` is then
+            an :class:`~pallas_kernels.mgpu_conv.MgpuConfig` (depthwise:
+            :class:`~pallas_kernels.mgpu_window.WindowConfig`) or a dict of them, and
             ``interpret`` means Mosaic GPU interpret mode), or None: Mosaic on a
             Hopper GPU for the calls it supports (:func:`select_backend`), else Triton.
 
@@ -71,8 +73,8 @@ def conv2d(x, w, b=None, *, stride=1, padding=0, dilation=1, groups=1, residual=
     x_shape, w_shape = tuple(jnp.shape(x)), tuple(jnp.shape(w))
     geo.check_rank(op, "x", x_shape, 4, "(N, H, W, C)")
     geo.check_rank(op, "w", w_shape, 4, "(KH, KW, C_in // groups, C_out)")
-    if x.dtype != w.dtype or x.dtype not in (jnp.float32, jnp.bfloat16):
-        raise ValueError(f"{op}: x and w must share a dtype, float32 or bfloat16; got "
+    if x.dtype != w.dtype or x.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
+        raise ValueError(f"{op}: x and w must share a dtype, float32, bfloat16 or float16; got "
                          f"{x.dtype} and {w.dtype}")
     if backward not in BACKWARDS:
         raise ValueError(f"{op}: backward must be one of {BACKWARDS}, got {backward!r}")
@@ -98,22 +100,36 @@ def conv2d(x, w, b=None, *, stride=1, padding=0, dilation=1, groups=1, residual=
         raise ValueError(f"{op}: backend must be one of {BACKENDS}, got {backend!r}")
     if backend is None:
         backend = select_backend(x.dtype, kind, stride, x_shape, w_shape, pads,
-                                 input_scale is not None, precision, config, interpret)
+                                 input_scale is not None, precision, config, interpret,
+                                 has_residual=residual is not None)
     if backend == "mosaic":
-        if kind != "dense" or input_scale is not None or precision is not None:
+        if input_scale is not None or precision is not None or (
+                kind == "depthwise" and residual is not None):
             raise KernelUnsupported(
-                f"{op}: the Mosaic GPU kernels run dense convolutions without the fused input "
-                "BatchNorm or a precision override")
+                f"{op}: the Mosaic GPU kernels run convolutions without the fused input "
+                "BatchNorm or a precision override (depthwise: without a residual)")
+        if kind == "depthwise":
+            mgpu_depthwise.check_supported(x_shape, w_shape, x.dtype, stride=stride, pads=pads)
+            return mgpu_depthwise.conv2d(
+                x, w, b, stride=stride, padding=pads, dilation=dilation, relu=relu,
+                backward="mosaic" if backward == "pallas" else "xla", config=config,
+                interpret=interpret)
         mgpu_conv.check_supported(x_shape, w_shape, x.dtype, stride=stride, pads=pads)
         return mgpu_conv.conv2d(x, w, b, stride=stride, padding=pads, dilation=dilation,
                                 residual=residual,
                                 relu=relu, backward="mosaic" if backward == "pallas" else "xla",
                                 config=config, interpret=interpret)
-    if isinstance(config, mgpu_conv.MgpuConfig) or (isinstance(config, dict) and any(
-            isinstance(v, mgpu_conv.MgpuConfig) for v in config.values())):
-        raise ValueError(f"{op}: config holds an MgpuConfig, but this call runs the Triton "
+    given = list(config.values()) if isinstance(config, dict) else [config]
+    mosaic = [type(v).__name__ for v in given
+              if isinstance(v, (mgpu_conv.MgpuConfig, mgpu_window.WindowConfig))]
+    if mosaic:
+        raise ValueError(f"{op}: config holds an {mosaic[0]}, but this call runs the Triton "
                          f"kernels (backend={backend!r}); pass backend='mosaic' or a "
                          "BlockConfig")
+    if x.dtype == jnp.float16:
+        raise ValueError(f"{op}: float16 runs on the Mosaic GPU kernels only (a Hopper GPU, or "
+                         f"backend='mosaic'); the Triton kernels take float32 or bfloat16 "
+                         f"(backend={backend!r})")
     g = cm.geometry(x_shape, w_shape[:2], stride, dilation, pads, out_hw)
     cfgs = _configs(kind, g, co, x.dtype, config, interpret)
     static = (kind, g, pads, cfgs, bool(relu), backward, interpret, precision)
@@ -121,22 +137,26 @@ def conv2d(x, w, b=None, *, stride=1, padding=0, dilation=1, groups=1, residual=
 
 
 def select_backend(dtype, kind, stride, x_shape, w_shape, pads, has_input_bn, precision, config,
-                   interpret, device_kind=None) -> str:
+                   interpret, device_kind=None, has_residual=False) -> str:
     """``"mosaic"`` where the Hopper kernels take this call, else ``"triton"``: a pure lookup.
 
     Mosaic needs: a real GPU run (not interpret mode) on a Hopper device kind
-    (H100/H200, sm_90), jax >= 0.11, bfloat16 (float32 stays on Triton, whose TF32
-    path is tested), a dense convolution whose channels TMA can address (strides
-    above 1 by phase decomposition),
+    (H100/H200, sm_90), jax >= 0.11, bfloat16 or float16 (float32 stays on Triton, whose
+    TF32 path is tested), a dense convolution whose channels TMA can address (strides
+    above 1 by phase decomposition) or a depthwise one without a residual
+    (:func:`pallas_kernels.mgpu_depthwise.select_backend`),
     no fused input BatchNorm or precision override, and no Triton ``BlockConfig``.
     """
-    if interpret or kind != "dense" or has_input_bn or precision is not None:
+    if interpret or has_input_bn or precision is not None:
         return "triton"
+    if kind == "depthwise":
+        return mgpu_depthwise.select_backend(x_shape, w_shape, dtype, stride, pads, has_residual,
+                                             config, interpret, device_kind)
     if isinstance(config, cm.BlockConfig) or (
             isinstance(config, dict) and any(isinstance(v, cm.BlockConfig)
                                              for v in config.values())):
         return "triton"
-    if jnp.dtype(dtype) != jnp.bfloat16:
+    if jnp.dtype(dtype) not in mgpu_conv.DTYPES:
         return "triton"
     if device_kind is None:
         hopper = mgpu_conv.is_hopper(autotune.device_kind(), mgpu_conv.device_capability())

@@ -39,7 +39,7 @@ bfloat16/float16 in, float32 accumulation):
   ``wgmma`` reads with the weights.  (``wgmma`` could take its left operand
   straight from registers, and the lowering accepts that, but GPU interpret
   mode cannot simulate it, so the tested path restages.  The registers are
-  also where a BatchNorm-apply + ReLU prologue would go.)  The cost is one
+  also where the BatchNorm + ReLU prologue goes, below.)  The cost is one
   shared-memory round trip per step, with bank conflicts on the unswizzled
   reads; unmeasured.
 - **Pipeline.**  ``stages`` slots (default 3) of both operands; the prologue
@@ -73,6 +73,22 @@ bfloat16/float16 in, float32 accumulation):
   the row would write into the next row.  (Overlapping the last tile instead
   would write some pixels twice, a race the interpreter's detector reports.)
   Channel tails are clipped by the tensor TMA.
+- **BatchNorm fusions** (:mod:`pallas_kernels.mgpu_fused` is the differentiable op).
+  ``stats=True``: after the epilogue, each CTA also reduces its stored (rounded)
+  tile, masked to the pixels inside the output, to a per-channel sum and a sum of
+  squares about the tile's own mean, written to a ``(tiles, 2, C_out)`` float32
+  buffer; :func:`combine_tile_stats` merges them by Chan's formula in a fixed
+  pairwise order (deterministic, no atomics, no ``E[y^2] - E[y]^2`` cancellation)
+  into BatchNorm's batch mean and biased variance.  ``input_scale``/``input_shift``:
+  a prologue applies ``relu(x * scale + shift)`` in float32 to each input tile in
+  registers, between its load and its restaging for ``wgmma`` (the step's channel
+  chunk of scale and shift arrives by TMA with the step's other copies), and zeroes
+  the positions that are padding (outside the image, found from the tile's pixel
+  coordinates), so padding is of the normalised activation as in
+  ``conv(relu(bn(x)))``.  The fused forwards are named ``..._fwd_bnrelu``,
+  ``..._fwd_stats`` and ``..._fwd_bnrelu_stats``.
+- **Shared memory**: :func:`smem_bytes` is the scratch Mosaic counts; a configuration
+  over :data:`MAX_SMEM` (227 KiB) is refused in one line before lowering.
 - **Not supported** (:class:`~jaxcnn.errors.KernelUnsupported`, which the
   dispatcher turns into the Triton/XLA path): stride > 4, groups > 1,
   float32, channel counts that are not a multiple of 8 (TMA needs 16-byte
@@ -97,6 +113,7 @@ import warnings
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from jaxcnn.errors import KernelUnsupported
@@ -178,6 +195,11 @@ class MgpuConfig:
 
 DEFAULT = MgpuConfig()
 PARTS = ("fwd", "dgrad", "wgrad")
+# The forward tiles ``scripts/bench_mgpu.py --sweep`` times and can store for a shape:
+# every configuration the tuner can choose (each lowered for sm_90a in the tests).
+SWEEP = tuple(MgpuConfig(block_n=bn, block_k=bk, stages=st, warp_specialized=ws)
+              for bn in (64, 128, 256) for bk in (32, 64) for st in (2, 4)
+              for ws in (False, True))
 
 
 def config_key(part: str, x_shape, w_shape, stride, pads, dilation, dtype) -> str:
@@ -232,6 +254,10 @@ class _Geom:
     oh: int
     ow: int
     co: int
+    h: int = 0  # the unpadded input's height and width, and its top/left padding: where
+    w: int = 0  # the input prologue's padded positions are (they stay zero after it)
+    pt: int = 0
+    pleft: int = 0
 
 
 def check_supported(x_shape, w_shape, dtype, *, stride=(1, 1), pads=((0, 0), (0, 0)),
@@ -296,6 +322,28 @@ def _check_config(cfg: MgpuConfig, bk: int, bn: int) -> None:
         raise ValueError(f"MgpuConfig.tile_w must divide {TILE_M}, got {cfg.tile_w}")
 
 
+# Shared memory one CTA may use on sm_90 (227 KiB, the opt-in maximum Mosaic checks against).
+MAX_SMEM = 232448
+_REDUCTION_SCRATCH = 128 * 4 * 4  # plgpu.CompilerParams.reduction_scratch_bytes' default
+_BARRIER = 8
+
+
+def smem_bytes(cfg: MgpuConfig, c: int, co: int, dtype, *, bias=False, residual_dtype=None,
+               prologue=False, stats=False) -> int:
+    """Shared memory the forward kernel's scratch takes for ``C_in = c``, ``C_out = co``
+    (the sum Mosaic checks against :data:`MAX_SMEM` when it lowers the kernel)."""
+    it = jnp.dtype(dtype).itemsize
+    bk, bn, st = _block_k(c, cfg), _block_n(co, cfg), cfg.stages
+    total = 2 * st * TILE_M * bk * it + st * bk * bn * it + TILE_M * bn * it + st * _BARRIER
+    total += st * 2 * bk * 4 if prologue else 0
+    total += 2 * bn * 4 + _REDUCTION_SCRATCH if stats else 0
+    total += st * _BARRIER if cfg.warp_specialized else 0
+    total += bn * 4 if bias else 0
+    if residual_dtype is not None:
+        total += TILE_M * bn * jnp.dtype(residual_dtype).itemsize
+    return total + (_BARRIER if bias or residual_dtype is not None else 0)
+
+
 def _interpret_params(plgpu, interpret, detect_races: bool):
     if not interpret:
         return None
@@ -307,13 +355,20 @@ def _lane_params(plgpu):
 
 
 def _implicit_gemm(x, w3, bias, residual, gm: _Geom, cfg: MgpuConfig, *, relu, interpret,
-                   detect_races, name):
+                   detect_races, name, in_ss=None, stats=False):
     """``y[n, oh, ow, :] = sum_{tap, c} x[n, oh + i*dh, ow + j*dw, c] * w3[tap, c, :gm.co]``,
     then ``+ bias + residual`` and ReLU on the float32 accumulator (each optional).
 
     ``x`` is already padded at the top/left; reads past its bottom/right are TMA zero fill.
     ``w3``'s last dimension is padded to a multiple of ``block_n``: the swizzled TMA
     tiles it by the swizzle width, which must divide it; so is ``bias`` (float32).
+
+    ``in_ss``: optional ``(2, kc * block_k)`` float32 per-input-channel scale (row 0) and
+    shift (row 1), zeros past ``C_in``: the input prologue ``relu(x * scale + shift)`` on
+    every input tile before the multiply, with the positions that are padding (outside the
+    ``gm.h x gm.w`` image) set to zero after it.  ``stats``: also return the per-CTA
+    partials ``(tiles_m, 2, cop)`` float32 (row 0: sum, row 1: sum of squares about the
+    tile's mean) of the stored (rounded) output over the tile's pixels inside the output.
     """
     plgpu = _plgpu()
     dtype = x.dtype
@@ -335,14 +390,34 @@ def _implicit_gemm(x, w3, bias, residual, gm: _Geom, cfg: MgpuConfig, *, relu, i
     a_transforms = w_transforms
     from jax.experimental import pallas as pl
 
-    has_bias, has_res = bias is not None, residual is not None
+    has_bias, has_res, has_pro = bias is not None, residual is not None, in_ss is not None
+    smem = smem_bytes(cfg, gm.c, gm.co, dtype, bias=has_bias, prologue=has_pro, stats=stats,
+                      residual_dtype=residual.dtype if has_res else None)
+    if smem > MAX_SMEM:
+        raise KernelUnsupported(f"Mosaic GPU conv: {cfg} needs {smem} bytes of shared memory "
+                                f"(more than {MAX_SMEM}) for C_in={gm.c}, C_out={gm.co}")
+    if has_pro and in_ss.shape != (2, kc * bk):
+        raise AssertionError(f"prologue scale/shift {in_ss.shape} != {(2, kc * bk)}")
+    tiles_m = gm.n * tiles_h * tiles_w
+    log_tw = tw.bit_length() - 1  # tw is a power of two: pixel p is (p >> log_tw, p & tw-1)
+
+    def pixel_rc(cols):
+        """(tile row, tile column) of each element of a ``(TILE_M, cols)`` WGMMA fragment."""
+        p = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, (TILE_M, cols), 0),
+                              plgpu.Layout.WGMMA)
+        return lax.shift_right_logical(p, log_tw), lax.bitwise_and(p, tw - 1)
 
     def body(*refs):
         refs = list(refs)
         x_ref, w_ref = refs.pop(0), refs.pop(0)
         bias_ref = refs.pop(0) if has_bias else None
         res_ref = refs.pop(0) if has_res else None
-        o_ref, a_smem, a_sw, b_smem, o_smem, bars, *epi_scratch = refs
+        ss_ref = refs.pop(0) if has_pro else None
+        o_ref = refs.pop(0)
+        st_ref = refs.pop(0) if stats else None
+        a_smem, a_sw, b_smem, o_smem, bars, *epi_scratch = refs
+        ss_smem = epi_scratch.pop(0) if has_pro else None
+        st_smem = epi_scratch.pop(0) if stats else None
         consumed_scratch = []
         if cfg.warp_specialized:
             consumed_scratch.append(epi_scratch.pop(0))
@@ -364,6 +439,9 @@ def _implicit_gemm(x, w3, bias, residual, gm: _Geom, cfg: MgpuConfig, *, relu, i
                     a_smem.at[slot, pl.ds(r * tw, tw)], bars.at[slot])
             plgpu.copy_gmem_to_smem(w_ref.at[tap, pl.ds(cc * bk, bk), pl.ds(co0, bn)],
                                     b_smem.at[slot], bars.at[slot])
+            if has_pro:  # this step's channel chunk of the prologue's scale and shift
+                plgpu.copy_gmem_to_smem(ss_ref.at[:, pl.ds(cc * bk, bk)], ss_smem.at[slot],
+                                        bars.at[slot])
 
         # A traced zero keeps the first windows' starts dynamic: Pallas rejects static
         # windows that overhang the array, which TMA zero-fills.
@@ -382,13 +460,31 @@ def _implicit_gemm(x, w3, bias, residual, gm: _Geom, cfg: MgpuConfig, *, relu, i
                         res_ref.at[img, oh0 + r + zero, pl.ds(ow0, tw), pl.ds(co0, bn)],
                         res_smem.at[pl.ds(r * tw, tw)], epi_bar)
 
-        def mma(acc_ref, slot):
+        def prologue(a, s, slot):
+            """``relu(a * scale + shift)`` of step ``s``'s input tile, zero where the tile
+            reads padding: the convolution of the normalised, rectified activation."""
+            (qh, qw), (ph, pw) = _tap_offset(s // kc, gm, split_phase=True)
+            lane = plgpu.Layout.WGMMA.reduce(0)
+            scale = lax.broadcast_in_dim(plgpu.load(ss_smem.at[slot, 0], layout=lane),
+                                         (TILE_M, bk), [1])
+            shift = lax.broadcast_in_dim(plgpu.load(ss_smem.at[slot, 1], layout=lane),
+                                         (TILE_M, bk), [1])
+            r, c = pixel_rc(bk)
+            # Row/column of the unpadded input this element reads (phase-image row
+            # oh0 + r + qh is padded row (oh0 + r + qh) * sh + ph).
+            xr = (oh0 + qh + r) * gm.sh + (ph - gm.pt)
+            xc = (ow0 + qw + c) * gm.sw + (pw - gm.pleft)
+            inside = (xr >= 0) & (xr < gm.h) & (xc >= 0) & (xc < gm.w)
+            act = jnp.maximum(a.astype(F32) * scale + shift, 0.0)
+            return jnp.where(inside, act, 0.0).astype(dtype)
+
+        def mma(acc_ref, s, slot):
             plgpu.barrier_wait(bars.at[slot])
             # Restage the (unswizzled, tap-shifted) input tile into the swizzled layout
             # wgmma reads; the previous user of this slot (step s - stages) finished at
             # step s - stages + 1 (stages >= 2).
-            a_sw[slot] = plgpu.load(a_smem.at[slot], layout=plgpu.Layout.WGMMA,
-                                    optimized=False)
+            a = plgpu.load(a_smem.at[slot], layout=plgpu.Layout.WGMMA, optimized=False)
+            a_sw[slot] = prologue(a, s, slot) if has_pro else a
             plgpu.commit_smem()
             plgpu.wgmma(acc_ref, a_sw.at[slot], b_smem.at[slot])
             plgpu.wgmma_wait(1)  # step s-1's wgmma is done with its slot
@@ -415,8 +511,22 @@ def _implicit_gemm(x, w3, bias, residual, gm: _Geom, cfg: MgpuConfig, *, relu, i
                                        optimized=False).astype(F32)
             if relu:
                 acc = jnp.maximum(acc, 0.0)
-            o_smem[...] = acc.astype(dtype)
+            y = acc.astype(dtype)
+            o_smem[...] = y
+            if stats:  # of the stored values, over the tile's pixels inside the output
+                r, c = pixel_rc(bn)
+                inside = (oh0 + r < gm.oh) & (ow0 + c < gm.ow)
+                yf = jnp.where(inside, y.astype(F32), 0.0)
+                total = jnp.sum(yf, axis=0)
+                count = (jnp.minimum(th, gm.oh - oh0) * jnp.minimum(tw, gm.ow - ow0)).astype(F32)
+                # Squares about the tile's own mean: no E[y^2] - E[y]^2 cancellation.
+                centred = jnp.where(inside, yf - lax.broadcast_in_dim(total / count,
+                                                                      (TILE_M, bn), [1]), 0.0)
+                st_smem[0] = total
+                st_smem[1] = jnp.sum(centred * centred, axis=0)
             plgpu.commit_smem()
+            if stats:  # this CTA's partials: one row of the (tiles_m, 2, cop) buffer
+                plgpu.copy_smem_to_gmem(st_smem, st_ref.at[mi, :, pl.ds(co0, bn)])
             for r in range(th):
                 def store(off, size, r=r):
                     plgpu.copy_smem_to_gmem(
@@ -442,7 +552,7 @@ def _implicit_gemm(x, w3, bias, residual, gm: _Geom, cfg: MgpuConfig, *, relu, i
                     issue(zero + s, s)
 
                 def step(s, slot):
-                    mma(acc_ref, slot)
+                    mma(acc_ref, s, slot)
                     nxt = s - 1 + stages
 
                     @pl.when((s >= 1) & (nxt < nsteps))
@@ -475,7 +585,7 @@ def _implicit_gemm(x, w3, bias, residual, gm: _Geom, cfg: MgpuConfig, *, relu, i
 
             def scoped(acc_ref):
                 def consume(s, slot):
-                    mma(acc_ref, slot)  # waits until step s - 1's wgmma is done
+                    mma(acc_ref, s, slot)  # waits until step s - 1's wgmma is done
                     # Hand step s - 1's slot back, where the producer will wait for it.
                     pl.when((s >= 1) & (s - 1 + stages < nsteps))(
                         lambda: plgpu.barrier_arrive(consumed.at[(slot - 1) % stages]))
@@ -484,18 +594,23 @@ def _implicit_gemm(x, w3, bias, residual, gm: _Geom, cfg: MgpuConfig, *, relu, i
 
             pl.run_scoped(scoped, plgpu.ACC((TILE_M, bn), F32))
 
+    out_type = jax.ShapeDtypeStruct((gm.n, gm.oh, gm.ow, gm.co), dtype)
+    if stats:
+        out_type = (out_type, jax.ShapeDtypeStruct((tiles_m, 2, w3.shape[2]), F32))
     kernel = plgpu.kernel(
         body,
-        out_type=jax.ShapeDtypeStruct((gm.n, gm.oh, gm.ow, gm.co), dtype),
-        grid=(gm.n * tiles_h * tiles_w, pl_cdiv(gm.co, bn)),
+        out_type=out_type,
+        grid=(tiles_m, pl_cdiv(gm.co, bn)),
         grid_names=("m", "n"),
         scratch_types=[
             plgpu.SMEM((stages, TILE_M, bk), dtype),
             plgpu.SMEM((stages, TILE_M, bk), dtype, transforms=a_transforms),
             plgpu.SMEM((stages, bk, bn), dtype, transforms=w_transforms),
             plgpu.SMEM((TILE_M, bn), dtype),
-            plgpu.Barrier(num_arrivals=th + 1, num_barriers=stages),
-        ] + ([plgpu.Barrier(num_arrivals=1, num_barriers=stages)]
+            plgpu.Barrier(num_arrivals=th + 1 + int(has_pro), num_barriers=stages),
+        ] + ([plgpu.SMEM((stages, 2, bk), F32)] if has_pro else [])
+          + ([plgpu.SMEM((2, bn), F32)] if stats else [])
+          + ([plgpu.Barrier(num_arrivals=1, num_barriers=stages)]
              if cfg.warp_specialized else [])
           + ([plgpu.SMEM((bn,), F32)] if has_bias else [])
           + ([plgpu.SMEM((TILE_M, bn), residual.dtype)] if has_res else [])
@@ -506,7 +621,7 @@ def _implicit_gemm(x, w3, bias, residual, gm: _Geom, cfg: MgpuConfig, *, relu, i
         kernel_name=name,
         **(dict(num_threads=2, thread_name="wg") if cfg.warp_specialized else {}),
     )
-    return kernel(x, w3, *[a for a in (bias, residual) if a is not None])
+    return kernel(x, w3, *[a for a in (bias, residual, in_ss) if a is not None])
 
 
 def _out_hw(hw, kernel_hw, stride, pads, dilation):
@@ -514,12 +629,15 @@ def _out_hw(hw, kernel_hw, stride, pads, dilation):
                  zip(hw, kernel_hw, stride, pads, dilation))
 
 
-def _tap_offset(tap, gm: _Geom):
+def _tap_offset(tap, gm: _Geom, split_phase: bool = False):
     """``((row, column) offset, phase)`` of tap ``tap`` in the phase-decomposed input: tap
     ``(i, j)`` reads input row ``oh * sh + i * dh``, which is row ``oh + (i * dh) // sh`` of
-    phase ``(i * dh) % sh``."""
+    phase ``(i * dh) % sh``.  With ``split_phase`` the phase is ``(row phase, column
+    phase)``."""
     i, j = tap // gm.kw, tap % gm.kw
     rh, rw = i * gm.dh, j * gm.dw
+    if split_phase:
+        return (rh // gm.sh, rw // gm.sw), (rh % gm.sh, rw % gm.sw)
     return (rh // gm.sh, rw // gm.sw), (rh % gm.sh) * gm.sw + rw % gm.sw
 
 
@@ -558,13 +676,23 @@ def pl_cdiv(a: int, b: int) -> int:
 def conv_forward(x, w, b=None, residual=None, *, relu=False, stride=(1, 1),
                  pads=((0, 0), (0, 0)), dilation=(1, 1), config: MgpuConfig | None = None,
                  interpret: bool = False, detect_races: bool = False,
-                 name: str = "jaxcnn_mgpu_conv_fwd"):
+                 name: str = "jaxcnn_mgpu_conv_fwd", input_scale=None, input_shift=None,
+                 stats: bool = False):
     """Dense convolution ``(N, H, W, C_in) x (KH, KW, C_in, C_out)`` on Mosaic GPU.
 
     Arguments:
         x, w: bfloat16 or float16, NHWC and HWIO.
         b: optional ``(C_out,)``, residual: optional ``(N, OH, OW, C_out)`` (x's dtype),
             added to the float32 accumulator in the epilogue, then ``relu`` if set.
+        input_scale, input_shift: optional ``(C_in,)`` each (both or neither): the
+            input prologue, ``conv(relu(x * input_scale + input_shift))`` computed in
+            float32 on each input tile and rounded to ``x``'s dtype before the multiply
+            (a folded BatchNorm + ReLU); the padding is of that activation (zeros).
+        stats: also return the per-channel batch mean and biased variance (float32) of
+            the output as stored (after bias, residual, ReLU and rounding), BatchNorm's
+            training statistics: each CTA writes its tile's sum and sum of squares about
+            the tile's mean, which :func:`combine_tile_stats` adds up in a fixed order
+            (deterministic, no atomics).
         stride: ``(sh, sw)``; above 1 the input is split into its stride phases
             first (one XLA copy), so every tap reads a stride-1 window of one phase.
         pads: ``((top, bottom), (left, right))``, each >= 0.
@@ -573,15 +701,19 @@ def conv_forward(x, w, b=None, residual=None, *, relu=False, stride=(1, 1),
         interpret: run in Mosaic GPU interpret mode (on the CPU).
         detect_races: with ``interpret``, run the interpreter's race detector.
         name: the kernel's name (the input gradient runs this kernel as
-            ``jaxcnn_mgpu_conv_dgrad``).
+            ``jaxcnn_mgpu_conv_dgrad``); the forward's default gets ``_bnrelu`` with the
+            prologue and ``_stats`` with the statistics appended.
 
     Returns:
-        ``(N, OH, OW, C_out)`` in ``x.dtype`` (float32 accumulation).
+        ``(N, OH, OW, C_out)`` in ``x.dtype`` (float32 accumulation); with ``stats``,
+        ``(y, mean, var)``, the last two ``(C_out,)`` float32.
 
     Raises:
         KernelUnsupported: for a call the kernel cannot run (see :func:`check_supported`).
     """
     stride = tuple(stride)
+    if (input_scale is None) != (input_shift is None):
+        raise ValueError("Mosaic GPU conv: give both input_scale and input_shift, or neither")
     check_supported(x.shape, w.shape, x.dtype, stride=stride, pads=pads)
     if x.dtype != w.dtype:
         raise ValueError(f"Mosaic GPU conv: x and w dtypes differ ({x.dtype}, {w.dtype})")
@@ -592,8 +724,17 @@ def conv_forward(x, w, b=None, residual=None, *, relu=False, stride=(1, 1),
         raise ValueError(f"Mosaic GPU conv: empty output {oh}x{ow} for x {x.shape}, w {w.shape}")
     x = _phases(x, pads, stride)
     gm = _Geom(n=n, sh=stride[0], sw=stride[1], c=c, kh=kh, kw=kw, dh=dilation[0],
-               dw=dilation[1], oh=oh, ow=ow, co=co)
+               dw=dilation[1], oh=oh, ow=ow, co=co, h=h, w=wd, pt=pads[0][0],
+               pleft=pads[1][0])
     cfg = config or DEFAULT
+    in_ss = None
+    if input_scale is not None:
+        for nm, v in (("input_scale", input_scale), ("input_shift", input_shift)):
+            if tuple(v.shape) != (c,):
+                raise ValueError(f"Mosaic GPU conv: {nm} shape {tuple(v.shape)} != ({c},)")
+        kp = pl_cdiv(c, _block_k(c, cfg)) * _block_k(c, cfg)
+        in_ss = jnp.pad(jnp.stack([input_scale.astype(F32), input_shift.astype(F32)]),
+                        ((0, 0), (0, kp - c)))  # zeros past C_in: relu(0 * 0 + 0) = 0
     w3 = w.reshape(kh * kw, c, co)
     bn = _block_n(co, cfg)
     cop = pl_cdiv(co, bn) * bn
@@ -604,8 +745,52 @@ def conv_forward(x, w, b=None, residual=None, *, relu=False, stride=(1, 1),
     if residual is not None and residual.shape != (n, oh, ow, co):
         raise ValueError(f"Mosaic GPU conv: residual shape {residual.shape} != output "
                          f"{(n, oh, ow, co)}")
-    return _implicit_gemm(x, w3, b, residual, gm, cfg, relu=bool(relu), interpret=interpret,
-                          detect_races=detect_races, name=name)
+    if name == "jaxcnn_mgpu_conv_fwd":  # the fused variants, by name in profiles and reports
+        name += "_bnrelu" * (input_scale is not None) + "_stats" * bool(stats)
+    out = _implicit_gemm(x, w3, b, residual, gm, cfg, relu=bool(relu), interpret=interpret,
+                         detect_races=detect_races, name=name, in_ss=in_ss, stats=bool(stats))
+    if not stats:
+        return out
+    y, partial = out
+    return (y, *combine_tile_stats(partial[:, :, :co], _tile_counts(gm, cfg)))
+
+
+def _tile_counts(gm: _Geom, cfg: MgpuConfig):
+    """Output pixels of each forward tile (its rows and columns inside the output), in the
+    order of the grid's ``m`` axis: ``(tiles_m,)`` float32 (static)."""
+    tw = min(cfg.tile_w or pick_tile_w(gm.ow), pick_tile_w(gm.ow))
+    th = TILE_M // tw
+    rows = np.minimum(th, gm.oh - np.arange(0, gm.oh, th))
+    cols = np.minimum(tw, gm.ow - np.arange(0, gm.ow, tw))
+    per_image = (rows[:, None] * cols[None, :]).reshape(-1)
+    return np.tile(per_image, gm.n).astype(np.float32)
+
+
+def combine_tile_stats(partial, counts):
+    """Batch ``(mean, biased variance)`` per channel from per-tile ``(sum, sum of squares
+    about the tile's mean)`` partials ``(tiles, 2, C)`` of ``counts[t]`` pixels each, by
+    Chan's parallel formula ``M2 = sum_t M2_t + sum_t n_t (mean_t - mean)^2``, every sum
+    in a fixed pairwise order (deterministic)."""
+    n = float(sum(float(c) for c in counts))  # static: the counts come from the geometry
+    counts = jnp.asarray(counts, F32)[:, None]
+    mean = fixed_order_sum(partial[:, 0]) / n
+    tile_mean = partial[:, 0] / counts
+    m2 = fixed_order_sum(partial[:, 1]) + fixed_order_sum(counts * jnp.square(tile_mean - mean))
+    return mean, m2 / n
+
+
+def fixed_order_sum(partial):
+    """``partial.sum(axis=0)`` as a pairwise tree of elementwise adds over the leading axis
+    (zero-padded to a power of two): the same order on every run and every backend,
+    whatever XLA's reduction emitter would do."""
+    t = partial.shape[0]
+    size = 1 << max(t - 1, 0).bit_length()
+    if size != t:
+        partial = jnp.pad(partial, ((0, size - t),) + ((0, 0),) * (partial.ndim - 1))
+    while partial.shape[0] > 1:
+        half = partial.shape[0] // 2
+        partial = partial[:half] + partial[half:]
+    return partial[0]
 
 
 def conv_dgrad(dy, w, *, x_hw, stride=(1, 1), pads=((0, 0), (0, 0)), dilation=(1, 1),
@@ -845,19 +1030,24 @@ def conv2d(x, w, b=None, *, stride=(1, 1), padding=((0, 0), (0, 0)), dilation=(1
     dilation = tuple(int(d) for d in dilation)
     stride = tuple(int(v) for v in stride)
     check_supported(x.shape, w.shape, x.dtype, stride=stride, pads=pads)
-    if isinstance(config, MgpuConfig):
-        cfgs = (config,) * 3
-    else:
-        config = dict(config or {})
-        unknown = set(config) - set(PARTS)
-        if unknown:
-            raise ValueError(f"Mosaic GPU conv2d: unknown config keys {sorted(unknown)}")
-        cfgs = tuple(config.get(part) or tuned_config(
-            part, x.shape, w.shape, stride, pads, dilation, x.dtype) or DEFAULT
-            for part in PARTS)
+    cfgs = part_configs(config, x.shape, w.shape, stride, pads, dilation, x.dtype)
     static = (pads, dilation, bool(relu), backward, cfgs, bool(interpret), bool(detect_races),
               stride)
     return _conv(static, x, w, b, residual)
+
+
+def part_configs(config, x_shape, w_shape, stride, pads, dilation, dtype) -> tuple:
+    """``(fwd, dgrad, wgrad)`` tiles: ``config`` (one :class:`MgpuConfig` for all, or a dict
+    by part), a part not given taking its cached tiles (:func:`tuned_config`), else
+    :data:`DEFAULT`."""
+    if isinstance(config, MgpuConfig):
+        return (config,) * 3
+    config = dict(config or {})
+    unknown = set(config) - set(PARTS)
+    if unknown:
+        raise ValueError(f"Mosaic GPU conv2d: unknown config keys {sorted(unknown)}")
+    return tuple(config.get(part) or tuned_config(
+        part, x_shape, w_shape, stride, pads, dilation, dtype) or DEFAULT for part in PARTS)
 
 
 def _forward(static, x, w, b, residual):
@@ -884,21 +1074,33 @@ def _conv_bwd(static, saved, dy):
         dy = jnp.where(y > 0, dy, jnp.zeros_like(dy))
     db = None if b is None else jnp.sum(dy.astype(F32), axis=(0, 1, 2)).astype(b.dtype)
     dres = None if residual is None else dy.astype(residual.dtype)
+    dx, dw = input_and_weight_grads(x, w, dy, stride=stride, pads=pads, dilation=dilation,
+                                    backward=backward, configs=(cfg_d, cfg_w),
+                                    interpret=interpret, detect_races=races)
+    return dx, dw, db, dres
+
+
+def input_and_weight_grads(x, w, dy, *, stride, pads, dilation, backward, configs, interpret,
+                           detect_races):
+    """``(dx, dw)`` of ``conv(x, w)`` for the output cotangent ``dy``, in ``x``'s and ``w``'s
+    dtypes: the input- and weight-gradient kernels (``backward="mosaic"``; XLA where the
+    input gradient has no kernel) or XLA's convolution gradients (``"xla"``)."""
     conv = functools.partial(lax.conv_general_dilated, window_strides=stride, padding=pads,
                              rhs_dilation=dilation, dimension_numbers=_DIMS)
     if backward == "xla":
         _, vjp = jax.vjp(conv, x, w)
-        dx, dw = vjp(dy)
-        return dx, dw, db, dres
+        dx, dw = vjp(dy.astype(x.dtype))
+        return dx, dw
+    cfg_d, cfg_w = configs
     dy = dy.astype(x.dtype)
     try:
         dx = conv_dgrad(dy, w, x_hw=x.shape[1:3], stride=stride, pads=pads, dilation=dilation,
-                        config=cfg_d, interpret=interpret, detect_races=races)
+                        config=cfg_d, interpret=interpret, detect_races=detect_races)
     except KernelUnsupported:  # a static property of the call: decided while tracing
         dx = jax.vjp(lambda x_: conv(x_, w), x)[1](dy)[0]
     dw = conv_wgrad(x, dy, kernel_hw=w.shape[:2], stride=stride, pads=pads, dilation=dilation,
-                    config=cfg_w, interpret=interpret, detect_races=races)
-    return dx.astype(x.dtype), dw.astype(w.dtype), db, dres
+                    config=cfg_w, interpret=interpret, detect_races=detect_races)
+    return dx.astype(x.dtype), dw.astype(w.dtype)
 
 
 _conv.defvjp(_conv_fwd, _conv_bwd)

@@ -23,9 +23,9 @@ from jax.experimental import pallas as pl
 
 from jaxcnn import _geometry as geo
 from pallas_kernels import _common as cm
-from pallas_kernels import autotune
+from pallas_kernels import autotune, mgpu_pool, mgpu_window
 from pallas_kernels._common import F32, BlockConfig, ConvGeometry
-from pallas_kernels.conv_op import BACKWARDS
+from pallas_kernels.conv_op import BACKENDS, BACKWARDS
 
 
 def _grid(rows: int, g: ConvGeometry, cfg: BlockConfig):
@@ -128,8 +128,29 @@ def _setup(op, x, kernel_size, stride, padding, dilation, ceil_mode, backward, c
     return g, (kernel, stride, dilation, pads, run_pads, out_hw), cfgs, interpret
 
 
+def _mosaic(op, x, kernel_size, stride, padding, dilation, ceil_mode, backward, config,
+            interpret, backend):
+    """Whether this call runs the Mosaic GPU kernels (:mod:`pallas_kernels.mgpu_pool`):
+    ``backend="mosaic"``, or None where :func:`mgpu_pool.select_backend` picks them."""
+    if backend not in BACKENDS:
+        raise ValueError(f"{op}: backend must be one of {BACKENDS}, got {backend!r}")
+    if backward not in BACKWARDS:
+        raise ValueError(f"{op}: backward must be one of {BACKWARDS}, got {backward!r}")
+    if backend is None:
+        kernel, stride, *_ = geo.pool_geometry(op, jnp.shape(x), kernel_size, stride, padding,
+                                               dilation, ceil_mode)
+        backend = mgpu_pool.select_backend(jnp.shape(x), x.dtype, kernel, stride, config,
+                                           cm.interpret_default(interpret))
+    if backend == "mosaic":
+        return True
+    if isinstance(config, mgpu_window.WindowConfig):
+        raise ValueError(f"{op}: config is a WindowConfig, but this call runs the Triton "
+                         f"kernels (backend={backend!r}); pass backend='mosaic' or a BlockConfig")
+    return False
+
+
 def max_pool2d(x, kernel_size, *, stride=None, padding=0, dilation=1, ceil_mode=False,
-               backward="pallas", config=None, interpret=None):
+               backward="pallas", config=None, interpret=None, backend=None):
     """Max pooling as :func:`jaxcnn.functional.max_pool2d`, run by Pallas kernels.
 
     Arguments:
@@ -139,11 +160,25 @@ def max_pool2d(x, kernel_size, *, stride=None, padding=0, dilation=1, ceil_mode=
         backward: ``"pallas"`` or ``"xla"`` (the XLA op's gradient).
         config: a :class:`~pallas_kernels.BlockConfig` for both kernels, or None.
         interpret: run in the Pallas interpreter; None means "unless on a GPU".
+        backend: ``"triton"``, ``"mosaic"`` (the Hopper kernels of
+            :mod:`pallas_kernels.mgpu_pool`; ``config`` is then a
+            :class:`~pallas_kernels.mgpu_window.WindowConfig` and ``interpret`` means
+            Mosaic GPU interpret mode), or None: Mosaic on a Hopper GPU for the calls it
+            supports (:func:`pallas_kernels.mgpu_pool.select_backend`), else Triton.
 
     Returns:
         ``(N, H_out, W_out, C)`` in ``x.dtype``; the gradient goes to the
         first maximum of each window (row-major order).
+
+    Raises:
+        KernelUnsupported: ``backend="mosaic"`` for a call the Mosaic kernels cannot run.
     """
+    if _mosaic("pallas_kernels.max_pool2d", x, kernel_size, stride, padding, dilation,
+               ceil_mode, backward, config, interpret, backend):
+        return mgpu_pool.max_pool2d(
+            x, kernel_size, stride=stride, padding=padding, dilation=dilation,
+            ceil_mode=ceil_mode, backward="mosaic" if backward == "pallas" else "xla",
+            config=config, interpret=cm.interpret_default(interpret))
     g, (kernel, stride, dilation, _, run_pads, out_hw), cfgs, interpret = _setup(
         "pallas_kernels.max_pool2d", x, kernel_size, stride, padding, dilation, ceil_mode,
         backward, config, interpret)
@@ -194,7 +229,8 @@ _max_pool.defvjp(_max_pool_fwd, _max_pool_bwd)
 
 
 def avg_pool2d(x, kernel_size, *, stride=None, padding=0, ceil_mode=False,
-               count_include_pad=True, backward="pallas", config=None, interpret=None):
+               count_include_pad=True, backward="pallas", config=None, interpret=None,
+               backend=None):
     """Average pooling as :func:`jaxcnn.functional.avg_pool2d`, run by Pallas kernels.
 
     Arguments:
@@ -204,10 +240,18 @@ def avg_pool2d(x, kernel_size, *, stride=None, padding=0, ceil_mode=False,
         backward: ``"pallas"`` or ``"xla"``.
         config: a :class:`~pallas_kernels.BlockConfig` for both kernels, or None.
         interpret: run in the Pallas interpreter; None means "unless on a GPU".
+        backend: as in :func:`max_pool2d`.
 
     Returns:
         ``(N, H_out, W_out, C)`` in ``x.dtype`` (sums in float32).
     """
+    if _mosaic("pallas_kernels.avg_pool2d", x, kernel_size, stride, padding, 1, ceil_mode,
+               backward, config, interpret, backend):
+        return mgpu_pool.avg_pool2d(
+            x, kernel_size, stride=stride, padding=padding, ceil_mode=ceil_mode,
+            count_include_pad=count_include_pad,
+            backward="mosaic" if backward == "pallas" else "xla", config=config,
+            interpret=cm.interpret_default(interpret))
     op = "pallas_kernels.avg_pool2d"
     g, (kernel, stride, _, pads, run_pads, out_hw), cfgs, interpret = _setup(
         op, x, kernel_size, stride, padding, 1, ceil_mode, backward, config, interpret)

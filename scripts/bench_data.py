@@ -105,7 +105,7 @@ def plain_loop(paths, batch_size, steps, out_size, seed=0):
     return batch_size * steps / (time.perf_counter() - t0), (time.process_time() - c0) / (batch_size * steps)
 
 
-def pipeline(root, batch_size, steps, out_size, workers, buffer=2, shared_memory=False):
+def pipeline(root, batch_size, steps, out_size, workers, buffer=2, shared_memory=True):
     """jaxcnn's loader with ``workers`` processes. Returns (images/s, start-up seconds, CPU
     seconds per image of this process: the whole cost with 0 workers)."""
     from jaxcnn.data.folder import FolderSource, scan_split
@@ -147,8 +147,9 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=8, help="timed batches per pipeline")
     parser.add_argument("--workers", default=None, help="comma-separated worker counts (default 0,1,2,ncpu)")
     parser.add_argument("--repeats", type=int, default=3, help="rounds; each row reports its best")
-    parser.add_argument("--shared-memory", action="store_true",
-                        help="workers hand batches over in /dev/shm rather than pipes (Loader's shared_memory)")
+    parser.add_argument("--pipes", action="store_true",
+                        help="workers hand batches over pickled through pipes, not the shared-memory ring "
+                             "(Loader's shared_memory=False)")
     parser.add_argument("--target", type=float, default=7000.0, help="images/s a GPU consumes")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
@@ -173,7 +174,7 @@ def main(argv=None) -> int:
             cpus[None].append(cpu)
             for w in workers:
                 rate, startup, cpu = pipeline(root, args.batch, args.steps, args.crop, w,
-                                              shared_memory=args.shared_memory)
+                                              shared_memory=not args.pipes)
                 rates[w].append(rate)
                 cpus[w].append(cpu)
                 startups[w].append(startup)

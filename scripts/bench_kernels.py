@@ -127,7 +127,7 @@ def _args(op, x_shape, w_shape, dtype):
 
 def _fns(op, kw, backend=None):
     """(Pallas forward, XLA forward) taking the same positional arrays; ``backend`` picks the
-    convolution kernels (``"triton"``, ``"mosaic"``, or None: by device kind)."""
+    convolution and pooling kernels (``"triton"``, ``"mosaic"``, or None: by device kind)."""
     if op == "bn_relu_conv2d":
         def kernel(x, w, scale, shift):
             return pk.bn_relu_conv2d(x, w, scale=scale, shift=shift, **kw)
@@ -136,7 +136,7 @@ def _fns(op, kw, backend=None):
             a = jax.nn.relu(x.astype(jnp.float32) * scale + shift).astype(x.dtype)
             return F.conv2d(a, w, **kw, impl="xla")
         return kernel, xla
-    kernel_kw = {**kw, "backend": backend} if op == "conv2d" else kw
+    kernel_kw = {**kw, "backend": backend} if op in ("conv2d", "max_pool2d", "avg_pool2d") else kw
     return (lambda *a: getattr(pk, op)(*a, **kernel_kw),
             lambda *a: getattr(F, op)(*a, **kw, impl="xla"))
 

@@ -12,6 +12,17 @@ partitioning), not a real speed-up: ideal efficiency is then about
 true scaling.  Weak scaling (default) keeps the per-device batch fixed; strong
 scaling keeps the global batch fixed (``--per-device-batch`` x the largest count).
 
+``--layout spatial`` puts each count's devices on the ``spatial`` axis instead
+(``jit``, images split along height, ``data`` 1) with the global batch fixed at
+``--per-device-batch``; ``--layout data_spatial`` splits them as data 2 x spatial
+n/2.  Every row also reports the compiled step's memory per device (XLA's
+``memory_analysis``: arguments + outputs + temporaries - donated) and the
+collectives in its HLO; ``--compile-only`` stops there (no step is run), which
+is how the ResNet-50 224x224 memory table in docs/BENCHMARKS.md was made::
+
+    python scripts/bench_scaling.py --model resnet50 --num-classes 1000 --layout spatial \
+        --devices 1,2,4 --per-device-batch 8 --compile-only
+
 ``--pipe 1,2,4`` measures pipeline stages instead (one data shard, the batch
 ``--per-device-batch``, ``--microbatches`` micro-batches; ``pipe 1`` is one device
 accumulating the same micro-batches): each count's compiled step's per-device memory
@@ -42,6 +53,14 @@ def _parse_args(argv):
     p.add_argument("--mode", default="weak", choices=("weak", "strong"))
     p.add_argument("--steps", type=int, default=10, help="timed steps per device count")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps (compilation) per device count")
+    p.add_argument("--layout", default="data", choices=("data", "spatial", "data_spatial"),
+                   help="which mesh axis the devices go on (spatial: jit, global batch fixed)")
+    p.add_argument("--compile-only", action="store_true",
+                   help="compile each step and report its memory and collectives; run nothing")
+    p.add_argument("--plain-channel-sums", action="store_true",
+                   help="per-channel sums as plain jnp.sum, as off the CPU (the CPU's folded form "
+                        "reshapes (N, H, W, C) to (rows, lanes), which the partitioner can only do "
+                        "by gathering a height-split activation)")
     p.add_argument("--json", action="store_true", help="print the rows as JSON lines too")
     p.add_argument("--pipe", default=None, help="comma-separated pipeline stage counts (see above)")
     p.add_argument("--microbatches", type=int, default=4, help="--pipe: micro-batches per step")
@@ -59,6 +78,8 @@ def main(argv=None) -> int:
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + flag).strip()
     import jaxcnn.cpu
     jaxcnn.cpu.configure()  # before JAX starts: the XLA:CPU flag and malloc settings
+    import re
+
     import jax
     import numpy as np
     import optax
@@ -66,9 +87,13 @@ def main(argv=None) -> int:
     from jaxcnn import models
     from jaxcnn import precision as P
     from jaxcnn.parallel import ParallelPlan, make_mesh
+    from jaxcnn.train.memory import _step_bytes, fmt_bytes
     from jaxcnn.train.state import create_train_state
     from jaxcnn.train.step import make_train_step
 
+    if args.plain_channel_sums:
+        from jaxcnn.functional import _channels
+        _channels.WIDE_LANES = 0  # this process only: _fold then never folds
     if max(counts) > jax.device_count():
         print(f"bench_scaling: asked for {max(counts)} devices, only {jax.device_count()} exist",
               file=sys.stderr)
@@ -80,22 +105,47 @@ def main(argv=None) -> int:
     if args.pipe:
         return _pipeline_rows(args, counts, model, image, tx)
     rows = []
+    strategy = "jit" if args.layout != "data" else args.strategy
     for n in counts:
-        batch = args.per_device_batch * (n if args.mode == "weak" else max(counts))
+        data, spatial = {"data": (n, 1), "spatial": (1, n),
+                         "data_spatial": (min(n, 2), max(1, n // 2))}[args.layout]
+        if args.layout == "data":
+            batch = args.per_device_batch * (n if args.mode == "weak" else max(counts))
+        else:
+            batch = args.per_device_batch * data
         shape = (batch,) + image
 
         def init(shape=shape):
             return create_train_state(model, tx, jax.random.PRNGKey(0), shape,
                                       loss_scale=P.make_loss_scale("none"))
 
-        plan = ParallelPlan(make_mesh(n, 1, devices=jax.devices()[:n]), model, shape,
-                            jax.eval_shape(init), strategy=args.strategy)
-        step = plan.wrap_step(make_train_step(model, tx, axis_name=plan.step_axis_name))
-        state = jax.jit(init, out_shardings=plan.state_shardings)()
+        try:
+            plan = ParallelPlan(make_mesh(data, 1, spatial=spatial, devices=jax.devices()[:n]), model,
+                                shape, jax.eval_shape(init), strategy=strategy)
+        except ValueError as e:
+            print(f"bench_scaling: {n} devices: {e}", file=sys.stderr)
+            return 2
+        step = plan.wrap_step(make_train_step(plan.step_model, tx, axis_name=plan.step_axis_name))
         rng = np.random.default_rng(0)
         host = {"image": rng.normal(size=shape).astype(np.float32),
                 "label": rng.integers(0, args.num_classes, batch).astype(np.int32)}
         placed = plan.put_batch(host)
+        t0 = time.perf_counter()
+        compiled = step.lower(plan.abstract_state, placed).compile()
+        hlo = compiled.as_text()
+        row = {"devices": n, "data": data, "spatial": spatial, "global_batch": batch,
+               "split_through": plan.spatial.gather_after if plan.spatial else None,
+               "step_bytes": _step_bytes(compiled), "lower_compile_s": time.perf_counter() - t0}
+        try:  # the temporaries (activations and their gradients) are what spatial shards divide
+            row["temp_bytes"] = int(compiled.memory_analysis().temp_size_in_bytes)
+        except Exception:  # not every backend implements memory_analysis
+            row["temp_bytes"] = None
+        for op in ("collective-permute", "all-gather", "all-reduce", "all-to-all", "reduce-scatter"):
+            row[op] = len(re.findall(rf"^\s*(?:ROOT )?\S+ = .* {op}(?:-start)?\(", hlo, re.M))
+        if args.compile_only:
+            rows.append(row)
+            continue
+        state = jax.jit(init, out_shardings=plan.state_shardings)()
         t0 = time.perf_counter()
         for _ in range(args.warmup):
             state, m = step(state, placed)
@@ -106,20 +156,36 @@ def main(argv=None) -> int:
             state, m = step(state, placed)
         jax.block_until_ready((state, m))
         step_s = (time.perf_counter() - t0) / args.steps
-        rows.append({"devices": n, "global_batch": batch, "step_ms": step_s * 1e3,
-                     "img_per_s": batch / step_s, "compile_s": compile_s})
+        rows.append(dict(row, step_ms=step_s * 1e3, img_per_s=batch / step_s, compile_s=compile_s))
+    print(f"model {args.model} {image}  strategy {strategy}  layout {args.layout}  "
+          f"{args.mode if args.layout == 'data' else 'fixed-batch'} scaling  "
+          f"per-device batch {args.per_device_batch}  backend {jax.default_backend()} "
+          f"({os.cpu_count()} host cores){'  plain channel sums' if args.plain_channel_sums else ''}")
+    if args.compile_only:
+        print(f"{'devices':>7} {'data':>4} {'spatial':>7} {'batch':>6} {'mem/device':>11} {'vs 1st':>6} "
+              f"{'temp':>9} {'vs 1st':>6} {'permutes':>8} {'gathers':>7} {'reduces':>7}  split through")
+        for r in rows:
+            mem, temp = r["step_bytes"] or 0, r["temp_bytes"] or 0
+            print(f"{r['devices']:>7} {r['data']:>4} {r['spatial']:>7} {r['global_batch']:>6} "
+                  f"{fmt_bytes(mem):>11} {mem / (rows[0]['step_bytes'] or 1):>6.2f} "
+                  f"{fmt_bytes(temp):>9} {temp / (rows[0]['temp_bytes'] or 1):>6.2f} "
+                  f"{r['collective-permute']:>8} {r['all-gather']:>7} {r['all-reduce']:>7}  "
+                  f"{r['split_through'] or '-'}")
+        if args.json:
+            for r in rows:
+                print(json.dumps(r))
+        return 0
     base = rows[0]["img_per_s"] / rows[0]["devices"]
     for r in rows:
         r["speedup"] = r["img_per_s"] / rows[0]["img_per_s"]
         # Weak scaling: throughput vs n x one device; strong: time-to-batch vs n x faster.
         r["efficiency"] = r["img_per_s"] / (base * r["devices"])
-    print(f"model {args.model} {image}  strategy {args.strategy}  {args.mode} scaling  "
-          f"per-device batch {args.per_device_batch}  backend {jax.default_backend()} "
-          f"({os.cpu_count()} host cores)")
-    print(f"{'devices':>7} {'batch':>6} {'step ms':>9} {'img/s':>9} {'speedup':>8} {'efficiency':>10}")
+    print(f"{'devices':>7} {'data':>4} {'spatial':>7} {'batch':>6} {'step ms':>9} {'img/s':>9} "
+          f"{'speedup':>8} {'efficiency':>10} {'mem/device':>11}")
     for r in rows:
-        print(f"{r['devices']:>7} {r['global_batch']:>6} {r['step_ms']:>9.1f} {r['img_per_s']:>9.1f} "
-              f"{r['speedup']:>8.2f} {r['efficiency']:>10.2f}")
+        print(f"{r['devices']:>7} {r['data']:>4} {r['spatial']:>7} {r['global_batch']:>6} {r['step_ms']:>9.1f} "
+              f"{r['img_per_s']:>9.1f} {r['speedup']:>8.2f} {r['efficiency']:>10.2f} "
+              f"{fmt_bytes(r['step_bytes'] or 0):>11}")
     if args.json:
         for r in rows:
             print(json.dumps(r))

@@ -57,6 +57,7 @@ import optax
 
 from jaxcnn import _host_memory
 from jaxcnn import functional as F
+from jaxcnn.functional.conv_bn import FUSIONS
 from jaxcnn import models, summary
 from jaxcnn.summary import peak_flops
 from jaxcnn import precision as P
@@ -112,7 +113,7 @@ def case_batch(case, args) -> int:
     return args.batch or CASES[case][2]
 
 
-def bench_jaxcnn(case, args, bf16, impl="auto", bn_grad="auto"):
+def bench_jaxcnn(case, args, bf16, impl="auto", bn_grad="auto", conv_bn="auto"):
     name, options, _, hwc, classes, _ = CASES[case]
     batch = case_batch(case, args)
     model = models.get(name, num_classes=classes, **options)
@@ -121,8 +122,8 @@ def bench_jaxcnn(case, args, bf16, impl="auto", bn_grad="auto"):
     state = create_train_state(model, tx, jax.random.PRNGKey(0), (batch, *hwc),
                                loss_scale=P.make_loss_scale("none"), policy=policy)
     data = jax.device_put(host_batch(case, batch))
-    step = jax.jit(make_train_step(model, tx, policy=policy, impl=impl, batch_norm_grad=bn_grad),
-                   donate_argnums=0)
+    step = jax.jit(make_train_step(model, tx, policy=policy, impl=impl, batch_norm_grad=bn_grad,
+                                   conv_bn=conv_bn), donate_argnums=0)
     step = step.lower(state, data).compile()
     return median_jitted_step(step, state, data, args)
 
@@ -375,6 +376,10 @@ def build_parser(gpu: bool = False) -> argparse.ArgumentParser:
     parser.add_argument("--bn-grads", default="auto",
                         help="BatchNorm backward forms to time with each impl, from "
                              f"auto,{','.join(F.BATCH_NORM_GRADS)} (see F.batch_norm_train)")
+    parser.add_argument("--conv-bn", default="auto",
+                        help="Conv -> BatchNorm -> ReLU fusions to time with each of those, "
+                             "from auto,off,mosaic (Choices.conv_bn; mosaic needs a Hopper GPU "
+                             "to be a benchmark)")
     parser.add_argument("--batch", type=int, default=None,
                         help="override every model's batch (default: 128, resnet50 256)")
     parser.add_argument("--steps", type=int, default=5, help="steps per timed run")
@@ -394,6 +399,9 @@ def main(argv=None):
         if bn != "auto" and bn not in F.BATCH_NORM_GRADS:
             parser.error(f"--bn-grads: unknown {bn!r}; expected some of "
                          f"{['auto', *F.BATCH_NORM_GRADS]}")
+    for cb in args.conv_bn.split(","):
+        if cb not in FUSIONS:
+            parser.error(f"--conv-bn: unknown {cb!r}; expected some of {list(FUSIONS)}")
     try:
         import torch
         torch_version = torch.__version__
@@ -414,14 +422,17 @@ def main(argv=None):
             parser.error(f"--models: unknown {case!r}; expected some of {list(CASES)}")
         bf16 = gpu and case == "resnet50"
         batch = case_batch(case, args)
-        variants = [(impl, bn) for impl in args.impls.split(",") for bn in args.bn_grads.split(",")]
+        variants = [(impl, bn, cb) for impl in args.impls.split(",")
+                    for bn in args.bn_grads.split(",") for cb in args.conv_bn.split(",")]
         runs, settings = {}, {}
-        for i, (impl, bn) in enumerate(variants):
+        for i, (impl, bn, cb) in enumerate(variants):
             label = "jaxcnn" if i == 0 else " ".join(
                 ["jaxcnn"] + ([f"impl={impl}"] if impl != variants[0][0] else [])
-                + ([f"bn={bn}"] if bn != variants[0][1] else []))
-            runs[label] = lambda impl=impl, bn=bn: bench_jaxcnn(case, args, bf16, impl, bn)
-            settings[label] = {"impl": impl, "bn_grad": bn}
+                + ([f"bn={bn}"] if bn != variants[0][1] else [])
+                + ([f"conv_bn={cb}"] if cb != variants[0][2] else []))
+            runs[label] = lambda impl=impl, bn=bn, cb=cb: bench_jaxcnn(case, args, bf16, impl, bn,
+                                                                       cb)
+            settings[label] = {"impl": impl, "bn_grad": bn, "conv_bn": cb}
         if torch_version and "torch" in frameworks and not bf16:
             if _host_memory.configured():
                 runs["torch eager"] = lambda: bench_torch_default_malloc(case, args)

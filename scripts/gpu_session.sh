@@ -9,6 +9,13 @@
 #   bash scripts/gpu_session.sh profile    # where the ResNet-50 step's device time goes
 #   bash scripts/gpu_session.sh mgpu       # Hopper only: the Mosaic GPU conv against Triton
 #                                          # and cuDNN (bench_mgpu --sweep --tune)
+#   bash scripts/gpu_session.sh fused      # Hopper only: BatchNorm fused into the Mosaic conv
+#                                          # (statistics epilogue, BN+ReLU prologue) against
+#                                          # the unfused chains (bench_mgpu --fused --tune:
+#                                          # the verdicts Choices(conv_bn="auto") reads)
+#   bash scripts/gpu_session.sh train_fused  # ResNet-50 step, conv_bn=off vs mosaic
+#   bash scripts/gpu_session.sh mgpu_window  # Hopper only: the Mosaic GPU pooling and
+#                                          # depthwise kernels against Triton and XLA
 #
 # Extra arguments go to the stage's script (e.g. `kernels --groups pool,mobilenet`).
 # `kernels` tunes only shapes not yet in $OUT/autotune.json, so when a call runs out of
@@ -19,7 +26,7 @@
 # when it exists, so run `kernels` first in the same call or bring the file back.
 # Copying it over pallas_kernels/tuned.json ships the measurements.
 set -euo pipefail
-stage=${1:?usage: gpu_session.sh check|kernels|train|profile|mgpu [args...]}
+stage=${1:?usage: gpu_session.sh check|kernels|train|profile|mgpu|fused|train_fused|mgpu_window [args...]}
 shift
 OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
@@ -48,7 +55,17 @@ case $stage in
   mgpu)
     python3 scripts/bench_mgpu.py --sweep --tune --repeats 10 --json "$OUT/mgpu.json" "$@" \
       2>&1 | log ;;
+  fused)
+    python3 scripts/bench_mgpu.py --fused --tune --repeats 10 --json "$OUT/mgpu_fused.json" \
+      "$@" 2>&1 | log ;;
+  train_fused)
+    python3 scripts/bench_train.py --models resnet50 --impls auto --conv-bn off,mosaic \
+      --frameworks jaxcnn --steps 5 --reps 5 --json "$OUT/train_fused.json" "$@" 2>&1 | log ;;
+  mgpu_window)
+    python3 scripts/bench_mgpu_window.py --tune --repeats 10 --json "$OUT/mgpu_window.json" \
+      "$@" 2>&1 | log ;;
   *)
-    echo "gpu_session.sh: unknown stage '$stage' (check, kernels, train, profile, mgpu)" >&2
+    echo "gpu_session.sh: unknown stage '$stage' (check, kernels, train, profile, mgpu," \
+      "fused, train_fused, mgpu_window)" >&2
     exit 2 ;;
 esac

@@ -274,7 +274,7 @@ def main(argv=None) -> int:
                         help="inspect every config the autotuner would time, per kernel")
     parser.add_argument("--json", help="also write the rows here")
     parser.add_argument("--mosaic", action="store_true",
-                        help="report the Mosaic GPU (Hopper) convolution kernels instead: TMA, "
+                        help="report the Mosaic GPU (Hopper) conv/pool kernels instead: TMA, "
                              "wgmma, mbarrier per kernel (needs jax >= 0.11, not triton)")
     opts = parser.parse_args(argv)
     groups = [g for g in opts.groups.split(",") if g]
@@ -416,13 +416,15 @@ def inspect_mosaic(fn, *args, kind: str = H100) -> list:
 
 def _mosaic_row(shape: str, r: MosaicReport) -> str:
     yes = lambda b: "yes" if b else "-"  # noqa: E731
-    return (f"{shape:<18} {r.name:<24} {yes(r.tma_load):>7} {yes(r.tma_store):>8} "
+    return (f"{shape:<18} {r.name:<33} {yes(r.tma_load):>7} {yes(r.tma_store):>8} "
             f"{yes(r.mbarrier):>8} {yes(r.ldmatrix):>8} {yes(r.stmatrix):>8} "
-            f"{yes(r.setmaxnreg):>10}  {','.join(r.wgmma) or 'NO WGMMA'}")
+            f"{yes(r.setmaxnreg):>10}  "
+            f"{','.join(r.wgmma) or ('NO WGMMA' if 'mgpu_conv' in r.name else '-')}")
 
 
 def main_mosaic(opts, bk) -> int:
-    """``--mosaic``: the Mosaic GPU convolution kernels of each dense-conv benchmark shape."""
+    """``--mosaic``: the Mosaic GPU kernels of each benchmark shape: dense convolutions, then
+    the window kernels of the pooling and depthwise ones."""
     import pallas_kernels.mgpu_conv as mc
     reason = mc.unavailable_reason()
     if reason is not None:
@@ -430,7 +432,7 @@ def main_mosaic(opts, bk) -> int:
         return 2
     dtype = jnp.dtype(opts.dtype)
     print(f"jax {jax.__version__}  Mosaic GPU  target sm_90a  dtype: {dtype.name}")
-    print(f"{'shape':<18} {'kernel':<24} {'tmaLoad':>7} {'tmaStore':>8} {'mbarrier':>8} "
+    print(f"{'shape':<18} {'kernel':<33} {'tmaLoad':>7} {'tmaStore':>8} {'mbarrier':>8} "
           f"{'ldmatrix':>8} {'stmatrix':>8} {'setmaxnreg':>10}  wgmma")
     rows, failed = [], 0
     for group, name, op, hwc, kw, w_shape, batch in bk.SHAPES:
@@ -446,11 +448,86 @@ def main_mosaic(opts, bk) -> int:
             print(f"{name:<18} skipped: {e}")
             continue
 
-        def fwd_and_grads(x, w, pads=pads, stride=stride):  # keeps y: the forward is lowered
+        ss = jax.ShapeDtypeStruct((x_shape[3],), jnp.float32)
+        for fused in (False, True):  # the plain op, then BatchNorm fused in (mgpu_fused)
+            try:
+                reports = inspect_mosaic(_mosaic_op(pads, stride, fused), *args,
+                                         *((ss, ss) if fused else ()), kind=opts.device_kind)
+            except Exception as e:  # report and go on: one shape must not hide the others
+                print(f"{name:<18} FAILED: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+                rows.append({"shape": name, "fused": fused,
+                             "error": f"{type(e).__name__}: {e}"[:2000]})
+                failed += 1
+                continue
+            for r in reports:
+                print(_mosaic_row(name, r), flush=True)
+                rows.append({"shape": name, "fused": fused, **dataclasses.asdict(r)})
+    failed += _mosaic_window_rows(opts, bk, dtype, rows)
+    if opts.json:
+        with open(opts.json, "w", encoding="utf-8") as f:
+            json.dump({"jax": jax.__version__, "backend": "mosaic_gpu", "dtype": dtype.name,
+                       "rows": rows}, f, indent=1)
+    return 1 if failed else 0
+
+
+def _mosaic_op(pads, stride, fused: bool):
+    """Forward and both gradients of one Mosaic convolution (keeping the output, so the
+    forward is lowered too); ``fused``: with the BatchNorm+ReLU prologue and the
+    statistics epilogue (:func:`pallas_kernels.mgpu_fused.conv2d`), cotangents for all
+    three outputs."""
+    import pallas_kernels.mgpu_conv as mc
+    import pallas_kernels.mgpu_fused as mf
+    if not fused:
+        def plain(x, w):
             y, vjp = jax.vjp(lambda x, w: mc.conv2d(x, w, stride=stride, padding=pads), x, w)
             return y, vjp(y)
+        return plain
+
+    def fused_op(x, w, scale, shift):
+        out, vjp = jax.vjp(lambda *a: mf.conv2d(*a[:2], stride=stride, padding=pads,
+                                                input_scale=a[2], input_shift=a[3],
+                                                stats=True), x, w, scale, shift)
+        return out, vjp(out)
+    return fused_op
+
+
+def mosaic_window_call(op: str, kw: dict):
+    """``fn(x[, w])`` returning the output and its gradients through the Mosaic GPU pooling or
+    depthwise kernels (:mod:`pallas_kernels.mgpu_pool`, :mod:`pallas_kernels.mgpu_depthwise`)
+    for a benchmark call ``op(x[, w], **kw)``."""
+    import pallas_kernels.mgpu_depthwise as md
+    import pallas_kernels.mgpu_pool as mp
+    if op in ("max_pool2d", "avg_pool2d"):
+        def run(x):
+            return getattr(mp, op)(x, **kw)
+    else:
+        stride = _pair(kw.get("stride", 1))
+
+        def run(x, w):
+            return md.conv2d(x, w, stride=stride,
+                             padding=_explicit_pads(kw.get("padding", 0), w.shape))
+
+    def fwd_and_grads(*args):  # keeps y: the forward is lowered too
+        y, vjp = jax.vjp(run, *args)
+        return y, vjp(y)
+    return fwd_and_grads
+
+
+def _mosaic_window_rows(opts, bk, dtype, rows) -> int:
+    """The pooling and depthwise benchmark shapes' Mosaic window kernels (TMA, mbarrier):
+    rows printed and appended to ``rows``; returns how many shapes failed to lower."""
+    failed = 0
+    for group, name, op, hwc, kw, w_shape, batch in bk.SHAPES:
+        depthwise = op == "conv2d" and kw.get("groups", 1) != 1
+        if group not in opts.groups.split(",") or not (depthwise or op.endswith("pool2d")):
+            continue
+        x = jax.ShapeDtypeStruct((opts.batch or batch, *hwc), dtype)
+        args = (x,) if w_shape is None else (x, jax.ShapeDtypeStruct(w_shape, dtype))
         try:
-            reports = inspect_mosaic(fwd_and_grads, *args, kind=opts.device_kind)
+            reports = inspect_mosaic(mosaic_window_call(op, kw), *args, kind=opts.device_kind)
+        except NotImplementedError as e:  # KernelUnsupported: one line naming the reason
+            print(f"{name:<18} skipped: {e}")
+            continue
         except Exception as e:  # report and go on: one shape must not hide the others
             print(f"{name:<18} FAILED: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
             rows.append({"shape": name, "error": f"{type(e).__name__}: {e}"[:2000]})
@@ -459,11 +536,7 @@ def main_mosaic(opts, bk) -> int:
         for r in reports:
             print(_mosaic_row(name, r), flush=True)
             rows.append({"shape": name, **dataclasses.asdict(r)})
-    if opts.json:
-        with open(opts.json, "w", encoding="utf-8") as f:
-            json.dump({"jax": jax.__version__, "backend": "mosaic_gpu", "dtype": dtype.name,
-                       "rows": rows}, f, indent=1)
-    return 1 if failed else 0
+    return failed
 
 
 def _pair(v):

@@ -62,6 +62,65 @@ def test_bench_mgpu_runs_in_interpret_mode(tmp_path, capsys):
         bm.main(["--force", "--groups", "nope"])
 
 
+def test_bench_mgpu_fused_stores_the_verdicts_conv_bn_auto_reads(tmp_path, monkeypatch, capsys):
+    """--fused runs both fused forms (interpret mode here, values checked against XLA's
+    chain) and with --tune stores each form's race under the key that
+    Choices(conv_bn="auto") looks up: a measured win there makes "auto" fuse that call (on
+    a Hopper GPU, mocked), and nothing else.  The timer is faked: nothing is measured."""
+    bm = _load("bench_mgpu")
+    if bm.mc.unavailable_reason() is not None:
+        pytest.skip(f"Mosaic GPU: {bm.mc.unavailable_reason()}")
+    import jax
+    import jax.numpy as jnp
+
+    from jaxcnn.functional import _dispatch
+    from jaxcnn.functional import conv_bn as fcb
+    from pallas_kernels import autotune
+    monkeypatch.setenv("JAXCNN_AUTOTUNE_CACHE", str(tmp_path / "cache.json"))
+    monkeypatch.setattr(bm, "_time_fused",
+                        lambda fn, args, repeats, grad: 1.0 if fn.__name__ == "fused" else 2.0)
+    out = tmp_path / "f.json"
+    assert bm.main(["--force", "--batch", "1", "--groups", "mnist", "--repeats", "1",
+                    "--fused", "--tune", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["form"] for r in rows] == ["stats", "bnrelu+stats"]
+    for r in rows:
+        assert "error" not in r and r["max_rel_err"] <= 2.0 ** -7, r
+    monkeypatch.setattr(_dispatch, "_platform", lambda: "gpu")
+    monkeypatch.setattr(bm.mc, "device_capability", lambda: "9.0")
+    x = jax.ShapeDtypeStruct((1, 26, 26, 32), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((3, 3, 32, 64), jnp.bfloat16)
+    kw = dict(stride=1, padding=0, dilation=1, groups=1, stats=True)
+    assert fcb.use_fusion("auto", x, w, prologue=False, **kw)
+    assert fcb.use_fusion("auto", x, w, prologue=True, **kw)
+    other = jax.ShapeDtypeStruct((2, 26, 26, 32), jnp.bfloat16)  # never measured
+    assert not fcb.use_fusion("auto", other, w, prologue=True, **kw)
+    assert autotune.device_kind() in autotune.load_cache()
+    with pytest.raises(SystemExit):
+        bm.main(["--force", "--fused", "--sweep"])
+
+
+def test_bench_mgpu_window_runs_in_interpret_mode(tmp_path, capsys):
+    """The Mosaic pooling/depthwise benchmark: refuses the CPU, or runs its kernels in
+    interpret mode with --force and records their forward's distance from XLA's."""
+    bw = _load("bench_mgpu_window")
+    reason = bw.mc.unavailable_reason()
+    if reason is not None:  # jax < 0.11: one line, exit 2
+        assert bw.main([]) == 2 and reason in capsys.readouterr().err
+        return
+    assert bw.main([]) == 0 and "not a benchmark" in capsys.readouterr().out
+    out = tmp_path / "w.json"
+    assert bw.main(["--force", "--batch", "1", "--groups", "mnist", "--repeats", "1",
+                    "--no-grad", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["op"] for r in rows] == ["max_pool2d", "conv2d"]
+    for row in rows:
+        assert "error" not in row and row["mosaic_ms"] > 0 and row["xla_ms"] > 0
+        assert row["max_rel_err"] <= 2.0 ** -8
+    with pytest.raises(SystemExit):
+        bw.main(["--force", "--groups", "nope"])
+
+
 def test_profile_step_sums_device_kernels_per_step(tmp_path):
     ps = _load("profile_step")
     events = [
@@ -106,6 +165,8 @@ def test_bench_train_times_each_batch_norm_form(tmp_path):
     assert {p["pipeline"].split()[0] for p in result["pipelines"]} == {"mnist", "synthetic_batch"}
     with pytest.raises(SystemExit):
         bt.main(["--bn-grads", "fused"])
+    with pytest.raises(SystemExit):
+        bt.main(["--conv-bn", "fused"])
 
 
 @pytest.mark.parametrize("configured", [True, False])

@@ -14,6 +14,8 @@ so the batches are the same for any number of workers (0: in this process), and 
 step ``s`` is just starting the range at ``s``. An exception in a worker (a bad image with
 ``on_bad_image: fail``) is re-raised by the ``next`` that would have returned its batch; a
 worker that dies is reported by grain as a ``RuntimeError`` rather than waited for.
+Workers hand their images over through a ring of shared-memory blocks each reuses
+(`jaxcnn.data.handover`), not pickled through grain's pipes.
 
 A bad image with ``on_bad_image: skip`` is counted in the batch (``"bad_images"``, its
 messages in ``"bad_files"``) and replaced, in training, by the next example of the dataset
@@ -30,6 +32,7 @@ import time
 import numpy as np
 
 from jaxcnn.data.folder import decode_image
+from jaxcnn.data.handover import RingReader
 from jaxcnn.data.pipeline import batch_indices, process_share, steps_per_epoch
 from jaxcnn.data.transforms import eval_transform, example_rng, train_transform
 from jaxcnn.errors import BadImageError, DataError
@@ -175,16 +178,6 @@ def _exit_with_parent(parent: int, worker_index: int = 0, worker_count: int = 1)
     threading.Thread(target=watch, name="jaxcnn-loader-parent-watch", daemon=True).start()
 
 
-def _unshared(batch):
-    """The batch with its shared-memory arrays copied out, so each block is unlinked as soon as
-    it is read: Python < 3.13 reports blocks still mapped at exit as leaked."""
-    if isinstance(batch, dict):
-        return {k: _unshared(v) for k, v in batch.items()}
-    if isinstance(batch, np.ndarray) and type(batch) is not np.ndarray:
-        return np.array(batch)
-    return batch
-
-
 def _absl_flags_parsed():
     """grain reads one of its absl flags when it starts worker processes, which fails with
     ``UnparsedFlagAccessError`` outside an absl app (where nothing ever parses flags). Marking
@@ -203,34 +196,36 @@ class Loader:
         start, stop: the range of steps (or evaluation batch numbers).
         workers: grain worker processes; 0 makes the batches in this process, on demand.
         buffer: batches each worker may hold ready.
-        shared_memory: workers hand their arrays over in shared memory (``/dev/shm``), as grain
-            does by default, rather than pickled through pipes (the default here). Shared memory
-            took a half to two thirds of the time of a pipe for 9.6 MB batches, but a
-            container's ``/dev/shm`` is often 64 MB (less than one ImageNet batch), and on
-            Python < 3.13 blocks whose deletion grain left pending at exit are reported as
-            leaked by the resource tracker. Arrays are copied out of shared memory as they arrive.
+        shared_memory: workers hand their large arrays over through a ring of shared-memory
+            blocks each reuses (`jaxcnn.data.handover`), falling back to grain's pipes for any
+            array ``/dev/shm`` has no room for; False: always through the pipes (pickled).
+            Arrays are copied out of shared memory as they arrive.
 
     The batches are the same, in the same order, for every ``workers``. `close` (or leaving a
     ``with`` block) stops the workers; so does running to the end.
     """
 
     def __init__(self, make, start: int, stop: int, *, workers: int = 0, buffer: int = 2,
-                 shared_memory: bool = False):
+                 shared_memory: bool = True):
         if workers < 0:
             raise ValueError(f"workers must be non-negative, got {workers}")
         if not 0 <= start <= stop:
             raise ValueError(f"Loader: need 0 <= start <= stop, got start={start}, stop={stop}")
         import grain
 
+        self._ring = None
+        if workers > 0 and shared_memory:
+            # Blocks for the batches a worker may hold: its buffer, the one it makes, the one read.
+            self._ring = RingReader(start=start, workers=workers, ring=max(1, int(buffer)) + 2)
+            make = self._ring.writer(make)
         ds = grain.MapDataset.range(int(start), int(stop)).map(make)
         ds = ds.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
-        self._shared = False
         if workers > 0:
             _absl_flags_parsed()
-            self._shared = bool(shared_memory)
-            if not self._shared:  # arrays pickled through the workers' pipes instead
-                ds = grain.experimental.WithOptionsIterDataset(
-                    ds, grain.experimental.DatasetOptions(min_shm_size=1 << 62))
+            # grain's own shared memory takes a fresh block per array (slow to fill): pipes for
+            # whatever the ring does not carry.
+            ds = grain.experimental.WithOptionsIterDataset(
+                ds, grain.experimental.DatasetOptions(min_shm_size=1 << 62))
             ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=int(workers),
                                                              per_worker_buffer_size=max(1, int(buffer))),
                                 worker_init_fn=functools.partial(_exit_with_parent, os.getpid()))
@@ -245,7 +240,7 @@ class Loader:
             raise StopIteration
         try:
             batch = next(self._iter)
-            return _unshared(batch) if self._shared else batch
+            return self._ring.take(batch) if self._ring is not None else batch
         except StopIteration:
             self.close()
             raise
@@ -257,9 +252,13 @@ class Loader:
         """Stops the worker processes; idempotent."""
         if not self._closed:
             self._closed = True
+            if self._ring is not None:
+                self._ring.stop()
             close = getattr(self._iter, "close", None)
             if close is not None:
                 close()
+            if self._ring is not None:
+                self._ring.close()
 
     def __enter__(self):
         return self

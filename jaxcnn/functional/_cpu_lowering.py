@@ -211,7 +211,7 @@ def _fence(x):
     that XLA cannot see the branches are equal and remove the conditional); the
     predicate is read from ``x`` so it is not a constant.  Costs one copy of ``x``.
     """
-    first = x.reshape(-1)[0]
+    first = x[(0,) * x.ndim]  # not x.reshape(-1)[0]: a partitioner gathers a split x to flatten it
     return lax.cond(jnp.isnan(first), lambda v: v + jnp.zeros((), v.dtype), lambda v: v, x)
 
 

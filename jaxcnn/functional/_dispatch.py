@@ -16,6 +16,7 @@ import contextlib
 import functools
 
 import jax
+import jax.numpy as jnp
 
 from jaxcnn import _geometry as geo
 from jaxcnn.functional import _channels, _cpu_lowering
@@ -114,21 +115,21 @@ def _kernel(op: str, static: dict):
 def _tuned_kernel(op: str, arrays, static: dict):
     """The kernel where the tuned verdict for this call on this device kind prefers it.
 
-    A convolution's verdict names the kernel backend it measured: entries keyed with
+    A verdict names the kernel backend it measured: entries keyed with
     ``backend="mosaic"`` (the Hopper kernels) are looked up first, then the plain
     entries, which measured the Triton kernels and so pin ``backend="triton"``: no
-    kernel is chosen without a measurement of that kernel.
+    kernel is chosen without a measurement of that kernel.  (The Mosaic kernels take
+    16-bit floats only: other calls have no Mosaic entry to look up.)
     """
     from pallas_kernels import autotune
-    if op == "conv2d":
-        mosaic = {**static, "backend": "mosaic"}
+    mosaic = {**static, "backend": "mosaic"}
+    verdict = None
+    if jnp.dtype(arrays[0].dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
         verdict = autotune.verdict(op, arrays, mosaic)
-        static = mosaic if verdict is not None else {**static, "backend": "triton"}
-        if verdict is None:
-            verdict = autotune.verdict(op, arrays, {k: v for k, v in static.items()
-                                                     if k != "backend"})
-    else:
-        verdict = autotune.verdict(op, arrays, static)
+    static = mosaic if verdict is not None else {**static, "backend": "triton"}
+    if verdict is None:
+        verdict = autotune.verdict(op, arrays, {k: v for k, v in static.items()
+                                                 if k != "backend"})
     if verdict is None or verdict == (False, False):
         return None
     forward, training = verdict

@@ -77,17 +77,25 @@ class Choices:
             ``grad``): ``"auto"`` (autodiff), ``"autodiff"`` or ``"closed_form"``.
         axis_name: the mapped axis (``shard_map``/``pmap``) that BatchNorm layers
             built without ``axis_name`` sync their statistics over, or None.
+        conv_bn: ``Conv -> BatchNorm [-> ReLU]`` chains in training
+            (:mod:`jaxcnn.layers.fusion`): ``"auto"`` (fused only where the autotune
+            cache holds a measured win on this Hopper GPU: none yet), ``"off"`` or
+            ``"mosaic"`` (fused wherever the Mosaic GPU kernels run the convolution;
+            GPU interpret mode off a GPU).  Same values and gradients either way.
     """
 
     impl: str = "auto"
     batch_norm_grad: str = "auto"
     axis_name: str | None = None
+    conv_bn: str = "auto"
 
     def __post_init__(self):
         from jaxcnn.functional import _dispatch
+        from jaxcnn.functional.conv_bn import check_fusion
         from jaxcnn.functional.norm import check_batch_norm_grad
         _dispatch.check_impl("Choices", self.impl)
         check_batch_norm_grad("Choices", self.batch_norm_grad)
+        check_fusion("Choices", self.conv_bn)
         if self.axis_name is not None and not isinstance(self.axis_name, (str, tuple)):
             raise ValueError(f"Choices: axis_name must be an axis name (a string or a tuple of "
                              f"them) or None, got {self.axis_name!r}")

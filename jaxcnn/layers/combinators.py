@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from jaxcnn.layers import fusion
 from jaxcnn.layers.base import Layer, current_path, name_scope, split_rng
 from jaxcnn.precision import cast_for
 
@@ -90,8 +91,13 @@ def serial(*layers) -> Layer:
         return params, state, shape
 
     def apply(params, state, x, *, train=False, rng=None, policy=None, choices=None):
-        new_state = {}
-        for (name, layer), r in zip(children, split_rng(rng, n)):
+        new_state, rngs = {}, split_rng(rng, n)
+        if fusion.active(choices, train):  # Conv -> BatchNorm [-> ReLU] chains, when chosen
+            x = fusion.apply_chain(children, rngs, params, state, x, train=train, policy=policy,
+                                   choices=choices, new_state=new_state,
+                                   apply_child=_apply_child)
+            return x, new_state
+        for (name, layer), r in zip(children, rngs):
             x = _apply_child(name, layer, r, params, state, x, train, policy, choices, new_state)
         return x, new_state
 
@@ -151,8 +157,14 @@ def residual(*layers, shortcut: Layer | None = None, shortcut_name: str = "short
     def apply(params, state, x, *, train=False, rng=None, policy=None, choices=None):
         new_state, rngs = {}, split_rng(rng, n)
         y = x
-        for (name, layer), r in zip(main, rngs):
-            y = _apply_child(name, layer, r, params, state, y, train, policy, choices, new_state)
+        if fusion.active(choices, train):  # Conv -> BatchNorm [-> ReLU] chains, when chosen
+            y = fusion.apply_chain(main, rngs[:len(main)], params, state, x, train=train,
+                                   policy=policy, choices=choices, new_state=new_state,
+                                   apply_child=_apply_child)
+        else:
+            for (name, layer), r in zip(main, rngs):
+                y = _apply_child(name, layer, r, params, state, y, train, policy, choices,
+                                 new_state)
         s = x
         if shortcut is not None:
             s = _apply_child(shortcut_name, shortcut, rngs[len(main)], params, state, x, train,

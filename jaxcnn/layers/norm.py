@@ -19,6 +19,34 @@ def _affine_params(channels: int):
             "bias": jnp.zeros((channels,), jnp.float32)}
 
 
+def values_per_channel(name: str, x_shape, axis):
+    """How many values per channel a training BatchNorm over ``x_shape`` normalises (the
+    global batch's, over mapped ``axis``); fewer than 2 locally is a one-line error."""
+    n = prod(x_shape[:-1])
+    if axis is not None:
+        return n * jax.lax.psum(1, axis)
+    if n < 2:
+        raise ValueError(f"{name}: expected more than 1 value per channel when training, "
+                         f"got input shape {tuple(x_shape)}")
+    return n
+
+
+def running_stats(state, mean, var, n, momentum):
+    """BatchNorm's new state after a training batch with statistics ``mean`` and biased
+    ``var`` over ``n`` values per channel: PyTorch's update (``count += 1``; running
+    ``(1 - m) * running + m * batch``, the variance unbiased by ``n / (n - 1)``, ``m`` the
+    momentum or ``1 / count``)."""
+    count = state["count"] + 1
+    m = momentum if momentum is not None else 1.0 / count.astype(jnp.float32)
+    unbiased = var.astype(jnp.float32) * (n / (n - 1))
+    return {
+        "mean": ((1 - m) * state["mean"] + m * mean.astype(jnp.float32)).astype(
+            state["mean"].dtype),
+        "var": ((1 - m) * state["var"] + m * unbiased).astype(state["var"].dtype),
+        "count": count,
+    }
+
+
 def BatchNorm(*, momentum: float | None = 0.1, eps: float = 1e-5, axis_name=None) -> Layer:
     """Batch normalisation over the last (channel) axis, like ``torch.nn.BatchNorm2d``.
 
@@ -70,24 +98,11 @@ def BatchNorm(*, momentum: float | None = 0.1, eps: float = 1e-5, axis_name=None
             return cast_out(policy, "batch_norm", y, in_dtype), state
         choices = choices_or_default(choices)
         axis = axis_name if axis_name is not None else choices.axis_name
-        n = prod(x.shape[:-1])
-        if axis is not None:
-            n = n * jax.lax.psum(1, axis)
-        elif n < 2:
-            raise ValueError(f"{name}: expected more than 1 value per channel when training, "
-                             f"got input shape {tuple(x.shape)}")
+        n = values_per_channel(name, x.shape, axis)
         x, params = cast_in(policy, "batch_norm", x, params)
         y, mean, var = F.batch_norm_train(x, params["scale"], params["bias"], eps=eps,
                                           axis_name=axis, grad=choices.batch_norm_grad)
-        count = state["count"] + 1
-        m = momentum if momentum is not None else 1.0 / count.astype(jnp.float32)
-        unbiased = var.astype(jnp.float32) * (n / (n - 1))
-        new_state = {
-            "mean": ((1 - m) * state["mean"] + m * mean.astype(jnp.float32)).astype(
-                state["mean"].dtype),
-            "var": ((1 - m) * state["var"] + m * unbiased).astype(state["var"].dtype),
-            "count": count,
-        }
+        new_state = running_stats(state, mean, var, n, momentum)
         return cast_out(policy, "batch_norm", y, in_dtype), new_state
 
     return leaf("batch_norm", init, apply, dict(momentum=momentum, eps=eps, axis_name=axis_name))

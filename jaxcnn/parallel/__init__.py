@@ -6,6 +6,7 @@
 * :mod:`~jaxcnn.parallel.strategies`: a pure train step under ``shard_map``,
   ``pmap`` or ``jit`` with ``NamedSharding``.
 * :mod:`~jaxcnn.parallel.pipeline`: pipeline stages over a ``pipe`` axis (GPipe).
+* :mod:`~jaxcnn.parallel.spatial`: images split along height over ``spatial``.
 * :mod:`~jaxcnn.parallel.distributed`: multi-process runs.
 * :mod:`~jaxcnn.parallel.plan`: :func:`setup`, all of it for the training loop.
 """
@@ -14,9 +15,11 @@ from jaxcnn.parallel.mesh import DATA, MODEL, PIPE, SPATIAL, axis_size, check_ba
 from jaxcnn.parallel.pipeline import Pipeline, pipeline_blocks
 from jaxcnn.parallel.plan import ParallelPlan, setup
 from jaxcnn.parallel.rules import DEFAULT_RULES, logical_axes, partition_spec
+from jaxcnn.parallel.spatial import SpatialLayout, spatial_layout
 from jaxcnn.parallel.strategies import STRATEGIES, per_device, wrap_train_step
 
 __all__ = ["DATA", "MODEL", "PIPE", "SPATIAL", "axis_size", "DEFAULT_RULES", "STRATEGIES", "DistributedError", "ParallelPlan", "Pipeline",
            "check_batch", "global_batch", "initialize", "logical_axes", "make_mesh",
-           "mesh_from_config", "mesh_shape", "partition_spec", "per_device", "pipeline_blocks", "setup", "to_host",
+           "mesh_from_config", "mesh_shape", "partition_spec", "per_device", "pipeline_blocks", "setup",
+           "SpatialLayout", "spatial_layout", "to_host",
            "wrap_train_step"]

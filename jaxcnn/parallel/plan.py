@@ -4,7 +4,7 @@
 sections and gives the training loop all it needs::
 
     plan = setup(cfg, run.model, run.input_shape, abstract_state(run))
-    train_step = plan.wrap_step(make_train_step(..., axis_name=plan.step_axis_name,
+    train_step = plan.wrap_step(make_train_step(plan.step_model, ..., axis_name=plan.step_axis_name,
                                                 sync_batch_norm=plan.sync_batch_norm))
     state = plan.shard_state(init_state(run))    # or manager.restore(target=plan.abstract_state)
     prefetch = Prefetcher(make_batch, device_put=plan.put_batch)
@@ -17,6 +17,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxcnn.parallel import rules as R
+from jaxcnn.parallel import spatial as SP
 from jaxcnn.parallel import strategies as S
 from jaxcnn.parallel.distributed import global_batch
 from jaxcnn.parallel.mesh import DATA, MODEL, PIPE, SPATIAL, axis_size, check_batch, make_mesh
@@ -36,17 +37,27 @@ class ParallelPlan:
         fsdp: shard large parameters and optimiser moments over ``data`` too.
         sync_batch_norm: BatchNorm statistics over the global batch.
         pipeline: with a ``pipe`` axis: ``{"microbatches": M, "split": None | [blocks per
-            stage], "balance": "params" | "macs"}`` (all optional; ``microbatches``
+            stage], "balance": "macs" | "params" | "activations"}`` (all optional; ``microbatches``
             defaults to twice the stages); the plan's :attr:`pipeline` (a
             :class:`~jaxcnn.parallel.pipeline.Pipeline`) then goes to
             ``make_train_step(..., pipeline=plan.pipeline)``.
+        spatial_until: with a ``spatial`` axis: how far activations stay split along
+            height, ``"auto"`` or a layer path (see :func:`jaxcnn.parallel.spatial.spatial_layout`).
+
+    Attributes:
+        step_model: the model to build the train and eval steps from: ``model`` itself,
+            or under spatial partitioning the same model with its activations pinned
+            height-sharded (:func:`jaxcnn.parallel.spatial.constrain`).
+        spatial: the :class:`~jaxcnn.parallel.spatial.SpatialLayout`, or None without
+            a ``spatial`` axis.
 
     Raises:
         ValueError: for a combination the strategy cannot run (naming the key).
     """
 
     def __init__(self, mesh: Mesh, model, input_shape, abstract_state, *, strategy: str = "shard_map",
-                 rules=None, fsdp: bool = False, sync_batch_norm: bool = True, pipeline=None):
+                 rules=None, fsdp: bool = False, sync_batch_norm: bool = True,
+                 spatial_until: str = "auto", pipeline=None):
         if strategy not in S.STRATEGIES:
             raise ValueError(f"parallel.strategy: expected one of {S.STRATEGIES}, got {strategy!r}")
         if strategy == "pmap" and (mesh.shape[MODEL] > 1 or fsdp or jax.process_count() > 1):
@@ -56,10 +67,24 @@ class ParallelPlan:
         if strategy == "jit" and not sync_batch_norm:
             raise ValueError("parallel.sync_batch_norm: false needs strategy shard_map or pmap; jit "
                              "always normalises with the statistics of the global batch")
-        if axis_size(mesh, SPATIAL) > 1:
-            raise ValueError(f"mesh.{SPATIAL}: this plan runs data, model and pipeline parallelism only")
         check_batch(mesh, input_shape[0])
+        if axis_size(mesh, PIPE) > 1 and axis_size(mesh, SPATIAL) > 1:
+            raise ValueError(f"mesh.{SPATIAL}: {axis_size(mesh, SPATIAL)} with mesh.{PIPE}={axis_size(mesh, PIPE)}: "
+                             "spatial partitioning and pipeline stages do not combine; use one of them")
         self.pipeline = _pipeline(mesh, model, input_shape, strategy, fsdp, pipeline or {})
+        self.spatial, self.step_model = None, model
+        if axis_size(mesh, SPATIAL) > 1:
+            if mesh.shape[MODEL] > 1:
+                raise ValueError(f"mesh.model: {mesh.shape[MODEL]} with mesh.spatial="
+                                 f"{axis_size(mesh, SPATIAL)}: spatial partitioning composes with the "
+                                 f"data axis only (XLA's partitioner gave wrong gradients for "
+                                 f"spatial x model meshes); use mesh.model=1")
+            if strategy != "jit":
+                raise ValueError(f"parallel.strategy: mesh.spatial={axis_size(mesh, SPATIAL)} needs strategy "
+                                 f"jit (one global program that XLA partitions), got {strategy!r}")
+            self.spatial = SP.spatial_layout(model, input_shape, axis_size(mesh, SPATIAL),
+                                             until=spatial_until)
+            self.step_model = SP.constrain(model, self.spatial, mesh)
         self.mesh, self.strategy, self.fsdp, self.sync_batch_norm = mesh, strategy, fsdp, sync_batch_norm
         self.rules = R.merge_rules(rules)
         self.params_axes, self.state_axes = R.logical_axes(model, input_shape)
@@ -185,6 +210,7 @@ def setup(cfg, model, input_shape, abstract_state, *, devices=None) -> ParallelP
     return ParallelPlan(mesh, model, input_shape, abstract_state, strategy=cfg.parallel.strategy,
                         rules=dict(cfg.parallel.rules), fsdp=cfg.parallel.fsdp,
                         sync_batch_norm=cfg.parallel.sync_batch_norm,
+                        spatial_until=cfg.parallel.spatial.until,
                         pipeline=_pipeline_config(cfg))
 
 

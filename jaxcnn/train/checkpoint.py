@@ -70,8 +70,9 @@ _ENTRY_KEYS = {"path", "shape", "dtype", "sha256"}
 # Dotted keys (or sections, ending in ".") of a jaxcnn config that do NOT change what training
 # computes: how it is logged, checkpointed, evaluated, fed and laid out over devices. Changing
 # them between a run and its resumption is not a config change; every other key is.
-# (model.impl and model.batch_norm_grad pick kernels of the same function, equal up to rounding;
-# mesh/parallel.strategy/fsdp/rules place the same computation; parallel.sync_batch_norm does
+# (model.impl, model.batch_norm_grad and model.conv_bn pick kernels of the same function, equal
+# up to rounding;
+# mesh/parallel.strategy/fsdp/rules/spatial place the same computation; parallel.sync_batch_norm does
 # change the math and is not listed.)
 NON_TRAINING_KEYS = (
     "logging.", "checkpoint.", "distributed.", "mesh.",
@@ -79,8 +80,8 @@ NON_TRAINING_KEYS = (
     # Worker count: the same batches for any. on_bad_image: a run stopped by a bad image
     # (fail) may go on skipping it. eval_resize: evaluation only.
     "data.workers", "data.on_bad_image", "data.eval_resize",
-    "model.impl", "model.batch_norm_grad",
-    "parallel.strategy", "parallel.fsdp", "parallel.rules", "parallel.pipeline.split",
+    "model.impl", "model.batch_norm_grad", "model.conv_bn",
+    "parallel.strategy", "parallel.fsdp", "parallel.rules", "parallel.spatial.", "parallel.pipeline.split",
     "parallel.pipeline.balance",
 )
 

@@ -110,9 +110,12 @@ def dry_run(cfg, stream=None) -> None:
     need = [f"{name.replace('_', ' ')} {fmt_bytes(memory[name])}"
             for name in ("state", "train_step", "eval_step") if memory.get(name) is not None]
     of = f" of {fmt_bytes(memory['available'])} available" if memory.get("available") else ""
+    pipe = f" x pipe {plan.pipeline.stages}" if plan.pipeline else ""
+    spatial = (f" x spatial {plan.spatial.shards} (images split along height through "
+               f"{plan.spatial.gather_after})" if plan.spatial else "")
     print(f"dry run ok: model {cfg.model.name}{start}, input {run.input_shape}, "
           f"{run.total_steps} steps ({run.steps_per_epoch}/epoch), policy {run.policy.to_string()}, "
-          f"mesh {' x '.join(f'{k} {v}' for k, v in plan.mesh.shape.items())} ({plan.strategy}), "
+          f"mesh data {plan.mesh.shape['data']}{pipe} x model {plan.mesh.shape['model']}{spatial} ({plan.strategy}), "
           f"eval batch {prepared.eval_batch_size}{clipped}, memory {', '.join(need) or 'unknown'}{of}, "
           f"step metrics {sorted(metrics)}", file=stream)
 

@@ -128,6 +128,11 @@ SCHEMA: dict[str, dict] = {
         "batch_norm_grad": _f("str", "auto", "BatchNorm backward: auto (= autodiff), autodiff, or "
                               "closed_form (one-pass statistics; see F.batch_norm_train)",
                               choices=("auto", "autodiff", "closed_form")),
+        "conv_bn": _f("str", "auto", "Conv -> BatchNorm -> ReLU chains in training: auto (fused "
+                      "into the Mosaic GPU convolution only where bench_mgpu.py --fused --tune "
+                      "measured a win on this Hopper GPU), off, or mosaic (fused wherever the "
+                      "kernels run the convolution; see README, Pallas kernels)",
+                      choices=("auto", "off", "mosaic")),
     },
     "data": {
         "source": _f("str", "mnist", "dataset: mnist, cifar10, npz, synthetic, folder (an image folder "
@@ -297,6 +302,10 @@ SCHEMA: dict[str, dict] = {
                         nullable=True, item=_f("int", None, "blocks", **_POS_INT)),
             "balance": _f("str", "macs", "mesh.pipe > 1: what a balanced split evens out (MACs: time; "
                           "activations: memory)", choices=("macs", "params", "activations")),
+        },
+        "spatial": {
+            "until": _f("str", "auto", "with mesh.spatial > 1: the last layer (a path such as layer3) whose "
+                        "activations stay split along height; auto = as far as the model allows", low=1),
         },
     },
     "distributed": {

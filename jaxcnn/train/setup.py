@@ -597,13 +597,13 @@ def prepare(cfg) -> Prepared:
     memory["state"] = check_state_memory(
         plan, available, lambda shape: _size_keys(run, shape) or [f"model.name={cfg.model.name}"])
     train_step = plan.wrap_step(make_train_step(
-        run.model, run.tx, policy=run.policy, label_smoothing=cfg.optim.label_smoothing,
+        plan.step_model, run.tx, policy=run.policy, label_smoothing=cfg.optim.label_smoothing,
         schedule=run.schedule, skip_nonfinite=cfg.train.nan_policy == "skip",
         axis_name=plan.step_axis_name, sync_batch_norm=plan.sync_batch_norm,
         image_norm=train_image_norm(run),
         impl=cfg.model.impl, batch_norm_grad=cfg.model.batch_norm_grad, mix=mix_spec(cfg),
-        accumulate=micro_batches(cfg), pipeline=plan.pipeline))
-    eval_step = plan.wrap_eval(make_eval_step(run.model, policy=run.policy, impl=cfg.model.impl))
+        accumulate=micro_batches(cfg), conv_bn=cfg.model.conv_bn, pipeline=plan.pipeline))
+    eval_step = plan.wrap_eval(make_eval_step(plan.step_model, policy=run.policy, impl=cfg.model.impl))
     eval_size = eval_batch_size(run)
     with matmul_precision(cfg):  # traced as the loop traces it, so the loop reuses the executable
         lowered = train_step.lower(plan.abstract_state, abstract_batch(run, plan))

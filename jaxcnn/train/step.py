@@ -176,7 +176,8 @@ def make_train_step(model, tx: optax.GradientTransformation, *, policy=None,
                     skip_nonfinite: bool = False, axis_name: str | None = None,
                     image_norm: tuple | None = None, impl: str = "auto",
                     batch_norm_grad: str = "auto", sync_batch_norm: bool = True,
-                    mix: mixing.MixSpec | None = None, accumulate: int = 1, pipeline=None):
+                    mix: mixing.MixSpec | None = None, accumulate: int = 1, conv_bn="auto",
+                    pipeline=None):
     """Build ``train_step(state, batch) -> (state, metrics)``.
 
     Arguments:
@@ -195,9 +196,9 @@ def make_train_step(model, tx: optax.GradientTransformation, *, policy=None,
             ``uint8`` batch images are then normalised on the device,
             ``(x / 255 - mean) / std`` in float32, so the host moves bytes
             (4x less than float32).  Float images are used as given.
-        impl, batch_norm_grad: the layers' kernels and BatchNorm backward, passed to
-            ``model.apply`` as ``choices`` (:class:`jaxcnn.layers.Choices`, which checks
-            the names here, when the step is made).
+        impl, batch_norm_grad, conv_bn: the layers' kernels, BatchNorm backward and
+            Conv -> BatchNorm fusion, passed to ``model.apply`` as ``choices``
+            (:class:`jaxcnn.layers.Choices`, which checks the names when the step is made).
         sync_batch_norm: BatchNorm layers built without ``axis_name`` sync their
             statistics over ``axis_name`` (SyncBatchNorm); False keeps them per device
             (``parallel.per_device`` then averages the running statistics).
@@ -205,18 +206,17 @@ def make_train_step(model, tx: optax.GradientTransformation, *, policy=None,
         accumulate: micro-batches per step (example ``i`` in micro-batch ``i % accumulate``),
             run in turn (``lax.scan``), gradients averaged into one update; BatchNorm uses
             and updates its statistics per micro-batch, as PyTorch does.
-        pipeline: a :class:`jaxcnn.parallel.Pipeline` (``plan.pipeline``): gradients from its
-            GPipe schedule over the ``accumulate`` micro-batches (``accumulate``: 1 or its count).
+        pipeline: a :class:`jaxcnn.parallel.Pipeline` (``plan.pipeline``): gradients from its GPipe
+            schedule over its micro-batches (``accumulate``: 1 or their count).
 
-    The returned function carries ``batch_norm_axis_name`` (the axis BatchNorm syncs
-    over, or None), which :func:`jaxcnn.parallel.strategies.wrap_train_step` checks.
+    The returned function carries ``batch_norm_axis_name`` (the axis BatchNorm syncs over, or
+    None) and ``pipeline``, which :func:`jaxcnn.parallel.strategies.wrap_train_step` checks.
 
     Metrics: ``loss`` (unscaled, float32), ``top1`` (batch accuracy),
     ``grad_norm``, ``lr``, ``loss_scale``, ``finite`` (1.0 when the step was
-    applied) and ``skipped`` (steps skipped so far).
-    """
+    applied) and ``skipped`` (steps skipped so far)."""
     bn_axis = axis_name if sync_batch_norm else None
-    choices = Choices(impl=impl, batch_norm_grad=batch_norm_grad, axis_name=bn_axis)
+    choices = Choices(impl=impl, batch_norm_grad=batch_norm_grad, axis_name=bn_axis, conv_bn=conv_bn)
     loss_fn = _loss_fn(model, policy=policy, choices=choices, label_smoothing=label_smoothing,
                        image_norm=image_norm, mix=mix)
     gradients = _gradients(loss_fn, accumulate) if pipeline is None else _pipeline_gradients(

@@ -25,64 +25,21 @@ All of it needs jax >= 0.11 (the /work/main/.venv312 environment); on older
 jax the kernels are unavailable, these tests skip saying so, and the library
 falls back to the Triton kernels (checked here on any jax).
 """
-import importlib.util
-import os
-import sys
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax import lax
 
 import pallas_kernels as pk
 from jaxcnn.errors import KernelUnsupported
+from mgpu_testlib import H100, REASON, S, needs_mgpu, races  # noqa: F401 (a fixture)
+from mgpu_testlib import assert_16bit_close as _assert_16bit_close
+from mgpu_testlib import assert_f32_close as _assert_f32_close
+from mgpu_testlib import inspect_kernels as _inspect_kernels
+from mgpu_testlib import normal as _normal
+from mgpu_testlib import ref_conv as _ref_conv
 from pallas_kernels import conv_op
 from pallas_kernels import mgpu_conv as mc
-
-REASON = mc.unavailable_reason()
-needs_mgpu = pytest.mark.skipif(REASON is not None, reason=f"Mosaic GPU: {REASON}")
-DIMS = ("NHWC", "HWIO", "NHWC")
-HALF_STEP = {jnp.dtype(jnp.bfloat16): 2.0 ** -8, jnp.dtype(jnp.float16): 2.0 ** -11}
-H100 = "NVIDIA H100 80GB HBM3"
-
-
-def _ref_conv(x, w, pads, dilation=(1, 1), stride=(1, 1)):
-    return lax.conv_general_dilated(x.astype(jnp.float32), w.astype(jnp.float32), stride,
-                                    pads, rhs_dilation=dilation, dimension_numbers=DIMS,
-                                    precision=lax.Precision.HIGHEST)
-
-
-def _normal(rng, shape, dtype):
-    return jnp.asarray(rng.standard_normal(shape).astype(np.float32)).astype(dtype)
-
-
-def _assert_16bit_close(got, want, dtype, what):
-    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
-    assert got.shape == want.shape, f"{what}: shape {got.shape} != {want.shape}"
-    assert np.isfinite(got).all(), f"{what}: non-finite elements"
-    tol = HALF_STEP[jnp.dtype(dtype)] * np.abs(want) + 1e-4 * np.abs(want).max()
-    bad = np.abs(got - want) > tol
-    assert not bad.any(), (f"{what}: {bad.sum()} elements off, worst "
-                           f"{np.abs(got - want).max():.3g} (max |ref| {np.abs(want).max():.3g})")
-
-
-def _assert_f32_close(got, want, what):
-    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
-    assert got.shape == want.shape, f"{what}: shape {got.shape} != {want.shape}"
-    err = np.abs(got - want).max() / np.abs(want).max()
-    assert err <= 1e-4, f"{what}: relative error {err:.3g}"
-
-
-@pytest.fixture
-def races():
-    """Runs a case under the race detector and fails it if a race was found."""
-    from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as ipc
-    ipc.reset_gpu_interpret_mode_state()
-    yield True
-    found = ipc.get_races().races_found
-    ipc.reset_gpu_interpret_mode_state()
-    assert not found, "the interpreter's race detector found a data race"
 
 
 # name, x shape, w shape, pads, dilation, config, dtype[, stride]
@@ -330,16 +287,6 @@ def test_auto_needs_a_measurement_of_the_mosaic_kernel(monkeypatch):
 
 # --- offline lowering for sm_90a (no GPU) -------------------------------------------------
 
-def _inspect_kernels():
-    path = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "inspect_kernels.py")
-    spec = importlib.util.spec_from_file_location("inspect_kernels", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("inspect_kernels", module)  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return sys.modules["inspect_kernels"]
-
-
-S = jax.ShapeDtypeStruct
 LOWERED = [  # x shape, w shape, pads, config[, stride]: default tiles, the CPU cases' tails
     ((2, 14, 14, 64), (3, 3, 64, 128), ((1, 1), (1, 1)), None),
     ((1, 5, 7, 24), (3, 3, 24, 40), ((1, 1), (1, 1)), mc.MgpuConfig(block_n=32, block_k=16,

@@ -1,5 +1,6 @@
-"""``model.impl`` and ``model.batch_norm_grad``: the train and eval steps trace the layers with
-the chosen kernels and BatchNorm backward, and the trainer passes the config's choice on."""
+"""``model.impl``, ``model.batch_norm_grad`` and ``model.conv_bn``: the train and eval steps
+trace the layers with the chosen kernels and BatchNorm backward, and the trainer passes the
+config's choice on."""
 import os
 
 import jax
@@ -115,6 +116,8 @@ def test_bad_names_fail_when_the_step_is_made():
         L.Choices(batch_norm_grad="fused")
     with pytest.raises(ValueError, match=r"Choices: axis_name must be an axis name"):
         L.Choices(axis_name=["data"])
+    with pytest.raises(ValueError, match=r"Choices: conv_bn must be one of"):
+        make_train_step(NET, tx, conv_bn="cudnn")
 
 
 def test_trainer_passes_the_config_choices(monkeypatch):
@@ -122,18 +125,21 @@ def test_trainer_passes_the_config_choices(monkeypatch):
     real = setup.make_train_step
 
     def spy(*args, **kwargs):
-        seen.update(impl=kwargs.get("impl"), bn=kwargs.get("batch_norm_grad"))
+        seen.update(impl=kwargs.get("impl"), bn=kwargs.get("batch_norm_grad"),
+                    conv_bn=kwargs.get("conv_bn"))
         return real(*args, **kwargs)
 
     monkeypatch.setattr(setup, "make_train_step", spy)
     cfg = load_config(os.path.join(CONFIGS, "mnist_cnn.yaml"), [
-        "model.impl=xla", "model.batch_norm_grad=closed_form", "train.steps=1",
+        "model.impl=xla", "model.batch_norm_grad=closed_form", "model.conv_bn=off",
+        "train.steps=1",
         "data.batch_size=8", "checkpoint.enabled=false", "logging.progress=none",
         "train.eval_every=null"])
     assert (cfg.model.impl, cfg.model.batch_norm_grad) == ("xla", "closed_form")
     default = load_config(os.path.join(CONFIGS, "mnist_cnn.yaml"))
-    assert (default.model.impl, default.model.batch_norm_grad) == ("auto", "auto")
+    assert (default.model.impl, default.model.batch_norm_grad, default.model.conv_bn) == (
+        "auto", "auto", "auto")
     import tempfile
     with tempfile.TemporaryDirectory() as work:
         loop.train(cfg, work)
-    assert seen == {"impl": "xla", "bn": "closed_form"}
+    assert seen == {"impl": "xla", "bn": "closed_form", "conv_bn": "off"}

@@ -1,0 +1,275 @@
+"""Spatial partitioning: each image's height split over the mesh's ``spatial`` axis.
+
+Under the ``jit`` strategy the step is one global program, so splitting
+activations along height changes where the numbers are computed, never what
+they are: XLA's SPMD partitioner gives every height-sharded convolution and
+pooling window the rows it needs from the neighbouring shards (halo
+exchanges, ``collective-permute`` in the compiled HLO: no whole activation is
+gathered for them), and BatchNorm's mean over ``(N, H, W)`` becomes an
+all-reduce over ``data`` and ``spatial`` together.  (On the CPU backend the
+per-channel sums of :mod:`jaxcnn.functional._channels` fold ``(N, H, W, C)``
+into ``(rows, lanes)`` with a reshape that the partitioner can only do by
+all-gathering a height-split activation: CPU-emulated devices see those
+gathers, other backends do not fold; docs/BENCHMARKS.md has the counts.)
+What this module decides is *how far* the split goes and that it is sound:
+
+* The model is read as a sequence of **units**: the children of its top-level
+  ``serial``, with nested ``serial``\\ s opened (ResNet's ``layer1`` gives
+  ``layer1.0``, ``layer1.1``...; VGG's ``features`` gives ``features.0``...).
+  A residual block, a ``parallel`` or a ``gate`` is one unit.
+* A unit can be split when each of its leaves computes row by row (activations,
+  BatchNorm/GroupNorm, dropout, identity, layer scale) or is a convolution /
+  max or average pooling window, every leaf's input and output height divides
+  into the shards, every window needs at most one shard's worth of rows from
+  each neighbour (its *halo*), and no window is taller than the whole image
+  (for such a window, e.g. a 3x3 convolution on a 2-row image split in two,
+  XLA's SPMD partitioner computes a wrong input gradient when ``data`` is above
+  1: seen with jax 0.10.2 and 0.11.2 on CPU; the forward pass is right).
+  Global or adaptive pooling, flatten, linear layers, transposed convolutions
+  and anything unknown end the split.
+* ``until="auto"`` (default) splits the longest run of units from the input on
+  that can be split; ``until="<path>"`` (a unit or a nested ``serial`` such as
+  ``"layer3"``) splits exactly up to and including it and raises, before any
+  compute, naming the first leaf that cannot be split.
+* :func:`constrain` returns the same model (same ``init``, parameter names and
+  rng streams) whose ``apply`` pins the activation to ``P(data, spatial)`` at
+  the input and after every split unit, then to ``P(data)`` (the spatial axis
+  gathered) after the last one, so global pooling, flatten and the classifier
+  see whole images.  The split units run XLA's own convolutions and pooling
+  (``Choices(impl="xla", conv_bn="off")``: a Pallas or Mosaic kernel is a custom
+  call the partitioner cannot split along height); the rest keeps the caller's
+  choices.
+* The ``spatial`` axis composes with ``data`` only: with a ``model`` axis too
+  (data 2 x spatial 2 x model 2, or 1 x 2 x 2) XLA's partitioner returned wrong
+  gradients and BatchNorm statistics (0.02-0.2 off, the loss right) with the
+  channels either left to it or pinned whole, so the plan refuses it.
+
+Batches arrive as under data parallelism (``P(data)``: each spatial shard's
+device holds its data shard's whole images); the first constraint slices them
+locally, without communication.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jaxcnn._geometry import dilated, explicit_pads
+from jaxcnn.layers import combinators as C
+from jaxcnn.layers._tree import child_path, leaves
+from jaxcnn.layers.base import Choices, Layer, choices_or_default, record_layers
+from jaxcnn.parallel.mesh import DATA, SPATIAL
+
+WINDOW_KINDS = frozenset({"conv2d", "max_pool2d", "avg_pool2d"})
+ROW_KINDS = frozenset({
+    "relu", "relu6", "leaky_relu", "elu", "gelu", "silu", "hardswish", "hardsigmoid", "sigmoid",
+    "tanh", "batch_norm", "group_norm", "dropout", "stochastic_depth", "identity", "layer_scale"})
+UNTIL_KEY = "parallel.spatial.until"
+
+
+class SpatialLayout(NamedTuple):
+    """Where a model's activations are split over the spatial axis.
+
+    Attributes:
+        shards: devices on the spatial axis.
+        units: every unit's dotted path, in execution order.
+        split: the paths of the units computed height-sharded (a prefix of ``units``).
+        halos: ``{leaf path: halo rows}`` of every window leaf inside the split units.
+        stop: why the split ends where it does (``""`` when every unit is split).
+    """
+
+    shards: int
+    units: tuple
+    split: tuple
+    halos: dict
+    stop: str
+
+    @property
+    def gather_after(self) -> str | None:
+        """The last split unit: the spatial axis is gathered after it."""
+        return self.split[-1] if self.split else None
+
+
+def _units(layer: Layer, path: str = ""):
+    """``[(path, Layer)]``: a serial's children, nested serials opened."""
+    if layer.kind != "serial":
+        return [(path, layer)]
+    out = []
+    for name, child in layer.children:
+        out += _units(child, child_path(path, name))
+    return out
+
+
+def _in(path: str, prefix: str) -> bool:
+    return not prefix or path == prefix or path.startswith(prefix + ".")
+
+
+def window_halo(height: int, out_height: int, shards: int, kernel: int, stride: int,
+                pads: tuple[int, int], dilation: int = 1) -> int:
+    """Rows one shard of a window op's input needs from a neighbour (the larger side,
+    over all shards), with input and output both split evenly into ``shards`` blocks.
+
+    Output row ``o`` reads input rows ``o*stride - lo + j*dilation`` for ``j < kernel``
+    (rows outside the image are padding, no one's); shard ``i`` holds input rows
+    ``[i*h, (i+1)*h)`` and computes output rows ``[i*ho, (i+1)*ho)``.
+    """
+    h, ho = height // shards, out_height // shards
+    lo = pads[0]
+    need = 0
+    for i in range(shards):
+        rows = [r for o in range(i * ho, (i + 1) * ho) for j in range(kernel)
+                if 0 <= (r := o * stride - lo + j * dilation) < height]
+        if rows:
+            need = max(need, i * h - min(rows), max(rows) - ((i + 1) * h - 1))
+    return need
+
+
+def _describe(record) -> str:
+    c = record.config
+    kh = c["kernel_size"][0]
+    return (f"{record.kind} {kh}x{c['kernel_size'][1]}, stride {c['stride'][0]}, "
+            f"padding {c['padding'] if isinstance(c['padding'], str) else c['padding'][0]}")
+
+
+def _leaf_problem(record, shards: int, halos: dict) -> str | None:
+    """Why this leaf cannot be computed height-sharded, or None (recording its halo)."""
+    name = record.path or "the model"
+    if record.kind not in WINDOW_KINDS and record.kind not in ROW_KINDS:
+        return f"{name} ({record.kind}) is not computed row by row"
+    if len(record.input_shape) != 4 or len(record.output_shape) != 4:
+        return f"{name} ({record.kind}) has input {record.input_shape}, not an (N, H, W, C) image"
+    height, out_height = record.input_shape[1], record.output_shape[1]
+    for what, size in (("input", height), ("output", out_height)):
+        if size % shards:
+            return (f"{name} ({record.kind}): its {what} height {size} does not divide into "
+                    f"{shards} spatial shards")
+    if record.kind in WINDOW_KINDS:
+        c = record.config
+        window = dilated(c["kernel_size"], c["dilation"])
+        pads = explicit_pads(c["padding"], record.input_shape[1:3], window, c["stride"])
+        if window[0] > height:
+            return (f"{name} ({_describe(record)}): its window ({window[0]} rows) is taller than its "
+                    f"whole {height}-row input (XLA's partitioner gets such a window's input gradient "
+                    f"wrong when the image is split, so it is not split)")
+        need = window_halo(height, out_height, shards, c["kernel_size"][0], c["stride"][0],
+                           tuple(pads[0]), c["dilation"][0])
+        if need > height // shards:
+            return (f"{name} ({_describe(record)}) needs {need} halo rows from its neighbour but a "
+                    f"shard of its {height}-row input holds {height // shards}")
+        halos[record.path] = need
+    return None
+
+
+def spatial_layout(model: Layer, input_shape, shards: int, *, until: str = "auto") -> SpatialLayout:
+    """Decide which units of ``model`` run height-sharded over ``shards`` devices.
+
+    Shape driven (``jax.eval_shape`` of ``init``): nothing is computed.
+
+    Arguments:
+        model: the model Layer.
+        input_shape: its global input shape ``(N, H, W, C)``.
+        shards: devices on the spatial axis (>= 2).
+        until: ``"auto"`` (the longest run of units that can be split), or the path
+            of the last unit (or nested ``serial``) to split.
+
+    Returns:
+        A :class:`SpatialLayout`.
+
+    Raises:
+        ValueError: naming ``mesh.spatial`` when the input height does not divide or the
+            first unit cannot be split, or :data:`UNTIL_KEY` when ``until`` names no unit or
+            a leaf up to it cannot be split (which leaf and why: height, halo or kind).
+    """
+    input_shape = tuple(int(d) for d in input_shape)
+    if len(input_shape) != 4:
+        raise ValueError(f"mesh.spatial: splits images (N, H, W, C); the model input is {input_shape}")
+    if input_shape[1] % shards:
+        raise ValueError(f"mesh.spatial: the input height {input_shape[1]} (input shape {input_shape}) "
+                         f"does not divide into {shards} spatial shards")
+    with record_layers() as records:
+        jax.eval_shape(lambda k: model.init(k, input_shape)[:2], jax.random.PRNGKey(0))
+    by_path = {r.path: r for r in records}
+    units = _units(model)
+    paths = tuple(p for p, _ in units)
+    if until != "auto":
+        if not isinstance(until, str) or not any(_in(p, until) for p in paths):
+            raise ValueError(f"{UNTIL_KEY}: {until!r} names no layer of the model's sequence; "
+                             f"expected 'auto' or one of {list(paths)}")
+        last = max(i for i, p in enumerate(paths) if _in(p, until))
+    split, halos, stop = [], {}, ""
+    for i, (path, unit) in enumerate(units):
+        if until != "auto" and i > last:
+            stop = f"{UNTIL_KEY} is {until!r}"
+            break
+        problem = None
+        for leaf_path, _ in leaves(unit, path):
+            record = by_path.get(leaf_path)
+            problem = (f"{leaf_path or 'the model'} is not a recorded jaxcnn layer" if record is None
+                       else _leaf_problem(record, shards, halos))
+            if problem:
+                break
+        if problem:
+            if until != "auto":
+                raise ValueError(f"{UNTIL_KEY}: cannot split up to {until!r} over {shards} spatial "
+                                 f"shards: {problem}")
+            if not split:
+                raise ValueError(f"mesh.spatial: {shards} spatial shards cannot split even the first "
+                                 f"layer: {problem}")
+            stop = problem
+            break
+        split.append(path)
+    return SpatialLayout(shards, paths, tuple(split), halos, stop)
+
+
+def activation_sharding(mesh: Mesh) -> NamedSharding:
+    """Images split over ``data`` (batch) and ``spatial`` (height), the rest whole."""
+    return NamedSharding(mesh, P(DATA, SPATIAL))
+
+
+def gathered_sharding(mesh: Mesh) -> NamedSharding:
+    """Batch over ``data``, the spatial axis gathered."""
+    return NamedSharding(mesh, P(DATA))
+
+
+def _split_choices(choices) -> Choices:
+    """The caller's choices with XLA's own convolution and pooling (``impl="xla"``) and no
+    fused Conv -> BatchNorm kernel (``conv_bn="off"``): a Pallas or Mosaic kernel is a
+    custom call that XLA's partitioner cannot split along height (it would gather)."""
+    return dataclasses.replace(choices_or_default(choices), impl="xla", conv_bn="off")
+
+
+def _pinned(layer: Layer, sharding) -> Layer:
+    def apply(params, state, x, **kwargs):
+        kwargs["choices"] = _split_choices(kwargs.get("choices"))
+        y, new_state = layer.apply(params, state, x, **kwargs)
+        return jax.lax.with_sharding_constraint(y, sharding), new_state
+    return layer._replace(apply=apply)
+
+
+def constrain(model: Layer, layout: SpatialLayout, mesh: Mesh) -> Layer:
+    """``model`` with its activations pinned as ``layout`` says (see the module docs).
+
+    The result has the same ``init`` (parameter and state trees, rng use) and computes
+    the same function; only ``apply`` adds sharding constraints.
+    """
+    split, last = set(layout.split), layout.gather_after
+    inner, gathered = activation_sharding(mesh), gathered_sharding(mesh)
+
+    def rebuild(layer: Layer, path: str) -> Layer:
+        if path in split:
+            return _pinned(layer, gathered if path == last else inner)
+        if layer.kind != "serial" or not any(_in(p, path) for p in split):
+            return layer
+        children = [(name, rebuild(child, child_path(path, name))) for name, child in layer.children]
+        return layer._replace(apply=C.serial(*children).apply, children=tuple(children))
+
+    body = rebuild(model, "")
+    if not split:
+        return body
+
+    def apply(params, state, x, **kwargs):
+        return body.apply(params, state, jax.lax.with_sharding_constraint(x, inner), **kwargs)
+
+    return body._replace(apply=apply)

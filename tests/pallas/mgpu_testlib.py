@@ -1,0 +1,75 @@
+"""Helpers shared by the Mosaic GPU (Hopper) kernel tests, which run in GPU interpret mode.
+
+Tolerances: a 16-bit result rounded once after float32 accumulation is within half a
+step of its type (bfloat16: 2**-8 relative, float16: 2**-11) of the float32 reference,
+plus float32 summation-order noise (1e-4 of the largest value).
+"""
+import importlib.util
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+from pallas_kernels import mgpu_conv as mc
+
+REASON = mc.unavailable_reason()
+needs_mgpu = pytest.mark.skipif(REASON is not None, reason=f"Mosaic GPU: {REASON}")
+DIMS = ("NHWC", "HWIO", "NHWC")
+HALF_STEP = {jnp.dtype(jnp.bfloat16): 2.0 ** -8, jnp.dtype(jnp.float16): 2.0 ** -11}
+H100 = "NVIDIA H100 80GB HBM3"
+S = jax.ShapeDtypeStruct
+
+
+def ref_conv(x, w, pads, dilation=(1, 1), stride=(1, 1)):
+    """``jax.lax`` convolution in float32 (HIGHEST precision) of the given values."""
+    return lax.conv_general_dilated(x.astype(jnp.float32), w.astype(jnp.float32), stride,
+                                    pads, rhs_dilation=dilation, dimension_numbers=DIMS,
+                                    precision=lax.Precision.HIGHEST)
+
+
+def normal(rng, shape, dtype):
+    return jnp.asarray(rng.standard_normal(shape).astype(np.float32)).astype(dtype)
+
+
+def assert_16bit_close(got, want, dtype, what):
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    assert got.shape == want.shape, f"{what}: shape {got.shape} != {want.shape}"
+    assert np.isfinite(got).all(), f"{what}: non-finite elements"
+    tol = HALF_STEP[jnp.dtype(dtype)] * np.abs(want) + 1e-4 * np.abs(want).max()
+    bad = np.abs(got - want) > tol
+    assert not bad.any(), (f"{what}: {bad.sum()} elements off, worst "
+                           f"{np.abs(got - want).max():.3g} (max |ref| {np.abs(want).max():.3g})")
+
+
+def assert_f32_close(got, want, what, rtol=1e-4):
+    """Within ``rtol`` of the largest reference value (float32 summation-order noise)."""
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    assert got.shape == want.shape, f"{what}: shape {got.shape} != {want.shape}"
+    assert np.isfinite(got).all(), f"{what}: non-finite elements"
+    err = np.abs(got - want).max() / np.abs(want).max()
+    assert err <= rtol, f"{what}: relative error {err:.3g} > {rtol:g}"
+
+
+@pytest.fixture
+def races():
+    """Runs a case under the race detector and fails it if a race was found."""
+    from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as ipc
+    ipc.reset_gpu_interpret_mode_state()
+    yield True
+    found = ipc.get_races().races_found
+    ipc.reset_gpu_interpret_mode_state()
+    assert not found, "the interpreter's race detector found a data race"
+
+
+def inspect_kernels():
+    """``scripts/inspect_kernels.py`` as a module (its offline-lowering reports)."""
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "inspect_kernels.py")
+    spec = importlib.util.spec_from_file_location("inspect_kernels", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("inspect_kernels", module)  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return sys.modules["inspect_kernels"]

@@ -1,0 +1,302 @@
+"""Spatial partitioning: images split along height over the mesh's ``spatial`` axis
+(8 emulated CPU devices) give one device's losses, gradients and BatchNorm statistics,
+and a model that cannot be split as asked is refused before any compute."""
+import re
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+from jaxcnn import layers as L
+from jaxcnn.models import get as get_model
+from jaxcnn.parallel import ParallelPlan, make_mesh, spatial_layout
+from jaxcnn.parallel.spatial import window_halo
+from jaxcnn.train.step import make_train_step
+
+from _helpers import batches, init, max_diff, run_single
+
+LR1 = optax.sgd(1.0)  # new params = params - grads: one step exposes the gradients
+
+_MODELS = {}
+
+
+def _model(name):
+    """resnet18 on 32x32 (7x7/2 stem, 3x3/2 max-pool, strided blocks) and vgg11 on 32x32
+    (3x3 convolutions, 2x2 pools, a small classifier with dropout), 10 classes."""
+    if name not in _MODELS:
+        kw = dict(classifier_width=32) if name == "vgg11" else {}
+        _MODELS[name] = (get_model(name, num_classes=10, **kw), (4, 32, 32, 3))
+    return _MODELS[name]
+
+
+def _plan(model, tx, shape, data, spatial, until="auto", devices=None):
+    mesh = make_mesh(data, 1, spatial=spatial, devices=devices)
+    abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype),
+                                      init(model, tx, shape))
+    return ParallelPlan(mesh, model, shape, abstract, strategy="jit", spatial_until=until)
+
+
+def _run(plan, tx, shape, data, model):
+    step = plan.wrap_step(make_train_step(plan.step_model, tx, axis_name=plan.step_axis_name),
+                          donate=False)
+    state = plan.shard_state(init(model, tx, shape))
+    losses = []
+    for b in data:
+        state, m = step(state, plan.put_batch(b))
+        losses.append(float(m["loss"]))
+    return np.array(losses), jax.device_get(state), step
+
+
+def _rel(a, b):
+    """max |a - b| over max |b|, over all leaves together."""
+    scale = max(float(np.max(np.abs(np.asarray(x)))) for x in jax.tree_util.tree_leaves(b))
+    return max_diff(a, b) / scale
+
+
+@pytest.mark.parametrize("data,spatial", [(1, 4), (2, 4)], ids=["spatial4", "data2_spatial4"])
+@pytest.mark.parametrize("name", ["resnet18", "vgg11"])
+def test_same_loss_gradients_and_statistics_as_one_device(name, data, spatial):
+    model, shape = _model(name)
+    (batch,) = batches(shape, 1, seed=3)
+    devices = jax.devices()[:data * spatial]
+    plan = _plan(model, LR1, shape, data, spatial, devices=devices)
+    assert plan.spatial.split and plan.spatial.shards == spatial
+    state0 = init(model, LR1, shape)
+    ref_losses, ref = run_single(model, LR1, shape, [batch])
+    losses, got, step = _run(plan, LR1, shape, [batch], model)
+    # float32 rounding: the loss to 1e-5 relative; the gradients (params0 - params1 under
+    # sgd(1.0)) to 3e-4 of their largest entry (BatchNorm over a batch of 4 on 1x1 maps
+    # amplifies rounding: data-parallel jit alone differs from one device by 6e-5..8e-5 of it on
+    # resnet18; a wrong halo differs by O(1)); BatchNorm running statistics (over data and
+    # spatial) to 1e-5 of their largest entry.
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    grads = jax.tree_util.tree_map(np.subtract, state0.params, got.params)
+    ref_grads = jax.tree_util.tree_map(np.subtract, state0.params, ref.params)
+    assert _rel(grads, ref_grads) < 3e-4
+    if ref.state:
+        assert _rel(got.state, ref.state) < 1e-5
+    # The compiled step exchanges halo rows between spatial neighbours (collective-permute).
+    hlo = step.lower(plan.abstract_state, plan.put_batch(batch)).compile().as_text()
+    assert re.search(r"collective-permute(-start)?\(", hlo)
+
+
+def test_activations_are_height_sharded_until_the_gather():
+    model, shape = _model("resnet18")
+    plan = _plan(model, LR1, shape, 2, 4)
+    assert plan.spatial.split[:4] == ("conv1", "bn1", "relu", "maxpool")
+    assert plan.spatial.gather_after == "layer2.1"  # layer3.0's 2-row output does not divide by 4
+    assert "layer3.0" in plan.spatial.stop
+    state0 = init(model, LR1, shape)
+    x = plan.put_batch(batches(shape, 1)[0])["image"]
+    # Which layers carry constraints: read them back from the jaxpr.
+    jaxpr = str(jax.make_jaxpr(lambda p, s, x: plan.step_model.apply(p, s, x))(
+        state0.params, state0.state, x))
+    specs = re.findall(r"sharding_constraint\[[^\]]*?spec=P\(([^)]*)\)", jaxpr)
+    # input + every split unit (4 stem units + 4 blocks of layer1/layer2), the last one gathering.
+    assert len(specs) == 1 + len(plan.spatial.split)
+    assert specs[:-1] == ["'data', 'spatial'"] * len(plan.spatial.split)
+    assert specs[-1] == "'data',"
+
+
+def test_halo_rows_against_the_convolution_jacobian():
+    """window_halo against the rows lax.conv_general_dilated actually reads: the nonzero
+    pattern of d(output rows of shard i) / d(input) for a positive input and kernel."""
+    rng = np.random.default_rng(0)
+    checked = 0
+    while checked < 40:
+        shards = int(rng.choice([2, 4]))
+        k, s, d = int(rng.integers(1, 8)), int(rng.integers(1, 4)), int(rng.integers(1, 3))
+        lo, hi = int(rng.integers(0, k * d)), int(rng.integers(0, k * d))
+        height = shards * int(rng.integers(1, 7))
+        out = (height + lo + hi - (k - 1) * d - 1) // s + 1
+        if out < shards or out % shards:
+            continue
+        checked += 1
+        conv = lambda x: jax.lax.conv_general_dilated(
+            x, np.ones((k, 1, 1, 1), np.float32), (s, 1), ((lo, hi), (0, 0)), rhs_dilation=(d, 1),
+            dimension_numbers=("NHWC", "HWIO", "NHWC"))[0, :, 0, 0]
+        jac = np.asarray(jax.jacobian(conv)(np.ones((1, height, 1, 1), np.float32)))[:, 0, :, 0, 0]
+        h, ho = height // shards, out // shards
+        need = 0
+        for i in range(shards):
+            rows = np.nonzero(jac[i * ho:(i + 1) * ho].any(axis=0))[0]
+            if rows.size:
+                need = max(need, i * h - rows.min(), rows.max() - ((i + 1) * h - 1))
+        assert window_halo(height, out, shards, k, s, (lo, hi), d) == need, (height, shards, k, s, d, lo, hi)
+
+
+def test_refused_before_compute():
+    model, _ = _model("resnet18")
+    # Height not divisible by the spatial shards.
+    with pytest.raises(ValueError, match=r"^mesh.spatial: the input height 30 .* does not divide into 4"):
+        spatial_layout(model, (4, 30, 32, 3), 4)
+    # A window whose halo is more than a shard holds: 7x7 stride-2 stem on 2-row shards.
+    with pytest.raises(ValueError, match=r"^mesh.spatial: .*conv1 \(conv2d 7x7, stride 2, padding "
+                                         r"\(3, 3\)\) needs 3 halo rows .* holds 2"):
+        spatial_layout(model, (4, 8, 32, 3), 4)
+    # until= asks for more than the model allows (layer3.0's output height 2 over 4 shards).
+    with pytest.raises(ValueError, match=r"^parallel.spatial.until: cannot split up to 'layer3' .*"
+                                         r"layer3.0.conv1 .* output height 2 does not divide into 4"):
+        spatial_layout(model, (4, 32, 32, 3), 4, until="layer3")
+    with pytest.raises(ValueError, match=r"^parallel.spatial.until: 'layer9' names no layer"):
+        spatial_layout(model, (4, 32, 32, 3), 4, until="layer9")
+    with pytest.raises(ValueError, match=r"^parallel.spatial.until: .*avgpool \(global_avg_pool2d\) "
+                                         r"is not computed row by row"):
+        spatial_layout(model, (4, 128, 128, 3), 2, until="avgpool")
+    # A window taller than its whole input (layer3.0.conv2: 3x3 on 2 rows) is never split: XLA's
+    # partitioner gets its input gradient wrong (O(1) errors with data 2 x spatial 2).
+    assert "layer3.0.conv2 (conv2d 3x3" in spatial_layout(model, (4, 32, 32, 3), 2).stop
+    with pytest.raises(ValueError, match=r"^parallel.spatial.until: .*layer3.0.conv2 .* taller than"):
+        spatial_layout(model, (4, 32, 32, 3), 2, until="layer3")
+    # Only the jit strategy partitions a global program.
+    shape = (4, 32, 32, 3)
+    abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype),
+                                      init(model, LR1, shape))
+    with pytest.raises(ValueError, match=r"^parallel.strategy: mesh.spatial=4 needs strategy jit"):
+        ParallelPlan(make_mesh(2, 1, spatial=4), model, shape, abstract, strategy="shard_map")
+    # Not with a model axis: XLA's partitioner got spatial x model wrong (0.02-0.2 off).
+    with pytest.raises(ValueError, match=r"^mesh.model: 2 with mesh.spatial=2: spatial partitioning "
+                                         r"composes with the data axis only"):
+        ParallelPlan(make_mesh(2, 2, spatial=2), model, shape, abstract, strategy="jit")
+
+
+def test_until_stops_the_split_where_asked():
+    model, shape = _model("resnet18")
+    layout = spatial_layout(model, shape, 4, until="layer1")
+    assert layout.split == ("conv1", "bn1", "relu", "maxpool", "layer1.0", "layer1.1")
+    assert layout.stop == "parallel.spatial.until is 'layer1'"
+    assert layout.halos["conv1"] == 3 and layout.halos["maxpool"] == 1
+    auto = spatial_layout(model, shape, 4)
+    assert auto.split[-1] == "layer2.1" and auto.split[:len(layout.split)] == layout.split
+
+
+# -- through jaxcnn-train: config keys, dry run, checkpoint and resume onto another layout ---------
+
+SPATIAL4 = ["mesh.data=2", "mesh.spatial=4", "parallel.strategy=jit"]
+DATA_ONLY = ["mesh.data=-1", "mesh.spatial=1", "parallel.strategy=jit"]
+
+
+def _tiny16(path, n_train=64, n_test=32, classes=4):
+    """tiny_npz's learnable grey images (brightness encodes the label), 16x16 so 4 shards split them."""
+    rng = np.random.default_rng(0)
+    labels = rng.integers(0, classes, n_train + n_test)
+    x = (rng.random((n_train + n_test, 16, 16)) * 60 + labels[:, None, None] * 50).astype(np.uint8)
+    np.savez(path, x_train=x[:n_train], y_train=labels[:n_train], x_test=x[n_train:], y_test=labels[n_train:])
+    return str(path)
+
+
+def _cli_args(data, workdir, *extra):
+    from reliability.reliability_lib import tiny_args
+    return [a for a in tiny_args(data, "model.name=lenet5", "train.steps=8", "checkpoint.every=2",
+                                 "checkpoint.keep=10", *extra, "--workdir", str(workdir))
+            if a != "model.name=mnist_cnn"]
+
+
+def _keep_until(workdir, step):
+    import os
+    import shutil
+    for name in os.listdir(workdir / "checkpoints"):
+        if name.isdigit() and int(name) > step:
+            shutil.rmtree(workdir / "checkpoints" / name)
+    os.remove(workdir / "params.npz")
+
+
+def test_train_cli_spatial_run_resumes_onto_data_only_and_back(tmp_path, capsys):
+    """lenet5 on 16x16 images: spatial 4 (data 2) splits conv1 (5x5, 2 halo rows of 4), act1 and
+    pool1 and gathers before conv2 (whose 5x5 window needs 3 rows of a 2-row shard).  A spatial run
+    resumed at step 4 as data-parallel, and that run resumed at step 6 as spatial again, end where
+    the spatial run ends (float32: 1e-5; the layout is not a config change)."""
+    import shutil
+
+    from jaxcnn.interop import load_npz
+    from jaxcnn.train.cli import train_main
+    data = _tiny16(tmp_path / "tiny16.npz")
+    assert train_main(_cli_args(data, tmp_path / "dry", *SPATIAL4, "--dry-run")) == 0
+    out = capsys.readouterr().out
+    assert "mesh data 2 x model 1 x spatial 4 (images split along height through pool1) (jit)" in out
+
+    ref = tmp_path / "spatial"
+    assert train_main(_cli_args(data, ref, *SPATIAL4)) == 0
+    capsys.readouterr()
+    flat = tmp_path / "data_only"
+    shutil.copytree(ref, flat)
+    _keep_until(flat, 4)
+    assert train_main(_cli_args(data, flat, *DATA_ONLY)) == 0
+    assert "resumed from step 4" in capsys.readouterr().out
+    back = tmp_path / "back"
+    shutil.copytree(flat, back)
+    _keep_until(back, 6)
+    assert train_main(_cli_args(data, back, *SPATIAL4, "parallel.spatial.until=act1")) == 0
+    assert "resumed from step 6" in capsys.readouterr().out
+    want = load_npz(str(ref / "params.npz"))
+    for run in (flat, back):
+        got = load_npz(str(run / "params.npz"))
+        assert max_diff(got, want) < 1e-5, run.name
+
+
+def test_train_cli_refuses_an_impossible_split_before_compute(tmp_path, capsys):
+    from jaxcnn.train.cli import train_main
+    data = _tiny16(tmp_path / "tiny16.npz")
+    assert train_main(_cli_args(data, tmp_path / "a", *SPATIAL4, "parallel.spatial.until=conv2",
+                                "--dry-run")) == 2
+    err = capsys.readouterr().err
+    assert ("parallel.spatial.until: cannot split up to 'conv2' over 4 spatial shards: conv2 (conv2d 5x5, "
+            "stride 1, padding (0, 0)) needs 3 halo rows from its neighbour but a shard of its 8-row "
+            "input holds 2") in err
+    assert "Traceback" not in err
+    assert train_main(_cli_args(data, tmp_path / "b", "mesh.spatial=4", "--dry-run")) == 2
+    assert "parallel.strategy: mesh.spatial=4 needs strategy jit" in capsys.readouterr().err
+
+
+def test_bench_scaling_reports_memory_and_halo_exchanges(capsys):
+    import importlib.util
+    import json
+    import pathlib
+    path = pathlib.Path(__file__).resolve().parents[2] / "scripts" / "bench_scaling.py"
+    spec = importlib.util.spec_from_file_location("bench_scaling", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main(["--model", "mnist_cnn", "--layout", "spatial", "--devices", "1,2",
+                       "--per-device-batch", "4", "--compile-only", "--json"]) == 0
+    out = capsys.readouterr().out
+    rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    assert [(r["data"], r["spatial"], r["global_batch"]) for r in rows] == [(1, 1, 4), (1, 2, 4)]
+    assert rows[0]["split_through"] is None and rows[1]["split_through"] == "dropout1"
+    assert rows[0]["collective-permute"] == 0 and rows[1]["collective-permute"] > 0
+    assert all(r["step_bytes"] > 0 for r in rows)
+    assert "mem/device" in out
+
+
+def test_cpu_fence_reads_one_element_of_a_height_split_activation():
+    """The CPU lowering's fence (a stored copy of a convolution's input) reads the first element
+    without flattening, so a height-split input is not all-gathered to read it."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from jaxcnn.functional import _cpu_lowering as CL
+    mesh = make_mesh(2, 1, spatial=4)
+    x = jax.device_put(np.random.default_rng(0).normal(size=(4, 8, 8, 16)).astype(np.float32),
+                       NamedSharding(mesh, P("data", "spatial")))
+    fenced = jax.jit(CL._fence)
+    assert np.asarray(fenced(x)).tobytes() == np.asarray(x).tobytes()
+    assert "all-gather" not in fenced.lower(x).compile().as_text()
+
+
+def test_split_units_run_xla_kernels_the_rest_keeps_the_callers_choices():
+    from jaxcnn.layers import Choices
+    seen = []
+
+    def spy(kind):
+        def apply(params, state, x, *, choices=None, **kw):
+            seen.append((kind, choices.impl, choices.conv_bn))
+            return x, state
+        return L.Layer(lambda k, s: ({}, {}, s), apply, "identity")
+
+    model = L.serial(("a", spy("a")), ("b", spy("b")), ("pool", L.GlobalAvgPool2D()), ("c", spy("c")))
+    mesh = make_mesh(2, 1, spatial=4)
+    from jaxcnn.parallel.spatial import SpatialLayout, constrain
+    layout = SpatialLayout(4, ("a", "b", "pool", "c"), ("a", "b"), {}, "pool")
+    x = np.zeros((2, 8, 8, 3), np.float32)
+    jax.jit(lambda x: constrain(model, layout, mesh).apply(
+        {}, {}, x, choices=Choices(impl="pallas", conv_bn="mosaic"))[0]).lower(x)
+    assert seen == [("a", "xla", "off"), ("b", "xla", "off"), ("c", "pallas", "mosaic")]
