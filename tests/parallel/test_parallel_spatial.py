@@ -252,13 +252,21 @@ def test_train_cli_refuses_an_impossible_split_before_compute(tmp_path, capsys):
 def test_bench_scaling_reports_memory_and_halo_exchanges(capsys):
     import importlib.util
     import json
+    import os
     import pathlib
     path = pathlib.Path(__file__).resolve().parents[2] / "scripts" / "bench_scaling.py"
     spec = importlib.util.spec_from_file_location("bench_scaling", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    assert bench.main(["--model", "mnist_cnn", "--layout", "spatial", "--devices", "1,2",
-                       "--per-device-batch", "4", "--compile-only", "--json"]) == 0
+    # The script sets XLA_FLAGS (its device count) as a command-line tool does; the
+    # subprocesses of later tests in this worker must not inherit that.
+    environ = dict(os.environ)
+    try:
+        assert bench.main(["--model", "mnist_cnn", "--layout", "spatial", "--devices", "1,2",
+                           "--per-device-batch", "4", "--compile-only", "--json"]) == 0
+    finally:
+        os.environ.clear()
+        os.environ.update(environ)
     out = capsys.readouterr().out
     rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     assert [(r["data"], r["spatial"], r["global_batch"]) for r in rows] == [(1, 1, 4), (1, 2, 4)]
