@@ -9,6 +9,8 @@ import re
 import shutil
 import tempfile
 
+import pytest
+
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # jaxcnn's glibc malloc settings keep each process's peak heap; the suite's workers run
@@ -36,6 +38,7 @@ _CACHE_ENV = "JAXCNN_TEST_COMPILATION_CACHE"
 
 
 def pytest_configure(config):
+    config._jaxcnn_xla_flags = os.environ.get(_XLA_FLAGS)
     if _CACHE_ENV not in os.environ:  # the controller, or a run without xdist
         config._jaxcnn_compilation_cache = os.environ[_CACHE_ENV] = tempfile.mkdtemp(
             prefix="jaxcnn-test-xla-cache-")
@@ -50,6 +53,26 @@ def pytest_unconfigure(config):
     if path:
         shutil.rmtree(path, ignore_errors=True)
         os.environ.pop(_CACHE_ENV, None)
+
+
+# XLA_FLAGS reaches every subprocess a test starts (trainer runs compared bit for bit with an
+# in-process reference): a test that calls a command-line tool's main in process, which sets
+# its own flags as a tool must, has to put them back (monkeypatch.setenv does).
+_XLA_FLAGS = "XLA_FLAGS"
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    result = yield  # the test's fixtures (monkeypatch included) are torn down by now
+    before, after = item.config._jaxcnn_xla_flags, os.environ.get(_XLA_FLAGS)
+    if after != before:
+        if before is None:
+            os.environ.pop(_XLA_FLAGS, None)
+        else:
+            os.environ[_XLA_FLAGS] = before
+        raise AssertionError(f"{item.nodeid} left XLA_FLAGS changed: {before!r} -> {after!r} "
+                             "(restored; later tests' subprocesses would inherit it)")
+    return result
 
 
 # Property tests (hypothesis) run half their max_examples, at least 10, in the normal suite:
