@@ -240,6 +240,36 @@ def quiet_abandoned_orbax_coroutines(log_path: str | None = None) -> None:
                 pass
 
     sys.unraisablehook = hook
+    asyncio_log = logging.getLogger("asyncio")
+    for f in [f for f in asyncio_log.filters if isinstance(f, _LateOrbaxFutures)]:
+        asyncio_log.removeFilter(f)
+    asyncio_log.addFilter(_LateOrbaxFutures(log_path))
+
+
+class _LateOrbaxFutures(logging.Filter):
+    """asyncio's "Future exception was never retrieved" for a TensorStore read that orbax
+    abandoned after a failed restore: it is logged when the future is collected, which may be
+    long after the restore reported the damage in one line (so `_OrbaxNoise` is gone by then).
+    Such records go to `log_path` (or nowhere); every other asyncio record passes."""
+
+    def __init__(self, log_path: str | None):
+        super().__init__()
+        self.log_path = log_path
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        if record.exc_info:
+            text += "\n" + "".join(traceback.format_exception(*record.exc_info))
+        if "never retrieved" not in text or not any(
+                mark in text.lower() for mark in ("orbax", "tensorstore", "ocdbt")):
+            return True
+        if self.log_path is not None:
+            try:
+                with open(self.log_path, "a", encoding="utf-8") as f:
+                    f.write(f"{record.levelname} {record.name}: {text}\n")
+            except OSError:
+                pass
+        return False
 
 
 def _path_name(keypath) -> str:

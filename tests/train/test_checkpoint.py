@@ -505,3 +505,30 @@ def test_cli_hook_sends_abandoned_orbax_coroutines_to_the_log(tmp_path, monkeypa
     sys.unraisablehook(other)
     assert seen == [other]
     assert "_read_array_index_and_device_put" in log.read_text()
+
+
+def test_cli_hook_sends_late_orbax_future_reports_to_the_log(tmp_path, monkeypatch, caplog):
+    """asyncio reports an abandoned TensorStore read ("Future exception was never retrieved")
+    when the future is collected, after the restore has reported the damage: the CLI hook sends
+    that record to the log; other asyncio records still reach the handlers."""
+    import logging
+
+    from jaxcnn.train.checkpoint import _LateOrbaxFutures, quiet_abandoned_orbax_coroutines
+
+    monkeypatch.setattr(sys, "unraisablehook", sys.unraisablehook)
+    asyncio_log = logging.getLogger("asyncio")
+    log = tmp_path / "checkpoints.log"
+    try:
+        quiet_abandoned_orbax_coroutines(str(log))
+        quiet_abandoned_orbax_coroutines(str(log))  # idempotent: one filter
+        assert sum(isinstance(f, _LateOrbaxFutures) for f in asyncio_log.filters) == 1
+        with caplog.at_level(logging.ERROR, logger="asyncio"):
+            asyncio_log.error("Future exception was never retrieved\nfuture: <Future finished "
+                              "exception=ValueError('OUT_OF_RANGE: Error reading \"a/0.0\" in OCDBT "
+                              "database at local file \"/x/state/\"')>")
+            asyncio_log.error("Future exception was never retrieved\nfuture: <Future mine>")
+        assert [r.getMessage().splitlines()[-1] for r in caplog.records] == ["future: <Future mine>"]
+        assert "OCDBT database" in log.read_text()
+    finally:
+        for f in [f for f in asyncio_log.filters if isinstance(f, _LateOrbaxFutures)]:
+            asyncio_log.removeFilter(f)
