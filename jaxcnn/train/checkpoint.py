@@ -230,20 +230,24 @@ def quiet_abandoned_orbax_coroutines(log_path: str | None = None) -> None:
     def hook(info):
         if not _from_orbax(info):
             return previous(info)
-        if log_path is not None:
-            try:
-                with open(log_path, "a", encoding="utf-8") as f:
-                    f.write(f"{info.err_msg or 'Exception ignored in'}: {info.object!r}\n"
-                            + "".join(traceback.format_exception(
-                                info.exc_type, info.exc_value, info.exc_traceback)))
-            except OSError:
-                pass
+        _append(log_path, f"{info.err_msg or 'Exception ignored in'}: {info.object!r}\n" + "".join(
+            traceback.format_exception(info.exc_type, info.exc_value, info.exc_traceback)))
 
     sys.unraisablehook = hook
     asyncio_log = logging.getLogger("asyncio")
     for f in [f for f in asyncio_log.filters if isinstance(f, _LateOrbaxFutures)]:
         asyncio_log.removeFilter(f)
     asyncio_log.addFilter(_LateOrbaxFutures(log_path))
+
+
+def _append(log_path: str | None, text: str) -> None:
+    if log_path is None:
+        return
+    try:
+        with open(log_path, "a", encoding="utf-8") as f:
+            f.write(text if text.endswith("\n") else text + "\n")
+    except OSError:
+        pass
 
 
 class _LateOrbaxFutures(logging.Filter):
@@ -263,13 +267,44 @@ class _LateOrbaxFutures(logging.Filter):
         if "never retrieved" not in text or not any(
                 mark in text.lower() for mark in ("orbax", "tensorstore", "ocdbt")):
             return True
-        if self.log_path is not None:
-            try:
-                with open(self.log_path, "a", encoding="utf-8") as f:
-                    f.write(f"{record.levelname} {record.name}: {text}\n")
-            except OSError:
-                pass
+        _append(self.log_path, f"{record.levelname} {record.name}: {text}")
         return False
+
+
+def _unreadable_value(directory: Path, batch: int = 16) -> tuple[str, Exception] | None:
+    """The first value of an OCDBT checkpoint directory that cannot be read (a truncated or
+    missing data file), as ``(key, error)``, or None when every value reads.
+
+    Read here, synchronously and waiting for every read it started, before orbax reads the
+    same values: orbax gives up at the first failed read while the others are still in flight,
+    and their completions then print "Event loop is closed" tracebacks from TensorStore's
+    threads long after the damage was reported (nothing in Python can catch those). Values are
+    read `batch` at a time and dropped, so memory holds a few arrays at most; the files are
+    then in the page cache for orbax. A directory that is not an OCDBT database, or whose index
+    cannot be opened, is left to orbax (which reports it in one line: it has not started any
+    read then).
+    """
+    if not (directory / "manifest.ocdbt").is_file():
+        return None
+    import tensorstore as ts
+
+    try:
+        kv = ts.KvStore.open({"driver": "ocdbt", "base": f"file://{directory.resolve()}/"}).result()
+        keys = list(kv.list().result())
+    except Exception:  # noqa: BLE001 - orbax reports an unreadable index in its own words
+        return None
+    first = None
+    for start in range(0, len(keys), batch):
+        reads = [(key, kv.read(key)) for key in keys[start:start + batch]]
+        for key, read in reads:  # wait for every read started, failed or not
+            try:
+                read.result()
+            except Exception as e:  # noqa: BLE001 - any failed read of a committed value is damage
+                if first is None:
+                    first = (key.decode(errors="replace"), e)
+        if first is not None:
+            return first
+    return None
 
 
 def _path_name(keypath) -> str:
@@ -748,6 +783,13 @@ class CheckpointManager:
         named, treedef = _named_leaves(target)
         abstract = [_abstract(name, x) for name, x in named]
         self._check_matches(path, saved, [(name, a) for (name, _), a in zip(named, abstract)])
+        unreadable = _unreadable_value(path / _STATE)
+        if unreadable is not None:
+            key, e = unreadable
+            self._detail(f"reading value {key} of checkpoint {path / _STATE} failed:\n"
+                         + "".join(traceback.format_exception(type(e), e, e.__traceback__)))
+            raise CheckpointCorruptError(f"checkpoint {path / _STATE} could not be read ({key}: {_brief(e)})"
+                                         f"{self._where_detail()}")
         failure = None
         with _OrbaxNoise(self._detail) as noise:
             try:

@@ -191,3 +191,33 @@ def test_reference_run_checkpoints_hold_what_training_held(reference):
     saved = dict(jax.tree_util.tree_flatten_with_path(params)[0])
     for path, x in jax.tree_util.tree_flatten_with_path(state.params)[0]:
         assert saved[path].tobytes() == jax.device_get(x).tobytes(), path
+
+
+def test_a_truncated_data_file_is_found_before_orbax_reads(reference, tmp_path, monkeypatch):
+    """The synchronous read of every value finds a truncated data file and names the value, with
+    no orbax read started (orbax abandons its other reads at the first failure, and their late
+    completions print tracebacks from TensorStore's threads); a good checkpoint reads whole."""
+    from jaxcnn.train import checkpoint as C
+
+    data, ref = reference
+    work = tmp_path / "ckpt"
+    shutil.copytree(ref / "checkpoints", work)
+    assert C._unreadable_value(work / "12" / "state") is None
+    truncate_array_file(work / "12")
+    key, error = C._unreadable_value(work / "12" / "state")
+    assert key.endswith(("/0", "/0.0", "/0.0.0.0")) and "OUT_OF_RANGE" in str(error), (key, error)
+    cfg = load_config(tiny_args(data)[0], tiny_args(data)[1:])
+    target = abstract_state(build_run(cfg))
+    with CheckpointManager(work, read_only=True) as mgr:
+        reads, restore = [], mgr._mgr.restore
+
+        def orbax_restore(step, args):
+            reads.append(sorted(args.keys()))
+            return restore(step, args=args)
+
+        monkeypatch.setattr(mgr._mgr, "restore", orbax_restore)
+        with pytest.raises(C.CheckpointCorruptError, match=rf"12/state could not be read \({re.escape(key)}: "):
+            mgr.restore(12, target=target)
+        assert reads and all(C._STATE not in r for r in reads), reads  # the manifest only
+        assert mgr.restore(10, target=target)[0] == 10
+        assert any(C._STATE in r for r in reads)
