@@ -7,8 +7,17 @@ sections and gives the training loop all it needs::
     train_step = plan.wrap_step(make_train_step(plan.step_model, ..., axis_name=plan.step_axis_name,
                                                 sync_batch_norm=plan.sync_batch_norm))
     state = plan.shard_state(init_state(run))    # or manager.restore(target=plan.abstract_state)
+    index, count = plan.batch_share              # the rows of every batch this process loads
+    make_batch = lambda step: train_batch(data, step, ..., process_index=index, process_count=count)
     prefetch = Prefetcher(make_batch, device_put=plan.put_batch)
     state, metrics = train_step(state, batch)
+
+With several processes, ``plan.batch_share`` is read from the mesh: each process loads the
+rows of the data shards its devices hold, so ``(jax.process_index(), jax.process_count())``
+when each data shard's devices are in one process, and the same rows on every process that
+holds devices of a data shard when ``pipe`` (``mesh.order: [pipe]``), ``model`` or
+``spatial`` spans processes.  :func:`setup` refuses, in one line naming ``mesh.data``, a
+layout in which a process's data shards are not one contiguous block.
 """
 from __future__ import annotations
 
