@@ -120,6 +120,11 @@ def test_a_non_contiguous_layout_is_refused_in_one_line():
         "not a contiguous block; the trainer loads each process one contiguous run of every batch's rows: "
         "lay the devices out (mesh.order, mesh.pipe, mesh.data) so that each process's data shards are "
         "neighbours")
+    from jaxcnn.errors import ConfigError
+    from jaxcnn.train.setup import parallel_config_errors  # the trainer: exit 2 naming the key
+    with pytest.raises(ConfigError) as err, parallel_config_errors():
+        batch_shares(types.SimpleNamespace(devices=grid[..., None], axis_names=("data", "pipe", "model")))
+    assert err.value.path == "mesh.data"
     # blocks of different sizes (process 0: shards 0-1, process 1: shard 2, process 2: shard 3)
     devices = fake_devices(4, 2)
     grid = np.asarray([[devices[0], devices[1]], [devices[2], devices[3]], [devices[4], devices[5]],
