@@ -157,7 +157,7 @@ class ParallelPlan:
     def eval_rows(self, batch_size: int) -> int:
         """The rows of the global arrays :meth:`put_eval_batch` makes of an evaluation batch of
         ``batch_size`` (each process's share padded to whole rows of its data shards)."""
-        index, count = self.batch_share
+        count = self.batch_share[1]
         local = batch_size // count
         return (local + -local % (self.mesh.shape[DATA] // count)) * count
 
