@@ -1,9 +1,13 @@
 """Multi-process runs: ``jax.distributed.initialize`` and global batches.
 
 Every process runs the same program on its own devices; together they form one
-mesh.  Each process loads only its share of every global batch
-(``train_batch(..., process_index, process_count)``) and
-:func:`global_batch` stitches the shares into one ``jax.Array``.
+mesh.  Each process loads only the rows of every global batch that its devices hold
+(:func:`batch_share`: the rows of the data shards its devices hold, given to the input
+makers as ``train_batch(..., process_index=index, process_count=count)``) and
+:func:`global_batch` stitches the shares into one ``jax.Array``.  In the usual layout
+(each data shard's devices in one process) that is ``(jax.process_index(),
+jax.process_count())``; when another mesh axis (``pipe``, ``model``, ``spatial``) spans
+processes, the processes that hold devices of the same data shards load the same rows.
 
 Settings come from the config's ``distributed`` section, or else from the
 environment: ``JAX_COORDINATOR_ADDRESS`` (``host:port`` of process 0),
@@ -14,6 +18,8 @@ Open MPI or a TPU pod for whatever is unset); ``off`` never.
 from __future__ import annotations
 
 import atexit
+import collections
+import functools
 import os
 import re
 import socket
@@ -22,8 +28,11 @@ import threading
 import time
 
 import jax
+import numpy as np
+from jax.sharding import NamedSharding
 
 from jaxcnn.errors import DistributedError  # importable from here too, where it was defined before
+from jaxcnn.parallel.mesh import DATA
 
 # JAX is given this much longer than distributed.timeout_s for its first contact: when its
 # own deadline passes, XLA ends the process (SIGABRT and a C++ stack trace) rather than
@@ -493,20 +502,112 @@ def is_initialized() -> bool:
         return False
 
 
+def batch_shares(mesh) -> dict[int, tuple[int, int]]:
+    """Which rows of every global batch each process loads, read from the mesh's devices.
+
+    A batch is split over the mesh's ``data`` axis (its first): data shard ``i`` of ``D`` holds
+    rows ``[i * B/D, (i + 1) * B/D)``, on every device of ``mesh.devices[i]`` (the other axes
+    replicate it).  A process must load the rows of every data shard one of its devices holds,
+    and the input makers load one contiguous run of rows, share ``index`` of ``count`` equal
+    shares.  So every process must hold a contiguous, aligned block of ``k`` data shards, the
+    same ``k`` for all (then ``index = first shard / k`` and ``count = D / k``, and processes
+    whose devices hold the same data shards load the same rows).  With each data shard's devices
+    in one process this is ``(process_index, process_count)``: the usual split.
+
+    Arguments:
+        mesh: a ``jax.sharding.Mesh`` (or anything with ``devices``, an array whose first axis
+            is ``data``, of objects with a ``process_index``, and ``axis_names``).
+
+    Returns:
+        ``{process_index: (index, count)}`` for every process that holds a device of the mesh.
+
+    Raises:
+        ValueError: ``"mesh.data: ..."`` (one line) when a process's data shards are not a
+            contiguous block, or the processes hold blocks of different sizes or overlapping
+            blocks; before any compute, since the trainer reads it when it builds its plan.
+    """
+    devices = np.asarray(mesh.devices, dtype=object)
+    n_data = devices.shape[0]
+    held = collections.defaultdict(set)
+    for shard in range(n_data):
+        for device in devices[shard].reshape(-1):
+            held[int(device.process_index)].add(shard)
+    names = tuple(getattr(mesh, "axis_names", ()))
+    layout = " x ".join(f"{a} {n}" for a, n in zip(names, devices.shape)) or f"data {n_data}"
+    sizes = {p: len(s) for p, s in held.items()}
+    shares = {}
+    for process, shards in sorted(held.items()):
+        first, k = min(shards), len(shards)
+        if sorted(shards) != list(range(first, first + k)):
+            raise ValueError(
+                f"mesh.data: process {process} holds devices of data shards {sorted(shards)} of the "
+                f"{layout} mesh, not a contiguous block; the trainer loads each process one "
+                "contiguous run of every batch's rows: lay the devices out (mesh.order, mesh.pipe, "
+                "mesh.data) so that each process's data shards are neighbours")
+        if len(set(sizes.values())) > 1 or n_data % k or first % k:
+            other = next((p for p in sorted(held) if p != process
+                          and (sizes[p] != k or (held[p] & shards and held[p] != shards))), None)
+            with_ = "" if other is None else f" while process {other} holds {_shards(held[other])}"
+            raise ValueError(
+                f"mesh.data: process {process} holds devices of {_shards(shards)} of "
+                f"the {layout} mesh{with_}; the trainer needs every process to hold the same number "
+                "of data shards, in blocks that are the same or do not overlap (lay the devices out "
+                "with mesh.order, or change mesh.data / mesh.pipe)")
+        shares[process] = (first // k, n_data // k)
+    return shares
+
+
+def _shards(shards) -> str:
+    first, last = min(shards), max(shards)
+    return f"data shard {first}" if first == last else f"data shards {first}-{last}"
+
+
+@functools.lru_cache(maxsize=32)
+def _shares_of(mesh) -> dict:
+    return batch_shares(mesh)
+
+
+def batch_share(mesh, process_index: int | None = None) -> tuple[int, int]:
+    """``(index, count)``: the share of every global batch that a process loads (this one by
+    default): rows ``[index * B/count, (index + 1) * B/count)``, as the input makers take them
+    (``process_index=index, process_count=count``).  See :func:`batch_shares`.
+
+    Raises:
+        ValueError: naming ``mesh.data``, for a layout :func:`batch_shares` refuses or a process
+            that holds no device of the mesh.
+    """
+    process = jax.process_index() if process_index is None else process_index
+    shares = _shares_of(mesh)
+    if process not in shares:
+        raise ValueError(f"mesh.data: process {process} holds no device of the mesh, so it has no "
+                         "rows of the batch to load")
+    return shares[process]
+
+
+def _split_over_data(sharding) -> bool:
+    spec = getattr(sharding, "spec", ())
+    return (isinstance(sharding, NamedSharding) and len(spec) > 0 and spec[0] in (DATA, (DATA,))
+            and sharding.mesh.axis_names[0] == DATA)
+
+
 def global_batch(local_batch, sharding):
     """Stitch each process's share of a batch into global ``jax.Array``s.
 
     Arguments:
-        local_batch: a pytree of host arrays ``(B / process_count, ...)``; process
-            ``p`` holds rows ``[p * B/P, (p + 1) * B/P)`` of the global batch.
+        local_batch: a pytree of host arrays: the rows of the batch this process loads. For a
+            batch split over ``data`` (``P("data")``) that is the share :func:`batch_share`
+            names: ``(B / count, ...)``, rows ``[index * B/count, (index + 1) * B/count)`` (in
+            the usual layout ``count`` is the process count and ``index`` this process's);
+            for another sharding, rows ``[p * B/P, (p + 1) * B/P)`` of ``P`` processes.
         sharding: the batch's ``NamedSharding`` (leading axis over ``data``).
 
     Returns:
         The same pytree of ``jax.Array`` with leading size ``B``.
     """
+    count = batch_share(sharding.mesh)[1] if _split_over_data(sharding) else jax.process_count()
     return jax.tree_util.tree_map(
         lambda x: jax.make_array_from_process_local_data(
-            sharding, x, (x.shape[0] * jax.process_count(),) + tuple(x.shape[1:])),
+            sharding, x, (x.shape[0] * count,) + tuple(x.shape[1:])),
         local_batch)
 
 

@@ -11,6 +11,15 @@ Axis order, outermost first: ``data, pipe, spatial, model``.  ``pipe`` and
 ``spatial`` are present only when their size is above 1, so a plain data/model
 mesh keeps its two axes (and its checkpoints their shardings); read any axis
 size with :func:`axis_size`, which gives 1 for an absent axis.
+
+Device layout: by default the devices (process by process, each process's in
+turn) fill the axes in that same order, so the innermost axes stay inside a
+process: ``data 2 x pipe 4`` over two processes of 4 devices puts each data
+shard's 4 pipeline stages in one process.  ``mesh.order`` (``make_mesh(...,
+order=...)``) names the axes in the order the devices fill them instead:
+``order: [pipe]`` (the axes left out follow in the default order) puts stages
+0-1 of both data shards on process 0 and stages 2-3 on process 1, so the
+stages, not the data shards, are spread over the processes.
 """
 from __future__ import annotations
 
@@ -71,8 +80,24 @@ def mesh_shape(data: int, model: int, device_count: int, *, allow_subset: bool =
     return data, model
 
 
+def device_order(order: Sequence[str] | None) -> tuple[str, ...]:
+    """The four axes in the order the device list fills them, outermost first: the axes
+    ``order`` names, then the others in the default order ``data, pipe, spatial, model``.
+
+    Raises:
+        ValueError: ``"mesh.order: ..."`` for an unknown or repeated axis name.
+    """
+    order = tuple(order or ())
+    for i, name in enumerate(order):
+        if name not in ALL_AXES:
+            raise ValueError(f"mesh.order: unknown axis {name!r}; expected names from {list(ALL_AXES)}")
+        if name in order[:i]:
+            raise ValueError(f"mesh.order: axis {name!r} is named twice in {list(order)}")
+    return order + tuple(a for a in ALL_AXES if a not in order)
+
+
 def make_mesh(data: int = -1, model: int = 1, *, devices: Sequence | None = None,
-              pipe: int = 1, spatial: int = 1) -> Mesh:
+              pipe: int = 1, spatial: int = 1, order: Sequence[str] | None = None) -> Mesh:
     """A ``(data, [pipe], [spatial], model)`` mesh over ``devices`` (all devices of all
     processes by default).
 
@@ -87,11 +112,17 @@ def make_mesh(data: int = -1, model: int = 1, *, devices: Sequence | None = None
             (in a single process, explicit sizes may take only the first ones).
         pipe: pipeline stages (the ``pipe`` axis, present when above 1).
         spatial: spatial shards of each image (the ``spatial`` axis, present when above 1).
+        order: the axes in the order the devices fill them, outermost first (see
+            :func:`device_order`); None: the mesh's own order ``data, pipe, spatial, model``.
+            ``order=["pipe"]`` with ``data=2, pipe=4`` over two processes of 4 devices puts
+            pipeline stages 0-1 on process 0 and 2-3 on process 1 (each process then holds
+            devices of both data shards and loads the whole batch).
 
     Returns:
         A ``jax.sharding.Mesh`` with axis names ``("data", "model")``, with
         ``"pipe"`` and ``"spatial"`` between them when asked for.
     """
+    fill = device_order(order)
     given = devices is not None
     subset = not given and jax.process_count() == 1
     devices = list(jax.devices() if devices is None else devices)
@@ -101,16 +132,28 @@ def make_mesh(data: int = -1, model: int = 1, *, devices: Sequence | None = None
     shape = tuple(sizes[a] for a in names)
     auto = (jax.sharding.AxisType.Auto,) * len(names)
     count = int(np.prod(shape))
-    if count == len(jax.devices()) and not given:  # devices given: their order is the mesh's
+    filled = tuple(a for a in fill if a in names)
+    if filled == names and count == len(jax.devices()) and not given:  # given: their order is the mesh's
         return jax.make_mesh(shape, names, axis_types=auto)
-    devices = devices[:count]
-    return Mesh(np.asarray(devices, dtype=object).reshape(shape), names, axis_types=auto)
+    return Mesh(device_grid(devices[:count], sizes, order)[0], names, axis_types=auto)
+
+
+def device_grid(devices: Sequence, sizes: dict, order: Sequence[str] | None = None):
+    """The devices laid out on the mesh's axes: ``(grid, names)``, ``names`` the axes present
+    (``data`` and ``model`` always, ``pipe``/``spatial`` above size 1) in mesh order and
+    ``grid`` the object array of ``devices`` with those axes, filled in ``order`` (see
+    :func:`device_order`; the list's first device at index 0 of every axis)."""
+    names = tuple(a for a in ALL_AXES if a in AXES or sizes.get(a, 1) > 1)
+    filled = tuple(a for a in device_order(order) if a in names)
+    grid = np.asarray(list(devices), dtype=object).reshape(tuple(sizes.get(a, 1) for a in filled))
+    return grid.transpose(tuple(filled.index(a) for a in names)), names
 
 
 def mesh_from_config(cfg, *, devices: Sequence | None = None) -> Mesh:
-    """:func:`make_mesh` from a config's ``mesh`` section (``data``, ``model``, ``pipe``, ``spatial``)."""
+    """:func:`make_mesh` from a config's ``mesh`` section (``data``, ``model``, ``pipe``, ``spatial``,
+    ``order``)."""
     return make_mesh(cfg.mesh.data, cfg.mesh.model, devices=devices, pipe=cfg.mesh.pipe,
-                     spatial=cfg.mesh.spatial)
+                     spatial=cfg.mesh.spatial, order=getattr(cfg.mesh, "order", None))
 
 
 def check_batch(mesh: Mesh, batch_size: int, *, path: str = "data.batch_size") -> None:

@@ -7,8 +7,17 @@ sections and gives the training loop all it needs::
     train_step = plan.wrap_step(make_train_step(plan.step_model, ..., axis_name=plan.step_axis_name,
                                                 sync_batch_norm=plan.sync_batch_norm))
     state = plan.shard_state(init_state(run))    # or manager.restore(target=plan.abstract_state)
+    index, count = plan.batch_share              # the rows of every batch this process loads
+    make_batch = lambda step: train_batch(data, step, ..., process_index=index, process_count=count)
     prefetch = Prefetcher(make_batch, device_put=plan.put_batch)
     state, metrics = train_step(state, batch)
+
+With several processes, ``plan.batch_share`` is read from the mesh: each process loads the
+rows of the data shards its devices hold, so ``(jax.process_index(), jax.process_count())``
+when each data shard's devices are in one process, and the same rows on every process that
+holds devices of a data shard when ``pipe`` (``mesh.order: [pipe]``), ``model`` or
+``spatial`` spans processes.  :func:`setup` refuses, in one line naming ``mesh.data``, a
+layout in which a process's data shards are not one contiguous block.
 """
 from __future__ import annotations
 
@@ -19,7 +28,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxcnn.parallel import rules as R
 from jaxcnn.parallel import spatial as SP
 from jaxcnn.parallel import strategies as S
-from jaxcnn.parallel.distributed import global_batch
+from jaxcnn.parallel.distributed import batch_share, global_batch
 from jaxcnn.parallel.mesh import DATA, MODEL, PIPE, SPATIAL, axis_size, check_batch, make_mesh
 from jaxcnn.parallel.pipeline import Pipeline
 
@@ -121,24 +130,49 @@ class ParallelPlan:
     def batch_sharding(self) -> NamedSharding:
         return S.batch_sharding(self.mesh)
 
+    @property
+    def batch_share(self) -> tuple[int, int]:
+        """``(index, count)``: the rows of every global batch this process loads, share
+        ``index`` of ``count`` (rows ``[index * B/count, (index + 1) * B/count)``): the rows of
+        the data shards its devices hold.  Give them to the input makers as
+        ``process_index=index, process_count=count``.  ``(jax.process_index(),
+        jax.process_count())`` when each data shard's devices are in one process; ``(0, 1)``
+        (the whole batch) when, say, ``data 2 x pipe 4`` over two processes puts stages 0-1
+        of both data shards on one process (see :func:`jaxcnn.parallel.distributed.batch_shares`).
+
+        Raises:
+            ValueError: naming ``mesh.data``, for a layout whose processes do not each hold a
+                contiguous block of data shards.
+        """
+        return batch_share(self.mesh)
+
     def put_batch(self, local_batch):
-        """This process's share of a training batch -> what the wrapped step takes
-        (global arrays split over ``data``; for ``pmap`` host arrays with a leading
-        device axis).  Use it as the ``Prefetcher``'s ``device_put``."""
+        """This process's share of a training batch (the rows :attr:`batch_share` names) ->
+        what the wrapped step takes (global arrays split over ``data``; for ``pmap`` host
+        arrays with a leading device axis).  Use it as the ``Prefetcher``'s ``device_put``."""
         if self.strategy == "pmap":
             return S.pmap_batch(local_batch, self.mesh.devices.size)
         return global_batch(local_batch, self.batch_sharding())
 
-    def put_eval_batch(self, local_batch):
-        """This process's share of an evaluation batch -> global arrays split over ``data``.
+    def eval_rows(self, batch_size: int) -> int:
+        """The rows of the global arrays :meth:`put_eval_batch` makes of an evaluation batch of
+        ``batch_size`` (each process's share padded to whole rows of its data shards)."""
+        count = self.batch_share[1]
+        local = batch_size // count
+        return (local + -local % (self.mesh.shape[DATA] // count)) * count
 
-        A batch that does not split evenly is padded with zero rows whose
-        ``"mask"`` is False (a mask of all True is added when missing), so sums
-        over masked rows, as ``make_eval_step`` takes them, are unchanged.
+    def put_eval_batch(self, local_batch):
+        """This process's share of an evaluation batch (the rows :attr:`batch_share` names) ->
+        global arrays split over ``data``.
+
+        A share that does not split evenly over the process's data shards is padded with zero
+        rows whose ``"mask"`` is False (a mask of all True is added when missing), so sums
+        over masked rows, as ``make_eval_step`` takes them, are unchanged; processes that load
+        the same share pad it alike, so no example is counted twice.
         """
-        per_process = max(1, self.mesh.shape[DATA] // jax.process_count())
+        shards = self.mesh.shape[DATA] // self.batch_share[1]  # data shards of this process
         rows = len(local_batch["label"])
-        pad = -rows % per_process
+        pad = -rows % shards
         if pad or "mask" not in local_batch:
             local_batch = dict(local_batch)
             local_batch.setdefault("mask", np.ones(rows, bool))
@@ -202,30 +236,20 @@ def setup(cfg, model, input_shape, abstract_state, *, devices=None) -> ParallelP
 
     Raises:
         ValueError: mesh sizes that do not fit the devices, a batch that does
-            not divide over the data axis, or a strategy that cannot run the config.
+            not divide over the data axis, a strategy that cannot run the config, or
+            (several processes) a device layout whose processes do not each hold a
+            contiguous block of data shards (:attr:`ParallelPlan.batch_share`).  A layout
+            whose ``pipe`` (or ``model``, ``spatial``) axis spans processes is fine: the
+            processes holding devices of the same data shards load the same rows.
     """
     mesh = make_mesh(cfg.mesh.data, cfg.mesh.model, devices=devices, pipe=cfg.mesh.pipe,
-                     spatial=cfg.mesh.spatial)
-    _check_process_rows(mesh)
+                     spatial=cfg.mesh.spatial, order=getattr(cfg.mesh, "order", None))
+    batch_share(mesh)  # the rows each process loads: a layout the trainer cannot feed fails here
     return ParallelPlan(mesh, model, input_shape, abstract_state, strategy=cfg.parallel.strategy,
                         rules=dict(cfg.parallel.rules), fsdp=cfg.parallel.fsdp,
                         sync_batch_norm=cfg.parallel.sync_batch_norm,
                         spatial_until=cfg.parallel.spatial.until,
                         pipeline=_pipeline_config(cfg))
-
-
-def _check_process_rows(mesh) -> None:
-    """The trainer feeds each process its own rows of the batch (``put_batch``), so every data
-    shard must live in one process: with ``pipe`` above 1 that needs ``mesh.data`` to be a
-    multiple of the process count (the pipe axis then stays inside a process)."""
-    if axis_size(mesh, PIPE) == 1 or jax.process_count() == 1:
-        return
-    rows = mesh.devices.reshape(mesh.shape[DATA], -1)
-    if any(len({d.process_index for d in row}) > 1 for row in rows):
-        raise ValueError(f"mesh.data: {mesh.shape[DATA]} data shards over {jax.process_count()} processes "
-                         f"with mesh.pipe={axis_size(mesh, PIPE)} puts a data shard's pipeline stages in "
-                         "several processes, which the trainer cannot feed; use a multiple of the process "
-                         "count (ParallelPlan from Python runs it, fed whole batches)")
 
 
 def _pipeline_config(cfg) -> dict:

@@ -286,6 +286,10 @@ SCHEMA: dict[str, dict] = {
         "model": _f("int", 1, "devices on the model axis", **_POS_INT),
         "pipe": _f("int", 1, "pipeline stages: devices on the pipe axis", **_POS_INT),
         "spatial": _f("int", 1, "spatial shards of each image: devices on the spatial axis", **_POS_INT),
+        "order": _f("list", None, "device layout: the axes in the order the devices (process by process) "
+                    "fill them, outermost first, the rest following as data, pipe, spatial, model; "
+                    "null = that order; [pipe] spreads pipeline stages over the processes",
+                    nullable=True, item=_f("str", None, "mesh axis", choices=("data", "pipe", "spatial", "model"))),
     },
     "parallel": {
         "strategy": _f("str", "shard_map", "how the step is distributed", choices=("shard_map", "pmap", "jit")),

@@ -39,15 +39,17 @@ from jaxcnn.train.metrics import (MetricsWriter, Progress, describe_devices, des
                                   read_metrics)
 from jaxcnn.train.rundir import RunDir
 from jaxcnn.train.setup import (Prepared, Run, batch_fn, eval_batch_size, init_state, initial_params,
-                                eval_set_size, matmul_precision, parallel_config_errors, prepare)
+                                eval_set_size, matmul_precision, parallel_config_errors, prepare,
+                                process_share)
 
 __all__ = ["train", "evaluate", "start", "Training", "TrainingStopped"]
 
 
-def _eval_inputs(run: Run, bad: list):
-    """The test set's batches, each example once; an image source's bad images (skipped, their
+def _eval_inputs(run: Run, bad: list, share=None):
+    """The test set's batches, each example once (this process's rows of each: ``share``, see
+    :func:`jaxcnn.train.setup.process_share`); an image source's bad images (skipped, their
     rows masked out) are appended to ``bad``."""
-    cfg, share = run.cfg, {"process_index": jax.process_index(), "process_count": jax.process_count()}
+    cfg, share = run.cfg, process_share(share)
     if run.images is not None:
         for batch, files in eval_image_batches(run.images, cfg, eval_batch_size(run), workers=cfg.data.workers,
                                                **share):
@@ -59,13 +61,14 @@ def _eval_inputs(run: Run, bad: list):
                             **share)
 
 
-def evaluate(run: Run, eval_step, params, model_state) -> dict:
+def evaluate(run: Run, eval_step, params, model_state, *, share=None) -> dict:
     """Loss, top-1 and top-5 over the whole test set (nothing dropped; for an image source,
-    ``bad_images`` counts the validation images skipped)."""
+    ``bad_images`` counts the validation images skipped). ``eval_step`` gets this process's rows
+    of each batch: ``share`` (``plan.batch_share``), by default this process's of all."""
     if eval_set_size(run) is None:
         return {}
     totals, bad = None, []
-    for batch in _eval_inputs(run, bad):
+    for batch in _eval_inputs(run, bad, share):
         sums = eval_step(params, model_state, batch)
         totals = sums if totals is None else jax.tree_util.tree_map(jnp.add, totals, sums)
     if totals is None:
@@ -261,7 +264,7 @@ class Training:
         """Placed batches for steps ``start ...``: prefetched on a thread, or made in turn."""
         if self.run.images is not None:
             return self._image_batches(start)
-        make_batch, put = batch_fn(self.run), self.plan.put_batch
+        make_batch, put = batch_fn(self.run, self.plan.batch_share), self.plan.put_batch
         if self.cfg.data.prefetch:
             prefetch = Prefetcher(make_batch, size=max(1, self.cfg.data.prefetch), start=start,
                                   stop=self.run.total_steps, device_put=put)
@@ -275,7 +278,7 @@ class Training:
         cfg, put = self.cfg, self.plan.put_batch
         source = TrainInput(self.run.images, seed=self.run.data_seed, batch_size=cfg.data.batch_size,
                             start=start, stop=self.run.total_steps, workers=cfg.data.workers,
-                            process_index=jax.process_index(), process_count=jax.process_count())
+                            **process_share(self.plan.batch_share))
         if cfg.data.prefetch:
             prefetch = Prefetcher(source, size=max(1, cfg.data.prefetch),
                                   device_put=lambda item: (put(item[0]), item[1]))
@@ -383,7 +386,7 @@ class Training:
         ``train.ema_decay``)."""
         step, plan = self.prepared.eval_step, self.plan
         return evaluate(self.run, lambda p, s, batch: step(p, s, plan.put_eval_batch(batch)),
-                        eval_params(state, self.run.policy), state.state)
+                        eval_params(state, self.run.policy), state.state, share=plan.batch_share)
 
     def check_finite(self, done: int) -> None:
         """Stops (``nan_policy: stop``) at the first non-finite loss among the steps since the

@@ -220,7 +220,8 @@ def describe_precision(cfg, run) -> str:
 
 def describe_devices(plan) -> str:
     """The ``devices ...`` start-up line: data parallelism always; the model axis, fsdp and the
-    process count only where used."""
+    process count only where used, and with several processes, when a data shard's devices span
+    processes (``mesh.order: [pipe]``), how many and which share of every batch each loads."""
     n_data, n_model = plan.mesh.shape["data"], plan.mesh.shape["model"]
     text = (f"devices {jax.device_count()} ({jax.default_backend()}): data parallel over {n_data} "
             f"({plan.strategy})")
@@ -232,6 +233,12 @@ def describe_devices(plan) -> str:
                  f"{pipe.bubble_fraction:.0%}; blocks per stage {pipe.split})")
     if plan.fsdp:
         text += ", parameters and optimiser state sharded over the data axis (fsdp)"
-    if jax.process_count() > 1:
-        text += f", {jax.process_count()} processes"
+    procs = jax.process_count()
+    if procs > 1:
+        text += f", {procs} processes"
+        count = plan.batch_share[1]
+        if count != procs:  # another axis spans processes: several load the same rows
+            spans = max(len({d.process_index for d in shard.reshape(-1)}) for shard in plan.mesh.devices)
+            loads = "the whole batch" if count == 1 else f"1/{count} of every batch"
+            text += f" (a data shard's devices span {spans} processes; each process loads {loads})"
     return text

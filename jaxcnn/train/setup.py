@@ -310,12 +310,22 @@ def build_run(cfg) -> Run:
                data_seed, data.images)
 
 
-def batch_fn(run: Run):
-    """``step -> batch`` (host numpy arrays) for the run's training data. For an image source the
+def process_share(share=None) -> dict:
+    """The input makers' ``process_index``/``process_count`` for the rows of every batch this
+    process loads: ``share`` is ``(index, count)`` (``plan.batch_share``: the rows of the data
+    shards this process's devices hold); None: ``(jax.process_index(), jax.process_count())``,
+    which is the plan's share when each data shard's devices are in one process."""
+    index, count = (jax.process_index(), jax.process_count()) if share is None else share
+    return {"process_index": index, "process_count": count}
+
+
+def batch_fn(run: Run, share=None):
+    """``step -> batch`` (host numpy arrays) for the run's training data: the rows ``share``
+    (``plan.batch_share``; see :func:`process_share`) names. For an image source the
     loop runs these makers in grain workers (:class:`jaxcnn.train.image_input.TrainInput`); this
     one makes them in turn, without the bookkeeping keys."""
     cfg = run.cfg
-    share = {"process_index": jax.process_index(), "process_count": jax.process_count()}
+    share = process_share(share)
     if run.images is not None:  # uint8: the train step normalises them on the device
         from jaxcnn.data.loader import split_info
         maker = run.images.train_batches(seed=run.data_seed, batch_size=cfg.data.batch_size, **share)
@@ -549,10 +559,7 @@ def abstract_batch(run: Run, plan):
 
 def abstract_eval_batch(run: Run, plan, batch_size: int):
     """An evaluation batch as ``plan.put_eval_batch`` gives it to the eval step, as shapes."""
-    procs = jax.process_count()
-    per_process = max(1, plan.mesh.shape["data"] // procs)
-    local = batch_size // procs
-    rows = (local + -local % per_process) * procs
+    rows = plan.eval_rows(batch_size)
     sharding = plan.batch_sharding()
     return {"image": jax.ShapeDtypeStruct((rows,) + tuple(run.input_shape[1:]), np.float32,
                                           sharding=sharding),

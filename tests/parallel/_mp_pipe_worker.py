@@ -6,8 +6,8 @@ Each process has 4 CPU devices; together they form a ``data 2 x pipe 4`` mesh wh
 pipe axis crosses the processes (stages 0-1 on process 0, stages 2-3 on process 1, for
 both data shards), so activations and their gradients travel between the processes
 (``ppermute`` over gloo).  Every process holds rows of both data shards, so each feeds
-the whole global batch of ``_helpers.batches``.  Process 0 writes ``losses.json`` and
-``params.npz``.
+the whole global batch of ``_helpers.batches`` (``plan.batch_share`` says so, and
+``plan.put_batch`` takes it).  Process 0 writes ``losses.json`` and ``params.npz``.
 """
 import json
 import os
@@ -51,10 +51,9 @@ def main(port, pid, steps, out_dir, timeout_s=60.0):
                                           pipeline=plan.pipeline))
     state = jax.jit(lambda: init(model, MOMENTUM, SHAPE), out_shardings=plan.state_shardings)()
     losses = []
+    assert plan.batch_share == (0, 1)  # both processes load the whole batch
     for b in batches(SHAPE, steps, seed=4):
-        placed = {k: jax.make_array_from_process_local_data(plan.batch_sharding(), v, v.shape)
-                  for k, v in b.items()}
-        state, m = step(state, placed)
+        state, m = step(state, plan.put_batch(b))
         losses.append(float(m["loss"]))
     params = parallel.to_host(state.params)
     if pid == 0:

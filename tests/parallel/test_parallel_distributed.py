@@ -253,3 +253,77 @@ def test_cxx_terminate_waits_for_the_liveness_watch(lost):
         assert p.stderr == "jaxcnn: error: process 0 of 2 lost process 1: x\n", p.stderr
     else:
         assert p.returncode == -6 and "terminate called without an active exception" in p.stderr, p.stderr
+
+
+# jaxcnn-train with the pipe axis across the two processes: data 2 x pipe 4 laid out with
+# mesh.order=[pipe], so stages 0-1 of both data shards run on process 0 and stages 2-3 on
+# process 1; each process then loads the whole batch (its devices hold both data shards).
+PIPE_ACROSS = ["model.name=lenet5", "data.source=synthetic", "data.image_size=[28,28,1]",
+               "data.num_train=64", "data.num_eval=40", "data.batch_size=16", "data.eval_batch_size=16",
+               "mesh.data=2", "mesh.pipe=4", "mesh.order=[pipe]", "parallel.pipeline.microbatches=2",
+               "train.steps=4", "train.eval_every=2", "checkpoint.every=2", "checkpoint.keep=3",
+               "logging.log_every=1", "logging.progress=lines", "precision.matmul_precision=highest",
+               "distributed.timeout_s=60", "data.prefetch=1"]
+
+
+def _pipe_across_two(workdir, *extra):
+    port = _free_port()
+    procs = []
+    for pid in (0, 1):
+        env = _env()
+        env.update({"XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+                    "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "JAX_NUM_PROCESSES": "2",
+                    "JAX_PROCESS_ID": str(pid)})
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "jaxcnn.train.cli", os.path.join(ROOT, "configs", "lenet5_mnist.yaml"),
+             *PIPE_ACROSS, *extra, "--workdir", str(workdir)],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    results = _finish(procs, 300)
+    for rc, out, err in results:
+        assert rc == 0, err[-3000:]
+    return results[0][1]
+
+
+def test_trainer_with_the_pipe_axis_across_two_processes_matches_one_and_resumes(tmp_path):
+    """Two jaxcnn-train processes (4 CPU devices each), data 2 x pipe 4 with every data shard's
+    stages spread over both processes: the same train losses, evaluations (40 test images in
+    batches of 16, the last padded: each counted once) and final parameters as one 8-device
+    process with the same config (float32 rounding), and the step-2 checkpoint resumed by two
+    processes ends there too."""
+    import contextlib
+    import io
+    import shutil
+
+    from jaxcnn.train.cli import train_main
+    from jaxcnn.train.metrics import read_metrics
+    out = _pipe_across_two(tmp_path / "two")
+    # the layout the trainer built: each data shard's devices in both processes, whole batches
+    assert "pipeline over 4 stages" in out and ("2 processes (a data shard's devices span 2 processes; "
+                                                "each process loads the whole batch)") in out, out
+    with contextlib.redirect_stdout(io.StringIO()) as one_out:
+        assert train_main([os.path.join(ROOT, "configs", "lenet5_mnist.yaml"), *PIPE_ACROSS,
+                           "--workdir", str(tmp_path / "one")]) == 0
+    assert "processes" not in one_out.getvalue()
+    a, b = read_metrics(str(tmp_path / "two")), read_metrics(str(tmp_path / "one"))
+    assert [(r["kind"], r["step"]) for r in a] == [(r["kind"], r["step"]) for r in b] == \
+        [("train", 1), ("train", 2), ("eval", 2), ("train", 3), ("train", 4), ("eval", 4)]
+    for ra, rb in zip(a, b):
+        for key in ("loss", "top1"):
+            assert abs(ra[key] - rb[key]) < 2e-5, (ra, rb)
+        if ra["kind"] == "eval":
+            assert ra["count"] == rb["count"] == 40
+    pa, _ = load_npz(tmp_path / "two" / "params.npz")
+    pb, _ = load_npz(tmp_path / "one" / "params.npz")
+    assert max_diff(pa, pb) < 2e-5
+    resumed = tmp_path / "resumed"
+    shutil.copytree(tmp_path / "two", resumed)
+    shutil.rmtree(resumed / "checkpoints" / "4")
+    (resumed / "params.npz").unlink()
+    out = _pipe_across_two(resumed, "checkpoint.resume=must")
+    assert "resumed from step 2" in out, out
+    pr, _ = load_npz(resumed / "params.npz")
+    assert max_diff(pr, pb) < 2e-5
+    c = read_metrics(str(resumed))
+    assert [(r["kind"], r["step"]) for r in c] == [(r["kind"], r["step"]) for r in b]
+    for rc_, rb in zip(c, b):
+        assert abs(rc_["loss"] - rb["loss"]) < 2e-5, (rc_, rb)
