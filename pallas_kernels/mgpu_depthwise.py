@@ -75,6 +75,17 @@ def _out_hw(x_shape, kernel_hw, stride, pads, dilation):
     return mc._out_hw(x_shape[1:3], kernel_hw, stride, pads, dilation)
 
 
+def tuning_calls(x_shape, w_shape, dtype, *, stride, pads, dilation) -> dict:
+    """``{"fwd", "dgrad", "wgrad"}``: the :class:`~pallas_kernels.mgpu_window.WindowCall` whose
+    tiles each kernel of a depthwise call looks up and the tuner times."""
+    kernel_hw = tuple(w_shape[:2])
+    out_hw = _out_hw(x_shape, kernel_hw, stride, pads, dilation)
+    return {part: mw.WindowCall(f"mgpu_depthwise_{part}", tuple(x_shape), kernel_hw,
+                                tuple(stride), tuple(map(tuple, pads)), tuple(dilation),
+                                tuple(out_hw), jnp.dtype(dtype).name)
+            for part in ("fwd", "dgrad", "wgrad")}
+
+
 def _weights(rows, c, cfg):
     """``rows`` (``(R, C)``) as the float32, ``block_c``-padded table the window kernel loads."""
     return mw.pad_channels(rows.astype(F32), mw.block_c(c, cfg))
@@ -254,7 +265,8 @@ def conv2d(x, w, b=None, *, stride=(1, 1), padding=((0, 0), (0, 0)), dilation=(1
             float16, ``C`` a multiple of 8.
         stride, padding (``((top, bottom), (left, right))``), dilation: int pairs.
         config: one :class:`~pallas_kernels.mgpu_window.WindowConfig` for all three kernels,
-            or ``{"fwd"|"dgrad"|"wgrad": WindowConfig}``.
+            or ``{"fwd"|"dgrad"|"wgrad": WindowConfig}``; a kernel not given takes its tuned
+            tiles (:func:`~pallas_kernels.mgpu_window.tuned_config`), else the defaults.
 
     Raises:
         KernelUnsupported: where the kernels cannot run the call (:func:`check_supported`).
@@ -268,14 +280,8 @@ def conv2d(x, w, b=None, *, stride=(1, 1), padding=((0, 0), (0, 0)), dilation=(1
     if x.dtype != w.dtype:
         raise ValueError(f"Mosaic GPU depthwise conv2d: x and w dtypes differ ({x.dtype}, "
                          f"{w.dtype})")
-    mw.check_config("Mosaic GPU depthwise conv2d", config)
-    if isinstance(config, mw.WindowConfig) or config is None:
-        cfgs = (config or mw.DEFAULT,) * 3
-    else:
-        unknown = set(config) - {"fwd", "dgrad", "wgrad"}
-        if unknown:
-            raise ValueError(f"Mosaic GPU depthwise conv2d: unknown config keys {sorted(unknown)}")
-        cfgs = tuple(config.get(p) or mw.DEFAULT for p in ("fwd", "dgrad", "wgrad"))
+    cfgs = mw.part_configs("Mosaic GPU depthwise conv2d", config, tuning_calls(
+        x.shape, w.shape, x.dtype, stride=stride, pads=pads, dilation=dilation))
     static = (stride, pads, dilation, bool(relu), backward, cfgs, bool(interpret),
               bool(detect_races))
     return _conv(static, x, w, b)

@@ -79,7 +79,7 @@ def test_max_pool_3x3_2_with_tails_is_race_free_and_records_the_first_maximum(ra
     _check("max_pool2d", x, kw, races=races)
     kernel, stride, dilation, _, run_pads, out_hw = geo.pool_geometry(
         "t", x.shape, 3, 2, 1, 1, True)
-    static = (kernel, stride, dilation, run_pads, out_hw, "mosaic", cfg, True, True)
+    static = (kernel, stride, dilation, run_pads, out_hw, "mosaic", (cfg, cfg), True, True)
     _, idx = mp._max_forward(static, x, with_index=True)
     assert idx.dtype == jnp.int16
     # numpy: the taps of every window (row-major), -inf outside the input; first argmax.
