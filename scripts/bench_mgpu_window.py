@@ -32,9 +32,8 @@ mnist``).
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import platform
+import os
 import sys
 
 import jaxcnn.cpu
@@ -42,14 +41,19 @@ jaxcnn.cpu.configure()  # first: the XLA:CPU flag and malloc settings, before JA
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 
 import pallas_kernels as pk  # noqa: E402
 from jaxcnn import functional as F  # noqa: E402
 from jaxcnn.functional import tuning  # noqa: E402
 from pallas_kernels import autotune  # noqa: E402
-from pallas_kernels import mgpu_conv as mc  # noqa: E402
+from pallas_kernels import mgpu_conv as mc  # noqa: E402,F401 (the tests read mc)
 from pallas_kernels import mgpu_window as mw  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+try:
+    import _bench_common as bc  # noqa: E402
+finally:
+    sys.path.pop(0)
 
 
 def _dw(c, stride=1, k=3):
@@ -94,12 +98,6 @@ def _fns(op, kw):
             lambda *a: getattr(F, op)(*a, **kw, impl="xla"))
 
 
-def _time(fn, args, repeats, grad):
-    f = jax.jit(fn) if not grad else jax.jit(jax.grad(
-        lambda *a: jnp.sum(fn(*a).astype(jnp.float32) ** 2), argnums=tuple(range(len(args)))))
-    return autotune.time_call(f, *args, repeats=repeats)
-
-
 def tune(op, args, kw, retune: bool = False) -> bool:
     """Tunes one shape's Mosaic kernels (their tiles, then the race against XLA that
     ``impl="auto"`` reads) unless the user's cache holds that race already and not
@@ -139,40 +137,20 @@ def _bytes(x_shape, y_shape, w_shape, itemsize):
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--force", action="store_true", help="run even on a CPU backend")
-    parser.add_argument("--groups", default=",".join(GROUPS),
-                        help=f"comma-separated subset of {GROUPS}")
-    parser.add_argument("--batch", type=int, help="batch size N of every shape")
-    parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--no-grad", action="store_true", help="time the forward pass only")
+    bc.add_options(parser, GROUPS)
     parser.add_argument("--tune", action="store_true",
                         help="first tune each shape's Mosaic tiles and store them with a "
                              "backend='mosaic' verdict in the user's cache")
     parser.add_argument("--retune", action="store_true",
                         help="with --tune, tune shapes already in the user's cache again")
-    parser.add_argument("--json", help="also write the rows here")
     opts = parser.parse_args(argv)
-    groups = [g for g in opts.groups.split(",") if g]
-    unknown = sorted(set(groups) - set(GROUPS))
-    if unknown:
-        parser.error(f"unknown group(s) {unknown}; choose from {GROUPS}")
-    reason = mc.unavailable_reason()
-    if reason is not None:
-        print(f"bench_mgpu_window: {reason}", file=sys.stderr)
-        return 2
-    backend = jax.default_backend()
-    if backend != "gpu" and not opts.force:
-        print(f"backend is {backend!r}: the kernels would run in interpret mode, which is not "
-              "a benchmark. Pass --force to time it anyway.")
-        return 0
+    groups = bc.chosen_groups(parser, opts, GROUPS)
+    status = bc.mosaic_preflight("bench_mgpu_window", opts.force)
+    if status is not None:
+        return status
     kind = autotune.device_kind()
-    if backend == "gpu" and not mc.is_hopper(kind):
-        print(f"bench_mgpu_window: {kind} is not a Hopper GPU; the Mosaic kernels need sm_90",
-              file=sys.stderr)
-        return 2
     dtype = jnp.dtype(jnp.bfloat16)
-    print(f"device: {kind}  jax {jax.__version__}  python {platform.python_version()}  "
-          f"dtype: {dtype.name}")
+    print(bc.versions(kind, dtype))
     print(f"{'shape':<22} {'N':>4} {'mosaic ms':>9} {'triton ms':>9} {'xla ms':>8} "
           f"{'GB/s':>7} {'xla/mos':>7} {'grad m ms':>9} {'grad t ms':>9} {'grad x ms':>9} "
           f"{'xla/mos':>7} {'max err':>8}  tiles")
@@ -187,17 +165,15 @@ def main(argv=None) -> int:
                 tune(op, args, kw, opts.retune)
             chosen = tiles(op, args, kw)
             mosaic, triton, xla = _fns(op, kw)
-            t = [_time(f, args, opts.repeats, False) for f in (mosaic, triton, xla)]
+            t = [bc.time_fn(f, args, opts.repeats, False) for f in (mosaic, triton, xla)]
             g = [float("nan")] * 3
             if not opts.no_grad:
-                g = [_time(f, args, opts.repeats, True) for f in (mosaic, triton, xla)]
-            ref = np.asarray(jax.jit(xla)(*args), np.float32)
-            err = float(np.abs(np.asarray(jax.jit(mosaic)(*args), np.float32) - ref).max()
-                        / max(np.abs(ref).max(), 1e-30))
+                g = [bc.time_fn(f, args, opts.repeats, True) for f in (mosaic, triton, xla)]
+            ref = jax.jit(xla)(*args)
+            err = bc.rel_err(jax.jit(mosaic)(*args), ref)
             nbytes = _bytes(x_shape, ref.shape, w_shape, dtype.itemsize)
         except Exception as e:  # report and go on: one shape must not hide the others
-            print(f"{name:<22} FAILED: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
-            rows.append({"name": name, "error": f"{type(e).__name__}: {e}"[:2000]})
+            rows.append(bc.failure(f"{name:<22}", e, name=name))
             continue
         print(f"{name:<22} {x_shape[0]:>4} {1e3 * t[0]:>9.3f} {1e3 * t[1]:>9.3f} "
               f"{1e3 * t[2]:>8.3f} {nbytes / t[0] / 1e9:>7.0f} {t[2] / t[0]:>7.2f} "
@@ -209,10 +185,8 @@ def main(argv=None) -> int:
                      "triton_grad_ms": 1e3 * g[1], "xla_grad_ms": 1e3 * g[2],
                      "gbps": nbytes / t[0] / 1e9, "max_rel_err": err,
                      "tiles": {part: c.to_dict() for part, c in chosen.items()}})
-    if opts.json:
-        with open(opts.json, "w", encoding="utf-8") as f:
-            json.dump({"device_kind": kind, "jax": jax.__version__, "dtype": dtype.name,
-                       "rows": rows}, f, indent=1)
+    bc.write_json(opts.json, {"device_kind": kind, "jax": jax.__version__, "dtype": dtype.name,
+                              "rows": rows})
     return 0
 
 

@@ -33,8 +33,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import importlib.util
-import json
 import os
 import re
 import subprocess
@@ -46,17 +44,15 @@ import jax.numpy as jnp
 
 from pallas_kernels import autotune
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+try:
+    import _bench_common as bc
+finally:
+    sys.path.pop(0)
+
 H100 = "NVIDIA H100 80GB HBM3"
 _SHARED_MEMORY_LIMITS = {H100: 227 * 1024}  # what the tuner allows one program there
 TRITON_TARGET = "__gpu$xla.gpu.triton"
-
-
-def _bench_kernels():
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_kernels.py")
-    spec = importlib.util.spec_from_file_location("bench_kernels", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 class Unavailable(RuntimeError):
@@ -269,26 +265,20 @@ def _row(shape: str, r: KernelReport, cfg: str = "") -> str:
 
 
 def main(argv=None) -> int:
-    bk = _bench_kernels()
+    bk = bc.load_script("bench_kernels")
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--groups", default=",".join(bk.GROUPS),
-                        help=f"comma-separated subset of {bk.GROUPS}")
+    bc.add_options(parser, bk.GROUPS, timing=False)
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
-    parser.add_argument("--batch", type=int, help="batch size N of every shape")
     parser.add_argument("--device-kind", default=H100,
                         help="device kind whose tuned configs to use")
     parser.add_argument("--candidates", action="store_true",
                         help="inspect every config the autotuner would time, per kernel (with "
                              "--mosaic: the pooling and depthwise window kernels' tiles)")
-    parser.add_argument("--json", help="also write the rows here")
     parser.add_argument("--mosaic", action="store_true",
                         help="report the Mosaic GPU (Hopper) conv/pool kernels instead: TMA, "
                              "wgmma, mbarrier per kernel (needs jax >= 0.11, not triton)")
     opts = parser.parse_args(argv)
-    groups = [g for g in opts.groups.split(",") if g]
-    unknown = sorted(set(groups) - set(bk.GROUPS))
-    if unknown:
-        parser.error(f"unknown group(s) {unknown}; choose from {bk.GROUPS}")
+    groups = bc.chosen_groups(parser, opts, bk.GROUPS)
     if opts.mosaic:
         return main_mosaic(opts, bk)
     try:
@@ -321,19 +311,16 @@ def main(argv=None) -> int:
                     if r.name not in {f.name for f in found}:
                         found.append(r)
         except Exception as e:  # report and go on: one shape must not hide the others
-            print(f"{name:<18} FAILED: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
-            rows.append({"shape": name, "error": f"{type(e).__name__}: {e}"[:2000]})
+            rows.append(bc.failure(f"{name:<18}", e, shape=name))
             failed += 1
             continue
         for item in found:
             r, cfg = item if isinstance(item, tuple) else (item, "")
             print(_row(name, r, cfg), flush=True)
             rows.append({"shape": name, "config": cfg, **dataclasses.asdict(r)})
-    if opts.json:
-        with open(opts.json, "w", encoding="utf-8") as f:
-            json.dump({"jax": jax.__version__, "triton": _triton()[0].__version__,
-                       "device_kind": opts.device_kind, "dtype": dtype.name, "rows": rows},
-                      f, indent=1)
+    bc.write_json(opts.json, {"jax": jax.__version__, "triton": _triton()[0].__version__,
+                              "device_kind": opts.device_kind, "dtype": dtype.name,
+                              "rows": rows})
     return 1 if failed else 0
 
 
@@ -463,19 +450,15 @@ def main_mosaic(opts, bk) -> int:
                 reports = inspect_mosaic(_mosaic_op(pads, stride, fused), *args,
                                          *((ss, ss) if fused else ()), kind=opts.device_kind)
             except Exception as e:  # report and go on: one shape must not hide the others
-                print(f"{name:<18} FAILED: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
-                rows.append({"shape": name, "fused": fused,
-                             "error": f"{type(e).__name__}: {e}"[:2000]})
+                rows.append(bc.failure(f"{name:<18}", e, shape=name, fused=fused))
                 failed += 1
                 continue
             for r in reports:
                 print(_mosaic_row(name, r), flush=True)
                 rows.append({"shape": name, "fused": fused, **dataclasses.asdict(r)})
     failed += _mosaic_window_rows(opts, bk, dtype, rows)
-    if opts.json:
-        with open(opts.json, "w", encoding="utf-8") as f:
-            json.dump({"jax": jax.__version__, "backend": "mosaic_gpu", "dtype": dtype.name,
-                       "rows": rows}, f, indent=1)
+    bc.write_json(opts.json, {"jax": jax.__version__, "backend": "mosaic_gpu",
+                              "dtype": dtype.name, "rows": rows})
     return 1 if failed else 0
 
 
@@ -591,8 +574,7 @@ def _mosaic_window_rows(opts, bk, dtype, rows) -> int:
             print(f"{name:<18} skipped: {e}")
             continue
         except Exception as e:  # report and go on: one shape must not hide the others
-            print(f"{name:<18} FAILED: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
-            rows.append({"shape": name, "error": f"{type(e).__name__}: {e}"[:2000]})
+            rows.append(bc.failure(f"{name:<18}", e, shape=name))
             failed += 1
             continue
         for r, cfg in found:
