@@ -188,43 +188,26 @@ def depthwise_wgrad(x, dy, *, kernel_hw, stride=(1, 1), pads=((0, 0), (0, 0)), d
         first = si * per_split
         count = jnp.minimum(per_split, tiles - first)
 
-        def issue(t, slot):
-            img = t // (tiles_h * tiles_w)
-            rest = t % (tiles_h * tiles_w)
-            oh0, ow0 = (rest // tiles_w) * th, (rest % tiles_w) * tw
-            for r in range(th):
-                # Pixels past the output read zeros from dy (TMA fill): they add nothing.
-                plgpu.copy_gmem_to_smem(
-                    x_ref.at[phase * n + img, oh0 + r + qh, pl.ds(ow0 + qw, tw), pl.ds(c0, bc)],
-                    x_buf.at[slot, pl.ds(r * tw, tw)], bars.at[slot])
-                plgpu.copy_gmem_to_smem(
-                    dy_ref.at[img, oh0 + r, pl.ds(ow0, tw), pl.ds(c0, bc)],
-                    dy_buf.at[slot, pl.ds(r * tw, tw)], bars.at[slot])
-
-        for s in range(stages):
-            pl.when(s < count)(functools.partial(issue, first + s, s))
+        issue = mc.wgrad_tile_copies(plgpu, x_ref, dy_ref, x_buf, dy_buf, bars, n=n,
+                                     tap=(phase, qh, qw), tiles_hw=(tiles_h, tiles_w),
+                                     tile_hw=(th, tw), chans=(pl.ds(c0, bc), pl.ds(c0, bc)))
         # Every thread owns the same elements of the accumulator throughout (one layout).
         acc_smem[...] = plgpu.layout_cast(jnp.zeros((mw.TILE_M, bc), F32), layout)
 
-        def group(g, carry):
-            for slot in range(stages):
-                s = g * stages + slot
+        def step(s, slot):
+            plgpu.barrier_wait(bars.at[slot])
+            xv = plgpu.load(x_buf.at[slot], layout=layout, optimized=False)
+            dv = plgpu.load(dy_buf.at[slot], layout=layout, optimized=False)
+            acc = plgpu.load(acc_smem, layout=layout, optimized=False)
+            acc_smem[...] = acc + xv.astype(F32) * dv.astype(F32)
+            plgpu.commit_smem()  # every thread has read the slot: refill it
 
-                @pl.when(s < count)
-                def _step():
-                    plgpu.barrier_wait(bars.at[slot])
-                    xv = plgpu.load(x_buf.at[slot], layout=layout, optimized=False)
-                    dv = plgpu.load(dy_buf.at[slot], layout=layout, optimized=False)
-                    acc = plgpu.load(acc_smem, layout=layout, optimized=False)
-                    acc_smem[...] = acc + xv.astype(F32) * dv.astype(F32)
-                    plgpu.commit_smem()  # every thread has read the slot: refill it
+            @pl.when(s + stages < count)
+            def _refill():
+                issue(first + s + stages, slot)
 
-                    @pl.when(s + stages < count)
-                    def _refill():
-                        issue(first + s + stages, slot)
-            return carry
-
-        lax.fori_loop(0, mw.cdiv(per_split, stages), group, None)
+        mc.wgrad_tile_loop(issue, step, first=first, count=count, stages=stages,
+                           per_split=per_split)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(acc_smem, o_ref.at[si, tap, :, pl.ds(c0, bc)])
         plgpu.wait_smem_to_gmem(0)
