@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from mgpu_testlib import H100, inspect_kernels, needs_mgpu
+from mgpu_testlib import H100, assert_tma_pipeline, inspect_kernels, needs_mgpu
 from pallas_kernels import autotune
 from pallas_kernels import mgpu_window as mw
 
@@ -56,11 +56,8 @@ def test_every_candidate_lowers_for_hopper_with_tma(op, kw, args):
         lowered = [cfg for k, cfg, _ in found if k == kernel]
         assert set(lowered) == set(want), f"{kernel}: candidates not lowered"
     for kernel, cfg, r in found:
-        where = f"{r.name} with {cfg}"
-        assert r.tma_load, f"{where}: no TMA load (cp.async.bulk.tensor)"
-        assert r.tma_store, f"{where}: no TMA store"
-        assert r.mbarrier, f"{where}: no mbarrier wait"
-        assert not r.wgmma, f"{where}: wgmma in a window kernel"
+        assert_tma_pipeline([r], str(cfg))
+        assert not r.wgmma, f"{r.name} with {cfg}: wgmma in a window kernel"
     # The max pool's forward tiles serve its forward with and without the tap index.
     if op == "max_pool2d":
         names = {r.name for k, _, r in found if k == "mgpu_max_pool_fwd"}
@@ -88,7 +85,7 @@ def test_shared_memory_count_is_mosaics(op):
         def run(x):
             return getattr(mp, op)(x, 3, stride=1, padding=1)
 
-    def grads(*a):
+    def grads(*a):  # forward and backward: each kernel's scratch checked in turn
         y, vjp = jax.vjp(run, *a)
         return vjp(y)
 

@@ -163,6 +163,18 @@ def test_pool_takes_tuned_tiles_of_its_device_kind(shipped, monkeypatch):
     monkeypatch.setattr(autotune, "device_kind", lambda: "NVIDIA A100-SXM4-80GB")
     pk.max_pool2d(x, 3, stride=2, padding=1, backend="mosaic", interpret=True)
     assert seen.pop() == (mw.DEFAULT, mw.DEFAULT)
+    # tiles by part: the part given, the other its tuned or default tiles
+    monkeypatch.setattr(autotune, "device_kind", lambda: H100)
+    mine = mw.WindowConfig(block_c=8, stages=1)
+    pk.max_pool2d(x, 3, stride=2, padding=1, backend="mosaic", interpret=True,
+                  config={"bwd": mine})
+    assert seen.pop() == (tuned, mine)
+    assert mp.select_backend(x.shape, BF16, (3, 3), (2, 2), {"bwd": mine}, False,
+                             device_kind=H100) == "mosaic"
+    with pytest.raises(ValueError, match="unknown config keys"):
+        pk.max_pool2d(x, 3, backend="mosaic", interpret=True, config={"dgrad": mine})
+    with pytest.raises(ValueError, match="WindowConfig, but this call runs the Triton"):
+        pk.max_pool2d(x, 3, backend="triton", interpret=True, config={"fwd": mine})
 
 
 @needs_mgpu
