@@ -1,9 +1,11 @@
 """Per-shape block-size tuning, cached in a JSON file per device kind.
 
-Every kernel launch asks :func:`config_for` for its :class:`BlockConfig`,
+Every Triton kernel launch asks :func:`config_for` for its :class:`BlockConfig`,
 keyed by the kernel's name and static geometry.  The answer comes from, in
 order: an active :func:`override` (used while tuning), the cache entry for
-this device kind, or a heuristic default.
+this device kind, or a heuristic default.  The Mosaic GPU pooling and depthwise
+kernels look their ``WindowConfig`` up the same way (:func:`lookup`, through
+:func:`pallas_kernels.mgpu_window.tuned_config`), their defaults otherwise.
 
 :func:`tune_op` times candidate configs for each kernel an op launches (it
 finds them by tracing the op and recording the lookups), keeps the fastest,
@@ -138,14 +140,27 @@ def default_config(kernel: str, g: ConvGeometry, co: int, interpret: bool) -> Bl
     return cfg
 
 
+def lookup(key: str, launch: tuple):
+    """Records ``launch`` (``(kernel, g, co, dtype)``) under ``key`` for :func:`tune_op`, then
+    returns the :func:`override` for ``key``, else this device kind's cached entry (a
+    dict), else None.  A pure lookup: safe inside any trace.
+
+    ``g`` is a :class:`ConvGeometry` for the Triton kernels, a
+    :class:`pallas_kernels.mgpu_window.WindowCall` for the Mosaic GPU window kernels
+    (which look their tiles up through here too, and list their own candidates)."""
+    for rec in _recorders:
+        rec[key] = launch
+    if key in _overrides:
+        return _overrides[key]
+    return _entries().get("kernels", {}).get(key)
+
+
 def config_for(kernel: str, g: ConvGeometry, co: int, dtype, interpret: bool) -> BlockConfig:
     """The tiles for one kernel launch: override, else cached, else default."""
     key = kernel_key(kernel, g, co, dtype)
-    for rec in _recorders:
-        rec[key] = (kernel, g, co, jnp.dtype(dtype))
-    if key in _overrides:
-        return _overrides[key]
-    cached = _entries().get("kernels", {}).get(key)
+    cached = lookup(key, (kernel, g, co, jnp.dtype(dtype)))
+    if cached is not None and not isinstance(cached, dict):  # an override
+        return cached
     if cached is not None:
         try:
             return BlockConfig.from_dict(cached)
@@ -176,8 +191,15 @@ def _recording():
         _recorders.remove(rec)
 
 
-def candidates(kernel: str, g: ConvGeometry, co: int) -> list[BlockConfig]:
-    """Configs worth timing for one kernel (deduplicated after fitting the shape)."""
+def candidates(kernel: str, g: ConvGeometry, co: int) -> list:
+    """Configs worth timing for one kernel (deduplicated after fitting the shape).
+
+    A Mosaic GPU window kernel's launch (``g`` a
+    :class:`~pallas_kernels.mgpu_window.WindowCall`, recorded by its lookup) lists its own
+    :class:`~pallas_kernels.mgpu_window.WindowConfig` candidates; :func:`tune_op` leaves out
+    those over the device's shared memory (:func:`launch_smem_bytes`)."""
+    if not isinstance(g, ConvGeometry):
+        return g.candidates()
     family, part = kernel.rsplit("_", 1)
     base = default_config(kernel, g, co, interpret=False)
     if family == "dense":  # implicit GEMM: wide reduction chunks feed the tensor cores
@@ -245,6 +267,15 @@ def shared_memory_estimate(kernel: str, cfg: BlockConfig, dtype) -> int:
     a = cfg.block_m * cfg.block_k
     b = cfg.block_m * cfg.block_n if part == "wgrad" else cfg.block_k * cfg.block_n
     return cfg.num_stages * (a + b) * jnp.dtype(dtype).itemsize
+
+
+def launch_smem_bytes(kernel: str, g, cfg, dtype) -> int:
+    """Shared memory of one recorded launch with ``cfg``: :func:`shared_memory_estimate` for
+    the Triton kernels, the window kernel's own count (``g.smem_bytes``) for the Mosaic
+    ones (``g`` a :class:`~pallas_kernels.mgpu_window.WindowCall`)."""
+    if isinstance(g, ConvGeometry):
+        return shared_memory_estimate(kernel, cfg, dtype)
+    return g.smem_bytes(cfg)
 
 
 def time_call(fn, *args, repeats: int = 5) -> float:
@@ -350,12 +381,16 @@ def tune_op(op: str, arrays, static: dict, *, xla, timer=time_call,
         static: its keyword arguments, in the form the cache is keyed by
             (:func:`jaxcnn.functional.tuning.tune_op` puts any call in that form).
             ``backend="mosaic"`` in ``static`` times the Mosaic GPU (Hopper) kernels
-            and keys the entry so; without it the Triton kernels run.
+            and keys the entry so (the pooling and depthwise window kernels' tiles are
+            tuned then; the dense kernel's come from ``scripts/bench_mgpu.py --sweep``);
+            without it the Triton kernels run.
         xla: the XLA form of the same call, a function of ``arrays``.
         timer: ``timer(fn, *args) -> seconds``; ``fn`` is a compiled executable
             for each candidate config (compiled ahead, several at once), a jitted
             function for the final race against XLA.
-        candidate_fn: ``candidate_fn(kernel, g, co) -> [BlockConfig]``.
+        candidate_fn: ``candidate_fn(kernel, g, co) -> [config]``: ``BlockConfig`` s for the
+            Triton kernels, ``WindowConfig`` s for the Mosaic window kernels (whose
+            launches record a :class:`~pallas_kernels.mgpu_window.WindowCall` as ``g``).
 
     Returns:
         The op's cache entry ``{"pallas_s", "xla_s", "pallas_grad_s", "xla_grad_s",
@@ -387,7 +422,7 @@ def tune_op(op: str, arrays, static: dict, *, xla, timer=time_call,
     for key, (kernel, g, co, dtype) in sorted(launched.items()):
         # A config whose pipelined tiles overflow shared memory would fail to launch.
         cfgs = [c for c in candidate_fn(kernel, g, co)
-                if limit is None or shared_memory_estimate(kernel, c, dtype) <= limit]
+                if limit is None or launch_smem_bytes(kernel, g, c, dtype) <= limit]
         best = None
         for cfg, compiled in _compile_candidates(kernel, key, cfgs, chosen, bench, args):
             with override({**chosen, key: cfg}):

@@ -673,6 +673,51 @@ def pl_cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def wgrad_tile_copies(plgpu, x_ref, dy_ref, x_buf, dy_buf, bars, *, n, tap, tiles_hw,
+                      tile_hw, chans):
+    """``issue(t, slot)`` of a weight-gradient reduction over output tiles (the dense kernel's
+    and the depthwise one's): the TMA copies of output tile ``t`` (image-major, then the
+    ``tile_hw`` tiles of each image row-major) into ``slot`` of ``x_buf`` and ``dy_buf``, per
+    tile row the input window tap ``(phase, qh, qw)`` reads (``x_ref`` in the phase layout of
+    :func:`_phases`) and that row of ``dy``, all arriving on ``bars[slot]``.  ``chans`` are
+    the input's and ``dy``'s channel windows (``pl.ds``)."""
+    from jax.experimental import pallas as pl
+    (tiles_h, tiles_w), (th, tw), (phase, qh, qw) = tiles_hw, tile_hw, tap
+    x_chans, dy_chans = chans
+
+    def issue(t, slot):
+        img = t // (tiles_h * tiles_w)
+        rest = t % (tiles_h * tiles_w)
+        oh0, ow0 = (rest // tiles_w) * th, (rest % tiles_w) * tw
+        for r in range(th):
+            # Pixels past the output read zeros from dy (TMA fill), so they add nothing.
+            plgpu.copy_gmem_to_smem(
+                x_ref.at[phase * n + img, oh0 + r + qh, pl.ds(ow0 + qw, tw), x_chans],
+                x_buf.at[slot, pl.ds(r * tw, tw)], bars.at[slot])
+            plgpu.copy_gmem_to_smem(
+                dy_ref.at[img, oh0 + r, pl.ds(ow0, tw), dy_chans],
+                dy_buf.at[slot, pl.ds(r * tw, tw)], bars.at[slot])
+    return issue
+
+
+def wgrad_tile_loop(issue, step, *, first, count, stages: int, per_split: int) -> None:
+    """The pipeline of a weight-gradient reduction over a CTA's ``count`` output tiles from
+    ``first``: ``issue`` (:func:`wgrad_tile_copies`) fills the ``stages`` slots, then
+    ``step(s, slot)`` runs for each tile ``s < count`` (it waits on the slot, consumes it
+    and refills a slot: there the kernels differ), unrolled by ``stages`` so that every slot
+    index is static."""
+    from jax.experimental import pallas as pl
+    for s in range(stages):
+        pl.when(s < count)(functools.partial(issue, first + s, s))
+
+    def group(g, carry):
+        for slot in range(stages):
+            pl.when(g * stages + slot < count)(functools.partial(step, g * stages + slot, slot))
+        return carry
+
+    lax.fori_loop(0, pl_cdiv(per_split, stages), group, None)
+
+
 def conv_forward(x, w, b=None, residual=None, *, relu=False, stride=(1, 1),
                  pads=((0, 0), (0, 0)), dilation=(1, 1), config: MgpuConfig | None = None,
                  interpret: bool = False, detect_races: bool = False,
@@ -921,48 +966,29 @@ def conv_wgrad(x, dy, *, kernel_hw, stride=(1, 1), pads=((0, 0), (0, 0)), dilati
         c0, co0 = ci * bm, ni * bn
         first = si * per_split
         count = jnp.minimum(per_split, tiles - first)
-
-        def issue(t, slot):
-            img = t // (tiles_h * tiles_w)
-            rest = t % (tiles_h * tiles_w)
-            oh0, ow0 = (rest // tiles_w) * th, (rest % tiles_w) * tw
-            for r in range(th):
-                # Pixels past the output read zeros from dy (TMA fill), so they add nothing.
-                plgpu.copy_gmem_to_smem(
-                    x_ref.at[phase * n + img, oh0 + r + qh, pl.ds(ow0 + qw, tw),
-                             pl.ds(c0, bm)],
-                    x_un.at[slot, pl.ds(r * tw, tw)], bars.at[slot])
-                plgpu.copy_gmem_to_smem(
-                    dy_ref.at[img, oh0 + r, pl.ds(ow0, tw), pl.ds(co0, bn)],
-                    dy_un.at[slot, pl.ds(r * tw, tw)], bars.at[slot])
+        issue = wgrad_tile_copies(plgpu, x_ref, dy_ref, x_un, dy_un, bars, n=n,
+                                  tap=(phase, qh, qw), tiles_hw=(tiles_h, tiles_w),
+                                  tile_hw=(th, tw), chans=(pl.ds(c0, bm), pl.ds(co0, bn)))
 
         def scoped(acc_ref):
-            for s in range(stages):
-                pl.when(s < count)(functools.partial(issue, first + s, s))
+            def step(s, slot):
+                plgpu.barrier_wait(bars.at[slot])
+                x_sw[slot] = plgpu.load(x_un.at[slot], layout=plgpu.Layout.WGMMA,
+                                        optimized=False)
+                dy_sw[slot] = plgpu.load(dy_un.at[slot], layout=plgpu.Layout.WGMMA,
+                                         optimized=False)
+                plgpu.commit_smem()
+                # (C x pixels) @ (pixels x C_out): the input tile read transposed.
+                plgpu.wgmma(acc_ref, x_sw.at[slot].T, dy_sw.at[slot])
+                plgpu.wgmma_wait(1)
+                nxt = s - 1 + stages
 
-            def group(g, carry):
-                for slot in range(stages):
-                    s = g * stages + slot
+                @pl.when((s >= 1) & (nxt < count))
+                def _refill():
+                    issue(first + nxt, (slot - 1) % stages)
 
-                    @pl.when(s < count)
-                    def _step():
-                        plgpu.barrier_wait(bars.at[slot])
-                        x_sw[slot] = plgpu.load(x_un.at[slot], layout=plgpu.Layout.WGMMA,
-                                                optimized=False)
-                        dy_sw[slot] = plgpu.load(dy_un.at[slot], layout=plgpu.Layout.WGMMA,
-                                                 optimized=False)
-                        plgpu.commit_smem()
-                        # (C x pixels) @ (pixels x C_out): the input tile read transposed.
-                        plgpu.wgmma(acc_ref, x_sw.at[slot].T, dy_sw.at[slot])
-                        plgpu.wgmma_wait(1)
-                        nxt = s - 1 + stages
-
-                        @pl.when((s >= 1) & (nxt < count))
-                        def _refill():
-                            issue(first + nxt, (slot - 1) % stages)
-                return carry
-
-            lax.fori_loop(0, pl_cdiv(per_split, stages), group, None)
+            wgrad_tile_loop(issue, step, first=first, count=count, stages=stages,
+                            per_split=per_split)
             plgpu.wgmma_wait(0)
             o_smem[...] = acc_ref[...]
             plgpu.commit_smem()

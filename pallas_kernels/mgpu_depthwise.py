@@ -75,6 +75,17 @@ def _out_hw(x_shape, kernel_hw, stride, pads, dilation):
     return mc._out_hw(x_shape[1:3], kernel_hw, stride, pads, dilation)
 
 
+def tuning_calls(x_shape, w_shape, dtype, *, stride, pads, dilation) -> dict:
+    """``{"fwd", "dgrad", "wgrad"}``: the :class:`~pallas_kernels.mgpu_window.WindowCall` whose
+    tiles each kernel of a depthwise call looks up and the tuner times."""
+    kernel_hw = tuple(w_shape[:2])
+    out_hw = _out_hw(x_shape, kernel_hw, stride, pads, dilation)
+    return {part: mw.WindowCall(f"mgpu_depthwise_{part}", tuple(x_shape), kernel_hw,
+                                tuple(stride), tuple(map(tuple, pads)), tuple(dilation),
+                                tuple(out_hw), jnp.dtype(dtype).name)
+            for part in ("fwd", "dgrad", "wgrad")}
+
+
 def _weights(rows, c, cfg):
     """``rows`` (``(R, C)``) as the float32, ``block_c``-padded table the window kernel loads."""
     return mw.pad_channels(rows.astype(F32), mw.block_c(c, cfg))
@@ -177,43 +188,26 @@ def depthwise_wgrad(x, dy, *, kernel_hw, stride=(1, 1), pads=((0, 0), (0, 0)), d
         first = si * per_split
         count = jnp.minimum(per_split, tiles - first)
 
-        def issue(t, slot):
-            img = t // (tiles_h * tiles_w)
-            rest = t % (tiles_h * tiles_w)
-            oh0, ow0 = (rest // tiles_w) * th, (rest % tiles_w) * tw
-            for r in range(th):
-                # Pixels past the output read zeros from dy (TMA fill): they add nothing.
-                plgpu.copy_gmem_to_smem(
-                    x_ref.at[phase * n + img, oh0 + r + qh, pl.ds(ow0 + qw, tw), pl.ds(c0, bc)],
-                    x_buf.at[slot, pl.ds(r * tw, tw)], bars.at[slot])
-                plgpu.copy_gmem_to_smem(
-                    dy_ref.at[img, oh0 + r, pl.ds(ow0, tw), pl.ds(c0, bc)],
-                    dy_buf.at[slot, pl.ds(r * tw, tw)], bars.at[slot])
-
-        for s in range(stages):
-            pl.when(s < count)(functools.partial(issue, first + s, s))
+        issue = mc.wgrad_tile_copies(plgpu, x_ref, dy_ref, x_buf, dy_buf, bars, n=n,
+                                     tap=(phase, qh, qw), tiles_hw=(tiles_h, tiles_w),
+                                     tile_hw=(th, tw), chans=(pl.ds(c0, bc), pl.ds(c0, bc)))
         # Every thread owns the same elements of the accumulator throughout (one layout).
         acc_smem[...] = plgpu.layout_cast(jnp.zeros((mw.TILE_M, bc), F32), layout)
 
-        def group(g, carry):
-            for slot in range(stages):
-                s = g * stages + slot
+        def step(s, slot):
+            plgpu.barrier_wait(bars.at[slot])
+            xv = plgpu.load(x_buf.at[slot], layout=layout, optimized=False)
+            dv = plgpu.load(dy_buf.at[slot], layout=layout, optimized=False)
+            acc = plgpu.load(acc_smem, layout=layout, optimized=False)
+            acc_smem[...] = acc + xv.astype(F32) * dv.astype(F32)
+            plgpu.commit_smem()  # every thread has read the slot: refill it
 
-                @pl.when(s < count)
-                def _step():
-                    plgpu.barrier_wait(bars.at[slot])
-                    xv = plgpu.load(x_buf.at[slot], layout=layout, optimized=False)
-                    dv = plgpu.load(dy_buf.at[slot], layout=layout, optimized=False)
-                    acc = plgpu.load(acc_smem, layout=layout, optimized=False)
-                    acc_smem[...] = acc + xv.astype(F32) * dv.astype(F32)
-                    plgpu.commit_smem()  # every thread has read the slot: refill it
+            @pl.when(s + stages < count)
+            def _refill():
+                issue(first + s + stages, slot)
 
-                    @pl.when(s + stages < count)
-                    def _refill():
-                        issue(first + s + stages, slot)
-            return carry
-
-        lax.fori_loop(0, mw.cdiv(per_split, stages), group, None)
+        mc.wgrad_tile_loop(issue, step, first=first, count=count, stages=stages,
+                           per_split=per_split)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(acc_smem, o_ref.at[si, tap, :, pl.ds(c0, bc)])
         plgpu.wait_smem_to_gmem(0)
@@ -254,7 +248,8 @@ def conv2d(x, w, b=None, *, stride=(1, 1), padding=((0, 0), (0, 0)), dilation=(1
             float16, ``C`` a multiple of 8.
         stride, padding (``((top, bottom), (left, right))``), dilation: int pairs.
         config: one :class:`~pallas_kernels.mgpu_window.WindowConfig` for all three kernels,
-            or ``{"fwd"|"dgrad"|"wgrad": WindowConfig}``.
+            or ``{"fwd"|"dgrad"|"wgrad": WindowConfig}``; a kernel not given takes its tuned
+            tiles (:func:`~pallas_kernels.mgpu_window.tuned_config`), else the defaults.
 
     Raises:
         KernelUnsupported: where the kernels cannot run the call (:func:`check_supported`).
@@ -268,14 +263,8 @@ def conv2d(x, w, b=None, *, stride=(1, 1), padding=((0, 0), (0, 0)), dilation=(1
     if x.dtype != w.dtype:
         raise ValueError(f"Mosaic GPU depthwise conv2d: x and w dtypes differ ({x.dtype}, "
                          f"{w.dtype})")
-    mw.check_config("Mosaic GPU depthwise conv2d", config)
-    if isinstance(config, mw.WindowConfig) or config is None:
-        cfgs = (config or mw.DEFAULT,) * 3
-    else:
-        unknown = set(config) - {"fwd", "dgrad", "wgrad"}
-        if unknown:
-            raise ValueError(f"Mosaic GPU depthwise conv2d: unknown config keys {sorted(unknown)}")
-        cfgs = tuple(config.get(p) or mw.DEFAULT for p in ("fwd", "dgrad", "wgrad"))
+    cfgs = mw.part_configs("Mosaic GPU depthwise conv2d", config, tuning_calls(
+        x.shape, w.shape, x.dtype, stride=stride, pads=pads, dilation=dilation))
     static = (stride, pads, dilation, bool(relu), backward, cfgs, bool(interpret),
               bool(detect_races))
     return _conv(static, x, w, b)

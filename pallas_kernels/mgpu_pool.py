@@ -57,7 +57,8 @@ def select_backend(x_shape, dtype, kernel, stride, config, interpret,
     pure lookup, as :func:`pallas_kernels.conv_op.select_backend`.  Mosaic needs a real
     GPU run (not interpret mode) on a Hopper device kind, jax >= 0.11, a 16-bit float
     input whose channels TMA can address, stride <= 4, and no Triton ``BlockConfig``."""
-    if interpret or (config is not None and not isinstance(config, mw.WindowConfig)):
+    parts = config.values() if isinstance(config, dict) else [config]
+    if interpret or not all(c is None or isinstance(c, mw.WindowConfig) for c in parts):
         return "triton"
     if jnp.dtype(dtype) not in mw.DTYPES or not mw.on_hopper(device_kind):
         return "triton"
@@ -75,6 +76,15 @@ def _setup(op, x, kernel_size, stride, padding, dilation, ceil_mode, backward, c
     geom = geo.pool_geometry(op, x.shape, kernel_size, stride, padding, dilation, ceil_mode)
     check_supported(op, x.shape, x.dtype, geom[0], geom[1])
     return geom
+
+
+def tuning_calls(name: str, x_shape, dtype, kernel, stride, dilation, run_pads, out_hw) -> dict:
+    """``{"fwd", "bwd"}``: the :class:`~pallas_kernels.mgpu_window.WindowCall` whose tiles each
+    kernel of a ``name`` (``"max"``/``"avg"``) pooling call looks up and the tuner times."""
+    return {part: mw.WindowCall(f"mgpu_{name}_pool_{part}", tuple(x_shape), tuple(kernel),
+                                tuple(stride), tuple(map(tuple, run_pads)), tuple(dilation),
+                                tuple(out_hw), jnp.dtype(dtype).name)
+            for part in ("fwd", "bwd")}
 
 
 def _phase_taps(kernel, stride, dilation):
@@ -140,7 +150,9 @@ def max_pool2d(x, kernel_size, *, stride=None, padding=0, dilation=1, ceil_mode=
         kernel_size, stride, padding, dilation, ceil_mode: as in
             :func:`jaxcnn.functional.max_pool2d`.
         backward: ``"mosaic"`` (the gather kernel) or ``"xla"``.
-        config: a :class:`~pallas_kernels.mgpu_window.WindowConfig`, or None.
+        config: a :class:`~pallas_kernels.mgpu_window.WindowConfig` for both kernels, or
+            ``{"fwd"|"bwd": WindowConfig}``; a kernel not given takes its tuned tiles
+            (:func:`~pallas_kernels.mgpu_window.tuned_config`), else the defaults.
         interpret: Mosaic GPU interpret mode; detect_races: its race detector.
 
     Returns:
@@ -152,13 +164,15 @@ def max_pool2d(x, kernel_size, *, stride=None, padding=0, dilation=1, ceil_mode=
     op = "Mosaic GPU max_pool2d"
     kernel, stride, dilation, _, run_pads, out_hw = _setup(
         op, x, kernel_size, stride, padding, dilation, ceil_mode, backward, config)
-    static = (kernel, stride, dilation, run_pads, out_hw, backward, config or mw.DEFAULT,
-              bool(interpret), bool(detect_races))
+    cfgs = mw.part_configs(op, config, tuning_calls("max", x.shape, x.dtype, kernel, stride,
+                                                    dilation, run_pads, out_hw))
+    static = (kernel, stride, dilation, run_pads, out_hw, backward, cfgs, bool(interpret),
+              bool(detect_races))
     return _max_pool(static, x)
 
 
 def _max_forward(static, x, with_index):
-    kernel, stride, dilation, run_pads, out_hw, _, cfg, interpret, races = static
+    kernel, stride, dilation, run_pads, out_hw, _, (cfg, _), interpret, races = static
     lowest = float(geo.lowest(x.dtype))
 
     def init(shape, layout):
@@ -194,7 +208,7 @@ def _max_pool_fwd(static, x):
 
 
 def _max_pool_bwd(static, saved, dy):
-    kernel, stride, dilation, run_pads, out_hw, backward, cfg, interpret, races = static
+    kernel, stride, dilation, run_pads, out_hw, backward, (_, cfg), interpret, races = static
     x, idx = saved
     if backward == "xla":
         xla = functools.partial(geo.xla_max_pool, kernel=kernel, stride=stride,
@@ -231,8 +245,10 @@ def avg_pool2d(x, kernel_size, *, stride=None, padding=0, ceil_mode=False,
     op = "Mosaic GPU avg_pool2d"
     kernel, stride, _, pads, run_pads, out_hw = _setup(
         op, x, kernel_size, stride, padding, 1, ceil_mode, backward, config)
-    static = (kernel, stride, pads, run_pads, out_hw, bool(count_include_pad), backward,
-              config or mw.DEFAULT, bool(interpret), bool(detect_races), tuple(x.shape))
+    cfgs = mw.part_configs(op, config, tuning_calls("avg", x.shape, x.dtype, kernel, stride,
+                                                    (1, 1), run_pads, out_hw))
+    static = (kernel, stride, pads, run_pads, out_hw, bool(count_include_pad), backward, cfgs,
+              bool(interpret), bool(detect_races), tuple(x.shape))
     return _avg_pool(static, x)
 
 
@@ -253,7 +269,7 @@ def _divisor(static, oh, ow):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _avg_pool(static, x):
-    kernel, stride, pads, run_pads, out_hw, _, _, cfg, interpret, races, _ = static
+    kernel, stride, pads, run_pads, out_hw, _, _, (cfg, _), interpret, races, _ = static
     (pt, _), (pleft, _) = pads
 
     def combine(t, acc, vals, w_row, pos):
@@ -274,7 +290,7 @@ def _avg_pool_fwd(static, x):
 
 
 def _avg_pool_bwd(static, _, dy):
-    kernel, stride, pads, run_pads, out_hw, include, backward, cfg, interpret, races, \
+    kernel, stride, pads, run_pads, out_hw, include, backward, (_, cfg), interpret, races, \
         x_shape = static
     if backward == "xla":
         xla = functools.partial(geo.xla_avg_pool, kernel=kernel, stride=stride, pads=pads,

@@ -33,6 +33,7 @@ Nothing here has been timed on a GPU.  Every input pixel is read by ``KH x KW /
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -72,6 +73,14 @@ class WindowConfig:
         if self.stages < 1 or self.split < 1:
             raise ValueError(f"WindowConfig.stages and .split must be >= 1, got "
                              f"{self.stages}, {self.split}")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "WindowConfig":
+        """The config of a tuned-cache entry; TypeError/ValueError for a malformed one."""
+        return cls(**d)
 
 
 DEFAULT = WindowConfig()
@@ -293,5 +302,162 @@ def pad_channels(a, multiple: int):
     return jnp.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, extra)])
 
 
+# --- tuning: each launch's tiles, per shape and device kind --------------------------------
+
+# The tuner's kernels: the op, then the part whose tiles it keys (pooling: forward and
+# backward; depthwise: forward, input and weight gradients).
+KERNELS = ("mgpu_max_pool_fwd", "mgpu_max_pool_bwd", "mgpu_avg_pool_fwd", "mgpu_avg_pool_bwd",
+           "mgpu_depthwise_fwd", "mgpu_depthwise_dgrad", "mgpu_depthwise_wgrad")
+# The grid the tuner times per launch, fitted to the shape (:meth:`WindowCall.candidates`):
+# channel tiles, taps in flight, and the widest tile row with half of it.
+BLOCK_C = (32, 64, 128, 256)
+STAGES = (2, 4)
+_BARRIER = 8  # bytes of one mbarrier in shared memory
+_SMS = 132  # an H100's streaming multiprocessors: sizes the weight gradient's splits
+
+
+@dataclasses.dataclass(frozen=True)
+class WindowCall:
+    """One Mosaic window-kernel launch as the tuner sees it: what its tiles are cached under
+    and what decides which tiles fit.
+
+    Attributes:
+        kernel: one of :data:`KERNELS`.
+        x_shape: the op's input ``(N, H, W, C)``.
+        window, stride, dilation: ``(KH, KW)`` and the op's pairs.
+        pads: ``((top, bottom), (left, right))`` as the op runs them (pooling: with the
+            ``ceil_mode`` overhang).
+        out_hw: the op's output ``(OH, OW)``.
+        dtype: the input's dtype name.
+    """
+    kernel: str
+    x_shape: tuple
+    window: tuple
+    stride: tuple
+    pads: tuple
+    dilation: tuple
+    out_hw: tuple
+    dtype: str
+
+    def __post_init__(self):
+        if self.kernel not in KERNELS:
+            raise ValueError(f"WindowCall: kernel must be one of {KERNELS}, got {self.kernel!r}")
+
+    @property
+    def key(self) -> str:
+        """Autotune-cache key of this launch's tiles."""
+        dims = (f"x={list(self.x_shape)},k={list(self.window)},stride={list(self.stride)},"
+                f"pads={[list(p) for p in self.pads]},dilation={list(self.dilation)}")
+        return f"{self.kernel}|{dims}|{self.dtype}"
+
+    @property
+    def part(self) -> str:
+        return self.kernel.rsplit("_", 1)[1]
+
+    def launch_width(self) -> int:
+        """Output width of the launched kernel: the op's, or a stride phase's of the padded
+        input for the gradients gathered by phase (the pooling backward pads both sides)."""
+        if self.part not in ("bwd", "dgrad"):
+            return self.out_hw[1]
+        (pleft, pr), w = self.pads[1], self.x_shape[2]
+        return cdiv(w + pleft + (pr if self.part == "bwd" else 0), self.stride[1])
+
+    def taps(self) -> int:
+        """Taps one launch reduces: the window's, or the most any stride phase receives."""
+        (kh, kw), (sh, sw), (dh, dw) = self.window, self.stride, self.dilation
+        if self.part not in ("bwd", "dgrad"):
+            return kh * kw
+        rows = max(sum(1 for i in range(kh) if i * dh % sh == a) for a in range(sh))
+        cols = max(sum(1 for j in range(kw) if j * dw % sw == b) for b in range(sw))
+        return rows * cols
+
+    def fit(self, cfg: WindowConfig) -> WindowConfig:
+        """``cfg`` as this launch runs it: the tile row, channel tile, slots and split it
+        would be clamped to (equal fitted configs compile to the same kernel)."""
+        widest = mc.pick_tile_w(self.launch_width())
+        tw = min(cfg.tile_w or widest, widest)
+        stages, split = min(cfg.stages, self.taps()), 1
+        if self.kernel == "mgpu_depthwise_wgrad":  # slots over output tiles, shared by splits
+            oh, ow = self.out_hw
+            stages = cfg.stages
+            split = min(cfg.split, self.x_shape[0] * cdiv(oh, TILE_M // tw) * cdiv(ow, tw))
+        return WindowConfig(tile_w=tw, block_c=block_c(self.x_shape[3], cfg), stages=stages,
+                            split=split)
+
+    def smem_bytes(self, cfg: WindowConfig) -> int:
+        """Shared memory the launch's scratch takes with ``cfg`` (the sum Mosaic checks
+        against the device's limit when it lowers the kernel): the slots of the staged
+        operands, the output tiles, the float32 filter table or accumulator, mbarriers."""
+        cfg = self.fit(cfg)
+        it = jnp.dtype(self.dtype).itemsize  # the max pool's int16 index is as wide
+        tile = TILE_M * cfg.block_c
+        if self.kernel == "mgpu_depthwise_wgrad":  # x and dy slots, a float32 accumulator
+            return 2 * cfg.stages * tile * it + tile * 4 + cfg.stages * _BARRIER
+        staged = 2 if self.kernel == "mgpu_max_pool_bwd" else 1  # dy and the tap index
+        outs = 2 if self.kernel == "mgpu_max_pool_fwd" else 1  # y and the tap index
+        total = (staged * cfg.stages + outs) * tile * it + cfg.stages * _BARRIER
+        if self.kernel in ("mgpu_depthwise_fwd", "mgpu_depthwise_dgrad"):
+            rows = self.taps() + (self.part == "fwd")  # the filters (and the bias row)
+            total += rows * cfg.block_c * 4 + _BARRIER
+        return total
+
+    def candidates(self, limit: int | None = None) -> list:
+        """The fitted, distinct :class:`WindowConfig` s worth timing for this launch, the
+        default's first; those over ``limit`` bytes of shared memory left out; none where
+        the kernels cannot run the call."""
+        try:
+            check_supported(self.kernel, self.x_shape, self.dtype, self.stride)
+        except KernelUnsupported:
+            return []
+        widest = mc.pick_tile_w(self.launch_width())
+        splits = (1,)
+        if self.kernel == "mgpu_depthwise_wgrad":  # about one and four CTAs per SM
+            ctas = self.taps() * cdiv(self.x_shape[3], 64)
+            one = 1 << max(0, (cdiv(_SMS, ctas) - 1).bit_length())
+            splits = (one, 4 * one)
+        grid = [WindowConfig(tile_w=tw, block_c=bc, stages=st, split=sp)
+                for tw in sorted({widest, max(1, widest // 2)}, reverse=True)
+                for bc in BLOCK_C for st in STAGES for sp in splits]
+        out = []
+        for cfg in [DEFAULT, *grid]:
+            cfg = self.fit(cfg)
+            if cfg not in out and (limit is None or self.smem_bytes(cfg) <= limit):
+                out.append(cfg)
+        return out
+
+
+def tuned_config(call: WindowCall) -> WindowConfig | None:
+    """The tiles the tuner chose for ``call`` on this device kind (an active
+    :func:`pallas_kernels.autotune.override`, else the user's cache over ``tuned.json``),
+    or None: a pure lookup, safe while tracing.  The launch is recorded for
+    :func:`pallas_kernels.autotune.tune_op`, which times :meth:`WindowCall.candidates`."""
+    from pallas_kernels import autotune
+    found = autotune.lookup(call.key, (call.kernel, call, None, jnp.dtype(call.dtype)))
+    if found is None or isinstance(found, WindowConfig):
+        return found
+    try:
+        return WindowConfig.from_dict(found)
+    except (TypeError, ValueError) as e:
+        warnings.warn(f"autotune cache entry {call.key!r} is invalid ({e}); using the default",
+                      stacklevel=2)
+        return None
+
+
+def part_configs(op: str, config, calls: dict) -> tuple:
+    """The tiles of each part of an op, in the order of ``calls`` (``{part: WindowCall}``):
+    ``config`` (one :class:`WindowConfig` for all, or a dict by part), a part not given
+    taking its tuned tiles (:func:`tuned_config`), else :data:`DEFAULT`."""
+    check_config(op, config)
+    if isinstance(config, WindowConfig):
+        return (config,) * len(calls)
+    config = dict(config or {})
+    unknown = set(config) - set(calls)
+    if unknown:
+        raise ValueError(f"{op}: unknown config keys {sorted(unknown)}")
+    return tuple(config.get(part) or tuned_config(call) or DEFAULT
+                 for part, call in calls.items())
+
+
 __all__ = ["WindowConfig", "DEFAULT", "check_supported", "check_config", "on_hopper",
-           "phases", "forward_taps", "tap_reduce", "pad_channels", "block_c", "cdiv"]
+           "phases", "forward_taps", "tap_reduce", "pad_channels", "block_c", "cdiv",
+           "WindowCall", "KERNELS", "tuned_config", "part_configs"]

@@ -143,7 +143,8 @@ def _mosaic(op, x, kernel_size, stride, padding, dilation, ceil_mode, backward, 
                                            cm.interpret_default(interpret))
     if backend == "mosaic":
         return True
-    if isinstance(config, mgpu_window.WindowConfig):
+    parts = config.values() if isinstance(config, dict) else [config]
+    if any(isinstance(c, mgpu_window.WindowConfig) for c in parts):
         raise ValueError(f"{op}: config is a WindowConfig, but this call runs the Triton "
                          f"kernels (backend={backend!r}); pass backend='mosaic' or a BlockConfig")
     return False
@@ -162,7 +163,8 @@ def max_pool2d(x, kernel_size, *, stride=None, padding=0, dilation=1, ceil_mode=
         interpret: run in the Pallas interpreter; None means "unless on a GPU".
         backend: ``"triton"``, ``"mosaic"`` (the Hopper kernels of
             :mod:`pallas_kernels.mgpu_pool`; ``config`` is then a
-            :class:`~pallas_kernels.mgpu_window.WindowConfig` and ``interpret`` means
+            :class:`~pallas_kernels.mgpu_window.WindowConfig` or a dict of them by part,
+            None taking the tuned tiles, and ``interpret`` means
             Mosaic GPU interpret mode), or None: Mosaic on a Hopper GPU for the calls it
             supports (:func:`pallas_kernels.mgpu_pool.select_backend`), else Triton.
 

@@ -34,9 +34,8 @@ benchmark: the script says so and exits 0 unless ``--force``.
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import platform
+import os
 import sys
 
 import jaxcnn.cpu
@@ -50,6 +49,12 @@ from jaxcnn import functional as F
 from jaxcnn.functional import tuning
 from jaxcnn.summary import peak_flops
 from pallas_kernels import autotune
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+try:
+    import _bench_common as bc  # noqa: E402
+finally:
+    sys.path.pop(0)
 
 # (group, name, op, x shape NHWC, static kwargs, weight shape HWIO or None, batch)
 _R = dict(padding=1)
@@ -142,47 +147,33 @@ def _fns(op, kw, backend=None):
 
 
 def _grad_of(fn, n_args):
-    def loss(*a):
-        return jnp.sum(fn(*a).astype(jnp.float32) ** 2)
-    return jax.jit(jax.grad(loss, argnums=tuple(range(min(n_args, 2)))))
+    """Forward and backward of ``fn`` with respect to its first two arrays (x, w)."""
+    return bc.grad_of(fn, range(min(n_args, 2)))
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--force", action="store_true", help="run even on a CPU backend")
+    bc.add_options(parser, GROUPS)
     parser.add_argument("--tune", action="store_true",
                         help="autotune each shape first (those not in the user's cache yet)")
     parser.add_argument("--retune", action="store_true",
                         help="with --tune, tune shapes already in the user's cache again")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
-    parser.add_argument("--groups", default=",".join(GROUPS),
-                        help=f"comma-separated subset of {GROUPS}")
-    parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--batch", type=int, help="batch size N of every shape")
-    parser.add_argument("--no-grad", action="store_true", help="time the forward pass only")
     parser.add_argument("--bandwidth-mib", type=int, default=1024,
                         help="size of the bandwidth-measuring pass")
-    parser.add_argument("--json", help="also write the rows here")
     parser.add_argument("--backend", default="triton", choices=("triton", "mosaic", "auto"),
                         help="convolution kernels to time: Triton (what --tune measures), the "
                              "Mosaic GPU Hopper kernels (scripts/bench_mgpu.py compares both), "
                              "or auto: by device kind")
     opts = parser.parse_args(argv)
-    groups = [g for g in opts.groups.split(",") if g]
-    unknown = sorted(set(groups) - set(GROUPS))
-    if unknown:
-        parser.error(f"unknown group(s) {unknown}; choose from {GROUPS}")
-    backend = jax.default_backend()
-    if backend != "gpu" and not opts.force:
-        print(f"backend is {backend!r}: the kernels would run in the Pallas interpreter, "
-              "which is not a benchmark. Pass --force to time it anyway.")
+    groups = bc.chosen_groups(parser, opts, GROUPS)
+    if bc.not_a_benchmark(opts.force, "the Pallas interpreter"):
         return 0
     dtype = jnp.dtype(opts.dtype)
     kind = autotune.device_kind()
     peak = peak_flops(kind, bf16=dtype == jnp.bfloat16)
     bw = measure_bandwidth(opts.repeats, opts.bandwidth_mib)
-    print(f"device: {kind}  jax {jax.__version__}  python {platform.python_version()}  "
-          f"dtype: {dtype.name}  cache: {autotune.cache_path()}")
+    print(f"{bc.versions(kind, dtype)}  cache: {autotune.cache_path()}")
     print(f"measured bandwidth: {bw / 1e9:.0f} GB/s   peak: "
           f"{'unknown' if peak is None else f'{peak / 1e12:.0f} TFLOP/s'}")
     print(f"{'shape':<18} {'N':>4} {'pallas ms':>10} {'xla ms':>9} {'xla/pal':>8} "
@@ -204,8 +195,7 @@ def main(argv=None) -> int:
                 fns += [_grad_of(kernel, len(args)), _grad_of(xla, len(args))]
             t = [autotune.time_call(f, *args, repeats=opts.repeats) for f in fns]
         except Exception as e:  # report and go on: one shape must not hide the others
-            print(f"{name:<18} FAILED: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
-            rows.append({"name": name, "error": f"{type(e).__name__}: {e}"[:2000]})
+            rows.append(bc.failure(f"{name:<18}", e, name=name))
             continue
         flops, nbytes = work(op, x_shape, kw, w_shape, dtype.itemsize)
         ideal = max(flops / peak if peak and flops else 0.0, nbytes / bw)
@@ -222,11 +212,9 @@ def main(argv=None) -> int:
         print(f"{name:<18} {x_shape[0]:>4} {row['pallas_ms']:>10.3f} {row['xla_ms']:>9.3f} "
               f"{t[1] / t[0]:>8.2f} {row['tflops']:>8.1f} {row['gbs']:>7.0f} "
               f"{row['roofline']:>8.0%} {grad}", flush=True)
-    if opts.json:
-        with open(opts.json, "w", encoding="utf-8") as f:
-            json.dump({"device": kind, "jax": jax.__version__, "dtype": dtype.name,
-                       "bandwidth_gbs": bw / 1e9, "peak_tflops": peak and peak / 1e12,
-                       "rows": rows}, f, indent=1)
+    bc.write_json(opts.json, {"device": kind, "jax": jax.__version__, "dtype": dtype.name,
+                              "bandwidth_gbs": bw / 1e9, "peak_tflops": peak and peak / 1e12,
+                              "rows": rows})
     return 0
 
 

@@ -41,10 +41,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.util
-import json
 import os
-import platform
 import sys
 
 import jaxcnn.cpu
@@ -60,6 +57,12 @@ from jaxcnn.functional import conv_bn as fcb  # noqa: E402
 from jaxcnn.functional import tuning  # noqa: E402
 from pallas_kernels import autotune  # noqa: E402
 from pallas_kernels import mgpu_conv as mc  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+try:
+    import _bench_common as bc  # noqa: E402
+finally:
+    sys.path.pop(0)
 
 _P1 = dict(padding=1)
 # (group, name, x shape NHWC, kwargs, w shape HWIO, batch)
@@ -77,14 +80,6 @@ SHAPES = [
 ]
 GROUPS = sorted({s[0] for s in SHAPES})
 SWEEP = mc.SWEEP
-
-
-def _bench_kernels():
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_kernels.py")
-    spec = importlib.util.spec_from_file_location("bench_kernels", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _fns(kw, config=None):
@@ -148,10 +143,8 @@ def fused_rows(name, group, x_shape, kw, w_shape, opts, bk):
             g = [float("nan")] * 3
             if not opts.no_grad:
                 g = [_time_fused(f, args, opts.repeats, True) for f in fns]
-            got = [np.asarray(a, np.float32) for a in jax.jit(fns[0])(*args)]
-            ref = [np.asarray(a, np.float32) for a in jax.jit(fns[2])(*args)]
-            err = max(float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
-                      for a, b in zip(got, ref))
+            err = max(bc.rel_err(a, b)
+                      for a, b in zip(jax.jit(fns[0])(*args), jax.jit(fns[2])(*args)))
             if opts.tune and not opts.no_grad:
                 static = fcb.tuned_static(x.shape, w.shape, **kw_geometry(kw),
                                           prologue=prologue, stats=True)
@@ -159,9 +152,7 @@ def fused_rows(name, group, x_shape, kw, w_shape, opts, bk):
                     "fused_s": t[0], "xla_s": t[2], "fused_grad_s": g[0], "xla_grad_s": g[2],
                     "fwd_faster": t[0] < t[2], "grad_faster": g[0] < g[2]})
         except Exception as e:  # report and go on: one shape must not hide the others
-            print(f"{name:<18} {form:<13} FAILED: {type(e).__name__}: "
-                  f"{str(e).splitlines()[0][:200]}")
-            rows.append({"name": name, "form": form, "error": f"{type(e).__name__}: {e}"[:2000]})
+            rows.append(bc.failure(f"{name:<18} {form:<13}", e, name=name, form=form))
             continue
         print(f"{name:<18} {form:<13} {x_shape[0]:>4} {1e3 * t[0]:>9.3f} {1e3 * t[1]:>9.3f} "
               f"{1e3 * t[2]:>8.3f} {t[2] / t[0]:>7.2f} {1e3 * g[0]:>9.3f} {1e3 * g[1]:>9.3f} "
@@ -180,52 +171,26 @@ def kw_geometry(kw):
                 dilation=kw.get("dilation", 1))
 
 
-def _time(fn, args, repeats, grad):
-    f = jax.jit(fn) if not grad else jax.jit(jax.grad(
-        lambda x, w: jnp.sum(fn(x, w).astype(jnp.float32) ** 2), argnums=(0, 1)))
-    return autotune.time_call(f, *args, repeats=repeats)
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--force", action="store_true", help="run even on a CPU backend")
-    parser.add_argument("--groups", default=",".join(GROUPS),
-                        help=f"comma-separated subset of {GROUPS}")
-    parser.add_argument("--batch", type=int, help="batch size N of every shape")
-    parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--no-grad", action="store_true", help="time the forward pass only")
+    bc.add_options(parser, GROUPS)
     parser.add_argument("--sweep", action="store_true", help="time a grid of Mosaic tiles")
     parser.add_argument("--tune", action="store_true",
                         help="store a backend='mosaic' verdict per shape in the user's cache")
     parser.add_argument("--fused", action="store_true",
                         help="time BatchNorm fused into the convolution (statistics epilogue, "
                              "BatchNorm+ReLU prologue) against the unfused chains")
-    parser.add_argument("--json", help="also write the rows here")
     opts = parser.parse_args(argv)
     if opts.fused and opts.sweep:
         parser.error("--fused times the default or cached tiles; run --sweep separately")
-    groups = [g for g in opts.groups.split(",") if g]
-    unknown = sorted(set(groups) - set(GROUPS))
-    if unknown:
-        parser.error(f"unknown group(s) {unknown}; choose from {GROUPS}")
-    reason = mc.unavailable_reason()
-    if reason is not None:
-        print(f"bench_mgpu: {reason}", file=sys.stderr)
-        return 2
-    backend = jax.default_backend()
-    if backend != "gpu" and not opts.force:
-        print(f"backend is {backend!r}: the kernels would run in interpret mode, which is not "
-              "a benchmark. Pass --force to time it anyway.")
-        return 0
-    bk = _bench_kernels()
+    groups = bc.chosen_groups(parser, opts, GROUPS)
+    status = bc.mosaic_preflight("bench_mgpu", opts.force)
+    if status is not None:
+        return status
+    bk = bc.load_script("bench_kernels")
     kind = autotune.device_kind()
-    if backend == "gpu" and not mc.is_hopper(kind):
-        print(f"bench_mgpu: {kind} is not a Hopper GPU; the Mosaic kernels need sm_90",
-              file=sys.stderr)
-        return 2
     dtype = jnp.dtype(jnp.bfloat16)
-    print(f"device: {kind}  jax {jax.__version__}  python {platform.python_version()}  "
-          f"dtype: {dtype.name}")
+    print(bc.versions(kind, dtype))
     if opts.fused:
         return _main_fused(opts, groups, bk, kind)
     print(f"{'shape':<18} {'N':>4} {'mosaic ms':>9} {'triton ms':>9} {'xla ms':>8} "
@@ -244,20 +209,18 @@ def main(argv=None) -> int:
                 timed = []
                 for cfg in SWEEP:
                     try:
-                        timed.append((_time(_fns(kw, cfg)[0], (x, w), opts.repeats, False),
-                                      cfg))
+                        timed.append((bc.time_fn(_fns(kw, cfg)[0], (x, w), opts.repeats,
+                                                 False), cfg))
                     except Exception as e:  # e.g. over the shared-memory limit
                         print(f"  {name}: {cfg} skipped: {type(e).__name__}: "
                               f"{str(e).splitlines()[0][:120]}")
                 config = min(timed, key=lambda t: t[0])[1] if timed else None
             mosaic, triton, xla = _fns(kw, config)
-            t = [_time(f, (x, w), opts.repeats, False) for f in (mosaic, triton, xla)]
+            t = [bc.time_fn(f, (x, w), opts.repeats, False) for f in (mosaic, triton, xla)]
             g = [float("nan")] * 3
             if not opts.no_grad:
-                g = [_time(f, (x, w), opts.repeats, True) for f in (mosaic, triton, xla)]
-            ref = np.asarray(jax.jit(xla)(x, w), np.float32)
-            err = float(np.abs(np.asarray(jax.jit(mosaic)(x, w), np.float32) - ref).max()
-                        / max(np.abs(ref).max(), 1e-30))
+                g = [bc.time_fn(f, (x, w), opts.repeats, True) for f in (mosaic, triton, xla)]
+            err = bc.rel_err(jax.jit(mosaic)(x, w), jax.jit(xla)(x, w))
             if opts.tune:
                 arrays, static = tuning.canonical_call("conv2d", (x, w), kw)
                 if config is not None:  # the swept tiles, then the verdict measured with them
@@ -266,8 +229,7 @@ def main(argv=None) -> int:
                 autotune.tune_op("conv2d", arrays, {**static, "backend": "mosaic"},
                                  xla=lambda *a, s=static: F.conv2d(*a, **s, impl="xla"))
         except Exception as e:  # report and go on: one shape must not hide the others
-            print(f"{name:<18} FAILED: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
-            rows.append({"name": name, "error": f"{type(e).__name__}: {e}"[:2000]})
+            rows.append(bc.failure(f"{name:<18}", e, name=name))
             continue
         cfg_text = "default" if config is None else (
             f"n{config.block_n}k{config.block_k}s{config.stages}"
@@ -282,10 +244,8 @@ def main(argv=None) -> int:
                      "xla_grad_ms": 1e3 * g[2], "tflops": flops / t[0] / 1e12,
                      "max_rel_err": err,
                      "config": None if config is None else dataclasses.asdict(config)})
-    if opts.json:
-        with open(opts.json, "w", encoding="utf-8") as f:
-            json.dump({"device_kind": kind, "jax": jax.__version__, "dtype": dtype.name,
-                       "rows": rows}, f, indent=1)
+    bc.write_json(opts.json, {"device_kind": kind, "jax": jax.__version__, "dtype": dtype.name,
+                              "rows": rows})
     return 0
 
 
@@ -297,10 +257,8 @@ def _main_fused(opts, groups, bk, kind) -> int:
     for group, name, hwc, kw, w_shape, batch in SHAPES:
         if group in groups:
             rows += fused_rows(name, group, (opts.batch or batch, *hwc), kw, w_shape, opts, bk)
-    if opts.json:
-        with open(opts.json, "w", encoding="utf-8") as f:
-            json.dump({"device_kind": kind, "jax": jax.__version__, "dtype": "bfloat16",
-                       "fused": True, "rows": rows}, f, indent=1)
+    bc.write_json(opts.json, {"device_kind": kind, "jax": jax.__version__, "dtype": "bfloat16",
+                              "fused": True, "rows": rows})
     return 0
 
 

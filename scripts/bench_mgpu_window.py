@@ -4,7 +4,8 @@
 Usage (on an H100/H200, jax >= 0.11)::
 
     python scripts/bench_mgpu_window.py [--groups pool,mobilenet,convnext,mnist] [--batch N]
-                                        [--repeats 20] [--no-grad] [--tune] [--json out.json]
+                                        [--repeats 20] [--no-grad] [--tune [--retune]]
+                                        [--json out.json]
 
 Per shape (bfloat16, batch 256 unless ``--batch``) it prints the forward time of the
 Mosaic kernels (``pallas_kernels.max_pool2d/avg_pool2d/conv2d(..., backend="mosaic")``),
@@ -12,20 +13,27 @@ the Triton kernels (``backend="triton"``) and XLA (``impl="xla"``), the Mosaic
 forward's effective bandwidth (the bytes it must move: input, output and filters, over
 its time; these ops are bandwidth-bound, so compare with ~3.0 TB/s on an H100), its
 speed relative to XLA (above 1: faster), the same for forward + backward, and the
-largest difference of its forward from XLA's relative to XLA's largest value.
+largest difference of its forward from XLA's relative to XLA's largest value, and the
+tiles each Mosaic kernel ran with (``fwd``/``bwd``, ``fwd``/``dgrad``/``wgrad``:
+``w<tile row>c<channels>s<slots>[/<split>]``, tuned or the defaults).
 
-``--tune`` races the Mosaic op against XLA with the autotuner and stores the verdict
-keyed with ``backend="mosaic"`` in the user's cache: only such a measurement lets
-``impl="auto"`` choose these kernels.  On a CPU backend the kernels would run in
-interpret mode, which is no benchmark: the script says so and exits 0 unless
-``--force`` (a smoke test of the script itself; use ``--batch 1 --groups mnist``).
+``--tune`` first tunes each shape with the autotuner (``backend="mosaic"``): it times
+every candidate :class:`~pallas_kernels.mgpu_window.WindowConfig` of each Mosaic kernel
+(:meth:`~pallas_kernels.mgpu_window.WindowCall.candidates`, within the device's shared
+memory), keeps the fastest in the user's cache under this device kind, then races the
+tuned op against XLA and stores that verdict, keyed with ``backend="mosaic"``: only such
+a measurement lets ``impl="auto"`` choose these kernels.  The shape is then timed with
+its tuned tiles.  A shape whose verdict is already in the user's cache is not tuned
+again unless ``--retune``, so a run cut short resumes where it stopped.  On a CPU backend
+the kernels would run in interpret mode, which is no benchmark: the script says so and
+exits 0 unless ``--force`` (a smoke test of the script itself; use ``--batch 1 --groups
+mnist``).
 """
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import platform
+import os
 import sys
 
 import jaxcnn.cpu
@@ -33,13 +41,19 @@ jaxcnn.cpu.configure()  # first: the XLA:CPU flag and malloc settings, before JA
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 
 import pallas_kernels as pk  # noqa: E402
 from jaxcnn import functional as F  # noqa: E402
 from jaxcnn.functional import tuning  # noqa: E402
 from pallas_kernels import autotune  # noqa: E402
-from pallas_kernels import mgpu_conv as mc  # noqa: E402
+from pallas_kernels import mgpu_conv as mc  # noqa: E402,F401 (the tests read mc)
+from pallas_kernels import mgpu_window as mw  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+try:
+    import _bench_common as bc  # noqa: E402
+finally:
+    sys.path.pop(0)
 
 
 def _dw(c, stride=1, k=3):
@@ -84,10 +98,35 @@ def _fns(op, kw):
             lambda *a: getattr(F, op)(*a, **kw, impl="xla"))
 
 
-def _time(fn, args, repeats, grad):
-    f = jax.jit(fn) if not grad else jax.jit(jax.grad(
-        lambda *a: jnp.sum(fn(*a).astype(jnp.float32) ** 2), argnums=tuple(range(len(args)))))
-    return autotune.time_call(f, *args, repeats=repeats)
+def tune(op, args, kw, retune: bool = False) -> bool:
+    """Tunes one shape's Mosaic kernels (their tiles, then the race against XLA that
+    ``impl="auto"`` reads) unless the user's cache holds that race already and not
+    ``retune``; returns whether it tuned."""
+    arrays, static = tuning.canonical_call(op, args, kw)
+    mosaic = {**static, "backend": "mosaic"}
+    mine = autotune.load_cache().get(autotune.device_kind(), {}).get("ops", {})
+    if not retune and autotune.op_key(op, arrays, mosaic) in mine:
+        return False
+    autotune.tune_op(op, arrays, mosaic,
+                     xla=lambda *a: getattr(F, op)(*a, **static, impl="xla"))
+    return True
+
+
+def tiles(op, args, kw) -> dict:
+    """``{part: WindowConfig}`` the Mosaic op runs with on these arrays, forward and
+    backward: the tuned tiles of this device kind, else the defaults."""
+    mosaic = _fns(op, kw)[0]
+    with autotune._recording() as launched:  # the window kernels' lookups, by key
+        jax.eval_shape(jax.grad(lambda *a: jnp.sum(mosaic(*a).astype(jnp.float32)),
+                                argnums=tuple(range(len(args)))), *args)
+    calls = sorted((mw.KERNELS.index(k), call) for k, call, _, _ in launched.values()
+                   if k in mw.KERNELS)
+    return {call.part: call.fit(mw.tuned_config(call) or mw.DEFAULT) for _, call in calls}
+
+
+def tiles_text(parts: dict) -> str:
+    return " ".join(f"{part} w{c.tile_w}c{c.block_c}s{c.stages}"
+                    + (f"/{c.split}" if c.split > 1 else "") for part, c in parts.items())
 
 
 def _bytes(x_shape, y_shape, w_shape, itemsize):
@@ -98,40 +137,23 @@ def _bytes(x_shape, y_shape, w_shape, itemsize):
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--force", action="store_true", help="run even on a CPU backend")
-    parser.add_argument("--groups", default=",".join(GROUPS),
-                        help=f"comma-separated subset of {GROUPS}")
-    parser.add_argument("--batch", type=int, help="batch size N of every shape")
-    parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--no-grad", action="store_true", help="time the forward pass only")
+    bc.add_options(parser, GROUPS)
     parser.add_argument("--tune", action="store_true",
-                        help="store a backend='mosaic' verdict per shape in the user's cache")
-    parser.add_argument("--json", help="also write the rows here")
+                        help="first tune each shape's Mosaic tiles and store them with a "
+                             "backend='mosaic' verdict in the user's cache")
+    parser.add_argument("--retune", action="store_true",
+                        help="with --tune, tune shapes already in the user's cache again")
     opts = parser.parse_args(argv)
-    groups = [g for g in opts.groups.split(",") if g]
-    unknown = sorted(set(groups) - set(GROUPS))
-    if unknown:
-        parser.error(f"unknown group(s) {unknown}; choose from {GROUPS}")
-    reason = mc.unavailable_reason()
-    if reason is not None:
-        print(f"bench_mgpu_window: {reason}", file=sys.stderr)
-        return 2
-    backend = jax.default_backend()
-    if backend != "gpu" and not opts.force:
-        print(f"backend is {backend!r}: the kernels would run in interpret mode, which is not "
-              "a benchmark. Pass --force to time it anyway.")
-        return 0
+    groups = bc.chosen_groups(parser, opts, GROUPS)
+    status = bc.mosaic_preflight("bench_mgpu_window", opts.force)
+    if status is not None:
+        return status
     kind = autotune.device_kind()
-    if backend == "gpu" and not mc.is_hopper(kind):
-        print(f"bench_mgpu_window: {kind} is not a Hopper GPU; the Mosaic kernels need sm_90",
-              file=sys.stderr)
-        return 2
     dtype = jnp.dtype(jnp.bfloat16)
-    print(f"device: {kind}  jax {jax.__version__}  python {platform.python_version()}  "
-          f"dtype: {dtype.name}")
+    print(bc.versions(kind, dtype))
     print(f"{'shape':<22} {'N':>4} {'mosaic ms':>9} {'triton ms':>9} {'xla ms':>8} "
           f"{'GB/s':>7} {'xla/mos':>7} {'grad m ms':>9} {'grad t ms':>9} {'grad x ms':>9} "
-          f"{'xla/mos':>7} {'max err':>8}")
+          f"{'xla/mos':>7} {'max err':>8}  tiles")
     rows = []
     for group, name, op, hwc, kw, w_shape, batch in SHAPES:
         if group not in groups:
@@ -139,37 +161,32 @@ def main(argv=None) -> int:
         x_shape = (opts.batch or batch, *hwc)
         args = _args(op, x_shape, w_shape, dtype)
         try:
+            if opts.tune:
+                tune(op, args, kw, opts.retune)
+            chosen = tiles(op, args, kw)
             mosaic, triton, xla = _fns(op, kw)
-            t = [_time(f, args, opts.repeats, False) for f in (mosaic, triton, xla)]
+            t = [bc.time_fn(f, args, opts.repeats, False) for f in (mosaic, triton, xla)]
             g = [float("nan")] * 3
             if not opts.no_grad:
-                g = [_time(f, args, opts.repeats, True) for f in (mosaic, triton, xla)]
-            ref = np.asarray(jax.jit(xla)(*args), np.float32)
-            err = float(np.abs(np.asarray(jax.jit(mosaic)(*args), np.float32) - ref).max()
-                        / max(np.abs(ref).max(), 1e-30))
+                g = [bc.time_fn(f, args, opts.repeats, True) for f in (mosaic, triton, xla)]
+            ref = jax.jit(xla)(*args)
+            err = bc.rel_err(jax.jit(mosaic)(*args), ref)
             nbytes = _bytes(x_shape, ref.shape, w_shape, dtype.itemsize)
-            if opts.tune:
-                arrays, static = tuning.canonical_call(op, args, kw)
-                autotune.tune_op(op, arrays, {**static, "backend": "mosaic"},
-                                 xla=lambda *a, s=static, op=op: getattr(F, op)(
-                                     *a, **s, impl="xla"))
         except Exception as e:  # report and go on: one shape must not hide the others
-            print(f"{name:<22} FAILED: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
-            rows.append({"name": name, "error": f"{type(e).__name__}: {e}"[:2000]})
+            rows.append(bc.failure(f"{name:<22}", e, name=name))
             continue
         print(f"{name:<22} {x_shape[0]:>4} {1e3 * t[0]:>9.3f} {1e3 * t[1]:>9.3f} "
               f"{1e3 * t[2]:>8.3f} {nbytes / t[0] / 1e9:>7.0f} {t[2] / t[0]:>7.2f} "
               f"{1e3 * g[0]:>9.3f} {1e3 * g[1]:>9.3f} {1e3 * g[2]:>9.3f} {g[2] / g[0]:>7.2f} "
-              f"{err:>8.1e}", flush=True)
+              f"{err:>8.1e}  {tiles_text(chosen)}", flush=True)
         rows.append({"group": group, "name": name, "op": op, "x_shape": list(x_shape),
                      "kwargs": kw, "mosaic_ms": 1e3 * t[0], "triton_ms": 1e3 * t[1],
                      "xla_ms": 1e3 * t[2], "mosaic_grad_ms": 1e3 * g[0],
                      "triton_grad_ms": 1e3 * g[1], "xla_grad_ms": 1e3 * g[2],
-                     "gbps": nbytes / t[0] / 1e9, "max_rel_err": err})
-    if opts.json:
-        with open(opts.json, "w", encoding="utf-8") as f:
-            json.dump({"device_kind": kind, "jax": jax.__version__, "dtype": dtype.name,
-                       "rows": rows}, f, indent=1)
+                     "gbps": nbytes / t[0] / 1e9, "max_rel_err": err,
+                     "tiles": {part: c.to_dict() for part, c in chosen.items()}})
+    bc.write_json(opts.json, {"device_kind": kind, "jax": jax.__version__, "dtype": dtype.name,
+                              "rows": rows})
     return 0
 
 

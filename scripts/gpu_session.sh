@@ -14,12 +14,14 @@
 #                                          # the unfused chains (bench_mgpu --fused --tune:
 #                                          # the verdicts Choices(conv_bn="auto") reads)
 #   bash scripts/gpu_session.sh train_fused  # ResNet-50 step, conv_bn=off vs mosaic
-#   bash scripts/gpu_session.sh mgpu_window  # Hopper only: the Mosaic GPU pooling and
-#                                          # depthwise kernels against Triton and XLA
+#   bash scripts/gpu_session.sh mgpu_window  # Hopper only: tune the Mosaic GPU pooling and
+#                                          # depthwise kernels' tiles and races, then time
+#                                          # them against Triton and XLA
+#                                          # (bench_mgpu_window --tune)
 #
 # Extra arguments go to the stage's script (e.g. `kernels --groups pool,mobilenet`).
-# `kernels` tunes only shapes not yet in $OUT/autotune.json, so when a call runs out of
-# time, the next one resumes: bring the file back into the tree and pass it as
+# `kernels` and `mgpu_window` tune only shapes not yet in $OUT/autotune.json, so when a
+# call runs out of time, the next one resumes: bring the file back into the tree and pass it as
 # RESUME_CACHE=path (copied to $OUT/autotune.json when that does not exist yet).
 # Candidates compile on up to 8 threads ($JAXCNN_AUTOTUNE_COMPILE_THREADS).
 # The tuner's choices land in $OUT/autotune.json; `train` and `profile` read that file

@@ -20,14 +20,19 @@ private hook of jax's Pallas lowering, which older jax versions lack.  The
 block configs are those :mod:`pallas_kernels.autotune` would pick on the
 given device kind (its shipped ``tuned.json`` entries, else its defaults);
 ``--candidates`` inspects every candidate the tuner would time instead.
+
+``--mosaic`` reports the Mosaic GPU (Hopper) kernels instead, from their lowered modules
+(TMA loads and stores, mbarriers, ``ldmatrix``/``stmatrix``, ``setmaxnreg``, the ``wgmma``
+shapes), per kernel: the dense convolutions (plain and with BatchNorm fused), then the
+pooling and depthwise window kernels; with ``--candidates``, every window-kernel tile
+configuration the tuner can choose on the device kind, a row per kernel and configuration
+(``window_candidates``).  It needs jax 0.11, not triton.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
 import dataclasses
-import importlib.util
-import json
 import os
 import re
 import subprocess
@@ -39,17 +44,15 @@ import jax.numpy as jnp
 
 from pallas_kernels import autotune
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+try:
+    import _bench_common as bc
+finally:
+    sys.path.pop(0)
+
 H100 = "NVIDIA H100 80GB HBM3"
 _SHARED_MEMORY_LIMITS = {H100: 227 * 1024}  # what the tuner allows one program there
 TRITON_TARGET = "__gpu$xla.gpu.triton"
-
-
-def _bench_kernels():
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_kernels.py")
-    spec = importlib.util.spec_from_file_location("bench_kernels", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 class Unavailable(RuntimeError):
@@ -262,25 +265,20 @@ def _row(shape: str, r: KernelReport, cfg: str = "") -> str:
 
 
 def main(argv=None) -> int:
-    bk = _bench_kernels()
+    bk = bc.load_script("bench_kernels")
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--groups", default=",".join(bk.GROUPS),
-                        help=f"comma-separated subset of {bk.GROUPS}")
+    bc.add_options(parser, bk.GROUPS, timing=False)
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
-    parser.add_argument("--batch", type=int, help="batch size N of every shape")
     parser.add_argument("--device-kind", default=H100,
                         help="device kind whose tuned configs to use")
     parser.add_argument("--candidates", action="store_true",
-                        help="inspect every config the autotuner would time, per kernel")
-    parser.add_argument("--json", help="also write the rows here")
+                        help="inspect every config the autotuner would time, per kernel (with "
+                             "--mosaic: the pooling and depthwise window kernels' tiles)")
     parser.add_argument("--mosaic", action="store_true",
                         help="report the Mosaic GPU (Hopper) conv/pool kernels instead: TMA, "
                              "wgmma, mbarrier per kernel (needs jax >= 0.11, not triton)")
     opts = parser.parse_args(argv)
-    groups = [g for g in opts.groups.split(",") if g]
-    unknown = sorted(set(groups) - set(bk.GROUPS))
-    if unknown:
-        parser.error(f"unknown group(s) {unknown}; choose from {bk.GROUPS}")
+    groups = bc.chosen_groups(parser, opts, bk.GROUPS)
     if opts.mosaic:
         return main_mosaic(opts, bk)
     try:
@@ -313,19 +311,16 @@ def main(argv=None) -> int:
                     if r.name not in {f.name for f in found}:
                         found.append(r)
         except Exception as e:  # report and go on: one shape must not hide the others
-            print(f"{name:<18} FAILED: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
-            rows.append({"shape": name, "error": f"{type(e).__name__}: {e}"[:2000]})
+            rows.append(bc.failure(f"{name:<18}", e, shape=name))
             failed += 1
             continue
         for item in found:
             r, cfg = item if isinstance(item, tuple) else (item, "")
             print(_row(name, r, cfg), flush=True)
             rows.append({"shape": name, "config": cfg, **dataclasses.asdict(r)})
-    if opts.json:
-        with open(opts.json, "w", encoding="utf-8") as f:
-            json.dump({"jax": jax.__version__, "triton": _triton()[0].__version__,
-                       "device_kind": opts.device_kind, "dtype": dtype.name, "rows": rows},
-                      f, indent=1)
+    bc.write_json(opts.json, {"jax": jax.__version__, "triton": _triton()[0].__version__,
+                              "device_kind": opts.device_kind, "dtype": dtype.name,
+                              "rows": rows})
     return 1 if failed else 0
 
 
@@ -391,9 +386,9 @@ def lower_mosaic_kernels(fn, *args, kind: str = H100) -> list:
     """``[(kernel name, module bytes)]`` of the Mosaic GPU kernels ``jit(fn)`` launches on ``kind``,
     lowered offline for CUDA in the abstract-mesh recipe (no GPU needed)."""
     from jax._src.lib.mlir import ir
-    jax.clear_caches()
     with _abstract_gpu(kind), as_device_kind(kind):
-        lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+        # A fresh function: never a cached trace (the tiles are looked up while tracing).
+        lowered = jax.jit(lambda *a: fn(*a)).trace(*args).lower(lowering_platforms=("cuda",))
     out = []
     for cfg in _custom_call_configs(lowered.compiler_ir("stablehlo").operation, MOSAIC_TARGET):
         module = ir.StringAttr(cfg["module"]).value_bytes
@@ -414,12 +409,13 @@ def inspect_mosaic(fn, *args, kind: str = H100) -> list:
     return [mosaic_report(n, m) for n, m in lower_mosaic_kernels(fn, *args, kind=kind)]
 
 
-def _mosaic_row(shape: str, r: MosaicReport) -> str:
+def _mosaic_row(shape: str, r: MosaicReport, cfg: str = "") -> str:
     yes = lambda b: "yes" if b else "-"  # noqa: E731
     return (f"{shape:<18} {r.name:<33} {yes(r.tma_load):>7} {yes(r.tma_store):>8} "
             f"{yes(r.mbarrier):>8} {yes(r.ldmatrix):>8} {yes(r.stmatrix):>8} "
             f"{yes(r.setmaxnreg):>10}  "
-            f"{','.join(r.wgmma) or ('NO WGMMA' if 'mgpu_conv' in r.name else '-')}")
+            f"{','.join(r.wgmma) or ('NO WGMMA' if 'mgpu_conv' in r.name else '-')}"
+            + (f"  {cfg}" if cfg else ""))
 
 
 def main_mosaic(opts, bk) -> int:
@@ -454,19 +450,15 @@ def main_mosaic(opts, bk) -> int:
                 reports = inspect_mosaic(_mosaic_op(pads, stride, fused), *args,
                                          *((ss, ss) if fused else ()), kind=opts.device_kind)
             except Exception as e:  # report and go on: one shape must not hide the others
-                print(f"{name:<18} FAILED: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
-                rows.append({"shape": name, "fused": fused,
-                             "error": f"{type(e).__name__}: {e}"[:2000]})
+                rows.append(bc.failure(f"{name:<18}", e, shape=name, fused=fused))
                 failed += 1
                 continue
             for r in reports:
                 print(_mosaic_row(name, r), flush=True)
                 rows.append({"shape": name, "fused": fused, **dataclasses.asdict(r)})
     failed += _mosaic_window_rows(opts, bk, dtype, rows)
-    if opts.json:
-        with open(opts.json, "w", encoding="utf-8") as f:
-            json.dump({"jax": jax.__version__, "backend": "mosaic_gpu", "dtype": dtype.name,
-                       "rows": rows}, f, indent=1)
+    bc.write_json(opts.json, {"jax": jax.__version__, "backend": "mosaic_gpu",
+                              "dtype": dtype.name, "rows": rows})
     return 1 if failed else 0
 
 
@@ -491,10 +483,10 @@ def _mosaic_op(pads, stride, fused: bool):
     return fused_op
 
 
-def mosaic_window_call(op: str, kw: dict):
+def mosaic_window_call(op: str, kw: dict, grads: bool = True):
     """``fn(x[, w])`` returning the output and its gradients through the Mosaic GPU pooling or
     depthwise kernels (:mod:`pallas_kernels.mgpu_pool`, :mod:`pallas_kernels.mgpu_depthwise`)
-    for a benchmark call ``op(x[, w], **kw)``."""
+    for a benchmark call ``op(x[, w], **kw)``; without ``grads``, the output alone."""
     import pallas_kernels.mgpu_depthwise as md
     import pallas_kernels.mgpu_pool as mp
     if op in ("max_pool2d", "avg_pool2d"):
@@ -510,12 +502,60 @@ def mosaic_window_call(op: str, kw: dict):
     def fwd_and_grads(*args):  # keeps y: the forward is lowered too
         y, vjp = jax.vjp(run, *args)
         return y, vjp(y)
-    return fwd_and_grads
+    return fwd_and_grads if grads else run
+
+
+def window_config_text(cfg) -> str:
+    """A :class:`~pallas_kernels.mgpu_window.WindowConfig` in a column: ``w16c64s3`` (tile row,
+    channels, slots), ``/4`` for a weight-gradient split."""
+    return f"w{cfg.tile_w}c{cfg.block_c}s{cfg.stages}" + (f"/{cfg.split}" if cfg.split > 1 else "")
+
+
+def window_launch_names(kernel: str) -> set:
+    """Launched kernel names of a window kernel the tuner times (``"mgpu_max_pool_fwd"`` ->
+    the max pool's forward with and without its tap index)."""
+    names = {f"jaxcnn_{kernel}"}
+    if kernel == "mgpu_max_pool_fwd":  # the same tiles serve the forward alone
+        names.add("jaxcnn_mgpu_max_pool_infer")
+    return names
+
+
+def window_candidates(op: str, kw: dict, args, kind: str = H100) -> list:
+    """``[(kernel, config, report)]``: every tile configuration the tuner can choose for each
+    Mosaic window kernel of ``op(*args, **kw)`` on ``kind`` (its candidates within that
+    device's shared memory), each lowered for it and reported, launch by launch.  Each
+    candidate is lowered with only what its kernel needs: a forward alone (the max pool's
+    with and without its tap index), a gradient with its cotangent (and the max pool's
+    forward, whose index it reads)."""
+    import pallas_kernels.mgpu_window as mw
+    run = mosaic_window_call(op, kw, grads=False)
+    ct = jax.eval_shape(run, *args)
+
+    def only(kernel):
+        if kernel == "mgpu_max_pool_fwd":
+            return lambda *a: (run(*a[:-1]), jax.vjp(run, *a[:-1])[0])
+        if kernel.endswith("_fwd"):
+            return lambda *a: run(*a[:-1])
+        which = 1 if kernel.endswith("_wgrad") else 0  # dw, else dx
+        return lambda *a: jax.vjp(run, *a[:-1])[1](a[-1])[which]
+
+    with as_device_kind(kind), autotune._recording() as launched:
+        jax.eval_shape(mosaic_window_call(op, kw), *args)
+    out = []
+    for key, (kernel, call, _, _) in sorted(launched.items()):
+        if kernel not in mw.KERNELS:
+            continue
+        for cfg in call.candidates(_SHARED_MEMORY_LIMITS.get(kind)):
+            with autotune.override({key: cfg}):
+                reports = inspect_mosaic(only(kernel), *args, ct, kind=kind)
+            out += [(kernel, cfg, r) for r in reports if r.name in window_launch_names(kernel)]
+    return out
 
 
 def _mosaic_window_rows(opts, bk, dtype, rows) -> int:
     """The pooling and depthwise benchmark shapes' Mosaic window kernels (TMA, mbarrier):
-    rows printed and appended to ``rows``; returns how many shapes failed to lower."""
+    rows printed and appended to ``rows`` (with ``--candidates``, a row per kernel and
+    candidate tile configuration); returns how many shapes failed to lower."""
     failed = 0
     for group, name, op, hwc, kw, w_shape, batch in bk.SHAPES:
         depthwise = op == "conv2d" and kw.get("groups", 1) != 1
@@ -524,18 +564,23 @@ def _mosaic_window_rows(opts, bk, dtype, rows) -> int:
         x = jax.ShapeDtypeStruct((opts.batch or batch, *hwc), dtype)
         args = (x,) if w_shape is None else (x, jax.ShapeDtypeStruct(w_shape, dtype))
         try:
-            reports = inspect_mosaic(mosaic_window_call(op, kw), *args, kind=opts.device_kind)
+            if opts.candidates:
+                found = [(r, window_config_text(cfg)) for _, cfg, r in window_candidates(
+                    op, kw, args, kind=opts.device_kind)]
+            else:
+                found = [(r, "") for r in inspect_mosaic(mosaic_window_call(op, kw), *args,
+                                                        kind=opts.device_kind)]
         except NotImplementedError as e:  # KernelUnsupported: one line naming the reason
             print(f"{name:<18} skipped: {e}")
             continue
         except Exception as e:  # report and go on: one shape must not hide the others
-            print(f"{name:<18} FAILED: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
-            rows.append({"shape": name, "error": f"{type(e).__name__}: {e}"[:2000]})
+            rows.append(bc.failure(f"{name:<18}", e, shape=name))
             failed += 1
             continue
-        for r in reports:
-            print(_mosaic_row(name, r), flush=True)
-            rows.append({"shape": name, **dataclasses.asdict(r)})
+        for r, cfg in found:
+            print(_mosaic_row(name, r, cfg), flush=True)
+            rows.append({"shape": name, **({"config": cfg} if cfg else {}),
+                         **dataclasses.asdict(r)})
     return failed
 
 

@@ -73,3 +73,45 @@ def inspect_kernels():
     sys.modules.setdefault("inspect_kernels", module)  # its dataclasses look their module up
     spec.loader.exec_module(module)
     return sys.modules["inspect_kernels"]
+
+
+def lower_with_grads(fn, *args) -> list:
+    """The ``MosaicReport`` of every Mosaic kernel ``fn`` and its gradient launch, lowered
+    offline for an abstract H100 (``scripts/inspect_kernels.py``): ``fn``'s output and its
+    VJP at that output, so the forward is lowered as well as the backward."""
+    def fwd_and_grads(*a):
+        y, vjp = jax.vjp(fn, *a)
+        return y, vjp(y)
+    return inspect_kernels().inspect_mosaic(fwd_and_grads, *args)
+
+
+def assert_tma_pipeline(reports, what: str = "") -> None:
+    """Each lowered kernel moves its tiles with TMA (``cp.async.bulk.tensor`` loads and
+    stores) and waits on mbarriers."""
+    assert reports, f"{what}: no Mosaic kernel lowered"
+    for r in reports:
+        where = f"{r.name}{what and f' ({what})'}"
+        assert r.tma_load, f"{where}: no TMA load (cp.async.bulk.tensor)"
+        assert r.tma_store, f"{where}: no TMA store"
+        assert r.mbarrier, f"{where}: no mbarrier wait"
+
+
+def check_auto_needs_a_mosaic_verdict(monkeypatch, op, arrays, static) -> None:
+    """``impl="auto"`` on a GPU (mocked) takes a kernel for ``op(*arrays, **static)`` only
+    where a verdict says so, and a verdict measured on the Triton kernel pins
+    ``backend="triton"``: the Mosaic kernels are chosen only by an entry keyed with
+    ``backend="mosaic"``."""
+    from jaxcnn.functional import _dispatch
+    from pallas_kernels import autotune
+    chosen = []
+    monkeypatch.setattr(_dispatch, "_platform", lambda: "gpu")
+    monkeypatch.setattr(_dispatch, "_kernel", lambda op, st: chosen.append(st) or "kernel")
+    for measured in ("triton", "mosaic"):
+        def verdict(op, arrays, st, measured=measured):
+            return (True, True) if st.get("backend", "triton") == measured else None
+        monkeypatch.setattr(autotune, "verdict", verdict)
+        chosen.clear()
+        assert _dispatch.choose(op, "auto", arrays, static) == "kernel"
+        assert chosen[-1]["backend"] == measured
+    monkeypatch.setattr(autotune, "verdict", lambda *a: None)
+    assert _dispatch.choose(op, "auto", arrays, static) is None

@@ -35,7 +35,9 @@ from jaxcnn.errors import KernelUnsupported
 from mgpu_testlib import H100, REASON, S, needs_mgpu, races  # noqa: F401 (a fixture)
 from mgpu_testlib import assert_16bit_close as _assert_16bit_close
 from mgpu_testlib import assert_f32_close as _assert_f32_close
+from mgpu_testlib import assert_tma_pipeline, check_auto_needs_a_mosaic_verdict
 from mgpu_testlib import inspect_kernels as _inspect_kernels
+from mgpu_testlib import lower_with_grads
 from mgpu_testlib import normal as _normal
 from mgpu_testlib import ref_conv as _ref_conv
 from pallas_kernels import conv_op
@@ -267,22 +269,9 @@ def test_auto_needs_a_measurement_of_the_mosaic_kernel(monkeypatch):
     """impl="auto" on a GPU takes a conv kernel only where a verdict says so, and a verdict
     measured on the Triton kernel pins backend="triton": the Mosaic kernel is chosen only
     by an entry keyed with backend="mosaic"."""
-    from jaxcnn.functional import _dispatch
-    from pallas_kernels import autotune
     x, w = jnp.zeros((1, 8, 8, 16), jnp.bfloat16), jnp.zeros((3, 3, 16, 16), jnp.bfloat16)
     static = dict(stride=(1, 1), padding=((1, 1), (1, 1)), dilation=(1, 1), groups=1)
-    chosen = []
-    monkeypatch.setattr(_dispatch, "_platform", lambda: "gpu")
-    monkeypatch.setattr(_dispatch, "_kernel", lambda op, st: chosen.append(st) or "kernel")
-    for measured, want in (("triton", "triton"), ("mosaic", "mosaic")):
-        def verdict(op, arrays, st, measured=measured):
-            return (True, True) if st.get("backend", "triton") == measured else None
-        monkeypatch.setattr(autotune, "verdict", verdict)
-        chosen.clear()
-        assert _dispatch.choose("conv2d", "auto", (x, w, None), static) == "kernel"
-        assert chosen[-1]["backend"] == want
-    monkeypatch.setattr(autotune, "verdict", lambda *a: None)
-    assert _dispatch.choose("conv2d", "auto", (x, w, None), static) is None
+    check_auto_needs_a_mosaic_verdict(monkeypatch, "conv2d", (x, w, None), static)
 
 
 # --- offline lowering for sm_90a (no GPU) -------------------------------------------------
@@ -303,14 +292,9 @@ LOWERED = [  # x shape, w shape, pads, config[, stride]: default tiles, the CPU 
 def test_kernels_lower_for_hopper_with_tma_and_wgmma(case):
     xs, ws, pads, cfg, *stride = case
     stride = stride[0] if stride else (1, 1)
-    ik = _inspect_kernels()
-
-    def fwd_and_grads(x, w, b):  # the fused epilogue (bias, ReLU) lowers too
-        y, vjp = jax.vjp(lambda x, w, b: mc.conv2d(x, w, b, stride=stride, padding=pads,
-                                                   relu=True, config=cfg), x, w, b)
-        return y, vjp(y)
-    reports = ik.inspect_mosaic(fwd_and_grads, S(xs, jnp.bfloat16), S(ws, jnp.bfloat16),
-                                S(ws[3:], jnp.bfloat16))
+    reports = lower_with_grads(  # the fused epilogue (bias, ReLU) lowers too
+        lambda x, w, b: mc.conv2d(x, w, b, stride=stride, padding=pads, relu=True, config=cfg),
+        S(xs, jnp.bfloat16), S(ws, jnp.bfloat16), S(ws[3:], jnp.bfloat16))
     names = sorted(r.name for r in reports)
     want = ["jaxcnn_mgpu_conv_fwd", "jaxcnn_mgpu_conv_wgrad"]
     if pads[0][0] <= ws[0] - 1 and pads[1][0] <= ws[1] - 1:
@@ -318,10 +302,8 @@ def test_kernels_lower_for_hopper_with_tma_and_wgmma(case):
     assert set(names) == set(want)  # (a strided input gradient is one launch per phase)
     if stride != (1, 1):
         assert names.count("jaxcnn_mgpu_conv_dgrad") == stride[0] * stride[1]
+    assert_tma_pipeline(reports)
     for r in reports:
-        assert r.tma_load, f"{r.name}: no TMA load (cp.async.bulk.tensor)"
-        assert r.tma_store, f"{r.name}: no TMA store"
-        assert r.mbarrier, f"{r.name}: no mbarrier wait"
         assert r.wgmma and all(s.startswith("m64n") and s.endswith(".bf16.bf16")
                                for s in r.wgmma), f"{r.name}: wgmma {r.wgmma}"
         # Warp specialisation rebalances registers (the weight gradient has no such variant).

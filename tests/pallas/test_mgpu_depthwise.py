@@ -21,8 +21,9 @@ from jax import lax
 
 import pallas_kernels as pk
 from jaxcnn.errors import KernelUnsupported
-from mgpu_testlib import (H100, REASON, assert_16bit_close, assert_f32_close, inspect_kernels,
-                          needs_mgpu, normal, races)  # noqa: F401 (races: a fixture)
+from mgpu_testlib import (H100, REASON, assert_16bit_close, assert_f32_close,
+                          assert_tma_pipeline, lower_with_grads, needs_mgpu, normal,
+                          races)  # noqa: F401 (races: a fixture)
 from pallas_kernels import conv_op
 from pallas_kernels import mgpu_depthwise as md
 from pallas_kernels import mgpu_window as mw
@@ -223,20 +224,11 @@ def test_a_window_config_on_the_triton_path_is_one_clear_error():
 @needs_mgpu
 @pytest.mark.parametrize("stride, phases", [((1, 1), 1), ((2, 2), 4)], ids=["3x3/1", "3x3/2"])
 def test_depthwise_kernels_lower_for_hopper_with_tma(stride, phases):
-    ik = inspect_kernels()
-
-    def fwd_and_grads(x, w, b):
-        y, vjp = jax.vjp(lambda x, w, b: md.conv2d(x, w, b, stride=stride,
-                                                   padding=((1, 1), (1, 1)), relu=True),
-                         x, w, b)
-        return y, vjp(y)
-    reports = ik.inspect_mosaic(fwd_and_grads, jax.ShapeDtypeStruct((8, 56, 56, 96), BF16),
-                                jax.ShapeDtypeStruct((3, 3, 1, 96), BF16),
-                                jax.ShapeDtypeStruct((96,), BF16))
+    reports = lower_with_grads(
+        lambda x, w, b: md.conv2d(x, w, b, stride=stride, padding=((1, 1), (1, 1)), relu=True),
+        jax.ShapeDtypeStruct((8, 56, 56, 96), BF16), jax.ShapeDtypeStruct((3, 3, 1, 96), BF16),
+        jax.ShapeDtypeStruct((96,), BF16))
     assert sorted(r.name for r in reports) == (["jaxcnn_mgpu_depthwise_dgrad"] * phases
                                                + ["jaxcnn_mgpu_depthwise_fwd",
                                                   "jaxcnn_mgpu_depthwise_wgrad"])
-    for r in reports:
-        assert r.tma_load, f"{r.name}: no TMA load (cp.async.bulk.tensor)"
-        assert r.tma_store, f"{r.name}: no TMA store"
-        assert r.mbarrier, f"{r.name}: no mbarrier wait"
+    assert_tma_pipeline(reports)

@@ -29,7 +29,7 @@ from jax import lax
 
 from jaxcnn.errors import KernelUnsupported
 from mgpu_testlib import HALF_STEP, S, inspect_kernels, needs_mgpu, races  # noqa: F401
-from mgpu_testlib import assert_16bit_close, normal, ref_conv
+from mgpu_testlib import assert_16bit_close, assert_tma_pipeline, lower_with_grads, normal, ref_conv
 from pallas_kernels import mgpu_conv as mc
 from pallas_kernels import mgpu_fused as mf
 from pallas_testlib import assert_close, fast_run
@@ -231,7 +231,6 @@ def test_fused_chain_lowers_for_hopper_with_tma_and_wgmma():
     gradients, with a producer warpgroup, for an abstract H100: each kernel's module holds
     TMA loads and stores, mbarrier waits and bf16 wgmma.  (Every forward tile configuration
     is lowered by the next test.)"""
-    ik = inspect_kernels()
     xs, ws = (2, 14, 14, 64), (3, 3, 64, 128)
     cfg = mc.MgpuConfig(block_n=64, stages=4, warp_specialized=True)
 
@@ -242,17 +241,14 @@ def test_fused_chain_lowers_for_hopper_with_tma_and_wgmma():
                          padding=((1, 1), (1, 1)), input_scale=scale, input_shift=shift,
                          stats=True, config=cfg)
 
-    def fwd_and_grads(*args):
-        out, vjp = jax.vjp(chain, *args)
-        return out, vjp(out)
-    reports = ik.inspect_mosaic(fwd_and_grads, S(xs, jnp.bfloat16), S(ws, jnp.bfloat16),
-                                S(ws[3:], jnp.bfloat16), S((128,), F32), S((128,), F32))
+    reports = lower_with_grads(chain, S(xs, jnp.bfloat16), S(ws, jnp.bfloat16),
+                               S(ws[3:], jnp.bfloat16), S((128,), F32), S((128,), F32))
     names = [r.name for r in reports]
     assert "jaxcnn_mgpu_conv_fwd_stats" in names, names
     assert "jaxcnn_mgpu_conv_fwd_bnrelu_stats" in names, names
     assert "jaxcnn_mgpu_conv_wgrad" in names and "jaxcnn_mgpu_conv_dgrad" in names
+    assert_tma_pipeline(reports)
     for r in reports:
-        assert r.tma_load and r.tma_store and r.mbarrier, f"{r.name}: {r}"
         assert r.wgmma and all(s.endswith(".bf16.bf16") for s in r.wgmma), r.wgmma
 
 
@@ -286,7 +282,7 @@ def test_every_tuner_config_of_the_fused_forward_lowers_or_is_refused_by_its_sme
         fitted += 1
         (r,) = ik.inspect_mosaic(fwd, *args)
         assert r.name == "jaxcnn_mgpu_conv_fwd_bnrelu_stats"
-        assert r.tma_load and r.tma_store and r.mbarrier, f"{cfg}: {r}"
+        assert_tma_pipeline([r], str(cfg))
         assert r.wgmma == (f"m64n{cfg.block_n}k16.f32.bf16.bf16",), f"{cfg}: {r.wgmma}"
         assert r.setmaxnreg == cfg.warp_specialized, f"{cfg}: setmaxnreg {r.setmaxnreg}"
     assert fitted == len(mc.SWEEP) - 2  # block_n 256, block_k 64, 4 stages: over 227 KiB

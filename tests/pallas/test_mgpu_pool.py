@@ -23,8 +23,9 @@ import pallas_kernels as pk
 from jaxcnn import _geometry as geo
 from jaxcnn import functional as F
 from jaxcnn.errors import KernelUnsupported
-from mgpu_testlib import (H100, REASON, assert_16bit_close, inspect_kernels, needs_mgpu,
-                          normal, races)  # noqa: F401 (races: a fixture)
+from mgpu_testlib import (H100, REASON, assert_16bit_close, assert_tma_pipeline,
+                          check_auto_needs_a_mosaic_verdict, inspect_kernels, lower_with_grads,
+                          needs_mgpu, normal, races)  # noqa: F401 (races: a fixture)
 from pallas_kernels import mgpu_pool as mp
 from pallas_kernels import mgpu_window as mw
 
@@ -79,7 +80,7 @@ def test_max_pool_3x3_2_with_tails_is_race_free_and_records_the_first_maximum(ra
     _check("max_pool2d", x, kw, races=races)
     kernel, stride, dilation, _, run_pads, out_hw = geo.pool_geometry(
         "t", x.shape, 3, 2, 1, 1, True)
-    static = (kernel, stride, dilation, run_pads, out_hw, "mosaic", cfg, True, True)
+    static = (kernel, stride, dilation, run_pads, out_hw, "mosaic", (cfg, cfg), True, True)
     _, idx = mp._max_forward(static, x, with_index=True)
     assert idx.dtype == jnp.int16
     # numpy: the taps of every window (row-major), -inf outside the input; first argmax.
@@ -222,22 +223,9 @@ def test_select_backend_is_a_lookup_by_device_kind_and_shape(change, want):
 def test_auto_needs_a_measurement_of_the_mosaic_kernel(monkeypatch, op):
     """impl="auto" on a GPU takes a pooling kernel only where a verdict says so, and a
     verdict measured on the Triton kernel pins backend="triton"."""
-    from jaxcnn.functional import _dispatch
-    from pallas_kernels import autotune
     x = jnp.zeros((1, 8, 8, 16), BF16)
     static = dict(kernel_size=(3, 3), stride=(2, 2), padding=((1, 1), (1, 1)))
-    chosen = []
-    monkeypatch.setattr(_dispatch, "_platform", lambda: "gpu")
-    monkeypatch.setattr(_dispatch, "_kernel", lambda op, st: chosen.append(st) or "kernel")
-    for measured, want in (("triton", "triton"), ("mosaic", "mosaic")):
-        def verdict(op, arrays, st, measured=measured):
-            return (True, True) if st.get("backend", "triton") == measured else None
-        monkeypatch.setattr(autotune, "verdict", verdict)
-        chosen.clear()
-        assert _dispatch.choose(op, "auto", (x,), static) == "kernel"
-        assert chosen[-1]["backend"] == want
-    monkeypatch.setattr(autotune, "verdict", lambda *a: None)
-    assert _dispatch.choose(op, "auto", (x,), static) is None
+    check_auto_needs_a_mosaic_verdict(monkeypatch, op, (x,), static)
 
 
 # --- offline lowering for sm_90a (no GPU) -------------------------------------------------
@@ -250,21 +238,14 @@ def test_auto_needs_a_measurement_of_the_mosaic_kernel(monkeypatch, op):
     ("avg_pool2d", dict(kernel_size=2)),
 ], ids=["max 3x3/2", "avg 3x3/2", "avg 2x2/2 (phase view)"])
 def test_pool_kernels_lower_for_hopper_with_tma(op, kw):
-    ik = inspect_kernels()
-
-    def fwd_and_grad(x):
-        y, vjp = jax.vjp(lambda x: getattr(mp, op)(x, **kw), x)
-        return y, vjp(y)
-    reports = ik.inspect_mosaic(fwd_and_grad, jax.ShapeDtypeStruct((8, 56, 56, 64), BF16))
+    reports = lower_with_grads(lambda x: getattr(mp, op)(x, **kw),
+                               jax.ShapeDtypeStruct((8, 56, 56, 64), BF16))
     name = op.replace("_pool2d", "")
     # the backward is one launch per stride phase of the input (2 x 2)
     assert sorted(r.name for r in reports) == (
         [f"jaxcnn_mgpu_{name}_pool_bwd"] * 4 + [f"jaxcnn_mgpu_{name}_pool_fwd"])
-    for r in reports:
-        assert r.tma_load, f"{r.name}: no TMA load (cp.async.bulk.tensor)"
-        assert r.tma_store, f"{r.name}: no TMA store"
-        assert r.mbarrier, f"{r.name}: no mbarrier wait"
-        assert not r.wgmma, f"{r.name}: wgmma in a pooling kernel"
+    assert_tma_pipeline(reports)
+    assert not any(r.wgmma for r in reports), "wgmma in a pooling kernel"
 
 
 @needs_mgpu
