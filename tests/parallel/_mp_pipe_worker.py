@@ -9,20 +9,11 @@ both data shards), so activations and their gradients travel between the process
 the whole global batch of ``_helpers.batches`` (``plan.batch_share`` says so, and
 ``plan.put_batch`` takes it).  Process 0 writes ``losses.json`` and ``params.npz``.
 """
-import json
-import os
-import sys
-import types
-
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
-os.environ["JAX_PLATFORMS"] = "cpu"
+from _mp_common import finish, run, start  # first: it sets the devices before JAX starts
 
 import jax  # noqa: E402
 
-jax.config.update("jax_default_matmul_precision", "highest")
-
 from jaxcnn import parallel  # noqa: E402
-from jaxcnn.interop import save_npz  # noqa: E402
 
 SHAPE, MICROBATCHES = (16, 8, 8, 3), 4
 
@@ -34,12 +25,10 @@ def pipe_devices():
 
 
 def main(port, pid, steps, out_dir, timeout_s=60.0):
-    parallel.initialize(types.SimpleNamespace(mode="on", coordinator_address=f"127.0.0.1:{port}",
-                                              num_processes=2, process_id=pid, timeout_s=timeout_s))
+    start(port, pid, timeout_s)
     from _helpers import MOMENTUM, batches, bn_net, init
     from jaxcnn.train.step import make_train_step
 
-    assert jax.process_count() == 2 and jax.device_count() == 8
     model = bn_net()
     abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
                                       init(model, MOMENTUM, SHAPE))
@@ -55,14 +44,8 @@ def main(port, pid, steps, out_dir, timeout_s=60.0):
     for b in batches(SHAPE, steps, seed=4):
         state, m = step(state, plan.put_batch(b))
         losses.append(float(m["loss"]))
-    params = parallel.to_host(state.params)
-    if pid == 0:
-        with open(os.path.join(out_dir, "losses.json"), "w") as f:
-            json.dump(losses, f)
-        save_npz(os.path.join(out_dir, "params.npz"), params, {})
+    finish(pid, out_dir, losses, state)
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    a = sys.argv[1:]
-    main(int(a[0]), int(a[1]), int(a[2]), a[3], *(float(x) for x in a[4:]))
+    run(main)
