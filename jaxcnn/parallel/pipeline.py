@@ -534,19 +534,26 @@ class Pipeline:
                 rows = jnp.asarray(np.stack([branch, table.micro, table.slot, table.store], -1))
                 slots = max(table.slots, 1)
 
-                def idle(buf, ct, m, st):
-                    return zero_buf, zero_buf, zero_grads, st, zero, zero
+                # zeros made inside each branch: captured from outside, they would be loop
+                # operands, a buffer as large as a stage's gradients live through the scan
+                zeros = lambda: (jnp.zeros((mb, width), wire), jnp.zeros((), jnp.float32))
+
+                def idle(buf, ct, m, st, total):
+                    z_buf, z = zeros()
+                    return z_buf, z_buf, total, st, z, z
 
                 def forward(s):
-                    def f(buf, ct, m, st):
+                    def f(buf, ct, m, st, total):
                         out, st, loss, top1 = fwd[s](buf, m, st)
-                        return out, zero_buf, zero_grads, st, loss, top1
+                        z_buf, _ = zeros()
+                        return out, z_buf, total, st, loss, top1
                     return f
 
                 def backward(s):
-                    def f(buf, ct, m, st):
+                    def f(buf, ct, m, st, total):
                         grads, d_buf = bwd[s](buf, ct, m)
-                        return zero_buf, d_buf, grads, st, zero, zero
+                        z_buf, z = zeros()
+                        return z_buf, d_buf, total + grads, st, z, z
                     return f
 
                 branches = [idle] + [forward(s) for s in range(S)] + [backward(s) for s in range(S)]
@@ -557,9 +564,8 @@ class Pipeline:
                     arrived = store >= 0
                     kc = jnp.maximum(store, 0)
                     stash = stash.at[kc].set(jnp.where(arrived, recv, stash[kc]))
-                    out, d_buf, grads, st, loss, top1 = jax.lax.switch(b, branches, stash[k], ct, m, st)
+                    out, d_buf, total, st, loss, top1 = jax.lax.switch(b, branches, stash[k], ct, m, st, total)
                     # the same sums in the same order as gpipe's (zeros where a tick adds nothing)
-                    total = total + grads
                     loss_sum = loss_sum + loss
                     top1_sum = top1_sum + top1
                     return (send(out), send_back(d_buf), stash, st, total, loss_sum, top1_sum), None
