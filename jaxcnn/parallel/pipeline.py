@@ -531,48 +531,54 @@ class Pipeline:
                 table = one_f_one_b(S, M)
                 branch = np.where(table.op == FORWARD, 1 + np.arange(S), 0)
                 branch = np.where(table.op == BACKWARD, 1 + S + np.arange(S), branch)
-                rows = jnp.asarray(np.stack([branch, table.micro, table.slot, table.store], -1))
+                # An activation (from s - 1) and a cotangent (from s + 1) never reach a stage at the
+                # same tick, so one receive buffer (the inbox) carries whichever comes: the
+                # activation where the next tick stores one in the stash, else the cotangent.
+                arrives = table.store >= 0
+                backs = (table.op == BACKWARD) & (np.arange(S) < S - 1)
+                assert not np.any(arrives & backs)
+                act_next = np.concatenate([arrives[1:], np.zeros((1, S), bool)]).astype(np.int32)
+                rows = jnp.asarray(np.stack([branch, table.micro, table.slot, table.store, act_next], -1))
                 slots = max(table.slots, 1)
 
-                # zeros made inside each branch: captured from outside, they would be loop
-                # operands, a buffer as large as a stage's gradients live through the scan
-                zeros = lambda: (jnp.zeros((mb, width), wire), jnp.zeros((), jnp.float32))
-
+                # Every branch returns one buffer (the outbox: a forward's activation or a
+                # backward's cotangent; one conditional output, not two live through the
+                # branch) and zeros made inside it (captured from outside, they would be loop
+                # operands live through the scan).
                 def idle(buf, ct, m, st, total):
-                    z_buf, z = zeros()
-                    return z_buf, z_buf, total, st, z, z
+                    z = jnp.zeros((), jnp.float32)
+                    return jnp.zeros((mb, width), wire), total, st, z, z
 
                 def forward(s):
                     def f(buf, ct, m, st, total):
                         out, st, loss, top1 = fwd[s](buf, m, st)
-                        z_buf, _ = zeros()
-                        return out, z_buf, total, st, loss, top1
+                        return out, total, st, loss, top1
                     return f
 
                 def backward(s):
                     def f(buf, ct, m, st, total):
                         grads, d_buf = bwd[s](buf, ct, m)
-                        z_buf, z = zeros()
-                        return z_buf, d_buf, total + grads, st, z, z
+                        z = jnp.zeros((), jnp.float32)
+                        return d_buf, total + grads, st, z, z
                     return f
 
                 branches = [idle] + [forward(s) for s in range(S)] + [backward(s) for s in range(S)]
 
                 def tick(carry, row):
-                    recv, ct, stash, st, total, loss_sum, top1_sum = carry
-                    b, m, k, store = [row[stage, i] for i in range(4)]
-                    arrived = store >= 0
+                    inbox, stash, st, total, loss_sum, top1_sum = carry
+                    b, m, k, store, act_next = [row[stage, i] for i in range(5)]
                     kc = jnp.maximum(store, 0)
-                    stash = stash.at[kc].set(jnp.where(arrived, recv, stash[kc]))
-                    out, d_buf, total, st, loss, top1 = jax.lax.switch(b, branches, stash[k], ct, m, st, total)
+                    stash = stash.at[kc].set(jnp.where(store >= 0, inbox, stash[kc]))
+                    outbox, total, st, loss, top1 = jax.lax.switch(b, branches, stash[k], inbox, m, st, total)
                     # the same sums in the same order as gpipe's (zeros where a tick adds nothing)
                     loss_sum = loss_sum + loss
                     top1_sum = top1_sum + top1
-                    return (send(out), send_back(d_buf), stash, st, total, loss_sum, top1_sum), None
+                    # the outbox goes both ways; the receiver keeps the one the table says comes
+                    inbox = jnp.where(act_next > 0, send(outbox), send_back(outbox))
+                    return (inbox, stash, st, total, loss_sum, top1_sum), None
 
-                carry = (zero_buf, zero_buf, jnp.zeros((slots, mb, width), wire), model_state, zero_grads,
-                         zero, zero)
-                (_, _, _, new_state, total, loss_sum, top1_sum), _ = jax.lax.scan(tick, carry, rows)
+                carry = (zero_buf, jnp.zeros((slots, mb, width), wire), model_state, zero_grads, zero, zero)
+                (_, _, new_state, total, loss_sum, top1_sum), _ = jax.lax.scan(tick, carry, rows)
                 return new_state, total, loss_sum, top1_sum
 
             new_state, total, loss_sum, top1_sum = gpipe() if self.schedule == "gpipe" else one_f_one_b_scan()

@@ -36,7 +36,8 @@ def _ticks(table, S, M):
 def test_timetable_runs_every_op_once_after_its_inputs(S, M):
     """M < S, M = S and M > S: forwards after the previous stage's forward of the micro-batch
     (sent a tick earlier), backwards the tick after the next stage's backward (the cotangent is
-    used on arrival: no cotangent buffers) and after the stage's own forward; forwards and
+    used on arrival: no cotangent buffers; never at the tick an activation arrives) and after
+    the stage's own forward; forwards and
     backwards of a stage in micro-batch order; at most S - s micro-batches between forward and
     backward on stage s; 2 (M + S - 1) ticks, GPipe's two scans together."""
     table = one_f_one_b(S, M)
@@ -56,6 +57,11 @@ def test_timetable_runs_every_op_once_after_its_inputs(S, M):
         for t in range(table.ticks):
             in_flight = sum(at[(FORWARD, s, m)] <= t < at[(BACKWARD, s, m)] for m in range(M))
             assert in_flight <= S - s, (s, t, in_flight)
+    # an activation (sent by s - 1's forward) and a cotangent (sent by s + 1's backward) never
+    # reach a stage at the same tick: the scan carries one receive buffer for both
+    for t in range(1, table.ticks):
+        for s in range(1, S - 1):
+            assert not (table.op[t - 1, s - 1] == FORWARD and table.op[t - 1, s + 1] == BACKWARD), (t, s)
     # GPipe's bubble: each stage is busy 2M of the ticks
     assert all(int(np.sum(table.op[:, s] != IDLE)) == 2 * M for s in range(S))
 
