@@ -6,7 +6,7 @@ ResNet-18's ``layer1`` gives ``layer1.0`` and ``layer1.1``, VGG's ``features``
 gives its convolutions one by one).  :class:`Pipeline` assigns contiguous runs
 of blocks to ``stages`` devices (balanced by parameter or MAC count from
 :func:`jaxcnn.summary`, or an explicit ``split``) and runs a training step's
-forward and backward on them with a GPipe schedule:
+forward and backward on them with a GPipe schedule (or 1F1B, below):
 
 * the per-device batch is cut into ``microbatches`` micro-batches, example
   ``i`` in micro-batch ``i % microbatches`` (the split of
@@ -31,20 +31,22 @@ forward and backward on them with a GPipe schedule:
   ``M + S - 1`` ticks each way, a fraction ``(S - 1) / (M + S - 1)``.
 
 ``schedule="1f1b"`` (``parallel.pipeline.schedule: 1f1b``; PipeDream-flush) runs the same
-stage programs in another order: each stage runs ``S - 1 - s`` warm-up forwards, then
-alternates one backward and one forward, then the cool-down backwards, so stage ``s``
-holds at most ``S - s`` micro-batches between their forward and backward and a device
-stashes ``min(S, M)`` stage inputs instead of ``M``.  The timetable (:func:`one_f_one_b`)
-is built in Python by simulating the dependencies; one ``lax.scan`` over its
-``2 (M + S - 1)`` ticks runs, on each device, an idle, forward or backward branch of its
-stage (``lax.switch`` over ``2 S + 1`` branches; an idle tick computes nothing) and sends
-activations forward and cotangents backward every tick (two ``ppermute``s, so twice
-GPipe's bytes on the wire, half of them unused).  The bubble is GPipe's; the numbers are
-GPipe's too (each stage's forwards, BatchNorm updates and gradient sums run in
-micro-batch order, from the same model state and keys).  What it saves is only the
-stash: ``(M - min(S, M))`` buffers of one micro-batch's widest stage boundary (the
-recomputing backward keeps no other activations across ticks), e.g. 3-4% of ResNet-50's
-per-device memory at ``S = 4``, ``M = 8`` (docs/BENCHMARKS.md).
+stage programs in another order: stage ``s`` runs ``S - 1 - s`` warm-up forwards, then
+alternates one forward and one backward, then the cool-down backwards, so it holds at
+most ``S - s`` micro-batches between their forward and backward and a device stashes
+``min(S, M)`` stage inputs instead of ``M``.  The timetable (:func:`one_f_one_b`) is built
+in Python by simulating the dependencies; one ``lax.scan`` over its ``2 (M + S - 1)``
+ticks runs, on each device, the idle, forward or backward branch of its stage for that
+tick (``lax.switch`` over ``2 S + 1`` branches; an idle tick computes nothing) and sends
+the branch's one output buffer both ways (two ``ppermute``s a tick: twice GPipe's bytes on
+the wire, half of them dropped); the receiver keeps the activation or the cotangent the
+timetable says arrives (never both at once).  The bubble is GPipe's, and so are the
+numbers: each stage's forwards (and BatchNorm updates) and its gradient sums run in
+micro-batch order, from the same model state and keys.  What it saves is the stash only,
+``M - min(S, M)`` buffers of one micro-batch at the widest stage boundary (the
+recomputing backward keeps no other activation across ticks): for ResNet-50 at 224x224,
+batch 64 on 4 stages, 5% of the per-device memory at ``M = 8``, 10% at ``M = 16``, nothing
+at ``M = 4`` (docs/BENCHMARKS.md).  GPipe stays the default.
 
 BatchNorm normalises with the statistics of each micro-batch and updates its
 running statistics once per micro-batch, in micro-batch order, as PyTorch's
@@ -278,7 +280,7 @@ def one_f_one_b(stages: int, microbatches: int) -> Timetable:
 
 
 class Pipeline:
-    """The stage assignment and GPipe schedule of one model.
+    """The stage assignment and pipeline schedule (GPipe or 1F1B) of one model.
 
     Arguments:
         model: a ``serial`` Layer.
