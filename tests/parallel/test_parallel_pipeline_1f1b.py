@@ -194,3 +194,33 @@ def test_resume_under_the_other_schedule_is_not_a_config_change():
     new = {"parallel": {"pipeline": {"schedule": "1f1b", "microbatches": 4}}}
     assert config_changes(old, new) == []
     assert config_changes(old, {"parallel": {"pipeline": {"schedule": "1f1b", "microbatches": 8}}})
+
+
+def test_bench_scaling_pipe_rows_per_schedule(capsys):
+    """scripts/bench_scaling.py --pipe 2 --schedule gpipe,1f1b: a row per schedule (its stash,
+    the same bubble, memory from the compiled step); an unknown schedule is one line, exit 2."""
+    import importlib.util
+    import json
+    import os
+    import pathlib
+    path = pathlib.Path(__file__).resolve().parents[2] / "scripts" / "bench_scaling.py"
+    spec = importlib.util.spec_from_file_location("bench_scaling", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    environ = dict(os.environ)  # the script sets XLA_FLAGS as a command-line tool does
+    args = ["--model", "lenet5", "--pipe", "2", "--per-device-batch", "8", "--microbatches", "4", "--steps", "0"]
+    try:
+        assert bench.main(args + ["--schedule", "gpipe,1f1b", "--json"]) == 0
+        out = capsys.readouterr().out
+        assert bench.main(args + ["--schedule", "gpipe,1F1B"]) == 2
+        err = capsys.readouterr().err
+    finally:
+        os.environ.clear()
+        os.environ.update(environ)
+    rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    assert [(r["schedule"], r["stash"]) for r in rows] == [("gpipe", 4), ("1f1b", 2)]
+    assert rows[0]["bubble"] == rows[1]["bubble"] == pytest.approx(1 / 5)
+    assert all(r["memory_mib"] > 0 for r in rows)
+    assert " schedule " in out and "stash" in out
+    assert err.strip() == ("bench_scaling: --schedule: expected a comma-separated list of ('gpipe', '1f1b'), "
+                           "got '1F1B'")
