@@ -224,3 +224,17 @@ def test_bench_scaling_pipe_rows_per_schedule(capsys):
     assert " schedule " in out and "stash" in out
     assert err.strip() == ("bench_scaling: --schedule: expected a comma-separated list of ('gpipe', '1f1b'), "
                            "got '1F1B'")
+
+
+def test_trainer_dry_run_compiles_the_1f1b_step_and_refuses_a_bad_schedule(tmp_path):
+    """jaxcnn-train --dry-run with mesh.data=2 mesh.pipe=4 schedule 1f1b builds and compiles
+    the step; an unknown schedule is one line naming the key, exit 2."""
+    from test_parallel_pipeline import _train
+    micro = "parallel.pipeline.microbatches=4"
+    code, out, err = _train(["mesh.data=2", "mesh.pipe=4", micro, "parallel.pipeline.schedule=1f1b", "--dry-run"],
+                            tmp_path / "a")
+    assert code == 0 and "dry run ok" in out and "mesh data 2 x pipe 4" in out, err
+    code, out, err = _train(["mesh.pipe=4", micro, "parallel.pipeline.schedule=zigzag"], tmp_path / "b")
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1, err
+    assert "parallel.pipeline.schedule: expected one of 'gpipe', '1f1b', got 'zigzag'" in lines[0]
