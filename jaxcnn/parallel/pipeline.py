@@ -202,8 +202,8 @@ class Timetable(NamedTuple):
     (the tick after stage ``s - 1``'s forward sent it) to its own backward: ``store[t, s]`` is
     the slot the activation arriving at tick ``t`` goes to (-1: none arrives), ``slot[t, s]``
     the slot that tick's forward or backward reads (0 when idle or on stage 0, which reads
-    the images).  A cotangent is always used the tick it arrives (checked), so it needs no
-    slot.
+    the images).  A cotangent is always used the tick it arrives, and never arrives at the
+    tick an activation does (both checked), so one receive buffer serves both.
     """
 
     ticks: int
@@ -258,7 +258,12 @@ def one_f_one_b(stages: int, microbatches: int) -> Timetable:
     micro = np.array([[m for _, m in r] for r in rows], np.int32).reshape(T, S)
     for s in range(S - 1):  # a cotangent is used on arrival: no cotangent buffers
         for m in range(M):
-            assert done[(BACKWARD, s, m)] == done[(BACKWARD, s + 1, m)] + 1, (S, M, s, m)
+            _check(done[(BACKWARD, s, m)] == done[(BACKWARD, s + 1, m)] + 1,
+                   f"stage {s} runs the backward of micro-batch {m} after its cotangent's tick")
+    for t in range(1, T):  # and never at the tick an activation arrives: one receive buffer
+        for s in range(1, S - 1):
+            _check(not (op[t - 1, s - 1] == FORWARD and op[t - 1, s + 1] == BACKWARD),
+                   f"stage {s} receives an activation and a cotangent at tick {t}")
     # stash slots: micro-batch m's input lives on stage s from its arrival to its backward
     slot, store = np.zeros((T, S), np.int32), np.full((T, S), -1, np.int32)
     slots = 0
@@ -276,7 +281,20 @@ def one_f_one_b(stages: int, microbatches: int) -> Timetable:
             for m in range(M):
                 slot[done[(kind, s, m)], s] = where[m]
         slots = max(slots, len(free_at))
+        held = [None] * len(free_at)  # replayed: every read finds its own micro-batch's input
+        for t in range(T):
+            if store[t, s] >= 0:
+                held[store[t, s]] = next(m for m in range(M) if done[(FORWARD, s - 1, m)] + 1 == t)
+            if op[t, s] != IDLE:
+                _check(held[slot[t, s]] == micro[t, s], f"stage {s}'s stash slot {slot[t, s]} was "
+                       f"overwritten before tick {t} read micro-batch {micro[t, s]}")
     return Timetable(T, op, micro, slot, store, slots)
+
+
+def _check(ok: bool, what: str) -> None:
+    """An invariant of the timetable (kept under ``python -O``)."""
+    if not ok:
+        raise AssertionError(f"one_f_one_b: {what}")
 
 
 class Pipeline:
@@ -537,8 +555,6 @@ class Pipeline:
                 # same tick, so one receive buffer (the inbox) carries whichever comes: the
                 # activation where the next tick stores one in the stash, else the cotangent.
                 arrives = table.store >= 0
-                backs = (table.op == BACKWARD) & (np.arange(S) < S - 1)
-                assert not np.any(arrives & backs)
                 act_next = np.concatenate([arrives[1:], np.zeros((1, S), bool)]).astype(np.int32)
                 rows = jnp.asarray(np.stack([branch, table.micro, table.slot, table.store, act_next], -1))
                 slots = max(table.slots, 1)
