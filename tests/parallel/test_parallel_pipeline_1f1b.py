@@ -158,6 +158,35 @@ def test_vgg11_dropout_1f1b_matches_one_device():
     _compare_schedules("vgg11", 1, 4, against_gpipe=False)
 
 
+@pytest.mark.slow  # 17 s on two cores; the stages' code is the float32 tests', only the dtypes differ
+def test_bf16_1f1b_matches_gpipe():
+    """bfloat16 compute (activations and cotangents cross stages as float32 buffers), data 2 x
+    pipe 4, M = 8: two steps of 1F1B as GPipe's (the GPipe tests compare GPipe with one device)."""
+    from jaxcnn import precision as P
+    from jaxcnn.parallel import ParallelPlan, make_mesh
+    from jaxcnn.train.state import create_train_state
+    from jaxcnn.train.step import make_train_step
+    model, tx, shape = _model("bn_net"), MOMENTUM, (16, 8, 8, 3)
+    pol = P.get_policy("bf16")
+    state = jax.device_get(create_train_state(model, tx, jax.random.PRNGKey(0), shape, policy=pol,
+                                              loss_scale=P.make_loss_scale("none")))
+    abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), state)
+    out = {}
+    for schedule in ("gpipe", "1f1b"):
+        plan = ParallelPlan(make_mesh(2, 1, pipe=4), model, shape, abstract,
+                            pipeline={"microbatches": 8, "schedule": schedule})
+        step = plan.wrap_step(make_train_step(model, tx, policy=pol, axis_name="data", pipeline=plan.pipeline),
+                              donate=False)
+        got, losses = plan.shard_state(state), []
+        for b in batches(shape, 2, seed=6):
+            got, m = step(got, plan.put_batch(b))
+            losses.append(float(m["loss"]))
+        out[schedule] = losses, jax.device_get(got)
+    np.testing.assert_allclose(out["1f1b"][0], out["gpipe"][0], rtol=SAME_RTOL)
+    assert max_diff(out["1f1b"][1].params, out["gpipe"][1].params) < 1e-6
+    assert max_diff(out["1f1b"][1].state, out["gpipe"][1].state) < 1e-6
+
+
 def test_schedule_key_and_its_errors():
     """Python: Pipeline(schedule=...) and ParallelPlan(pipeline={"schedule": ...}); config:
     parallel.pipeline.schedule with gpipe the default; a bad value is one line naming the key."""
