@@ -158,7 +158,6 @@ def test_vgg11_dropout_1f1b_matches_one_device():
     _compare_schedules("vgg11", 1, 4, against_gpipe=False)
 
 
-@pytest.mark.slow  # 17 s on two cores; the stages' code is the float32 tests', only the dtypes differ
 def test_bf16_1f1b_matches_gpipe():
     """bfloat16 compute (activations and cotangents cross stages as float32 buffers), data 2 x
     pipe 4, M = 8: two steps of 1F1B as GPipe's (the GPipe tests compare GPipe with one device)."""
