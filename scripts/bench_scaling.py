@@ -27,11 +27,15 @@ is how the ResNet-50 224x224 memory table in docs/BENCHMARKS.md was made::
 ``--per-device-batch``, ``--microbatches`` micro-batches; ``pipe 1`` is one device
 accumulating the same micro-batches): each count's compiled step's per-device memory
 (XLA's ``memory_analysis``: arguments + outputs + temporaries - aliased), the
-pipeline's bubble fraction and the step time (``--steps 0``: compile only);
-``--schedule gpipe,1f1b`` measures each stage count under both schedules::
+pipeline's bubble fraction and the step time (``--steps 0``: compile only)::
 
     python scripts/bench_scaling.py --model resnet50 --pipe 1,2,4 --per-device-batch 16 \
         --microbatches 4 --steps 2
+
+``--schedule gpipe,1f1b`` measures each stage count above 1 under each pipeline schedule
+(``parallel.pipeline.schedule``; the table's ``stash`` column: the stage inputs each device
+keeps for the backward)::
+
     python scripts/bench_scaling.py --model resnet50 --pipe 4 --per-device-batch 64 \
         --microbatches 8 --steps 0 --schedule gpipe,1f1b
 """
@@ -203,10 +207,19 @@ def _pipeline_rows(args, counts, model, image, tx) -> int:
     import numpy as np
 
     from jaxcnn import precision as P
+    from jaxcnn.parallel import ParallelPlan, make_mesh
     from jaxcnn.parallel.pipeline import SCHEDULES
     from jaxcnn.train.state import create_train_state
+    from jaxcnn.train.step import make_train_step
 
     shape, m = (args.per_device_batch,) + image, args.microbatches
+    schedules = args.schedule.split(",")
+    bad = [s for s in schedules if s not in SCHEDULES]
+    if bad:
+        print(f"bench_scaling: --schedule: expected a comma-separated list of {SCHEDULES}, got {bad[0]!r}",
+              file=sys.stderr)
+        return 2
+    runs = [(pipe, schedule) for pipe in counts for schedule in (schedules if pipe > 1 else schedules[:1])]
 
     def init():
         return create_train_state(model, tx, jax.random.PRNGKey(0), shape, loss_scale=P.make_loss_scale("none"))
@@ -214,67 +227,49 @@ def _pipeline_rows(args, counts, model, image, tx) -> int:
     rng = np.random.default_rng(0)
     host = {"image": rng.normal(size=shape).astype(np.float32),
             "label": rng.integers(0, args.num_classes, shape[0]).astype(np.int32)}
-    schedules = args.schedule.split(",")
-    bad = [s for s in schedules if s not in SCHEDULES]
-    if bad:
-        print(f"bench_scaling: --schedule: expected a comma-separated list of {SCHEDULES}, got {bad[0]!r}",
-              file=sys.stderr)
-        return 2
     rows = []
-    for pipe in counts:
-        for schedule in schedules if pipe > 1 else schedules[:1]:
-            rows.append(_pipeline_row(args, pipe, schedule, model, tx, shape, init, host))
+    for pipe, schedule in runs:
+        plan = ParallelPlan(make_mesh(1, 1, pipe=pipe, devices=jax.devices()[:pipe]), model, shape,
+                            jax.eval_shape(init), pipeline={"microbatches": m, "balance": args.balance,
+                                                            "schedule": schedule})
+        step = plan.wrap_step(make_train_step(model, tx, axis_name=plan.step_axis_name, accumulate=m,
+                                              pipeline=plan.pipeline))
+        placed = plan.put_batch(host)
+        t0 = time.perf_counter()
+        compiled = step.lower(plan.abstract_state, placed).compile()
+        compile_s = time.perf_counter() - t0
+        mem = compiled.memory_analysis()
+        per_device = (mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes
+                      - mem.alias_size_in_bytes)
+        row = {"pipe": pipe, "microbatches": m, "batch": shape[0], "memory_mib": per_device / 2**20,
+               "temp_mib": mem.temp_size_in_bytes / 2**20,
+               "bubble": 0.0 if plan.pipeline is None else plan.pipeline.bubble_fraction,
+               "split": None if plan.pipeline is None else plan.pipeline.split,
+               "compile_s": compile_s, "step_ms": None, "schedule": schedule if plan.pipeline else "-",
+               "stash": plan.pipeline.stash_slots if plan.pipeline else None}
+        if args.steps:
+            state = jax.jit(init, out_shardings=plan.state_shardings)()
+            for _ in range(args.warmup):
+                state, metrics = compiled(state, placed)
+            jax.block_until_ready(metrics)
+            t0 = time.perf_counter()
+            for _ in range(args.steps):
+                state, metrics = compiled(state, placed)
+            jax.block_until_ready((state, metrics))
+            row["step_ms"] = (time.perf_counter() - t0) / args.steps * 1e3
+        rows.append(row)
+        print(json.dumps(row) if args.json else
+              f"pipe {pipe} {row['schedule']}: {row['memory_mib']:.0f} MiB per device", flush=True)
     print(f"model {args.model} {image}  batch {shape[0]} in {m} micro-batches  balance {args.balance}  backend "
           f"{jax.default_backend()} ({os.cpu_count()} host cores)")
-    print(f"{'pipe':>4} {'schedule':>8} {'MiB/device':>11} {'temp MiB':>9} {'vs 1st':>7} {'stash':>5} "
+    print(f"{'pipe':>4} {'schedule':>8} {'stash':>5} {'MiB/device':>11} {'temp MiB':>9} {'vs 1st':>7} "
           f"{'bubble':>7} {'step ms':>9}  blocks per stage")
     for r in rows:
         step_ms = "-" if r["step_ms"] is None else f"{r['step_ms']:.0f}"
-        print(f"{r['pipe']:>4} {r['schedule']:>8} {r['memory_mib']:>11.0f} {r['temp_mib']:>9.0f} "
-              f"{r['memory_mib'] / rows[0]['memory_mib']:>7.2f} {r['stash'] if r['stash'] is not None else '-':>5} "
-              f"{r['bubble']:>7.2f} {step_ms:>9}  {r['split'] or '-'}")
+        print(f"{r['pipe']:>4} {r['schedule']:>8} {r['stash'] or '-':>5} {r['memory_mib']:>11.0f} "
+              f"{r['temp_mib']:>9.0f} {r['memory_mib'] / rows[0]['memory_mib']:>7.2f} {r['bubble']:>7.2f} "
+              f"{step_ms:>9}  {r['split'] or '-'}")
     return 0
-
-
-def _pipeline_row(args, pipe, schedule, model, tx, shape, init, host) -> dict:
-    """One ``--pipe`` row: the compiled step's memory per device (and its time with ``--steps``)."""
-    import jax
-
-    from jaxcnn.parallel import ParallelPlan, make_mesh
-    from jaxcnn.train.step import make_train_step
-
-    m = args.microbatches
-    plan = ParallelPlan(make_mesh(1, 1, pipe=pipe, devices=jax.devices()[:pipe]), model, shape,
-                        jax.eval_shape(init), pipeline={"microbatches": m, "balance": args.balance,
-                                                        "schedule": schedule})
-    step = plan.wrap_step(make_train_step(model, tx, axis_name=plan.step_axis_name, accumulate=m,
-                                          pipeline=plan.pipeline))
-    placed = plan.put_batch(host)
-    t0 = time.perf_counter()
-    compiled = step.lower(plan.abstract_state, placed).compile()
-    compile_s = time.perf_counter() - t0
-    mem = compiled.memory_analysis()
-    per_device = (mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes
-                  - mem.alias_size_in_bytes)
-    pipeline = plan.pipeline
-    row = {"pipe": pipe, "schedule": "-" if pipeline is None else schedule, "microbatches": m,
-           "batch": shape[0], "memory_mib": per_device / 2**20, "temp_mib": mem.temp_size_in_bytes / 2**20,
-           "bubble": 0.0 if pipeline is None else pipeline.bubble_fraction,
-           "stash": None if pipeline is None else pipeline.stash_slots,
-           "split": None if pipeline is None else pipeline.split, "compile_s": compile_s, "step_ms": None}
-    if args.steps:
-        state = jax.jit(init, out_shardings=plan.state_shardings)()
-        for _ in range(args.warmup):
-            state, metrics = compiled(state, placed)
-        jax.block_until_ready(metrics)
-        t0 = time.perf_counter()
-        for _ in range(args.steps):
-            state, metrics = compiled(state, placed)
-        jax.block_until_ready((state, metrics))
-        row["step_ms"] = (time.perf_counter() - t0) / args.steps * 1e3
-    print(json.dumps(row) if args.json else f"pipe {pipe} {row['schedule']}: {row['memory_mib']:.0f} MiB per device",
-          flush=True)
-    return row
 
 
 if __name__ == "__main__":
