@@ -331,7 +331,6 @@ class Pipeline:
         if schedule not in SCHEDULES:
             raise ValueError(f"parallel.pipeline.schedule: expected one of {SCHEDULES}, got {schedule!r}")
         self.model, self.stages, self.microbatches, self.axis_name = model, stages, microbatches, axis_name
-        self.schedule = schedule
         self.blocks = pipeline_blocks(model)
         if stages > len(self.blocks):
             raise ValueError(f"mesh.pipe: {stages} stages but the model has only {len(self.blocks)} blocks "
@@ -344,6 +343,7 @@ class Pipeline:
             self.costs = None
         bounds = np.concatenate([[0], np.cumsum(sizes)]).tolist()
         self.stage_blocks = [self.blocks[bounds[s]:bounds[s + 1]] for s in range(stages)]
+        self.schedule = schedule
 
     @property
     def stash_slots(self) -> int:
