@@ -31,6 +31,13 @@ pipeline's bubble fraction and the step time (``--steps 0``: compile only)::
 
     python scripts/bench_scaling.py --model resnet50 --pipe 1,2,4 --per-device-batch 16 \
         --microbatches 4 --steps 2
+
+``--schedule gpipe,1f1b`` measures each stage count above 1 under each pipeline schedule
+(``parallel.pipeline.schedule``; the table's ``stash`` column: the stage inputs each device
+keeps for the backward)::
+
+    python scripts/bench_scaling.py --model resnet50 --pipe 4 --per-device-batch 64 \
+        --microbatches 8 --steps 0 --schedule gpipe,1f1b
 """
 from __future__ import annotations
 
@@ -66,6 +73,8 @@ def _parse_args(argv):
     p.add_argument("--microbatches", type=int, default=4, help="--pipe: micro-batches per step")
     p.add_argument("--balance", default="macs", choices=("macs", "params", "activations"),
                    help="--pipe: what the stages' split evens out")
+    p.add_argument("--schedule", default="gpipe",
+                   help="--pipe: comma-separated pipeline schedules (gpipe, 1f1b), each measured")
     return p.parse_args(argv)
 
 
@@ -199,10 +208,18 @@ def _pipeline_rows(args, counts, model, image, tx) -> int:
 
     from jaxcnn import precision as P
     from jaxcnn.parallel import ParallelPlan, make_mesh
+    from jaxcnn.parallel.pipeline import SCHEDULES
     from jaxcnn.train.state import create_train_state
     from jaxcnn.train.step import make_train_step
 
     shape, m = (args.per_device_batch,) + image, args.microbatches
+    schedules = args.schedule.split(",")
+    bad = [s for s in schedules if s not in SCHEDULES]
+    if bad:
+        print(f"bench_scaling: --schedule: expected a comma-separated list of {SCHEDULES}, got {bad[0]!r}",
+              file=sys.stderr)
+        return 2
+    runs = [(pipe, schedule) for pipe in counts for schedule in (schedules if pipe > 1 else schedules[:1])]
 
     def init():
         return create_train_state(model, tx, jax.random.PRNGKey(0), shape, loss_scale=P.make_loss_scale("none"))
@@ -211,9 +228,10 @@ def _pipeline_rows(args, counts, model, image, tx) -> int:
     host = {"image": rng.normal(size=shape).astype(np.float32),
             "label": rng.integers(0, args.num_classes, shape[0]).astype(np.int32)}
     rows = []
-    for pipe in counts:
+    for pipe, schedule in runs:
         plan = ParallelPlan(make_mesh(1, 1, pipe=pipe, devices=jax.devices()[:pipe]), model, shape,
-                            jax.eval_shape(init), pipeline={"microbatches": m, "balance": args.balance})
+                            jax.eval_shape(init), pipeline={"microbatches": m, "balance": args.balance,
+                                                            "schedule": schedule})
         step = plan.wrap_step(make_train_step(model, tx, axis_name=plan.step_axis_name, accumulate=m,
                                               pipeline=plan.pipeline))
         placed = plan.put_batch(host)
@@ -227,7 +245,8 @@ def _pipeline_rows(args, counts, model, image, tx) -> int:
                "temp_mib": mem.temp_size_in_bytes / 2**20,
                "bubble": 0.0 if plan.pipeline is None else plan.pipeline.bubble_fraction,
                "split": None if plan.pipeline is None else plan.pipeline.split,
-               "compile_s": compile_s, "step_ms": None}
+               "compile_s": compile_s, "step_ms": None, "schedule": schedule if plan.pipeline else "-",
+               "stash": plan.pipeline.stash_slots if plan.pipeline else None}
         if args.steps:
             state = jax.jit(init, out_shardings=plan.state_shardings)()
             for _ in range(args.warmup):
@@ -239,17 +258,17 @@ def _pipeline_rows(args, counts, model, image, tx) -> int:
             jax.block_until_ready((state, metrics))
             row["step_ms"] = (time.perf_counter() - t0) / args.steps * 1e3
         rows.append(row)
-        print(json.dumps(row) if args.json else f"pipe {pipe}: {row['memory_mib']:.0f} MiB per device",
-              flush=True)
+        print(json.dumps(row) if args.json else
+              f"pipe {pipe} {row['schedule']}: {row['memory_mib']:.0f} MiB per device", flush=True)
     print(f"model {args.model} {image}  batch {shape[0]} in {m} micro-batches  balance {args.balance}  backend "
           f"{jax.default_backend()} ({os.cpu_count()} host cores)")
-    print(f"{'pipe':>4} {'MiB/device':>11} {'temp MiB':>9} {'vs pipe 1':>9} {'bubble':>7} {'step ms':>9}  "
-          "blocks per stage")
+    print(f"{'pipe':>4} {'schedule':>8} {'stash':>5} {'MiB/device':>11} {'temp MiB':>9} {'vs 1st':>7} "
+          f"{'bubble':>7} {'step ms':>9}  blocks per stage")
     for r in rows:
         step_ms = "-" if r["step_ms"] is None else f"{r['step_ms']:.0f}"
-        print(f"{r['pipe']:>4} {r['memory_mib']:>11.0f} {r['temp_mib']:>9.0f} "
-              f"{r['memory_mib'] / rows[0]['memory_mib']:>9.2f} {r['bubble']:>7.2f} {step_ms:>9}  "
-              f"{r['split'] or '-'}")
+        print(f"{r['pipe']:>4} {r['schedule']:>8} {r['stash'] or '-':>5} {r['memory_mib']:>11.0f} "
+              f"{r['temp_mib']:>9.0f} {r['memory_mib'] / rows[0]['memory_mib']:>7.2f} {r['bubble']:>7.2f} "
+              f"{step_ms:>9}  {r['split'] or '-'}")
     return 0
 
 

@@ -6,7 +6,7 @@ ResNet-18's ``layer1`` gives ``layer1.0`` and ``layer1.1``, VGG's ``features``
 gives its convolutions one by one).  :class:`Pipeline` assigns contiguous runs
 of blocks to ``stages`` devices (balanced by parameter or MAC count from
 :func:`jaxcnn.summary`, or an explicit ``split``) and runs a training step's
-forward and backward on them with a GPipe schedule:
+forward and backward on them with a GPipe schedule (or 1F1B, below):
 
 * the per-device batch is cut into ``microbatches`` micro-batches, example
   ``i`` in micro-batch ``i % microbatches`` (the split of
@@ -29,6 +29,24 @@ forward and backward on them with a GPipe schedule:
   of ``m``);
 * the bubble: every device is idle (computes on padding) ``S - 1`` of its
   ``M + S - 1`` ticks each way, a fraction ``(S - 1) / (M + S - 1)``.
+
+``schedule="1f1b"`` (``parallel.pipeline.schedule: 1f1b``; PipeDream-flush) runs the same
+stage programs in another order: stage ``s`` runs ``S - 1 - s`` warm-up forwards, then
+alternates one forward and one backward, then the cool-down backwards, so it holds at
+most ``S - s`` micro-batches between their forward and backward and a device stashes
+``min(S, M)`` stage inputs instead of ``M``.  The timetable (:func:`one_f_one_b`) is built
+in Python by simulating the dependencies; one ``lax.scan`` over its ``2 (M + S - 1)``
+ticks runs, on each device, the idle, forward or backward branch of its stage for that
+tick (``lax.switch`` over ``2 S + 1`` branches; an idle tick computes nothing) and sends
+the branch's one output buffer both ways (two ``ppermute``s a tick: twice GPipe's bytes on
+the wire, half of them dropped); the receiver keeps the activation or the cotangent the
+timetable says arrives (never both at once).  The bubble is GPipe's, and so are the
+numbers: each stage's forwards (and BatchNorm updates) and its gradient sums run in
+micro-batch order, from the same model state and keys.  What it saves is the stash only,
+``M - min(S, M)`` buffers of one micro-batch at the widest stage boundary (the
+recomputing backward keeps no other activation across ticks): for ResNet-50 at 224x224,
+batch 64 on 4 stages, 5% of the per-device memory at ``M = 8``, 10% at ``M = 16``, nothing
+at ``M = 4`` (docs/BENCHMARKS.md).  GPipe stays the default.
 
 BatchNorm normalises with the statistics of each micro-batch and updates its
 running statistics once per micro-batch, in micro-batch order, as PyTorch's
@@ -61,6 +79,7 @@ from jaxcnn.layers.base import Layer, split_rng
 from jaxcnn.parallel.mesh import PIPE
 
 BALANCE = ("macs", "params", "activations")
+SCHEDULES = ("gpipe", "1f1b")
 
 
 class Block(NamedTuple):
@@ -171,9 +190,115 @@ def _set(tree, path, value):
     out[path[0]] = _set(tree.get(path[0], {}), path[1:], value)
     return out
 
+IDLE, FORWARD, BACKWARD = 0, 1, 2
+
+
+class Timetable(NamedTuple):
+    """A 1F1B schedule of ``stages`` x ``microbatches``, tick by tick (numpy, built in Python).
+
+    ``op[t, s]``: what stage ``s`` runs at tick ``t`` (``IDLE``, ``FORWARD`` or ``BACKWARD``),
+    ``micro[t, s]`` on which micro-batch (0 when idle).  Stage ``s > 0`` keeps the input
+    activation of each micro-batch in one of ``slots`` stash slots from the tick it arrives
+    (the tick after stage ``s - 1``'s forward sent it) to its own backward: ``store[t, s]`` is
+    the slot the activation arriving at tick ``t`` goes to (-1: none arrives), ``slot[t, s]``
+    the slot that tick's forward or backward reads (0 when idle or on stage 0, which reads
+    the images).  A cotangent is always used the tick it arrives, and never arrives at the
+    tick an activation does (both checked), so one receive buffer serves both.
+    """
+
+    ticks: int
+    op: np.ndarray
+    micro: np.ndarray
+    slot: np.ndarray
+    store: np.ndarray
+    slots: int
+
+
+def one_f_one_b(stages: int, microbatches: int) -> Timetable:
+    """The 1F1B (PipeDream-flush) timetable: stage ``s`` runs ``min(S - 1 - s, M)`` warm-up
+    forwards, then alternates one forward and one backward, then the cool-down backwards;
+    each op runs at the first tick its inputs are there (a forward the tick after the previous
+    stage's forward of the micro-batch, a backward the tick after the next stage's backward
+    and after its own forward).  Forwards (and backwards) of a stage run in micro-batch order.
+    A stage holds at most ``S - s`` micro-batches between their forward and backward; the
+    schedule takes ``2 (M + S - 1)`` ticks, as GPipe's forward and backward scans together.
+    """
+    S, M = stages, microbatches
+    if S < 1 or M < 1:
+        raise ValueError(f"one_f_one_b: expected stages and microbatches >= 1, got {S}, {M}")
+    seqs = []
+    for s in range(S):
+        w = min(S - 1 - s, M)
+        seq = [(FORWARD, m) for m in range(w)]
+        for i in range(M - w):
+            seq += [(FORWARD, w + i), (BACKWARD, i)]
+        seqs.append(seq + [(BACKWARD, m) for m in range(M - w, M)])
+    done, pos, rows = {}, [0] * S, []
+    while any(p < len(q) for p, q in zip(pos, seqs)):
+        t, row = len(rows), []
+        for s in range(S):
+            if pos[s] == len(seqs[s]):
+                row.append((IDLE, 0))
+                continue
+            kind, m = seqs[s][pos[s]]
+            if kind == FORWARD:
+                ready = s == 0 or done.get((FORWARD, s - 1, m), t) < t
+            else:
+                ready = done.get((FORWARD, s, m), t) < t and (s == S - 1 or done.get((BACKWARD, s + 1, m), t) < t)
+            row.append((kind, m) if ready else (IDLE, 0))
+            pos[s] += ready
+        for s, (kind, m) in enumerate(row):
+            if kind != IDLE:
+                done[(kind, s, m)] = t
+        rows.append(row)
+        if len(rows) > 4 * (M + S):
+            raise AssertionError(f"one_f_one_b: no progress at S={S}, M={M}")
+    T = len(rows)
+    op = np.array([[k for k, _ in r] for r in rows], np.int32).reshape(T, S)
+    micro = np.array([[m for _, m in r] for r in rows], np.int32).reshape(T, S)
+    for s in range(S - 1):  # a cotangent is used on arrival: no cotangent buffers
+        for m in range(M):
+            _check(done[(BACKWARD, s, m)] == done[(BACKWARD, s + 1, m)] + 1,
+                   f"stage {s} runs the backward of micro-batch {m} after its cotangent's tick")
+    for t in range(1, T):  # and never at the tick an activation arrives: one receive buffer
+        for s in range(1, S - 1):
+            _check(not (op[t - 1, s - 1] == FORWARD and op[t - 1, s + 1] == BACKWARD),
+                   f"stage {s} receives an activation and a cotangent at tick {t}")
+    # stash slots: micro-batch m's input lives on stage s from its arrival to its backward
+    slot, store = np.zeros((T, S), np.int32), np.full((T, S), -1, np.int32)
+    slots = 0
+    for s in range(1, S):
+        free_at, where = [], {}  # free_at[k]: the first tick slot k may be written again
+        for m in range(M):  # arrivals come in micro-batch order
+            arrive = done[(FORWARD, s - 1, m)] + 1
+            k = next((k for k, f in enumerate(free_at) if f <= arrive), len(free_at))
+            if k == len(free_at):
+                free_at.append(0)
+            free_at[k] = done[(BACKWARD, s, m)] + 1
+            where[m] = k
+            store[arrive, s] = k
+        for kind in (FORWARD, BACKWARD):
+            for m in range(M):
+                slot[done[(kind, s, m)], s] = where[m]
+        slots = max(slots, len(free_at))
+        held = [None] * len(free_at)  # replayed: every read finds its own micro-batch's input
+        for t in range(T):
+            if store[t, s] >= 0:
+                held[store[t, s]] = next(m for m in range(M) if done[(FORWARD, s - 1, m)] + 1 == t)
+            if op[t, s] != IDLE:
+                _check(held[slot[t, s]] == micro[t, s], f"stage {s}'s stash slot {slot[t, s]} was "
+                       f"overwritten before tick {t} read micro-batch {micro[t, s]}")
+    return Timetable(T, op, micro, slot, store, slots)
+
+
+def _check(ok: bool, what: str) -> None:
+    """An invariant of the timetable (kept under ``python -O``)."""
+    if not ok:
+        raise AssertionError(f"one_f_one_b: {what}")
+
 
 class Pipeline:
-    """The stage assignment and GPipe schedule of one model.
+    """The stage assignment and pipeline schedule (GPipe or 1F1B) of one model.
 
     Arguments:
         model: a ``serial`` Layer.
@@ -186,20 +311,25 @@ class Pipeline:
             elements: the activation memory of each stage).
         split: blocks per stage (a list of ``stages`` positive ints adding up to
             the number of blocks), or None for the balanced split.
+        schedule: ``"gpipe"`` (default: every forward, then every backward) or ``"1f1b"``
+            (one forward, one backward: :func:`one_f_one_b`); the same numbers, ``1f1b``
+            stashes ``min(S, M)`` stage inputs per device instead of ``M``.
         axis_name: the pipeline mesh axis.
 
     Raises:
         ValueError: naming the ``parallel.pipeline`` key (or ``mesh.pipe``) when the
             model cannot be split as asked: not a serial stack, more stages than
-            blocks, a bad split, ``microbatches`` below 1.
+            blocks, a bad split, ``microbatches`` below 1, an unknown schedule.
     """
 
     def __init__(self, model: Layer, input_shape, stages: int, microbatches: int, *,
-                 balance: str = "macs", split=None, axis_name: str = PIPE):
+                 balance: str = "macs", split=None, schedule: str = "gpipe", axis_name: str = PIPE):
         if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
             raise ValueError(f"parallel.pipeline.microbatches: expected an int >= 1, got {microbatches!r}")
         if balance not in BALANCE:
             raise ValueError(f"parallel.pipeline.balance: expected one of {BALANCE}, got {balance!r}")
+        if schedule not in SCHEDULES:
+            raise ValueError(f"parallel.pipeline.schedule: expected one of {SCHEDULES}, got {schedule!r}")
         self.model, self.stages, self.microbatches, self.axis_name = model, stages, microbatches, axis_name
         self.blocks = pipeline_blocks(model)
         if stages > len(self.blocks):
@@ -213,6 +343,14 @@ class Pipeline:
             self.costs = None
         bounds = np.concatenate([[0], np.cumsum(sizes)]).tolist()
         self.stage_blocks = [self.blocks[bounds[s]:bounds[s + 1]] for s in range(stages)]
+        self.schedule = schedule
+
+    @property
+    def stash_slots(self) -> int:
+        """Stage inputs each device keeps for the backward: ``M`` (GPipe) or ``min(S, M)`` (1F1B)."""
+        if self.schedule == "gpipe":
+            return self.microbatches
+        return max(one_f_one_b(self.stages, self.microbatches).slots, 1)
 
     @property
     def split(self) -> list[int]:
@@ -221,7 +359,7 @@ class Pipeline:
 
     @property
     def bubble_fraction(self) -> float:
-        """The share of ticks a device is idle: ``(S - 1) / (M + S - 1)``."""
+        """The share of ticks a device is idle: ``(S - 1) / (M + S - 1)`` (either schedule)."""
         s, m = self.stages, self.microbatches
         return (s - 1) / (m + s - 1)
 
@@ -318,43 +456,7 @@ class Pipeline:
                         tree = _set(tree, path, v)
                 return tree
 
-            # ----- forward ------------------------------------------------------------------
-            def fwd_branch(s):
-                def f(buf, m, model_state):
-                    x = stage_input(s, buf, m)
-                    y, new = run(s, params, model_state, x, key_of(m))
-                    model_state = with_own(s, model_state, new)
-                    if s == S - 1:
-                        _, (loss, top1) = head(y, labels_m[m], loss_scale)
-                        return jnp.zeros((mb, width), wire), model_state, \
-                            loss.astype(jnp.float32), top1.astype(jnp.float32)
-                    return to_buf(y), model_state, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32)
-                return f
-
-            stage = jax.lax.axis_index(axis)
-            fwd = [fwd_branch(s) for s in range(S)]
-            forward_perm = [(i, i + 1) for i in range(S - 1)]
-
-            def fwd_tick(carry, t):
-                recv, st, stash, loss_sum, top1_sum = carry
-                m = t - stage
-                valid = (m >= 0) & (m < M)
-                mc = jnp.clip(m, 0, M - 1)
-                stash = stash.at[mc].set(jnp.where(valid, recv, stash[mc]))
-                out, new_st, loss, top1 = jax.lax.switch(stage, fwd, recv, mc, st)
-                st = jax.tree_util.tree_map(lambda a, b: jnp.where(valid, a, b), new_st, st)
-                loss_sum = loss_sum + jnp.where(valid, loss, 0.0)
-                top1_sum = top1_sum + jnp.where(valid, top1, 0.0)
-                recv = jax.lax.ppermute(out, axis, forward_perm) if S > 1 else out
-                return (recv, st, stash, loss_sum, top1_sum), None
-
-            zero_buf = jnp.zeros((mb, width), wire)
-            carry = (zero_buf, model_state, jnp.zeros((M, mb, width), wire),
-                     jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
-            (_, new_state, stash, loss_sum, top1_sum), _ = jax.lax.scan(fwd_tick, carry,
-                                                                        jnp.arange(M + S - 1))
-
-            # ----- backward -----------------------------------------------------------------
+            # ----- one stage's forward and backward (both schedules) -------------------------
             # Each stage's gradients accumulate packed in one flat buffer as long as the
             # largest stage's parameters (not a whole tree per device); an all_gather over
             # pipe then gives every device every stage's part.
@@ -374,6 +476,18 @@ class Pipeline:
                     start += x.size
                 return jax.tree_util.tree_unflatten(treedef, out)
 
+            def fwd_branch(s):
+                def f(buf, m, model_state):
+                    x = stage_input(s, buf, m)
+                    y, new = run(s, params, model_state, x, key_of(m))
+                    model_state = with_own(s, model_state, new)
+                    if s == S - 1:
+                        _, (loss, top1) = head(y, labels_m[m], loss_scale)
+                        return jnp.zeros((mb, width), wire), model_state, \
+                            loss.astype(jnp.float32), top1.astype(jnp.float32)
+                    return to_buf(y), model_state, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32)
+                return f
+
             def bwd_branch(s):
                 def f(buf, ct, m):
                     def g(mine, buf):
@@ -388,21 +502,104 @@ class Pipeline:
                     return pack(jax.tree_util.tree_leaves(d_mine)), (jnp.zeros_like(d_buf) if s == 0 else d_buf)
                 return f
 
+            stage = jax.lax.axis_index(axis)
+            fwd = [fwd_branch(s) for s in range(S)]
             bwd = [bwd_branch(s) for s in range(S)]
+            forward_perm = [(i, i + 1) for i in range(S - 1)]
             backward_perm = [(i + 1, i) for i in range(S - 1)]
+            send = lambda x: jax.lax.ppermute(x, axis, forward_perm) if S > 1 else x
+            send_back = lambda x: jax.lax.ppermute(x, axis, backward_perm) if S > 1 else x
+            zero_buf = jnp.zeros((mb, width), wire)
+            zero_grads = jnp.zeros((length,), acc)
+            zero = jnp.zeros((), jnp.float32)
 
-            def bwd_tick(carry, t):
-                ct, total = carry
-                m = t - (S - 1 - stage)
-                valid = (m >= 0) & (m < M)
-                mc = jnp.clip(m, 0, M - 1)
-                grads, d_buf = jax.lax.switch(stage, bwd, stash[mc], ct, mc)
-                total = total + jnp.where(valid, grads, 0)
-                ct = jax.lax.ppermute(d_buf, axis, backward_perm) if S > 1 else d_buf
-                return (ct, total), None
+            def gpipe():
+                """Every forward (a scan of M + S - 1 ticks, stage s on micro-batch t - s, its
+                input stashed in slot m), then every backward (the same, in reverse)."""
+                def fwd_tick(carry, t):
+                    recv, st, stash, loss_sum, top1_sum = carry
+                    m = t - stage
+                    valid = (m >= 0) & (m < M)
+                    mc = jnp.clip(m, 0, M - 1)
+                    stash = stash.at[mc].set(jnp.where(valid, recv, stash[mc]))
+                    out, new_st, loss, top1 = jax.lax.switch(stage, fwd, recv, mc, st)
+                    st = jax.tree_util.tree_map(lambda a, b: jnp.where(valid, a, b), new_st, st)
+                    loss_sum = loss_sum + jnp.where(valid, loss, 0.0)
+                    top1_sum = top1_sum + jnp.where(valid, top1, 0.0)
+                    return (send(out), st, stash, loss_sum, top1_sum), None
 
-            (_, total), _ = jax.lax.scan(bwd_tick, (zero_buf, jnp.zeros((length,), acc)),
-                                         jnp.arange(M + S - 1))
+                carry = (zero_buf, model_state, jnp.zeros((M, mb, width), wire), zero, zero)
+                (_, new_state, stash, loss_sum, top1_sum), _ = jax.lax.scan(fwd_tick, carry,
+                                                                            jnp.arange(M + S - 1))
+
+                def bwd_tick(carry, t):
+                    ct, total = carry
+                    m = t - (S - 1 - stage)
+                    valid = (m >= 0) & (m < M)
+                    mc = jnp.clip(m, 0, M - 1)
+                    grads, d_buf = jax.lax.switch(stage, bwd, stash[mc], ct, mc)
+                    total = total + jnp.where(valid, grads, 0)
+                    return (send_back(d_buf), total), None
+
+                (_, total), _ = jax.lax.scan(bwd_tick, (zero_buf, zero_grads), jnp.arange(M + S - 1))
+                return new_state, total, loss_sum, top1_sum
+
+            def one_f_one_b_scan():
+                """One scan over the 1F1B timetable: each tick a device stores the activation
+                that arrived into its stash slot, runs its forward, backward or nothing
+                (lax.switch over 2S + 1 branches), and sends both ways."""
+                table = one_f_one_b(S, M)
+                branch = np.where(table.op == FORWARD, 1 + np.arange(S), 0)
+                branch = np.where(table.op == BACKWARD, 1 + S + np.arange(S), branch)
+                # An activation (from s - 1) and a cotangent (from s + 1) never reach a stage at the
+                # same tick, so one receive buffer (the inbox) carries whichever comes: the
+                # activation where the next tick stores one in the stash, else the cotangent.
+                arrives = table.store >= 0
+                act_next = np.concatenate([arrives[1:], np.zeros((1, S), bool)]).astype(np.int32)
+                rows = jnp.asarray(np.stack([branch, table.micro, table.slot, table.store, act_next], -1))
+                slots = max(table.slots, 1)
+
+                # Every branch returns one buffer (the outbox: a forward's activation or a
+                # backward's cotangent; one conditional output, not two live through the
+                # branch) and zeros made inside it (captured from outside, they would be loop
+                # operands live through the scan).
+                def idle(buf, ct, m, st, total):
+                    z = jnp.zeros((), jnp.float32)
+                    return jnp.zeros((mb, width), wire), total, st, z, z
+
+                def forward(s):
+                    def f(buf, ct, m, st, total):
+                        out, st, loss, top1 = fwd[s](buf, m, st)
+                        return out, total, st, loss, top1
+                    return f
+
+                def backward(s):
+                    def f(buf, ct, m, st, total):
+                        grads, d_buf = bwd[s](buf, ct, m)
+                        z = jnp.zeros((), jnp.float32)
+                        return d_buf, total + grads, st, z, z
+                    return f
+
+                branches = [idle] + [forward(s) for s in range(S)] + [backward(s) for s in range(S)]
+
+                def tick(carry, row):
+                    inbox, stash, st, total, loss_sum, top1_sum = carry
+                    b, m, k, store, act_next = [row[stage, i] for i in range(5)]
+                    kc = jnp.maximum(store, 0)
+                    stash = stash.at[kc].set(jnp.where(store >= 0, inbox, stash[kc]))
+                    outbox, total, st, loss, top1 = jax.lax.switch(b, branches, stash[k], inbox, m, st, total)
+                    # the same sums in the same order as gpipe's (zeros where a tick adds nothing)
+                    loss_sum = loss_sum + loss
+                    top1_sum = top1_sum + top1
+                    # the outbox goes both ways; the receiver keeps the one the table says comes
+                    inbox = jnp.where(act_next > 0, send(outbox), send_back(outbox))
+                    return (inbox, stash, st, total, loss_sum, top1_sum), None
+
+                carry = (zero_buf, jnp.zeros((slots, mb, width), wire), model_state, zero_grads, zero, zero)
+                (_, _, new_state, total, loss_sum, top1_sum), _ = jax.lax.scan(tick, carry, rows)
+                return new_state, total, loss_sum, top1_sum
+
+            new_state, total, loss_sum, top1_sum = gpipe() if self.schedule == "gpipe" else one_f_one_b_scan()
 
             # ----- every stage's part to every device --------------------------------------
             every = jax.lax.all_gather(total, axis) if S > 1 else total[None]

@@ -46,7 +46,8 @@ class ParallelPlan:
         fsdp: shard large parameters and optimiser moments over ``data`` too.
         sync_batch_norm: BatchNorm statistics over the global batch.
         pipeline: with a ``pipe`` axis: ``{"microbatches": M, "split": None | [blocks per
-            stage], "balance": "macs" | "params" | "activations"}`` (all optional; ``microbatches``
+            stage], "balance": "macs" | "params" | "activations", "schedule": "gpipe" | "1f1b"}``
+            (all optional; ``microbatches``
             defaults to twice the stages); the plan's :attr:`pipeline` (a
             :class:`~jaxcnn.parallel.pipeline.Pipeline`) then goes to
             ``make_train_step(..., pipeline=plan.pipeline)``.
@@ -203,10 +204,10 @@ def _pipeline(mesh, model, input_shape, strategy, fsdp, spec) -> Pipeline | None
     """The :class:`Pipeline` of a mesh with a ``pipe`` axis (None without one), its
     combinations with the other settings and the batch checked before any compute."""
     stages = axis_size(mesh, PIPE)
-    unknown = set(spec) - {"microbatches", "split", "balance"}
+    unknown = set(spec) - {"microbatches", "split", "balance", "schedule"}
     if unknown:
         raise ValueError(f"parallel.pipeline: unknown key(s) {sorted(unknown)}; expected microbatches, "
-                         "split, balance")
+                         "split, balance, schedule")
     if stages == 1:
         return None
     if strategy != "shard_map":
@@ -219,7 +220,8 @@ def _pipeline(mesh, model, input_shape, strategy, fsdp, spec) -> Pipeline | None
         raise ValueError(f"parallel.fsdp: not with pipeline parallelism (mesh.pipe={stages})")
     microbatches = spec.get("microbatches")
     pipe = Pipeline(model, input_shape, stages, 2 * stages if microbatches is None else microbatches,
-                    balance=spec.get("balance") or "macs", split=spec.get("split"))
+                    balance=spec.get("balance") or "macs", split=spec.get("split"),
+                    schedule=spec.get("schedule") or "gpipe")
     pipe.check_batch(input_shape[0] // mesh.shape[DATA])
     return pipe
 
@@ -255,7 +257,7 @@ def setup(cfg, model, input_shape, abstract_state, *, devices=None) -> ParallelP
 def _pipeline_config(cfg) -> dict:
     """``parallel.pipeline`` as ``ParallelPlan(pipeline=...)`` takes it; the micro-batches are
     ``train.accumulate_steps`` when ``parallel.pipeline.microbatches`` is unset."""
-    spec = {k: getattr(cfg.parallel.pipeline, k) for k in ("microbatches", "split", "balance")}
+    spec = {k: getattr(cfg.parallel.pipeline, k) for k in ("microbatches", "split", "balance", "schedule")}
     if spec["microbatches"] is None and cfg.train.accumulate_steps > 1:
         spec["microbatches"] = cfg.train.accumulate_steps
     if cfg.mesh.pipe > 1 and spec["microbatches"] is None:

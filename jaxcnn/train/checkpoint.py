@@ -82,7 +82,7 @@ NON_TRAINING_KEYS = (
     "data.workers", "data.on_bad_image", "data.eval_resize",
     "model.impl", "model.batch_norm_grad", "model.conv_bn",
     "parallel.strategy", "parallel.fsdp", "parallel.rules", "parallel.spatial.", "parallel.pipeline.split",
-    "parallel.pipeline.balance",
+    "parallel.pipeline.balance", "parallel.pipeline.schedule",
 )
 
 

@@ -306,6 +306,9 @@ SCHEMA: dict[str, dict] = {
                         nullable=True, item=_f("int", None, "blocks", **_POS_INT)),
             "balance": _f("str", "macs", "mesh.pipe > 1: what a balanced split evens out (MACs: time; "
                           "activations: memory)", choices=("macs", "params", "activations")),
+            "schedule": _f("str", "gpipe", "mesh.pipe > 1: gpipe (every forward, then every backward) or "
+                           "1f1b (one forward, one backward: the same numbers, min(pipe, microbatches) "
+                           "stage inputs kept per device instead of microbatches)", choices=("gpipe", "1f1b")),
         },
         "spatial": {
             "until": _f("str", "auto", "with mesh.spatial > 1: the last layer (a path such as layer3) whose "

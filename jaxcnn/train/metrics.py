@@ -230,7 +230,7 @@ def describe_devices(plan) -> str:
     pipe = getattr(plan, "pipeline", None)
     if pipe is not None:
         text += (f", pipeline over {pipe.stages} stages ({pipe.microbatches} micro-batches, bubble "
-                 f"{pipe.bubble_fraction:.0%}; blocks per stage {pipe.split})")
+                 f"{pipe.bubble_fraction:.0%}; blocks per stage {pipe.split}; schedule {pipe.schedule})")
     if plan.fsdp:
         text += ", parameters and optimiser state sharded over the data axis (fsdp)"
     procs = jax.process_count()

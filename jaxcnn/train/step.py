@@ -206,7 +206,7 @@ def make_train_step(model, tx: optax.GradientTransformation, *, policy=None,
         accumulate: micro-batches per step (example ``i`` in micro-batch ``i % accumulate``),
             run in turn (``lax.scan``), gradients averaged into one update; BatchNorm uses
             and updates its statistics per micro-batch, as PyTorch does.
-        pipeline: a :class:`jaxcnn.parallel.Pipeline` (``plan.pipeline``): gradients from its GPipe
+        pipeline: a :class:`jaxcnn.parallel.Pipeline` (``plan.pipeline``): gradients from its GPipe or 1F1B
             schedule over its micro-batches (``accumulate``: 1 or their count).
 
     The returned function carries ``batch_norm_axis_name`` (the axis BatchNorm syncs over, or
