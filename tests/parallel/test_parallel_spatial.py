@@ -259,7 +259,10 @@ def test_bench_scaling_reports_memory_and_halo_exchanges(capsys):
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     # The script sets XLA_FLAGS (its device count) as a command-line tool does; the
-    # subprocesses of later tests in this worker must not inherit that.
+    # subprocesses of later tests in this worker must not inherit that, and JAX must start
+    # here with the suite's 8 devices, not with the script's count (later tests use 8).
+    import jax
+    assert jax.device_count() == 8
     environ = dict(os.environ)
     try:
         assert bench.main(["--model", "mnist_cnn", "--layout", "spatial", "--devices", "1,2",
