@@ -520,34 +520,40 @@ def dense_calls(x, w, *, stride, pads) -> dict:
     return {k: out[k] for k in mc.KERNELS if out[k].runs()}
 
 
+def dense_only(call):
+    """``fn(x, w, scale, shift, dy)`` launching only ``call``'s dense Mosaic kernel (a
+    :class:`~pallas_kernels.mgpu_conv.DenseCall` without bias or residual): the forward
+    alone, in its fused form (``scale``/``shift`` the prologue's); a gradient from the
+    cotangent ``dy`` (the input gradient's phases for a strided call)."""
+    import pallas_kernels.mgpu_conv as mc
+    import pallas_kernels.mgpu_fused as mf
+    geometry = dict(stride=call.stride, padding=call.pads, dilation=call.dilation)
+    if call.part == "fwd":
+        pro, stats = "bnrelu" in call.kernel, call.kernel.endswith("stats")
+        return lambda x, w, s, t, dy: mf.conv2d(
+            x, w, **geometry, input_scale=s if pro else None, input_shift=t if pro else None,
+            stats=stats)
+    which = 1 if call.part == "wgrad" else 0
+    return lambda x, w, s, t, dy: jax.vjp(
+        lambda x, w: mc.conv2d(x, w, **geometry), x, w)[1](dy)[which]
+
+
 def dense_candidates(args, *, stride, pads, kind: str = H100) -> list:
     """``[(kernel, config, report)]``: every tile configuration the tuner can choose for each
     dense Mosaic kernel of ``conv(x, w)`` (``args``: abstract ``x``, ``w``) on ``kind`` (the
     candidates within that device's shared memory), each lowered for it with only its kernel
-    (a forward alone, in its fused form; a gradient from its cotangent) and reported."""
+    (:func:`dense_only`) and reported."""
     import pallas_kernels.mgpu_conv as mc
-    import pallas_kernels.mgpu_fused as mf
     x, w = args
     ss = jax.ShapeDtypeStruct((x.shape[3],), jnp.float32)
-    ct = jax.ShapeDtypeStruct(jax.eval_shape(
+    dy = jax.ShapeDtypeStruct(jax.eval_shape(
         lambda x, w: mc.conv2d(x, w, stride=stride, padding=pads), x, w).shape, x.dtype)
-
-    def only(call):
-        if call.part == "fwd":
-            pro, stats = "bnrelu" in call.kernel, call.kernel.endswith("stats")
-            return lambda x, w, s, t, ct: mf.conv2d(
-                x, w, stride=stride, padding=pads, input_scale=s if pro else None,
-                input_shift=t if pro else None, stats=stats)
-        which = 1 if call.part == "wgrad" else 0
-        return lambda x, w, s, t, ct: jax.vjp(
-            lambda x, w: mc.conv2d(x, w, stride=stride, padding=pads), x, w)[1](ct)[which]
-
     out = []
     for kernel, call in dense_calls(x, w, stride=stride, pads=pads).items():
-        fn = only(call)
+        fn = dense_only(call)
         for cfg in call.candidates(_SHARED_MEMORY_LIMITS.get(kind)):
             with autotune.override({call.key: cfg}):
-                reports = inspect_mosaic(fn, x, w, ss, ss, ct, kind=kind)
+                reports = inspect_mosaic(fn, x, w, ss, ss, dy, kind=kind)
             out += [(kernel, cfg, r) for r in reports if r.name == f"jaxcnn_{kernel}"]
     return out
 
