@@ -27,7 +27,8 @@ stores that verdict keyed with ``backend="mosaic"``: only such a measurement let
 (the ``tiles`` column: ``w<tile row>n<channels>k<chunk>s<slots>[ws][/<split>]`` per part).
 A shape whose verdict is already in the user's cache is not tuned again unless
 ``--retune``, so a run cut short resumes where it stopped.  ``--sweep`` is the old name
-of ``--tune``.
+of ``--tune``.  Tiles are tuned on a GPU only: in interpret mode (``--force`` on a CPU)
+``--tune`` races the default tiles only (:func:`tiles_tunable`).
 
 ``--fused`` times BatchNorm fused into the convolution instead
 (:mod:`pallas_kernels.mgpu_fused`), per shape in its two forms: ``stats`` (the
@@ -102,16 +103,28 @@ def _mosaic_cached(op, arrays, static) -> bool:
     return autotune.op_key(op, arrays, static) in mine
 
 
+def tiles_tunable() -> bool:
+    """Whether ``--tune`` times tile candidates: on a GPU only.  In interpret mode (``--force``
+    on a CPU) it would time the interpreter, one compilation per candidate, for nothing:
+    there ``--tune`` only races the op (default tiles) against XLA."""
+    return jax.default_backend() == "gpu"
+
+
+def _no_candidates(kernel, call, co):
+    return []
+
+
 def tune(x, w, kw, retune: bool = False) -> bool:
-    """Tunes one shape's Mosaic kernels (their tiles, then the race against XLA that
-    ``impl="auto"`` reads) unless the user's cache holds that race already and not
-    ``retune``; returns whether it tuned."""
+    """Tunes one shape's Mosaic kernels (their tiles, where :func:`tiles_tunable`, then the
+    race against XLA that ``impl="auto"`` reads) unless the user's cache holds that race
+    already and not ``retune``; returns whether it tuned."""
     arrays, static = tuning.canonical_call("conv2d", (x, w), kw)
     mosaic = {**static, "backend": "mosaic"}
     if not retune and _mosaic_cached("conv2d", arrays, mosaic):
         return False
+    more = {} if tiles_tunable() else {"candidate_fn": _no_candidates}
     autotune.tune_op("conv2d", arrays, mosaic,
-                     xla=lambda *a: F.conv2d(*a, **static, impl="xla"))
+                     xla=lambda *a: F.conv2d(*a, **static, impl="xla"), **more)
     return True
 
 
@@ -186,8 +199,8 @@ def fused_rows(name, group, x_shape, kw, w_shape, opts, bk):
             fns = _fused_fns(kw, prologue)
             static = fcb.tuned_static(x.shape, w.shape, **kw_geometry(kw),
                                       prologue=prologue, stats=True)
-            if opts.tune and (opts.retune
-                              or not _mosaic_cached(fcb.TUNED_OP, (x, w), static)):
+            if opts.tune and tiles_tunable() and (
+                    opts.retune or not _mosaic_cached(fcb.TUNED_OP, (x, w), static)):
                 # The fused op's kernels' tiles first (its forward keyed by its form).
                 autotune.store_kernels(autotune.tune_kernels(fns[0], args))
             chosen = tiles(fns[0], args)
@@ -229,14 +242,18 @@ def main(argv=None) -> int:
     parser.add_argument("--tune", action="store_true",
                         help="first tune each shape's Mosaic tiles and store them with a "
                              "backend='mosaic' verdict in the user's cache")
-    parser.add_argument("--sweep", action="store_true", dest="tune",
-                        help="the old name of --tune")
+    parser.add_argument("--sweep", action="store_true",
+                        help="the old name of --tune (the plain convolution's)")
     parser.add_argument("--retune", action="store_true",
                         help="with --tune, tune shapes already in the user's cache again")
     parser.add_argument("--fused", action="store_true",
                         help="time BatchNorm fused into the convolution (statistics epilogue, "
                              "BatchNorm+ReLU prologue) against the unfused chains")
     opts = parser.parse_args(argv)
+    if opts.fused and opts.sweep:
+        parser.error("--sweep is the old name of --tune for the plain convolution; with "
+                     "--fused, pass --tune")
+    opts.tune = opts.tune or opts.sweep
     groups = bc.chosen_groups(parser, opts, GROUPS)
     status = bc.mosaic_preflight("bench_mgpu", opts.force)
     if status is not None:

@@ -376,7 +376,8 @@ def test_bench_mgpu_tunes_then_times_with_the_tuned_tiles(tmp_path, monkeypatch,
     (a fake clock, one candidate a kernel: two-slot tiles, not the defaults) before it is
     timed, the rows name the tiles each part ran with, and a resumed run tunes nothing
     already tuned unless --retune.  --fused --tune tunes the fused op's kernels the same
-    way (through autotune.tune_kernels), its forward keyed by its form."""
+    way (through autotune.tune_kernels), its forward keyed by its form.  (On a CPU the
+    script tunes no tiles, interpret mode being no measurement: told here that it may.)"""
     bm = _script("bench_mgpu")
     monkeypatch.setenv("JAXCNN_AUTOTUNE_CACHE", str(tmp_path / "cache.json"))
     real_op, real_kernels, tuned = autotune.tune_op, autotune.tune_kernels, []
@@ -386,6 +387,7 @@ def test_bench_mgpu_tunes_then_times_with_the_tuned_tiles(tmp_path, monkeypatch,
 
     def fake_tune(op, arrays, static, **kw):
         tuned.append(op)
+        kw.pop("candidate_fn", None)
         return real_op(op, arrays, static, **kw, timer=lambda fn, *a: 1.0, candidate_fn=one)
 
     def fake_kernels(run, arrays, **kw):
@@ -393,6 +395,8 @@ def test_bench_mgpu_tunes_then_times_with_the_tuned_tiles(tmp_path, monkeypatch,
         return real_kernels(run, arrays, timer=lambda fn, *a: 1.0, candidate_fn=one)
 
     monkeypatch.setattr(autotune, "tune_op", fake_tune)
+    assert not bm.tiles_tunable()  # the CPU: tiles are tuned on a GPU only, unless told
+    monkeypatch.setattr(bm, "tiles_tunable", lambda: True)
     monkeypatch.setattr(bm, "SHAPES", [("mnist", "tiny", (6, 6, 16), dict(padding=1),
                                         (3, 3, 16, 16), 1)])
     out = tmp_path / "m.json"
