@@ -88,7 +88,12 @@ bfloat16/float16 in, float32 accumulation):
   ``conv(relu(bn(x)))``.  The fused forwards are named ``..._fwd_bnrelu``,
   ``..._fwd_stats`` and ``..._fwd_bnrelu_stats``.
 - **Shared memory**: :func:`smem_bytes` is the scratch Mosaic counts; a configuration
-  over :data:`MAX_SMEM` (227 KiB) is refused in one line before lowering.
+  over :data:`MAX_SMEM` (227 KiB) is refused in one line before lowering
+  (:func:`wgrad_smem_bytes` counts the weight gradient's).
+- **Tiles per shape**: each kernel looks its :class:`MgpuConfig` up per call and device kind
+  (:func:`tuning_calls`, :class:`DenseCall`: the forward keyed by its fused form, the input
+  and weight gradients), which ``autotune.tune_op(..., backend="mosaic")`` (``scripts/
+  bench_mgpu.py --tune``) chooses among :meth:`DenseCall.candidates`; defaults otherwise.
 - **Not supported** (:class:`~jaxcnn.errors.KernelUnsupported`, which the
   dispatcher turns into the Triton/XLA path): stride > 4, groups > 1,
   float32, channel counts that are not a multiple of 8 (TMA needs 16-byte
