@@ -343,8 +343,8 @@ def _random_like(args, seed=0):
 def _loss_grad(fn, args):
     """``jit(grad(loss))`` of ``sum(out ** 2)`` over every floating output of ``fn``, with
     respect to every floating argument of ``args`` (the concrete arguments): each gradient
-    kernel's result is used, so none is dropped as dead code (the weight gradient's is
-    only with ``w`` among the arguments differentiated)."""
+    kernel's result is used, so none is dropped as dead code (jit drops the Mosaic weight
+    gradients unless ``w`` is among the arguments differentiated)."""
     argnums = tuple(i for i, a in enumerate(args)
                     if a is not None and jnp.issubdtype(a.dtype, jnp.floating))
 
