@@ -3,9 +3,13 @@
 Every Triton kernel launch asks :func:`config_for` for its :class:`BlockConfig`,
 keyed by the kernel's name and static geometry.  The answer comes from, in
 order: an active :func:`override` (used while tuning), the cache entry for
-this device kind, or a heuristic default.  The Mosaic GPU pooling and depthwise
-kernels look their ``WindowConfig`` up the same way (:func:`lookup`, through
-:func:`pallas_kernels.mgpu_window.tuned_config`), their defaults otherwise.
+this device kind, or a heuristic default.  The Mosaic GPU (Hopper) kernels look
+their tiles up the same way, through one protocol (:func:`mosaic_config`,
+:func:`mosaic_part_configs`): each launch is a "Mosaic call" (the dense convolution's
+:class:`~pallas_kernels.mgpu_conv.DenseCall`, the pooling and depthwise kernels'
+:class:`~pallas_kernels.mgpu_window.WindowCall`) with a ``key``, a ``kernel`` name, a
+``dtype``, and ``fit``, ``smem_bytes`` and ``candidates`` for its configuration class
+(``MgpuConfig``, ``WindowConfig``: ``to_dict``/``from_dict``); their defaults otherwise.
 
 :func:`tune_op` times candidate configs for each kernel an op launches (it
 finds them by tracing the op and recording the lookups), keeps the fastest,
@@ -145,9 +149,9 @@ def lookup(key: str, launch: tuple):
     returns the :func:`override` for ``key``, else this device kind's cached entry (a
     dict), else None.  A pure lookup: safe inside any trace.
 
-    ``g`` is a :class:`ConvGeometry` for the Triton kernels, a
-    :class:`pallas_kernels.mgpu_window.WindowCall` for the Mosaic GPU window kernels
-    (which look their tiles up through here too, and list their own candidates)."""
+    ``g`` is a :class:`ConvGeometry` for the Triton kernels, a Mosaic call (see the module
+    docstring) for the Mosaic GPU kernels, which look their tiles up through here too
+    (:func:`mosaic_config`) and list their own candidates."""
     for rec in _recorders:
         rec[key] = launch
     if key in _overrides:
@@ -167,6 +171,39 @@ def config_for(kernel: str, g: ConvGeometry, co: int, dtype, interpret: bool) ->
         except (TypeError, ValueError) as e:
             warnings.warn(f"autotune cache entry {key!r} is invalid ({e}); using the default")
     return default_config(kernel, g, co, interpret)
+
+
+def mosaic_config(call, cls):
+    """The tuned ``cls`` (``MgpuConfig``, ``WindowConfig``) of one Mosaic GPU launch ``call``
+    on this device kind: an active :func:`override`, else the cached entry (the user's cache
+    over ``tuned.json``), else None.  A malformed entry warns, naming its key, and gives
+    None (the caller's default).  The launch is recorded for :func:`tune_op`, which times
+    ``call.candidates()``.  A pure lookup: safe inside any trace."""
+    found = lookup(call.key, (call.kernel, call, None, jnp.dtype(call.dtype)))
+    if found is None or isinstance(found, cls):
+        return found
+    try:
+        if not isinstance(found, dict):
+            raise TypeError(f"{type(found).__name__}, not a {cls.__name__}")
+        return cls.from_dict(found)
+    except (TypeError, ValueError) as e:
+        warnings.warn(f"autotune cache entry {call.key!r} is invalid ({e}); using the default",
+                      stacklevel=3)
+        return None
+
+
+def mosaic_part_configs(op: str, config, calls: dict, cls, default) -> tuple:
+    """The tiles of each part of a Mosaic GPU op, in the order of ``calls`` (``{part: Mosaic
+    call}``): ``config`` (one ``cls`` for all parts, or a dict by part) wins; a part not
+    given takes its tuned tiles (:func:`mosaic_config`), else ``default``."""
+    if isinstance(config, cls):
+        return (config,) * len(calls)
+    config = dict(config or {})
+    unknown = set(config) - set(calls)
+    if unknown:
+        raise ValueError(f"{op}: unknown config keys {sorted(unknown)}")
+    return tuple(config.get(part) or mosaic_config(call, cls) or default
+                 for part, call in calls.items())
 
 
 @contextlib.contextmanager
@@ -194,10 +231,11 @@ def _recording():
 def candidates(kernel: str, g: ConvGeometry, co: int) -> list:
     """Configs worth timing for one kernel (deduplicated after fitting the shape).
 
-    A Mosaic GPU window kernel's launch (``g`` a
-    :class:`~pallas_kernels.mgpu_window.WindowCall`, recorded by its lookup) lists its own
-    :class:`~pallas_kernels.mgpu_window.WindowConfig` candidates; :func:`tune_op` leaves out
-    those over the device's shared memory (:func:`launch_smem_bytes`)."""
+    A Mosaic GPU kernel's launch (``g`` a Mosaic call, recorded by its lookup: a
+    :class:`~pallas_kernels.mgpu_conv.DenseCall` or
+    :class:`~pallas_kernels.mgpu_window.WindowCall`) lists its own fitted candidates;
+    :func:`tune_op` leaves out those over the device's shared memory
+    (:func:`launch_smem_bytes`)."""
     if not isinstance(g, ConvGeometry):
         return g.candidates()
     family, part = kernel.rsplit("_", 1)
@@ -271,8 +309,8 @@ def shared_memory_estimate(kernel: str, cfg: BlockConfig, dtype) -> int:
 
 def launch_smem_bytes(kernel: str, g, cfg, dtype) -> int:
     """Shared memory of one recorded launch with ``cfg``: :func:`shared_memory_estimate` for
-    the Triton kernels, the window kernel's own count (``g.smem_bytes``) for the Mosaic
-    ones (``g`` a :class:`~pallas_kernels.mgpu_window.WindowCall`)."""
+    the Triton kernels, the kernel's own count (``g.smem_bytes``) for the Mosaic ones
+    (``g`` a Mosaic call)."""
     if isinstance(g, ConvGeometry):
         return shared_memory_estimate(kernel, cfg, dtype)
     return g.smem_bytes(cfg)
@@ -302,10 +340,18 @@ def _random_like(args, seed=0):
     return out
 
 
-def _loss_grad(fn):
-    def loss(*args):
-        return jnp.sum(fn(*args).astype(jnp.float32) ** 2)
-    return jax.jit(jax.grad(loss, argnums=0))
+def _loss_grad(fn, args):
+    """``jit(grad(loss))`` of ``sum(out ** 2)`` over every floating output of ``fn``, with
+    respect to every floating argument of ``args`` (the concrete arguments): each gradient
+    kernel's result is used, so none is dropped as dead code (jit drops the Mosaic weight
+    gradients unless ``w`` is among the arguments differentiated)."""
+    argnums = tuple(i for i, a in enumerate(args)
+                    if a is not None and jnp.issubdtype(a.dtype, jnp.floating))
+
+    def loss(*a):
+        return sum(jnp.sum(o.astype(jnp.float32) ** 2) for o in jax.tree.leaves(fn(*a))
+                   if jnp.issubdtype(o.dtype, jnp.floating))
+    return jax.jit(jax.grad(loss, argnums=argnums))
 
 
 def compile_threads() -> int:
@@ -370,53 +416,38 @@ def op_key(op: str, arrays, static: dict) -> str:
     return f"{op}|{shapes}|{kw}"
 
 
-def tune_op(op: str, arrays, static: dict, *, xla, timer=time_call,
-            candidate_fn=candidates) -> dict:
-    """Tunes every kernel ``pallas_kernels.<op>`` launches, then races it against ``xla``.
+def _is_forward(kernel: str) -> bool:
+    """Whether a tuned kernel runs in the forward pass (``dense_fwd``, ``mgpu_max_pool_fwd``,
+    the fused ``mgpu_conv_fwd_bnrelu_stats``): timed without a gradient."""
+    return "fwd" in kernel.split("_")
+
+
+def tune_kernels(run, arrays, *, timer=time_call, candidate_fn=candidates) -> dict:
+    """Times the candidate configs of every kernel ``run(*arrays)`` looks up (found by
+    tracing it and recording the lookups) and returns ``{key: fastest config}``.
+
+    A forward kernel is timed by the forward alone, another by ``jit(grad)`` of a loss of
+    every floating output of ``run`` with respect to every floating argument.  Kernels are
+    tuned one after the other, each timed with the ones before it at their chosen configs.
+    Nothing is saved (:func:`store_kernels`).
 
     Arguments:
-        op: ``"conv2d"``, ``"max_pool2d"`` or ``"avg_pool2d"``.
-        arrays: the op's array arguments (concrete or abstract; only shapes and
-            dtypes are used, random data is timed).
-        static: its keyword arguments, in the form the cache is keyed by
-            (:func:`jaxcnn.functional.tuning.tune_op` puts any call in that form).
-            ``backend="mosaic"`` in ``static`` times the Mosaic GPU (Hopper) kernels
-            and keys the entry so (the pooling and depthwise window kernels' tiles are
-            tuned then; the dense kernel's come from ``scripts/bench_mgpu.py --sweep``);
-            without it the Triton kernels run.
-        xla: the XLA form of the same call, a function of ``arrays``.
-        timer: ``timer(fn, *args) -> seconds``; ``fn`` is a compiled executable
-            for each candidate config (compiled ahead, several at once), a jitted
-            function for the final race against XLA.
-        candidate_fn: ``candidate_fn(kernel, g, co) -> [config]``: ``BlockConfig`` s for the
-            Triton kernels, ``WindowConfig`` s for the Mosaic window kernels (whose
-            launches record a :class:`~pallas_kernels.mgpu_window.WindowCall` as ``g``).
-
-    Returns:
-        The op's cache entry ``{"pallas_s", "xla_s", "pallas_grad_s", "xla_grad_s",
-        "fwd_faster", "grad_faster", "pallas_faster"}``; kernel choices and this
-        entry are saved to the cache under :func:`op_key`.
+        run: a function of the arrays launching the kernels (the op with its keywords).
+        arrays: concrete or abstract arrays; only shapes and dtypes are used, random data
+            is timed.
+        timer, candidate_fn: as :func:`tune_op`'s.
     """
-    import pallas_kernels  # the ops import this module
-
-    # An entry without "backend" is a measurement of the Triton kernels (what impl="auto"
-    # reads it as); one keyed with backend="mosaic" times the Hopper kernels.
-    run_static = {"backend": "triton", **static}
-
-    def run_pallas(*a):
-        return getattr(pallas_kernels, op)(*a, **run_static)
-
     args = _random_like(arrays)
     differentiable = jnp.issubdtype(args[0].dtype, jnp.floating)
 
     def bench(kernel):
         # A fresh function each time, so the trace sees the current override.
-        if kernel.endswith("fwd") or not differentiable:
-            return jax.jit(lambda *a: run_pallas(*a))
-        return _loss_grad(lambda *a: run_pallas(*a))
+        if _is_forward(kernel) or not differentiable:
+            return jax.jit(lambda *a: run(*a))
+        return _loss_grad(lambda *a: run(*a), args)
 
     with _recording() as launched:
-        jax.eval_shape(run_pallas, *args)
+        jax.eval_shape(run, *args)
     chosen: dict = {}
     limit = shared_memory_limit()
     for key, (kernel, g, co, dtype) in sorted(launched.items()):
@@ -435,19 +466,72 @@ def tune_op(op: str, arrays, static: dict, *, xla, timer=time_call,
                 best = (t, cfg)
         if best is not None:
             chosen[key] = best[1]
+    return chosen
+
+
+def store_kernels(chosen: dict) -> None:
+    """Saves :func:`tune_kernels`' ``{key: config}`` in the user's cache under this device
+    kind, where :func:`config_for` and :func:`mosaic_config` find them."""
+    devices = load_cache()
+    mine = devices.setdefault(device_kind(), {"kernels": {}, "ops": {}})
+    mine.setdefault("kernels", {}).update({k: c.to_dict() for k, c in chosen.items()})
+    save_cache(devices)
+
+
+def tune_op(op: str, arrays, static: dict, *, xla, timer=time_call,
+            candidate_fn=candidates) -> dict:
+    """Tunes every kernel ``pallas_kernels.<op>`` launches, then races it against ``xla``.
+
+    Arguments:
+        op: ``"conv2d"``, ``"max_pool2d"`` or ``"avg_pool2d"``.
+        arrays: the op's array arguments (concrete or abstract; only shapes and
+            dtypes are used, random data is timed).
+        static: its keyword arguments, in the form the cache is keyed by
+            (:func:`jaxcnn.functional.tuning.tune_op` puts any call in that form).
+            ``backend="mosaic"`` in ``static`` times the Mosaic GPU (Hopper) kernels
+            and keys the entry so (the dense convolution's forward, input- and
+            weight-gradient tiles, the pooling and depthwise window kernels' tiles);
+            without it the Triton kernels run.
+        xla: the XLA form of the same call, a function of ``arrays``.
+        timer: ``timer(fn, *args) -> seconds``; ``fn`` is a compiled executable
+            for each candidate config (compiled ahead, several at once), a jitted
+            function for the final race against XLA.
+        candidate_fn: ``candidate_fn(kernel, g, co) -> [config]``: ``BlockConfig`` s for the
+            Triton kernels; for the Mosaic kernels, whose launches record a Mosaic call as
+            ``g`` (``co`` None), ``MgpuConfig`` s or ``WindowConfig`` s.
+
+    Returns:
+        The op's cache entry ``{"pallas_s", "xla_s", "pallas_grad_s", "xla_grad_s",
+        "fwd_faster", "grad_faster", "pallas_faster"}``; kernel choices and this
+        entry are saved to the cache under :func:`op_key`.  The gradient times are of
+        every floating argument's gradient (the weights' included).
+    """
+    import pallas_kernels  # the ops import this module
+
+    # An entry without "backend" is a measurement of the Triton kernels (what impl="auto"
+    # reads it as); one keyed with backend="mosaic" times the Hopper kernels.
+    run_static = {"backend": "triton", **static}
+
+    def run_pallas(*a):
+        return getattr(pallas_kernels, op)(*a, **run_static)
+
+    chosen = tune_kernels(run_pallas, arrays, timer=timer, candidate_fn=candidate_fn)
+    args = _random_like(arrays)
+    differentiable = jnp.issubdtype(args[0].dtype, jnp.floating)
     with override(chosen):
-        entry = {"pallas_s": timer(bench("fwd"), *args), "xla_s": timer(jax.jit(xla), *args)}
+        entry = {"pallas_s": timer(jax.jit(lambda *a: run_pallas(*a)), *args),
+                 "xla_s": timer(jax.jit(xla), *args)}
         if differentiable:
-            entry["pallas_grad_s"] = timer(bench("grad"), *args)
-            entry["xla_grad_s"] = timer(_loss_grad(xla), *args)
+            entry["pallas_grad_s"] = timer(_loss_grad(lambda *a: run_pallas(*a), args), *args)
+            entry["xla_grad_s"] = timer(_loss_grad(xla, args), *args)
     entry["fwd_faster"] = bool(entry["pallas_s"] < entry["xla_s"])
     entry["grad_faster"] = bool(entry["pallas_grad_s"] < entry["xla_grad_s"]) if (
         differentiable) else entry["fwd_faster"]
     entry["pallas_faster"] = entry["fwd_faster"] and entry["grad_faster"]
+    store_kernels(chosen)
     devices = load_cache()
-    mine = devices.setdefault(device_kind(), {"kernels": {}, "ops": {}})
-    mine.setdefault("kernels", {}).update({k: c.to_dict() for k, c in chosen.items()})
-    mine.setdefault("ops", {})[op_key(op, arrays, static)] = entry
+    devices.setdefault(device_kind(), {"kernels": {}, "ops": {}}).setdefault(
+        "ops", {})[op_key(op, arrays, static)] = entry
     save_cache(devices)
     return entry
 

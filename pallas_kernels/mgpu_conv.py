@@ -88,7 +88,12 @@ bfloat16/float16 in, float32 accumulation):
   ``conv(relu(bn(x)))``.  The fused forwards are named ``..._fwd_bnrelu``,
   ``..._fwd_stats`` and ``..._fwd_bnrelu_stats``.
 - **Shared memory**: :func:`smem_bytes` is the scratch Mosaic counts; a configuration
-  over :data:`MAX_SMEM` (227 KiB) is refused in one line before lowering.
+  over :data:`MAX_SMEM` (227 KiB) is refused in one line before lowering
+  (:func:`wgrad_smem_bytes` counts the weight gradient's).
+- **Tiles per shape**: each kernel looks its :class:`MgpuConfig` up per call and device kind
+  (:func:`tuning_calls`, :class:`DenseCall`: the forward keyed by its fused form, the input
+  and weight gradients), which ``autotune.tune_op(..., backend="mosaic")`` (``scripts/
+  bench_mgpu.py --tune``) chooses among :meth:`DenseCall.candidates`; defaults otherwise.
 - **Not supported** (:class:`~jaxcnn.errors.KernelUnsupported`, which the
   dispatcher turns into the Triton/XLA path): stride > 4, groups > 1,
   float32, channel counts that are not a multiple of 8 (TMA needs 16-byte
@@ -109,7 +114,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -192,53 +196,34 @@ class MgpuConfig:
     split: int = 1
     warp_specialized: bool = False
 
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "MgpuConfig":
+        """The config of a tuned-cache entry; TypeError/ValueError for a malformed one (the
+        checks the kernels make when they run it)."""
+        cfg = cls(**d)
+        for name in ("block_n", "block_k", "stages", "split"):
+            if type(getattr(cfg, name)) is not int:
+                raise TypeError(f"MgpuConfig.{name} must be an int, got "
+                                f"{getattr(cfg, name)!r}")
+        if not isinstance(cfg.warp_specialized, bool):
+            raise TypeError(f"MgpuConfig.warp_specialized must be a bool, got "
+                            f"{cfg.warp_specialized!r}")
+        _check_config(cfg, cfg.block_k, cfg.block_n)
+        if cfg.split < 1:
+            raise ValueError(f"MgpuConfig.split must be >= 1, got {cfg.split}")
+        return cfg
+
 
 DEFAULT = MgpuConfig()
 PARTS = ("fwd", "dgrad", "wgrad")
-# The forward tiles ``scripts/bench_mgpu.py --sweep`` times and can store for a shape:
-# every configuration the tuner can choose (each lowered for sm_90a in the tests).
+# The forward grid ``scripts/bench_mgpu.py`` used to sweep, kept for the tests that lower
+# each of it; the tuner's grids are :data:`BLOCK_N`, :data:`BLOCK_K`, :data:`STAGES` below.
 SWEEP = tuple(MgpuConfig(block_n=bn, block_k=bk, stages=st, warp_specialized=ws)
               for bn in (64, 128, 256) for bk in (32, 64) for st in (2, 4)
               for ws in (False, True))
-
-
-def config_key(part: str, x_shape, w_shape, stride, pads, dilation, dtype) -> str:
-    """Autotune-cache key of one Mosaic kernel's tiles for one convolution call."""
-    if part not in PARTS:
-        raise ValueError(f"Mosaic GPU conv: part must be one of {PARTS}, got {part!r}")
-    geo = (f"x={list(x_shape)},w={list(w_shape)},stride={list(stride)},"
-           f"pads={[list(p) for p in pads]},dilation={list(dilation)}")
-    return f"mgpu_{part}|{geo}|{jnp.dtype(dtype).name}"
-
-
-def tuned_config(part: str, x_shape, w_shape, stride, pads, dilation, dtype):
-    """The cached :class:`MgpuConfig` of this call's ``part`` on this device kind (the
-    user's cache over ``tuned.json``), or None: a pure lookup, safe while tracing."""
-    from pallas_kernels import autotune
-    key = config_key(part, x_shape, w_shape, stride, pads, dilation, dtype)
-    entry = autotune._entries().get("kernels", {}).get(key)
-    if entry is None:
-        return None
-    try:
-        return MgpuConfig(**entry)
-    except TypeError as e:
-        warnings.warn(f"autotune cache entry {key!r} is invalid ({e}); using the default",
-                      stacklevel=2)
-        return None
-
-
-def store_config(part: str, x_shape, w_shape, stride, pads, dilation, dtype,
-                 config: MgpuConfig) -> str:
-    """Saves ``config`` as this call's ``part`` tiles in the user's autotune cache under
-    this device kind (what ``scripts/bench_mgpu.py --sweep --tune`` measured); returns
-    the key."""
-    from pallas_kernels import autotune
-    key = config_key(part, x_shape, w_shape, stride, pads, dilation, dtype)
-    devices = autotune.load_cache()
-    mine = devices.setdefault(autotune.device_kind(), {"kernels": {}, "ops": {}})
-    mine.setdefault("kernels", {})[key] = dataclasses.asdict(config)
-    autotune.save_cache(devices)
-    return key
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1018,6 +1003,204 @@ def conv_wgrad(x, dy, *, kernel_hw, stride=(1, 1), pads=((0, 0), (0, 0)), dilati
     return jnp.sum(partial, axis=0)[:, :c, :co].reshape(kh, kw, c, co)
 
 
+# --- tuning: each launch's tiles, per shape and device kind --------------------------------
+
+# The tuner's kernels: the forward (plain, and the fused forms of
+# :mod:`pallas_kernels.mgpu_fused`, whose prologue and statistics change its shared memory
+# and registers), the input gradient (the forward kernel on ``dy``) and the weight gradient.
+FWD_KERNELS = ("mgpu_conv_fwd", "mgpu_conv_fwd_bnrelu", "mgpu_conv_fwd_stats",
+               "mgpu_conv_fwd_bnrelu_stats")
+KERNELS = FWD_KERNELS + ("mgpu_conv_dgrad", "mgpu_conv_wgrad")
+# The grid the tuner times per launch, fitted to the shape (:meth:`DenseCall.candidates`):
+# channel tiles, reduction chunks (forward and input gradient), slots, the widest tile row
+# and half of it (from 16 pixels: no tile of more than 8 rows), warp specialisation
+# (forward and input gradient) and, for the weight gradient, two splits.
+BLOCK_N = (64, 128, 256)
+BLOCK_K = (32, 64)
+STAGES = (2, 4)
+_SMS = 132  # an H100's streaming multiprocessors: sizes the weight gradient's splits
+
+
+@dataclasses.dataclass(frozen=True)
+class DenseCall:
+    """One dense Mosaic kernel launch as the tuner sees it (the Mosaic-call protocol of
+    :mod:`pallas_kernels.autotune`: ``key``, ``fit``, ``smem_bytes``, ``candidates``): what
+    its tiles are cached under and what decides which tiles fit.
+
+    Attributes:
+        kernel: one of :data:`KERNELS` (the fused forwards by their prologue/statistics).
+        x_shape, w_shape: the op's ``(N, H, W, C_in)`` and ``(KH, KW, C_in, C_out)``.
+        stride, pads, dilation: as the op runs them (``pads`` explicit pairs).
+        dtype: the input's dtype name.
+        bias, residual: whether the forward's epilogue reads them (their shared memory).
+    """
+    kernel: str
+    x_shape: tuple
+    w_shape: tuple
+    stride: tuple
+    pads: tuple
+    dilation: tuple
+    dtype: str
+    bias: bool = False
+    residual: bool = False
+
+    def __post_init__(self):
+        if self.kernel not in KERNELS:
+            raise ValueError(f"DenseCall: kernel must be one of {KERNELS}, got {self.kernel!r}")
+
+    @property
+    def part(self) -> str:
+        return "fwd" if self.kernel in FWD_KERNELS else self.kernel.rsplit("_", 1)[1]
+
+    @property
+    def key(self) -> str:
+        """Autotune-cache key of this launch's tiles."""
+        dims = (f"x={list(self.x_shape)},w={list(self.w_shape)},stride={list(self.stride)},"
+                f"pads={[list(p) for p in self.pads]},dilation={list(self.dilation)}")
+        epilogue = "+".join(n for n, on in (("bias", self.bias), ("residual", self.residual))
+                            if on and self.part == "fwd")
+        return f"{self.kernel}|{dims}{epilogue and f',epilogue={epilogue}'}|{self.dtype}"
+
+    def out_hw(self) -> tuple:
+        return _out_hw(self.x_shape[1:3], self.w_shape[:2], self.stride, self.pads,
+                       self.dilation)
+
+    def channels(self) -> tuple:
+        """``(reduced, produced)`` channels of the launched GEMM: the input gradient's are
+        the forward's swapped."""
+        c, co = self.x_shape[3], self.w_shape[3]
+        return (co, c) if self.part == "dgrad" else (c, co)
+
+    def launch_width(self) -> int:
+        """Output width of the launched kernel: the op's, the input's for a stride-1 input
+        gradient, a stride phase's of the padded input for a strided one."""
+        if self.part != "dgrad":
+            return self.out_hw()[1]
+        if self.stride[1] == 1:
+            return self.x_shape[2]
+        return pl_cdiv(self.pads[1][0] + self.x_shape[2], self.stride[1])
+
+    def runs(self) -> bool:
+        """Whether the kernel runs for this call (the input gradient falls back to XLA where
+        it has no kernel: :func:`conv_dgrad`)."""
+        try:
+            check_supported(self.x_shape, self.w_shape, self.dtype, stride=self.stride,
+                            pads=self.pads)
+        except KernelUnsupported:
+            return False
+        if min(self.out_hw()) < 1:
+            return False
+        if self.part != "dgrad":
+            return True
+        (kh, kw), (dh, dw), ((pt, pb), (pleft, pr)) = self.w_shape[:2], self.dilation, self.pads
+        if tuple(self.stride) == (1, 1):  # the full correlation's padding, >= 0
+            return min(dh * (kh - 1) - pt, dh * (kh - 1) - pb, dw * (kw - 1) - pleft,
+                       dw * (kw - 1) - pr) >= 0
+        oh, ow = self.out_hw()
+        mh = pl_cdiv(pt + self.x_shape[1], self.stride[0])
+        return tuple(self.dilation) == (1, 1) and mh >= oh and self.launch_width() >= ow
+
+    def fit(self, cfg: MgpuConfig) -> MgpuConfig:
+        """``cfg`` as this launch runs it: the tile row, channel tiles and split it would be
+        clamped to, the fields it ignores at their defaults (equal fitted configs compile to
+        the same kernel)."""
+        widest = pick_tile_w(self.launch_width())
+        tw = min(cfg.tile_w or widest, widest)
+        c_red, c_out = self.channels()
+        bn = _block_n(c_out, cfg)
+        if self.part == "wgrad":  # 64 input channels a CTA; no warp-specialised form
+            oh, ow = self.out_hw()
+            tiles = self.x_shape[0] * pl_cdiv(oh, TILE_M // tw) * pl_cdiv(ow, tw)
+            return MgpuConfig(tile_w=tw, block_n=bn, block_k=DEFAULT.block_k,
+                              stages=cfg.stages, split=max(1, min(cfg.split, tiles)))
+        return MgpuConfig(tile_w=tw, block_n=bn, block_k=_block_k(c_red, cfg),
+                          stages=cfg.stages, warp_specialized=cfg.warp_specialized)
+
+    def smem_bytes(self, cfg: MgpuConfig) -> int:
+        """Shared memory the launch's scratch takes with ``cfg`` (the sum Mosaic checks
+        against the device's limit when it lowers the kernel): :func:`smem_bytes` for the
+        forward kernel (with this call's prologue, statistics, bias and residual; the
+        input gradient's channels swapped), :func:`wgrad_smem_bytes` for the weight
+        gradient."""
+        cfg = self.fit(cfg)
+        c_red, c_out = self.channels()
+        if self.part == "wgrad":
+            return wgrad_smem_bytes(cfg, c_out, self.dtype)
+        if self.part == "dgrad":
+            return smem_bytes(cfg, c_red, c_out, self.dtype)
+        return smem_bytes(cfg, c_red, c_out, self.dtype, bias=self.bias,
+                          residual_dtype=self.dtype if self.residual else None,
+                          prologue="bnrelu" in self.kernel, stats=self.kernel.endswith("stats"))
+
+    def candidates(self, limit: int | None = None) -> list:
+        """The fitted, distinct :class:`MgpuConfig` s worth timing for this launch, the
+        default's first; those over ``limit`` bytes of shared memory (and over
+        :data:`MAX_SMEM`, which the forward kernel refuses) left out; none where the kernel
+        does not run for the call."""
+        if not self.runs():
+            return []
+        widest = pick_tile_w(self.launch_width())
+        rows = sorted({widest, widest // 2 if widest >= 16 else widest}, reverse=True)
+        if self.part == "wgrad":  # about one and four CTAs per SM
+            ctas = self.w_shape[0] * self.w_shape[1] * pl_cdiv(self.x_shape[3], TILE_M) * \
+                pl_cdiv(self.w_shape[3], DEFAULT.block_n)
+            one = 1 << max(0, (pl_cdiv(_SMS, ctas) - 1).bit_length())
+            grid = [MgpuConfig(tile_w=tw, block_n=bn, stages=st, split=sp)
+                    for tw in rows for bn in BLOCK_N for st in STAGES for sp in (one, 4 * one)]
+        else:
+            grid = [MgpuConfig(tile_w=tw, block_n=bn, block_k=bk, stages=st,
+                               warp_specialized=ws)
+                    for tw in rows for bn in BLOCK_N for bk in BLOCK_K for st in STAGES
+                    for ws in (False, True)]
+        cap = MAX_SMEM if limit is None else min(limit, MAX_SMEM)
+        out = []
+        for cfg in [DEFAULT, *grid]:
+            cfg = self.fit(cfg)
+            if cfg not in out and self.smem_bytes(cfg) <= cap:
+                out.append(cfg)
+        return out
+
+
+def wgrad_smem_bytes(cfg: MgpuConfig, co: int, dtype) -> int:
+    """Shared memory the weight-gradient kernel's scratch takes for ``C_out = co``: the
+    unswizzled and swizzled slots of both operands (64 input channels and ``block_n``
+    output channels by 64 pixels), the float32 output tile and the slots' mbarriers."""
+    it = jnp.dtype(dtype).itemsize
+    bn, st = _block_n(co, cfg), cfg.stages
+    return 2 * st * TILE_M * (TILE_M + bn) * it + TILE_M * bn * 4 + st * _BARRIER
+
+
+def tuning_calls(x_shape, w_shape, dtype, *, stride, pads, dilation, bias=False,
+                 residual=False, prologue=False, stats=False) -> dict:
+    """``{"fwd", "dgrad", "wgrad"}``: the :class:`DenseCall` whose tiles each kernel of a dense
+    Mosaic convolution looks up and the tuner times (the forward named by its fused
+    prologue and statistics)."""
+    fwd = "mgpu_conv_fwd" + "_bnrelu" * bool(prologue) + "_stats" * bool(stats)
+    common = dict(x_shape=tuple(x_shape), w_shape=tuple(w_shape), stride=tuple(stride),
+                  pads=tuple(map(tuple, pads)), dilation=tuple(dilation),
+                  dtype=jnp.dtype(dtype).name)
+    return {"fwd": DenseCall(fwd, **common, bias=bool(bias), residual=bool(residual)),
+            "dgrad": DenseCall("mgpu_conv_dgrad", **common),
+            "wgrad": DenseCall("mgpu_conv_wgrad", **common)}
+
+
+def tuned_config(call: DenseCall) -> MgpuConfig | None:
+    """The tiles the tuner chose for ``call`` on this device kind (an active
+    :func:`pallas_kernels.autotune.override`, else the user's cache over ``tuned.json``), or
+    None: a pure lookup, safe while tracing; a malformed entry warns and gives None.  The
+    launch is recorded for :func:`pallas_kernels.autotune.tune_op`."""
+    from pallas_kernels import autotune
+    return autotune.mosaic_config(call, MgpuConfig)
+
+
+def part_configs(op: str, config, calls: dict) -> tuple:
+    """``(fwd, dgrad, wgrad)`` tiles: ``config`` (one :class:`MgpuConfig` for all, or a dict by
+    part), a part not given taking its tuned tiles (:func:`tuned_config` of ``calls[part]``,
+    from :func:`tuning_calls`), else :data:`DEFAULT`."""
+    from pallas_kernels import autotune
+    return autotune.mosaic_part_configs(op, config, calls, MgpuConfig, DEFAULT)
+
+
 # --- the differentiable op ---------------------------------------------------------------
 
 BACKWARDS = ("mosaic", "xla")
@@ -1042,8 +1225,8 @@ def conv2d(x, w, b=None, *, stride=(1, 1), padding=((0, 0), (0, 0)), dilation=(1
         stride: ``(sh, sw)``; padding: ``((top, bottom), (left, right))``; dilation:
             ``(dh, dw)``.
         config: one :class:`MgpuConfig` or ``{"fwd"|"dgrad"|"wgrad": MgpuConfig}``; a
-            part not given takes its cached tiles (:func:`tuned_config`), else the
-            defaults.
+            part not given takes its tuned tiles (:func:`tuned_config`, keyed by
+            :func:`tuning_calls`), else the defaults.
         interpret: run in Mosaic GPU interpret mode; detect_races: its race detector.
 
     Raises:
@@ -1056,24 +1239,12 @@ def conv2d(x, w, b=None, *, stride=(1, 1), padding=((0, 0), (0, 0)), dilation=(1
     dilation = tuple(int(d) for d in dilation)
     stride = tuple(int(v) for v in stride)
     check_supported(x.shape, w.shape, x.dtype, stride=stride, pads=pads)
-    cfgs = part_configs(config, x.shape, w.shape, stride, pads, dilation, x.dtype)
+    cfgs = part_configs("Mosaic GPU conv2d", config, tuning_calls(
+        x.shape, w.shape, x.dtype, stride=stride, pads=pads, dilation=dilation,
+        bias=b is not None, residual=residual is not None))
     static = (pads, dilation, bool(relu), backward, cfgs, bool(interpret), bool(detect_races),
               stride)
     return _conv(static, x, w, b, residual)
-
-
-def part_configs(config, x_shape, w_shape, stride, pads, dilation, dtype) -> tuple:
-    """``(fwd, dgrad, wgrad)`` tiles: ``config`` (one :class:`MgpuConfig` for all, or a dict
-    by part), a part not given taking its cached tiles (:func:`tuned_config`), else
-    :data:`DEFAULT`."""
-    if isinstance(config, MgpuConfig):
-        return (config,) * 3
-    config = dict(config or {})
-    unknown = set(config) - set(PARTS)
-    if unknown:
-        raise ValueError(f"Mosaic GPU conv2d: unknown config keys {sorted(unknown)}")
-    return tuple(config.get(part) or tuned_config(
-        part, x_shape, w_shape, stride, pads, dilation, dtype) or DEFAULT for part in PARTS)
 
 
 def _forward(static, x, w, b, residual):

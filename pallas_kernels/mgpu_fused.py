@@ -57,7 +57,9 @@ def conv2d(x, w, b=None, *, stride=(1, 1), padding=((0, 0), (0, 0)), dilation=(1
             mean and biased variance of the output as stored (what
             ``F.batch_norm_train`` computes from it), differentiable.
         backward: ``"mosaic"`` (input/weight-gradient kernels) or ``"xla"``.
-        config: an :class:`~pallas_kernels.mgpu_conv.MgpuConfig` or a dict by part.
+        config: an :class:`~pallas_kernels.mgpu_conv.MgpuConfig` or a dict by part; a part
+            not given takes its tuned tiles (the forward's keyed by its fused form:
+            :func:`pallas_kernels.mgpu_conv.tuning_calls`), else the defaults.
         interpret, detect_races: Mosaic GPU interpret mode and its race detector.
 
     Returns:
@@ -77,7 +79,10 @@ def conv2d(x, w, b=None, *, stride=(1, 1), padding=((0, 0), (0, 0)), dilation=(1
     dilation = tuple(int(d) for d in dilation)
     stride = tuple(int(v) for v in stride)
     mc.check_supported(x.shape, w.shape, x.dtype, stride=stride, pads=pads)
-    cfgs = mc.part_configs(config, x.shape, w.shape, stride, pads, dilation, x.dtype)
+    cfgs = mc.part_configs("Mosaic GPU fused conv2d", config, mc.tuning_calls(
+        x.shape, w.shape, x.dtype, stride=stride, pads=pads, dilation=dilation,
+        bias=b is not None, residual=residual is not None, prologue=input_scale is not None,
+        stats=stats))
     static = (stride, pads, dilation, bool(relu), bool(stats), backward, cfgs,
               bool(interpret), bool(detect_races))
     return _op(static, x, w, b, residual, input_scale, input_shift)

@@ -33,7 +33,6 @@ Nothing here has been timed on a GPU.  Every input pixel is read by ``KH x KW /
 from __future__ import annotations
 
 import dataclasses
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -432,15 +431,7 @@ def tuned_config(call: WindowCall) -> WindowConfig | None:
     or None: a pure lookup, safe while tracing.  The launch is recorded for
     :func:`pallas_kernels.autotune.tune_op`, which times :meth:`WindowCall.candidates`."""
     from pallas_kernels import autotune
-    found = autotune.lookup(call.key, (call.kernel, call, None, jnp.dtype(call.dtype)))
-    if found is None or isinstance(found, WindowConfig):
-        return found
-    try:
-        return WindowConfig.from_dict(found)
-    except (TypeError, ValueError) as e:
-        warnings.warn(f"autotune cache entry {call.key!r} is invalid ({e}); using the default",
-                      stacklevel=2)
-        return None
+    return autotune.mosaic_config(call, WindowConfig)
 
 
 def part_configs(op: str, config, calls: dict) -> tuple:
@@ -448,14 +439,8 @@ def part_configs(op: str, config, calls: dict) -> tuple:
     ``config`` (one :class:`WindowConfig` for all, or a dict by part), a part not given
     taking its tuned tiles (:func:`tuned_config`), else :data:`DEFAULT`."""
     check_config(op, config)
-    if isinstance(config, WindowConfig):
-        return (config,) * len(calls)
-    config = dict(config or {})
-    unknown = set(config) - set(calls)
-    if unknown:
-        raise ValueError(f"{op}: unknown config keys {sorted(unknown)}")
-    return tuple(config.get(part) or tuned_config(call) or DEFAULT
-                 for part, call in calls.items())
+    from pallas_kernels import autotune
+    return autotune.mosaic_part_configs(op, config, calls, WindowConfig, DEFAULT)
 
 
 __all__ = ["WindowConfig", "DEFAULT", "check_supported", "check_config", "on_hopper",

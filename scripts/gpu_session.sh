@@ -7,12 +7,14 @@
 #   bash scripts/gpu_session.sh train      # ResNet-50 step: auto vs xla, each with both
 #                                          # BatchNorm backwards; torch.compile, Flax
 #   bash scripts/gpu_session.sh profile    # where the ResNet-50 step's device time goes
-#   bash scripts/gpu_session.sh mgpu       # Hopper only: the Mosaic GPU conv against Triton
-#                                          # and cuDNN (bench_mgpu --sweep --tune)
+#   bash scripts/gpu_session.sh mgpu       # Hopper only: tune the Mosaic GPU conv's tiles
+#                                          # (forward, both gradients) and race, then time
+#                                          # it against Triton and cuDNN (bench_mgpu --tune)
 #   bash scripts/gpu_session.sh fused      # Hopper only: BatchNorm fused into the Mosaic conv
-#                                          # (statistics epilogue, BN+ReLU prologue) against
-#                                          # the unfused chains (bench_mgpu --fused --tune:
-#                                          # the verdicts Choices(conv_bn="auto") reads)
+#                                          # (statistics epilogue, BN+ReLU prologue): tune its
+#                                          # tiles, then time it against the unfused chains
+#                                          # (bench_mgpu --fused --tune: the verdicts
+#                                          # Choices(conv_bn="auto") reads)
 #   bash scripts/gpu_session.sh train_fused  # ResNet-50 step, conv_bn=off vs mosaic
 #   bash scripts/gpu_session.sh mgpu_window  # Hopper only: tune the Mosaic GPU pooling and
 #                                          # depthwise kernels' tiles and races, then time
@@ -20,9 +22,10 @@
 #                                          # (bench_mgpu_window --tune)
 #
 # Extra arguments go to the stage's script (e.g. `kernels --groups pool,mobilenet`).
-# `kernels` and `mgpu_window` tune only shapes not yet in $OUT/autotune.json, so when a
-# call runs out of time, the next one resumes: bring the file back into the tree and pass it as
-# RESUME_CACHE=path (copied to $OUT/autotune.json when that does not exist yet).
+# `kernels`, `mgpu`, `fused` and `mgpu_window` tune only shapes not yet in
+# $OUT/autotune.json, so when a call runs out of time, the next one resumes: bring the file
+# back into the tree and pass it as RESUME_CACHE=path (copied to $OUT/autotune.json when
+# that does not exist yet).
 # Candidates compile on up to 8 threads ($JAXCNN_AUTOTUNE_COMPILE_THREADS).
 # The tuner's choices land in $OUT/autotune.json; `train` and `profile` read that file
 # when it exists, so run `kernels` first in the same call or bring the file back.
@@ -55,7 +58,7 @@ case $stage in
   profile)
     python3 scripts/profile_step.py --out "$OUT/profile" "$@" 2>&1 | log ;;
   mgpu)
-    python3 scripts/bench_mgpu.py --sweep --tune --repeats 10 --json "$OUT/mgpu.json" "$@" \
+    python3 scripts/bench_mgpu.py --tune --repeats 10 --json "$OUT/mgpu.json" "$@" \
       2>&1 | log ;;
   fused)
     python3 scripts/bench_mgpu.py --fused --tune --repeats 10 --json "$OUT/mgpu_fused.json" \

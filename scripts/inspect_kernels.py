@@ -24,9 +24,11 @@ given device kind (its shipped ``tuned.json`` entries, else its defaults);
 ``--mosaic`` reports the Mosaic GPU (Hopper) kernels instead, from their lowered modules
 (TMA loads and stores, mbarriers, ``ldmatrix``/``stmatrix``, ``setmaxnreg``, the ``wgmma``
 shapes), per kernel: the dense convolutions (plain and with BatchNorm fused), then the
-pooling and depthwise window kernels; with ``--candidates``, every window-kernel tile
-configuration the tuner can choose on the device kind, a row per kernel and configuration
-(``window_candidates``).  It needs jax 0.11, not triton.
+pooling and depthwise window kernels; with ``--candidates``, every tile configuration the
+tuner can choose on the device kind, a row per kernel and configuration: the dense
+convolution's forward (plain and each fused form), input and weight gradients
+(``dense_candidates``), then the window kernels' (``window_candidates``).  It needs jax
+0.11, not triton.
 """
 from __future__ import annotations
 
@@ -273,7 +275,8 @@ def main(argv=None) -> int:
                         help="device kind whose tuned configs to use")
     parser.add_argument("--candidates", action="store_true",
                         help="inspect every config the autotuner would time, per kernel (with "
-                             "--mosaic: the pooling and depthwise window kernels' tiles)")
+                             "--mosaic: the dense convolution's, fused forms included, and the "
+                             "pooling and depthwise window kernels' tiles)")
     parser.add_argument("--mosaic", action="store_true",
                         help="report the Mosaic GPU (Hopper) conv/pool kernels instead: TMA, "
                              "wgmma, mbarrier per kernel (needs jax >= 0.11, not triton)")
@@ -444,6 +447,18 @@ def main_mosaic(opts, bk) -> int:
             print(f"{name:<18} skipped: {e}")
             continue
 
+        if opts.candidates:
+            try:
+                found = dense_candidates(args, stride=stride, pads=pads, kind=opts.device_kind)
+            except Exception as e:  # report and go on: one shape must not hide the others
+                rows.append(bc.failure(f"{name:<18}", e, shape=name))
+                failed += 1
+                continue
+            for kernel, cfg, r in found:
+                print(_mosaic_row(name, r, dense_config_text(cfg)), flush=True)
+                rows.append({"shape": name, "kernel": kernel, "config": dense_config_text(cfg),
+                             **dataclasses.asdict(r)})
+            continue
         ss = jax.ShapeDtypeStruct((x_shape[3],), jnp.float32)
         for fused in (False, True):  # the plain op, then BatchNorm fused in (mgpu_fused)
             try:
@@ -481,6 +496,66 @@ def _mosaic_op(pads, stride, fused: bool):
                                                 stats=True), x, w, scale, shift)
         return out, vjp(out)
     return fused_op
+
+
+def dense_config_text(cfg) -> str:
+    """A dense :class:`~pallas_kernels.mgpu_conv.MgpuConfig` in a column: ``w16n128k64s3``
+    (tile row, output channels, reduction chunk, slots), ``ws`` when warp-specialised,
+    ``/4`` for a weight-gradient split."""
+    return (f"w{cfg.tile_w}n{cfg.block_n}k{cfg.block_k}s{cfg.stages}"
+            + ("ws" if cfg.warp_specialized else "") + (f"/{cfg.split}" if cfg.split > 1 else ""))
+
+
+def dense_calls(x, w, *, stride, pads) -> dict:
+    """``{kernel: DenseCall}`` of every dense Mosaic kernel the tuner times for a convolution
+    (no bias or residual): the forward in its plain and three fused forms, the input
+    gradient where it has a kernel, the weight gradient."""
+    import pallas_kernels.mgpu_conv as mc
+    out = {}
+    for prologue in (False, True):
+        for stats in (False, True):
+            calls = mc.tuning_calls(x.shape, w.shape, x.dtype, stride=stride, pads=pads,
+                                    dilation=(1, 1), prologue=prologue, stats=stats)
+            out.update({call.kernel: call for call in calls.values()})
+    return {k: out[k] for k in mc.KERNELS if out[k].runs()}
+
+
+def dense_only(call):
+    """``fn(x, w, scale, shift, dy)`` launching only ``call``'s dense Mosaic kernel (a
+    :class:`~pallas_kernels.mgpu_conv.DenseCall` without bias or residual): the forward
+    alone, in its fused form (``scale``/``shift`` the prologue's); a gradient from the
+    cotangent ``dy`` (the input gradient's phases for a strided call)."""
+    import pallas_kernels.mgpu_conv as mc
+    import pallas_kernels.mgpu_fused as mf
+    geometry = dict(stride=call.stride, padding=call.pads, dilation=call.dilation)
+    if call.part == "fwd":
+        pro, stats = "bnrelu" in call.kernel, call.kernel.endswith("stats")
+        return lambda x, w, s, t, dy: mf.conv2d(
+            x, w, **geometry, input_scale=s if pro else None, input_shift=t if pro else None,
+            stats=stats)
+    which = 1 if call.part == "wgrad" else 0
+    return lambda x, w, s, t, dy: jax.vjp(
+        lambda x, w: mc.conv2d(x, w, **geometry), x, w)[1](dy)[which]
+
+
+def dense_candidates(args, *, stride, pads, kind: str = H100) -> list:
+    """``[(kernel, config, report)]``: every tile configuration the tuner can choose for each
+    dense Mosaic kernel of ``conv(x, w)`` (``args``: abstract ``x``, ``w``) on ``kind`` (the
+    candidates within that device's shared memory), each lowered for it with only its kernel
+    (:func:`dense_only`) and reported."""
+    import pallas_kernels.mgpu_conv as mc
+    x, w = args
+    ss = jax.ShapeDtypeStruct((x.shape[3],), jnp.float32)
+    dy = jax.ShapeDtypeStruct(jax.eval_shape(
+        lambda x, w: mc.conv2d(x, w, stride=stride, padding=pads), x, w).shape, x.dtype)
+    out = []
+    for kernel, call in dense_calls(x, w, stride=stride, pads=pads).items():
+        fn = dense_only(call)
+        for cfg in call.candidates(_SHARED_MEMORY_LIMITS.get(kind)):
+            with autotune.override({call.key: cfg}):
+                reports = inspect_mosaic(fn, x, w, ss, ss, dy, kind=kind)
+            out += [(kernel, cfg, r) for r in reports if r.name == f"jaxcnn_{kernel}"]
+    return out
 
 
 def mosaic_window_call(op: str, kw: dict, grads: bool = True):

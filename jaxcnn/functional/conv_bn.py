@@ -13,8 +13,9 @@ kernel's epilogue (:mod:`pallas_kernels.mgpu_fused`).  The layers use it for
   multiple of 8, ...); off a GPU that is GPU interpret mode (slow: for tests);
 - ``"auto"``: only on a Hopper GPU, and only where the autotune cache (the user's,
   over the shipped ``tuned.json``) holds a measured training-step win of the fused
-  op for this call (``scripts/bench_mgpu.py --fused --tune`` measures it).  Nothing has
-  been measured yet, so ``"auto"`` fuses nothing today.
+  op for this call (``scripts/bench_mgpu.py --fused --tune`` measures it, after tuning the
+  fused kernels' tiles, which the kernels look up themselves: tuned tiles alone fuse
+  nothing).  Nothing has been measured yet, so ``"auto"`` fuses nothing today.
 
 :mod:`pallas_kernels` is imported only where a kernel may run.
 """

@@ -325,16 +325,19 @@ def test_residual_epilogue_lowers_for_hopper():
 
 @needs_mgpu
 def test_cached_tiles_are_looked_up_per_part(tmp_path, monkeypatch):
-    """store_config writes a part's tiles into the user's cache for this device kind;
-    conv2d then traces with them (a pure lookup), and the other parts keep the defaults."""
+    """autotune.store_kernels writes a part's tiles into the user's cache for this device kind
+    (under its DenseCall key); conv2d then traces with them (a pure lookup), and the other
+    parts keep the defaults."""
     from pallas_kernels import autotune
     monkeypatch.setenv("JAXCNN_AUTOTUNE_CACHE", str(tmp_path / "cache.json"))
     x, w = jnp.zeros((1, 8, 8, 16), jnp.bfloat16), jnp.zeros((3, 3, 16, 32), jnp.bfloat16)
     pads, cfg = ((1, 1), (1, 1)), mc.MgpuConfig(block_n=32, block_k=16, stages=4)
-    assert mc.tuned_config("fwd", x.shape, w.shape, (1, 1), pads, (1, 1), x.dtype) is None
-    mc.store_config("fwd", x.shape, w.shape, (1, 1), pads, (1, 1), x.dtype, cfg)
-    assert mc.tuned_config("fwd", x.shape, w.shape, (1, 1), pads, (1, 1), x.dtype) == cfg
-    assert mc.tuned_config("wgrad", x.shape, w.shape, (1, 1), pads, (1, 1), x.dtype) is None
+    calls = mc.tuning_calls(x.shape, w.shape, x.dtype, stride=(1, 1), pads=pads,
+                            dilation=(1, 1))
+    assert mc.tuned_config(calls["fwd"]) is None
+    autotune.store_kernels({calls["fwd"].key: cfg})
+    assert mc.tuned_config(calls["fwd"]) == cfg
+    assert mc.tuned_config(calls["wgrad"]) is None
     seen = []
     monkeypatch.setattr(mc, "_conv", lambda static, *a: seen.append(static[4]))
     mc.conv2d(x, w, padding=pads, interpret=True)

@@ -253,11 +253,11 @@ def test_fused_chain_lowers_for_hopper_with_tma_and_wgmma():
 
 
 def test_every_tuner_config_of_the_fused_forward_lowers_or_is_refused_by_its_smem():
-    """Each forward tile configuration ``bench_mgpu.py --sweep`` can choose
-    (``mgpu_conv.SWEEP``), on the fused kernel with every option (prologue, bias,
-    residual, ReLU, statistics): where :func:`smem_bytes` says it fits, it lowers for an
-    abstract H100 with TMA loads and stores, mbarriers, ``wgmma`` of its ``block_n`` and
-    ``setmaxnreg`` exactly when warp-specialised; where it does not, the kernel refuses it
+    """Each forward tile configuration of ``mgpu_conv.SWEEP`` (channel tiles up to 256, the
+    grid ``bench_mgpu.py --sweep`` timed before the tuner took over), on the fused kernel
+    with every option (prologue, bias, residual, ReLU, statistics): where :func:`smem_bytes`
+    says it fits, it lowers for an abstract H100 with TMA loads and stores, mbarriers,
+    ``wgmma`` of its ``block_n`` and ``setmaxnreg`` exactly when warp-specialised; where it does not, the kernel refuses it
     in one line, and Mosaic's own check agrees (its count is the estimate's)."""
     ik = inspect_kernels()
     xs, ws = (2, 14, 14, 128), (3, 3, 128, 256)

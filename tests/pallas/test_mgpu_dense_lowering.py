@@ -1,0 +1,129 @@
+"""Every tile configuration the tuner can choose for the Mosaic GPU dense convolution lowers
+for an H100 (sm_90a, offline: no GPU, no interpretation) into a kernel that moves its tiles
+with TMA and multiplies with ``wgmma``.
+
+For two representative shapes (a 3x3 stride-1 convolution, 64 -> 64 channels with a
+padded 8x8 output; a 1x1 convolution, 64 -> 128, where the channel tiles vary), every
+candidate of every dense kernel (the forward plain and in its three fused forms, the input
+gradient, the weight gradient), within an H100's shared memory, is lowered by
+``scripts/inspect_kernels.py``'s ``dense_candidates`` with only its kernel, each distinct
+configuration once, and each module must hold TMA loads and stores
+(``cp.async.bulk.tensor``), an mbarrier wait and ``wgmma.mma_async`` of the candidate's
+channel tile (``setmaxnreg`` exactly where warp-specialised).  Left out for time: a strided
+shape (its input gradient is one launch per stride phase; the default tiles of strided
+calls are lowered in test_mgpu_conv.py) and channel tiles of 256 (the forward with every
+fused option and 256 output channels is lowered for every tile of ``mgpu_conv.SWEEP`` in
+test_mgpu_fused.py).  The shared memory the tuner counts for each kernel is checked against
+Mosaic's own count, which refuses configurations over the limit.  Needs jax >= 0.11; skips
+otherwise.
+"""
+import re
+from unittest import mock
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from mgpu_testlib import H100, assert_tma_pipeline, inspect_kernels, needs_mgpu
+from pallas_kernels import autotune
+from pallas_kernels import mgpu_conv as mc
+
+BF16 = jnp.bfloat16
+F32 = jnp.float32
+S = jax.ShapeDtypeStruct
+H100_SMEM = 227 * 1024
+
+SHAPES = {  # x, w, stride, pads
+    "3x3/1 64->64": ((2, 8, 8, 64), (3, 3, 64, 64), (1, 1), ((1, 1), (1, 1))),
+    "1x1 64->128": ((2, 8, 8, 64), (1, 1, 64, 128), (1, 1), ((0, 0), (0, 0))),
+}
+
+
+@needs_mgpu
+@pytest.mark.parametrize("name", list(SHAPES))
+def test_every_candidate_lowers_for_hopper_with_tma_and_wgmma(name):
+    ik = inspect_kernels()
+    x_shape, w_shape, stride, pads = SHAPES[name]
+    x, w = S(x_shape, BF16), S(w_shape, BF16)
+    calls = ik.dense_calls(x, w, stride=stride, pads=pads)
+    assert sorted(calls) == sorted(mc.KERNELS)
+    # The calls are those the ops look up (and the tuner records): plain and fused.
+    ss = S((x_shape[3],), F32)
+    with autotune._recording() as launched:
+        jax.eval_shape(lambda x, w: mc.conv2d(x, w, stride=stride, padding=pads), x, w)
+        from pallas_kernels import mgpu_fused as mf
+        for pro in (False, True):
+            jax.eval_shape(lambda x, w, s, t, pro=pro: mf.conv2d(
+                x, w, stride=stride, padding=pads, input_scale=s if pro else None,
+                input_shift=t if pro else None, stats=True), x, w, ss, ss)
+            jax.eval_shape(lambda x, w, s, t, pro=pro: mf.conv2d(
+                x, w, stride=stride, padding=pads, input_scale=s if pro else None,
+                input_shift=t if pro else None), x, w, ss, ss)
+    assert {key: call for key, (_, call, _, _) in launched.items()} == {
+        c.key: c for c in calls.values()}
+    found = ik.dense_candidates((x, w), stride=stride, pads=pads, kind=H100)
+    for kernel, call in calls.items():
+        want = call.candidates(H100_SMEM)
+        assert len(want) > 1
+        lowered = [cfg for k, cfg, _ in found if k == kernel]
+        assert sorted(map(str, lowered)) == sorted(map(str, want)), f"{kernel}: not lowered"
+    for kernel, cfg, r in found:
+        assert_tma_pipeline([r], str(cfg))
+        assert r.wgmma == (f"m64n{cfg.block_n}k16.f32.bf16.bf16",), f"{kernel} {cfg}: {r.wgmma}"
+        assert r.setmaxnreg == cfg.warp_specialized, f"{kernel} {cfg}: setmaxnreg"
+    if name == "1x1 64->128":  # the grid is there: both channel tiles, chunks, warp layouts
+        fwd = [cfg for k, cfg, _ in found if k == "mgpu_conv_fwd_bnrelu_stats"]
+        assert {c.block_n for c in fwd} == {64, 128} and {c.block_k for c in fwd} == {32, 64}
+        assert {c.warp_specialized for c in fwd} == {False, True}
+
+
+@needs_mgpu
+@pytest.mark.parametrize("kernel", ["mgpu_conv_fwd", "mgpu_conv_fwd_bnrelu_stats",
+                                    "mgpu_conv_dgrad", "mgpu_conv_wgrad"])
+def test_shared_memory_count_is_mosaics(kernel):
+    """Past the limit Mosaic refuses a kernel, naming the bytes its scratch needs: the
+    tuner's count for that configuration, exactly (the forward with a bias and a residual,
+    the fused forward with its prologue and statistics, both gradients).  The forward's own
+    check (MAX_SMEM) is lifted so that Mosaic's is reached."""
+    ik = inspect_kernels()
+    x, w = S((1, 6, 10, 64), BF16), S((3, 3, 64, 256), BF16)
+    pads = ((1, 1), (1, 1))
+    calls = ik.dense_calls(x, w, stride=(1, 1), pads=pads)
+    call = calls[kernel]
+    cfg = mc.MgpuConfig(block_n=256, stages=12, split=2)
+    need = call.smem_bytes(cfg)
+    assert need > H100_SMEM
+    args = [x, w, S((64,), F32), S((64,), F32), S((1, 6, 10, 256), BF16)]
+    fn = ik.dense_only(call)
+    if kernel == "mgpu_conv_fwd":  # with the epilogue's operands
+        call = mc.tuning_calls(x.shape, w.shape, BF16, stride=(1, 1), pads=pads,
+                               dilation=(1, 1), bias=True, residual=True)["fwd"]
+        need = call.smem_bytes(cfg)
+        args = [x, w, S((256,), BF16), S((1, 6, 10, 256), BF16)]
+
+        def fn(x, w, b, r):
+            return mc.conv2d(x, w, b, padding=pads, residual=r)
+    with autotune.override({call.key: cfg}), mock.patch.object(mc, "MAX_SMEM", 1 << 30), \
+            pytest.raises(ValueError) as e:
+        ik.inspect_mosaic(fn, *args)
+    got = re.search(r"smem_bytes=(\d+)", str(e.value))
+    assert got and int(got.group(1)) == need, f"{kernel}: {e.value}"
+
+
+@needs_mgpu
+def test_inspect_kernels_reports_each_dense_candidate_per_kernel(capsys, monkeypatch):
+    """scripts/inspect_kernels.py --mosaic --candidates: a row per dense kernel and candidate
+    (two candidates a kernel here, for time), each naming its tiles."""
+    ik = inspect_kernels()
+    every = mc.DenseCall.candidates
+    monkeypatch.setattr(mc.DenseCall, "candidates",
+                        lambda self, limit=None: every(self, limit)[:2])
+    assert ik.main(["--mosaic", "--candidates", "--groups", "mnist", "--batch", "1"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()
+            if "jaxcnn_mgpu_conv" in line]
+    # "mnist conv2" kernel tmaLoad tmaStore mbarrier ldmatrix stmatrix setmaxnreg wgmma cfg
+    kernels = sorted({r[2] for r in rows})
+    assert kernels == sorted(f"jaxcnn_{k}" for k in mc.KERNELS)
+    assert len(rows) == 2 * len(mc.KERNELS)
+    assert all(re.fullmatch(r"w\d+n\d+k\d+s\d+(ws)?(/\d+)?", r[-1]) for r in rows)
+    assert all(r[3:6] == ["yes", "yes", "yes"] and r[-2].startswith("m64n") for r in rows)
