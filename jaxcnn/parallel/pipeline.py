@@ -201,6 +201,7 @@ class Pipeline:
         if balance not in BALANCE:
             raise ValueError(f"parallel.pipeline.balance: expected one of {BALANCE}, got {balance!r}")
         self.model, self.stages, self.microbatches, self.axis_name = model, stages, microbatches, axis_name
+        self.mesh = self.split_dims = None  # where the parameters live at rest: see place()
         self.blocks = pipeline_blocks(model)
         if stages > len(self.blocks):
             raise ValueError(f"mesh.pipe: {stages} stages but the model has only {len(self.blocks)} blocks "
@@ -256,7 +257,8 @@ class Pipeline:
         """``{block path: stage}`` of the blocks that hold leaves in ``tree``."""
         return {b.path: s for s, blocks in enumerate(self.stage_blocks) for b in blocks if _get(tree, b.path)}
 
-    def gradients(self, head: Callable, *, prepare: Callable = lambda x: x, policy=None, choices=None):
+    def gradients(self, head: Callable, *, prepare: Callable = lambda x: x, policy=None, choices=None,
+                  split_dims=None):
         """``gradients(params, model_state, batch, rng, loss_scale) -> (grads, loss, top1, new model
         state)`` of this device's share of the batch, to run inside ``shard_map`` over ``pipe``.
 
@@ -265,10 +267,15 @@ class Pipeline:
                 micro-batch, run on the last stage.
             prepare: the first stage's input from a micro-batch's images (normalisation).
             policy, choices: passed to every block's ``apply``.
+            split_dims: a tree shaped like the params of ints or None: the dimension of each
+                leaf that is split over ``pipe`` at rest (:attr:`split_dims` once
+                :meth:`place` has run); None for every leaf whole.
 
         Returns the gradients of the scaled loss averaged over micro-batches (in the
-        parameters' dtypes), the mean loss and accuracy, and the model state after
-        every micro-batch (all replicated over ``pipe``).
+        parameters' dtypes; a leaf with a split dimension as this device's block of it
+        along that dimension, ``lax.psum_scatter``'ed over ``pipe``; every other leaf
+        whole), the mean loss and accuracy, and the model state after every micro-batch
+        (loss, accuracy and model state replicated over ``pipe``).
         """
         S, M, axis = self.stages, self.microbatches, self.axis_name
         run = lambda s, p, st, x, r: self._run_stage(s, p, st, x, r, policy=policy, choices=choices)
@@ -404,18 +411,48 @@ class Pipeline:
             (_, total), _ = jax.lax.scan(bwd_tick, (zero_buf, jnp.zeros((length,), acc)),
                                          jnp.arange(M + S - 1))
 
-            # ----- every stage's part to every device --------------------------------------
-            every = jax.lax.all_gather(total, axis) if S > 1 else total[None]
-            summed = params
-            for s in range(S):
-                summed = with_own(s, summed, unpack(s, every[s]))
-            grads = jax.tree_util.tree_map(lambda t, p: (t / M).astype(p.dtype), summed, params)
+            # ----- every stage's part to the devices that keep it ---------------------------
+            grads = self._scatter_gradients([unpack(s, total) for s in range(S)], params, stage,
+                                            split_dims)
             new_state = self._gather_state(new_state, model_state, stage)
             loss = jax.lax.psum(loss_sum, axis) / M
             top1 = jax.lax.psum(top1_sum, axis) / M
             return grads, loss, top1, new_state
 
         return gradients
+
+    def _scatter_gradients(self, parts, params, stage, split_dims):
+        """The gradient tree from each stage's own part (``parts[s]``: ``{block path: summed
+        gradients}``, valid on stage ``s`` only): every leaf, zero on the other stages, summed
+        over ``pipe`` into this device's block along its split dimension (``psum_scatter``,
+        tiled) or whole (``psum``), divided by the micro-batches, in the parameter's dtype.
+        Each sum has one non-zero term, so it is exact; the sums run in the packed float32
+        (or wider) accumulator's dtype, as XLA:CPU has no 16-bit reduction."""
+        S, M, axis = self.stages, self.microbatches, self.axis_name
+        summed = jax.tree_util.tree_map(jnp.zeros_like, params)
+        for s in range(S):
+            for path, part in parts[s].items():
+                if part:
+                    summed = _set(summed, path, jax.tree_util.tree_map(
+                        lambda x: jnp.where(stage == s, x, jnp.zeros_like(x)), part))
+        if split_dims is None:
+            split_dims = jax.tree_util.tree_map(lambda _: None, params)
+
+        def one(dim, t, p):
+            t = t / M
+            if S > 1:
+                t = (jax.lax.psum(t, axis) if dim is None
+                     else jax.lax.psum_scatter(t, axis, scatter_dimension=dim, tiled=True))
+            return t.astype(p.dtype)
+
+        return jax.tree_util.tree_map(one, split_dims, summed, params, is_leaf=lambda x: x is None)
+
+    def place(self, mesh, split_dims) -> None:
+        """Where the parameters live at rest: ``mesh`` (with this pipeline's axis) and, per
+        leaf, the dimension split over ``pipe`` or None (a tree shaped like the params).
+        :class:`~jaxcnn.parallel.ParallelPlan` calls it; the train step then gets its
+        gradients already split that way (:meth:`gradients`' ``split_dims``)."""
+        self.mesh, self.split_dims = mesh, split_dims
 
     def _gather_state(self, new_state, old_state, stage):
         """Each leaf of the model state from the stage that owns its block."""
