@@ -122,8 +122,8 @@ def _head(*, policy, label_smoothing):
 
 
 def _pipeline_gradients(pipeline, policy, choices, image_norm, label_smoothing, mix, accumulate,
-                        sync_batch_norm):
-    """``gradients(state, batch) -> (scaled gradients, loss, top1, new model state)`` of a
+                        axis_name, sync_batch_norm):
+    """``gradients(state, batch, rng) -> (scaled gradients, loss, top1, new model state)`` of a
     whole (global) batch from a ``jaxcnn.parallel.Pipeline``'s GPipe schedule.
 
     A global function: only the schedule is a ``shard_map`` (manual over ``data`` and
@@ -131,9 +131,13 @@ def _pipeline_gradients(pipeline, policy, choices, image_norm, label_smoothing, 
     gradients leave it averaged over ``data`` and split over ``pipe`` as the parameters
     are at rest (``pipeline.split_dims``), so the optimiser that follows is a global program
     on those shards.  Each data shard folds its index into the step's key first, as
-    ``jaxcnn.parallel.strategies.per_device`` does for the other shard_map steps.
+    ``jaxcnn.parallel.strategies.per_device`` does for the other shard_map steps (so the
+    ``rng`` argument, the step's key before that fold, is not used).
     """
     from jax.sharding import PartitionSpec as PS
+    if axis_name is None:
+        raise ValueError("parallel.pipeline: the step runs its stages under shard_map over the data "
+                         "axis; build it with axis_name=plan.step_axis_name")
     if pipeline.mesh is None:
         raise ValueError("parallel.pipeline: the pipeline does not know where the parameters live; "
                          "use the one of a ParallelPlan (make_train_step(..., pipeline=plan.pipeline))")
@@ -161,7 +165,8 @@ def _pipeline_gradients(pipeline, policy, choices, image_norm, label_smoothing, 
     def spec(dim, p):
         return PS(*[pipe_axis if i == dim else None for i in range(len(p.shape))])
 
-    def gradients(state, batch):
+    def gradients(state, batch, rng):
+        del rng  # each data shard's key is made inside, from the state's
         grad_specs = jax.tree_util.tree_map(spec, pipeline.split_dims, state.params,
                                             is_leaf=lambda x: x is None)
         # check_vma=False: see jaxcnn.parallel.strategies (replicated inputs' cotangents)
@@ -256,15 +261,8 @@ def make_train_step(model, tx: optax.GradientTransformation, *, policy=None,
     choices = Choices(impl=impl, batch_norm_grad=batch_norm_grad, axis_name=bn_axis, conv_bn=conv_bn)
     loss_fn = _loss_fn(model, policy=policy, choices=choices, label_smoothing=label_smoothing,
                        image_norm=image_norm, mix=mix)
-    if pipeline is None:
-        gradients = _gradients(loss_fn, accumulate)
-    else:  # a global step: gradients averaged over data and split over pipe (see _pipeline_gradients)
-        if axis_name is None:
-            raise ValueError("parallel.pipeline: the step runs its stages under shard_map over the data "
-                             "axis; build it with axis_name=plan.step_axis_name")
-        piped = _pipeline_gradients(pipeline, policy, choices, image_norm, label_smoothing, mix,
-                                    accumulate, sync_batch_norm)
-        gradients = lambda state, batch, rng: piped(state, batch)  # noqa: E731 (keys per data shard)
+    gradients = _gradients(loss_fn, accumulate) if pipeline is None else _pipeline_gradients(
+        pipeline, policy, choices, image_norm, label_smoothing, mix, accumulate, axis_name, sync_batch_norm)
 
     def train_step(state: TrainState, batch):
         rng = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
