@@ -36,14 +36,33 @@ pipeline implementations (GPipe in torchgpipe / ``torch.distributed.pipelining``
 do; with a ``data`` axis the statistics of a micro-batch are synced over it
 (``sync_batch_norm``), so they are those of the global micro-batch.
 
-Parameters, model state and optimiser state stay whole (replicated over
-``pipe``) and the optimiser runs on the whole tree after the step: gradients
-and new BatchNorm statistics of each stage are summed over ``pipe`` (each
-stage contributes its own blocks, zeros elsewhere).  So every optimiser runs
-exactly as on one device (global-norm clipping, masks and per-layer trust
-ratios included) and checkpoints are those of data parallelism (resuming onto
-another layout needs nothing); what falls with the number of stages is the
-activation memory of the step, not the parameter memory.
+What lives where ("ZeRO over pipe", set up by :class:`~jaxcnn.parallel.ParallelPlan`,
+which calls :meth:`Pipeline.place`):
+
+* at rest, every parameter of at least ``rules.FSDP_MIN_SIZE`` elements is split
+  over ``pipe`` along its largest dimension that the stages divide (as ``fsdp``
+  splits over ``data``), and its optimiser moments (and float32 master copy)
+  follow it; smaller leaves and the model state (BatchNorm statistics) stay
+  whole on every device;
+* the train step is one global ``jit`` program.  Only the schedule above is a
+  ``shard_map`` (manual over ``data`` and ``pipe``, built by
+  ``jaxcnn.train.step``): the parameters enter it whole (XLA all-gathers their
+  shards, transiently), and the gradients leave it already split as the
+  parameters are: each stage's gradients, zero on the other stages, are
+  ``lax.psum_scatter``'ed over ``pipe`` (``psum`` for the whole leaves; each sum
+  has one non-zero term, so it is exact) and averaged over ``data``; the new
+  BatchNorm statistics of each block come from its stage (``psum`` likewise);
+* the optimiser update, loss scaling, the finiteness check and the metrics run
+  outside the ``shard_map`` on the split leaves, so XLA partitions them and every
+  optimiser is exactly the one-device one (global-norm clipping, per-leaf trust
+  ratios, masks and skipping non-finite steps need no code here);
+* checkpoints hold the same canonical ``TrainState`` as every other layout (its
+  arrays just split differently), so a run resumes onto any other layout.
+
+Per device the step then holds a ``1/S`` share of the parameters and optimiser
+state at rest, its stage's activations of one micro-batch, the ``M`` stashed
+stage inputs, and transiently the gathered parameters and one stage's packed
+gradients; ``docs/BENCHMARKS.md`` has the measured split for ResNet-50.
 
 This module knows nothing of losses and optimisers: ``jaxcnn.train.step``
 gives :meth:`Pipeline.gradients` the loss head and the input preparation.
