@@ -520,3 +520,35 @@ def test_per_shard_batch_norm_pipelined_matches_data_parallel(monkeypatch):
     assert max_diff(got.params, ref.params) < STATE_TOL
     assert max_diff(got.state, ref.state) < STATE_TOL
     assert max_diff(synced.state, ref.state) > 100 * STATE_TOL
+
+
+def test_bench_scaling_pipe_reports_args_temporaries_and_total(capsys):
+    """scripts/bench_scaling.py --pipe 1,2 on lenet5 (compile only): a row per stage count with
+    XLA's argument, temporary and total bytes per device; the arguments (parameters, momentum,
+    batch) fall with 2 stages, as fc1's 48,000 weights and their momentum are split over pipe."""
+    import importlib.util
+    import json
+    import os
+    import pathlib
+    path = pathlib.Path(__file__).resolve().parents[2] / "scripts" / "bench_scaling.py"
+    spec = importlib.util.spec_from_file_location("bench_scaling", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    environ = dict(os.environ)  # the script sets XLA_FLAGS as a command-line tool does
+    try:
+        assert bench.main(["--model", "lenet5", "--pipe", "1,2", "--per-device-batch", "8",
+                           "--microbatches", "2", "--steps", "0", "--json"]) == 0
+    finally:
+        os.environ.clear()
+        os.environ.update(environ)
+    out = capsys.readouterr().out
+    rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    assert [(r["pipe"], r["split"]) for r in rows] == [(1, None), (2, rows[1]["split"])]
+    one, two = rows
+    assert two["bubble"] == pytest.approx(1 / 3) and sum(two["split"]) == len(pipeline_blocks(get_model("lenet5")))
+    for r in rows:
+        total = r["args_mib"] + r["out_mib"] + r["temp_mib"] - r["alias_mib"]
+        assert r["memory_mib"] == pytest.approx(total) and r["temp_mib"] > 0
+    fc1 = 2 * 400 * 120 * 4 / 2**20  # weights and momentum, float32
+    assert one["args_mib"] - two["args_mib"] == pytest.approx(fc1 / 2, rel=0.05)
+    assert "args" in out and "temp" in out and "total" in out
