@@ -443,10 +443,14 @@ class Pipeline:
     def _scatter_gradients(self, parts, params, stage, split_dims):
         """The gradient tree from each stage's own part (``parts[s]``: ``{block path: summed
         gradients}``, valid on stage ``s`` only): every leaf, zero on the other stages, summed
-        over ``pipe`` into this device's block along its split dimension (``psum_scatter``,
-        tiled) or whole (``psum``), divided by the micro-batches, in the parameter's dtype.
-        Each sum has one non-zero term, so it is exact; the sums run in the packed float32
-        (or wider) accumulator's dtype, as XLA:CPU has no 16-bit reduction."""
+        over ``pipe`` into this device's block along its split dimension or whole, divided by
+        the micro-batches, in the parameter's dtype.
+
+        One ``psum_scatter`` for all split leaves (each leaf's blocks as rows of one packed
+        ``(S, n)`` buffer) and one ``psum`` for the whole ones: every collective is a
+        rendezvous of the stages, so one per leaf would cost far more than the bytes.  Each
+        sum has one non-zero term, so it is exact; it runs in the packed float32 (or wider)
+        accumulator's dtype, as XLA:CPU has no 16-bit reduction."""
         S, M, axis = self.stages, self.microbatches, self.axis_name
         summed = jax.tree_util.tree_map(jnp.zeros_like, params)
         for s in range(S):
@@ -454,17 +458,54 @@ class Pipeline:
                 if part:
                     summed = _set(summed, path, jax.tree_util.tree_map(
                         lambda x: jnp.where(stage == s, x, jnp.zeros_like(x)), part))
-        if split_dims is None:
-            split_dims = jax.tree_util.tree_map(lambda _: None, params)
+        leaves, treedef = jax.tree_util.tree_flatten(summed)
+        dims = _leaf_dims(split_dims, len(leaves))
+        out = [x / M for x in leaves]
+        if S > 1:
+            split = [i for i, d in enumerate(dims) if d is not None]
+            whole = [i for i, d in enumerate(dims) if d is None]
+            if split:
+                packed = jnp.concatenate([_blocks(out[i], dims[i], S) for i in split], axis=1)
+                mine = jax.lax.psum_scatter(packed, axis, scatter_dimension=0, tiled=True)[0]
+                start = 0
+                for i in split:
+                    shape = list(out[i].shape)
+                    shape[dims[i]] //= S
+                    out[i] = _unblock(mine[start:start + math.prod(shape)], dims[i], shape)
+                    start += math.prod(shape)
+            if whole:
+                flat = jax.lax.psum(jnp.concatenate([out[i].reshape(-1) for i in whole]), axis)
+                start = 0
+                for i in whole:
+                    n = out[i].size
+                    out[i] = flat[start:start + n].reshape(out[i].shape)
+                    start += n
+        p_leaves = jax.tree_util.tree_leaves(params)
+        return jax.tree_util.tree_unflatten(treedef, [g.astype(p.dtype) for g, p in zip(out, p_leaves)])
 
-        def one(dim, t, p):
-            t = t / M
-            if S > 1:
-                t = (jax.lax.psum(t, axis) if dim is None
-                     else jax.lax.psum_scatter(t, axis, scatter_dimension=dim, tiled=True))
-            return t.astype(p.dtype)
-
-        return jax.tree_util.tree_map(one, split_dims, summed, params, is_leaf=lambda x: x is None)
+    def gather_params(self, params):
+        """Inside the ``shard_map``: this device's blocks of the split parameters (as
+        :attr:`split_dims` says) -> the whole parameters, with one ``all_gather`` over
+        ``pipe`` per dtype (the blocks packed into one buffer); whole leaves pass through."""
+        S, axis = self.stages, self.axis_name
+        leaves, treedef = jax.tree_util.tree_flatten(params)
+        dims = _leaf_dims(self.split_dims, len(leaves))
+        by_dtype = {}
+        for i, d in enumerate(dims):
+            if d is not None:
+                by_dtype.setdefault(jnp.dtype(leaves[i].dtype), []).append(i)
+        out = list(leaves)
+        for idx in by_dtype.values():
+            every = jax.lax.all_gather(
+                jnp.concatenate([jnp.moveaxis(leaves[i], dims[i], 0).reshape(-1) for i in idx]), axis)
+            start = 0
+            for i in idx:
+                n = leaves[i].size
+                moved = jnp.moveaxis(leaves[i], dims[i], 0).shape
+                whole = every[:, start:start + n].reshape((S * moved[0],) + moved[1:])
+                out[i] = jnp.moveaxis(whole, 0, dims[i])
+                start += n
+        return jax.tree_util.tree_unflatten(treedef, out)
 
     def place(self, mesh, split_dims) -> None:
         """Where the parameters live at rest: ``mesh`` (with this pipeline's axis) and, per
@@ -481,6 +522,27 @@ class Pipeline:
                 lambda x, s=s: jnp.where(stage == s, x, jnp.zeros_like(x)), _get(new_state, path))
             new_state = _set(new_state, path, _psum_f32(part, self.axis_name))
         return new_state
+
+
+def _leaf_dims(split_dims, n):
+    """The split dimension (or None) of each of the ``n`` leaves, in ``tree_leaves`` order."""
+    if split_dims is None:
+        return [None] * n
+    dims = jax.tree_util.tree_leaves(split_dims, is_leaf=lambda x: x is None)
+    assert len(dims) == n, (len(dims), n)
+    return dims
+
+
+def _blocks(x, dim, n):
+    """``(n, x.size // n)``: row ``k`` is the ``k``-th of ``n`` blocks of ``x`` along ``dim``,
+    flattened with ``dim`` moved first."""
+    return jnp.moveaxis(x, dim, 0).reshape(n, -1)
+
+
+def _unblock(flat, dim, shape):
+    """A row of :func:`_blocks` back to its block of shape ``shape``."""
+    moved = (shape[dim],) + tuple(v for i, v in enumerate(shape) if i != dim)
+    return jnp.moveaxis(flat.reshape(moved), 0, dim)
 
 
 def _psum_f32(tree, axis):

@@ -127,9 +127,9 @@ def _pipeline_gradients(pipeline, policy, choices, image_norm, label_smoothing, 
     whole (global) batch from a ``jaxcnn.parallel.Pipeline``'s GPipe schedule.
 
     A global function: only the schedule is a ``shard_map`` (manual over ``data`` and
-    ``pipe``).  The parameters enter it whole (XLA gathers their ``pipe`` shards); the
-    gradients leave it averaged over ``data`` and split over ``pipe`` as the parameters
-    are at rest (``pipeline.split_dims``), so the optimiser that follows is a global program
+    ``pipe``).  The parameters enter it as their ``pipe`` blocks and are gathered whole in
+    one ``all_gather`` (``pipeline.gather_params``); the gradients leave it averaged over
+    ``data`` and split over ``pipe`` as the parameters are at rest (``pipeline.split_dims``), so the optimiser that follows is a global program
     on those shards.  Each data shard folds its index into the step's key first, as
     ``jaxcnn.parallel.strategies.per_device`` does for the other shard_map steps (so the
     ``rng`` argument, the step's key before that fold, is not used).
@@ -152,6 +152,7 @@ def _pipeline_gradients(pipeline, policy, choices, image_norm, label_smoothing, 
                                policy=policy, choices=choices, split_dims=pipeline.split_dims)
 
     def per_device(params, model_state, batch, rng, step, loss_scale):
+        params = pipeline.gather_params(params)  # this device's blocks -> whole (one all_gather)
         key = jax.random.fold_in(jax.random.wrap_key_data(rng), jax.lax.axis_index(data_axis))
         grads, loss, top1, new_model_state = piped(params, model_state, batch,
                                                    jax.random.fold_in(key, step), loss_scale)
@@ -171,7 +172,7 @@ def _pipeline_gradients(pipeline, policy, choices, image_norm, label_smoothing, 
                                             is_leaf=lambda x: x is None)
         # check_vma=False: see jaxcnn.parallel.strategies (replicated inputs' cotangents)
         mapped = jax.shard_map(per_device, mesh=pipeline.mesh,
-                               in_specs=(PS(), PS(), PS(data_axis), PS(), PS(), PS()),
+                               in_specs=(grad_specs, PS(), PS(data_axis), PS(), PS(), PS()),
                                out_specs=(grad_specs, PS(), PS(), PS()),
                                axis_names={data_axis, pipe_axis}, check_vma=False)
         return mapped(state.params, state.state, batch, state.rng, state.step, state.loss_scale)
