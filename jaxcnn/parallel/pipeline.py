@@ -46,12 +46,14 @@ which calls :meth:`Pipeline.place`):
   whole on every device;
 * the train step is one global ``jit`` program.  Only the schedule above is a
   ``shard_map`` (manual over ``data`` and ``pipe``, built by
-  ``jaxcnn.train.step``): the parameters enter it whole (XLA all-gathers their
-  shards, transiently), and the gradients leave it already split as the
-  parameters are: each stage's gradients, zero on the other stages, are
-  ``lax.psum_scatter``'ed over ``pipe`` (``psum`` for the whole leaves; each sum
-  has one non-zero term, so it is exact) and averaged over ``data``; the new
-  BatchNorm statistics of each block come from its stage (``psum`` likewise);
+  ``jaxcnn.train.step``): the parameters enter it as their ``pipe`` blocks and
+  are gathered whole, transiently, in one ``all_gather`` of the packed blocks
+  (:meth:`Pipeline.gather_params`); the gradients leave it already split as the
+  parameters are: each stage's gradients, zero on the other stages, go through
+  one packed ``lax.psum_scatter`` over ``pipe`` (one ``psum`` for the whole
+  leaves; each sum has one non-zero term, so it is exact) and are averaged over
+  ``data``; the new BatchNorm statistics of each block come from its stage
+  (``psum`` likewise);
 * the optimiser update, loss scaling, the finiteness check and the metrics run
   outside the ``shard_map`` on the split leaves, so XLA partitions them and every
   optimiser is exactly the one-device one (global-norm clipping, per-leaf trust
