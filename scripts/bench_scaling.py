@@ -26,7 +26,8 @@ is how the ResNet-50 224x224 memory table in docs/BENCHMARKS.md was made::
 ``--pipe 1,2,4`` measures pipeline stages instead (one data shard, the batch
 ``--per-device-batch``, ``--microbatches`` micro-batches; ``pipe 1`` is one device
 accumulating the same micro-batches): each count's compiled step's per-device memory
-(XLA's ``memory_analysis``: arguments + outputs + temporaries - aliased), the
+(XLA's ``memory_analysis``: the arguments, the temporaries and the total, arguments +
+outputs + temporaries - aliased, each with its ratio to the first count), the
 pipeline's bubble fraction and the step time (``--steps 0``: compile only)::
 
     python scripts/bench_scaling.py --model resnet50 --pipe 1,2,4 --per-device-batch 16 \
@@ -242,7 +243,8 @@ def _pipeline_rows(args, counts, model, image, tx) -> int:
         per_device = (mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes
                       - mem.alias_size_in_bytes)
         row = {"pipe": pipe, "microbatches": m, "batch": shape[0], "memory_mib": per_device / 2**20,
-               "temp_mib": mem.temp_size_in_bytes / 2**20,
+               "args_mib": mem.argument_size_in_bytes / 2**20, "temp_mib": mem.temp_size_in_bytes / 2**20,
+               "out_mib": mem.output_size_in_bytes / 2**20, "alias_mib": mem.alias_size_in_bytes / 2**20,
                "bubble": 0.0 if plan.pipeline is None else plan.pipeline.bubble_fraction,
                "split": None if plan.pipeline is None else plan.pipeline.split,
                "compile_s": compile_s, "step_ms": None, "schedule": schedule if plan.pipeline else "-",
@@ -262,13 +264,18 @@ def _pipeline_rows(args, counts, model, image, tx) -> int:
               f"pipe {pipe} {row['schedule']}: {row['memory_mib']:.0f} MiB per device", flush=True)
     print(f"model {args.model} {image}  batch {shape[0]} in {m} micro-batches  balance {args.balance}  backend "
           f"{jax.default_backend()} ({os.cpu_count()} host cores)")
-    print(f"{'pipe':>4} {'schedule':>8} {'stash':>5} {'MiB/device':>11} {'temp MiB':>9} {'vs 1st':>7} "
-          f"{'bubble':>7} {'step ms':>9}  blocks per stage")
+    print("MiB per device (XLA's memory_analysis): args = the state and batch the step takes, temp = "
+          "its temporaries, total = args + outputs + temp - donated; vs = the ratio to the first row; "
+          "stash = the stage inputs a device keeps")
+    print(f"{'pipe':>4} {'schedule':>8} {'stash':>5} {'args':>7} {'vs':>5} {'temp':>7} {'vs':>5} {'total':>7} "
+          f"{'vs':>5} {'bubble':>7} {'step ms':>9}  blocks per stage")
+    first = rows[0]
     for r in rows:
         step_ms = "-" if r["step_ms"] is None else f"{r['step_ms']:.0f}"
-        print(f"{r['pipe']:>4} {r['schedule']:>8} {r['stash'] or '-':>5} {r['memory_mib']:>11.0f} "
-              f"{r['temp_mib']:>9.0f} {r['memory_mib'] / rows[0]['memory_mib']:>7.2f} {r['bubble']:>7.2f} "
-              f"{step_ms:>9}  {r['split'] or '-'}")
+        ratio = lambda k: r[k] / first[k] if first[k] else float("nan")  # noqa: E731
+        print(f"{r['pipe']:>4} {r['schedule']:>8} {r['stash'] or '-':>5} {r['args_mib']:>7.1f} "
+              f"{ratio('args_mib'):>5.2f} {r['temp_mib']:>7.1f} {ratio('temp_mib'):>5.2f} {r['memory_mib']:>7.1f} "
+              f"{ratio('memory_mib'):>5.2f} {r['bubble']:>7.2f} {step_ms:>9}  {r['split'] or '-'}")
     return 0
 
 

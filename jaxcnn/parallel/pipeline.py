@@ -54,14 +54,35 @@ pipeline implementations (GPipe in torchgpipe / ``torch.distributed.pipelining``
 do; with a ``data`` axis the statistics of a micro-batch are synced over it
 (``sync_batch_norm``), so they are those of the global micro-batch.
 
-Parameters, model state and optimiser state stay whole (replicated over
-``pipe``) and the optimiser runs on the whole tree after the step: gradients
-and new BatchNorm statistics of each stage are summed over ``pipe`` (each
-stage contributes its own blocks, zeros elsewhere).  So every optimiser runs
-exactly as on one device (global-norm clipping, masks and per-layer trust
-ratios included) and checkpoints are those of data parallelism (resuming onto
-another layout needs nothing); what falls with the number of stages is the
-activation memory of the step, not the parameter memory.
+What lives where ("ZeRO over pipe", set up by :class:`~jaxcnn.parallel.ParallelPlan`,
+which calls :meth:`Pipeline.place`):
+
+* at rest, every parameter of at least ``rules.FSDP_MIN_SIZE`` elements is split
+  over ``pipe`` along its largest dimension that the stages divide (as ``fsdp``
+  splits over ``data``), and its optimiser moments (and float32 master copy)
+  follow it; smaller leaves and the model state (BatchNorm statistics) stay
+  whole on every device;
+* the train step is one global ``jit`` program.  Only the schedule above is a
+  ``shard_map`` (manual over ``data`` and ``pipe``, built by
+  ``jaxcnn.train.step``): the parameters enter it as their ``pipe`` blocks and
+  are gathered whole, transiently, in one ``all_gather`` of the packed blocks
+  (:meth:`Pipeline.gather_params`); the gradients leave it already split as the
+  parameters are: each stage's gradients, zero on the other stages, go through
+  one packed ``lax.psum_scatter`` over ``pipe`` (one ``psum`` for the whole
+  leaves; each sum has one non-zero term, so it is exact) and are averaged over
+  ``data``; the new BatchNorm statistics of each block come from its stage
+  (``psum`` likewise);
+* the optimiser update, loss scaling, the finiteness check and the metrics run
+  outside the ``shard_map`` on the split leaves, so XLA partitions them and every
+  optimiser is exactly the one-device one (global-norm clipping, per-leaf trust
+  ratios, masks and skipping non-finite steps need no code here);
+* checkpoints hold the same canonical ``TrainState`` as every other layout (its
+  arrays just split differently), so a run resumes onto any other layout.
+
+Per device the step then holds a ``1/S`` share of the parameters and optimiser
+state at rest, its stage's activations of one micro-batch, the ``M`` stashed
+stage inputs, and transiently the gathered parameters and one stage's packed
+gradients; ``docs/BENCHMARKS.md`` has the measured split for ResNet-50.
 
 This module knows nothing of losses and optimisers: ``jaxcnn.train.step``
 gives :meth:`Pipeline.gradients` the loss head and the input preparation.
@@ -331,6 +352,7 @@ class Pipeline:
         if schedule not in SCHEDULES:
             raise ValueError(f"parallel.pipeline.schedule: expected one of {SCHEDULES}, got {schedule!r}")
         self.model, self.stages, self.microbatches, self.axis_name = model, stages, microbatches, axis_name
+        self.mesh = self.split_dims = None  # where the parameters live at rest: see place()
         self.blocks = pipeline_blocks(model)
         if stages > len(self.blocks):
             raise ValueError(f"mesh.pipe: {stages} stages but the model has only {len(self.blocks)} blocks "
@@ -394,7 +416,8 @@ class Pipeline:
         """``{block path: stage}`` of the blocks that hold leaves in ``tree``."""
         return {b.path: s for s, blocks in enumerate(self.stage_blocks) for b in blocks if _get(tree, b.path)}
 
-    def gradients(self, head: Callable, *, prepare: Callable = lambda x: x, policy=None, choices=None):
+    def gradients(self, head: Callable, *, prepare: Callable = lambda x: x, policy=None, choices=None,
+                  split_dims=None):
         """``gradients(params, model_state, batch, rng, loss_scale) -> (grads, loss, top1, new model
         state)`` of this device's share of the batch, to run inside ``shard_map`` over ``pipe``.
 
@@ -403,10 +426,15 @@ class Pipeline:
                 micro-batch, run on the last stage.
             prepare: the first stage's input from a micro-batch's images (normalisation).
             policy, choices: passed to every block's ``apply``.
+            split_dims: a tree shaped like the params of ints or None: the dimension of each
+                leaf that is split over ``pipe`` at rest (:attr:`split_dims` once
+                :meth:`place` has run); None for every leaf whole.
 
         Returns the gradients of the scaled loss averaged over micro-batches (in the
-        parameters' dtypes), the mean loss and accuracy, and the model state after
-        every micro-batch (all replicated over ``pipe``).
+        parameters' dtypes; a leaf with a split dimension as this device's block of it
+        along that dimension, ``lax.psum_scatter``'ed over ``pipe``; every other leaf
+        whole), the mean loss and accuracy, and the model state after every micro-batch
+        (loss, accuracy and model state replicated over ``pipe``).
         """
         S, M, axis = self.stages, self.microbatches, self.axis_name
         run = lambda s, p, st, x, r: self._run_stage(s, p, st, x, r, policy=policy, choices=choices)
@@ -601,18 +629,89 @@ class Pipeline:
 
             new_state, total, loss_sum, top1_sum = gpipe() if self.schedule == "gpipe" else one_f_one_b_scan()
 
-            # ----- every stage's part to every device --------------------------------------
-            every = jax.lax.all_gather(total, axis) if S > 1 else total[None]
-            summed = params
-            for s in range(S):
-                summed = with_own(s, summed, unpack(s, every[s]))
-            grads = jax.tree_util.tree_map(lambda t, p: (t / M).astype(p.dtype), summed, params)
+            # ----- every stage's part to the devices that keep it ---------------------------
+            grads = self._scatter_gradients([unpack(s, total) for s in range(S)], params, stage,
+                                            split_dims)
             new_state = self._gather_state(new_state, model_state, stage)
             loss = jax.lax.psum(loss_sum, axis) / M
             top1 = jax.lax.psum(top1_sum, axis) / M
             return grads, loss, top1, new_state
 
         return gradients
+
+    def _scatter_gradients(self, parts, params, stage, split_dims):
+        """The gradient tree from each stage's own part (``parts[s]``: ``{block path: summed
+        gradients}``, valid on stage ``s`` only): every leaf, zero on the other stages, summed
+        over ``pipe`` into this device's block along its split dimension or whole, divided by
+        the micro-batches, in the parameter's dtype.
+
+        One ``psum_scatter`` for all split leaves (each leaf's blocks as rows of one packed
+        ``(S, n)`` buffer) and one ``psum`` for the whole ones: every collective is a
+        rendezvous of the stages, so one per leaf would cost far more than the bytes.  Each
+        sum has one non-zero term, so it is exact; it runs in the packed float32 (or wider)
+        accumulator's dtype, as XLA:CPU has no 16-bit reduction."""
+        S, M, axis = self.stages, self.microbatches, self.axis_name
+        summed = jax.tree_util.tree_map(jnp.zeros_like, params)
+        for s in range(S):
+            for path, part in parts[s].items():
+                if part:
+                    summed = _set(summed, path, jax.tree_util.tree_map(
+                        lambda x: jnp.where(stage == s, x, jnp.zeros_like(x)), part))
+        leaves, treedef = jax.tree_util.tree_flatten(summed)
+        dims = _leaf_dims(split_dims, len(leaves))
+        out = [x / M for x in leaves]
+        if S > 1:
+            split = [i for i, d in enumerate(dims) if d is not None]
+            whole = [i for i, d in enumerate(dims) if d is None]
+            if split:
+                packed = jnp.concatenate([_blocks(out[i], dims[i], S) for i in split], axis=1)
+                mine = jax.lax.psum_scatter(packed, axis, scatter_dimension=0, tiled=True)[0]
+                start = 0
+                for i in split:
+                    shape = list(out[i].shape)
+                    shape[dims[i]] //= S
+                    out[i] = _unblock(mine[start:start + math.prod(shape)], dims[i], shape)
+                    start += math.prod(shape)
+            if whole:
+                flat = jax.lax.psum(jnp.concatenate([out[i].reshape(-1) for i in whole]), axis)
+                start = 0
+                for i in whole:
+                    n = out[i].size
+                    out[i] = flat[start:start + n].reshape(out[i].shape)
+                    start += n
+        p_leaves = jax.tree_util.tree_leaves(params)
+        return jax.tree_util.tree_unflatten(treedef, [g.astype(p.dtype) for g, p in zip(out, p_leaves)])
+
+    def gather_params(self, params):
+        """Inside the ``shard_map``: this device's blocks of the split parameters (as
+        :attr:`split_dims` says) -> the whole parameters, with one ``all_gather`` over
+        ``pipe`` per dtype (the blocks packed into one buffer); whole leaves pass through."""
+        S, axis = self.stages, self.axis_name
+        leaves, treedef = jax.tree_util.tree_flatten(params)
+        dims = _leaf_dims(self.split_dims, len(leaves))
+        by_dtype = {}
+        for i, d in enumerate(dims):
+            if d is not None:
+                by_dtype.setdefault(jnp.dtype(leaves[i].dtype), []).append(i)
+        out = list(leaves)
+        for idx in by_dtype.values():
+            every = jax.lax.all_gather(
+                jnp.concatenate([jnp.moveaxis(leaves[i], dims[i], 0).reshape(-1) for i in idx]), axis)
+            start = 0
+            for i in idx:
+                n = leaves[i].size
+                moved = jnp.moveaxis(leaves[i], dims[i], 0).shape
+                whole = every[:, start:start + n].reshape((S * moved[0],) + moved[1:])
+                out[i] = jnp.moveaxis(whole, 0, dims[i])
+                start += n
+        return jax.tree_util.tree_unflatten(treedef, out)
+
+    def place(self, mesh, split_dims) -> None:
+        """Where the parameters live at rest: ``mesh`` (with this pipeline's axis) and, per
+        leaf, the dimension split over ``pipe`` or None (a tree shaped like the params).
+        :class:`~jaxcnn.parallel.ParallelPlan` calls it; the train step then gets its
+        gradients already split that way (:meth:`gradients`' ``split_dims``)."""
+        self.mesh, self.split_dims = mesh, split_dims
 
     def _gather_state(self, new_state, old_state, stage):
         """Each leaf of the model state from the stage that owns its block."""
@@ -622,6 +721,27 @@ class Pipeline:
                 lambda x, s=s: jnp.where(stage == s, x, jnp.zeros_like(x)), _get(new_state, path))
             new_state = _set(new_state, path, _psum_f32(part, self.axis_name))
         return new_state
+
+
+def _leaf_dims(split_dims, n):
+    """The split dimension (or None) of each of the ``n`` leaves, in ``tree_leaves`` order."""
+    if split_dims is None:
+        return [None] * n
+    dims = jax.tree_util.tree_leaves(split_dims, is_leaf=lambda x: x is None)
+    assert len(dims) == n, (len(dims), n)
+    return dims
+
+
+def _blocks(x, dim, n):
+    """``(n, x.size // n)``: row ``k`` is the ``k``-th of ``n`` blocks of ``x`` along ``dim``,
+    flattened with ``dim`` moved first."""
+    return jnp.moveaxis(x, dim, 0).reshape(n, -1)
+
+
+def _unblock(flat, dim, shape):
+    """A row of :func:`_blocks` back to its block of shape ``shape``."""
+    moved = (shape[dim],) + tuple(v for i, v in enumerate(shape) if i != dim)
+    return jnp.moveaxis(flat.reshape(moved), 0, dim)
 
 
 def _psum_f32(tree, axis):

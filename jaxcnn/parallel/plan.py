@@ -50,7 +50,10 @@ class ParallelPlan:
             (all optional; ``microbatches``
             defaults to twice the stages); the plan's :attr:`pipeline` (a
             :class:`~jaxcnn.parallel.pipeline.Pipeline`) then goes to
-            ``make_train_step(..., pipeline=plan.pipeline)``.
+            ``make_train_step(..., pipeline=plan.pipeline)``.  Parameters and optimiser
+            moments of at least ``rules.FSDP_MIN_SIZE`` elements are then split over ``pipe``
+            (as ``fsdp`` splits them over ``data``), and the step's optimiser update is a
+            global program over those shards.
         spatial_until: with a ``spatial`` axis: how far activations stay split along
             height, ``"auto"`` or a layer path (see :func:`jaxcnn.parallel.spatial.spatial_layout`).
 
@@ -114,9 +117,14 @@ class ParallelPlan:
 
     def _shardings(self, abstract_state):
         # Params and model state by the rules, optimiser moments like their params,
-        # everything else (step, rng, loss scale) replicated.
+        # everything else (step, rng, loss scale) replicated.  With pipeline stages the params
+        # (and so their moments) are split over pipe as fsdp splits them over data ("ZeRO over
+        # pipe"); the model state (BatchNorm statistics, small) stays replicated.
+        piped = self.pipeline is not None
         params = R.tree_shardings(self.params_axes, abstract_state.params, self.mesh, self.rules,
-                                  fsdp=self.fsdp)
+                                  fsdp=self.fsdp or piped, fsdp_axis=PIPE if piped else DATA)
+        if piped:
+            self.pipeline.place(self.mesh, jax.tree_util.tree_map(_pipe_dim, params))
         state = R.tree_shardings(self.state_axes, abstract_state.state, self.mesh, self.rules,
                                  fsdp=self.fsdp)
         opt = R.follow_params(abstract_state.opt_state, abstract_state.params, params, self.mesh)
@@ -198,6 +206,11 @@ class ParallelPlan:
         sh = self.state_shardings
         return jax.jit(eval_step, in_shardings=(sh.params, sh.state, self.batch_sharding()),
                        out_shardings=self.replicated)
+
+
+def _pipe_dim(sharding: NamedSharding):
+    """The dimension a sharding splits over ``pipe``, or None."""
+    return next((i for i, a in enumerate(sharding.spec) if a == PIPE), None)
 
 
 def _pipeline(mesh, model, input_shape, strategy, fsdp, spec) -> Pipeline | None:

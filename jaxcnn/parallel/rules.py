@@ -22,8 +22,9 @@ whole when its size does not divide over the mesh axis, or when that mesh axis
 already splits another dimension of the same array.
 
 With ``fsdp`` every array of at least :data:`FSDP_MIN_SIZE` elements is also
-split over ``data`` on its largest free dimension that divides; optimiser
-moments follow the sharding of the parameter they belong to.
+split over ``data`` (or ``fsdp_axis``: pipeline parallelism splits over ``pipe``)
+on its largest free dimension that divides; optimiser moments follow the sharding
+of the parameter they belong to.
 """
 from __future__ import annotations
 
@@ -101,7 +102,7 @@ def merge_rules(overrides: Mapping[str, str | None] | None = None) -> dict[str, 
 
 
 def partition_spec(axes: tuple, shape: tuple, mesh: Mesh, rules: Mapping[str, str | None], *,
-                   fsdp: bool = False) -> P:
+                   fsdp: bool = False, fsdp_axis: str = DATA) -> P:
     """The ``PartitionSpec`` of one array.
 
     Arguments:
@@ -109,8 +110,9 @@ def partition_spec(axes: tuple, shape: tuple, mesh: Mesh, rules: Mapping[str, st
         shape: the array's shape.
         mesh: the mesh (only axis sizes are read).
         rules: logical name -> mesh axis or None.
-        fsdp: also split the largest free, divisible dimension over ``data`` when
+        fsdp: also split the largest free, divisible dimension over ``fsdp_axis`` when
             the array has at least :data:`FSDP_MIN_SIZE` elements.
+        fsdp_axis: the mesh axis of ``fsdp`` (``"data"``; ``"pipe"`` for pipeline stages).
 
     Returns:
         A ``PartitionSpec`` with one entry per dimension.
@@ -123,11 +125,11 @@ def partition_spec(axes: tuple, shape: tuple, mesh: Mesh, rules: Mapping[str, st
             continue
         spec[i] = target
         used.add(target)
-    n_data = mesh.shape[DATA]
-    if fsdp and DATA not in used and n_data > 1 and int(np.prod(shape, dtype=np.int64)) >= FSDP_MIN_SIZE:
-        free = [i for i in range(len(shape)) if spec[i] is None and shape[i] % n_data == 0]
+    n_split = mesh.shape.get(fsdp_axis, 1)
+    if fsdp and fsdp_axis not in used and n_split > 1 and int(np.prod(shape, dtype=np.int64)) >= FSDP_MIN_SIZE:
+        free = [i for i in range(len(shape)) if spec[i] is None and shape[i] % n_split == 0]
         if free:
-            spec[max(free, key=lambda i: shape[i])] = DATA
+            spec[max(free, key=lambda i: shape[i])] = fsdp_axis
     return P(*spec)
 
 
@@ -135,16 +137,18 @@ def _is_axes(x) -> bool:
     return isinstance(x, tuple) and all(a is None or isinstance(a, str) for a in x)
 
 
-def tree_shardings(axes_tree, abstract_tree, mesh: Mesh, rules, *, fsdp: bool = False):
+def tree_shardings(axes_tree, abstract_tree, mesh: Mesh, rules, *, fsdp: bool = False,
+                   fsdp_axis: str = DATA):
     """``NamedSharding`` for every leaf of ``abstract_tree`` from its logical axes.
 
     Arguments:
         axes_tree: from :func:`logical_axes`.
         abstract_tree: arrays or ``ShapeDtypeStruct`` of the same structure.
-        mesh, rules, fsdp: as :func:`partition_spec`.
+        mesh, rules, fsdp, fsdp_axis: as :func:`partition_spec`.
     """
     return jax.tree_util.tree_map(
-        lambda axes, x: NamedSharding(mesh, partition_spec(axes, tuple(x.shape), mesh, rules, fsdp=fsdp)),
+        lambda axes, x: NamedSharding(mesh, partition_spec(axes, tuple(x.shape), mesh, rules, fsdp=fsdp,
+                                                           fsdp_axis=fsdp_axis)),
         axes_tree, abstract_tree, is_leaf=_is_axes)
 
 

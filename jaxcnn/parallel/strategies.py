@@ -8,7 +8,10 @@ Three strategies, the same numbers (up to float32 reduction order):
   BatchNorm averages its statistics there too (unless the step was built with
   ``sync_batch_norm=False``).  Only ``data`` is manual: the
   ``model`` axis stays automatic, so model-parallel and fsdp shardings of the
-  state are handled by XLA (gathered on entry, re-split on exit).
+  state are handled by XLA (gathered on entry, re-split on exit).  A pipelined
+  step (``make_train_step(..., pipeline=plan.pipeline)``) is instead jitted as a
+  global program that holds its own ``shard_map`` over ``data`` and ``pipe``
+  (see :mod:`jaxcnn.parallel.pipeline`).
 * ``pmap``: the legacy form of the same per-device program; data parallel only.
 * ``jit``: one global program; ``jit`` with ``NamedSharding`` in/out shardings
   and XLA's SPMD partitioner inserts every collective (build the step with
@@ -32,7 +35,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxcnn.parallel.mesh import DATA, PIPE
+from jaxcnn.parallel.mesh import DATA
 
 STRATEGIES = ("shard_map", "pmap", "jit")
 CPU_MAX_IN_FLIGHT = 2
@@ -121,11 +124,19 @@ def _compile(train_step, strategy, mesh, state_shardings, sync_batch_norm, donat
         _check_batch_norm_axis(train_step, None)
         return jax.jit(train_step, in_shardings=(state_shardings, batch_sharding(mesh)),
                        out_shardings=(state_shardings, replicated), donate_argnums=donate_argnums)
+    if getattr(train_step, "pipeline", None) is not None:
+        # A pipelined step is a global program: only its stages' schedule is a shard_map
+        # (manual over data and pipe, inside the step), so XLA partitions the optimiser
+        # update over the parameters' pipe shards.
+        if strategy != "shard_map":
+            raise ValueError(f"parallel.strategy: pipeline parallelism runs under shard_map, got {strategy!r}")
+        _check_batch_norm_axis(train_step, DATA if sync_batch_norm else None)
+        return jax.jit(train_step, in_shardings=(state_shardings, batch_sharding(mesh)),
+                       out_shardings=(state_shardings, replicated), donate_argnums=donate_argnums)
     program = per_device(train_step, sync_batch_norm=sync_batch_norm)
     if strategy == "shard_map":
-        manual = {DATA} | ({PIPE} & set(mesh.axis_names))  # a pipeline step is manual over pipe too
         mapped = _shard_map(program, mesh=mesh, in_specs=(P(), P(DATA)), out_specs=(P(), P()),
-                            axis_names=manual, check_vma=False)
+                            axis_names={DATA}, check_vma=False)
         return jax.jit(mapped, in_shardings=(state_shardings, batch_sharding(mesh)),
                        out_shardings=(state_shardings, replicated), donate_argnums=donate_argnums)
     if strategy == "pmap":

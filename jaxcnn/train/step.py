@@ -16,6 +16,7 @@ from jaxcnn import functional as F
 from jaxcnn import precision as P
 from jaxcnn.data import mix as mixing
 from jaxcnn.layers.base import Choices
+from jaxcnn.parallel.mesh import DATA
 from jaxcnn.train.state import MasterCopyState, TrainState
 
 
@@ -120,19 +121,61 @@ def _head(*, policy, label_smoothing):
     return head
 
 
-def _pipeline_gradients(pipeline, policy, choices, image_norm, label_smoothing, mix, accumulate):
-    """:func:`_gradients`'s contract from a ``jaxcnn.parallel.Pipeline``'s GPipe schedule."""
+def _pipeline_gradients(pipeline, policy, choices, image_norm, label_smoothing, mix, accumulate,
+                        axis_name, sync_batch_norm):
+    """``gradients(state, batch, rng) -> (scaled gradients, loss, top1, new model state)`` of a
+    whole (global) batch from a ``jaxcnn.parallel.Pipeline``'s GPipe schedule.
+
+    A global function: only the schedule is a ``shard_map`` (manual over ``data`` and
+    ``pipe``).  The parameters enter it as their ``pipe`` blocks and are gathered whole in
+    one ``all_gather`` (``pipeline.gather_params``); the gradients leave it averaged over
+    ``data`` and split over ``pipe`` as the parameters are at rest (``pipeline.split_dims``), so the optimiser that follows is a global program
+    on those shards.  Each data shard folds its index into the step's key first, as
+    ``jaxcnn.parallel.strategies.per_device`` does for the other shard_map steps (so the
+    ``rng`` argument, the step's key before that fold, is not used).
+    """
+    from jax.sharding import PartitionSpec as PS
+    if axis_name is None:
+        raise ValueError("parallel.pipeline: the step runs its stages under shard_map over the data "
+                         "axis; build it with axis_name=plan.step_axis_name")
+    if pipeline.mesh is None:
+        raise ValueError("parallel.pipeline: the pipeline does not know where the parameters live; "
+                         "use the one of a ParallelPlan (make_train_step(..., pipeline=plan.pipeline))")
     if accumulate not in (1, pipeline.microbatches):
         raise ValueError(f"train.accumulate_steps: {accumulate} micro-batches, but the pipeline runs "
                          f"parallel.pipeline.microbatches={pipeline.microbatches}")
     if mix is not None and mix.enabled:
         raise ValueError("data.mix: mixup/CutMix is not supported with pipeline parallelism (mesh.pipe > 1)")
+    data_axis, pipe_axis = DATA, pipeline.axis_name
     piped = pipeline.gradients(_head(policy=policy, label_smoothing=label_smoothing),
                                prepare=lambda x: device_normalize(x, image_norm),
-                               policy=policy, choices=choices)
+                               policy=policy, choices=choices, split_dims=pipeline.split_dims)
+
+    def per_device(params, model_state, batch, rng, step, loss_scale):
+        params = pipeline.gather_params(params)  # this device's blocks -> whole (one all_gather)
+        key = jax.random.fold_in(jax.random.wrap_key_data(rng), jax.lax.axis_index(data_axis))
+        grads, loss, top1, new_model_state = piped(params, model_state, batch,
+                                                   jax.random.fold_in(key, step), loss_scale)
+        grads, loss, top1 = cross_device_mean((grads, loss, top1), data_axis)
+        if not sync_batch_norm:  # statistics of each data shard's own: their mean stays replicated
+            new_model_state = jax.tree_util.tree_map(
+                lambda x: jax.lax.pmean(x, data_axis) if jnp.issubdtype(x.dtype, jnp.floating) else x,
+                new_model_state)
+        return grads, loss, top1, new_model_state
+
+    def spec(dim, p):
+        return PS(*[pipe_axis if i == dim else None for i in range(len(p.shape))])
 
     def gradients(state, batch, rng):
-        return piped(state.params, state.state, batch, rng, state.loss_scale)
+        del rng  # each data shard's key is made inside, from the state's
+        grad_specs = jax.tree_util.tree_map(spec, pipeline.split_dims, state.params,
+                                            is_leaf=lambda x: x is None)
+        # check_vma=False: see jaxcnn.parallel.strategies (replicated inputs' cotangents)
+        mapped = jax.shard_map(per_device, mesh=pipeline.mesh,
+                               in_specs=(grad_specs, PS(), PS(data_axis), PS(), PS(), PS()),
+                               out_specs=(grad_specs, PS(), PS(), PS()),
+                               axis_names={data_axis, pipe_axis}, check_vma=False)
+        return mapped(state.params, state.state, batch, state.rng, state.step, state.loss_scale)
 
     return gradients
 
@@ -220,13 +263,13 @@ def make_train_step(model, tx: optax.GradientTransformation, *, policy=None,
     loss_fn = _loss_fn(model, policy=policy, choices=choices, label_smoothing=label_smoothing,
                        image_norm=image_norm, mix=mix)
     gradients = _gradients(loss_fn, accumulate) if pipeline is None else _pipeline_gradients(
-        pipeline, policy, choices, image_norm, label_smoothing, mix, accumulate)
+        pipeline, policy, choices, image_norm, label_smoothing, mix, accumulate, axis_name, sync_batch_norm)
 
     def train_step(state: TrainState, batch):
         rng = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
         grads, loss, top1, new_model_state = gradients(state, batch, rng)
         grads = state.loss_scale.unscale(grads)
-        if axis_name is not None:
+        if axis_name is not None and pipeline is None:
             grads, loss, top1 = cross_device_mean((grads, loss, top1), axis_name)
         finite = P.all_finite(grads)
         grads, new_params, new_opt_state = apply_optimizer(tx, state, grads, policy)

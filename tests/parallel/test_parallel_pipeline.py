@@ -368,3 +368,216 @@ def test_make_mesh_keeps_the_order_of_the_devices_it_is_given():
     mesh = make_mesh(2, 1, pipe=4, devices=devices)
     assert list(mesh.devices.reshape(-1)) == devices
     assert list(make_mesh(2, 1, pipe=4).devices.reshape(-1)) == jax.devices()
+
+
+# ----- ZeRO over pipe: parameters and optimiser state split over the stages at rest ----------
+
+def _pipe_dims(tree):
+    """The dimension each leaf's sharding splits over ``pipe`` (None: whole on every stage)."""
+    return [next((i for i, a in enumerate(x.sharding.spec) if a == "pipe"), None)
+            for x in jax.tree_util.tree_leaves(tree)]
+
+
+def _assert_split_over_pipe(state, pipe):
+    """Every params leaf split over pipe is held in ``pipe`` blocks, one per stage device, and its
+    optimiser moments are split the same way."""
+    for x, dim in zip(jax.tree_util.tree_leaves(state.params), _pipe_dims(state.params)):
+        if dim is not None:
+            shard = x.addressable_shards[0].data.shape
+            assert shard[dim] * pipe == x.shape[dim] and len(x.addressable_shards) == len(x.sharding.device_set)
+    split = {tuple(x.shape) for x, d in zip(jax.tree_util.tree_leaves(state.params), _pipe_dims(state.params))
+             if d is not None}
+    moments = [x for x in jax.tree_util.tree_leaves(state.opt_state) if np.ndim(x) > 0]
+    assert any(tuple(x.shape) in split for x in moments)
+    for x in moments:  # momentum, EMA, LAMB's moments: split as their parameter is
+        assert ("pipe" in x.sharding.spec) == (tuple(x.shape) in split), (x.shape, x.sharding.spec)
+
+
+def test_resnet18_parameters_split_over_the_stages_at_rest():
+    """The plan's shardings: every leaf of ResNet-18 of at least FSDP_MIN_SIZE elements (over 99%
+    of its parameters) is split over pipe along a dimension 4 divides, and its momentum follows;
+    BatchNorm statistics stay whole; a device's share of the parameters is then ~1/4."""
+    from jaxcnn.parallel.rules import FSDP_MIN_SIZE
+    model, tx = _model("resnet18"), MOMENTUM
+    plan = ParallelPlan(make_mesh(2, 1, pipe=4), model, SHAPE, _abstract_state(model, tx, SHAPE),
+                        pipeline={"microbatches": 2})
+    params = plan.abstract_state.params
+    leaves, dims = jax.tree_util.tree_leaves(params), _pipe_dims(params)
+    total = sum(x.size for x in leaves)
+    split = sum(x.size for x, d in zip(leaves, dims) if d is not None)
+    assert split > 0.99 * total
+    for x, d in zip(leaves, dims):
+        assert (d is not None) == (x.size >= FSDP_MIN_SIZE), (x.shape, d)
+    per_device = sum(x.size // 4 if d is not None else x.size for x, d in zip(leaves, dims))
+    assert per_device < 0.26 * total
+    assert all(d is None for d in _pipe_dims(plan.abstract_state.state))
+    opt_dims = [d for d in _pipe_dims(plan.abstract_state.opt_state)]
+    assert sorted(d for d in opt_dims if d is not None) == sorted(d for d in dims if d is not None)
+    assert plan.pipeline.split_dims is not None
+
+
+def _abstract_state(model, tx, shape):
+    """The TrainState as ShapeDtypeStructs, traced only (no initialisation runs)."""
+    from jaxcnn import precision as P
+    from jaxcnn.train.state import create_train_state
+    return _abstract(jax.eval_shape(lambda: create_train_state(
+        model, tx, jax.random.PRNGKey(0), shape, loss_scale=P.make_loss_scale("none"))))
+
+
+def _lowered_threshold(monkeypatch):
+    """bn_net's leaves are all below FSDP_MIN_SIZE: split every leaf of 64 elements or more."""
+    from jaxcnn.parallel import rules
+    monkeypatch.setattr(rules, "FSDP_MIN_SIZE", 64)
+
+
+@pytest.mark.parametrize("name", ["clip", "lamb"])
+def test_global_optimisers_on_parameters_split_over_pipe(monkeypatch, name):
+    """bn_net on data 2 x pipe 4 with every leaf of 64+ elements split over pipe: global-norm
+    clipping (that clips: the gradients' norm is above the bound) with momentum and an EMA of the
+    parameters, and LAMB (per-leaf trust ratios, weight decay masked off the 1-D leaves) run as
+    one global program over the shards (moments and EMA split like their parameters); 2 steps
+    equal one device with accumulate=4 (losses, gradient norms, params, optimiser state)."""
+    _lowered_threshold(monkeypatch)
+    model, shape = _model("bn_net"), (16, 8, 8, 3)
+    from jaxcnn.train.ema import ema
+    tx = {"clip": optax.chain(optax.clip_by_global_norm(0.05), optax.sgd(0.05, momentum=0.9), ema(0.9)),
+          "lamb": optax.lamb(0.01, weight_decay=0.1, mask=lambda p: jax.tree_util.tree_map(
+              lambda x: x.ndim > 1, p))}[name]
+    data = batches(shape, 2, seed=7)
+    plan = ParallelPlan(make_mesh(2, 1, pipe=4), model, shape, _abstract(init(model, tx, shape)),
+                        pipeline={"microbatches": 4})
+    step = plan.wrap_step(make_train_step(model, tx, axis_name=plan.step_axis_name, pipeline=plan.pipeline),
+                          donate=False)
+    state = plan.shard_state(init(model, tx, shape))
+    got_m = []
+    for b in data:
+        state, m = step(state, plan.put_batch(b))
+        got_m.append(jax.device_get(m))
+    assert sum(d is not None for d in _pipe_dims(state.params)) >= 5
+    _assert_split_over_pipe(state, 4)
+    ref_m, ref = _reference(model, tx, shape, data, 4)
+    if name == "clip":
+        assert all(r["grad_norm"] > 0.1 for r in ref_m)  # the bound 0.05 clips every step
+    for g, r in zip(got_m, ref_m):
+        np.testing.assert_allclose(g["loss"], r["loss"], rtol=LOSS_RTOL)
+        np.testing.assert_allclose(g["grad_norm"], r["grad_norm"], rtol=GRAD_RTOL)
+    got = jax.device_get(state)
+    assert max_diff(got.params, ref.params) < STATE_TOL
+    assert max_diff(got.opt_state, ref.opt_state) < 1e-4
+    assert max_diff(got.state, ref.state) < STATE_TOL
+
+
+
+def test_trainer_resumes_a_data_parallel_checkpoint_onto_split_stages(tmp_path):
+    """The other way round from the test above: the one-device run's step-2 checkpoint (whole
+    parameters, micro-batches as accumulation) resumed on data 2 x pipe 4, where lenet5's
+    largest leaves (fc1 400 x 120, ...) live split over the stages, ends where the one-device
+    run does."""
+    import shutil
+
+    lenet, shape = get_model("lenet5"), (32, 28, 28, 1)
+    plan = ParallelPlan(make_mesh(2, 1, pipe=4), lenet, shape, _abstract_state(lenet, MOMENTUM, shape),
+                        pipeline={"microbatches": 4})
+    dims = _pipe_dims(plan.abstract_state.params)
+    assert sum(d is not None for d in dims) == 1, dims  # fc1; the rest are below FSDP_MIN_SIZE
+    micro = "parallel.pipeline.microbatches=4"
+    code, out, err = _train(["mesh.data=1", micro], tmp_path / "ref")
+    assert code == 0, err
+    ref_params, ref_losses = _final(tmp_path / "ref")
+    work = tmp_path / "moved"
+    shutil.copytree(tmp_path / "ref", work)
+    shutil.rmtree(work / "checkpoints" / "4")
+    (work / "params.npz").unlink()
+    code, out, err = _train(["mesh.data=2", "mesh.pipe=4", micro, "checkpoint.resume=must"], work)
+    assert code == 0, err
+    assert "resumed from step 2" in out and "pipeline over 4 stages" in out
+    params, losses = _final(work)
+    np.testing.assert_allclose(losses, ref_losses, rtol=LOSS_RTOL)
+    assert max_diff(params, ref_params) < 1e-5
+
+
+def test_per_shard_batch_norm_pipelined_matches_data_parallel(monkeypatch):
+    """sync_batch_norm=False on data 2 x pipe 4 (leaves split over pipe): each data shard
+    normalises with its own micro-batch statistics and the running statistics are averaged over
+    data after the step, as 2-way data parallelism with accumulate=4 and the same setting does;
+    2 steps, and measurably not the synced statistics."""
+    _lowered_threshold(monkeypatch)
+    model, tx, shape = _model("bn_net"), MOMENTUM, (16, 8, 8, 3)
+    data = batches(shape, 2, seed=8)
+    abstract = _abstract(init(model, tx, shape))
+
+    def run(mesh, sync, **kw):
+        plan = ParallelPlan(mesh, model, shape, abstract, sync_batch_norm=sync, **kw)
+        step = plan.wrap_step(make_train_step(model, tx, axis_name=plan.step_axis_name, sync_batch_norm=sync,
+                                              accumulate=4, pipeline=plan.pipeline), donate=False)
+        state = plan.shard_state(init(model, tx, shape))
+        losses = []
+        for b in data:
+            state, m = step(state, plan.put_batch(b))
+            losses.append(float(m["loss"]))
+        return losses, jax.device_get(state)
+
+    got_l, got = run(make_mesh(2, 1, pipe=4), False, pipeline={"microbatches": 4})
+    ref_l, ref = run(make_mesh(2, 1, devices=jax.devices()[:2]), False)
+    synced_l, synced = run(make_mesh(2, 1, devices=jax.devices()[:2]), True)
+    np.testing.assert_allclose(got_l, ref_l, rtol=LOSS_RTOL)
+    assert max_diff(got.params, ref.params) < STATE_TOL
+    assert max_diff(got.state, ref.state) < STATE_TOL
+    assert max_diff(synced.state, ref.state) > 100 * STATE_TOL
+
+
+def test_bench_scaling_pipe_reports_args_temporaries_and_total(capsys):
+    """scripts/bench_scaling.py --pipe 1,2 on lenet5 (compile only): a row per stage count with
+    XLA's argument, temporary and total bytes per device; the arguments (parameters, momentum,
+    batch) fall with 2 stages, as fc1's 48,000 weights and their momentum are split over pipe."""
+    import importlib.util
+    import json
+    import os
+    import pathlib
+    path = pathlib.Path(__file__).resolve().parents[2] / "scripts" / "bench_scaling.py"
+    spec = importlib.util.spec_from_file_location("bench_scaling", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    environ = dict(os.environ)  # the script sets XLA_FLAGS as a command-line tool does
+    try:
+        assert bench.main(["--model", "lenet5", "--pipe", "1,2", "--per-device-batch", "8",
+                           "--microbatches", "2", "--steps", "0", "--json"]) == 0
+    finally:
+        os.environ.clear()
+        os.environ.update(environ)
+    out = capsys.readouterr().out
+    rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    assert [(r["pipe"], r["split"]) for r in rows] == [(1, None), (2, rows[1]["split"])]
+    one, two = rows
+    assert two["bubble"] == pytest.approx(1 / 3) and sum(two["split"]) == len(pipeline_blocks(get_model("lenet5")))
+    for r in rows:
+        total = r["args_mib"] + r["out_mib"] + r["temp_mib"] - r["alias_mib"]
+        assert r["memory_mib"] == pytest.approx(total) and r["temp_mib"] > 0
+    fc1 = 2 * 400 * 120 * 4 / 2**20  # weights and momentum, float32
+    assert one["args_mib"] - two["args_mib"] == pytest.approx(fc1 / 2, rel=0.05)
+    assert "args" in out and "temp" in out and "total" in out
+
+
+def test_gather_params_reassembles_blocks_split_along_any_dimension():
+    """Pipeline.gather_params inside a shard_map over pipe 4: leaves split along their first,
+    middle or last dimension, in float32 and bfloat16 (one all_gather per dtype), and whole
+    leaves, come back exactly as the arrays that were split (random values, NumPy reference)."""
+    from jax.sharding import NamedSharding, PartitionSpec as PS
+    rng = np.random.default_rng(3)
+    tree = {"a": {"w": rng.normal(size=(8, 3, 5)).astype(np.float32)},
+            "b": {"w": rng.normal(size=(3, 4, 6)).astype(np.float32),
+                  "v": rng.normal(size=(2, 12)).astype(jax.numpy.bfloat16)},
+            "c": {"s": rng.normal(size=(7,)).astype(np.float32)}}
+    dims = {"a": {"w": 0}, "b": {"w": 1, "v": 1}, "c": {"s": None}}
+    pipe = Pipeline(_model("bn_net"), (16, 8, 8, 3), 4, 2)
+    mesh = make_mesh(2, 1, pipe=4)
+    pipe.place(mesh, dims)
+    specs = jax.tree_util.tree_map(lambda d, x: PS(*["pipe" if i == d else None for i in range(x.ndim)]),
+                                   dims, tree, is_leaf=lambda x: x is None)
+    placed = jax.tree_util.tree_map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), tree, specs)
+    gather = jax.jit(jax.shard_map(pipe.gather_params, mesh=mesh, in_specs=(specs,), out_specs=PS(),
+                                   axis_names={"data", "pipe"}, check_vma=False))
+    got = jax.device_get(gather(placed))
+    for g, r in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(tree)):
+        assert g.dtype == r.dtype and g.shape == r.shape
+        assert np.array_equal(np.asarray(g, np.float32), np.asarray(r, np.float32))
