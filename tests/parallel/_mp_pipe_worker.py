@@ -7,7 +7,8 @@ pipe axis crosses the processes (stages 0-1 on process 0, stages 2-3 on process 
 both data shards), so activations and their gradients travel between the processes
 (``ppermute`` over gloo).  Every process holds rows of both data shards, so each feeds
 the whole global batch of ``_helpers.batches`` (``plan.batch_share`` says so, and
-``plan.put_batch`` takes it).  Process 0 writes ``losses.json`` and ``params.npz``.
+``plan.put_batch`` takes it).  Every leaf of 64 or more elements lives split over
+pipe, so across the processes.  Process 0 writes ``losses.json`` and ``params.npz``.
 """
 from _mp_common import finish, run, start  # first: it sets the devices before JAX starts
 
@@ -29,6 +30,8 @@ def main(port, pid, steps, out_dir, timeout_s=60.0):
     from _helpers import MOMENTUM, batches, bn_net, init
     from jaxcnn.train.step import make_train_step
 
+    from jaxcnn.parallel import rules
+    rules.FSDP_MIN_SIZE = 64  # bn_net's leaves are small: split them over pipe, across the processes
     model = bn_net()
     abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
                                       init(model, MOMENTUM, SHAPE))
@@ -36,6 +39,8 @@ def main(port, pid, steps, out_dir, timeout_s=60.0):
     plan = parallel.ParallelPlan(mesh, model, SHAPE, abstract, pipeline={"microbatches": MICROBATCHES})
     owners = {tuple(sorted({d.process_index for d in mesh.devices[:, s].reshape(-1)})) for s in range(4)}
     assert owners == {(0,), (1,)}, owners  # every stage on one process, the stages on both
+    split = [s for s in jax.tree_util.tree_leaves(plan.state_shardings.params) if "pipe" in str(s.spec)]
+    assert split, plan.state_shardings.params  # parameters live split over the stages' processes
     step = plan.wrap_step(make_train_step(model, MOMENTUM, axis_name=plan.step_axis_name,
                                           pipeline=plan.pipeline))
     state = jax.jit(lambda: init(model, MOMENTUM, SHAPE), out_shardings=plan.state_shardings)()
