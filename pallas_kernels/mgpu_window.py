@@ -8,7 +8,11 @@ use, forward and input gradient:
 - **Tiles.**  A CTA (one warpgroup) owns ``64`` output pixels x ``block_c`` channels.
   The 64 pixels are a ``tile_h x tile_w`` rectangle of one image (``tile_w`` a power
   of two <= the output width), as in :mod:`pallas_kernels.mgpu_conv`, so every tile
-  row is a contiguous run of NHWC memory.  Grid: ``(N * tiles, ceil(C / block_c))``.
+  row is a contiguous run of NHWC memory.  Every TMA copy into shared memory must move a
+  multiple of 128 bytes (:data:`COPY_BYTES`, Mosaic's rule): a row of fewer bytes is
+  widened (:func:`tile_w`: at most 8 pixels; its columns past the output read zeros and
+  are never stored) and the filter table gets zero rows (:func:`table_rows`).
+  Grid: ``(N * tiles, ceil(C / block_c))``.
 - **Taps.**  The caller lays its operands out so that every tap reads a stride-1
   window: tap ``t`` of operand ``k`` is the window ``src[k][phase_t * N + n,
   oh + qh_t, ow + qw_t, c]`` (the stride phases of :func:`phases`, or a padded
@@ -52,7 +56,8 @@ class WindowConfig:
 
     Attributes:
         tile_w: output pixels per row of the 64-pixel tile (power of two); None picks
-            the widest that fits the output width.
+            the widest that fits the output width (either widened where a row copy would
+            not be a multiple of 128 bytes: :func:`tile_w`).
         block_c: channels per CTA (multiple of 8, <= 256); a channel count below it
             takes the whole channel dimension.
         stages: taps in flight (shared-memory slots, >= 1).
