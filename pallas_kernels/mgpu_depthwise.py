@@ -169,7 +169,7 @@ def depthwise_wgrad(x, dy, *, kernel_hw, stride=(1, 1), pads=((0, 0), (0, 0)), d
     (pt, _), (pleft, _) = pads
     xp = mw.phases(x, ((pt, 0), (pleft, 0)), stride, 0, view=False)  # 4-D: dynamic taps
     bc = mw.block_c(c, cfg)
-    tw = min(cfg.tile_w or mc.pick_tile_w(ow), mc.pick_tile_w(ow))
+    tw = mw.tile_w(ow, bc, cfg, jnp.dtype(x.dtype).itemsize)
     th = mw.TILE_M // tw
     tiles_h, tiles_w = mw.cdiv(oh, th), mw.cdiv(ow, tw)
     tiles = n * tiles_h * tiles_w

@@ -8,7 +8,11 @@ use, forward and input gradient:
 - **Tiles.**  A CTA (one warpgroup) owns ``64`` output pixels x ``block_c`` channels.
   The 64 pixels are a ``tile_h x tile_w`` rectangle of one image (``tile_w`` a power
   of two <= the output width), as in :mod:`pallas_kernels.mgpu_conv`, so every tile
-  row is a contiguous run of NHWC memory.  Grid: ``(N * tiles, ceil(C / block_c))``.
+  row is a contiguous run of NHWC memory.  Every TMA copy into shared memory must move a
+  multiple of 128 bytes (:data:`COPY_BYTES`, Mosaic's rule): a row of fewer bytes is
+  widened (:func:`tile_w`: at most 8 pixels; its columns past the output read zeros and
+  are never stored) and the filter table gets zero rows (:func:`table_rows`).
+  Grid: ``(N * tiles, ceil(C / block_c))``.
 - **Taps.**  The caller lays its operands out so that every tap reads a stride-1
   window: tap ``t`` of operand ``k`` is the window ``src[k][phase_t * N + n,
   oh + qh_t, ow + qw_t, c]`` (the stride phases of :func:`phases`, or a padded
@@ -52,7 +56,8 @@ class WindowConfig:
 
     Attributes:
         tile_w: output pixels per row of the 64-pixel tile (power of two); None picks
-            the widest that fits the output width.
+            the widest that fits the output width (either widened where a row copy would
+            not be a multiple of 128 bytes: :func:`tile_w`).
         block_c: channels per CTA (multiple of 8, <= 256); a channel count below it
             takes the whole channel dimension.
         stages: taps in flight (shared-memory slots, >= 1).
@@ -124,6 +129,32 @@ def block_c(c: int, cfg: WindowConfig) -> int:
     return c if c <= cfg.block_c else cfg.block_c
 
 
+# A TMA copy into shared memory must move a multiple of this many bytes (Mosaic GPU's
+# lowering splits the mbarrier's expected bytes evenly over the warpgroup's 128 threads).
+COPY_BYTES = 128
+
+
+def tile_w(width: int, bc: int, cfg: WindowConfig, itemsize: int = 2) -> int:
+    """Output pixels per tile row for a launch ``width`` wide with ``bc`` channels: the
+    config's (or the widest power of two <= ``width``, at most 64), widened to the
+    narrowest power of two whose row copy (``tile_w * bc * itemsize`` bytes) is a multiple
+    of :data:`COPY_BYTES`; the columns past ``width`` read TMA's zero fill and are never
+    stored."""
+    widest = mc.pick_tile_w(width)
+    tw = min(cfg.tile_w or widest, widest)
+    while (tw * bc * itemsize) % COPY_BYTES and tw < TILE_M:
+        tw *= 2
+    return tw
+
+
+def table_rows(rows: int, bc: int) -> int:
+    """Rows of a float32 ``(rows, bc)`` table in shared memory padded so that its one TMA
+    copy is a multiple of :data:`COPY_BYTES`."""
+    while (rows * bc * 4) % COPY_BYTES:
+        rows += 1
+    return rows
+
+
 def phases(x, pads, stride, fill, *, view: bool = True):
     """``x`` padded by ``pads`` (with ``fill``) and split into its ``sh * sw`` stride phases:
     ``(sh * sw * N, ceil(Hp / sh), ceil(Wp / sw), C)``, phase ``a * sw + b`` holding rows
@@ -185,7 +216,7 @@ def tap_reduce(srcs, taps, *, n: int, out_hw, c: int, out_dtypes, init, combine,
     cfg = config or DEFAULT
     oh, ow = out_hw
     bc = block_c(c, cfg)
-    tw = min(cfg.tile_w or mc.pick_tile_w(ow), mc.pick_tile_w(ow))
+    tw = tile_w(ow, bc, cfg, max(jnp.dtype(s.dtype).itemsize for s in srcs))
     th = TILE_M // tw
     tiles_h, tiles_w = mc.pl_cdiv(oh, th), mc.pl_cdiv(ow, tw)
     tail = ow - (tiles_w - 1) * tw
@@ -193,6 +224,10 @@ def tap_reduce(srcs, taps, *, n: int, out_hw, c: int, out_dtypes, init, combine,
     stages = min(cfg.stages, ntaps)
     layout = plgpu.Layout.WGMMA
     has_w = weights is not None
+    if has_w:  # zero rows: the table's one copy a whole number of COPY_BYTES
+        extra = table_rows(weights.shape[0], bc) - weights.shape[0]
+        if extra:
+            weights = jnp.pad(weights, ((0, extra), (0, 0)))
 
     def body(*refs):
         refs = list(refs)
@@ -373,14 +408,14 @@ class WindowCall:
     def fit(self, cfg: WindowConfig) -> WindowConfig:
         """``cfg`` as this launch runs it: the tile row, channel tile, slots and split it
         would be clamped to (equal fitted configs compile to the same kernel)."""
-        widest = mc.pick_tile_w(self.launch_width())
-        tw = min(cfg.tile_w or widest, widest)
+        bc = block_c(self.x_shape[3], cfg)
+        tw = tile_w(self.launch_width(), bc, cfg, jnp.dtype(self.dtype).itemsize)
         stages, split = min(cfg.stages, self.taps()), 1
         if self.kernel == "mgpu_depthwise_wgrad":  # slots over output tiles, shared by splits
             oh, ow = self.out_hw
             stages = cfg.stages
             split = min(cfg.split, self.x_shape[0] * cdiv(oh, TILE_M // tw) * cdiv(ow, tw))
-        return WindowConfig(tile_w=tw, block_c=block_c(self.x_shape[3], cfg), stages=stages,
+        return WindowConfig(tile_w=tw, block_c=bc, stages=stages,
                             split=split)
 
     def smem_bytes(self, cfg: WindowConfig) -> int:
@@ -397,7 +432,7 @@ class WindowCall:
         total = (staged * cfg.stages + outs) * tile * it + cfg.stages * _BARRIER
         if self.kernel in ("mgpu_depthwise_fwd", "mgpu_depthwise_dgrad"):
             rows = self.taps() + (self.part == "fwd")  # the filters (and the bias row)
-            total += rows * cfg.block_c * 4 + _BARRIER
+            total += table_rows(rows, cfg.block_c) * cfg.block_c * 4 + _BARRIER
         return total
 
     def candidates(self, limit: int | None = None) -> list:
@@ -444,5 +479,6 @@ def part_configs(op: str, config, calls: dict) -> tuple:
 
 
 __all__ = ["WindowConfig", "DEFAULT", "check_supported", "check_config", "on_hopper",
-           "phases", "forward_taps", "tap_reduce", "pad_channels", "block_c", "cdiv",
+           "phases", "forward_taps", "tap_reduce", "pad_channels", "block_c", "tile_w",
+           "table_rows", "COPY_BYTES", "cdiv",
            "WindowCall", "KERNELS", "tuned_config", "part_configs"]

@@ -48,6 +48,15 @@ GRAD_CASES = [
      ((1, 0), (2, 1)), (1, 2), None, BF16),
     ("3x3/1 pad 1 float16, batch 2", (2, 5, 6, 8), (3, 3), (1, 1), ((1, 1), (1, 1)), (1, 1),
      None, F16),
+    # Formerly refused by Mosaic's lowering (a TMA copy must move a multiple of 128 bytes):
+    # the 9-row float32 filter table of 16 channels (576 bytes) is padded to 10 rows.
+    ("3x3/1 pad 1, C=16 (filter table padded)", (1, 6, 7, 16), (3, 3), (1, 1),
+     ((1, 1), (1, 1)), (1, 1), None, BF16),
+    # 24 channels, 4 output columns: tile rows of 4 x 24 x 2 = 192 bytes widen to 8 pixels
+    # (the columns past the output read zeros, never stored), and the 10-row forward table
+    # (bias) and the dgrad phases' 2- and 1-row tables are padded to 4k rows.
+    ("3x3/2 pad 1, C=24 narrow (tile rows widened)", (1, 7, 7, 24), (3, 3), (2, 2),
+     ((1, 1), (1, 1)), (1, 1), None, BF16),
 ]
 
 
@@ -232,3 +241,39 @@ def test_depthwise_kernels_lower_for_hopper_with_tma(stride, phases):
                                                + ["jaxcnn_mgpu_depthwise_fwd",
                                                   "jaxcnn_mgpu_depthwise_wgrad"])
     assert_tma_pipeline(reports)
+
+
+@needs_mgpu
+@pytest.mark.parametrize("c, stride, bias", [(16, 1, False), (24, 2, True)],
+                         ids=["C=16 3x3/1 no bias", "C=24 3x3/2 bias"])
+def test_small_channel_counts_lower_for_hopper(c, stride, bias):
+    """Every TMA copy into shared memory moves a multiple of 128 bytes, or Mosaic refuses to
+    lower the kernel.  C=16 at 3x3/1: the forward's and input gradient's 9-row float32
+    filter tables (576 bytes).  C=24 at 3x3/2 on 14x14: 4-pixel tile rows (192 bytes) in the
+    input gradient's phases and the weight gradient, and 10-, 2- and 1-row tables."""
+    args = [jax.ShapeDtypeStruct((2, 14, 14, c), BF16), jax.ShapeDtypeStruct((3, 3, 1, c), BF16)]
+    if bias:
+        args.append(jax.ShapeDtypeStruct((c,), BF16))
+    reports = lower_with_grads(
+        lambda *a: md.conv2d(*a, stride=(stride, stride), padding=((1, 1), (1, 1))), *args)
+    phases = stride * stride
+    assert sorted(r.name for r in reports) == (["jaxcnn_mgpu_depthwise_dgrad"] * phases
+                                               + ["jaxcnn_mgpu_depthwise_fwd",
+                                                  "jaxcnn_mgpu_depthwise_wgrad"])
+    assert_tma_pipeline(reports)
+
+
+def test_tile_rows_and_filter_tables_are_whole_copies():
+    """The tiles the kernels pick: each tile row copy and filter table a multiple of 128
+    bytes, widened or padded no more than needed."""
+    for c in (8, 16, 24, 32, 40, 64):
+        bc = mw.block_c(c, mw.DEFAULT)
+        for width in (1, 3, 4, 7, 14, 56):
+            tw = mw.tile_w(width, bc, mw.DEFAULT)
+            assert tw * bc * 2 % 128 == 0 and mw.TILE_M % tw == 0, (c, width, tw)
+            narrowest = next(t for t in (1, 2, 4, 8) if t * bc * 2 % 128 == 0)
+            assert tw == max(narrowest, min(64, 1 << (width.bit_length() - 1))), (c, width)
+        for rows in (1, 2, 4, 9, 10, 25, 49, 50):
+            padded = mw.table_rows(rows, bc)
+            assert padded * bc * 4 % 128 == 0 and rows <= padded < rows + 4, (c, rows)
+    assert mw.table_rows(9, 16) == 10 and mw.tile_w(4, 24, mw.DEFAULT) == 8

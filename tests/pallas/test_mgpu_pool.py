@@ -249,6 +249,19 @@ def test_pool_kernels_lower_for_hopper_with_tma(op, kw):
 
 
 @needs_mgpu
+@pytest.mark.parametrize("op", ["max_pool2d", "avg_pool2d"])
+def test_narrow_small_channel_pools_lower_for_hopper(op):
+    """24 channels at 3x3/2 on 14x14 (7 output columns): 4-pixel tile rows would be 192-byte
+    TMA copies, which Mosaic refuses (a multiple of 128 bytes only); they widen to 8."""
+    reports = lower_with_grads(lambda x: getattr(mp, op)(x, 3, stride=2, padding=1),
+                               jax.ShapeDtypeStruct((2, 14, 14, 24), BF16))
+    name = op.replace("_pool2d", "")
+    assert sorted(r.name for r in reports) == (
+        [f"jaxcnn_mgpu_{name}_pool_bwd"] * 4 + [f"jaxcnn_mgpu_{name}_pool_fwd"])
+    assert_tma_pipeline(reports)
+
+
+@needs_mgpu
 def test_inspect_kernels_reports_the_pool_kernels(capsys):
     """scripts/inspect_kernels.py --mosaic lists the window kernels of the pool shapes."""
     assert inspect_kernels().main(["--mosaic", "--groups", "pool", "--batch", "2"]) == 0

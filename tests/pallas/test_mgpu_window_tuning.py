@@ -47,6 +47,7 @@ def depthwise_calls(x_shape, k, stride=1, pad=1, dtype=BF16):
 CALLS = {  # every kernel of the tuner, on shapes with tails and several channel tiles
     "max 3x3/2 ceil, 256 channels": pool_calls("max", (4, 28, 27, 256), 3, 2, 1, True),
     "avg 2x2/2, 24 channels": pool_calls("avg", (2, 12, 12, 24), 2),
+    "depthwise 3x3/2, 24 channels (narrow)": depthwise_calls((1, 7, 7, 24), 3, 2),
     "depthwise 3x3/1, 96 channels": depthwise_calls((2, 14, 14, 96), 3),
     "depthwise 7x7/2, 384 channels": depthwise_calls((8, 14, 14, 384), 7, 2, 3),
 }
@@ -62,7 +63,11 @@ def test_candidates_are_fitted_distinct_and_fit_shared_memory(name):
         c, widest = call.x_shape[3], mc.pick_tile_w(call.launch_width())
         for cfg in every:
             assert call.fit(cfg) == cfg  # as the kernel runs it: nothing left to clamp
-            assert cfg.tile_w <= widest and mw.TILE_M % cfg.tile_w == 0
+            # at most the widest row the output has, unless a narrower row copy would not be
+            # a multiple of 128 bytes (Mosaic's TMA rule): then the narrowest that is
+            assert mw.TILE_M % cfg.tile_w == 0 and cfg.tile_w * cfg.block_c * 2 % 128 == 0
+            assert cfg.tile_w <= widest or cfg.tile_w == min(
+                t for t in (1, 2, 4, 8) if t * cfg.block_c * 2 % 128 == 0)
             assert cfg.block_c % 8 == 0 and cfg.block_c <= min(c, 256)
             if call.kernel == "mgpu_depthwise_wgrad":
                 assert cfg.split >= 1
