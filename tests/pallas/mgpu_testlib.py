@@ -5,6 +5,7 @@ step of its type (bfloat16: 2**-8 relative, float16: 2**-11) of the float32 refe
 plus float32 summation-order noise (1e-4 of the largest value).
 """
 import importlib.util
+import json
 import os
 import sys
 
@@ -14,6 +15,7 @@ import numpy as np
 import pytest
 from jax import lax
 
+from pallas_kernels import autotune
 from pallas_kernels import mgpu_conv as mc
 
 REASON = mc.unavailable_reason()
@@ -115,3 +117,29 @@ def check_auto_needs_a_mosaic_verdict(monkeypatch, op, arrays, static) -> None:
         assert chosen[-1]["backend"] == measured
     monkeypatch.setattr(autotune, "verdict", lambda *a: None)
     assert _dispatch.choose(op, "auto", arrays, static) is None
+
+
+# --- the tuners' cache round trip: tuned.json -> the op ---------------------------------------
+
+@pytest.fixture
+def shipped(tmp_path, monkeypatch):
+    """An empty user cache and a temporary ``tuned.json``; ``write(kind, {key: entry})``
+    fills the latter for a device kind."""
+    monkeypatch.setenv("JAXCNN_AUTOTUNE_CACHE", str(tmp_path / "user.json"))
+    path = tmp_path / "tuned.json"
+    monkeypatch.setattr(autotune, "SHIPPED", str(path))
+
+    def write(kind, kernels):
+        path.write_text(json.dumps({"version": 1, "devices": {
+            kind: {"kernels": kernels, "ops": {}}}}))
+        autotune._memo.clear()  # the merged entries are memoised per (cache, device kind)
+    yield write
+    autotune._memo.clear()
+
+
+def seen_configs(monkeypatch, module, fn_name, slot):
+    """The ``static[slot]`` (the tiles) of every call of ``module.fn_name`` from now on; the
+    call itself does nothing."""
+    seen = []
+    monkeypatch.setattr(module, fn_name, lambda static, *a: seen.append(static[slot]))
+    return seen

@@ -25,7 +25,8 @@ import numpy as np
 import pytest
 
 import pallas_kernels as pk
-from mgpu_testlib import H100, assert_16bit_close, needs_mgpu, normal, ref_conv
+from mgpu_testlib import (H100, assert_16bit_close, needs_mgpu, normal, ref_conv,
+                          seen_configs, shipped)  # noqa: F401 (shipped: a fixture)
 from pallas_kernels import autotune
 from pallas_kernels import mgpu_conv as mc
 from pallas_kernels import mgpu_fused as mf
@@ -182,26 +183,6 @@ def test_an_input_gradient_without_a_kernel_has_no_candidates():
 
 # --- the cache round trip: tuned.json -> the op ---------------------------------------------
 
-@pytest.fixture
-def shipped(tmp_path, monkeypatch):
-    """An empty user cache and a temporary ``tuned.json``; ``write(kind, {key: entry})``
-    fills the latter for a device kind."""
-    monkeypatch.setenv("JAXCNN_AUTOTUNE_CACHE", str(tmp_path / "user.json"))
-    path = tmp_path / "tuned.json"
-    monkeypatch.setattr(autotune, "SHIPPED", str(path))
-
-    def write(kind, kernels):
-        path.write_text(json.dumps({"version": 1, "devices": {
-            kind: {"kernels": kernels, "ops": {}}}}))
-        autotune._memo.clear()  # the merged entries are memoised per (cache, device kind)
-    yield write
-    autotune._memo.clear()
-
-
-def _seen_configs(monkeypatch, module, fn_name, slot):
-    seen = []
-    monkeypatch.setattr(module, fn_name, lambda static, *a: seen.append(static[slot]))
-    return seen
 
 
 TUNED = {"fwd": mc.MgpuConfig(tile_w=4, block_n=16, block_k=16, stages=2),
@@ -214,7 +195,7 @@ def test_conv_takes_tuned_tiles_per_part_of_its_device_kind(shipped, monkeypatch
     x, w = jnp.zeros((1, 8, 8, 16), BF16), jnp.zeros((3, 3, 16, 32), BF16)
     found = calls(x.shape, w.shape)
     shipped(H100, {found[p].key: c.to_dict() for p, c in TUNED.items()})
-    seen = _seen_configs(monkeypatch, mc, "_conv", 4)
+    seen = seen_configs(monkeypatch, mc, "_conv", 4)
     monkeypatch.setattr(autotune, "device_kind", lambda: H100)
     pk.conv2d(x, w, padding=1, backend="mosaic", interpret=True)
     assert seen.pop() == (TUNED["fwd"], TUNED["dgrad"], TUNED["wgrad"])
@@ -250,7 +231,7 @@ def test_fused_conv_takes_the_tiles_of_its_form_and_skips_a_malformed_entry(ship
                    both["dgrad"].key: TUNED["dgrad"].to_dict(),
                    calls(x.shape, w.shape)["fwd"].key: TUNED["fwd"].to_dict(),
                    stats_only.key: {"block_k": 48}})
-    seen = _seen_configs(monkeypatch, mf, "_op", 6)
+    seen = seen_configs(monkeypatch, mf, "_op", 6)
     monkeypatch.setattr(autotune, "device_kind", lambda: H100)
     mf.conv2d(x, w, padding=P1, input_scale=ss, input_shift=ss, stats=True, interpret=True)
     assert seen.pop() == (fused_fwd, TUNED["dgrad"], mc.DEFAULT)
@@ -349,7 +330,7 @@ def test_tune_op_times_the_dense_candidates_and_the_op_then_runs_the_fastest(tmp
     assert [saved["kernels"][found[p].key] for p in mc.PARTS] == [c.to_dict() for c in fastest]
     assert saved["ops"][autotune.op_key("conv2d", (x, w, None), static)] == entry
     assert entry["pallas_faster"]
-    seen = _seen_configs(monkeypatch, mc, "_conv", 4)
+    seen = seen_configs(monkeypatch, mc, "_conv", 4)
     pk.conv2d(x, w, padding=1, backend="mosaic", interpret=True)
     assert seen.pop() == fastest
 

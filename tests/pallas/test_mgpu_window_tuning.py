@@ -21,7 +21,7 @@ import pytest
 
 import pallas_kernels as pk
 from jaxcnn import _geometry as geo
-from mgpu_testlib import H100, needs_mgpu
+from mgpu_testlib import H100, needs_mgpu, seen_configs, shipped  # noqa: F401 (shipped: a fixture)
 from pallas_kernels import autotune
 from pallas_kernels import mgpu_conv as mc
 from pallas_kernels import mgpu_depthwise as md
@@ -129,26 +129,6 @@ def test_a_window_call_names_its_kernel_and_keys_its_geometry():
 
 # --- the cache round trip: tuned.json -> the op ---------------------------------------------
 
-@pytest.fixture
-def shipped(tmp_path, monkeypatch):
-    """An empty user cache and a temporary ``tuned.json``; ``write(kind, {key: entry})``
-    fills the latter for a device kind."""
-    monkeypatch.setenv("JAXCNN_AUTOTUNE_CACHE", str(tmp_path / "user.json"))
-    path = tmp_path / "tuned.json"
-    monkeypatch.setattr(autotune, "SHIPPED", str(path))
-
-    def write(kind, kernels):
-        path.write_text(json.dumps({"version": 1, "devices": {
-            kind: {"kernels": kernels, "ops": {}}}}))
-        autotune._memo.clear()  # the merged entries are memoised per (cache, device kind)
-    yield write
-    autotune._memo.clear()
-
-
-def _seen_configs(monkeypatch, module, fn_name, slot):
-    seen = []
-    monkeypatch.setattr(module, fn_name, lambda static, *a: seen.append(static[slot]))
-    return seen
 
 
 @needs_mgpu
@@ -157,7 +137,7 @@ def test_pool_takes_tuned_tiles_of_its_device_kind(shipped, monkeypatch):
     fwd, bwd = pool_calls("max", x.shape, 3, 2, 1).values()
     tuned = mw.WindowConfig(tile_w=4, block_c=8, stages=2)
     shipped(H100, {fwd.key: tuned.to_dict()})
-    seen = _seen_configs(monkeypatch, mp, "_max_pool", 6)
+    seen = seen_configs(monkeypatch, mp, "_max_pool", 6)
     monkeypatch.setattr(autotune, "device_kind", lambda: H100)
     pk.max_pool2d(x, 3, stride=2, padding=1, backend="mosaic", interpret=True)
     assert seen.pop() == (tuned, mw.DEFAULT)  # the backward was not tuned: its defaults
@@ -191,7 +171,7 @@ def test_depthwise_takes_tuned_tiles_per_part_and_skips_a_malformed_entry(shippe
              "wgrad": mw.WindowConfig(block_c=16, split=2)}
     shipped(H100, {**{calls[p].key: c.to_dict() for p, c in tuned.items()},
                    calls["fwd"].key: {"block_c": 12}})  # not a multiple of 8
-    seen = _seen_configs(monkeypatch, md, "_conv", 5)
+    seen = seen_configs(monkeypatch, md, "_conv", 5)
     monkeypatch.setattr(autotune, "device_kind", lambda: H100)
     with pytest.warns(UserWarning, match="mgpu_depthwise_fwd.* is invalid"):
         pk.conv2d(x, w, padding=1, groups=16, backend="mosaic", interpret=True)
@@ -262,7 +242,7 @@ def test_tune_op_times_the_window_candidates_and_the_op_then_runs_the_fastest(tm
         c.to_dict() for c in fastest]
     assert saved["ops"][autotune.op_key("max_pool2d", (x,), static)] == entry
     assert entry["pallas_faster"]
-    seen = _seen_configs(monkeypatch, mp, "_max_pool", 6)
+    seen = seen_configs(monkeypatch, mp, "_max_pool", 6)
     pk.max_pool2d(x, 2, stride=1, backend="mosaic", interpret=True)
     assert seen.pop() == fastest
 
