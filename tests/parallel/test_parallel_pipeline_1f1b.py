@@ -9,8 +9,7 @@ from jaxcnn.parallel import Pipeline
 from jaxcnn.parallel.pipeline import BACKWARD, FORWARD, IDLE, one_f_one_b
 
 from _helpers import MOMENTUM, batches, max_diff
-from test_parallel_pipeline import (GRAD_RTOL, LOSS_RTOL, SHAPE, STATE_TOL, _assert_grads_close, _model,
-                                    _pipelined, _plan, _reference)
+from test_parallel_pipeline import SHAPE, _assert_run_matches, _model, _pipelined, _plan, _reference
 
 SAME_RTOL = 1e-6  # 1F1B against GPipe, float32: of each leaf's largest value
 _CASES = [(1, 1), (1, 3), (2, 1), (2, 2), (2, 5), (3, 2), (3, 3), (3, 7), (4, 1), (4, 3), (4, 4), (4, 8),
@@ -114,15 +113,7 @@ def _compare_schedules(name, data_axis, microbatches, steps=1, against_gpipe=Tru
         assert plan.pipeline.schedule == schedule
         out[schedule] = _pipelined(plan, model, tx, SHAPE, data)
     got_m, got = out["1f1b"]
-    for g, r in zip(got_m, ref_m):
-        np.testing.assert_allclose(g["loss"], r["loss"], rtol=LOSS_RTOL)
-        assert g["top1"] == r["top1"]
-        np.testing.assert_allclose(g["grad_norm"], r["grad_norm"], rtol=GRAD_RTOL)
-    if steps == 1:
-        _assert_grads_close(got.opt_state, ref.opt_state)
-    assert max_diff(got.state, ref.state) < STATE_TOL
-    assert max_diff(got.params, ref.params) < STATE_TOL
-    assert int(got.step) == steps and np.array_equal(got.rng, ref.rng)
+    _assert_run_matches(got_m, got, ref_m, ref, steps)
     if not against_gpipe:
         return
     # the same stage programs summed in the same order as GPipe's: equal (bit for bit on
