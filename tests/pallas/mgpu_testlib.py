@@ -143,3 +143,22 @@ def seen_configs(monkeypatch, module, fn_name, slot):
     seen = []
     monkeypatch.setattr(module, fn_name, lambda static, *a: seen.append(static[slot]))
     return seen
+
+
+def fake_tuning_clock(monkeypatch, tmp_path):
+    """A user cache in ``tmp_path`` and ``(timer, timed)`` for ``autotune.tune_op(timer=...)``:
+    the race of the op against XLA reads 1 s, 2 s (the kernel wins), then the same for their
+    gradients; a compiled candidate takes ``1 / stages`` s (more slots, faster), and its
+    config (the kernel being tuned, the last override) is appended to ``timed``."""
+    monkeypatch.setenv("JAXCNN_AUTOTUNE_CACHE", str(tmp_path / "cache.json"))
+    monkeypatch.setenv("JAXCNN_AUTOTUNE_COMPILE_THREADS", "1")
+    timed, race = [], iter([1.0, 2.0, 1.0, 2.0])
+
+    def timer(fn, *args):
+        if not isinstance(fn, jax.stages.Compiled):
+            return next(race)
+        cfg = list(autotune._overrides.values())[-1]
+        timed.append(cfg)
+        return 1.0 / cfg.stages
+
+    return timer, timed

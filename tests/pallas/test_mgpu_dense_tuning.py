@@ -25,8 +25,9 @@ import numpy as np
 import pytest
 
 import pallas_kernels as pk
-from mgpu_testlib import (H100, assert_16bit_close, needs_mgpu, normal, ref_conv,
-                          seen_configs, shipped)  # noqa: F401 (shipped: a fixture)
+from mgpu_testlib import (H100, assert_16bit_close, fake_tuning_clock, needs_mgpu, normal, ref_conv,
+                          seen_configs)
+from mgpu_testlib import shipped  # noqa: F401 (a fixture)
 from pallas_kernels import autotune
 from pallas_kernels import mgpu_conv as mc
 from pallas_kernels import mgpu_fused as mf
@@ -294,19 +295,10 @@ def test_tune_op_times_the_dense_candidates_and_the_op_then_runs_the_fastest(tmp
     fake clock: the more slots, the faster; the kernel beats XLA), the gradient kernels by
     a gradient that needs them (the weight gradient's too), and stores the fastest under
     the device kind with the backend="mosaic" verdict; the op then runs those tiles."""
-    monkeypatch.setenv("JAXCNN_AUTOTUNE_CACHE", str(tmp_path / "cache.json"))
-    monkeypatch.setenv("JAXCNN_AUTOTUNE_COMPILE_THREADS", "1")
     x, w = jnp.zeros((1, 4, 4, 16), BF16), jnp.zeros((3, 3, 16, 16), BF16)
     static = dict(stride=(1, 1), padding=P1, dilation=(1, 1), groups=1, backward="pallas",
                   backend="mosaic")
-    timed, race = [], iter([1.0, 2.0, 1.0, 2.0])  # kernel, XLA; their gradients
-
-    def timer(fn, *args):
-        if not isinstance(fn, jax.stages.Compiled):
-            return next(race)
-        cfg = list(autotune._overrides.values())[-1]  # the kernel being tuned comes last
-        timed.append(cfg)
-        return 1.0 / cfg.stages
+    timer, timed = fake_tuning_clock(monkeypatch, tmp_path)
 
     def two(kernel, call, co):
         assert co is None and call.kernel == kernel

@@ -21,7 +21,8 @@ import pytest
 
 import pallas_kernels as pk
 from jaxcnn import _geometry as geo
-from mgpu_testlib import H100, needs_mgpu, seen_configs, shipped  # noqa: F401 (shipped: a fixture)
+from mgpu_testlib import H100, fake_tuning_clock, needs_mgpu, seen_configs
+from mgpu_testlib import shipped  # noqa: F401 (a fixture)
 from pallas_kernels import autotune
 from pallas_kernels import mgpu_conv as mc
 from pallas_kernels import mgpu_depthwise as md
@@ -214,19 +215,10 @@ def test_tune_op_times_the_window_candidates_and_the_op_then_runs_the_fastest(tm
     """tune_op records both pooling kernels' launches, times two candidates of each (a fake
     clock: the more slots, the faster; the kernel beats XLA) and stores the fastest under
     the device kind with the backend="mosaic" verdict; the op then runs those tiles."""
-    monkeypatch.setenv("JAXCNN_AUTOTUNE_CACHE", str(tmp_path / "cache.json"))
-    monkeypatch.setenv("JAXCNN_AUTOTUNE_COMPILE_THREADS", "1")
     x = jnp.zeros((1, 5, 5, 8), BF16)
     static = dict(kernel_size=(2, 2), stride=(1, 1), padding=((0, 0), (0, 0)),
                   dilation=(1, 1), ceil_mode=False, backward="pallas", backend="mosaic")
-    timed, race = [], iter([1.0, 2.0, 1.0, 2.0])  # kernel, XLA; their gradients
-
-    def timer(fn, *args):
-        if not isinstance(fn, jax.stages.Compiled):
-            return next(race)
-        cfg = list(autotune._overrides.values())[-1]  # the kernel being tuned comes last
-        timed.append(cfg)
-        return 1.0 / cfg.stages
+    timer, timed = fake_tuning_clock(monkeypatch, tmp_path)
 
     def two(kernel, call, co):
         assert co is None and call.kernel == kernel
