@@ -12,7 +12,6 @@ import os
 import socket
 import tempfile
 import threading
-import time
 import urllib.error
 import urllib.parse
 import urllib.request

@@ -161,6 +161,21 @@ def _brief(exc: BaseException, limit: int = 300) -> str:
     return f"{type(inner).__name__}: {text}"
 
 
+def _record_text(record: logging.LogRecord) -> str:
+    """A log record's message with its traceback, as the checkpoint log keeps it."""
+    text = record.getMessage()
+    if record.exc_info:
+        text += "\n" + "".join(traceback.format_exception(*record.exc_info))
+    return text
+
+
+def _unraisable_text(info) -> str:
+    """An unraisable exception's report, as `sys.unraisablehook`'s default would print it."""
+    lines = traceback.format_exception(info.exc_type, info.exc_value, info.exc_traceback) \
+        if info.exc_value is not None else []
+    return f"{info.err_msg or 'Exception ignored in'}: {info.object!r}\n" + "".join(lines)
+
+
 class _OrbaxNoise:
     """While active, orbax's log records (its background threads log whole tracebacks before the
     error reaches us) and the unraisable exceptions of coroutines orbax abandons after a failed
@@ -181,9 +196,7 @@ class _OrbaxNoise:
         self._hook = None
 
     def filter(self, record: logging.LogRecord) -> bool:
-        text = record.getMessage()
-        if record.exc_info:
-            text += "\n" + "".join(traceback.format_exception(*record.exc_info))
+        text = _record_text(record)
         if "orbax" not in record.pathname and not record.name.startswith("orbax") and (
                 record.name != "asyncio" or ("orbax" not in text and "never retrieved" not in text)):
             return True
@@ -191,9 +204,7 @@ class _OrbaxNoise:
         return False
 
     def _unraisable(self, info):
-        lines = traceback.format_exception(info.exc_type, info.exc_value, info.exc_traceback) \
-            if info.exc_value is not None else []
-        self.sink(f"{info.err_msg or 'Exception ignored in'}: {info.object!r}\n" + "".join(lines))
+        self.sink(_unraisable_text(info))
 
     def __enter__(self):
         for name in self._LOGGERS:
@@ -230,8 +241,7 @@ def quiet_abandoned_orbax_coroutines(log_path: str | None = None) -> None:
     def hook(info):
         if not _from_orbax(info):
             return previous(info)
-        _append(log_path, f"{info.err_msg or 'Exception ignored in'}: {info.object!r}\n" + "".join(
-            traceback.format_exception(info.exc_type, info.exc_value, info.exc_traceback)))
+        _append(log_path, _unraisable_text(info))
 
     sys.unraisablehook = hook
     asyncio_log = logging.getLogger("asyncio")
@@ -261,9 +271,7 @@ class _LateOrbaxFutures(logging.Filter):
         self.log_path = log_path
 
     def filter(self, record: logging.LogRecord) -> bool:
-        text = record.getMessage()
-        if record.exc_info:
-            text += "\n" + "".join(traceback.format_exception(*record.exc_info))
+        text = _record_text(record)
         if "never retrieved" not in text or not any(
                 mark in text.lower() for mark in ("orbax", "tensorstore", "ocdbt")):
             return True

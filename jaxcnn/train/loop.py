@@ -20,7 +20,6 @@ import os
 import signal
 import sys
 import time
-from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp

@@ -34,7 +34,7 @@ from jaxcnn.train.memory import (available_memory, check_state_memory, check_ste
                                  local_devices)
 from jaxcnn.train.optim import build_optimizer
 from jaxcnn.train.rundir import RunDir
-from jaxcnn.train.state import MasterCopyState, create_train_state
+from jaxcnn.train.state import MasterCopyState, TrainState, create_train_state
 from jaxcnn.train.step import make_eval_step, make_train_step
 
 
