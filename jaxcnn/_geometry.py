@@ -91,6 +91,24 @@ def dilated(kernel_hw, dilation_hw) -> tuple[int, int]:
     return tuple((k - 1) * d + 1 for k, d in zip(kernel_hw, dilation_hw))
 
 
+def pad_beyond_window(x, pads, window):
+    """``(x, pads)`` with every pad wider than the window less one applied to ``x``
+    itself (zeros, by ``jnp.pad``), so that the convolution left keeps pads of at most
+    ``window - 1`` on each side.  Same values, forward and backward.
+
+    Why: a wider pad makes the convolution's input gradient (its transpose) a
+    convolution with a *negative* low pad, and XLA:CPU's Eigen convolution (taken for
+    up to 16 channels) reads outside its input for a negative low pad with a positive
+    high one (openxla/xla#48713, open in jaxlib 0.10.2 and 0.11.2): garbage, NaN at
+    times, in the gradient.  ``jnp.pad``'s own gradient is a slice.
+    """
+    extra = tuple((max(lo - (k - 1), 0), max(hi - (k - 1), 0)) for (lo, hi), k in zip(pads, window))
+    if not any(a or b for a, b in extra):
+        return x, pads
+    x = jnp.pad(x, ((0, 0), *extra, (0, 0)))
+    return x, tuple((lo - a, hi - b) for (lo, hi), (a, b) in zip(pads, extra))
+
+
 def out_size(n: int, lo: int, hi: int, window: int, stride: int, ceil_mode: bool = False) -> int:
     """How many windows of extent ``window`` (dilated) fit along an axis, PyTorch's rule,
     with possibly unequal pads on the two sides.

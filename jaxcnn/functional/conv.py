@@ -63,6 +63,7 @@ def conv2d(x, w, b=None, *, stride=1, padding=0, dilation=1, groups=1, impl="aut
     _check_bias(op, b, c_out, w_shape)
     stride, dilation, pads, _ = geo.conv_geometry(op, x_shape, w_shape, stride, padding,
                                                   dilation)
+    x, pads = geo.pad_beyond_window(x, pads, geo.dilated(w_shape[:2], dilation))
     run = _dispatch.choose(op, impl, (x, w, b), dict(
         stride=stride, padding=pads, dilation=dilation, groups=groups))
     if run is not None:
@@ -146,9 +147,15 @@ def conv_transpose2d(x, w, b=None, *, stride=1, padding=0, output_padding=0, dil
     ci = c_in // groups
     wf = w[::-1, ::-1].reshape(kh, kw, groups, ci, co).transpose(0, 1, 3, 2, 4)
     wf = wf.reshape(kh, kw, ci, groups * co)
+    # A negative pad (a crop wider than the window less one) is cropped after the
+    # convolution instead: XLA:CPU miscomputes some convolutions with a negative low pad
+    # (see geo.pad_beyond_window).
     conv_pads = tuple((k - 1 - lo, k - 1 - hi + o)
                       for k, (lo, hi), o in zip(window, pads, output_padding))
     y = lax.conv_general_dilated(
-        x, wf, window_strides=(1, 1), padding=conv_pads, lhs_dilation=stride,
-        rhs_dilation=dilation, dimension_numbers=geo.DIMS, feature_group_count=groups)
+        x, wf, window_strides=(1, 1), padding=tuple((max(lo, 0), max(hi, 0)) for lo, hi in conv_pads),
+        lhs_dilation=stride, rhs_dilation=dilation, dimension_numbers=geo.DIMS,
+        feature_group_count=groups)
+    (top, bottom), (left, right) = ((max(-lo, 0), max(-hi, 0)) for lo, hi in conv_pads)
+    y = y[:, top:y.shape[1] - bottom, left:y.shape[2] - right]
     return _channels.add_bias(y, b)

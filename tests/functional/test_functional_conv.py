@@ -250,6 +250,10 @@ TORCH_CONV_CASES = [
     ((1, 9, 9, 6), (3, 3), 1, "SAME", 2, 6),                # depthwise, dilated SAME
     ((2, 8, 7, 3), (2, 3), 3, "VALID", 1, 1),
     ((1, 6, 6, 4), (5, 5), 2, "SAME", 1, 1),                # odd total pad: extra at bottom/right
+    # Pads wider than the window less one, more on the top/left: the input gradient's
+    # transposed convolution would have a negative low pad (openxla/xla#48713).
+    ((2, 7, 6, 2), (2, 2), 1, ((2, 0), (2, 1)), 1, 1),
+    ((2, 7, 6, 4), (2, 3), (2, 1), ((3, 0), (0, 4)), (1, 2), 2),
 ]
 
 
@@ -287,6 +291,8 @@ TORCH_CONVT_CASES = [
     ((2, 3, 3, 6), (2, 3), 3, 2, (0, 1), (2, 1), 3),
     ((1, 4, 4, 4), (4, 4), 2, 1, 0, 1, 4),                  # depthwise upsampling
     ((1, 3, 3, 2), (3, 3), 1, 0, 1, 2, 1),                  # output_padding < dilation
+    ((2, 4, 5, 2), (1, 1), 3, 1, 2, 1, 1),                  # crop wider than the window
+    ((2, 5, 4, 2), (2, 2), 1, 2, 0, 1, 1),
 ]
 
 
@@ -313,3 +319,43 @@ def test_conv_transpose2d_matches_torch_with_gradients(x_shape, k, stride, paddi
     assert_close(gx, xt.grad.numpy().transpose(0, 2, 3, 1), GRAD_RTOL)
     assert_close(gw, wt.grad.numpy().transpose(2, 3, 0, 1), GRAD_RTOL)
     assert_close(gb, bt.grad.numpy(), GRAD_RTOL)
+
+
+def _negative_low_pads(jaxpr) -> list:
+    """The pads of every convolution in `jaxpr` (sub-jaxprs included) with a negative low pad."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "conv_general_dilated" and any(lo < 0 for lo, _ in eqn.params["padding"]):
+            found.append(eqn.params["padding"])
+        for value in eqn.params.values():
+            for item in value if isinstance(value, (tuple, list)) else (value,):
+                inner = getattr(item, "jaxpr", item)  # a ClosedJaxpr's jaxpr, or a Jaxpr
+                if hasattr(inner, "eqns"):
+                    found += _negative_low_pads(inner)
+    return found
+
+
+@pytest.mark.parametrize("op", ["conv2d", "conv_transpose2d"])
+def test_no_convolution_with_a_negative_low_pad_forward_or_backward(op):
+    """XLA:CPU reads outside the input of a convolution with a negative low pad and a positive
+    high one (openxla/xla#48713): garbage, at times NaN, in conv2d's input gradient when a pad
+    is wider than the window less one, and in conv_transpose2d's output when it crops more than
+    that.  Neither op nor its gradient may emit one; the torch cases above check the values."""
+    rng = np.random.default_rng(5)
+    x = jnp.asarray(rand(rng, 2, 7, 6, 2))
+    if op == "conv2d":
+        w = jnp.asarray(rand(rng, 2, 3, 2, 3))
+        fn = lambda x, w: F.conv2d(x, w, padding=((2, 0), (3, 1)), dilation=(1, 1))
+    else:
+        w = jnp.asarray(rand(rng, 2, 2, 2, 3))
+        fn = lambda x, w: F.conv_transpose2d(x, w, padding=((2, 0), (3, 1)))
+    loss = lambda x, w: jnp.sum(fn(x, w) ** 2)
+    jaxpr = jax.make_jaxpr(jax.value_and_grad(loss, argnums=(0, 1)))(x, w).jaxpr
+    assert "conv_general_dilated" in str(jaxpr)
+    assert _negative_low_pads(jaxpr) == []
+    # The same value as the explicitly padded (or cropped) VALID convolution.
+    if op == "conv2d":
+        want = F.conv2d(jnp.pad(x, ((0, 0), (2, 0), (3, 1), (0, 0))), w)
+    else:
+        want = F.conv_transpose2d(x, w)[:, 2:, 3:-1]
+    assert_close(fn(x, w), want, RTOL[jnp.float32])

@@ -7,6 +7,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 from jax import lax
 
+from jaxcnn import _geometry as geo
 from jaxcnn import functional as F
 from jaxcnn.functional import _cpu_lowering as C
 from numeric import assert_close
@@ -21,16 +22,23 @@ DIMS = ("NHWC", "HWIO", "NHWC")
 
 
 def lax_conv(x, w, stride, pads, dilation):
-    return lax.conv_general_dilated(x, w, stride, pads, rhs_dilation=dilation,
+    """The reference: the input zero-padded first, then lax's VALID convolution (whose
+    gradient has no negative pad: XLA:CPU miscomputes some, openxla/xla#48713)."""
+    x = jnp.pad(x, ((0, 0), *pads, (0, 0)))
+    return lax.conv_general_dilated(x, w, stride, ((0, 0), (0, 0)), rhs_dilation=dilation,
                                     dimension_numbers=DIMS)
 
 
-def patch_conv(x, w, stride, pads, dilation):
-    return C._conv_patch_wgrad(x, w, stride, pads, dilation)
+def _as_conv2d_calls(rewrite):
+    """A rewrite called as conv2d calls it: pads wider than the window less one applied first."""
+    def conv(x, w, stride, pads, dilation):
+        x, pads = geo.pad_beyond_window(x, pads, geo.dilated(w.shape[:2], dilation))
+        return rewrite(x, w, stride, pads, dilation)
+    return conv
 
 
-def stored_conv(x, w, stride, pads, dilation):
-    return C._conv_stored_input(x, w, stride, pads, dilation)
+patch_conv = _as_conv2d_calls(C._conv_patch_wgrad)
+stored_conv = _as_conv2d_calls(C._conv_stored_input)
 
 
 # Both custom_jvp rewrites of the convolution: im2col weight gradient, and XLA's own
