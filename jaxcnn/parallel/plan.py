@@ -97,11 +97,12 @@ class ParallelPlan:
                                  f"jit (one global program that XLA partitions), got {strategy!r}")
             self.spatial = SP.spatial_layout(model, input_shape, axis_size(mesh, SPATIAL),
                                              until=spatial_until)
-            self.step_model = SP.constrain(model, self.spatial, mesh)
         self.mesh, self.strategy, self.fsdp, self.sync_batch_norm = mesh, strategy, fsdp, sync_batch_norm
         self.rules = R.merge_rules(rules)
         self.params_axes, self.state_axes = R.logical_axes(model, input_shape)
         self.state_shardings = self._shardings(abstract_state)
+        if self.spatial is not None:
+            self.step_model = SP.constrain(model, self.spatial, mesh, params=self.state_shardings.params)
         self.abstract_state = jax.tree_util.tree_map(
             lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
             abstract_state, self.state_shardings)
@@ -120,9 +121,14 @@ class ParallelPlan:
         # everything else (step, rng, loss scale) replicated.  With pipeline stages the params
         # (and so their moments) are split over pipe as fsdp splits them over data ("ZeRO over
         # pipe"); the model state (BatchNorm statistics, small) stays replicated.
+        # Under spatial partitioning they are split over spatial likewise ("ZeRO over spatial":
+        # the step model gathers them before use, SP.gather_params), unless fsdp splits them
+        # over data.
         piped = self.pipeline is not None
+        spread = self.spatial is not None and not self.fsdp
         params = R.tree_shardings(self.params_axes, abstract_state.params, self.mesh, self.rules,
-                                  fsdp=self.fsdp or piped, fsdp_axis=PIPE if piped else DATA)
+                                  fsdp=self.fsdp or piped or spread,
+                                  fsdp_axis=PIPE if piped else SPATIAL if spread else DATA)
         if piped:
             self.pipeline.place(self.mesh, jax.tree_util.tree_map(_pipe_dim, params))
         state = R.tree_shardings(self.state_axes, abstract_state.state, self.mesh, self.rules,

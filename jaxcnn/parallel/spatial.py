@@ -248,11 +248,41 @@ def _pinned(layer: Layer, sharding) -> Layer:
     return layer._replace(apply=apply)
 
 
-def constrain(model: Layer, layout: SpatialLayout, mesh: Mesh) -> Layer:
+def gather_params(params, shardings):
+    """``params`` whole on every device (one all-gather each), with the gradient
+    reduce-scattered back into ``shardings`` (their at-rest split; a pytree of
+    ``NamedSharding`` like ``params``).
+
+    Parameters split over ``spatial`` are gathered before the model uses them, so
+    XLA's partitioner never splits a convolution by its channels next to the height
+    split of its activation (the layout it got wrong for a ``model`` axis, see the
+    module docs); the gradient leaves in the parameters' own split, so no device holds
+    a whole gradient after the backward.
+    """
+    whole = jax.tree_util.tree_map(lambda s: NamedSharding(s.mesh, P()), shardings)
+
+    @jax.custom_vjp
+    def gather(p):
+        return jax.lax.with_sharding_constraint(p, whole)
+
+    def forward(p):
+        return gather(p), None
+
+    def backward(_, g):
+        return (jax.lax.with_sharding_constraint(g, shardings),)
+
+    gather.defvjp(forward, backward)
+    return gather(params)
+
+
+def constrain(model: Layer, layout: SpatialLayout, mesh: Mesh, params=None) -> Layer:
     """``model`` with its activations pinned as ``layout`` says (see the module docs).
 
     The result has the same ``init`` (parameter and state trees, rng use) and computes
-    the same function; only ``apply`` adds sharding constraints.
+    the same function; only ``apply`` adds sharding constraints.  ``params``: the
+    at-rest ``NamedSharding`` of each parameter when they are split (over ``spatial``,
+    as the plan keeps them, or ``data``): ``apply`` then gathers them first
+    (:func:`gather_params`).
     """
     split, last = set(layout.split), layout.gather_after
     inner, gathered = activation_sharding(mesh), gathered_sharding(mesh)
@@ -269,7 +299,9 @@ def constrain(model: Layer, layout: SpatialLayout, mesh: Mesh) -> Layer:
     if not split:
         return body
 
-    def apply(params, state, x, **kwargs):
-        return body.apply(params, state, jax.lax.with_sharding_constraint(x, inner), **kwargs)
+    def apply(p, state, x, **kwargs):
+        if params is not None:
+            p = gather_params(p, params)
+        return body.apply(p, state, jax.lax.with_sharding_constraint(x, inner), **kwargs)
 
     return body._replace(apply=apply)

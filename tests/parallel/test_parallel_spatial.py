@@ -93,10 +93,30 @@ def test_activations_are_height_sharded_until_the_gather():
     jaxpr = str(jax.make_jaxpr(lambda p, s, x: plan.step_model.apply(p, s, x))(
         state0.params, state0.state, x))
     specs = re.findall(r"sharding_constraint\[[^\]]*?spec=P\(([^)]*)\)", jaxpr)
+    # The parameters first, gathered whole (P()): at rest the large ones are split over spatial.
+    leaves = jax.tree_util.tree_leaves(state0.params)
+    assert specs[:len(leaves)] == [""] * len(leaves)
+    specs = specs[len(leaves):]
     # input + every split unit (4 stem units + 4 blocks of layer1/layer2), the last one gathering.
     assert len(specs) == 1 + len(plan.spatial.split)
     assert specs[:-1] == ["'data', 'spatial'"] * len(plan.spatial.split)
     assert specs[-1] == "'data',"
+
+
+def test_parameters_and_moments_rest_split_over_spatial():
+    """ZeRO over spatial: every parameter of at least FSDP_MIN_SIZE elements (and its optimiser
+    moments) is split over the spatial axis at rest (the step model gathers them before use:
+    test_activations_are_height_sharded_until_the_gather; the runs above match one device)."""
+    from jaxcnn.parallel import rules as R
+    model, shape = _model("resnet18")
+    plan = _plan(model, optax.sgd(0.1, momentum=0.9), shape, 2, 4)
+    params = plan.state_shardings.params
+    big = [(x.shape, s.spec) for x, s in zip(jax.tree_util.tree_leaves(plan.abstract_state.params),
+                                             jax.tree_util.tree_leaves(params))
+           if x.size >= R.FSDP_MIN_SIZE]
+    assert big and all("spatial" in spec for _, spec in big), big
+    moments = [s.spec for s in jax.tree_util.tree_leaves(plan.state_shardings.opt_state)]
+    assert sum("spatial" in spec for spec in moments) == len(big)
 
 
 def test_halo_rows_against_the_convolution_jacobian():
