@@ -56,11 +56,14 @@ class ParallelPlan:
             global program over those shards.
         spatial_until: with a ``spatial`` axis: how far activations stay split along
             height, ``"auto"`` or a layer path (see :func:`jaxcnn.parallel.spatial.spatial_layout`).
+            Parameters and optimiser moments of at least ``rules.FSDP_MIN_SIZE`` elements
+            are then split over ``spatial`` at rest (over ``data`` with ``fsdp``).
 
     Attributes:
         step_model: the model to build the train and eval steps from: ``model`` itself,
             or under spatial partitioning the same model with its activations pinned
-            height-sharded (:func:`jaxcnn.parallel.spatial.constrain`).
+            height-sharded and its split parameters gathered before use
+            (:func:`jaxcnn.parallel.spatial.constrain`).
         spatial: the :class:`~jaxcnn.parallel.spatial.SpatialLayout`, or None without
             a ``spatial`` axis.
 
