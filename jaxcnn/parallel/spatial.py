@@ -47,6 +47,12 @@ What this module decides is *how far* the split goes and that it is sound:
 Batches arrive as under data parallelism (``P(data)``: each spatial shard's
 device holds its data shard's whole images); the first constraint slices them
 locally, without communication.
+
+Parameters and optimiser moments rest split over ``spatial`` (the plan splits
+every leaf of at least ``rules.FSDP_MIN_SIZE`` elements as ``fsdp`` splits over
+``data``), so no device keeps a whole copy of the model's state between steps;
+:func:`gather_params` gathers them whole at the start of ``apply`` and
+reduce-scatters their gradients back into that split.
 """
 from __future__ import annotations
 
