@@ -563,26 +563,58 @@ def test_bench_scaling_pipe_reports_args_temporaries_and_total(capsys):
     assert "args" in out and "temp" in out and "total" in out
 
 
-def test_gather_params_reassembles_blocks_split_along_any_dimension():
-    """Pipeline.gather_params inside a shard_map over pipe 4: leaves split along their first,
-    middle or last dimension, in float32 and bfloat16 (one all_gather per dtype), and whole
-    leaves, come back exactly as the arrays that were split (random values, NumPy reference)."""
+def test_packing_gives_each_stage_its_parameters_and_each_device_its_gradient_blocks():
+    """pipeline._Packing inside a shard_map over pipe 4 (x data 2), bn_net's parameters as random
+    arrays, leaves split along their first, middle or last dimension or whole, one in bfloat16:
+    after the all_to_all each device holds its own stage's parameters exactly (and their shapes are
+    the whole leaves'); random gradients of every stage, packed by their stage and scattered, come
+    back on every device as its block of each split leaf and each whole leaf whole, divided by the
+    micro-batches (exact: NumPy reference)."""
     from jax.sharding import NamedSharding, PartitionSpec as PS
+    from jaxcnn.parallel.pipeline import _Packing
+    model, S, M = _model("bn_net"), 4, 2
+    pipe = Pipeline(model, (16, 8, 8, 3), S, M, split=[1, 1, 2, 2])
+    shapes = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), (16, 8, 8, 3))[0])
     rng = np.random.default_rng(3)
-    tree = {"a": {"w": rng.normal(size=(8, 3, 5)).astype(np.float32)},
-            "b": {"w": rng.normal(size=(3, 4, 6)).astype(np.float32),
-                  "v": rng.normal(size=(2, 12)).astype(jax.numpy.bfloat16)},
-            "c": {"s": rng.normal(size=(7,)).astype(np.float32)}}
-    dims = {"a": {"w": 0}, "b": {"w": 1, "v": 1}, "c": {"s": None}}
-    pipe = Pipeline(_model("bn_net"), (16, 8, 8, 3), 4, 2)
-    mesh = make_mesh(2, 1, pipe=4)
-    pipe.place(mesh, dims)
+    leaves, treedef = jax.tree_util.tree_flatten(shapes)
+    dims, whole = [], []
+    for j, x in enumerate(leaves):
+        d = next((i for i in ([x.ndim - 1, 0] if j % 2 else range(x.ndim)) if x.shape[i] % S == 0), None)
+        dims.append(None if x.size < 16 or d is None else d)
+        dtype = jax.numpy.bfloat16 if j == 0 else np.float32
+        whole.append(rng.normal(size=x.shape).astype(dtype))
+    assert sum(d is not None for d in dims) >= 4 and any(d is None for d in dims)
+    params = jax.tree_util.tree_unflatten(treedef, whole)
+    dim_tree = jax.tree_util.tree_unflatten(treedef, dims)
+    mesh = make_mesh(2, 1, pipe=S)
     specs = jax.tree_util.tree_map(lambda d, x: PS(*["pipe" if i == d else None for i in range(x.ndim)]),
-                                   dims, tree, is_leaf=lambda x: x is None)
-    placed = jax.tree_util.tree_map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), tree, specs)
-    gather = jax.jit(jax.shard_map(pipe.gather_params, mesh=mesh, in_specs=(specs,), out_specs=PS(),
-                                   axis_names={"data", "pipe"}, check_vma=False))
-    got = jax.device_get(gather(placed))
-    for g, r in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(tree)):
-        assert g.dtype == r.dtype and g.shape == r.shape
-        assert np.array_equal(np.asarray(g, np.float32), np.asarray(r, np.float32))
+                                   dim_tree, params, is_leaf=lambda x: x is None)
+    placed = jax.tree_util.tree_map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), params, specs)
+    grads = [rng.normal(size=np.shape(x)).astype(np.float32) for x in whole]
+
+    def per_device(blocks):
+        packing = _Packing(pipe, blocks, dim_tree)
+        mine_of, stage = packing.gather(blocks), jax.lax.axis_index("pipe")
+        flats = [jax.numpy.concatenate([x.astype(np.float32).reshape(-1) for x in
+                                        jax.tree_util.tree_leaves(mine_of(s))]) for s in range(S)]
+        width = max(f.shape[0] for f in flats)
+        mine = jax.numpy.stack([jax.numpy.pad(f, (0, width - f.shape[0])) for f in flats])[stage]
+        g_tree = jax.tree_util.tree_unflatten(treedef, [jax.numpy.asarray(g) for g in grads])
+        packs = [packing.pack_grads(s, {b.path: _get(g_tree, b.path) for b in pipe.stage_blocks[s]})
+                 for s in range(S)]
+        total = jax.tree_util.tree_map(lambda *p: jax.numpy.stack(p)[stage], *packs)
+        return mine[None], packing.scatter_grads(total)
+
+    from jaxcnn.parallel.pipeline import _get
+    fn = jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=(specs,), out_specs=(PS("pipe"), specs),
+                               axis_names={"data", "pipe"}, check_vma=False))
+    mine, got = jax.device_get(fn(placed))
+    index = jax.tree_util.tree_unflatten(treedef, list(range(len(leaves))))
+    for s in range(S):
+        own = jax.tree_util.tree_leaves({b.path: _get(index, b.path) for b in pipe.stage_blocks[s]})
+        ref = np.concatenate([np.asarray(whole[i], np.float32).reshape(-1) for i in own] + [np.zeros(0)])
+        assert own and np.array_equal(mine[s, :ref.size], ref), s
+    for g, r, p in zip(jax.tree_util.tree_leaves(got), grads, whole):
+        assert g.dtype == p.dtype and g.shape == r.shape
+        np.testing.assert_array_equal(np.asarray(g, np.float32),
+                                      np.asarray((r / M).astype(p.dtype), np.float32))
