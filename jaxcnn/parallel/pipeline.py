@@ -4,8 +4,8 @@ A model that is a ``serial`` stack (every zoo model) is read as a list of
 *blocks*: its children, with nested ``serial`` children opened up (so
 ResNet-18's ``layer1`` gives ``layer1.0`` and ``layer1.1``, VGG's ``features``
 gives its convolutions one by one).  :class:`Pipeline` assigns contiguous runs
-of blocks to ``stages`` devices (balanced by parameter or MAC count from
-:func:`jaxcnn.summary`, or an explicit ``split``) and runs a training step's
+of blocks to ``stages`` devices (balanced by parameter, MAC or activation count from
+:func:`jaxcnn.summary`, by the estimated per-device memory, or an explicit ``split``) and runs a training step's
 forward and backward on them with a GPipe schedule (or 1F1B, below):
 
 * the per-device batch is cut into ``microbatches`` micro-batches, example
@@ -103,7 +103,7 @@ import numpy as np
 from jaxcnn.layers.base import Layer, split_rng
 from jaxcnn.parallel.mesh import PIPE
 
-BALANCE = ("macs", "params", "activations")
+BALANCE = ("macs", "params", "activations", "memory")
 SCHEDULES = ("gpipe", "1f1b")
 
 
@@ -148,8 +148,8 @@ def pipeline_blocks(model: Layer) -> list[Block]:
 def block_costs(model: Layer, input_shape, blocks, balance: str) -> list[int]:
     """Each block's MACs (``"macs"``), parameters (``"params"``) or output elements of its
     layers (``"activations"``, what its backward keeps) at ``input_shape``."""
-    if balance not in BALANCE:
-        raise ValueError(f"parallel.pipeline.balance: expected one of {BALANCE}, got {balance!r}")
+    if balance not in BALANCE[:3]:
+        raise ValueError(f"parallel.pipeline.balance: expected one of {BALANCE[:3]}, got {balance!r}")
     from jaxcnn.summary import summary  # the whole model, abstractly (no memory)
     rows = summary(model, input_shape).rows
     cost = {"macs": lambda r: r.macs, "params": lambda r: r.params,
@@ -184,6 +184,83 @@ def balanced_split(costs, stages: int) -> list[int]:
         sizes.append(i - cut[k][i])
         i = cut[k][i]
     return sizes[::-1]
+
+
+# The per-device memory model of balance="memory" (bytes per element of float32, and how
+# many buffers of each kind the compiled step holds at its peak; measured on ResNet-50 at
+# 224x224 with XLA's buffer assignment, docs/BENCHMARKS.md): a stage's activations of one
+# micro-batch (its layers' outputs, kept for the backward), the packed parameter-sized
+# buffers (the stage's gathered parameters, the gradient accumulator and each tick's
+# gradients), and the micro-batch buffers at the widest stage boundary beside the stash
+# (the wire buffers each way and the switch's operands).
+MEMORY_PARAM_BUFFERS = 3
+MEMORY_WIRE_BUFFERS = 5
+
+
+def boundary_widths(input_shape, blocks) -> list[int]:
+    """Each block's output elements per example at ``input_shape`` (abstractly)."""
+    widths = []
+
+    def init(key):
+        shape = tuple(int(d) for d in input_shape)
+        for b in blocks:
+            _, _, shape = b.layer.init(key, shape)
+            widths.append(math.prod(shape[1:]))
+        return jnp.zeros(())
+
+    jax.eval_shape(init, jax.random.PRNGKey(0))
+    return widths
+
+
+def memory_split(acts, params, widths, stages: int, microbatch: int, stash: int) -> list[int]:
+    """Blocks per stage minimising the estimated per-device bytes of the pipelined step:
+    ``4 (mb max_s A_s + MEMORY_PARAM_BUFFERS max_s P_s + (stash + MEMORY_WIRE_BUFFERS) mb w)``,
+    ``A_s`` a stage's activation elements per example (``acts`` per block), ``P_s`` its
+    parameters, ``w`` the widest stage boundary (``widths``: each block's output elements per
+    example) and ``mb`` the micro-batch.  Every term that SPMD pads is the largest stage's
+    (every device holds the widest boundary's buffers and the largest stage's parameter
+    buffers), so the split is searched over each cap on the boundary width and on a stage's
+    parameters: the min-max split of the activations under both caps (vectorised dynamic
+    programme), plus the capped terms."""
+    n, S = len(acts), stages
+    pa = np.concatenate([[0], np.cumsum(np.asarray(acts, np.float64))])
+    pp = np.concatenate([[0], np.cumsum(np.asarray(params, np.float64))])
+    A = pa[None, :] - pa[:, None]  # A[j, i]: blocks j..i-1
+    P = pp[None, :] - pp[:, None]
+    ij = np.arange(n + 1)
+    proper = ij[:, None] < ij[None, :]
+    cut_width = np.concatenate([[0], np.asarray(widths[:-1], np.float64), [0]])  # width at boundary j
+    caps_p = np.unique(P[proper])
+    best_cost, best_sizes = float("inf"), None
+    A_low = pa[-1] / S
+    for w in np.unique(cut_width[1:n]) if n > 1 else [0.0]:
+        fixed_w = (stash + MEMORY_WIRE_BUFFERS) * microbatch * w
+        ok_cut = (cut_width <= w) | (ij == 0) | (ij == n)
+        for cap in caps_p:
+            if microbatch * A_low + MEMORY_PARAM_BUFFERS * cap + fixed_w >= best_cost:
+                break  # the caps only grow from here
+            allowed = proper & ok_cut[:, None] & (P <= cap)
+            cost = np.where(allowed, A, np.inf)
+            best = np.full(n + 1, np.inf)
+            best[0] = 0.0
+            cuts = []
+            for _ in range(S):
+                cand = np.where(allowed, np.maximum(best[:, None], cost), np.inf)
+                cuts.append(np.argmin(cand, axis=0))  # ties: the earliest boundary
+                best = cand.min(axis=0)
+            if not np.isfinite(best[n]):
+                continue
+            total = microbatch * best[n] + MEMORY_PARAM_BUFFERS * cap + fixed_w
+            if total < best_cost:
+                sizes, i = [], n
+                for k in range(S - 1, -1, -1):
+                    j = int(cuts[k][i])
+                    sizes.append(i - j)
+                    i = j
+                best_cost, best_sizes = total, sizes[::-1]
+    if best_sizes is None:
+        raise ValueError(f"parallel.pipeline.balance: no split of {n} blocks into {S} stages")
+    return best_sizes
 
 
 def check_split(split, stages: int, n_blocks: int) -> list[int]:
@@ -332,8 +409,13 @@ class Pipeline:
         stages: pipeline stages (the size of the mesh's ``pipe`` axis).
         microbatches: micro-batches per device step (``M``; at least 1).
         balance: what a balanced split evens out: ``"macs"`` (default: compute time, what
-            keeps every stage busy), ``"params"`` or ``"activations"`` (the layers' output
-            elements: the activation memory of each stage).
+            keeps every stage busy), ``"params"``, ``"activations"`` (the layers' output
+            elements: the activation memory of each stage) or ``"memory"`` (the estimated
+            per-device bytes of the step, :func:`memory_split`: activations of one
+            micro-batch of ``input_shape[0] / microbatches`` examples, the parameter-sized
+            buffers and the stash and wire buffers at the widest boundary, which SPMD gives
+            every device; :class:`~jaxcnn.parallel.ParallelPlan` passes the batch of one
+            data shard).
         split: blocks per stage (a list of ``stages`` positive ints adding up to
             the number of blocks), or None for the balanced split.
         schedule: ``"gpipe"`` (default: every forward, then every backward) or ``"1f1b"``
@@ -361,7 +443,14 @@ class Pipeline:
         if stages > len(self.blocks):
             raise ValueError(f"mesh.pipe: {stages} stages but the model has only {len(self.blocks)} blocks "
                              f"({', '.join(b.name for b in self.blocks)})")
-        if split is None:
+        if split is None and balance == "memory":
+            self.costs = block_costs(model, input_shape, self.blocks, "activations")
+            per_example = [c / input_shape[0] for c in self.costs]
+            slots = microbatches if schedule == "gpipe" else max(one_f_one_b(stages, microbatches).slots, 1)
+            sizes = memory_split(per_example, block_costs(model, input_shape, self.blocks, "params"),
+                                 boundary_widths(input_shape, self.blocks), stages,
+                                 max(input_shape[0] // microbatches, 1), slots)
+        elif split is None:
             self.costs = block_costs(model, input_shape, self.blocks, balance)
             sizes = balanced_split(self.costs, stages)
         else:

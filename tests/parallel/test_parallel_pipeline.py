@@ -155,6 +155,63 @@ def test_balanced_split_is_the_best_contiguous_split(seed):
         assert worst(np.cumsum(sizes)[:-1].tolist()) == best
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_memory_split_is_the_best_contiguous_split_of_its_estimate(seed):
+    """balance="memory": against every contiguous split (brute force), the estimate written out
+    directly: mb x the largest stage's activations + MEMORY_PARAM_BUFFERS x the largest stage's
+    parameters + (stash + MEMORY_WIRE_BUFFERS) x mb x the widest boundary between stages."""
+    from jaxcnn.parallel.pipeline import MEMORY_PARAM_BUFFERS, MEMORY_WIRE_BUFFERS, memory_split
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(4, 10))
+    acts, params = rng.integers(1, 1000, n).tolist(), rng.integers(0, 3000, n).tolist()
+    widths = rng.choice([50, 100, 200, 400], n).tolist()
+    for stages in range(1, min(n, 4) + 1):
+        mb, stash = int(rng.integers(1, 9)), int(rng.integers(1, 5))
+
+        def estimate(cuts):
+            edges = [0, *cuts, n]
+            a = max(sum(acts[i:j]) for i, j in zip(edges, edges[1:]))
+            p = max(sum(params[i:j]) for i, j in zip(edges, edges[1:]))
+            w = max([widths[c - 1] for c in cuts] + [0])
+            return mb * a + MEMORY_PARAM_BUFFERS * p + (stash + MEMORY_WIRE_BUFFERS) * mb * w
+
+        sizes = memory_split(acts, params, widths, stages, mb, stash)
+        assert len(sizes) == stages and min(sizes) >= 1 and sum(sizes) == n
+        best = min(estimate(c) for c in itertools.combinations(range(1, n), stages - 1))
+        assert estimate(np.cumsum(sizes)[:-1].tolist()) == best
+
+
+def test_memory_balance_weighs_parameters_at_small_batches():
+    """ResNet-18 at 64x64 on 4 stages: with micro-batches of 1 the memory split's largest stage
+    holds fewer parameters than the activation split's (which puts layer4's 8.4 M on one stage);
+    with micro-batches of 64 it cuts no boundary at the stem's full resolution (the activation
+    split's first cut is there), as every device's stash and wire buffers take the widest cut; a
+    plan weighs the batch of one data shard."""
+    from jaxcnn.parallel.pipeline import boundary_widths
+    from jaxcnn.parallel.pipeline import block_costs
+    model = _model("resnet18")
+    blocks = pipeline_blocks(model)
+    acts = block_costs(model, (1, 64, 64, 3), blocks, "activations")
+    params = block_costs(model, (1, 64, 64, 3), blocks, "params")
+
+    def worst(costs, sizes):
+        edges = np.cumsum([0, *sizes])
+        return max(sum(costs[a:b]) for a, b in zip(edges, edges[1:]))
+
+    small, by_acts = (Pipeline(model, (4, 64, 64, 3), 4, 4, balance=b).split for b in ("memory", "activations"))
+    assert worst(params, small) < worst(params, by_acts)
+    large = Pipeline(model, (256, 64, 64, 3), 4, 4, balance="memory").split
+    widths = boundary_widths((1, 64, 64, 3), blocks)
+    widest = lambda sizes: max(widths[c - 1] for c in np.cumsum(sizes)[:-1])  # noqa: E731
+    assert widest(by_acts) == 32 * 32 * 64 and widest(large) < widest(by_acts)
+    assert worst(acts, large) < 1.25 * worst(acts, by_acts)
+    # a plan weighs the batch of one data shard: 512 over data 2 is large's 256
+    plan = ParallelPlan(make_mesh(2, 1, pipe=4), model, (512, 64, 64, 3),
+                        _abstract_state(model, MOMENTUM, (512, 64, 64, 3)),
+                        pipeline={"microbatches": 4, "balance": "memory"})
+    assert plan.pipeline.split == large != small
+
+
 def test_block_costs_against_the_model():
     """bn_net at (16, 8, 8, 3): parameters from its initialised tree, conv1's MACs and every
     block's output elements by hand."""
