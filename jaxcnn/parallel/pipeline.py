@@ -571,9 +571,6 @@ class Pipeline:
                 k = math.prod(st.shape[1:])
                 return buf[:, :k].reshape(st.shape).astype(st.dtype)
 
-            def stage_input(s, buf, m):
-                return prepare(images_m[m]) if s == 0 else from_buf(buf, structs[s])
-
             def with_own(s, tree, parts):
                 for path, v in parts.items():
                     if v:
@@ -589,8 +586,8 @@ class Pipeline:
             run_own = lambda s, mine, st, x, r: run(s, with_own(s, {}, mine), st, x, r)
 
             def fwd_branch(s):
-                def f(buf, m, model_state):
-                    x = stage_input(s, buf, m)
+                def f(stash, k, m, model_state):  # the input from stash slot k (see bwd_branch)
+                    x = prepare(images_m[m]) if s == 0 else from_buf(stash[k], structs[s])
                     y, new = run_own(s, mine_of(s), model_state, x, key_of(m))
                     model_state = with_own(s, model_state, new)
                     if s == S - 1:
@@ -601,16 +598,24 @@ class Pipeline:
                 return f
 
             def bwd_branch(s):
-                def f(buf, ct, m):
-                    def g(mine, buf):
-                        y, _ = run_own(s, mine, model_state, stage_input(s, buf, m), key_of(m))
+                # The branch takes the whole stash and reads its slot itself: a slot sliced
+                # outside would be one more micro-batch buffer at the widest boundary, copied
+                # for the conditional.  Stage 0 reads the images and has no input cotangent.
+                def f(stash, k, ct, m):
+                    def g(mine, x):
+                        y, _ = run_own(s, mine, model_state, x, key_of(m))
                         if s == S - 1:
                             return head(y, labels_m[m], loss_scale)[0]
                         return to_buf(y)
 
-                    out, vjp = jax.vjp(g, mine_of(s), buf)
-                    d_mine, d_buf = vjp(jnp.ones_like(out) if s == S - 1 else ct)
-                    return packing.pack_grads(s, d_mine), (jnp.zeros_like(d_buf) if s == 0 else d_buf)
+                    seed = (lambda out: jnp.ones_like(out)) if s == S - 1 else (lambda out: ct)
+                    if s == 0:
+                        out, vjp = jax.vjp(lambda mine: g(mine, prepare(images_m[m])), mine_of(s))
+                        (d_mine,) = vjp(seed(out))
+                        return packing.pack_grads(s, d_mine), jnp.zeros((mb, width), wire)
+                    out, vjp = jax.vjp(g, mine_of(s), from_buf(stash[k], structs[s]))
+                    d_mine, d_x = vjp(seed(out))
+                    return packing.pack_grads(s, d_mine), to_buf(d_x)
                 return f
 
             stage = jax.lax.axis_index(axis)
@@ -633,7 +638,7 @@ class Pipeline:
                     valid = (m >= 0) & (m < M)
                     mc = jnp.clip(m, 0, M - 1)
                     stash = stash.at[mc].set(jnp.where(valid, recv, stash[mc]))
-                    out, new_st, loss, top1 = jax.lax.switch(stage, fwd, recv, mc, st)
+                    out, new_st, loss, top1 = jax.lax.switch(stage, fwd, stash, mc, mc, st)
                     st = jax.tree_util.tree_map(lambda a, b: jnp.where(valid, a, b), new_st, st)
                     loss_sum = loss_sum + jnp.where(valid, loss, 0.0)
                     top1_sum = top1_sum + jnp.where(valid, top1, 0.0)
@@ -648,7 +653,7 @@ class Pipeline:
                     m = t - (S - 1 - stage)
                     valid = (m >= 0) & (m < M)
                     mc = jnp.clip(m, 0, M - 1)
-                    grads, d_buf = jax.lax.switch(stage, bwd, stash[mc], ct, mc)
+                    grads, d_buf = jax.lax.switch(stage, bwd, stash, mc, ct, mc)
                     total = jax.tree_util.tree_map(lambda a, g: a + jnp.where(valid, g, 0), total, grads)
                     return (send_back(d_buf), total), None
 
@@ -674,19 +679,19 @@ class Pipeline:
                 # backward's cotangent; one conditional output, not two live through the
                 # branch) and zeros made inside it (captured from outside, they would be loop
                 # operands live through the scan).
-                def idle(buf, ct, m, st, total):
+                def idle(stash, k, ct, m, st, total):
                     z = jnp.zeros((), jnp.float32)
                     return jnp.zeros((mb, width), wire), total, st, z, z
 
                 def forward(s):
-                    def f(buf, ct, m, st, total):
-                        out, st, loss, top1 = fwd[s](buf, m, st)
+                    def f(stash, k, ct, m, st, total):
+                        out, st, loss, top1 = fwd[s](stash, k, m, st)
                         return out, total, st, loss, top1
                     return f
 
                 def backward(s):
-                    def f(buf, ct, m, st, total):
-                        grads, d_buf = bwd[s](buf, ct, m)
+                    def f(stash, k, ct, m, st, total):
+                        grads, d_buf = bwd[s](stash, k, ct, m)
                         z = jnp.zeros((), jnp.float32)
                         return d_buf, jax.tree_util.tree_map(jnp.add, total, grads), st, z, z
                     return f
@@ -698,7 +703,7 @@ class Pipeline:
                     b, m, k, store, act_next = [row[stage, i] for i in range(5)]
                     kc = jnp.maximum(store, 0)
                     stash = stash.at[kc].set(jnp.where(store >= 0, inbox, stash[kc]))
-                    outbox, total, st, loss, top1 = jax.lax.switch(b, branches, stash[k], inbox, m, st, total)
+                    outbox, total, st, loss, top1 = jax.lax.switch(b, branches, stash, k, inbox, m, st, total)
                     # the same sums in the same order as gpipe's (zeros where a tick adds nothing)
                     loss_sum = loss_sum + loss
                     top1_sum = top1_sum + top1
