@@ -186,15 +186,18 @@ def balanced_split(costs, stages: int) -> list[int]:
     return sizes[::-1]
 
 
-# The per-device memory model of balance="memory" (bytes per element of float32, and how
-# many buffers of each kind the compiled step holds at its peak; measured on ResNet-50 at
-# 224x224 with XLA's buffer assignment, docs/BENCHMARKS.md): a stage's activations of one
-# micro-batch (its layers' outputs, kept for the backward), the packed parameter-sized
-# buffers (the stage's gathered parameters, the gradient accumulator and each tick's
-# gradients), and the micro-batch buffers at the widest stage boundary beside the stash
-# (the wire buffers each way and the switch's operands).
+# The per-device memory model of balance="memory", in float32 elements, as the compiled
+# step holds them at its peak (a stage's backward; measured on ResNet-50 at 224x224 with
+# XLA's buffer assignment, docs/BENCHMARKS.md): the stage's activations of one micro-batch
+# (its layers' outputs, kept for the backward); the buffers that SPMD sizes by the largest
+# stage's parameters on every device (MEMORY_PARAM_BUFFERS: its gathered parameters, the
+# gradient accumulator and the switch's gradient output, which XLA keeps live through the
+# whole branch); and the micro-batch buffers at the widest stage boundary besides the
+# stash (MEMORY_WIRE_BUFFERS: the cotangent into the switch and the one out of it).  A
+# stage's own weight gradients are left out: counting them (twice its parameters) picked
+# splits that measured no better at batch 8 and 146 MiB worse at batch 64.
 MEMORY_PARAM_BUFFERS = 3
-MEMORY_WIRE_BUFFERS = 5
+MEMORY_WIRE_BUFFERS = 2
 
 
 def boundary_widths(input_shape, blocks) -> list[int]:
