@@ -542,9 +542,12 @@ class Pipeline:
             n = images.shape[0]
             self.check_batch(n)
             mb = n // M
-            micro = jax.tree_util.tree_map(
-                lambda x: x.reshape((mb, M) + x.shape[1:]).swapaxes(0, 1), (images, labels))
-            images_m, labels_m = micro
+            # micro-batch m is examples m, m + M, ...: read in place from (mb, M, ...) views of
+            # the batch (a transposed copy of the whole batch would be one more batch-sized
+            # buffer in the step's temporaries)
+            images_r, labels_r = (x.reshape((mb, M) + x.shape[1:]) for x in (images, labels))
+            image_of = lambda m: jax.lax.dynamic_index_in_dim(images_r, m, 1, keepdims=False)  # noqa: E731
+            label_of = lambda m: jax.lax.dynamic_index_in_dim(labels_r, m, 1, keepdims=False)  # noqa: E731
 
             def key_of(m):  # micro-batch m's key, as make_train_step(accumulate=M) draws it
                 return None if rng is None else jax.random.fold_in(rng, m)
@@ -555,7 +558,7 @@ class Pipeline:
 
             # boundary shapes (abstractly, per micro-batch)
             structs = []
-            x = jax.ShapeDtypeStruct(images_m.shape[1:], images_m.dtype)
+            x = jax.ShapeDtypeStruct((mb,) + images.shape[1:], images.dtype)
             x = jax.eval_shape(prepare, x)
             abstract = lambda t: jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), t)
             for s in range(S):
@@ -590,11 +593,11 @@ class Pipeline:
 
             def fwd_branch(s):
                 def f(stash, k, m, model_state):  # the input from stash slot k (see bwd_branch)
-                    x = prepare(images_m[m]) if s == 0 else from_buf(stash[k], structs[s])
+                    x = prepare(image_of(m)) if s == 0 else from_buf(stash[k], structs[s])
                     y, new = run_own(s, mine_of(s), model_state, x, key_of(m))
                     model_state = with_own(s, model_state, new)
                     if s == S - 1:
-                        _, (loss, top1) = head(y, labels_m[m], loss_scale)
+                        _, (loss, top1) = head(y, label_of(m), loss_scale)
                         return jnp.zeros((mb, width), wire), model_state, \
                             loss.astype(jnp.float32), top1.astype(jnp.float32)
                     return to_buf(y), model_state, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32)
@@ -608,12 +611,12 @@ class Pipeline:
                     def g(mine, x):
                         y, _ = run_own(s, mine, model_state, x, key_of(m))
                         if s == S - 1:
-                            return head(y, labels_m[m], loss_scale)[0]
+                            return head(y, label_of(m), loss_scale)[0]
                         return to_buf(y)
 
                     seed = (lambda out: jnp.ones_like(out)) if s == S - 1 else (lambda out: ct)
                     if s == 0:
-                        out, vjp = jax.vjp(lambda mine: g(mine, prepare(images_m[m])), mine_of(s))
+                        out, vjp = jax.vjp(lambda mine: g(mine, prepare(image_of(m))), mine_of(s))
                         (d_mine,) = vjp(seed(out))
                         return packing.pack_grads(s, d_mine), jnp.zeros((mb, width), wire)
                     out, vjp = jax.vjp(g, mine_of(s), from_buf(stash[k], structs[s]))
