@@ -189,13 +189,15 @@ def balanced_split(costs, stages: int) -> list[int]:
 # The per-device memory model of balance="memory", in float32 elements, as the compiled
 # step holds them at its peak (a stage's backward; measured on ResNet-50 at 224x224 with
 # XLA's buffer assignment, docs/BENCHMARKS.md): the stage's activations of one micro-batch
-# (its layers' outputs, kept for the backward); the buffers that SPMD sizes by the largest
-# stage's parameters on every device (MEMORY_PARAM_BUFFERS: its gathered parameters, the
-# gradient accumulator and the switch's gradient output, which XLA keeps live through the
-# whole branch); and the micro-batch buffers at the widest stage boundary besides the
-# stash (MEMORY_WIRE_BUFFERS: the cotangent into the switch and the one out of it).  A
-# stage's own weight gradients are left out: counting them (twice its parameters) picked
-# splits that measured no better at batch 8 and 146 MiB worse at batch 64.
+# (its layers' outputs, kept for the backward) and its weights reassembled from the packed
+# buffer inside its branch (MEMORY_OWN_PARAM_BUFFERS); the buffers that SPMD sizes by the
+# largest stage's parameters on every device (MEMORY_PARAM_BUFFERS: its gathered
+# parameters, the gradient accumulator and the switch's gradient output, which XLA keeps
+# live through the whole branch); and the micro-batch buffers at the widest stage boundary
+# besides the stash (MEMORY_WIRE_BUFFERS: the cotangent into the switch and the one out).
+# Counting a stage's weights once picked ResNet-50's best measured 2-stage split at batch 8
+# (482 MiB against 516 without it); twice picked a 4-stage split 146 MiB worse at batch 64.
+MEMORY_OWN_PARAM_BUFFERS = 1
 MEMORY_PARAM_BUFFERS = 3
 MEMORY_WIRE_BUFFERS = 2
 
@@ -216,31 +218,32 @@ def boundary_widths(input_shape, blocks) -> list[int]:
 
 
 def memory_split(acts, params, widths, stages: int, microbatch: int, stash: int) -> list[int]:
-    """Blocks per stage minimising the estimated per-device bytes of the pipelined step:
-    ``4 (mb max_s A_s + MEMORY_PARAM_BUFFERS max_s P_s + (stash + MEMORY_WIRE_BUFFERS) mb w)``,
-    ``A_s`` a stage's activation elements per example (``acts`` per block), ``P_s`` its
-    parameters, ``w`` the widest stage boundary (``widths``: each block's output elements per
-    example) and ``mb`` the micro-batch.  Every term that SPMD pads is the largest stage's
-    (every device holds the widest boundary's buffers and the largest stage's parameter
-    buffers), so the split is searched over each cap on the boundary width and on a stage's
-    parameters: the min-max split of the activations under both caps (vectorised dynamic
-    programme), plus the capped terms."""
+    """Blocks per stage minimising the estimated per-device elements of the pipelined step,
+    ``max_s (mb A_s + MEMORY_OWN_PARAM_BUFFERS P_s) + MEMORY_PARAM_BUFFERS max_s P_s +
+    (stash + MEMORY_WIRE_BUFFERS) mb w``: ``A_s`` a stage's activation elements per example
+    (``acts`` per block), ``P_s`` its parameters (``params`` per block), ``w`` the widest
+    boundary between stages (``widths``: each block's output elements per example) and
+    ``mb`` the micro-batch.  The last two terms are the largest stage's and the widest
+    boundary's on every device (SPMD pads every device's buffers to them), so the split is
+    searched over each cap on the boundary width and on a stage's parameters: the min-max
+    split of the per-stage term under both caps (a vectorised dynamic programme), plus the
+    capped terms."""
     n, S = len(acts), stages
     pa = np.concatenate([[0], np.cumsum(np.asarray(acts, np.float64))])
     pp = np.concatenate([[0], np.cumsum(np.asarray(params, np.float64))])
-    A = pa[None, :] - pa[:, None]  # A[j, i]: blocks j..i-1
-    P = pp[None, :] - pp[:, None]
+    P = pp[None, :] - pp[:, None]  # P[j, i]: blocks j..i-1
+    A = microbatch * (pa[None, :] - pa[:, None]) + MEMORY_OWN_PARAM_BUFFERS * P  # the per-stage term
     ij = np.arange(n + 1)
     proper = ij[:, None] < ij[None, :]
     cut_width = np.concatenate([[0], np.asarray(widths[:-1], np.float64), [0]])  # width at boundary j
     caps_p = np.unique(P[proper])
     best_cost, best_sizes = float("inf"), None
-    A_low = pa[-1] / S
+    A_low = (microbatch * pa[-1] + MEMORY_OWN_PARAM_BUFFERS * pp[-1]) / S
     for w in np.unique(cut_width[1:n]) if n > 1 else [0.0]:
         fixed_w = (stash + MEMORY_WIRE_BUFFERS) * microbatch * w
         ok_cut = (cut_width <= w) | (ij == 0) | (ij == n)
         for cap in caps_p:
-            if microbatch * A_low + MEMORY_PARAM_BUFFERS * cap + fixed_w >= best_cost:
+            if A_low + MEMORY_PARAM_BUFFERS * cap + fixed_w >= best_cost:
                 break  # the caps only grow from here
             allowed = proper & ok_cut[:, None] & (P <= cap)
             cost = np.where(allowed, A, np.inf)
@@ -253,7 +256,7 @@ def memory_split(acts, params, widths, stages: int, microbatch: int, stash: int)
                 best = cand.min(axis=0)
             if not np.isfinite(best[n]):
                 continue
-            total = microbatch * best[n] + MEMORY_PARAM_BUFFERS * cap + fixed_w
+            total = best[n] + MEMORY_PARAM_BUFFERS * cap + fixed_w
             if total < best_cost:
                 sizes, i = [], n
                 for k in range(S - 1, -1, -1):

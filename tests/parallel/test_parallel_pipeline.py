@@ -158,9 +158,11 @@ def test_balanced_split_is_the_best_contiguous_split(seed):
 @pytest.mark.parametrize("seed", range(6))
 def test_memory_split_is_the_best_contiguous_split_of_its_estimate(seed):
     """balance="memory": against every contiguous split (brute force), the estimate written out
-    directly: mb x the largest stage's activations + MEMORY_PARAM_BUFFERS x the largest stage's
-    parameters + (stash + MEMORY_WIRE_BUFFERS) x mb x the widest boundary between stages."""
-    from jaxcnn.parallel.pipeline import MEMORY_PARAM_BUFFERS, MEMORY_WIRE_BUFFERS, memory_split
+    directly: the largest of mb x a stage's activations + MEMORY_OWN_PARAM_BUFFERS x its
+    parameters, + MEMORY_PARAM_BUFFERS x the largest stage's parameters + (stash +
+    MEMORY_WIRE_BUFFERS) x mb x the widest boundary between stages."""
+    from jaxcnn.parallel.pipeline import (MEMORY_OWN_PARAM_BUFFERS, MEMORY_PARAM_BUFFERS, MEMORY_WIRE_BUFFERS,
+                                          memory_split)
     rng = np.random.default_rng(seed)
     n = int(rng.integers(4, 10))
     acts, params = rng.integers(1, 1000, n).tolist(), rng.integers(0, 3000, n).tolist()
@@ -170,10 +172,11 @@ def test_memory_split_is_the_best_contiguous_split_of_its_estimate(seed):
 
         def estimate(cuts):
             edges = [0, *cuts, n]
-            a = max(sum(acts[i:j]) for i, j in zip(edges, edges[1:]))
+            own = max(mb * sum(acts[i:j]) + MEMORY_OWN_PARAM_BUFFERS * sum(params[i:j])
+                      for i, j in zip(edges, edges[1:]))
             p = max(sum(params[i:j]) for i, j in zip(edges, edges[1:]))
             w = max([widths[c - 1] for c in cuts] + [0])
-            return mb * a + MEMORY_PARAM_BUFFERS * p + (stash + MEMORY_WIRE_BUFFERS) * mb * w
+            return own + MEMORY_PARAM_BUFFERS * p + (stash + MEMORY_WIRE_BUFFERS) * mb * w
 
         sizes = memory_split(acts, params, widths, stages, mb, stash)
         assert len(sizes) == stages and min(sizes) >= 1 and sum(sizes) == n
@@ -187,11 +190,9 @@ def test_memory_balance_weighs_parameters_at_small_batches():
     with micro-batches of 64 it cuts no boundary at the stem's full resolution (the activation
     split's first cut is there), as every device's stash and wire buffers take the widest cut; a
     plan weighs the batch of one data shard."""
-    from jaxcnn.parallel.pipeline import boundary_widths
-    from jaxcnn.parallel.pipeline import block_costs
+    from jaxcnn.parallel.pipeline import block_costs, boundary_widths
     model = _model("resnet18")
     blocks = pipeline_blocks(model)
-    acts = block_costs(model, (1, 64, 64, 3), blocks, "activations")
     params = block_costs(model, (1, 64, 64, 3), blocks, "params")
 
     def worst(costs, sizes):
@@ -204,7 +205,6 @@ def test_memory_balance_weighs_parameters_at_small_batches():
     widths = boundary_widths((1, 64, 64, 3), blocks)
     widest = lambda sizes: max(widths[c - 1] for c in np.cumsum(sizes)[:-1])  # noqa: E731
     assert widest(by_acts) == 32 * 32 * 64 and widest(large) < widest(by_acts)
-    assert worst(acts, large) < 1.25 * worst(acts, by_acts)
     # a plan weighs the batch of one data shard: 512 over data 2 is large's 256
     plan = ParallelPlan(make_mesh(2, 1, pipe=4), model, (512, 64, 64, 3),
                         _abstract_state(model, MOMENTUM, (512, 64, 64, 3)),
