@@ -5,8 +5,8 @@ A model that is a ``serial`` stack (every zoo model) is read as a list of
 ResNet-18's ``layer1`` gives ``layer1.0`` and ``layer1.1``, VGG's ``features``
 gives its convolutions one by one).  :class:`Pipeline` assigns contiguous runs
 of blocks to ``stages`` devices (balanced by parameter, MAC or activation count from
-:func:`jaxcnn.summary`, by the estimated per-device memory, or an explicit ``split``) and runs a training step's
-forward and backward on them with a GPipe schedule (or 1F1B, below):
+:func:`jaxcnn.summary`, by the estimated per-device memory, or an explicit ``split``) and
+runs a training step's forward and backward on them with a GPipe schedule (or 1F1B, below):
 
 * the per-device batch is cut into ``microbatches`` micro-batches, example
   ``i`` in micro-batch ``i % microbatches`` (the split of
@@ -534,7 +534,8 @@ class Pipeline:
 
         Returns the gradients of the scaled loss averaged over micro-batches (in the
         parameters' dtypes; a leaf with a split dimension as this device's block of it
-        along that dimension; every other leaf whole), the mean loss and accuracy, and the model state after every micro-batch
+        along that dimension; every other leaf whole), the mean loss and accuracy, and the
+        model state after every micro-batch
         (loss, accuracy and model state replicated over ``pipe``).
         """
         S, M, axis = self.stages, self.microbatches, self.axis_name
