@@ -212,6 +212,22 @@ def test_memory_balance_weighs_parameters_at_small_batches():
     assert plan.pipeline.split == large != small
 
 
+def test_memory_balance_config_key_and_its_error():
+    """parallel.pipeline.balance: memory goes from the config to the plan; a bad value is one line
+    naming the key."""
+    import os
+
+    from jaxcnn.parallel.plan import _pipeline_config
+    from jaxcnn.train.config import load_config
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    config = os.path.join(root, "configs", "mnist_cnn.yaml")
+    cfg = load_config(config, ["mesh.pipe=4", "parallel.pipeline.microbatches=4", "parallel.pipeline.balance=memory"])
+    assert _pipeline_config(cfg)["balance"] == "memory"
+    with pytest.raises(ValueError, match="parallel.pipeline.balance") as err:
+        load_config(config, ["parallel.pipeline.balance=bytes"])
+    assert "\n" not in str(err.value) and "memory" in str(err.value)
+
+
 def test_block_costs_against_the_model():
     """bn_net at (16, 8, 8, 3): parameters from its initialised tree, conv1's MACs and every
     block's output elements by hand."""
