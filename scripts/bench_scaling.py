@@ -72,7 +72,7 @@ def _parse_args(argv):
     p.add_argument("--json", action="store_true", help="print the rows as JSON lines too")
     p.add_argument("--pipe", default=None, help="comma-separated pipeline stage counts (see above)")
     p.add_argument("--microbatches", type=int, default=4, help="--pipe: micro-batches per step")
-    p.add_argument("--balance", default="macs", choices=("macs", "params", "activations"),
+    p.add_argument("--balance", default="macs", choices=("macs", "params", "activations", "memory"),
                    help="--pipe: what the stages' split evens out")
     p.add_argument("--schedule", default="gpipe",
                    help="--pipe: comma-separated pipeline schedules (gpipe, 1f1b), each measured")

@@ -4,9 +4,9 @@ A model that is a ``serial`` stack (every zoo model) is read as a list of
 *blocks*: its children, with nested ``serial`` children opened up (so
 ResNet-18's ``layer1`` gives ``layer1.0`` and ``layer1.1``, VGG's ``features``
 gives its convolutions one by one).  :class:`Pipeline` assigns contiguous runs
-of blocks to ``stages`` devices (balanced by parameter or MAC count from
-:func:`jaxcnn.summary`, or an explicit ``split``) and runs a training step's
-forward and backward on them with a GPipe schedule (or 1F1B, below):
+of blocks to ``stages`` devices (balanced by parameter, MAC or activation count from
+:func:`jaxcnn.summary`, by the estimated per-device memory, or an explicit ``split``) and
+runs a training step's forward and backward on them with a GPipe schedule (or 1F1B, below):
 
 * the per-device batch is cut into ``microbatches`` micro-batches, example
   ``i`` in micro-batch ``i % microbatches`` (the split of
@@ -64,14 +64,17 @@ which calls :meth:`Pipeline.place`):
   whole on every device;
 * the train step is one global ``jit`` program.  Only the schedule above is a
   ``shard_map`` (manual over ``data`` and ``pipe``, built by
-  ``jaxcnn.train.step``): the parameters enter it as their ``pipe`` blocks and
-  are gathered whole, transiently, in one ``all_gather`` of the packed blocks
-  (:meth:`Pipeline.gather_params`); the gradients leave it already split as the
-  parameters are: each stage's gradients, zero on the other stages, go through
-  one packed ``lax.psum_scatter`` over ``pipe`` (one ``psum`` for the whole
-  leaves; each sum has one non-zero term, so it is exact) and are averaged over
-  ``data``; the new BatchNorm statistics of each block come from its stage
-  (``psum`` likewise);
+  ``jaxcnn.train.step``): the parameters enter it as their ``pipe`` blocks, and
+  each device gathers only its own stage's parameters, transiently, in one
+  ``all_to_all`` of packed blocks per dtype (``_Packing``: row ``s`` of what a
+  device sends holds its blocks of stage ``s``'s leaves, so device ``s``
+  receives every block of its own leaves and nothing else); the gradients
+  leave it already split as the parameters are: each stage packs its own
+  gradients with row ``k`` the blocks device ``k`` keeps, and one ``all_to_all``
+  of that accumulator hands every device its blocks of every stage's leaves
+  (one ``psum`` for the small whole leaves, zero on the other stages: exact);
+  they are averaged over ``data``; the new BatchNorm statistics of each block
+  come from its stage (``psum`` likewise);
 * the optimiser update, loss scaling, the finiteness check and the metrics run
   outside the ``shard_map`` on the split leaves, so XLA partitions them and every
   optimiser is exactly the one-device one (global-norm clipping, per-leaf trust
@@ -81,8 +84,9 @@ which calls :meth:`Pipeline.place`):
 
 Per device the step then holds a ``1/S`` share of the parameters and optimiser
 state at rest, its stage's activations of one micro-batch, the ``M`` stashed
-stage inputs, and transiently the gathered parameters and one stage's packed
-gradients; ``docs/BENCHMARKS.md`` has the measured split for ResNet-50.
+stage inputs, and transiently its own stage's parameters and their packed
+gradients (both as large as the largest stage's parameters, as SPMD pads them);
+``docs/BENCHMARKS.md`` has the measured split for ResNet-50.
 
 This module knows nothing of losses and optimisers: ``jaxcnn.train.step``
 gives :meth:`Pipeline.gradients` the loss head and the input preparation.
@@ -99,7 +103,7 @@ import numpy as np
 from jaxcnn.layers.base import Layer, split_rng
 from jaxcnn.parallel.mesh import PIPE
 
-BALANCE = ("macs", "params", "activations")
+BALANCE = ("macs", "params", "activations", "memory")
 SCHEDULES = ("gpipe", "1f1b")
 
 
@@ -144,8 +148,8 @@ def pipeline_blocks(model: Layer) -> list[Block]:
 def block_costs(model: Layer, input_shape, blocks, balance: str) -> list[int]:
     """Each block's MACs (``"macs"``), parameters (``"params"``) or output elements of its
     layers (``"activations"``, what its backward keeps) at ``input_shape``."""
-    if balance not in BALANCE:
-        raise ValueError(f"parallel.pipeline.balance: expected one of {BALANCE}, got {balance!r}")
+    if balance not in BALANCE[:3]:
+        raise ValueError(f"parallel.pipeline.balance: expected one of {BALANCE[:3]}, got {balance!r}")
     from jaxcnn.summary import summary  # the whole model, abstractly (no memory)
     rows = summary(model, input_shape).rows
     cost = {"macs": lambda r: r.macs, "params": lambda r: r.params,
@@ -180,6 +184,89 @@ def balanced_split(costs, stages: int) -> list[int]:
         sizes.append(i - cut[k][i])
         i = cut[k][i]
     return sizes[::-1]
+
+
+# The per-device memory model of balance="memory", in float32 elements, as the compiled
+# step holds them at its peak (a stage's backward; measured on ResNet-50 at 224x224 with
+# XLA's buffer assignment, docs/BENCHMARKS.md): the stage's activations of one micro-batch
+# (its layers' outputs, kept for the backward) and its weights reassembled from the packed
+# buffer inside its branch (MEMORY_OWN_PARAM_BUFFERS); the buffers that SPMD sizes by the
+# largest stage's parameters on every device (MEMORY_PARAM_BUFFERS: its gathered
+# parameters, the gradient accumulator and the switch's gradient output, which XLA keeps
+# live through the whole branch); and the micro-batch buffers at the widest stage boundary
+# besides the stash (MEMORY_WIRE_BUFFERS: the cotangent into the switch and the one out).
+# Counting a stage's weights once picked ResNet-50's best measured 2-stage split at batch 8
+# (482 MiB against 516 without it); twice picked a 4-stage split 146 MiB worse at batch 64.
+MEMORY_OWN_PARAM_BUFFERS = 1
+MEMORY_PARAM_BUFFERS = 3
+MEMORY_WIRE_BUFFERS = 2
+
+
+def boundary_widths(input_shape, blocks) -> list[int]:
+    """Each block's output elements per example at ``input_shape`` (abstractly)."""
+    widths = []
+
+    def init(key):
+        shape = tuple(int(d) for d in input_shape)
+        for b in blocks:
+            _, _, shape = b.layer.init(key, shape)
+            widths.append(math.prod(shape[1:]))
+        return jnp.zeros(())
+
+    jax.eval_shape(init, jax.random.PRNGKey(0))
+    return widths
+
+
+def memory_split(acts, params, widths, stages: int, microbatch: int, stash: int) -> list[int]:
+    """Blocks per stage minimising the estimated per-device elements of the pipelined step,
+    ``max_s (mb A_s + MEMORY_OWN_PARAM_BUFFERS P_s) + MEMORY_PARAM_BUFFERS max_s P_s +
+    (stash + MEMORY_WIRE_BUFFERS) mb w``: ``A_s`` a stage's activation elements per example
+    (``acts`` per block), ``P_s`` its parameters (``params`` per block), ``w`` the widest
+    boundary between stages (``widths``: each block's output elements per example) and
+    ``mb`` the micro-batch.  The last two terms are the largest stage's and the widest
+    boundary's on every device (SPMD pads every device's buffers to them), so the split is
+    searched over each cap on the boundary width and on a stage's parameters: the min-max
+    split of the per-stage term under both caps (a vectorised dynamic programme), plus the
+    capped terms."""
+    n, S = len(acts), stages
+    pa = np.concatenate([[0], np.cumsum(np.asarray(acts, np.float64))])
+    pp = np.concatenate([[0], np.cumsum(np.asarray(params, np.float64))])
+    P = pp[None, :] - pp[:, None]  # P[j, i]: blocks j..i-1
+    A = microbatch * (pa[None, :] - pa[:, None]) + MEMORY_OWN_PARAM_BUFFERS * P  # the per-stage term
+    ij = np.arange(n + 1)
+    proper = ij[:, None] < ij[None, :]
+    cut_width = np.concatenate([[0], np.asarray(widths[:-1], np.float64), [0]])  # width at boundary j
+    caps_p = np.unique(P[proper])
+    best_cost, best_sizes = float("inf"), None
+    A_low = (microbatch * pa[-1] + MEMORY_OWN_PARAM_BUFFERS * pp[-1]) / S
+    for w in np.unique(cut_width[1:n]) if n > 1 else [0.0]:
+        fixed_w = (stash + MEMORY_WIRE_BUFFERS) * microbatch * w
+        ok_cut = (cut_width <= w) | (ij == 0) | (ij == n)
+        for cap in caps_p:
+            if A_low + MEMORY_PARAM_BUFFERS * cap + fixed_w >= best_cost:
+                break  # the caps only grow from here
+            allowed = proper & ok_cut[:, None] & (P <= cap)
+            cost = np.where(allowed, A, np.inf)
+            best = np.full(n + 1, np.inf)
+            best[0] = 0.0
+            cuts = []
+            for _ in range(S):
+                cand = np.where(allowed, np.maximum(best[:, None], cost), np.inf)
+                cuts.append(np.argmin(cand, axis=0))  # ties: the earliest boundary
+                best = cand.min(axis=0)
+            if not np.isfinite(best[n]):
+                continue
+            total = best[n] + MEMORY_PARAM_BUFFERS * cap + fixed_w
+            if total < best_cost:
+                sizes, i = [], n
+                for k in range(S - 1, -1, -1):
+                    j = int(cuts[k][i])
+                    sizes.append(i - j)
+                    i = j
+                best_cost, best_sizes = total, sizes[::-1]
+    if best_sizes is None:
+        raise ValueError(f"parallel.pipeline.balance: no split of {n} blocks into {S} stages")
+    return best_sizes
 
 
 def check_split(split, stages: int, n_blocks: int) -> list[int]:
@@ -328,8 +415,13 @@ class Pipeline:
         stages: pipeline stages (the size of the mesh's ``pipe`` axis).
         microbatches: micro-batches per device step (``M``; at least 1).
         balance: what a balanced split evens out: ``"macs"`` (default: compute time, what
-            keeps every stage busy), ``"params"`` or ``"activations"`` (the layers' output
-            elements: the activation memory of each stage).
+            keeps every stage busy), ``"params"``, ``"activations"`` (the layers' output
+            elements: the activation memory of each stage) or ``"memory"`` (the estimated
+            per-device bytes of the step, :func:`memory_split`: activations of one
+            micro-batch of ``input_shape[0] / microbatches`` examples, the parameter-sized
+            buffers and the stash and wire buffers at the widest boundary, which SPMD gives
+            every device; :class:`~jaxcnn.parallel.ParallelPlan` passes the batch of one
+            data shard).
         split: blocks per stage (a list of ``stages`` positive ints adding up to
             the number of blocks), or None for the balanced split.
         schedule: ``"gpipe"`` (default: every forward, then every backward) or ``"1f1b"``
@@ -357,7 +449,14 @@ class Pipeline:
         if stages > len(self.blocks):
             raise ValueError(f"mesh.pipe: {stages} stages but the model has only {len(self.blocks)} blocks "
                              f"({', '.join(b.name for b in self.blocks)})")
-        if split is None:
+        if split is None and balance == "memory":
+            self.costs = block_costs(model, input_shape, self.blocks, "activations")
+            per_example = [c / input_shape[0] for c in self.costs]
+            slots = microbatches if schedule == "gpipe" else max(one_f_one_b(stages, microbatches).slots, 1)
+            sizes = memory_split(per_example, block_costs(model, input_shape, self.blocks, "params"),
+                                 boundary_widths(input_shape, self.blocks), stages,
+                                 max(input_shape[0] // microbatches, 1), slots)
+        elif split is None:
             self.costs = block_costs(model, input_shape, self.blocks, balance)
             sizes = balanced_split(self.costs, stages)
         else:
@@ -418,8 +517,11 @@ class Pipeline:
 
     def gradients(self, head: Callable, *, prepare: Callable = lambda x: x, policy=None, choices=None,
                   split_dims=None):
-        """``gradients(params, model_state, batch, rng, loss_scale) -> (grads, loss, top1, new model
+        """``gradients(blocks, model_state, batch, rng, loss_scale) -> (grads, loss, top1, new model
         state)`` of this device's share of the batch, to run inside ``shard_map`` over ``pipe``.
+
+        ``blocks``: the parameters as this device holds them at rest (a leaf with a split
+        dimension as its block along it, every other leaf whole).
 
         Arguments:
             head: ``head(logits, labels, loss_scale) -> (scaled loss, (loss, top1))`` of one
@@ -432,35 +534,42 @@ class Pipeline:
 
         Returns the gradients of the scaled loss averaged over micro-batches (in the
         parameters' dtypes; a leaf with a split dimension as this device's block of it
-        along that dimension, ``lax.psum_scatter``'ed over ``pipe``; every other leaf
-        whole), the mean loss and accuracy, and the model state after every micro-batch
+        along that dimension; every other leaf whole), the mean loss and accuracy, and the
+        model state after every micro-batch
         (loss, accuracy and model state replicated over ``pipe``).
         """
         S, M, axis = self.stages, self.microbatches, self.axis_name
         run = lambda s, p, st, x, r: self._run_stage(s, p, st, x, r, policy=policy, choices=choices)
 
-        def gradients(params, model_state, batch, rng, loss_scale):
+        def gradients(blocks, model_state, batch, rng, loss_scale):
             images, labels = batch["image"], batch["label"]
             n = images.shape[0]
             self.check_batch(n)
             mb = n // M
-            micro = jax.tree_util.tree_map(
-                lambda x: x.reshape((mb, M) + x.shape[1:]).swapaxes(0, 1), (images, labels))
-            images_m, labels_m = micro
+            # micro-batch m is examples m, m + M, ...: read in place from (mb, M, ...) views of
+            # the batch (a transposed copy of the whole batch would be one more batch-sized
+            # buffer in the step's temporaries)
+            images_r, labels_r = (x.reshape((mb, M) + x.shape[1:]) for x in (images, labels))
+            image_of = lambda m: jax.lax.dynamic_index_in_dim(images_r, m, 1, keepdims=False)  # noqa: E731
+            label_of = lambda m: jax.lax.dynamic_index_in_dim(labels_r, m, 1, keepdims=False)  # noqa: E731
 
             def key_of(m):  # micro-batch m's key, as make_train_step(accumulate=M) draws it
                 return None if rng is None else jax.random.fold_in(rng, m)
 
+            # ----- this stage's parameters, one all_to_all per dtype ----------------------------
+            packing = _Packing(self, blocks, split_dims)
+            mine_of = packing.gather(blocks)  # mine_of(s): stage s's {block path: params}
+
             # boundary shapes (abstractly, per micro-batch)
             structs = []
-            x = jax.ShapeDtypeStruct(images_m.shape[1:], images_m.dtype)
+            x = jax.ShapeDtypeStruct((mb,) + images.shape[1:], images.dtype)
             x = jax.eval_shape(prepare, x)
             abstract = lambda t: jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), t)
             for s in range(S):
                 structs.append(x)
                 x = jax.eval_shape(lambda p, st, v, s=s: self._run_stage(s, p, st, v, key_of(0), policy=policy,
                                                                           choices=None)[0],
-                                   abstract(params), abstract(model_state), x)
+                                   packing.whole_shapes, abstract(model_state), x)
             width = max([math.prod(st.shape[1:]) for st in structs[1:]] + [1])
             wire = jnp.result_type(jnp.float32, *[st.dtype for st in structs[1:]])  # holds each exactly
 
@@ -472,12 +581,6 @@ class Pipeline:
                 k = math.prod(st.shape[1:])
                 return buf[:, :k].reshape(st.shape).astype(st.dtype)
 
-            def stage_input(s, buf, m):
-                return prepare(images_m[m]) if s == 0 else from_buf(buf, structs[s])
-
-            def own(s, tree):
-                return {b.path: _get(tree, b.path) for b in self.stage_blocks[s]}
-
             def with_own(s, tree, parts):
                 for path, v in parts.items():
                     if v:
@@ -485,49 +588,44 @@ class Pipeline:
                 return tree
 
             # ----- one stage's forward and backward (both schedules) -------------------------
-            # Each stage's gradients accumulate packed in one flat buffer as long as the
-            # largest stage's parameters (not a whole tree per device); an all_gather over
-            # pipe then gives every device every stage's part.
-            acc = jnp.result_type(jnp.float32, *[p.dtype for p in jax.tree_util.tree_leaves(params)])
-            own_leaves = [jax.tree_util.tree_flatten(own(s, params)) for s in range(S)]
-            length = max([sum(math.prod(x.shape) for x in leaves) for leaves, _ in own_leaves] + [1])
-
-            def pack(leaves):
-                flat = jnp.concatenate([x.astype(acc).reshape(-1) for x in leaves] + [jnp.zeros((0,), acc)])
-                return jnp.pad(flat, (0, length - flat.shape[0]))
-
-            def unpack(s, flat):
-                leaves, treedef = own_leaves[s]
-                out, start = [], 0
-                for x in leaves:
-                    out.append(flat[start:start + x.size].reshape(x.shape))
-                    start += x.size
-                return jax.tree_util.tree_unflatten(treedef, out)
+            # Stage s reads its parameters from the buffers the all_to_all gave this device
+            # (each branch unpacks them in its own stage's layout), and its gradients leave
+            # the branch packed in that layout too: a (stages, length) buffer of the largest
+            # stage's split parameters, row k the blocks device k keeps, plus one short vector
+            # of every whole leaf (zero where another stage owns it).
+            run_own = lambda s, mine, st, x, r: run(s, with_own(s, {}, mine), st, x, r)
 
             def fwd_branch(s):
-                def f(buf, m, model_state):
-                    x = stage_input(s, buf, m)
-                    y, new = run(s, params, model_state, x, key_of(m))
+                def f(stash, k, m, model_state):  # the input from stash slot k (see bwd_branch)
+                    x = prepare(image_of(m)) if s == 0 else from_buf(stash[k], structs[s])
+                    y, new = run_own(s, mine_of(s), model_state, x, key_of(m))
                     model_state = with_own(s, model_state, new)
                     if s == S - 1:
-                        _, (loss, top1) = head(y, labels_m[m], loss_scale)
+                        _, (loss, top1) = head(y, label_of(m), loss_scale)
                         return jnp.zeros((mb, width), wire), model_state, \
                             loss.astype(jnp.float32), top1.astype(jnp.float32)
                     return to_buf(y), model_state, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32)
                 return f
 
             def bwd_branch(s):
-                def f(buf, ct, m):
-                    def g(mine, buf):
-                        p = with_own(s, params, mine)
-                        y, _ = run(s, p, model_state, stage_input(s, buf, m), key_of(m))
+                # The branch takes the whole stash and reads its slot itself: a slot sliced
+                # outside would be one more micro-batch buffer at the widest boundary, copied
+                # for the conditional.  Stage 0 reads the images and has no input cotangent.
+                def f(stash, k, ct, m):
+                    def g(mine, x):
+                        y, _ = run_own(s, mine, model_state, x, key_of(m))
                         if s == S - 1:
-                            return head(y, labels_m[m], loss_scale)[0]
+                            return head(y, label_of(m), loss_scale)[0]
                         return to_buf(y)
 
-                    out, vjp = jax.vjp(g, own(s, params), buf)
-                    d_mine, d_buf = vjp(jnp.ones_like(out) if s == S - 1 else ct)
-                    return pack(jax.tree_util.tree_leaves(d_mine)), (jnp.zeros_like(d_buf) if s == 0 else d_buf)
+                    seed = (lambda out: jnp.ones_like(out)) if s == S - 1 else (lambda out: ct)
+                    if s == 0:
+                        out, vjp = jax.vjp(lambda mine: g(mine, prepare(image_of(m))), mine_of(s))
+                        (d_mine,) = vjp(seed(out))
+                        return packing.pack_grads(s, d_mine), jnp.zeros((mb, width), wire)
+                    out, vjp = jax.vjp(g, mine_of(s), from_buf(stash[k], structs[s]))
+                    d_mine, d_x = vjp(seed(out))
+                    return packing.pack_grads(s, d_mine), to_buf(d_x)
                 return f
 
             stage = jax.lax.axis_index(axis)
@@ -538,7 +636,7 @@ class Pipeline:
             send = lambda x: jax.lax.ppermute(x, axis, forward_perm) if S > 1 else x
             send_back = lambda x: jax.lax.ppermute(x, axis, backward_perm) if S > 1 else x
             zero_buf = jnp.zeros((mb, width), wire)
-            zero_grads = jnp.zeros((length,), acc)
+            zero_grads = packing.zero_grads()
             zero = jnp.zeros((), jnp.float32)
 
             def gpipe():
@@ -550,7 +648,7 @@ class Pipeline:
                     valid = (m >= 0) & (m < M)
                     mc = jnp.clip(m, 0, M - 1)
                     stash = stash.at[mc].set(jnp.where(valid, recv, stash[mc]))
-                    out, new_st, loss, top1 = jax.lax.switch(stage, fwd, recv, mc, st)
+                    out, new_st, loss, top1 = jax.lax.switch(stage, fwd, stash, mc, mc, st)
                     st = jax.tree_util.tree_map(lambda a, b: jnp.where(valid, a, b), new_st, st)
                     loss_sum = loss_sum + jnp.where(valid, loss, 0.0)
                     top1_sum = top1_sum + jnp.where(valid, top1, 0.0)
@@ -565,8 +663,8 @@ class Pipeline:
                     m = t - (S - 1 - stage)
                     valid = (m >= 0) & (m < M)
                     mc = jnp.clip(m, 0, M - 1)
-                    grads, d_buf = jax.lax.switch(stage, bwd, stash[mc], ct, mc)
-                    total = total + jnp.where(valid, grads, 0)
+                    grads, d_buf = jax.lax.switch(stage, bwd, stash, mc, ct, mc)
+                    total = jax.tree_util.tree_map(lambda a, g: a + jnp.where(valid, g, 0), total, grads)
                     return (send_back(d_buf), total), None
 
                 (_, total), _ = jax.lax.scan(bwd_tick, (zero_buf, zero_grads), jnp.arange(M + S - 1))
@@ -591,21 +689,21 @@ class Pipeline:
                 # backward's cotangent; one conditional output, not two live through the
                 # branch) and zeros made inside it (captured from outside, they would be loop
                 # operands live through the scan).
-                def idle(buf, ct, m, st, total):
+                def idle(stash, k, ct, m, st, total):
                     z = jnp.zeros((), jnp.float32)
                     return jnp.zeros((mb, width), wire), total, st, z, z
 
                 def forward(s):
-                    def f(buf, ct, m, st, total):
-                        out, st, loss, top1 = fwd[s](buf, m, st)
+                    def f(stash, k, ct, m, st, total):
+                        out, st, loss, top1 = fwd[s](stash, k, m, st)
                         return out, total, st, loss, top1
                     return f
 
                 def backward(s):
-                    def f(buf, ct, m, st, total):
-                        grads, d_buf = bwd[s](buf, ct, m)
+                    def f(stash, k, ct, m, st, total):
+                        grads, d_buf = bwd[s](stash, k, ct, m)
                         z = jnp.zeros((), jnp.float32)
-                        return d_buf, total + grads, st, z, z
+                        return d_buf, jax.tree_util.tree_map(jnp.add, total, grads), st, z, z
                     return f
 
                 branches = [idle] + [forward(s) for s in range(S)] + [backward(s) for s in range(S)]
@@ -615,7 +713,7 @@ class Pipeline:
                     b, m, k, store, act_next = [row[stage, i] for i in range(5)]
                     kc = jnp.maximum(store, 0)
                     stash = stash.at[kc].set(jnp.where(store >= 0, inbox, stash[kc]))
-                    outbox, total, st, loss, top1 = jax.lax.switch(b, branches, stash[k], inbox, m, st, total)
+                    outbox, total, st, loss, top1 = jax.lax.switch(b, branches, stash, k, inbox, m, st, total)
                     # the same sums in the same order as gpipe's (zeros where a tick adds nothing)
                     loss_sum = loss_sum + loss
                     top1_sum = top1_sum + top1
@@ -630,81 +728,13 @@ class Pipeline:
             new_state, total, loss_sum, top1_sum = gpipe() if self.schedule == "gpipe" else one_f_one_b_scan()
 
             # ----- every stage's part to the devices that keep it ---------------------------
-            grads = self._scatter_gradients([unpack(s, total) for s in range(S)], params, stage,
-                                            split_dims)
+            grads = packing.scatter_grads(total)
             new_state = self._gather_state(new_state, model_state, stage)
             loss = jax.lax.psum(loss_sum, axis) / M
             top1 = jax.lax.psum(top1_sum, axis) / M
             return grads, loss, top1, new_state
 
         return gradients
-
-    def _scatter_gradients(self, parts, params, stage, split_dims):
-        """The gradient tree from each stage's own part (``parts[s]``: ``{block path: summed
-        gradients}``, valid on stage ``s`` only): every leaf, zero on the other stages, summed
-        over ``pipe`` into this device's block along its split dimension or whole, divided by
-        the micro-batches, in the parameter's dtype.
-
-        One ``psum_scatter`` for all split leaves (each leaf's blocks as rows of one packed
-        ``(S, n)`` buffer) and one ``psum`` for the whole ones: every collective is a
-        rendezvous of the stages, so one per leaf would cost far more than the bytes.  Each
-        sum has one non-zero term, so it is exact; it runs in the packed float32 (or wider)
-        accumulator's dtype, as XLA:CPU has no 16-bit reduction."""
-        S, M, axis = self.stages, self.microbatches, self.axis_name
-        summed = jax.tree_util.tree_map(jnp.zeros_like, params)
-        for s in range(S):
-            for path, part in parts[s].items():
-                if part:
-                    summed = _set(summed, path, jax.tree_util.tree_map(
-                        lambda x: jnp.where(stage == s, x, jnp.zeros_like(x)), part))
-        leaves, treedef = jax.tree_util.tree_flatten(summed)
-        dims = _leaf_dims(split_dims, len(leaves))
-        out = [x / M for x in leaves]
-        if S > 1:
-            split = [i for i, d in enumerate(dims) if d is not None]
-            whole = [i for i, d in enumerate(dims) if d is None]
-            if split:
-                packed = jnp.concatenate([_blocks(out[i], dims[i], S) for i in split], axis=1)
-                mine = jax.lax.psum_scatter(packed, axis, scatter_dimension=0, tiled=True)[0]
-                start = 0
-                for i in split:
-                    shape = list(out[i].shape)
-                    shape[dims[i]] //= S
-                    out[i] = _unblock(mine[start:start + math.prod(shape)], dims[i], shape)
-                    start += math.prod(shape)
-            if whole:
-                flat = jax.lax.psum(jnp.concatenate([out[i].reshape(-1) for i in whole]), axis)
-                start = 0
-                for i in whole:
-                    n = out[i].size
-                    out[i] = flat[start:start + n].reshape(out[i].shape)
-                    start += n
-        p_leaves = jax.tree_util.tree_leaves(params)
-        return jax.tree_util.tree_unflatten(treedef, [g.astype(p.dtype) for g, p in zip(out, p_leaves)])
-
-    def gather_params(self, params):
-        """Inside the ``shard_map``: this device's blocks of the split parameters (as
-        :attr:`split_dims` says) -> the whole parameters, with one ``all_gather`` over
-        ``pipe`` per dtype (the blocks packed into one buffer); whole leaves pass through."""
-        S, axis = self.stages, self.axis_name
-        leaves, treedef = jax.tree_util.tree_flatten(params)
-        dims = _leaf_dims(self.split_dims, len(leaves))
-        by_dtype = {}
-        for i, d in enumerate(dims):
-            if d is not None:
-                by_dtype.setdefault(jnp.dtype(leaves[i].dtype), []).append(i)
-        out = list(leaves)
-        for idx in by_dtype.values():
-            every = jax.lax.all_gather(
-                jnp.concatenate([jnp.moveaxis(leaves[i], dims[i], 0).reshape(-1) for i in idx]), axis)
-            start = 0
-            for i in idx:
-                n = leaves[i].size
-                moved = jnp.moveaxis(leaves[i], dims[i], 0).shape
-                whole = every[:, start:start + n].reshape((S * moved[0],) + moved[1:])
-                out[i] = jnp.moveaxis(whole, 0, dims[i])
-                start += n
-        return jax.tree_util.tree_unflatten(treedef, out)
 
     def place(self, mesh, split_dims) -> None:
         """Where the parameters live at rest: ``mesh`` (with this pipeline's axis) and, per
@@ -721,6 +751,152 @@ class Pipeline:
                 lambda x, s=s: jnp.where(stage == s, x, jnp.zeros_like(x)), _get(new_state, path))
             new_state = _set(new_state, path, _psum_f32(part, self.axis_name))
         return new_state
+
+
+class _Packing:
+    """Where the parameters and gradients of each stage sit in the packed buffers that cross
+    ``pipe`` (inside the ``shard_map``; ``blocks``: this device's view of the parameters, a
+    split leaf as its block along its split dimension, a whole leaf whole).
+
+    Parameters: per dtype, a ``(S, L)`` buffer whose row ``s`` holds this device's blocks of
+    stage ``s``'s split leaves (each block flattened with its split dimension first, the
+    leaves in order, zero-padded to ``L``, the largest stage's share); one ``all_to_all`` over
+    ``pipe`` gives device ``s`` the rows of every device for stage ``s``, which are its
+    leaves whole.  Gradients go the other way in the accumulator's dtype: stage ``s`` packs
+    its leaves' gradients as ``(S, G)``, row ``k`` the blocks device ``k`` keeps, and one
+    ``all_to_all`` gives each device its blocks of every stage's leaves, so no device ever
+    holds all of the parameters or all of the gradients.  Whole leaves (too small to split)
+    are on every device already; their gradients are one short vector over every stage's
+    whole leaves, zero where another stage owns the leaf, summed over ``pipe`` (one non-zero
+    term each: exact).
+    """
+
+    def __init__(self, pipeline, blocks, split_dims):
+        S = self.S = pipeline.stages
+        self.axis, self.M = pipeline.axis_name, pipeline.microbatches
+        leaves, self.treedef = jax.tree_util.tree_flatten(blocks)
+        self.dims = _leaf_dims(split_dims, len(leaves))
+        self.shapes = [tuple(x.shape) for x in leaves]
+        self.dtypes = [jnp.dtype(x.dtype) for x in leaves]
+        self.whole_shape = [tuple(v * S if i == d else v for i, v in enumerate(x.shape)) for x, d in
+                            zip(leaves, self.dims)]
+        self.whole_shapes = jax.tree_util.tree_unflatten(
+            self.treedef, [jax.ShapeDtypeStruct(sh, dt) for sh, dt in zip(self.whole_shape, self.dtypes)])
+        self.acc = jnp.result_type(jnp.float32, *self.dtypes) if leaves else jnp.dtype(jnp.float32)
+        index = jax.tree_util.tree_unflatten(self.treedef, list(range(len(leaves))))
+        # the leaves of each stage, in the order of its {block path: params} tree's leaves
+        self.stage_leaves = [jax.tree_util.tree_leaves({b.path: _get(index, b.path) for b in stage})
+                             for stage in pipeline.stage_blocks]
+        self.stage_def = [jax.tree_util.tree_structure({b.path: _get(index, b.path) for b in stage})
+                          for stage in pipeline.stage_blocks]
+        owned = sorted(i for ls in self.stage_leaves for i in ls)
+        assert owned == list(range(len(leaves))), "every parameter belongs to exactly one stage"
+        size = lambda i: math.prod(self.shapes[i])  # noqa: E731  (a block's elements)
+        split = lambda s: [i for i in self.stage_leaves[s] if self.dims[i] is not None]  # noqa: E731
+        # parameters: per dtype, each split leaf's offset in its stage's row
+        self.p_off, self.p_len = {}, {}
+        for dt in sorted({self.dtypes[i] for i in range(len(leaves)) if self.dims[i] is not None}, key=str):
+            lengths = []
+            for s in range(S):
+                start = 0
+                for i in split(s):
+                    if self.dtypes[i] == dt:
+                        self.p_off[i] = start
+                        start += size(i)
+                lengths.append(start)
+            self.p_len[dt] = max(lengths)
+        # gradients: each split leaf's offset in its stage's row; whole leaves in one vector
+        self.g_off, lengths = {}, [0]
+        for s in range(S):
+            start = 0
+            for i in split(s):
+                self.g_off[i] = start
+                start += size(i)
+            lengths.append(start)
+        self.g_len = max(lengths)
+        self.w_off, start = {}, 0
+        for i in range(len(leaves)):
+            if self.dims[i] is None:
+                self.w_off[i] = start
+                start += size(i)
+        self.w_len = start
+
+    def _moved(self, i):
+        """Leaf ``i``'s block shape with its split dimension first."""
+        d, shape = self.dims[i], self.shapes[i]
+        return (shape[d],) + tuple(v for j, v in enumerate(shape) if j != d)
+
+    def gather(self, blocks):
+        """``mine_of(s)``: stage ``s``'s ``{block path: parameters}``, whole, valid on the
+        device running stage ``s`` (after one ``all_to_all`` per dtype)."""
+        S, leaves = self.S, jax.tree_util.tree_leaves(blocks)
+        recv = {}
+        for dt, length in self.p_len.items():
+            rows = []
+            for s in range(S):
+                parts = [jnp.moveaxis(leaves[i], self.dims[i], 0).reshape(-1) for i in self.stage_leaves[s]
+                         if self.dims[i] is not None and self.dtypes[i] == dt]
+                flat = jnp.concatenate(parts + [jnp.zeros((0,), dt)])
+                rows.append(jnp.pad(flat, (0, length - flat.shape[0])))
+            send = jnp.stack(rows)
+            recv[dt] = jax.lax.all_to_all(send, self.axis, 0, 0, tiled=True) if S > 1 else send
+
+        def mine_of(s):
+            out = []
+            for i in self.stage_leaves[s]:
+                d = self.dims[i]
+                if d is None:
+                    out.append(leaves[i])
+                    continue
+                n, moved = math.prod(self.shapes[i]), self._moved(i)
+                every = recv[self.dtypes[i]][:, self.p_off[i]:self.p_off[i] + n]
+                out.append(jnp.moveaxis(every.reshape((S * moved[0],) + moved[1:]), 0, d))
+            return jax.tree_util.tree_unflatten(self.stage_def[s], out)
+
+        return mine_of
+
+    def zero_grads(self):
+        return (jnp.zeros((self.S, max(self.g_len, 1)), self.acc), jnp.zeros((max(self.w_len, 1),), self.acc))
+
+    def pack_grads(self, s, d_mine):
+        """Stage ``s``'s gradients (``{block path: tree}``) -> ``((S, G), (W,))`` in the
+        accumulator's dtype: row ``k`` the blocks device ``k`` keeps of its split leaves, and
+        its whole leaves at their places in the vector of every whole leaf."""
+        S, g = self.S, jax.tree_util.tree_leaves(d_mine)
+        rows, whole = [], []
+        for i, x in zip(self.stage_leaves[s], g):
+            x = x.astype(self.acc)
+            if self.dims[i] is None:
+                whole.append((self.w_off[i], x.reshape(-1)))
+            else:
+                rows.append(_blocks(x, self.dims[i], S))
+        packed = jnp.concatenate(rows + [jnp.zeros((S, 0), self.acc)], axis=1)
+        packed = jnp.pad(packed, ((0, 0), (0, max(self.g_len, 1) - packed.shape[1])))
+        vec, at = [], 0
+        for off, x in sorted(whole, key=lambda t: t[0]):
+            vec += [jnp.zeros((off - at,), self.acc), x]
+            at = off + x.shape[0]
+        vec.append(jnp.zeros((max(self.w_len, 1) - at,), self.acc))
+        return packed, jnp.concatenate(vec)
+
+    def scatter_grads(self, total):
+        """The summed ``pack_grads`` of this device's stage -> the gradient tree, a split leaf
+        as this device's block, a whole leaf whole, divided by the micro-batches, in the
+        parameters' dtypes (one ``all_to_all`` and one ``psum`` over ``pipe``)."""
+        S, (packed, whole) = self.S, total
+        if S > 1:
+            packed = jax.lax.all_to_all(packed, self.axis, 0, 0, tiled=True)  # row s: stage s's
+            whole = jax.lax.psum(whole, self.axis)
+        owner = {i: s for s, ls in enumerate(self.stage_leaves) for i in ls}
+        out = []
+        for i, (shape, dt) in enumerate(zip(self.shapes, self.dtypes)):
+            n = math.prod(shape)
+            if self.dims[i] is None:
+                x = whole[self.w_off[i]:self.w_off[i] + n].reshape(shape)
+            else:
+                x = _unblock(packed[owner[i], self.g_off[i]:self.g_off[i] + n], self.dims[i], shape)
+            out.append((x / self.M).astype(dt))
+        return jax.tree_util.tree_unflatten(self.treedef, out)
 
 
 def _leaf_dims(split_dims, n):

@@ -241,7 +241,8 @@ def _pipeline(mesh, model, input_shape, strategy, fsdp, spec) -> Pipeline | None
     if fsdp:
         raise ValueError(f"parallel.fsdp: not with pipeline parallelism (mesh.pipe={stages})")
     microbatches = spec.get("microbatches")
-    pipe = Pipeline(model, input_shape, stages, 2 * stages if microbatches is None else microbatches,
+    shard = (input_shape[0] // mesh.shape[DATA],) + tuple(input_shape[1:])  # balance="memory" weighs it
+    pipe = Pipeline(model, shard, stages, 2 * stages if microbatches is None else microbatches,
                     balance=spec.get("balance") or "macs", split=spec.get("split"),
                     schedule=spec.get("schedule") or "gpipe")
     pipe.check_batch(input_shape[0] // mesh.shape[DATA])

@@ -305,7 +305,9 @@ SCHEMA: dict[str, dict] = {
             "split": _f("list", None, "mesh.pipe > 1: blocks per stage; null = balanced",
                         nullable=True, item=_f("int", None, "blocks", **_POS_INT)),
             "balance": _f("str", "macs", "mesh.pipe > 1: what a balanced split evens out (MACs: time; "
-                          "activations: memory)", choices=("macs", "params", "activations")),
+                          "activations: activation memory; memory: the estimated per-device bytes, "
+                          "activations, parameters and the widest stage boundary together)",
+                          choices=("macs", "params", "activations", "memory")),
             "schedule": _f("str", "gpipe", "mesh.pipe > 1: gpipe (every forward, then every backward) or "
                            "1f1b (one forward, one backward: the same numbers, min(pipe, microbatches) "
                            "stage inputs kept per device instead of microbatches)", choices=("gpipe", "1f1b")),

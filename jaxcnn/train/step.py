@@ -127,8 +127,8 @@ def _pipeline_gradients(pipeline, policy, choices, image_norm, label_smoothing, 
     whole (global) batch from a ``jaxcnn.parallel.Pipeline``'s GPipe schedule.
 
     A global function: only the schedule is a ``shard_map`` (manual over ``data`` and
-    ``pipe``).  The parameters enter it as their ``pipe`` blocks and are gathered whole in
-    one ``all_gather`` (``pipeline.gather_params``); the gradients leave it averaged over
+    ``pipe``).  The parameters enter it as their ``pipe`` blocks (each device gathers its own
+    stage's parameters inside ``pipeline.gradients``); the gradients leave it averaged over
     ``data`` and split over ``pipe`` as the parameters are at rest (``pipeline.split_dims``), so the optimiser that follows is a global program
     on those shards.  Each data shard folds its index into the step's key first, as
     ``jaxcnn.parallel.strategies.per_device`` does for the other shard_map steps (so the
@@ -152,7 +152,6 @@ def _pipeline_gradients(pipeline, policy, choices, image_norm, label_smoothing, 
                                policy=policy, choices=choices, split_dims=pipeline.split_dims)
 
     def per_device(params, model_state, batch, rng, step, loss_scale):
-        params = pipeline.gather_params(params)  # this device's blocks -> whole (one all_gather)
         key = jax.random.fold_in(jax.random.wrap_key_data(rng), jax.lax.axis_index(data_axis))
         grads, loss, top1, new_model_state = piped(params, model_state, batch,
                                                    jax.random.fold_in(key, step), loss_scale)

@@ -155,6 +155,79 @@ def test_balanced_split_is_the_best_contiguous_split(seed):
         assert worst(np.cumsum(sizes)[:-1].tolist()) == best
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_memory_split_is_the_best_contiguous_split_of_its_estimate(seed):
+    """balance="memory": against every contiguous split (brute force), the estimate written out
+    directly: the largest of mb x a stage's activations + MEMORY_OWN_PARAM_BUFFERS x its
+    parameters, + MEMORY_PARAM_BUFFERS x the largest stage's parameters + (stash +
+    MEMORY_WIRE_BUFFERS) x mb x the widest boundary between stages."""
+    from jaxcnn.parallel.pipeline import (MEMORY_OWN_PARAM_BUFFERS, MEMORY_PARAM_BUFFERS, MEMORY_WIRE_BUFFERS,
+                                          memory_split)
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(4, 10))
+    acts, params = rng.integers(1, 1000, n).tolist(), rng.integers(0, 3000, n).tolist()
+    widths = rng.choice([50, 100, 200, 400], n).tolist()
+    for stages in range(1, min(n, 4) + 1):
+        mb, stash = int(rng.integers(1, 9)), int(rng.integers(1, 5))
+
+        def estimate(cuts):
+            edges = [0, *cuts, n]
+            own = max(mb * sum(acts[i:j]) + MEMORY_OWN_PARAM_BUFFERS * sum(params[i:j])
+                      for i, j in zip(edges, edges[1:]))
+            p = max(sum(params[i:j]) for i, j in zip(edges, edges[1:]))
+            w = max([widths[c - 1] for c in cuts] + [0])
+            return own + MEMORY_PARAM_BUFFERS * p + (stash + MEMORY_WIRE_BUFFERS) * mb * w
+
+        sizes = memory_split(acts, params, widths, stages, mb, stash)
+        assert len(sizes) == stages and min(sizes) >= 1 and sum(sizes) == n
+        best = min(estimate(c) for c in itertools.combinations(range(1, n), stages - 1))
+        assert estimate(np.cumsum(sizes)[:-1].tolist()) == best
+
+
+def test_memory_balance_weighs_parameters_at_small_batches():
+    """ResNet-18 at 64x64 on 4 stages: with micro-batches of 1 the memory split's largest stage
+    holds fewer parameters than the activation split's (which puts layer4's 8.4 M on one stage);
+    with micro-batches of 64 it cuts no boundary at the stem's full resolution (the activation
+    split's first cut is there), as every device's stash and wire buffers take the widest cut; a
+    plan weighs the batch of one data shard."""
+    from jaxcnn.parallel.pipeline import block_costs, boundary_widths
+    model = _model("resnet18")
+    blocks = pipeline_blocks(model)
+    params = block_costs(model, (1, 64, 64, 3), blocks, "params")
+
+    def worst(costs, sizes):
+        edges = np.cumsum([0, *sizes])
+        return max(sum(costs[a:b]) for a, b in zip(edges, edges[1:]))
+
+    small, by_acts = (Pipeline(model, (4, 64, 64, 3), 4, 4, balance=b).split for b in ("memory", "activations"))
+    assert worst(params, small) < worst(params, by_acts)
+    large = Pipeline(model, (256, 64, 64, 3), 4, 4, balance="memory").split
+    widths = boundary_widths((1, 64, 64, 3), blocks)
+    widest = lambda sizes: max(widths[c - 1] for c in np.cumsum(sizes)[:-1])  # noqa: E731
+    assert widest(by_acts) == 32 * 32 * 64 and widest(large) < widest(by_acts)
+    # a plan weighs the batch of one data shard: 512 over data 2 is large's 256
+    plan = ParallelPlan(make_mesh(2, 1, pipe=4), model, (512, 64, 64, 3),
+                        _abstract_state(model, MOMENTUM, (512, 64, 64, 3)),
+                        pipeline={"microbatches": 4, "balance": "memory"})
+    assert plan.pipeline.split == large != small
+
+
+def test_memory_balance_config_key_and_its_error():
+    """parallel.pipeline.balance: memory goes from the config to the plan; a bad value is one line
+    naming the key."""
+    import os
+
+    from jaxcnn.parallel.plan import _pipeline_config
+    from jaxcnn.train.config import load_config
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    config = os.path.join(root, "configs", "mnist_cnn.yaml")
+    cfg = load_config(config, ["mesh.pipe=4", "parallel.pipeline.microbatches=4", "parallel.pipeline.balance=memory"])
+    assert _pipeline_config(cfg)["balance"] == "memory"
+    with pytest.raises(ValueError, match="parallel.pipeline.balance") as err:
+        load_config(config, ["parallel.pipeline.balance=bytes"])
+    assert "\n" not in str(err.value) and "memory" in str(err.value)
+
+
 def test_block_costs_against_the_model():
     """bn_net at (16, 8, 8, 3): parameters from its initialised tree, conv1's MACs and every
     block's output elements by hand."""
@@ -563,26 +636,58 @@ def test_bench_scaling_pipe_reports_args_temporaries_and_total(capsys):
     assert "args" in out and "temp" in out and "total" in out
 
 
-def test_gather_params_reassembles_blocks_split_along_any_dimension():
-    """Pipeline.gather_params inside a shard_map over pipe 4: leaves split along their first,
-    middle or last dimension, in float32 and bfloat16 (one all_gather per dtype), and whole
-    leaves, come back exactly as the arrays that were split (random values, NumPy reference)."""
+def test_packing_gives_each_stage_its_parameters_and_each_device_its_gradient_blocks():
+    """pipeline._Packing inside a shard_map over pipe 4 (x data 2), bn_net's parameters as random
+    arrays, leaves split along their first, middle or last dimension or whole, one in bfloat16:
+    after the all_to_all each device holds its own stage's parameters exactly (and their shapes are
+    the whole leaves'); random gradients of every stage, packed by their stage and scattered, come
+    back on every device as its block of each split leaf and each whole leaf whole, divided by the
+    micro-batches (exact: NumPy reference)."""
     from jax.sharding import NamedSharding, PartitionSpec as PS
+    from jaxcnn.parallel.pipeline import _Packing
+    model, S, M = _model("bn_net"), 4, 2
+    pipe = Pipeline(model, (16, 8, 8, 3), S, M, split=[1, 1, 2, 2])
+    shapes = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), (16, 8, 8, 3))[0])
     rng = np.random.default_rng(3)
-    tree = {"a": {"w": rng.normal(size=(8, 3, 5)).astype(np.float32)},
-            "b": {"w": rng.normal(size=(3, 4, 6)).astype(np.float32),
-                  "v": rng.normal(size=(2, 12)).astype(jax.numpy.bfloat16)},
-            "c": {"s": rng.normal(size=(7,)).astype(np.float32)}}
-    dims = {"a": {"w": 0}, "b": {"w": 1, "v": 1}, "c": {"s": None}}
-    pipe = Pipeline(_model("bn_net"), (16, 8, 8, 3), 4, 2)
-    mesh = make_mesh(2, 1, pipe=4)
-    pipe.place(mesh, dims)
+    leaves, treedef = jax.tree_util.tree_flatten(shapes)
+    dims, whole = [], []
+    for j, x in enumerate(leaves):
+        d = next((i for i in ([x.ndim - 1, 0] if j % 2 else range(x.ndim)) if x.shape[i] % S == 0), None)
+        dims.append(None if x.size < 16 or d is None else d)
+        dtype = jax.numpy.bfloat16 if j == 0 else np.float32
+        whole.append(rng.normal(size=x.shape).astype(dtype))
+    assert sum(d is not None for d in dims) >= 4 and any(d is None for d in dims)
+    params = jax.tree_util.tree_unflatten(treedef, whole)
+    dim_tree = jax.tree_util.tree_unflatten(treedef, dims)
+    mesh = make_mesh(2, 1, pipe=S)
     specs = jax.tree_util.tree_map(lambda d, x: PS(*["pipe" if i == d else None for i in range(x.ndim)]),
-                                   dims, tree, is_leaf=lambda x: x is None)
-    placed = jax.tree_util.tree_map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), tree, specs)
-    gather = jax.jit(jax.shard_map(pipe.gather_params, mesh=mesh, in_specs=(specs,), out_specs=PS(),
-                                   axis_names={"data", "pipe"}, check_vma=False))
-    got = jax.device_get(gather(placed))
-    for g, r in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(tree)):
-        assert g.dtype == r.dtype and g.shape == r.shape
-        assert np.array_equal(np.asarray(g, np.float32), np.asarray(r, np.float32))
+                                   dim_tree, params, is_leaf=lambda x: x is None)
+    placed = jax.tree_util.tree_map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), params, specs)
+    grads = [rng.normal(size=np.shape(x)).astype(np.float32) for x in whole]
+
+    def per_device(blocks):
+        packing = _Packing(pipe, blocks, dim_tree)
+        mine_of, stage = packing.gather(blocks), jax.lax.axis_index("pipe")
+        flats = [jax.numpy.concatenate([x.astype(np.float32).reshape(-1) for x in
+                                        jax.tree_util.tree_leaves(mine_of(s))]) for s in range(S)]
+        width = max(f.shape[0] for f in flats)
+        mine = jax.numpy.stack([jax.numpy.pad(f, (0, width - f.shape[0])) for f in flats])[stage]
+        g_tree = jax.tree_util.tree_unflatten(treedef, [jax.numpy.asarray(g) for g in grads])
+        packs = [packing.pack_grads(s, {b.path: _get(g_tree, b.path) for b in pipe.stage_blocks[s]})
+                 for s in range(S)]
+        total = jax.tree_util.tree_map(lambda *p: jax.numpy.stack(p)[stage], *packs)
+        return mine[None], packing.scatter_grads(total)
+
+    from jaxcnn.parallel.pipeline import _get
+    fn = jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=(specs,), out_specs=(PS("pipe"), specs),
+                               axis_names={"data", "pipe"}, check_vma=False))
+    mine, got = jax.device_get(fn(placed))
+    index = jax.tree_util.tree_unflatten(treedef, list(range(len(leaves))))
+    for s in range(S):
+        own = jax.tree_util.tree_leaves({b.path: _get(index, b.path) for b in pipe.stage_blocks[s]})
+        ref = np.concatenate([np.asarray(whole[i], np.float32).reshape(-1) for i in own] + [np.zeros(0)])
+        assert own and np.array_equal(mine[s, :ref.size], ref), s
+    for g, r, p in zip(jax.tree_util.tree_leaves(got), grads, whole):
+        assert g.dtype == p.dtype and g.shape == r.shape
+        np.testing.assert_array_equal(np.asarray(g, np.float32),
+                                      np.asarray((r / M).astype(p.dtype), np.float32))
