@@ -14,8 +14,10 @@ shape (its input gradient is one launch per stride phase; the default tiles of s
 calls are lowered in test_mgpu_conv.py) and channel tiles of 256 (the forward with every
 fused option and 256 output channels is lowered for every tile of ``mgpu_conv.SWEEP`` in
 test_mgpu_fused.py).  The shared memory the tuner counts for each kernel is checked against
-Mosaic's own count, which refuses configurations over the limit.  Needs jax >= 0.11; skips
-otherwise.
+Mosaic's own count, which refuses configurations over the limit.  Two narrow small-channel
+calls stand for the classes Mosaic once refused (TMA copies into shared memory of less than a
+whole 128 bytes: 16- and 32-channel chunks on 1- and 2-pixel tile rows, 16-channel bias
+rows), lowered forward, fused and backward.  Needs jax >= 0.11; skips otherwise.
 """
 import re
 from unittest import mock
