@@ -15,6 +15,12 @@ bfloat16/float16 in, float32 accumulation):
   width, ``tile_h = 64 // tile_w``), so every output row of the tile is a
   contiguous run of pixels in NHWC memory.  The grid is
   ``(N * ceil(OH / tile_h) * ceil(OW / tile_w), ceil(C_out / block_n))``.
+  Every TMA copy into shared memory must move a multiple of 128 bytes
+  (:data:`COPY_BYTES`, Mosaic's rule), so a tile row whose copies would be
+  smaller (8-32 channel chunks on 1- or 2-pixel rows) is widened past the
+  output (:func:`fit_tile_w`: at most 4 pixels; its extra columns read zeros or
+  unneeded input and are never stored), and the bias slot is padded to a whole
+  copy (:func:`bias_rows`).
 - **Stride** by phase decomposition: above 1, the input is first split into
   its ``sh * sw`` phases (``x[:, a::sh, b::sw]``, one XLA copy), and tap
   ``(i, j)`` reads phase ``((i*dh) % sh, (j*dw) % sw)`` at offset
@@ -178,7 +184,9 @@ class MgpuConfig:
 
     Attributes:
         tile_w: output pixels per row of the 64-pixel tile (power of two, <= 64);
-            None picks the widest that fits the output width.
+            None picks the widest that fits the output width (either widened where a
+            tile row's TMA copy would not be a multiple of 128 bytes:
+            :func:`fit_tile_w`).
         block_n: output channels per CTA (multiple of 16, <= 256; the 32-byte
             swizzle is the smallest Mosaic accepts).
         block_k: input channels per K step (16, 32 or 64 for 16-bit types).
@@ -277,6 +285,52 @@ def pick_tile_w(ow: int) -> int:
     return t
 
 
+# A TMA copy into shared memory must move a multiple of this many bytes (Mosaic GPU's
+# lowering splits the mbarrier's expected bytes evenly over the warpgroup's 128 threads:
+# "Only copies transferring a number of bytes divisible by the warpgroup size").
+COPY_BYTES = 128
+
+
+def fit_tile_w(width: int, tile_w: int | None, row_bytes) -> int:
+    """Output pixels per tile row of a launch ``width`` pixels wide: ``tile_w`` (None: the
+    widest power of two that fits, :func:`pick_tile_w`), at most that widest, then widened
+    to the narrowest power of two at which every tile-row copy into shared memory (one per
+    entry of ``row_bytes``, the bytes that copy moves per pixel) is a whole number of
+    :data:`COPY_BYTES`.  A widened row's columns past ``width`` read TMA's zero fill (or
+    input the stored outputs do not need) and are never stored.  With 16-bit types and
+    channel tiles of 16 or more that is at most 4 pixels."""
+    widest = pick_tile_w(width)
+    tw = min(tile_w or widest, widest)
+    while any((tw * b) % COPY_BYTES for b in row_bytes) and tw < TILE_M:
+        tw *= 2
+    return tw
+
+
+def forward_tile_w(width: int, cfg: MgpuConfig, c: int, co: int, dtype,
+                   residual_dtype=None) -> int:
+    """The forward kernel's tile row (:func:`fit_tile_w`) for ``C_in = c``, ``C_out = co``:
+    its input rows (``block_k`` channels) and, with a residual, its residual rows
+    (``block_n`` channels) are TMA copies."""
+    rows = [_block_k(c, cfg) * jnp.dtype(dtype).itemsize]
+    if residual_dtype is not None:
+        rows.append(_block_n(co, cfg) * jnp.dtype(residual_dtype).itemsize)
+    return fit_tile_w(width, cfg.tile_w, rows)
+
+
+def wgrad_tile_w(width: int, cfg: MgpuConfig, co: int, dtype) -> int:
+    """The weight-gradient kernel's tile row (:func:`fit_tile_w`): its input rows (64
+    channels) and ``dy`` rows (``block_n`` channels) are TMA copies."""
+    it = jnp.dtype(dtype).itemsize
+    return fit_tile_w(width, cfg.tile_w, (TILE_M * it, _block_n(co, cfg) * it))
+
+
+def bias_rows(bn: int) -> int:
+    """Length of the float32 bias slot of a ``bn``-channel tile: ``bn`` rounded up so that
+    its one TMA copy is a whole number of :data:`COPY_BYTES` (the extra entries are zeros
+    or the next tile's, never read)."""
+    return pl_cdiv(bn * 4, COPY_BYTES) * COPY_BYTES // 4
+
+
 def _swizzle(plgpu, elems: int, itemsize: int) -> int:
     return plgpu.find_swizzle(elems * itemsize * 8)
 
@@ -323,7 +377,7 @@ def smem_bytes(cfg: MgpuConfig, c: int, co: int, dtype, *, bias=False, residual_
     total += st * 2 * bk * 4 if prologue else 0
     total += 2 * bn * 4 + _REDUCTION_SCRATCH if stats else 0
     total += st * _BARRIER if cfg.warp_specialized else 0
-    total += bn * 4 if bias else 0
+    total += bias_rows(bn) * 4 if bias else 0
     if residual_dtype is not None:
         total += TILE_M * bn * jnp.dtype(residual_dtype).itemsize
     return total + (_BARRIER if bias or residual_dtype is not None else 0)
@@ -360,8 +414,9 @@ def _implicit_gemm(x, w3, bias, residual, gm: _Geom, cfg: MgpuConfig, *, relu, i
     itemsize = jnp.dtype(dtype).itemsize
     bk, bn = _block_k(gm.c, cfg), _block_n(gm.co, cfg)
     _check_config(cfg, bk, bn)
-    tw = cfg.tile_w or pick_tile_w(gm.ow)
-    tw = min(tw, pick_tile_w(gm.ow))  # no tile wider than the output row
+    # No tile row wider than the output's, unless a narrower one's copies are too small.
+    tw = forward_tile_w(gm.ow, cfg, gm.c, gm.co, dtype,
+                        residual.dtype if residual is not None else None)
     th = TILE_M // tw
     stages = cfg.stages
     taps = gm.kh * gm.kw
@@ -437,8 +492,9 @@ def _implicit_gemm(x, w3, bias, residual, gm: _Geom, cfg: MgpuConfig, *, relu, i
             res_smem = epi_smem.pop(0) if has_res else None
 
         def load_epilogue_operands():  # issued first: they load during the main loop
-            if has_bias:
-                plgpu.copy_gmem_to_smem(bias_ref.at[pl.ds(co0 + zero, bn)], bias_smem, epi_bar)
+            if has_bias:  # bias_rows(bn) entries: a whole number of COPY_BYTES
+                plgpu.copy_gmem_to_smem(bias_ref.at[pl.ds(co0 + zero, bias_rows(bn))],
+                                        bias_smem, epi_bar)
             if has_res:
                 for r in range(th):
                     plgpu.copy_gmem_to_smem(
@@ -489,7 +545,7 @@ def _implicit_gemm(x, w3, bias, residual, gm: _Geom, cfg: MgpuConfig, *, relu, i
             if has_bias or has_res:
                 plgpu.barrier_wait(epi_bar)
             if has_bias:
-                b = plgpu.load(bias_smem, layout=plgpu.Layout.WGMMA.reduce(0))
+                b = plgpu.load(bias_smem.at[pl.ds(0, bn)], layout=plgpu.Layout.WGMMA.reduce(0))
                 acc = acc + lax.broadcast_in_dim(b, (TILE_M, bn), [1])
             if has_res:
                 acc = acc + plgpu.load(res_smem, layout=plgpu.Layout.WGMMA,
@@ -597,7 +653,7 @@ def _implicit_gemm(x, w3, bias, residual, gm: _Geom, cfg: MgpuConfig, *, relu, i
           + ([plgpu.SMEM((2, bn), F32)] if stats else [])
           + ([plgpu.Barrier(num_arrivals=1, num_barriers=stages)]
              if cfg.warp_specialized else [])
-          + ([plgpu.SMEM((bn,), F32)] if has_bias else [])
+          + ([plgpu.SMEM((bias_rows(bn),), F32)] if has_bias else [])
           + ([plgpu.SMEM((TILE_M, bn), residual.dtype)] if has_res else [])
           + ([plgpu.Barrier(num_arrivals=int(has_bias) + th * int(has_res))]
              if has_bias or has_res else []),
@@ -770,8 +826,8 @@ def conv_forward(x, w, b=None, residual=None, *, relu=False, stride=(1, 1),
     cop = pl_cdiv(co, bn) * bn
     if co % bn:  # the swizzled weight tiles need C_out a multiple of the tile (tiny XLA pad)
         w3 = jnp.pad(w3, ((0, 0), (0, 0), (0, cop - co)))
-    if b is not None:
-        b = jnp.pad(b.astype(F32), (0, cop - co))
+    if b is not None:  # padded so that the last tile's bias copy stays in bounds
+        b = jnp.pad(b.astype(F32), (0, cop - co + bias_rows(bn) - bn))
     if residual is not None and residual.shape != (n, oh, ow, co):
         raise ValueError(f"Mosaic GPU conv: residual shape {residual.shape} != output "
                          f"{(n, oh, ow, co)}")
@@ -782,13 +838,14 @@ def conv_forward(x, w, b=None, residual=None, *, relu=False, stride=(1, 1),
     if not stats:
         return out
     y, partial = out
-    return (y, *combine_tile_stats(partial[:, :, :co], _tile_counts(gm, cfg)))
+    tw = forward_tile_w(ow, cfg, c, co, x.dtype, None if residual is None else residual.dtype)
+    return (y, *combine_tile_stats(partial[:, :, :co], _tile_counts(gm, tw)))
 
 
-def _tile_counts(gm: _Geom, cfg: MgpuConfig):
+def _tile_counts(gm: _Geom, tw: int):
     """Output pixels of each forward tile (its rows and columns inside the output), in the
-    order of the grid's ``m`` axis: ``(tiles_m,)`` float32 (static)."""
-    tw = min(cfg.tile_w or pick_tile_w(gm.ow), pick_tile_w(gm.ow))
+    order of the grid's ``m`` axis, for tile rows ``tw`` wide: ``(tiles_m,)`` float32
+    (static)."""
     th = TILE_M // tw
     rows = np.minimum(th, gm.oh - np.arange(0, gm.oh, th))
     cols = np.minimum(tw, gm.ow - np.arange(0, gm.ow, tw))
@@ -930,7 +987,7 @@ def conv_wgrad(x, dy, *, kernel_hw, stride=(1, 1), pads=((0, 0), (0, 0)), dilati
     _check_config(cfg, 64, bn)
     if cfg.split < 1:
         raise ValueError(f"MgpuConfig.split must be >= 1, got {cfg.split}")
-    tw = min(cfg.tile_w or pick_tile_w(ow), pick_tile_w(ow))
+    tw = wgrad_tile_w(ow, cfg, co, dtype)
     th = TILE_M // tw  # the K step: 64 output pixels, a th x tw rectangle
     stages = cfg.stages
     taps = kh * kw
@@ -1104,15 +1161,16 @@ class DenseCall:
         """``cfg`` as this launch runs it: the tile row, channel tiles and split it would be
         clamped to, the fields it ignores at their defaults (equal fitted configs compile to
         the same kernel)."""
-        widest = pick_tile_w(self.launch_width())
-        tw = min(cfg.tile_w or widest, widest)
         c_red, c_out = self.channels()
         bn = _block_n(c_out, cfg)
         if self.part == "wgrad":  # 64 input channels a CTA; no warp-specialised form
+            tw = wgrad_tile_w(self.launch_width(), cfg, c_out, self.dtype)
             oh, ow = self.out_hw()
             tiles = self.x_shape[0] * pl_cdiv(oh, TILE_M // tw) * pl_cdiv(ow, tw)
             return MgpuConfig(tile_w=tw, block_n=bn, block_k=DEFAULT.block_k,
                               stages=cfg.stages, split=max(1, min(cfg.split, tiles)))
+        tw = forward_tile_w(self.launch_width(), cfg, c_red, c_out, self.dtype,
+                            self.dtype if self.residual and self.part == "fwd" else None)
         return MgpuConfig(tile_w=tw, block_n=bn, block_k=_block_k(c_red, cfg),
                           stages=cfg.stages, warp_specialized=cfg.warp_specialized)
 

@@ -343,3 +343,36 @@ def test_cached_tiles_are_looked_up_per_part(tmp_path, monkeypatch):
     mc.conv2d(x, w, padding=pads, interpret=True)
     assert seen == [(cfg, mc.DEFAULT, mc.DEFAULT)]
     assert autotune.device_kind() in autotune.load_cache()
+
+
+@needs_mgpu
+def test_narrow_small_channel_conv_matches_lax():
+    """A formerly refused call (Mosaic lowers only TMA copies of whole 128-byte multiples):
+    8 -> 16 channels, 3x3/2 on 4x4, so 2 output columns, with bias and residual.  Its tile
+    rows widen to 4 pixels in the forward (16-channel input and residual rows), the input
+    gradient's phases (3 columns) and the weight gradient (dy rows); the bias slot pads to
+    32 entries.  The widened columns are never stored, so the forward, its input, weight,
+    bias and residual gradients match jax.lax's in float32 (16-bit outputs: half a step
+    plus 1e-4 of the largest value; the weight gradient is rounded to bfloat16 once)."""
+    rng = np.random.default_rng(8)
+    x, w = _normal(rng, (1, 4, 4, 8), jnp.bfloat16), _normal(rng, (3, 3, 8, 16), jnp.bfloat16)
+    b = _normal(rng, (16,), jnp.bfloat16)
+    pads, stride = ((1, 1), (1, 1)), (2, 2)
+    res = _normal(rng, (1, 2, 2, 16), jnp.bfloat16)
+    ct = _normal(rng, (1, 2, 2, 16), jnp.bfloat16).astype(jnp.float32)
+    calls = mc.tuning_calls(x.shape, w.shape, x.dtype, stride=stride, pads=pads,
+                            dilation=(1, 1), bias=True, residual=True)
+    assert [calls[p].fit(mc.DEFAULT).tile_w for p in mc.PARTS] == [4, 4, 4]  # from 2
+
+    def kernel(x, w, b, res):
+        return mc.conv2d(x, w, b, stride=stride, padding=pads, residual=res, interpret=True)
+
+    def reference(x, w, b, res):
+        return (_ref_conv(x, w, pads, stride=stride) + b.astype(jnp.float32)
+                + res.astype(jnp.float32))
+
+    f32 = [a.astype(jnp.float32) for a in (x, w, b, res)]
+    _assert_16bit_close(kernel(x, w, b, res), reference(*f32), jnp.bfloat16, "forward")
+    got, want = _loss_grads(kernel, x, w, b, res, ct), _loss_grads(reference, *f32, ct)
+    for name, g, r in zip(("dx", "dw", "db", "dresidual"), got, want):
+        _assert_16bit_close(g, r, jnp.bfloat16, name)

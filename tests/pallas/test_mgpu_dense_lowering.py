@@ -14,8 +14,10 @@ shape (its input gradient is one launch per stride phase; the default tiles of s
 calls are lowered in test_mgpu_conv.py) and channel tiles of 256 (the forward with every
 fused option and 256 output channels is lowered for every tile of ``mgpu_conv.SWEEP`` in
 test_mgpu_fused.py).  The shared memory the tuner counts for each kernel is checked against
-Mosaic's own count, which refuses configurations over the limit.  Needs jax >= 0.11; skips
-otherwise.
+Mosaic's own count, which refuses configurations over the limit.  Two narrow small-channel
+calls stand for the classes Mosaic once refused (TMA copies into shared memory of less than a
+whole 128 bytes: 16- and 32-channel chunks on 1- and 2-pixel tile rows, 16-channel bias
+rows), lowered forward, fused and backward.  Needs jax >= 0.11; skips otherwise.
 """
 import re
 from unittest import mock
@@ -127,3 +129,47 @@ def test_inspect_kernels_reports_each_dense_candidate_per_kernel(capsys, monkeyp
     assert len(rows) == 2 * len(mc.KERNELS)
     assert all(re.fullmatch(r"w\d+n\d+k\d+s\d+(ws)?(/\d+)?", r[-1]) for r in rows)
     assert all(r[3:6] == ["yes", "yes", "yes"] and r[-2].startswith("m64n") for r in rows)
+
+
+# Formerly refused by Mosaic's lowering: every TMA copy into shared memory must move a
+# multiple of 128 bytes.  x, w, stride, pads, epilogue (bias, residual).
+NARROW = {
+    # 2 output columns, 8 channels (16-channel chunks and tiles): 64-byte input rows in
+    # the forward, input-gradient phases (3 columns) and weight gradient's dy rows, and a
+    # 64-byte bias row; the tile rows widen to 4 pixels, the bias slot to 32 entries.
+    "C=8 K=8 3x3/2 on 4x4, bias": ((1, 4, 4, 8), (3, 3, 8, 8), (2, 2), ((1, 1), (1, 1)),
+                                    (True, False)),
+    # 1 output column, 32 channels: 64-byte input, residual and dy rows widen to 2 pixels.
+    "C=32 K=32 3x3/1 on 1x1, residual": ((1, 1, 1, 32), (3, 3, 32, 32), (1, 1),
+                                         ((1, 1), (1, 1)), (False, True)),
+}
+
+
+@needs_mgpu
+@pytest.mark.parametrize("name", list(NARROW))
+def test_small_channel_narrow_calls_lower_for_hopper(name):
+    """The forward (with its epilogue operands), the input gradient (one launch per stride
+    phase) and the weight gradient of each formerly refused class lower with TMA and
+    wgmma; so does the fused forward (BatchNorm+ReLU prologue and statistics) of the same
+    call."""
+    from mgpu_testlib import lower_with_grads
+    from pallas_kernels import mgpu_fused as mf
+    x_shape, w_shape, stride, pads, (bias, residual) = NARROW[name]
+    x, w = S(x_shape, BF16), S(w_shape, BF16)
+    y = jax.eval_shape(lambda x, w: mc.conv2d(x, w, stride=stride, padding=pads), x, w)
+    b, r = S(w_shape[3:], BF16) if bias else None, S(y.shape, BF16) if residual else None
+    reports = lower_with_grads(
+        lambda x, w, *e: mc.conv2d(x, w, e[0] if bias else None, stride=stride, padding=pads,
+                                   residual=e[-1] if residual else None, relu=True),
+        x, w, *[a for a in (b, r) if a is not None])
+    phases = stride[0] * stride[1]
+    assert sorted(r.name for r in reports) == (["jaxcnn_mgpu_conv_dgrad"] * phases
+                                               + ["jaxcnn_mgpu_conv_fwd",
+                                                  "jaxcnn_mgpu_conv_wgrad"])
+    ss = S((x_shape[3],), F32)
+    reports += inspect_kernels().inspect_mosaic(
+        lambda x, w, s, t: mf.conv2d(x, w, stride=stride, padding=pads, input_scale=s,
+                                     input_shift=t, stats=True), x, w, ss, ss)
+    assert reports[-1].name == "jaxcnn_mgpu_conv_fwd_bnrelu_stats"
+    assert_tma_pipeline(reports)
+    assert all(r.wgmma for r in reports)

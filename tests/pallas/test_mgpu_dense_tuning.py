@@ -250,13 +250,15 @@ def test_fused_conv_takes_the_tiles_of_its_form_and_skips_a_malformed_entry(ship
 
 @needs_mgpu
 def test_the_op_runs_its_tuned_tiles(shipped, monkeypatch):
-    """Tuned forward tiles (a 2-pixel tile row: 32 rows of TMA copies, 16-channel chunks and
-    tiles) really run, in GPU interpret mode, tiny: the result is the convolution's
-    (bfloat16: half a step plus float32 noise), and the kernel saw those tiles."""
+    """Tuned forward tiles (a 2-pixel tile row: 32 rows of TMA copies, 32-channel chunks of
+    128 bytes a row, 16-channel tiles) really run, in GPU interpret mode, tiny: the result
+    is the convolution's (bfloat16: half a step plus float32 noise), and the kernel saw
+    those tiles."""
     rng = np.random.default_rng(0)
-    x, w = normal(rng, (1, 5, 6, 16), BF16), normal(rng, (3, 3, 16, 32), BF16)
+    x, w = normal(rng, (1, 5, 6, 32), BF16), normal(rng, (3, 3, 32, 32), BF16)
     fwd = calls(x.shape, w.shape)["fwd"]
-    tuned = mc.MgpuConfig(tile_w=2, block_n=16, block_k=16, stages=2)
+    tuned = mc.MgpuConfig(tile_w=2, block_n=16, block_k=32, stages=2)
+    assert fwd.fit(tuned) == tuned  # (16-channel chunks would widen the row to 4 pixels)
     shipped(H100, {fwd.key: tuned.to_dict()})
     monkeypatch.setattr(autotune, "device_kind", lambda: H100)
     used = []
@@ -397,3 +399,32 @@ def test_bench_mgpu_tunes_then_times_with_the_tuned_tiles(tmp_path, monkeypatch,
     saved = autotune.load_cache()[autotune.device_kind()]["kernels"]
     for prologue in (False, True):
         assert calls(x.shape, w.shape, prologue=prologue, stats=True)["fwd"].key in saved
+
+
+@needs_mgpu
+def test_narrow_small_channel_candidates_make_whole_tma_copies():
+    """At small channel counts and output widths 1 to 8, every candidate of every dense
+    kernel (the forward with bias and residual, fused, both gradients) has tile rows whose
+    TMA copies into shared memory (input or dy, residual) and a bias slot that are each a
+    whole number of 128 bytes (Mosaic refuses others: lowered in
+    test_mgpu_dense_lowering.py), its tile row widened past the launch's no further than
+    that needs."""
+    for c, co, k, stride in [(8, 8, 3, 2), (16, 64, 1, 1), (24, 16, 7, 1), (32, 8, 3, 2),
+                             (64, 64, 3, 1)]:
+        for ow in (1, 2, 3, 5, 8):
+            h = (ow - 1) * stride + 1  # padded by k // 2 on each side
+            pads = ((k // 2,) * 2,) * 2
+            for kernel, call in every_kernel((1, h, h, c), (k, k, c, co), stride,
+                                             pads).items():
+                widest = mc.pick_tile_w(call.launch_width())
+                for cfg in call.candidates():
+                    tw, bn = cfg.tile_w, cfg.block_n
+                    rows = {"wgrad": [64, bn], "dgrad": [cfg.block_k]}.get(
+                        call.part, [cfg.block_k] + [bn] * call.residual)
+                    what = f"C={c} K={co} {k}x{k}/{stride} ow={ow} {kernel} {cfg}"
+                    assert all(tw * r * 2 % mc.COPY_BYTES == 0 for r in rows), what
+                    if tw > widest:  # widened: the narrowest whole row
+                        assert any((tw // 2) * r * 2 % mc.COPY_BYTES for r in rows), what
+                    if call.bias and call.part == "fwd":
+                        assert mc.bias_rows(bn) * 4 % mc.COPY_BYTES == 0, what
+                        assert bn <= mc.bias_rows(bn) < bn + 32, what

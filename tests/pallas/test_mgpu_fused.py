@@ -73,6 +73,11 @@ STATS_CASES = [
      None, jnp.float16, False),
     ("1x1, producer warpgroup", (2, 4, 6, 16), (1, 1, 16, 24), (1, 1), ((0, 0), (0, 0)),
      mc.MgpuConfig(block_n=16, stages=2, warp_specialized=True), jnp.bfloat16, True),
+    # 3 output columns of 16 channels: the 2-pixel tile rows (input, residual) widen to 4
+    # (whole 128-byte TMA copies), one tile a row instead of two, so the statistics mask
+    # and count 3 of each row's 4.
+    ("3 columns, 16 channels, bias+residual+relu", (2, 5, 5, 16), (3, 3, 16, 16), (2, 2),
+     ((1, 1), (1, 1)), None, jnp.bfloat16, False),
 ]
 
 
