@@ -131,20 +131,16 @@ def block_c(c: int, cfg: WindowConfig) -> int:
 
 # A TMA copy into shared memory must move a multiple of this many bytes (Mosaic GPU's
 # lowering splits the mbarrier's expected bytes evenly over the warpgroup's 128 threads).
-COPY_BYTES = 128
+COPY_BYTES = mc.COPY_BYTES
 
 
 def tile_w(width: int, bc: int, cfg: WindowConfig, itemsize: int = 2) -> int:
     """Output pixels per tile row for a launch ``width`` wide with ``bc`` channels: the
     config's (or the widest power of two <= ``width``, at most 64), widened to the
     narrowest power of two whose row copy (``tile_w * bc * itemsize`` bytes) is a multiple
-    of :data:`COPY_BYTES`; the columns past ``width`` read TMA's zero fill and are never
-    stored."""
-    widest = mc.pick_tile_w(width)
-    tw = min(cfg.tile_w or widest, widest)
-    while (tw * bc * itemsize) % COPY_BYTES and tw < TILE_M:
-        tw *= 2
-    return tw
+    of :data:`COPY_BYTES` (the dense kernels' rule, :func:`mgpu_conv.fit_tile_w`); the
+    columns past ``width`` read TMA's zero fill and are never stored."""
+    return mc.fit_tile_w(width, cfg.tile_w, [bc * itemsize])
 
 
 def table_rows(rows: int, bc: int) -> int:
