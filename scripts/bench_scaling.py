@@ -74,6 +74,8 @@ def _parse_args(argv):
     p.add_argument("--microbatches", type=int, default=4, help="--pipe: micro-batches per step")
     p.add_argument("--balance", default="macs", choices=("macs", "params", "activations", "memory"),
                    help="--pipe: what the stages' split evens out")
+    p.add_argument("--remat", action="store_true",
+                   help="--pipe: parallel.pipeline.remat (each block's activations recomputed in the backward)")
     p.add_argument("--schedule", default="gpipe",
                    help="--pipe: comma-separated pipeline schedules (gpipe, 1f1b), each measured")
     return p.parse_args(argv)
@@ -232,7 +234,7 @@ def _pipeline_rows(args, counts, model, image, tx) -> int:
     for pipe, schedule in runs:
         plan = ParallelPlan(make_mesh(1, 1, pipe=pipe, devices=jax.devices()[:pipe]), model, shape,
                             jax.eval_shape(init), pipeline={"microbatches": m, "balance": args.balance,
-                                                            "schedule": schedule})
+                                                            "schedule": schedule, "remat": args.remat})
         step = plan.wrap_step(make_train_step(model, tx, axis_name=plan.step_axis_name, accumulate=m,
                                               pipeline=plan.pipeline))
         placed = plan.put_batch(host)
@@ -262,7 +264,8 @@ def _pipeline_rows(args, counts, model, image, tx) -> int:
         rows.append(row)
         print(json.dumps(row) if args.json else
               f"pipe {pipe} {row['schedule']}: {row['memory_mib']:.0f} MiB per device", flush=True)
-    print(f"model {args.model} {image}  batch {shape[0]} in {m} micro-batches  balance {args.balance}  backend "
+    print(f"model {args.model} {image}  batch {shape[0]} in {m} micro-batches  balance {args.balance}"
+          f"{'  remat' if args.remat else ''}  backend "
           f"{jax.default_backend()} ({os.cpu_count()} host cores)")
     print("MiB per device (XLA's memory_analysis): args = the state and batch the step takes, temp = "
           "its temporaries, total = args + outputs + temp - donated; vs = the ratio to the first row; "

@@ -427,6 +427,12 @@ class Pipeline:
         schedule: ``"gpipe"`` (default: every forward, then every backward) or ``"1f1b"``
             (one forward, one backward: :func:`one_f_one_b`); the same numbers, ``1f1b``
             stashes ``min(S, M)`` stage inputs per device instead of ``M``.
+        remat: the backward's recomputation of a stage keeps only each block's input
+            (``jax.checkpoint`` around every block) and recomputes the block's intermediate
+            activations once more as its gradient is taken: one more forward of the stage,
+            and a stage's activation memory is its block boundaries plus one block's
+            (``parallel.pipeline.remat``; default False: the whole stage's activations of
+            one micro-batch).
         axis_name: the pipeline mesh axis.
 
     Raises:
@@ -436,13 +442,17 @@ class Pipeline:
     """
 
     def __init__(self, model: Layer, input_shape, stages: int, microbatches: int, *,
-                 balance: str = "macs", split=None, schedule: str = "gpipe", axis_name: str = PIPE):
+                 balance: str = "macs", split=None, schedule: str = "gpipe", remat: bool = False,
+                 axis_name: str = PIPE):
         if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
             raise ValueError(f"parallel.pipeline.microbatches: expected an int >= 1, got {microbatches!r}")
         if balance not in BALANCE:
             raise ValueError(f"parallel.pipeline.balance: expected one of {BALANCE}, got {balance!r}")
         if schedule not in SCHEDULES:
             raise ValueError(f"parallel.pipeline.schedule: expected one of {SCHEDULES}, got {schedule!r}")
+        if not isinstance(remat, bool):
+            raise ValueError(f"parallel.pipeline.remat: expected true or false, got {remat!r}")
+        self.remat = remat
         self.model, self.stages, self.microbatches, self.axis_name = model, stages, microbatches, axis_name
         self.mesh = self.split_dims = None  # where the parameters live at rest: see place()
         self.blocks = pipeline_blocks(model)
@@ -505,8 +515,13 @@ class Pipeline:
         new_states = {}
         for b in self.stage_blocks[s]:
             r = None if rng is None else _path_key(rng, b.rng_path)
-            x, ns = b.layer.apply(_get(params, b.path), _get(state, b.path), x, train=True, rng=r,
-                                  policy=policy, choices=choices)
+
+            def apply(p, st, x, r, layer=b.layer):
+                return layer.apply(p, st, x, train=True, rng=r, policy=policy, choices=choices)
+
+            if self.remat:
+                apply = jax.checkpoint(apply)
+            x, ns = apply(_get(params, b.path), _get(state, b.path), x, r)
             if ns:
                 new_states[b.path] = ns
         return x, new_states

@@ -46,7 +46,8 @@ class ParallelPlan:
         fsdp: shard large parameters and optimiser moments over ``data`` too.
         sync_batch_norm: BatchNorm statistics over the global batch.
         pipeline: with a ``pipe`` axis: ``{"microbatches": M, "split": None | [blocks per
-            stage], "balance": "macs" | "params" | "activations", "schedule": "gpipe" | "1f1b"}``
+            stage], "balance": "macs" | "params" | "activations" | "memory", "schedule": "gpipe" |
+            "1f1b", "remat": bool}``
             (all optional; ``microbatches``
             defaults to twice the stages); the plan's :attr:`pipeline` (a
             :class:`~jaxcnn.parallel.pipeline.Pipeline`) then goes to
@@ -226,10 +227,10 @@ def _pipeline(mesh, model, input_shape, strategy, fsdp, spec) -> Pipeline | None
     """The :class:`Pipeline` of a mesh with a ``pipe`` axis (None without one), its
     combinations with the other settings and the batch checked before any compute."""
     stages = axis_size(mesh, PIPE)
-    unknown = set(spec) - {"microbatches", "split", "balance", "schedule"}
+    unknown = set(spec) - {"microbatches", "split", "balance", "schedule", "remat"}
     if unknown:
         raise ValueError(f"parallel.pipeline: unknown key(s) {sorted(unknown)}; expected microbatches, "
-                         "split, balance, schedule")
+                         "split, balance, schedule, remat")
     if stages == 1:
         return None
     if strategy != "shard_map":
@@ -244,7 +245,7 @@ def _pipeline(mesh, model, input_shape, strategy, fsdp, spec) -> Pipeline | None
     shard = (input_shape[0] // mesh.shape[DATA],) + tuple(input_shape[1:])  # balance="memory" weighs it
     pipe = Pipeline(model, shard, stages, 2 * stages if microbatches is None else microbatches,
                     balance=spec.get("balance") or "macs", split=spec.get("split"),
-                    schedule=spec.get("schedule") or "gpipe")
+                    schedule=spec.get("schedule") or "gpipe", remat=spec.get("remat", False))
     pipe.check_batch(input_shape[0] // mesh.shape[DATA])
     return pipe
 
@@ -280,7 +281,8 @@ def setup(cfg, model, input_shape, abstract_state, *, devices=None) -> ParallelP
 def _pipeline_config(cfg) -> dict:
     """``parallel.pipeline`` as ``ParallelPlan(pipeline=...)`` takes it; the micro-batches are
     ``train.accumulate_steps`` when ``parallel.pipeline.microbatches`` is unset."""
-    spec = {k: getattr(cfg.parallel.pipeline, k) for k in ("microbatches", "split", "balance", "schedule")}
+    spec = {k: getattr(cfg.parallel.pipeline, k)
+            for k in ("microbatches", "split", "balance", "schedule", "remat")}
     if spec["microbatches"] is None and cfg.train.accumulate_steps > 1:
         spec["microbatches"] = cfg.train.accumulate_steps
     if cfg.mesh.pipe > 1 and spec["microbatches"] is None:

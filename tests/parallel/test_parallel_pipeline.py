@@ -2,6 +2,7 @@
 step that trains like one device running the same micro-batches in turn
 (``make_train_step(accumulate=M)``, BatchNorm per micro-batch)."""
 import itertools
+import re
 
 import jax
 import numpy as np
@@ -77,10 +78,10 @@ def _assert_grads_close(got, ref):
         assert np.max(np.abs(g - r)) <= GRAD_RTOL * scale, (np.max(np.abs(g - r)), scale)
 
 
-def _compare(name, data_axis, pipe, microbatches, steps=1):
+def _compare(name, data_axis, pipe, microbatches, steps=1, **pipeline):
     model, tx = _model(name), MOMENTUM
     data = batches(SHAPE, steps, seed=1)
-    plan = _plan(model, tx, SHAPE, data_axis, pipe, microbatches=microbatches)
+    plan = _plan(model, tx, SHAPE, data_axis, pipe, microbatches=microbatches, **pipeline)
     got_m, got = _pipelined(plan, model, tx, SHAPE, data)
     ref_m, ref = _reference(model, tx, SHAPE, data, microbatches)
     _assert_run_matches(got_m, got, ref_m, ref, steps)
@@ -265,6 +266,7 @@ def _tiny():
     (dict(microbatches=3), "parallel.pipeline.microbatches", "3 micro-batches do not divide the batch of 8"),
     (dict(microbatches=0), "parallel.pipeline.microbatches", "expected an int >= 1"),
     (dict(balance="flops"), "parallel.pipeline.balance", "expected one of"),
+    (dict(remat="yes"), "parallel.pipeline.remat", "expected true or false"),
     (dict(bogus=1), "parallel.pipeline", "unknown key(s) ['bogus']"),
     (dict(strategy="jit"), "parallel.strategy", "runs under shard_map"),
     (dict(model_axis=2), "mesh.model", "combine with the data axis only"),
@@ -691,3 +693,35 @@ def test_packing_gives_each_stage_its_parameters_and_each_device_its_gradient_bl
         assert g.dtype == p.dtype and g.shape == r.shape
         np.testing.assert_array_equal(np.asarray(g, np.float32),
                                       np.asarray((r / M).astype(p.dtype), np.float32))
+
+
+def test_remat_recomputes_each_block_and_matches_one_device():
+    """parallel.pipeline.remat: every block of a stage runs under jax.checkpoint in the
+    backward's recomputation (the step's jaxpr has one checkpoint per block and none without
+    remat), and ResNet-18 on 4 stages still gives one device's loss, gradients, BatchNorm
+    statistics and parameters; the config key reaches the plan, a bad value is one line."""
+    plan, _, _ = _compare("resnet18", 1, 4, 2, remat=True)
+    assert plan.pipeline.remat
+
+    def checkpoints(remat):
+        model, tx = _model("resnet18"), MOMENTUM
+        plan = _plan(model, tx, SHAPE, 1, 4, microbatches=2, remat=remat)
+        step = make_train_step(model, tx, axis_name=plan.step_axis_name, pipeline=plan.pipeline)
+        jaxpr = str(jax.make_jaxpr(plan.wrap_step(step, donate=False))(
+            plan.abstract_state, plan.put_batch(batches(SHAPE, 1, seed=1)[0])))
+        return len(re.findall(r"\b(?:checkpoint|remat2?)\[", jaxpr))
+
+    blocks = len(pipeline_blocks(_model("resnet18")))
+    assert checkpoints(False) == 0 and checkpoints(True) >= blocks
+
+    import os
+
+    from jaxcnn.parallel.plan import _pipeline_config
+    from jaxcnn.train.config import load_config
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    config = os.path.join(root, "configs", "mnist_cnn.yaml")
+    cfg = load_config(config, ["mesh.pipe=4", "parallel.pipeline.microbatches=4", "parallel.pipeline.remat=true"])
+    assert _pipeline_config(cfg)["remat"] is True
+    with pytest.raises(ValueError, match="parallel.pipeline.remat") as err:
+        load_config(config, ["parallel.pipeline.remat=sometimes"])
+    assert "\n" not in str(err.value)
