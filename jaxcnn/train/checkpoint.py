@@ -703,6 +703,17 @@ class CheckpointManager:
 
     def close(self):
         """Waits for pending saves and releases orbax's resources."""
+        # orbax's close() does not wait for the clean-up of old temporary directories that its
+        # constructor starts on a thread: a process ending right after (a refused resume) had
+        # that thread fail at interpreter shutdown with a 40-line traceback after its error line.
+        pending = getattr(self._mgr, "_cleanup_tmp_directory_future", None)
+        if pending is not None:
+            with _OrbaxNoise(self._detail) as noise:
+                try:
+                    pending.result()
+                except Exception as e:  # noqa: BLE001 - a failed clean-up loses nothing
+                    noise.failed = True
+                    self._detail(f"cleaning up temporary checkpoint directories failed: {_brief(e)}")
         self._mgr.close()
 
     def __enter__(self):

@@ -485,13 +485,13 @@ def train(cfg, workdir: str, *, argv=None, config_path=None, stream=None) -> dic
     training = Training(cfg, prepared, run_dir, stream or sys.stdout)
     for line in startup_lines(cfg, prepared, workdir, prepare_s):
         training.say(line)
-    state = training.restore_or_init()
-    first = int(state.step)
-    if training.is_main:  # after the resume decision: a refused resume leaves it as it was
-        record_run_config(run_dir.path, to_dict(cfg), first, changes)
-    training.open_outputs(first)
     error = None
-    try:
+    try:  # a refused resume closes the checkpoint manager too: its orbax thread outlived the process
+        state = training.restore_or_init()
+        first = int(state.step)
+        if training.is_main:  # after the resume decision: a refused resume leaves it as it was
+            record_run_config(run_dir.path, to_dict(cfg), first, changes)
+        training.open_outputs(first)
         if training.stopper is not None and training.stopper.stopped:  # a resumed run that had stopped
             stopped_by = EARLY_STOP
             training.progress.close()
