@@ -203,8 +203,8 @@ def eval_main(argv=None) -> int:
 
         run_dir = RunDir(args.run_dir)
         cfg_path = run_dir.config
-        if not os.path.isfile(cfg_path):
-            return _fail("jaxcnn-eval", f"{cfg_path} does not exist: not a jaxcnn run directory")
+        if (problem := run_dir.problem()) is not None:
+            return _fail("jaxcnn-eval", problem)
         cfg = load_config(cfg_path, args.overrides)
         run = build_run(cfg)
         # Normalise as in training (the run's preprocessing.json), as jaxcnn-export does.

@@ -89,6 +89,21 @@ class RunDir:
     def checkpoints_log(self) -> str:
         return self._join(self.CHECKPOINTS_LOG)
 
+    def problem(self) -> str | None:
+        """Why this path is no run directory ``jaxcnn-train`` wrote (one line), or None."""
+        if not os.path.exists(self.path):
+            return f"{self.path}: no such run directory"
+        if not os.path.isdir(self.path):
+            hint = ""
+            stem, ext = os.path.splitext(os.path.basename(self.path))
+            if ext.lower() in (".yaml", ".yml"):
+                hint = f" (this config's run is in runs/{stem} unless --workdir said otherwise)"
+            return (f"{self.path} is a file, not a run directory: give the directory jaxcnn-train "
+                    f"wrote{hint}")
+        if not os.path.isfile(self.config):
+            return f"{self.config} does not exist: not a jaxcnn run directory"
+        return None
+
     def params(self, fmt: str) -> str:
         """``params.<fmt>`` (``fmt``: "npz" or "safetensors")."""
         if fmt not in PARAM_FORMATS:

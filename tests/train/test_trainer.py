@@ -288,6 +288,22 @@ def test_eval_cli_and_plot(tmp_path, capsys):
     assert (work / "curves.png").stat().st_size > 1000
 
 
+def test_eval_of_something_that_is_no_run_directory_says_what_it_is(tmp_path, capsys):
+    """A config file given to jaxcnn-eval (as to jaxcnn-train) read 'configs/x.yaml/config.resolved.yaml
+    does not exist'."""
+    (tmp_path / "params.npz").write_bytes(b"")
+    (tmp_path / "empty").mkdir()
+    for arg, needle in [(os.path.join(CONFIGS, "mnist_cnn.yaml"),
+                         "mnist_cnn.yaml is a file, not a run directory: give the directory jaxcnn-train "
+                         "wrote (this config's run is in runs/mnist_cnn unless --workdir said otherwise)"),
+                        (str(tmp_path / "params.npz"), "params.npz is a file, not a run directory"),
+                        (str(tmp_path / "typo"), "typo: no such run directory"),
+                        (str(tmp_path / "empty"), "config.resolved.yaml does not exist: not a jaxcnn run")]:
+        assert eval_main([arg]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("jaxcnn-eval: error: ") and needle in err, err
+
+
 def test_tensorboard_events_and_progress_bar(tmp_path, capsys):
     pytest.importorskip("tensorboardX")
     work = tmp_path / "tb"
