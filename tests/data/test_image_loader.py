@@ -211,6 +211,20 @@ def test_convert_cli_errors_are_one_line(tmp_path, capsys):
     assert "skipped" in out and str(bad) in out
     meta = read_sidecar(tmp_path / "out")
     assert meta["splits"]["train"] == {"file": "train.array_record", "count": 1, "skipped": 1}
+    # The trainer's start-up line on them: a corrupt image is no "file that is not an image",
+    # nor left out of the record directory (it said both), and a folder names its strays.
+    from jaxcnn.data.images import ImageData
+    assert ImageData("records", tmp_path / "out", image_size=(16, 16)).skipped_note() == (
+        f"1 file left out of {tmp_path / 'out'} by jaxcnn-data convert (not images, or bad ones; it named them)")
+    for name in ("Thumbs.db", "notes.txt"):
+        (tmp_path / "f" / "val" / "red" / name).write_text("x")
+    folder = ImageData("folder", tmp_path / "f", image_size=(16, 16), on_bad_image="skip")
+    val = tmp_path / "f" / "val" / "red"
+    assert folder.skipped_note() == (f"2 files left out of {tmp_path / 'f'} (not images by their names: "
+                                     f"{val / 'Thumbs.db'}, {val / 'notes.txt'}; data.on_bad_image is skip)")
+    for name in ("Thumbs.db", "notes.txt"):
+        (val / name).unlink()
+    assert ImageData("folder", tmp_path / "f", image_size=(16, 16)).skipped_note() is None
     (tmp_path / "out" / "dataset.json").write_text("{not json")
     with pytest.raises(DataError, match="not valid JSON"):
         RecordSource(tmp_path / "out", "train")
