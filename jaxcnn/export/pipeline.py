@@ -335,14 +335,15 @@ def export(source, out, *, format: str, model: str | None = None, num_classes=No
         host = jax.device_get((params, state))
         (interop.save_npz if format == "npz" else interop.save_safetensors)(out, *host)
     say(f"wrote {format} to {out}")
-    say(_input_line(format, layout, src.image_shape, prep, in_graph, report, cfg is not None))
+    say(_input_line(format, layout, src.image_shape, prep, in_graph, report, cfg is not None, batch))
     return report
 
 
-def _input_line(format, layout, image_shape, prep, in_graph, report, from_run) -> str:
-    """What the exported model takes, for the command's output."""
+def _input_line(format, layout, image_shape, prep, in_graph, report, from_run, batch="dynamic") -> str:
+    """What the exported model takes, for the command's output (``batch``: the export's)."""
     h, w, c = image_shape
-    dims = f"(N, {h}, {w}, {c})" if layout == "nhwc" else f"(N, {c}, {h}, {w})"
+    n = batch if isinstance(batch, int) else "N"  # --batch 4 exports a fixed batch of 4
+    dims = f"({n}, {h}, {w}, {c})" if layout == "nhwc" else f"({n}, {c}, {h}, {w})"
     where = {"onnx": "its metadata_props 'jaxcnn.preprocessing'",
              "stablehlo": report.get("preprocessing_file")}.get(format)
     if prep is None and from_run:  # an older run directory, not reconstructed for this export
