@@ -58,7 +58,8 @@ def _load_params(path, like):
         return interop.load_npz(path, like=like)
     if path.endswith(".safetensors"):
         return interop.load_safetensors(path, like=like)
-    raise ExportError(f"{path}: unknown parameter file type; expected .npz or .safetensors")
+    from jaxcnn.interop.arrays import unknown_file_type
+    raise ExportError(f"{path}: {unknown_file_type(path, or_run_dir=True)}")
 
 
 def _last_weight_path(model, image_shape):
@@ -145,6 +146,8 @@ def load_source(source, *, model: str | None = None, num_classes: int | None = N
         image_shape = image_shape or _image_shape_from_config(cfg)
     elif os.path.isfile(source):
         params_path = source
+        if not source.endswith((".npz", ".safetensors")):  # before asking for --model
+            _load_params(source, None)
         if model is None:
             raise ExportError(f"{source}: a parameter file needs --model NAME "
                               f"(one of {models.names()})")
