@@ -113,6 +113,32 @@ def _flatten(tree, prefix=""):
             yield prefix + k, np.asarray(v)
 
 
+_INTERRUPTED_COMPILE = """
+import os, signal, sys, threading
+from jaxcnn.train import setup
+real = setup._compile
+def compile_interrupted(lowered):  # Ctrl-C a moment into XLA's compilation of the train step
+    threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT)).start()
+    return real(lowered)
+setup._compile = compile_interrupted
+from jaxcnn.train.cli import train_main
+sys.argv[0] = "jaxcnn-train"
+sys.exit(train_main())
+"""
+
+
+def test_ctrl_c_while_compiling_is_one_line_and_exit_130(tmp_path):
+    """Ctrl-C before the first step (the loop's own handler is not yet in place): the command's
+    line came, then the interpreter's exit crashed under XLA's still-running compilation
+    (SIGSEGV, exit 139)."""
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-c", _INTERRUPTED_COMPILE, os.path.join(CONFIGS, "mnist_cnn.yaml"),
+                           "model.name=mnist_cnn", "train.steps=2", "--workdir", str(tmp_path / "w")],
+                          env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 130, (proc.returncode, proc.stderr[-2000:])
+    assert proc.stderr.strip().splitlines() == ["jaxcnn-train: interrupted"], proc.stderr[-2000:]
+
+
 def test_resuming_a_finished_run_changes_nothing_and_warns_nothing(tmp_path, capsys):
     args = [os.path.join(CONFIGS, "mnist_cnn.yaml"), *FAST, "model.name=lenet5", "train.steps=2",
             "checkpoint.every=1", "--workdir", str(tmp_path / "w")]
