@@ -218,6 +218,7 @@ class Training:
         self.history: list = []   # the step metrics since the last log line (device arrays)
         self.metrics = self.progress = self.stopper = None
         self.last_eval = (None, {})  # (step, metrics) of the latest evaluation
+        self._stop = None  # run_steps' _StopSignal while it runs
         # Images skipped so far (data.on_bad_image: skip), counted as their batches are consumed.
         self.bad_images = 0 if self.run.images is None else self.run.images.skipped_at_open
 
@@ -303,12 +304,20 @@ class Training:
         self._timer = None  # (interval start, steps timed in it); None until the first step is done
         try:
             with _StopSignal() as stop, matmul_precision(self.cfg):
+                self._stop = stop
                 for step in range(start, self.run.total_steps):
-                    state = self._one_step(state, next(batches))
+                    try:
+                        batch = next(batches)
+                    except RuntimeError:
+                        if stop.signum is None:
+                            raise
+                        return state, self.stop_for_signal(state, step, stop.signum)  # see after_step
+                    state = self._one_step(state, batch)
                     stopped_by = self.after_step(state, step + 1, stop.signum)
                     if stopped_by is not None:
                         return state, stopped_by
         finally:
+            self._stop = None
             close()
             self.progress.close()
         return state, None
@@ -334,7 +343,16 @@ class Training:
             self.log(done)
         evaluated, eval_metrics = False, None
         if self.eval_every and done % self.eval_every == 0 and done != last:
-            eval_metrics, evaluated = self.evaluate_and_record(state, done), True
+            try:
+                eval_metrics, evaluated = self.evaluate_and_record(state, done), True
+            except RuntimeError:
+                # A terminal's Ctrl-C (a scheduler's SIGTERM) also reaches the data loader's worker
+                # processes; one still starting up dies of it, and grain reports that as a
+                # RuntimeError. With the signal received, that is the stop it asked for.
+                received = self._stop.signum if self._stop is not None else None
+                if received is None:
+                    raise
+                return self.stop_for_signal(state, done, received)
             if self.stopper is not None and eval_metrics and self.stopper.update(eval_metrics):
                 self.save(state, done, eval_metrics)
                 self.say_early_stop(done)
@@ -343,14 +361,17 @@ class Training:
         if saving and done != last:
             self.save(state, done, eval_metrics)
         if signum is not None and done != last:
-            stopped_by = signal.Signals(signum).name
-            self.save(state, done)
-            self.progress.message(f"[jaxcnn] {stopped_by} received: checkpoint saved at step {done}, "
-                                  "stopping")
-            return stopped_by
+            return self.stop_for_signal(state, done, signum)
         if evaluated or saving:  # eval/save time is not step time: the interval restarts after it
             self._timer = [time.perf_counter(), 0]
         return None
+
+    def stop_for_signal(self, state, done: int, signum: int) -> str:
+        """Saves the state after step ``done`` and says so; returns the signal's name."""
+        stopped_by = signal.Signals(signum).name
+        self.save(state, done)
+        self.progress.message(f"[jaxcnn] {stopped_by} received: checkpoint saved at step {done}, stopping")
+        return stopped_by
 
     def log(self, done: int) -> None:
         """One ``train`` record (metrics.jsonl, TensorBoard, progress) for the steps since the last."""

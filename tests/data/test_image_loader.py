@@ -3,6 +3,7 @@ records are caught by their checksum, any number of workers gives the same batch
 at a step gives the batches of a run that went through, bad images are skipped and counted or
 stop the loader with the file's name, and processes share each epoch exactly once."""
 import os
+import time
 
 import numpy as np
 import pytest
@@ -132,6 +133,35 @@ def test_a_dead_worker_is_an_error_not_a_hang():
                 got.append(int(batch["x"][0]))
     # Batches the dying process had queued but not yet flushed to its pipe are lost with it.
     assert got in ([], [0], [0, 1])
+
+
+class _IgnoredSignals:
+    """A batch maker that reports which of SIGINT and SIGTERM its worker process ignores."""
+
+    def __call__(self, step):
+        import signal
+        return {"x": np.full(2, step), "ignored": np.array(
+            [signal.getsignal(s) is signal.SIG_IGN for s in (signal.SIGINT, signal.SIGTERM)])}
+
+
+def test_ctrl_c_to_the_process_group_leaves_the_workers_to_the_trainer():
+    """A terminal's Ctrl-C (a scheduler's SIGTERM) reaches every process of the job: a worker
+    died of it, and the trainer stopped on grain's RuntimeError instead of saving a checkpoint."""
+    import multiprocessing
+    import signal
+    with Loader(_IgnoredSignals(), 0, 6, workers=2, shared_memory=False) as loader:
+        first = next(loader)
+        assert first["ignored"].tolist() == [True, True]
+        workers = [p for p in multiprocessing.active_children() if p.name.startswith("grain")]
+        assert len(workers) == 2
+        for worker in workers:
+            os.kill(worker.pid, signal.SIGINT)
+            os.kill(worker.pid, signal.SIGTERM)
+        time.sleep(0.5)
+        assert all(worker.is_alive() for worker in workers)
+        rest = list(loader)
+    assert [int(b["x"][0]) for b in [first] + rest] == list(range(6))
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # this process's are its own
 
 
 def test_processes_share_each_epoch_exactly_once(folder):

@@ -139,6 +139,44 @@ def test_ctrl_c_while_compiling_is_one_line_and_exit_130(tmp_path):
     assert proc.stderr.strip().splitlines() == ["jaxcnn-train: interrupted"], proc.stderr[-2000:]
 
 
+@pytest.mark.parametrize("where", ["eval", "batch"])
+def test_a_data_worker_killed_by_the_stop_signal_is_that_stop(tmp_path, capsys, monkeypatch, where):
+    """Ctrl-C in a terminal reaches the image loader's worker processes too; one still starting
+    (an evaluation's, or the training batches') dies of it. The run stopped on grain's
+    RuntimeError with a traceback; it now saves and stops as the signal asked."""
+    from jaxcnn.train import loop
+
+    def signal_then_dead_worker():
+        signal.raise_signal(signal.SIGINT)  # the trainer's handler takes it: a stop at the next boundary
+        raise RuntimeError("Worker process was terminated unexpectedly with exit code -2.")
+
+    if where == "eval":
+        monkeypatch.setattr(loop.Training, "evaluate", lambda self, state: signal_then_dead_worker())
+    else:
+        batches = loop.Training._batches
+
+        def dying_batches(self, start):
+            made, close = batches(self, start)
+
+            def gen():
+                for step in range(start, start + 3):
+                    yield next(made)
+                signal_then_dead_worker()
+            return gen(), close
+        monkeypatch.setattr(loop.Training, "_batches", dying_batches)
+    work = tmp_path / "w"
+    code = train_main([os.path.join(CONFIGS, "mnist_cnn.yaml"), *FAST, "train.steps=6", "train.eval_every=3",
+                       "checkpoint.every=10", "--workdir", str(work)])
+    out = capsys.readouterr()
+    assert code == 128 + signal.SIGINT, out.err
+    assert "SIGINT received: checkpoint saved at step 3, stopping" in out.out and "Traceback" not in out.err
+    assert sorted(os.listdir(work / "checkpoints")) == ["3"] and not (work / "params.npz").exists()
+    monkeypatch.undo()
+    assert train_main([os.path.join(CONFIGS, "mnist_cnn.yaml"), *FAST, "train.steps=6", "train.eval_every=3",
+                       "checkpoint.every=10", "--workdir", str(work)]) == 0
+    assert "resumed from step 3" in capsys.readouterr().out
+
+
 def test_resuming_a_finished_run_changes_nothing_and_warns_nothing(tmp_path, capsys):
     args = [os.path.join(CONFIGS, "mnist_cnn.yaml"), *FAST, "model.name=lenet5", "train.steps=2",
             "checkpoint.every=1", "--workdir", str(tmp_path / "w")]
