@@ -810,7 +810,9 @@ class CheckpointManager:
     def _load(self, step: int, target):
         path = self._step_path(step)
         if not path.is_dir():
-            raise CheckpointError(f"no checkpoint for step {step}: {path} does not exist")
+            steps = ", ".join(str(s) for s in sorted(self._listed_steps())) or "none"
+            raise CheckpointError(f"no checkpoint for step {step}: {path} does not exist "
+                                  f"(steps saved: {steps})")
         if not (path / _COMMIT_MARKER).is_file():
             raise CheckpointCorruptError(f"checkpoint {path} is half-written: no {_COMMIT_MARKER}")
         meta = self.metadata(step)

@@ -569,4 +569,8 @@ def test_checkpoints_of_another_model_are_named_so_not_offered_continue(tmp_path
         "this run's state ('params/conv1/b' is float32(4,) in the checkpoint, float32(6,) in the target, "
         f"and 9 more, in {ckpt}/2): another model's or optimiser's; start a new run with --workdir DIR")
     assert sorted(p.name for p in ckpt.iterdir()) == ["1", "2"]  # left as they were
+    # jaxcnn-eval --step 5: which steps there are, not only that 5 is not
+    with pytest.raises(CheckpointError, match=r"no checkpoint for step 5: .*ckpt/5 does not exist "
+                                              r"\(steps saved: 1, 2\)$"):
+        mgr.restore(5, target=abstract(states[1]))
     mgr.close()
