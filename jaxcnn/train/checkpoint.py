@@ -963,6 +963,20 @@ def _saved_run_config(path: str):
         return saved  # compared as written
 
 
+def check_fresh_start(workdir: str) -> None:
+    """Before any compute, for ``checkpoint.resume: never``: a `CheckpointError` when `workdir`
+    holds an earlier run's checkpoints. A new run there could not save a checkpoint until it
+    passed their newest step (orbax refuses older steps), its metrics went after theirs in
+    ``metrics.jsonl``, and its config and ``params.npz`` replaced theirs beside them."""
+    directory = RunDir(workdir).checkpoints
+    if _has_checkpoints(directory):
+        steps = sorted(int(n) for n in os.listdir(directory) if n.isdigit())
+        shown = ", ".join(map(str, steps[-5:]))
+        raise CheckpointError(f"checkpoint.resume=never, but {directory} holds the checkpoints of an earlier run "
+                              f"(steps {'..., ' if len(steps) > 5 else ''}{shown}): a new run would mix with them; "
+                              f"give it a new --workdir, or remove {directory} to start over")
+
+
 def check_resume_config(workdir: str, config_dict: Mapping, *, resume: str = "auto",
                         on_change: str = "stop") -> list[str]:
     """Before any compute: does resuming the run in `workdir` change how it trains?

@@ -29,8 +29,8 @@ from jaxcnn import interop, parallel
 from jaxcnn.data import Prefetcher, eval_batches
 from jaxcnn.errors import TrainingStopped, WorkdirError
 from jaxcnn.train import prune
-from jaxcnn.train.checkpoint import (CheckpointManager, check_resume_config, record_run_config,
-                                     restore_for_resume)
+from jaxcnn.train.checkpoint import (CheckpointManager, check_fresh_start, check_resume_config,
+                                     record_run_config, restore_for_resume)
 from jaxcnn.train.config import resolve_duration, to_dict
 from jaxcnn.train.ema import eval_params
 from jaxcnn.train.image_input import TrainInput, eval_image_batches
@@ -163,6 +163,8 @@ def start(cfg, run_dir: RunDir, *, argv=None, config_path=None) -> tuple[Prepare
     """
     with parallel_config_errors():
         parallel.initialize(cfg.distributed)  # before anything touches a device
+    if cfg.checkpoint.enabled and cfg.checkpoint.resume == "never":
+        check_fresh_start(run_dir.path)
     changes = check_resume_config(
         run_dir.path, to_dict(cfg), resume=cfg.checkpoint.resume if cfg.checkpoint.enabled else "never",
         on_change=cfg.checkpoint.on_config_change)

@@ -217,6 +217,23 @@ def test_resume_must_without_checkpoint_fails_cleanly(tmp_path, capsys, monkeypa
     assert len(done) == 1  # finished before train_main returned
 
 
+def test_resume_never_over_an_earlier_runs_checkpoints_is_refused(tmp_path, capsys):
+    """It trained on beside them: no checkpoint saved until their newest step was passed (a
+    warning each time), its metrics appended to theirs, config and params.npz replaced."""
+    work = tmp_path / "w"
+    for step in (558, 620):
+        (work / "checkpoints" / str(step)).mkdir(parents=True)
+    (work / "metrics.jsonl").write_text('{"step": 620, "kind": "train"}\n')
+    code = train_main([os.path.join(CONFIGS, "mnist_cnn.yaml"), *FAST, "train.steps=2",
+                       "checkpoint.resume=never", "--workdir", str(work)])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1, err
+    assert err == (f"jaxcnn-train: error: checkpoint.resume=never, but {work / 'checkpoints'} holds the checkpoints "
+                   f"of an earlier run (steps 558, 620): a new run would mix with them; give it a new --workdir, "
+                   f"or remove {work / 'checkpoints'} to start over\n")
+    assert sorted(p.name for p in work.iterdir()) == ["checkpoints", "metrics.jsonl"]  # nothing written
+
+
 @pytest.mark.parametrize("override, needle", [
     ("optim.lr=-1", "optim.lr"),
     ("optim.lrr=0.1", "did you mean 'optim.lr'"),
