@@ -131,8 +131,13 @@ def load_source(source, *, model: str | None = None, num_classes: int | None = N
         cfg = load_config(cfg_path)
         params_path = RunDir(source).find_params()
         if params_path is None:
+            ckpt = RunDir(source).checkpoints
+            steps = sorted(int(n) for n in os.listdir(ckpt) if n.isdigit()) if os.path.isdir(ckpt) else []
+            why = (f"it stopped at a checkpoint (step {steps[-1]}): run its jaxcnn-train command again to "
+                   f"finish it (jaxcnn-eval evaluates the checkpoint as it is)" if steps else
+                   "has training finished?")
             raise ExportError(f"{source}: run directory has no parameters "
-                              f"({' or '.join(RunDir.PARAM_FILES)}); has training finished?")
+                              f"({' or '.join(RunDir.PARAM_FILES)}); {why}")
         if model is not None and model != cfg.model.name:
             raise ExportError(f"--model {model!r} does not match the run's model "
                               f"{cfg.model.name!r}")

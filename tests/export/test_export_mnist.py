@@ -123,7 +123,11 @@ def test_bad_inputs(run_dir, tmp_path, capsys, monkeypatch):
     empty.mkdir()
     shutil.copy(os.path.join(run_dir, "config.resolved.yaml"), empty)
     _fails([str(empty), "--format", "onnx", "--out", str(tmp_path / "a.onnx")], capsys,
-           "no parameters")
+           "no parameters (params.npz or params.safetensors); has training finished?")
+    (empty / "checkpoints" / "13").mkdir(parents=True)  # a run stopped by Ctrl-C: it says so, and what to do
+    _fails([str(empty), "--format", "onnx", "--out", str(tmp_path / "a.onnx")], capsys,
+           "no parameters (params.npz or params.safetensors); it stopped at a checkpoint (step 13): run its "
+           "jaxcnn-train command again to finish it (jaxcnn-eval evaluates the checkpoint as it is)")
     _fails([str(tmp_path), "--format", "onnx", "--out", str(tmp_path / "a.onnx")], capsys,
            "not a jaxcnn run directory")
     corrupt = tmp_path / "corrupt.npz"
