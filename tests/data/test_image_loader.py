@@ -260,6 +260,20 @@ def test_convert_cli_errors_are_one_line(tmp_path, capsys):
         RecordSource(tmp_path / "out", "train")
 
 
+def test_out_that_is_a_file_is_one_clear_line(tmp_path, capsys):
+    """It was "[Errno 17] File exists: 'x'" (convert) and "[Errno 20] Not a directory: 'x/train'" (shapes)."""
+    write_shapes_folder(tmp_path / "f", per_class=(1, 1), classes=["red"], size_range=(16, 18))
+    taken = tmp_path / "notes.txt"
+    taken.write_text("x")
+    for argv in (["convert", str(tmp_path / "f"), str(taken), "--no-progress"], ["shapes", str(taken)]):
+        assert data_main(argv) == 2
+        assert capsys.readouterr().err == (f"jaxcnn-data: error: {taken} is a file; give a directory to write "
+                                           "into (created if missing)\n")
+    assert data_main(["shapes", str(taken / "sub")]) == 2
+    assert capsys.readouterr().err == f"jaxcnn-data: error: {taken / 'sub'}: Not a directory\n"
+    assert taken.read_text() == "x"
+
+
 def test_shapes_cli(tmp_path):
     assert data_main(["shapes", str(tmp_path / "s"), "--train", "2", "--val", "1"]) == 0
     index = scan_folder(tmp_path / "s")
