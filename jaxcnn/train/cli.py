@@ -200,6 +200,7 @@ def eval_main(argv=None) -> int:
     """Entry point of ``jaxcnn-eval``."""
     _configure_cpu()
     args = _eval_parser().parse_intermixed_args(argv)
+    cfg = None
     try:
         import jax
 
@@ -236,7 +237,10 @@ def eval_main(argv=None) -> int:
                               eval_params(state, run.policy), state.state)  # the EMA if the run kept one
         result["step"] = step
     except _bad_input_errors() as e:
-        return _fail("jaxcnn-eval", str(e))
+        message = str(e)
+        if cfg is not None and getattr(e, "path", None) == "data.path" and "does not exist" in message:
+            message += run_dir.moved_path_hint("data.path", cfg.data.path)
+        return _fail("jaxcnn-eval", message)
     except KeyboardInterrupt:
         return interrupted("jaxcnn-eval", argv is None)
     if args.json:

@@ -385,6 +385,26 @@ def test_eval_of_something_that_is_no_run_directory_says_what_it_is(tmp_path, ca
         assert err.count("\n") == 1 and err.startswith("jaxcnn-eval: error: ") and needle in err, err
 
 
+def test_eval_from_another_directory_says_where_a_relative_data_path_was(tmp_path, capsys, monkeypatch):
+    """``jaxcnn-eval runs/x`` from elsewhere than the training: it said only "data.path: 'd.npz' does
+    not exist"."""
+    project = tmp_path / "project"
+    project.mkdir()
+    _tiny_npz(project / "d.npz", np.random.default_rng(0))
+    monkeypatch.chdir(project)
+    assert train_main([os.path.join(CONFIGS, "mnist_cnn.yaml"), *FAST, "model.name=mnist_cnn", "train.steps=2",
+                       "data.source=npz", "data.path=d.npz", "model.num_classes=4", "--workdir", "run"]) == 0
+    assert json.loads((project / "run" / "run_meta.json").read_text())["cwd"] == str(project)
+    monkeypatch.chdir(tmp_path)
+    capsys.readouterr()
+    assert eval_main(["project/run"]) == 2
+    assert capsys.readouterr().err == (
+        f"jaxcnn-eval: error: data.path: 'd.npz' does not exist (relative to the current directory, {tmp_path}; "
+        f"the run was started in {project}: run from there, or give data.path=...)\n")
+    assert eval_main(["project/run", "data.path=project/d.npz", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["step"] == 2
+
+
 def test_tensorboard_events_and_progress_bar(tmp_path, capsys):
     pytest.importorskip("tensorboardX")
     work = tmp_path / "tb"
