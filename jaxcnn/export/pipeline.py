@@ -311,6 +311,10 @@ def export(source, out, *, format: str, model: str | None = None, num_classes=No
             result = fine_tune(source, workdir, sparsity=prune, steps=fine_tune_steps,
                                scope=prune_scope, structure=prune_structure, lr=fine_tune_lr,
                                stream=train_stream)
+            if "stopped_by" in result:  # Ctrl-C or SIGTERM: the trainer saved a checkpoint
+                from jaxcnn.errors import TrainingStopped
+                raise TrainingStopped(f"fine-tuning in {workdir} stopped by {result['stopped_by']} at step "
+                                      f"{result['step']} (checkpoint saved); the same command resumes it")
             tuned = load_source(workdir)
             net, params, state = tuned.model, tuned.params, tuned.state
             report["fine_tune"] = {"workdir": workdir, "steps": fine_tune_steps}

@@ -118,6 +118,19 @@ def _fails(argv, capsys, match):
     assert match in err, err
 
 
+def test_a_fine_tune_stopped_by_a_signal_says_so(run_dir, tmp_path, capsys, monkeypatch):
+    """Ctrl-C in the fine-tune: the trainer saves and stops; the export then failed on the
+    fine-tune directory's missing params.npz (exit 2) instead of saying it stopped."""
+    from jaxcnn.train import loop
+    monkeypatch.setattr(loop, "train", lambda cfg, workdir, stream=None: {"step": 3, "stopped_by": "SIGINT"})
+    out = tmp_path / "p.onnx"
+    assert main([run_dir, "--format", "onnx", "--prune", "0.5", "--fine-tune-steps", "10", "--out", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert err == (f"jaxcnn-export: stopped: fine-tuning in {tmp_path / 'p_finetune'} stopped by SIGINT at step 3 "
+                   "(checkpoint saved); the same command resumes it\n")
+    assert not out.exists()
+
+
 def test_bad_inputs(run_dir, tmp_path, capsys, monkeypatch):
     empty = tmp_path / "no_params"
     empty.mkdir()
