@@ -438,6 +438,9 @@ def main(argv=None) -> int:
         message = " ".join(str(e).split())
         print(f"jaxcnn-predict: error: {message}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        from jaxcnn.train.cli import interrupted
+        return interrupted("jaxcnn-predict", argv is None)
     if args.json:
         print(json.dumps({"source": args.source,
                           "predictions": [p.to_dict() for p in predictions]}))

@@ -80,9 +80,16 @@ def convert(root, out, *, splits=("train", "val"), on_bad_image="skip", workers=
     return info
 
 
+def _check_out_dir(out: str) -> None:
+    """``OUT`` of either command is a directory to create or fill: a file there is a ValueError."""
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise ValueError(f"{out} is a file; give a directory to write into (created if missing)")
+
+
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     try:
+        _check_out_dir(args.out)
         if args.command == "shapes":
             from jaxcnn.data.shapes import write_shapes_folder
 
@@ -98,6 +105,8 @@ def main(argv=None) -> int:
         convert(args.root, args.out, splits=splits, on_bad_image=args.on_bad_image, workers=args.workers,
                 progress=not args.no_progress)
     except (DataError, ValueError, OSError) as err:
+        if isinstance(err, OSError) and err.filename and err.strerror:  # not "[Errno 13] ...: 'x'"
+            err = f"{err.filename}: {err.strerror}"
         print(f"jaxcnn-data: error: {err}".replace("\n", " "), file=sys.stderr)
         return 2
     except KeyboardInterrupt:

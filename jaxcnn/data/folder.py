@@ -66,9 +66,26 @@ def split_dir(root, split: str) -> str:
     path = os.path.join(root, split)
     if not os.path.isdir(path):
         have = sorted(d for d in os.listdir(root) if os.path.isdir(os.path.join(root, d)))
+        hint = ""
+        if have and all(_holds_images(os.path.join(root, d)) for d in have):
+            name, parent = os.path.basename(os.path.normpath(root)), os.path.dirname(os.path.normpath(root))
+            if name in SPLITS and os.path.isdir(os.path.join(parent, split)):
+                hint = f"; {root} is itself a split: the image folder is {parent or '.'}"
+            else:  # ImageFolder's own layout, ROOT/<class>/<image>, has no split folders
+                hint = (f"; these look like class folders: put them under {os.path.join(root, 'train')} "
+                        f"and a validation share of each class under {os.path.join(root, 'val')}")
         raise DataError(f"{path}: missing split {split!r} (an image folder holds {root}/train/<class>/<image> "
-                        f"and {root}/val/<class>/<image>; found folders {have})")
+                        f"and {root}/val/<class>/<image>; found folders {have[:20]}{hint})")
     return path
+
+
+def _holds_images(folder: str) -> bool:
+    """Whether ``folder`` has an image file directly in it (a class folder)."""
+    try:
+        with os.scandir(folder) as entries:
+            return any(e.is_file() and is_image_name(e.name) for e in entries)
+    except OSError:
+        return False
 
 
 def scan_split(root, split: str, class_names=None, *, on_bad_image: str = "fail") -> FolderIndex:

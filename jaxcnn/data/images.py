@@ -57,14 +57,28 @@ class ImageData:
             index = scan_folder(path, on_bad_image=on_bad_image)
             self.train, self.val = FolderSource(index["train"]), FolderSource(index["val"])
             self.skipped_at_open = len(index["train"].skipped) + len(index["val"].skipped)
+            self._skipped_names = index["train"].skipped + index["val"].skipped
         else:
             from jaxcnn.data.records import RecordSource
 
             self.train, self.val = RecordSource(path, "train"), RecordSource(path, "val")
             self.skipped_at_open = self.train.skipped + self.val.skipped
+            self._skipped_names = ()  # named by jaxcnn-data convert when it ran
             if self.train.class_names != self.val.class_names:
                 raise DataError(f"{path}: train and val records name different classes")
         self.class_names = tuple(self.train.class_names)
+
+    def skipped_note(self) -> str | None:
+        """One line on the ``skipped_at_open`` images (None when there are none)."""
+        n = self.skipped_at_open
+        if not n:
+            return None
+        files = f"{n} file{'s' if n != 1 else ''}"
+        if self.source == "records":
+            return (f"{files} left out of {self.path} by jaxcnn-data convert (not images, or bad ones; "
+                    "it named them)")
+        shown = ", ".join(self._skipped_names[:3]) + (", ..." if n > 3 else "")
+        return f"{files} left out of {self.path} (not images by their names: {shown}; data.on_bad_image is skip)"
 
     @property
     def num_classes(self) -> int:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import os
+import signal
 import threading
 import time
 
@@ -169,7 +170,17 @@ class EvalBatches:
 def _exit_with_parent(parent: int, worker_index: int = 0, worker_count: int = 1) -> None:
     """In a worker: a daemon thread that ends this process once the process that started it is
     gone. A trainer killed with SIGKILL runs no clean-up, and its grain workers, blocked on a
-    full queue, were left behind for good (re-parented to init)."""
+    full queue, were left behind for good (re-parented to init).
+
+    The worker also ignores SIGINT and SIGTERM from here on: a terminal's Ctrl-C (a scheduler's
+    SIGTERM) reaches every process of the job, and a worker that died of it stopped the trainer
+    on grain's "Worker process was terminated unexpectedly" instead of the checkpoint the trainer
+    saves for them; the trainer stops its workers itself. (A signal that comes while the worker
+    is still importing, before this runs, still ends it: the trainer then stops as the signal
+    asked, see ``jaxcnn.train.loop``.)"""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+
     def watch():
         while os.getppid() == parent:
             time.sleep(_PARENT_POLL_S)

@@ -160,6 +160,9 @@ def main(argv=None) -> int:
     except TrainingStopped as e:  # the fine-tune hit a non-finite loss
         print(f"jaxcnn-export: stopped: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        from jaxcnn.train.cli import interrupted
+        return interrupted("jaxcnn-export", argv is None)
     if args.json:
         print(json.dumps(report))
     return 0

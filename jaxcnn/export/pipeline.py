@@ -58,7 +58,8 @@ def _load_params(path, like):
         return interop.load_npz(path, like=like)
     if path.endswith(".safetensors"):
         return interop.load_safetensors(path, like=like)
-    raise ExportError(f"{path}: unknown parameter file type; expected .npz or .safetensors")
+    from jaxcnn.interop.arrays import unknown_file_type
+    raise ExportError(f"{path}: {unknown_file_type(path, or_run_dir=True)}")
 
 
 def _last_weight_path(model, image_shape):
@@ -130,8 +131,13 @@ def load_source(source, *, model: str | None = None, num_classes: int | None = N
         cfg = load_config(cfg_path)
         params_path = RunDir(source).find_params()
         if params_path is None:
+            ckpt = RunDir(source).checkpoints
+            steps = sorted(int(n) for n in os.listdir(ckpt) if n.isdigit()) if os.path.isdir(ckpt) else []
+            why = (f"it stopped at a checkpoint (step {steps[-1]}): run its jaxcnn-train command again to "
+                   f"finish it (jaxcnn-eval evaluates the checkpoint as it is)" if steps else
+                   "has training finished?")
             raise ExportError(f"{source}: run directory has no parameters "
-                              f"({' or '.join(RunDir.PARAM_FILES)}); has training finished?")
+                              f"({' or '.join(RunDir.PARAM_FILES)}); {why}")
         if model is not None and model != cfg.model.name:
             raise ExportError(f"--model {model!r} does not match the run's model "
                               f"{cfg.model.name!r}")
@@ -145,6 +151,8 @@ def load_source(source, *, model: str | None = None, num_classes: int | None = N
         image_shape = image_shape or _image_shape_from_config(cfg)
     elif os.path.isfile(source):
         params_path = source
+        if not source.endswith((".npz", ".safetensors")):  # before asking for --model
+            _load_params(source, None)
         if model is None:
             raise ExportError(f"{source}: a parameter file needs --model NAME "
                               f"(one of {models.names()})")
@@ -303,6 +311,10 @@ def export(source, out, *, format: str, model: str | None = None, num_classes=No
             result = fine_tune(source, workdir, sparsity=prune, steps=fine_tune_steps,
                                scope=prune_scope, structure=prune_structure, lr=fine_tune_lr,
                                stream=train_stream)
+            if "stopped_by" in result:  # Ctrl-C or SIGTERM: the trainer saved a checkpoint
+                from jaxcnn.errors import TrainingStopped
+                raise TrainingStopped(f"fine-tuning in {workdir} stopped by {result['stopped_by']} at step "
+                                      f"{result['step']} (checkpoint saved); the same command resumes it")
             tuned = load_source(workdir)
             net, params, state = tuned.model, tuned.params, tuned.state
             report["fine_tune"] = {"workdir": workdir, "steps": fine_tune_steps}
@@ -335,14 +347,15 @@ def export(source, out, *, format: str, model: str | None = None, num_classes=No
         host = jax.device_get((params, state))
         (interop.save_npz if format == "npz" else interop.save_safetensors)(out, *host)
     say(f"wrote {format} to {out}")
-    say(_input_line(format, layout, src.image_shape, prep, in_graph, report, cfg is not None))
+    say(_input_line(format, layout, src.image_shape, prep, in_graph, report, cfg is not None, batch))
     return report
 
 
-def _input_line(format, layout, image_shape, prep, in_graph, report, from_run) -> str:
-    """What the exported model takes, for the command's output."""
+def _input_line(format, layout, image_shape, prep, in_graph, report, from_run, batch="dynamic") -> str:
+    """What the exported model takes, for the command's output (``batch``: the export's)."""
     h, w, c = image_shape
-    dims = f"(N, {h}, {w}, {c})" if layout == "nhwc" else f"(N, {c}, {h}, {w})"
+    n = batch if isinstance(batch, int) else "N"  # --batch 4 exports a fixed batch of 4
+    dims = f"({n}, {h}, {w}, {c})" if layout == "nhwc" else f"({n}, {c}, {h}, {w})"
     where = {"onnx": "its metadata_props 'jaxcnn.preprocessing'",
              "stablehlo": report.get("preprocessing_file")}.get(format)
     if prep is None and from_run:  # an older run directory, not reconstructed for this export

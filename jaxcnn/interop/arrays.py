@@ -167,6 +167,24 @@ def tree_items(tree, prefix: str = "") -> list:
     return out
 
 
+PARAMETER_FILE_TYPES = (".npz", ".safetensors")
+# What PyTorch writes with torch.save: a pickle, which jaxcnn never loads.
+TORCH_PICKLE_TYPES = (".pt", ".pth", ".bin", ".ckpt", ".tar")
+
+
+def unknown_file_type(path, *, or_run_dir: bool = False) -> str:
+    """Why ``path``, whose name has none of `PARAMETER_FILE_TYPES`, is not read (one phrase;
+    ``or_run_dir``: a run directory would have done too)."""
+    ext = os.path.splitext(os.fspath(path))[1].lower()
+    if ext in TORCH_PICKLE_TYPES:
+        stem = os.path.splitext(os.path.basename(os.fspath(path)))[0]
+        return (f"a PyTorch {ext} file is a pickle, which jaxcnn never loads; convert it once where torch "
+                f"is installed: safetensors.torch.save_file(torch.load({os.fspath(path)!r}), "
+                f"'{stem}.safetensors')")
+    return (f"unknown parameter file type {ext or '(no extension)'!r}; expected a .npz or .safetensors "
+            f"file{' or a run directory' if or_run_dir else ''}")
+
+
 def _check_exists(path):
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path}: no such file")

@@ -120,9 +120,20 @@ def config_changes(old: Mapping, new: Mapping) -> list[str]:
     from jaxcnn.train.config import schema_default
     a, b = training_config(old), training_config(new)
     missing = "(unset)"
+
+    def opened_up(k, x, y):  # `{}` on one side, its keys on the other: those keys say it all
+        return x.get(k, missing) == {} and k not in y and any(key.startswith(k + ".") for key in y)
+
     return [f"{k}: {a.get(k, missing)!r} -> {b.get(k, missing)!r}"
             for k in sorted(a.keys() | b.keys()) if a.get(k, missing) != b.get(k, missing)
-            and not (k not in a and _as_saved(schema_default(k)) == b[k])]
+            and not (k not in a and _as_saved(schema_default(k)) == b[k])
+            and not opened_up(k, a, b) and not opened_up(k, b, a)]
+
+
+def _other_model(old: Mapping, new: Mapping) -> str | None:
+    """``"model 'lenet5', not 'mnist_cnn'"`` when two configs name different models, else None."""
+    a, b = training_config(old).get("model.name"), training_config(new).get("model.name")
+    return None if a == b else f"model {a!r}, not {b!r}"
 
 
 def _as_saved(value):
@@ -703,6 +714,17 @@ class CheckpointManager:
 
     def close(self):
         """Waits for pending saves and releases orbax's resources."""
+        # orbax's close() does not wait for the clean-up of old temporary directories that its
+        # constructor starts on a thread: a process ending right after (a refused resume) had
+        # that thread fail at interpreter shutdown with a 40-line traceback after its error line.
+        pending = getattr(self._mgr, "_cleanup_tmp_directory_future", None)
+        if pending is not None:
+            with _OrbaxNoise(self._detail) as noise:
+                try:
+                    pending.result()
+                except Exception as e:  # noqa: BLE001 - a failed clean-up loses nothing
+                    noise.failed = True
+                    self._detail(f"cleaning up temporary checkpoint directories failed: {_brief(e)}")
         self._mgr.close()
 
     def __enter__(self):
@@ -757,6 +779,14 @@ class CheckpointManager:
             return candidate, state
         if not failures:
             raise CheckpointError(f"no checkpoint to restore in {self.directory}")
+        mismatches = [getattr(e, "problems", None) for _, e in failures]
+        if all(mismatches):  # not damaged: another model's (or another layout's) arrays
+            steps = ", ".join(str(s) for s, _ in failures)
+            example = next((p for p in mismatches[0] if p.startswith("'params/")), mismatches[0][0])
+            raise CheckpointError(f"no usable checkpoint in {self.directory}: its checkpoints (steps {steps}) "
+                                  f"hold arrays that differ from this run's state ({example}, and "
+                                  f"{len(mismatches[0]) - 1} more, in {self._step_path(failures[0][0])}): "
+                                  "another model's or optimiser's; start a new run with --workdir DIR")
         raise CheckpointError(f"no usable checkpoint in {self.directory}: "
                               + "; ".join(str(e) for _, e in failures))
 
@@ -780,7 +810,9 @@ class CheckpointManager:
     def _load(self, step: int, target):
         path = self._step_path(step)
         if not path.is_dir():
-            raise CheckpointError(f"no checkpoint for step {step}: {path} does not exist")
+            steps = ", ".join(str(s) for s in sorted(self._listed_steps())) or "none"
+            raise CheckpointError(f"no checkpoint for step {step}: {path} does not exist "
+                                  f"(steps saved: {steps})")
         if not (path / _COMMIT_MARKER).is_file():
             raise CheckpointCorruptError(f"checkpoint {path} is half-written: no {_COMMIT_MARKER}")
         meta = self.metadata(step)
@@ -841,8 +873,10 @@ class CheckpointManager:
         problems += [f"{name!r} is in the checkpoint but not in the target" for name in saved if name not in wanted]
         if problems:
             more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
-            raise CheckpointError(f"checkpoint {path} does not match the target: "
-                                  + "; ".join(problems[:5]) + more)
+            error = CheckpointError(f"checkpoint {path} does not match the target: "
+                                    + "; ".join(problems[:5]) + more)
+            error.problems = problems
+            raise error
 
     def _quarantine(self, steps: list[int], suffix: str = _QUARANTINE_SUFFIX, what: str = "damaged"):
         """Renames damaged step directories so orbax no longer counts them (it skips newer steps otherwise)."""
@@ -929,6 +963,20 @@ def _saved_run_config(path: str):
         return saved  # compared as written
 
 
+def check_fresh_start(workdir: str) -> None:
+    """Before any compute, for ``checkpoint.resume: never``: a `CheckpointError` when `workdir`
+    holds an earlier run's checkpoints. A new run there could not save a checkpoint until it
+    passed their newest step (orbax refuses older steps), its metrics went after theirs in
+    ``metrics.jsonl``, and its config and ``params.npz`` replaced theirs beside them."""
+    directory = RunDir(workdir).checkpoints
+    if _has_checkpoints(directory):
+        steps = sorted(int(n) for n in os.listdir(directory) if n.isdigit())
+        shown = ", ".join(map(str, steps[-5:]))
+        raise CheckpointError(f"checkpoint.resume=never, but {directory} holds the checkpoints of an earlier run "
+                              f"(steps {'..., ' if len(steps) > 5 else ''}{shown}): a new run would mix with them; "
+                              f"give it a new --workdir, or remove {directory} to start over")
+
+
 def check_resume_config(workdir: str, config_dict: Mapping, *, resume: str = "auto",
                         on_change: str = "stop") -> list[str]:
     """Before any compute: does resuming the run in `workdir` change how it trains?
@@ -953,6 +1001,10 @@ def check_resume_config(workdir: str, config_dict: Mapping, *, resume: str = "au
     saved = _saved_run_config(path)
     changes = [saved] if isinstance(saved, str) else config_changes(saved, config_dict)
     if changes and on_change == "stop":
+        other = None if isinstance(saved, str) else _other_model(saved, config_dict)
+        if other is not None:  # continuing under another model cannot restore its checkpoints
+            raise ConfigChangedError(f"{workdir} holds the checkpoints of {other} as configured "
+                                     f"({_summary(changes, 3)}); start a new run with --workdir DIR")
         raise ConfigChangedError(f"{workdir} was trained under another config ({_summary(changes)}); "
                                  f"{_CONFIG_WAYS_ON}")
     return changes

@@ -37,9 +37,22 @@ def _exit_now(code: int, line: str) -> None:
     """Writes ``line`` and ends the process at once, skipping exit hooks: after a peer process is
     lost (or never joined), JAX's exit hook would wait for it at a shutdown barrier, or for JAX's
     own connection attempt, and XLA would then abort with a C++ stack trace after our line. The
-    distributed module's watch threads end the process the same way; only one line is written."""
+    distributed module's watch threads end the process the same way; only one line is written.
+    (Also after Ctrl-C: see `interrupted`.)"""
     from jaxcnn.parallel.distributed import exit_now
     exit_now(line, code)
+
+
+def interrupted(prog: str, own_process: bool) -> int:
+    """Ctrl-C outside the training loop (which saves a checkpoint and stops on its own): one line,
+    exit code 130. A command that owns its process (called with no ``argv``, as its console
+    script does) ends it at once: an XLA compilation that Ctrl-C interrupts goes on on XLA's
+    threads, and the interpreter's exit under it crashed (SIGSEGV after the line, exit 139)."""
+    line = f"{prog}: interrupted"
+    if own_process:
+        _exit_now(130, line)
+    print(line, file=sys.stderr)
+    return 130
 
 
 def _configure_cpu() -> None:
@@ -163,8 +176,7 @@ def train_main(argv=None) -> int:
         print(f"jaxcnn-train: error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print("jaxcnn-train: interrupted", file=sys.stderr)
-        return 130
+        return interrupted("jaxcnn-train", argv is None)
     if "stopped_by" in result:
         import signal
         return 128 + int(getattr(signal, result["stopped_by"]))
@@ -188,6 +200,7 @@ def eval_main(argv=None) -> int:
     """Entry point of ``jaxcnn-eval``."""
     _configure_cpu()
     args = _eval_parser().parse_intermixed_args(argv)
+    cfg = None
     try:
         import jax
 
@@ -203,8 +216,8 @@ def eval_main(argv=None) -> int:
 
         run_dir = RunDir(args.run_dir)
         cfg_path = run_dir.config
-        if not os.path.isfile(cfg_path):
-            return _fail("jaxcnn-eval", f"{cfg_path} does not exist: not a jaxcnn run directory")
+        if (problem := run_dir.problem()) is not None:
+            return _fail("jaxcnn-eval", problem)
         cfg = load_config(cfg_path, args.overrides)
         run = build_run(cfg)
         # Normalise as in training (the run's preprocessing.json), as jaxcnn-export does.
@@ -224,7 +237,12 @@ def eval_main(argv=None) -> int:
                               eval_params(state, run.policy), state.state)  # the EMA if the run kept one
         result["step"] = step
     except _bad_input_errors() as e:
-        return _fail("jaxcnn-eval", str(e))
+        message = str(e)
+        if cfg is not None and getattr(e, "path", None) == "data.path" and "does not exist" in message:
+            message += run_dir.moved_path_hint("data.path", cfg.data.path)
+        return _fail("jaxcnn-eval", message)
+    except KeyboardInterrupt:
+        return interrupted("jaxcnn-eval", argv is None)
     if args.json:
         print(json.dumps(result))
     else:

@@ -29,8 +29,8 @@ from jaxcnn import interop, parallel
 from jaxcnn.data import Prefetcher, eval_batches
 from jaxcnn.errors import TrainingStopped, WorkdirError
 from jaxcnn.train import prune
-from jaxcnn.train.checkpoint import (CheckpointManager, check_resume_config, record_run_config,
-                                     restore_for_resume)
+from jaxcnn.train.checkpoint import (CheckpointManager, check_fresh_start, check_resume_config,
+                                     record_run_config, restore_for_resume)
 from jaxcnn.train.config import resolve_duration, to_dict
 from jaxcnn.train.ema import eval_params
 from jaxcnn.train.image_input import TrainInput, eval_image_batches
@@ -163,6 +163,8 @@ def start(cfg, run_dir: RunDir, *, argv=None, config_path=None) -> tuple[Prepare
     """
     with parallel_config_errors():
         parallel.initialize(cfg.distributed)  # before anything touches a device
+    if cfg.checkpoint.enabled and cfg.checkpoint.resume == "never":
+        check_fresh_start(run_dir.path)
     changes = check_resume_config(
         run_dir.path, to_dict(cfg), resume=cfg.checkpoint.resume if cfg.checkpoint.enabled else "never",
         on_change=cfg.checkpoint.on_config_change)
@@ -195,9 +197,8 @@ def startup_lines(cfg, prepared: Prepared, workdir: str, prepare_s: float) -> li
     if cfg.data.eval_batch_size and prepared.eval_batch_size < cfg.data.eval_batch_size:
         lines.append(f"data.eval_batch_size {cfg.data.eval_batch_size} clipped to the "
                      f"{eval_set_size(run)} test images: eval batch {prepared.eval_batch_size}")
-    if run.images is not None and run.images.skipped_at_open:
-        lines.append(f"{run.images.skipped_at_open} files left out of {cfg.data.path} (not images; "
-                     "data.on_bad_image is skip)")
+    if run.images is not None and run.images.skipped_note() is not None:
+        lines.append(run.images.skipped_note())
     return lines
 
 
@@ -219,6 +220,7 @@ class Training:
         self.history: list = []   # the step metrics since the last log line (device arrays)
         self.metrics = self.progress = self.stopper = None
         self.last_eval = (None, {})  # (step, metrics) of the latest evaluation
+        self._stop = None  # run_steps' _StopSignal while it runs
         # Images skipped so far (data.on_bad_image: skip), counted as their batches are consumed.
         self.bad_images = 0 if self.run.images is None else self.run.images.skipped_at_open
 
@@ -304,12 +306,20 @@ class Training:
         self._timer = None  # (interval start, steps timed in it); None until the first step is done
         try:
             with _StopSignal() as stop, matmul_precision(self.cfg):
+                self._stop = stop
                 for step in range(start, self.run.total_steps):
-                    state = self._one_step(state, next(batches))
+                    try:
+                        batch = next(batches)
+                    except RuntimeError:
+                        if stop.signum is None:
+                            raise
+                        return state, self.stop_for_signal(state, step, stop.signum)  # see after_step
+                    state = self._one_step(state, batch)
                     stopped_by = self.after_step(state, step + 1, stop.signum)
                     if stopped_by is not None:
                         return state, stopped_by
         finally:
+            self._stop = None
             close()
             self.progress.close()
         return state, None
@@ -335,7 +345,16 @@ class Training:
             self.log(done)
         evaluated, eval_metrics = False, None
         if self.eval_every and done % self.eval_every == 0 and done != last:
-            eval_metrics, evaluated = self.evaluate_and_record(state, done), True
+            try:
+                eval_metrics, evaluated = self.evaluate_and_record(state, done), True
+            except RuntimeError:
+                # A terminal's Ctrl-C (a scheduler's SIGTERM) also reaches the data loader's worker
+                # processes; one still starting up dies of it, and grain reports that as a
+                # RuntimeError. With the signal received, that is the stop it asked for.
+                received = self._stop.signum if self._stop is not None else None
+                if received is None:
+                    raise
+                return self.stop_for_signal(state, done, received)
             if self.stopper is not None and eval_metrics and self.stopper.update(eval_metrics):
                 self.save(state, done, eval_metrics)
                 self.say_early_stop(done)
@@ -344,14 +363,17 @@ class Training:
         if saving and done != last:
             self.save(state, done, eval_metrics)
         if signum is not None and done != last:
-            stopped_by = signal.Signals(signum).name
-            self.save(state, done)
-            self.progress.message(f"[jaxcnn] {stopped_by} received: checkpoint saved at step {done}, "
-                                  "stopping")
-            return stopped_by
+            return self.stop_for_signal(state, done, signum)
         if evaluated or saving:  # eval/save time is not step time: the interval restarts after it
             self._timer = [time.perf_counter(), 0]
         return None
+
+    def stop_for_signal(self, state, done: int, signum: int) -> str:
+        """Saves the state after step ``done`` and says so; returns the signal's name."""
+        stopped_by = signal.Signals(signum).name
+        self.save(state, done)
+        self.progress.message(f"[jaxcnn] {stopped_by} received: checkpoint saved at step {done}, stopping")
+        return stopped_by
 
     def log(self, done: int) -> None:
         """One ``train`` record (metrics.jsonl, TensorBoard, progress) for the steps since the last."""
@@ -485,13 +507,13 @@ def train(cfg, workdir: str, *, argv=None, config_path=None, stream=None) -> dic
     training = Training(cfg, prepared, run_dir, stream or sys.stdout)
     for line in startup_lines(cfg, prepared, workdir, prepare_s):
         training.say(line)
-    state = training.restore_or_init()
-    first = int(state.step)
-    if training.is_main:  # after the resume decision: a refused resume leaves it as it was
-        record_run_config(run_dir.path, to_dict(cfg), first, changes)
-    training.open_outputs(first)
     error = None
-    try:
+    try:  # a refused resume closes the checkpoint manager too: its orbax thread outlived the process
+        state = training.restore_or_init()
+        first = int(state.step)
+        if training.is_main:  # after the resume decision: a refused resume leaves it as it was
+            record_run_config(run_dir.path, to_dict(cfg), first, changes)
+        training.open_outputs(first)
         if training.stopper is not None and training.stopper.stopped:  # a resumed run that had stopped
             stopped_by = EARLY_STOP
             training.progress.close()

@@ -114,11 +114,30 @@ def _truncate_after(path: str, step: int) -> set[tuple[int, str]]:
 
 
 def read_metrics(path: str) -> list[dict]:
-    """The records of a ``metrics.jsonl`` file (or of a run directory)."""
+    """The records of a ``metrics.jsonl`` file (or of a run directory).
+
+    A last line without its newline that does not parse is left out: a run killed while
+    writing it, or one still running (a resumed run drops it from the file too). Any other line
+    that is not a JSON object is a ``ValueError`` naming the file and the line.
+    """
     if os.path.isdir(path):
         path = RunDir(path).metrics
     with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+        lines = f.readlines()
+    records = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:
+            if number == len(lines) and not line.endswith("\n"):
+                break  # torn by a kill, or being written
+            record = None
+        if not isinstance(record, dict):
+            raise ValueError(f"{path}: line {number} is not a JSON record")
+        records.append(record)
+    return records
 
 
 def format_eta(seconds: float) -> str:

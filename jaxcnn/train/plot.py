@@ -1,11 +1,11 @@
 """``jaxcnn-plot RUN_DIR``: a PNG of a run's loss and accuracy curves."""
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
 from jaxcnn.train.metrics import read_metrics
+from jaxcnn.train.rundir import RunDir
 
 
 def plot_run(run_dir: str, out: str | None = None) -> str:
@@ -15,8 +15,11 @@ def plot_run(run_dir: str, out: str | None = None) -> str:
     import matplotlib.pyplot as plt
 
     records = read_metrics(run_dir)
-    train = [r for r in records if r.get("kind") == "train"]
-    evals = [r for r in records if r.get("kind") == "eval"]
+    train = [r for r in records if r.get("kind") == "train" and "loss" in r and "top1" in r]
+    evals = [r for r in records if r.get("kind") == "eval" and "loss" in r and "top1" in r]
+    if not train and not evals:
+        raise ValueError(f"{RunDir(run_dir).metrics} holds no training or evaluation records yet "
+                         "(the first comes at step logging.log_every)")
     fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(11, 4))
     ax_loss.plot([r["step"] for r in train], [float(r["loss"]) for r in train], label="train")
     if evals:
@@ -37,12 +40,25 @@ def plot_run(run_dir: str, out: str | None = None) -> str:
     return out
 
 
+def _check_out(out: str) -> None:
+    """A ``ValueError`` naming ``--out`` when matplotlib cannot write it (before any plotting)."""
+    from matplotlib.backend_bases import FigureCanvasBase
+    kinds = FigureCanvasBase.get_supported_filetypes()
+    ext = os.path.splitext(out)[1].lstrip(".").lower()
+    if ext not in kinds:
+        what = f"unknown image type '.{ext}'" if ext else "no file extension"
+        raise ValueError(f"--out {out!r}: {what}; use one of {', '.join('.' + k for k in sorted(kinds))}")
+    parent = os.path.dirname(out) or "."
+    if not os.path.isdir(parent):
+        raise ValueError(f"--out {out!r}: directory {parent!r} does not exist")
+
+
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="jaxcnn-plot", description=__doc__)
+    from jaxcnn.train.cli import OneLineParser
+    parser = OneLineParser(prog="jaxcnn-plot", description=__doc__)
     parser.add_argument("run_dir")
     parser.add_argument("--out", default=None, help="PNG path (default RUN_DIR/curves.png)")
     args = parser.parse_args(argv)
-    from jaxcnn.train.rundir import RunDir
     path = RunDir(args.run_dir).metrics
     if not os.path.isfile(path):
         print(f"jaxcnn-plot: error: {path} does not exist", file=sys.stderr)
@@ -53,7 +69,13 @@ def main(argv=None) -> int:
         print("jaxcnn-plot: error: matplotlib is not installed (pip install 'jaxcnn[plot]')",
               file=sys.stderr)
         return 2
-    print(plot_run(args.run_dir, args.out))
+    try:
+        if args.out is not None:
+            _check_out(args.out)
+        print(plot_run(args.run_dir, args.out))
+    except (ValueError, OSError) as e:
+        print(f"jaxcnn-plot: error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

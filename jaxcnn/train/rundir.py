@@ -89,6 +89,36 @@ class RunDir:
     def checkpoints_log(self) -> str:
         return self._join(self.CHECKPOINTS_LOG)
 
+    def problem(self) -> str | None:
+        """Why this path is no run directory ``jaxcnn-train`` wrote (one line), or None."""
+        if not os.path.exists(self.path):
+            return f"{self.path}: no such run directory"
+        if not os.path.isdir(self.path):
+            hint = ""
+            stem, ext = os.path.splitext(os.path.basename(self.path))
+            if ext.lower() in (".yaml", ".yml"):
+                hint = f" (this config's run is in runs/{stem} unless --workdir said otherwise)"
+            return (f"{self.path} is a file, not a run directory: give the directory jaxcnn-train "
+                    f"wrote{hint}")
+        if not os.path.isfile(self.config):
+            return f"{self.config} does not exist: not a jaxcnn run directory"
+        return None
+
+    def moved_path_hint(self, key: str, value) -> str:
+        """For a relative path in the run's config that is missing here (``jaxcnn-eval`` run from
+        another directory than the training): where the run was started, from ``run_meta.json``."""
+        if not isinstance(value, str) or os.path.isabs(value):
+            return ""
+        try:
+            with open(self.meta, encoding="utf-8") as f:
+                started = json.load(f).get("cwd")
+        except (OSError, ValueError, AttributeError):
+            started = None
+        if isinstance(started, str) and started != os.getcwd():
+            return (f" (relative to the current directory, {os.getcwd()}; the run was started in {started}: "
+                    f"run from there, or give {key}=...)")
+        return f" (relative to the current directory, {os.getcwd()}; give {key}=... where the data is)"
+
     def params(self, fmt: str) -> str:
         """``params.<fmt>`` (``fmt``: "npz" or "safetensors")."""
         if fmt not in PARAM_FORMATS:
@@ -150,7 +180,7 @@ def run_metadata(argv, config_path) -> dict:
     except (OSError, subprocess.SubprocessError):
         commit = None
     return {
-        "argv": list(argv or sys.argv), "config": config_path, "start_time": time.time(),
+        "argv": list(argv or sys.argv), "config": config_path, "cwd": os.getcwd(), "start_time": time.time(),
         "host": platform.node(), "python": platform.python_version(),
         "versions": {n: version(n) for n in ("jaxcnn", "jax", "jaxlib", "optax", "orbax-checkpoint",
                                              "numpy")},

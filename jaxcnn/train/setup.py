@@ -26,7 +26,7 @@ from jaxcnn.data.files import check_regular_file
 from jaxcnn.data.synthetic import NOISE_MEAN, NOISE_STD
 from jaxcnn.errors import ConfigError, DataError
 from jaxcnn.data.mix import MixSpec
-from jaxcnn.interop.arrays import tree_items, unflatten
+from jaxcnn.interop.arrays import PARAMETER_FILE_TYPES, tree_items, unflatten, unknown_file_type
 from jaxcnn.train import prune
 from jaxcnn.train.ema import ema
 from jaxcnn.train.config import resolve_duration, train_steps
@@ -399,8 +399,8 @@ def load_init_from(run: Run):
             raise ConfigError(str(e), path="model.init_from") from None
     like = jax.eval_shape(lambda: run.model.init(jax.random.PRNGKey(0), run.input_shape)[:2])
     ext = os.path.splitext(path)[1]
-    if ext not in (".npz", ".safetensors"):
-        fail(f"{path!r}: expected a .npz or .safetensors parameter file or a run directory")
+    if ext not in PARAMETER_FILE_TYPES:
+        fail(f"{path!r}: {unknown_file_type(path, or_run_dir=True)}")
     trees = _read_init_from(run, path, like, skip, fail)
     likes = [dict(tree_items(t)) for t in like]
     out = []

@@ -1,5 +1,6 @@
 """Image folders: scanning, decoding every mode to RGB, and one-line errors naming the bad file."""
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -146,3 +147,25 @@ def test_linked_folders_are_followed_once(tmp_path):
     os.symlink(tmp_path / "elsewhere", tmp_path / "train" / "a" / "more")
     index = scan_folder(tmp_path)
     assert index["train"].paths == ("a/more/y.png", "a/x.png")
+
+
+def test_a_folder_of_class_folders_or_a_split_given_as_the_root_is_named_so(tmp_path):
+    """ImageFolder's own layout (ROOT/<class>/<image>, no split folders) and data.path set to
+    the train split itself: both said only 'missing split' and listed the class folders."""
+    write_shapes_folder(tmp_path / "root", per_class=(2, 1), classes=["red", "blue"], size_range=(16, 20))
+    split = tmp_path / "root" / "train"
+    with pytest.raises(DataError) as err:
+        scan_folder(split)
+    assert str(err.value).endswith(f"found folders ['blue', 'red']; {split} is itself a split: the image "
+                                   f"folder is {tmp_path / 'root'})")
+    flat = tmp_path / "flat"
+    shutil.copytree(split, flat)
+    with pytest.raises(DataError) as err:
+        scan_folder(flat)
+    assert str(err.value).endswith(f"these look like class folders: put them under {flat / 'train'} and a "
+                                   f"validation share of each class under {flat / 'val'})")
+    for name in os.listdir(flat / "blue"):
+        (flat / "blue" / name).unlink()
+    with pytest.raises(DataError) as err:  # not every folder holds images: no guess
+        scan_folder(flat)
+    assert str(err.value).endswith("found folders ['blue', 'red'])")

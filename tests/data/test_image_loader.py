@@ -3,6 +3,7 @@ records are caught by their checksum, any number of workers gives the same batch
 at a step gives the batches of a run that went through, bad images are skipped and counted or
 stop the loader with the file's name, and processes share each epoch exactly once."""
 import os
+import time
 
 import numpy as np
 import pytest
@@ -134,6 +135,35 @@ def test_a_dead_worker_is_an_error_not_a_hang():
     assert got in ([], [0], [0, 1])
 
 
+class _IgnoredSignals:
+    """A batch maker that reports which of SIGINT and SIGTERM its worker process ignores."""
+
+    def __call__(self, step):
+        import signal
+        return {"x": np.full(2, step), "ignored": np.array(
+            [signal.getsignal(s) is signal.SIG_IGN for s in (signal.SIGINT, signal.SIGTERM)])}
+
+
+def test_ctrl_c_to_the_process_group_leaves_the_workers_to_the_trainer():
+    """A terminal's Ctrl-C (a scheduler's SIGTERM) reaches every process of the job: a worker
+    died of it, and the trainer stopped on grain's RuntimeError instead of saving a checkpoint."""
+    import multiprocessing
+    import signal
+    with Loader(_IgnoredSignals(), 0, 6, workers=2, shared_memory=False) as loader:
+        first = next(loader)
+        assert first["ignored"].tolist() == [True, True]
+        workers = [p for p in multiprocessing.active_children() if p.name.startswith("grain")]
+        assert len(workers) == 2
+        for worker in workers:
+            os.kill(worker.pid, signal.SIGINT)
+            os.kill(worker.pid, signal.SIGTERM)
+        time.sleep(0.5)
+        assert all(worker.is_alive() for worker in workers)
+        rest = list(loader)
+    assert [int(b["x"][0]) for b in [first] + rest] == list(range(6))
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # this process's are its own
+
+
 def test_processes_share_each_epoch_exactly_once(folder):
     source = FolderSource(scan_folder(folder)["train"])
     per_epoch = TrainBatches(source, seed=3, batch_size=6, image_size=SIZE).steps_per_epoch
@@ -211,9 +241,37 @@ def test_convert_cli_errors_are_one_line(tmp_path, capsys):
     assert "skipped" in out and str(bad) in out
     meta = read_sidecar(tmp_path / "out")
     assert meta["splits"]["train"] == {"file": "train.array_record", "count": 1, "skipped": 1}
+    # The trainer's start-up line on them: a corrupt image is no "file that is not an image",
+    # nor left out of the record directory (it said both), and a folder names its strays.
+    from jaxcnn.data.images import ImageData
+    assert ImageData("records", tmp_path / "out", image_size=(16, 16)).skipped_note() == (
+        f"1 file left out of {tmp_path / 'out'} by jaxcnn-data convert (not images, or bad ones; it named them)")
+    for name in ("Thumbs.db", "notes.txt"):
+        (tmp_path / "f" / "val" / "red" / name).write_text("x")
+    folder = ImageData("folder", tmp_path / "f", image_size=(16, 16), on_bad_image="skip")
+    val = tmp_path / "f" / "val" / "red"
+    assert folder.skipped_note() == (f"2 files left out of {tmp_path / 'f'} (not images by their names: "
+                                     f"{val / 'Thumbs.db'}, {val / 'notes.txt'}; data.on_bad_image is skip)")
+    for name in ("Thumbs.db", "notes.txt"):
+        (val / name).unlink()
+    assert ImageData("folder", tmp_path / "f", image_size=(16, 16)).skipped_note() is None
     (tmp_path / "out" / "dataset.json").write_text("{not json")
     with pytest.raises(DataError, match="not valid JSON"):
         RecordSource(tmp_path / "out", "train")
+
+
+def test_out_that_is_a_file_is_one_clear_line(tmp_path, capsys):
+    """It was "[Errno 17] File exists: 'x'" (convert) and "[Errno 20] Not a directory: 'x/train'" (shapes)."""
+    write_shapes_folder(tmp_path / "f", per_class=(1, 1), classes=["red"], size_range=(16, 18))
+    taken = tmp_path / "notes.txt"
+    taken.write_text("x")
+    for argv in (["convert", str(tmp_path / "f"), str(taken), "--no-progress"], ["shapes", str(taken)]):
+        assert data_main(argv) == 2
+        assert capsys.readouterr().err == (f"jaxcnn-data: error: {taken} is a file; give a directory to write "
+                                           "into (created if missing)\n")
+    assert data_main(["shapes", str(taken / "sub")]) == 2
+    assert capsys.readouterr().err == f"jaxcnn-data: error: {taken / 'sub'}: Not a directory\n"
+    assert taken.read_text() == "x"
 
 
 def test_shapes_cli(tmp_path):

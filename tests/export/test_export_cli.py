@@ -118,6 +118,20 @@ def test_bad_options_are_one_line(tmp_path, capsys, argv, match):
     assert match in err and "Traceback" not in err
 
 
+def test_a_file_that_is_no_parameter_file_is_named_before_asking_for_model(tmp_path, capsys):
+    """A config file or a PyTorch pickle: it asked for --model NAME first, then said 'unknown
+    parameter file type'; now the file type, and for a .pth the conversion to safetensors."""
+    for name, needle in [("mnist_cnn.yaml", "unknown parameter file type '.yaml'; expected a .npz or "
+                                            ".safetensors file or a run directory"),
+                         ("w.pth", "a PyTorch .pth file is a pickle, which jaxcnn never loads; convert it once "
+                                   "where torch is installed: safetensors.torch.save_file(torch.load(")]:
+        (tmp_path / name).write_bytes(b"model: {}\n")
+        assert main([str(tmp_path / name), "--format", "onnx", "--out", str(tmp_path / "a.onnx")]) == 2
+        err = _one_line_error(capsys, "jaxcnn-export")
+        assert f"{tmp_path / name}: {needle}" in err, err
+    assert not (tmp_path / "a.onnx").exists()
+
+
 @pytest.fixture(scope="module")
 def params_file(tmp_path_factory):
     net = models.get("mnist_cnn", num_classes=10)

@@ -118,12 +118,29 @@ def _fails(argv, capsys, match):
     assert match in err, err
 
 
+def test_a_fine_tune_stopped_by_a_signal_says_so(run_dir, tmp_path, capsys, monkeypatch):
+    """Ctrl-C in the fine-tune: the trainer saves and stops; the export then failed on the
+    fine-tune directory's missing params.npz (exit 2) instead of saying it stopped."""
+    from jaxcnn.train import loop
+    monkeypatch.setattr(loop, "train", lambda cfg, workdir, stream=None: {"step": 3, "stopped_by": "SIGINT"})
+    out = tmp_path / "p.onnx"
+    assert main([run_dir, "--format", "onnx", "--prune", "0.5", "--fine-tune-steps", "10", "--out", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert err == (f"jaxcnn-export: stopped: fine-tuning in {tmp_path / 'p_finetune'} stopped by SIGINT at step 3 "
+                   "(checkpoint saved); the same command resumes it\n")
+    assert not out.exists()
+
+
 def test_bad_inputs(run_dir, tmp_path, capsys, monkeypatch):
     empty = tmp_path / "no_params"
     empty.mkdir()
     shutil.copy(os.path.join(run_dir, "config.resolved.yaml"), empty)
     _fails([str(empty), "--format", "onnx", "--out", str(tmp_path / "a.onnx")], capsys,
-           "no parameters")
+           "no parameters (params.npz or params.safetensors); has training finished?")
+    (empty / "checkpoints" / "13").mkdir(parents=True)  # a run stopped by Ctrl-C: it says so, and what to do
+    _fails([str(empty), "--format", "onnx", "--out", str(tmp_path / "a.onnx")], capsys,
+           "no parameters (params.npz or params.safetensors); it stopped at a checkpoint (step 13): run its "
+           "jaxcnn-train command again to finish it (jaxcnn-eval evaluates the checkpoint as it is)")
     _fails([str(tmp_path), "--format", "onnx", "--out", str(tmp_path / "a.onnx")], capsys,
            "not a jaxcnn run directory")
     corrupt = tmp_path / "corrupt.npz"

@@ -87,9 +87,10 @@ def test_onnx_on_raw_pixels_scores_the_runs_accuracy(run_dir, eval_top1, digits,
     acc = _accuracy(lambda b: session.run(None, {"input": b})[0], x, y)
     print(f"onnx on raw pixels {acc:.4f}  jaxcnn-eval {eval_top1:.4f}")
     assert abs(acc - eval_top1) <= TOLERANCE
-    # NCHW: the same model on the transposed images.
+    # NCHW: the same model on the transposed images; a fixed batch is said as such (it said N).
     out_nchw = str(tmp_path / "m_nchw.onnx")
-    assert main([run_dir, "--format", "onnx", "--layout", "nchw", "--out", out_nchw]) == 0
+    assert main([run_dir, "--format", "onnx", "--layout", "nchw", "--batch", "64", "--out", out_nchw]) == 0
+    assert "input: raw uint8 pixels in [0, 255], NCHW (64, 1, 28, 28)" in capsys.readouterr().out
     nchw = _ort_session(out_nchw).run(None, {"input": x[:64].transpose(0, 3, 1, 2)})[0]
     np.testing.assert_allclose(nchw, session.run(None, {"input": x[:64]})[0], rtol=0, atol=1e-4)
 

@@ -121,7 +121,8 @@ def test_no_usable_checkpoint_is_an_error_not_a_fresh_start(reference, tmp_path,
     code = train_main(run_args(data, work))
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1, err
-    assert f"no usable checkpoint in {ckpt}" in err[0] and f"{ckpt}/12 does not match the target" in err[0]
+    assert f"no usable checkpoint in {ckpt}: its checkpoints (steps 12, 10, 8, 6, 4, 2)" in err[0]
+    assert f"more, in {ckpt}/12): another model's or optimiser's; start a new run with --workdir" in err[0]
     assert not (work / "params.npz").exists()
 
 

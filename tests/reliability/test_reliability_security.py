@@ -198,7 +198,7 @@ def test_run_files_follow_umask_and_cleanup_never_follows_symlinks(tmp_path, cap
     ckpt = work / "checkpoints"
     cfg = load_config(*_split(tiny_args(data)))
     with CheckpointManager(tmp_path / "elsewhere", keep=5) as mgr:
-        mgr.save(1, init_state(build_run(cfg)))
+        mgr.save(1, init_state(build_run(cfg))._replace(step=np.int32(1)))  # the run resumes from it
     outside_a, outside_b = tmp_path / "outside_a", tmp_path / "outside_b"
     shutil.copytree(tmp_path / "elsewhere" / "1", outside_a)
     outside_b.mkdir()
@@ -214,7 +214,7 @@ def test_run_files_follow_umask_and_cleanup_never_follows_symlinks(tmp_path, cap
     try:
         with caplog.at_level(logging.WARNING, logger="jaxcnn.train.checkpoint"):
             code = train_main(tiny_args(data, "train.steps=6", "checkpoint.every=2", "checkpoint.keep=1",
-                                        "checkpoint.resume=never", "logging.log_every=6", "--workdir", str(work)))
+                                        "logging.log_every=6", "--workdir", str(work)))  # resumes from 1
     finally:
         os.umask(old)
     assert code == 0

@@ -532,3 +532,45 @@ def test_cli_hook_sends_late_orbax_future_reports_to_the_log(tmp_path, monkeypat
     finally:
         for f in [f for f in asyncio_log.filters if isinstance(f, _LateOrbaxFutures)]:
             asyncio_log.removeFilter(f)
+
+
+def test_checkpoints_of_another_model_are_named_so_not_offered_continue(tmp_path):
+    """A run directory of another model: the refusal said 'continue with
+    checkpoint.on_config_change=continue', and continuing printed every checkpoint's mismatches
+    (three 600-character lines)."""
+    import yaml
+
+    from jaxcnn.train.checkpoint import ConfigChangedError, check_resume_config, config_changes
+    assert config_changes({"model": {"name": "a", "options": {}}},
+                          {"model": {"name": "a", "options": {"act": "relu"}}}) == [
+        "model.options.act: '(unset)' -> 'relu'"]  # not also "model.options: {} -> '(unset)'"
+    work = tmp_path / "run"
+    (work / "checkpoints" / "5").mkdir(parents=True)
+    saved = {"model": {"name": "lenet5", "options": {"act": "relu"}}, "optim": {"lr": 0.05}}
+    (work / "config.resolved.yaml").write_text(yaml.safe_dump(saved))
+    other = {"model": {"name": "mnist_cnn", "options": {}}, "optim": {"lr": 0.003}}
+    with pytest.raises(ConfigChangedError) as refused:
+        check_resume_config(str(work), other)
+    assert str(refused.value) == (
+        f"{work} holds the checkpoints of model 'lenet5', not 'mnist_cnn' as configured "
+        "(model.name: 'lenet5' -> 'mnist_cnn', model.options.act: 'relu' -> '(unset)', "
+        "optim.lr: 0.05 -> 0.003); start a new run with --workdir DIR")
+    with pytest.raises(ConfigChangedError, match="optim.lr: 0.05 -> 0.003.*on_config_change=continue"):
+        check_resume_config(str(work), {**saved, "optim": {"lr": 0.003}})
+    assert check_resume_config(str(work), other, on_change="continue") != []
+
+    mgr, states = saved_manager(tmp_path, steps=(1, 2))
+    wider = abstract(make_state(width=6))
+    with pytest.raises(CheckpointError) as none_usable:
+        restore_for_resume(mgr, wider, "auto")
+    ckpt = tmp_path / "ckpt"
+    assert str(none_usable.value) == (
+        f"no usable checkpoint in {ckpt}: its checkpoints (steps 2, 1) hold arrays that differ from "
+        "this run's state ('params/conv1/b' is float32(4,) in the checkpoint, float32(6,) in the target, "
+        f"and 9 more, in {ckpt}/2): another model's or optimiser's; start a new run with --workdir DIR")
+    assert sorted(p.name for p in ckpt.iterdir()) == ["1", "2"]  # left as they were
+    # jaxcnn-eval --step 5: which steps there are, not only that 5 is not
+    with pytest.raises(CheckpointError, match=r"no checkpoint for step 5: .*ckpt/5 does not exist "
+                                              r"\(steps saved: 1, 2\)$"):
+        mgr.restore(5, target=abstract(states[1]))
+    mgr.close()

@@ -151,3 +151,19 @@ def test_skip_in_a_jaxcnn_parameter_file(tiny, tmp_path):
     with pytest.raises(ConfigError, match=r"model.init_from_skip: \['fc3'\] names no layer"):
         setup.load_init_from(setup.build_run(load_config(
             tiny, small + [f"model.init_from={path}", "model.init_from_skip=[fc3]"])))
+
+
+def test_a_pytorch_pickle_is_refused_with_the_conversion_to_run(tiny, tmp_path):
+    """The downloaded ``.pth`` itself, as a new user tries first: it said only 'expected a .npz
+    or .safetensors parameter file'; now also the one line that converts it (never unpickled)."""
+    pth = tmp_path / "resnet18-f37072fd.pth"
+    pth.write_bytes(b"\x80\x02}q\x00.")  # a pickle protocol 2 stream; never read
+    line = one_line(*cli([tiny, f"model.init_from={pth}", "--dry-run"])[::2])
+    assert line == (f"jaxcnn-train: error: model.init_from: '{pth}': a PyTorch .pth file is a pickle, which "
+                    "jaxcnn never loads; convert it once where torch is installed: safetensors.torch.save_file("
+                    f"torch.load('{pth}'), 'resnet18-f37072fd.safetensors')")
+    png = tmp_path / "x.png"
+    png.write_bytes(b"x")
+    line = one_line(*cli([tiny, f"model.init_from={png}", "--dry-run"])[::2])
+    assert line.endswith(f"'{png}': unknown parameter file type '.png'; expected a .npz or .safetensors "
+                         "file or a run directory")

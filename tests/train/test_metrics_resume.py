@@ -1,6 +1,8 @@
 """A resumed run's metrics.jsonl: records after the resume step, and a torn line, are dropped."""
 import json
 
+import pytest
+
 from jaxcnn.train.metrics import MetricsWriter, read_metrics
 
 
@@ -44,3 +46,53 @@ def test_resumed_writer_knows_what_is_recorded_at_its_step(tmp_path):
     assert not writer.recorded(4, "eval") and not writer.recorded(6, "eval")  # 6 was dropped
     writer.close()
     assert not MetricsWriter(str(tmp_path / "fresh"), enabled=False).recorded(4, "eval")
+
+
+def test_read_metrics_leaves_out_a_torn_last_line_and_names_a_bad_one(tmp_path):
+    """A run killed (or still running) mid-write: jaxcnn-plot read it with a JSONDecodeError traceback."""
+    path = tmp_path / "metrics.jsonl"
+    _write(path, [(2, "train"), (4, "eval")], torn=True)
+    assert [(r["step"], r["kind"]) for r in read_metrics(str(tmp_path))] == [(2, "train"), (4, "eval")]
+    path.write_text('{"step": 2}\n{"step": 9, "kind": "tra\n{"step": 4}\n')  # torn, then appended to
+    with pytest.raises(ValueError, match=r"metrics.jsonl: line 2 is not a JSON record"):
+        read_metrics(str(path))
+    path.write_text('{"step": 2}\n[1, 2]\n')
+    with pytest.raises(ValueError, match=r"line 2 is not a JSON record"):
+        read_metrics(str(path))
+
+
+def _plot(argv, capsys):
+    from jaxcnn.train.plot import main as plot_main
+    try:
+        code = plot_main(argv)
+    except SystemExit as e:  # argparse's own errors
+        code = e.code
+    return code, capsys.readouterr()
+
+
+def test_plot_cli_reads_a_torn_file_and_bad_input_is_one_line_exit_2(tmp_path, capsys):
+    """Each case was a traceback (FileNotFoundError, matplotlib's ValueError, JSONDecodeError)
+    or, for a run with no records yet, an empty plot."""
+    pytest.importorskip("matplotlib")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("")  # a run stopped before its first log line
+    code, out = _plot([str(run)], capsys)
+    assert code == 2 and out.err.count("\n") == 1, out.err
+    assert out.err.startswith("jaxcnn-plot: error: ") and "holds no training or evaluation records" in out.err
+    with open(run / "metrics.jsonl", "w", encoding="utf-8") as f:  # as the trainer writes them
+        f.write(json.dumps({"step": 2, "kind": "train", "loss": 1.0, "top1": 0.5}) + "\n")
+        f.write(json.dumps({"step": 2, "kind": "eval", "loss": 0.9, "top1": 0.6}) + "\n")
+        f.write('{"step": 4, "kind": "tra')  # killed mid-write, or still running
+    for argv, needle in [([], "the following arguments are required: run_dir"),
+                         ([str(tmp_path / "none")], "none/metrics.jsonl does not exist"),
+                         ([str(run), "--out", str(tmp_path / "no" / "c.png")], "directory"),
+                         ([str(run), "--out", str(tmp_path / "c.xyz")], "unknown image type '.xyz'"),
+                         ([str(run), "--out", str(tmp_path / "c")], "no file extension")]:
+        code, out = _plot(argv, capsys)
+        assert code == 2 and out.err.count("\n") == 1, (argv, out.err)
+        assert out.err.startswith("jaxcnn-plot: error: ") and needle in out.err, (argv, out.err)
+    assert not (tmp_path / "no").exists()
+    code, out = _plot([str(run), "--out", str(tmp_path / "c.svg")], capsys)
+    assert code == 0 and out.out.strip() == str(tmp_path / "c.svg"), out.err
+    assert (tmp_path / "c.svg").stat().st_size > 1000
