@@ -75,7 +75,8 @@ def mesh_shape(data: int, model: int, device_count: int, *, allow_subset: bool =
         shown = [(k, v) for k, v in (("data", data), ("pipe", pipe), ("spatial", spatial), ("model", model))
                  if k in AXES or v > 1]
         raise ValueError(f"mesh.data: {' x '.join(k for k, _ in shown)} = {' x '.join(str(v) for _, v in shown)}"
-                         f" = {data * others} devices, but {device_count} are available "
+                         f" = {data * others} devices, but {device_count} "
+                         f"{'is' if device_count == 1 else 'are'} available "
                          f"(use mesh.data=-1 to take the rest)")
     return data, model
 
