@@ -6,7 +6,7 @@ in the same run (``jaxcnn/functional/_cpu_lowering.py``, docs/BENCHMARKS.md CPU 
 Usage::
 
     python scripts/bench_cpu_pool.py [--dtype float32] [--repeats 10] [--rounds 3]
-                                     [--shapes stem16,stem128,s1]
+                                     [--shapes stem16,stem128,s1] [--batch N]
 
 Shapes: ``stem16`` ResNet's stem pool 16x112x112x64 3x3/2 pad 1; ``stem128`` the same
 on 128x24x24x64; ``s1`` 3x3 stride 1 pad 1 on 32x28x28x64; ``k2s1`` 2x2 stride 1, no
@@ -43,13 +43,14 @@ SHAPES = {
 }
 
 
-def pools(shape, kernel, stride, padding):
+def pools(shape, kernel, stride, padding, dtype=jnp.float32):
     """``(xla, rewrite)``: the two lowerings of this pooling, functions of ``x``."""
     k, s, d, _, run_pads, out_hw = geo.pool_geometry("bench", shape, kernel, stride, padding,
                                                      1, False)
     xla = lambda x: geo.xla_max_pool(x, k, s, d, run_pads, out_hw)  # noqa: E731
     if s == k and not any(p for pair in run_pads for p in pair):
-        rewrite = lowering.max_pool2d_rewrite(jnp.zeros(shape), k, s, d, run_pads, out_hw)
+        rewrite = lowering.max_pool2d_rewrite(jax.ShapeDtypeStruct(shape, dtype), k, s, d,
+                                              run_pads, out_hw)
     else:
         rewrite = lambda x: lowering._strided_max_pool(x, k, s, run_pads, out_hw)  # noqa: E731
     return xla, rewrite
@@ -61,6 +62,7 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--shapes", default="stem16,stem128,s1")
+    p.add_argument("--batch", type=int, default=None, help="replaces each shape's batch")
     opts = p.parse_args(argv)
     names = opts.shapes.split(",")
     unknown = [n for n in names if n not in SHAPES]
@@ -74,8 +76,9 @@ def main(argv=None) -> int:
           f" {'f+b x':>6s}")
     for name in names:
         shape, kernel, stride, padding = SHAPES[name]
+        shape = shape if opts.batch is None else (opts.batch, *shape[1:])
         x = jnp.asarray(np.random.default_rng(0).standard_normal(shape), dtype)
-        xla, rewrite = pools(shape, kernel, stride, padding)
+        xla, rewrite = pools(shape, kernel, stride, padding, dtype)
         times = {key: [] for key in ("fx", "fn", "bx", "bn")}
         for _ in range(opts.rounds):
             for grad, pre in ((False, "f"), (True, "b")):

@@ -36,7 +36,8 @@ weight gradient is kept, it reads a fenced copy of the input (see
 ``_conv_stored_input``) instead of recomputing the layers before it.
 
 Max pooling keeps the index of the tap each window's gradient goes to (int8), so
-that its gradient is elementwise selects, not XLA's select-and-scatter.  (The per-channel reductions that fold rows into the minor axis are
+that its gradient is elementwise selects, not XLA's select-and-scatter.  (The
+per-channel reductions that fold rows into the minor axis are
 :mod:`jaxcnn.functional._channels`.)  Which of these runs for a call is decided
 by :mod:`jaxcnn.functional._dispatch`.
 """
@@ -306,13 +307,14 @@ def max_pool2d_rewrite(x, kernel, stride, dilation, run_pads, out_hw):
       ``kh * kw`` strided taps of the input padded with the lowest value, the gradient's
       tap chosen exactly as XLA's select-and-scatter chooses it, ties, -inf, NaN and
       padding included (:func:`_strided_max_pool`).  Measured (2-core EPYC, jaxlib
-      0.10.2, float32, ms forward+backward, XLA / rewrite, same run; docs/BENCHMARKS.md
-      CPU item 3): 16x112x112x64 3x3/2 pad 1 (ResNet's stem) 447 / 124, 128x24x24x64
-      3x3/2 pad 1 189 / 20, 32x28x28x64 3x3/1 pad 1 124 / 12.  Forward alone the taps win
-      too (10.4 / 4.4, 6.2 / 1.1 ms; bfloat16 on the stem 112 / 43) except for float32
-      inputs over :data:`POOL_TAPS_MAX_ELEMENTS` (the stem at batch 16: 27 / 43, at
-      64x56x56x64: 27 / 48), where the undifferentiated value stays ``reduce_window``.
-      Windows over 9 taps, and strides above the window without padding (gaps, no
+      0.10.2, ms forward+backward, XLA / rewrite, same run; docs/BENCHMARKS.md CPU
+      item 3): float32 16x112x112x64 3x3/2 pad 1 (ResNet's stem) 319 / 46,
+      128x24x24x64 3x3/2 pad 1 127 / 16, 32x28x28x64 3x3/1 pad 1 107 / 12, 2x2/1 no pad
+      62 / 1.8; bfloat16 346 / 166, 134 / 52, 123 / 65, 68 / 16.  Forward alone the taps
+      win too (5.4 / 2.6, 6.1 / 1.0 ms; bfloat16 stem 71 / 28) except for float32 inputs
+      over :data:`POOL_TAPS_MAX_ELEMENTS` (the stem at batch 16: 27 / 43, 64x56x56x64:
+      27 / 48), where the undifferentiated value stays ``reduce_window``.  Windows over 9
+      taps, float16, and strides above the window without padding (gaps, no
       overlap) were not measured and keep XLA.
 
     Arguments:
@@ -326,8 +328,8 @@ def max_pool2d_rewrite(x, kernel, stride, dilation, run_pads, out_hw):
     """
     if not jnp.issubdtype(x.dtype, jnp.floating):
         return None
-    if tuple(dilation) != (1, 1) or not all(isinstance(d, int) for d in x.shape):
-        return None  # symbolic dimensions (jax.export with a dynamic batch) keep XLA's lowering
+    if tuple(dilation) != (1, 1):
+        return None
     kernel, stride = tuple(int(k) for k in kernel), tuple(int(s) for s in stride)
     run_pads = tuple(tuple(int(p) for p in pair) for pair in run_pads)
     out_hw = tuple(int(o) for o in out_hw)
@@ -335,8 +337,12 @@ def max_pool2d_rewrite(x, kernel, stride, dilation, run_pads, out_hw):
     if stride == kernel and not padded:
         (kh, kw), (oh, ow) = kernel, out_hw
         return lambda x: _tiled_max_pool(x[:, :oh * kh, :ow * kw], (kh, kw))
+    if not all(isinstance(d, int) for d in x.shape):
+        return None  # symbolic dimensions (jax.export with a dynamic batch) keep XLA's lowering
     overlap = any(k > s for k, s in zip(kernel, stride))
-    if x.dtype not in (jnp.float32, jnp.bfloat16) or kernel[0] * kernel[1] > 9 or not (overlap or padded):
+    if x.dtype not in (jnp.float32, jnp.bfloat16) or kernel[0] * kernel[1] > 9:
+        return None
+    if not (overlap or padded):
         return None
     return lambda x: _strided_max_pool(x, kernel, stride, run_pads, out_hw)
 
@@ -436,10 +442,10 @@ def _strided_max_pool_jvp(kernel, stride, run_pads, out_hw, primals, tangents):
 
     A bfloat16 input is compared and its tangent summed in float32 (the comparisons are
     exact; an input's gradient, the sum of the cotangents of the windows that chose it,
-    rounds once, where XLA's select-and-scatter rounds after each add), and its tap index is fenced (stored, not recomputed in
-    the backward): XLA:CPU runs bfloat16 elementwise chains several times slower, and
-    without both the bfloat16 gradient measured 3-4x slower than XLA's (with both, 2.5x
-    faster: docs/BENCHMARKS.md).
+    rounds once, where XLA's select-and-scatter rounds after each add), and its tap
+    index is fenced (stored, not recomputed in the backward): XLA:CPU runs bfloat16
+    elementwise chains several times slower, and without both the bfloat16 gradient
+    measured 3-4x slower than XLA's (with both, 2-2.6x faster: docs/BENCHMARKS.md).
     """
     (x,), (dx,) = primals, tangents
     wide = x.dtype != jnp.float32

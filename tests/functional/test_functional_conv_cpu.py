@@ -435,8 +435,8 @@ def test_max_pool_other_geometries_keep_reduce_window(kwargs):
 # (kernel, stride, padding, ceil_mode): ResNet's stem, stride 1, ceil_mode overhangs, unequal
 # axes, stride = kernel with padding, overlap on one axis only.
 OVERLAP_GEOMETRIES = [(3, 2, 1, False), (3, 1, 1, False), (3, 2, 1, True), (3, 2, 0, True),
-                      ((2, 3), (1, 2), (1, 1), True), (2, 2, 1, False), ((3, 1), (2, 1), (1, 0), False),
-                      (2, 1, 0, False)]
+                      ((2, 3), (1, 2), (1, 1), True), (2, 2, 1, False),
+                      ((3, 1), (2, 1), (1, 0), False), (2, 1, 0, False)]
 
 
 def _tied_input(rng, shape, dtype):
@@ -485,7 +485,8 @@ def test_max_pool_overlapping_bf16_gradient_rounds_once():
     ct = np.asarray(jnp.asarray(rng.standard_normal((2, 5, 5, 4)), jnp.bfloat16), np.float32)
 
     def grad(impl, dtype):
-        y, vjp = jax.vjp(lambda x: F.max_pool2d(x, 3, stride=2, padding=1, impl=impl), x.astype(dtype))
+        y, vjp = jax.vjp(lambda x: F.max_pool2d(x, 3, stride=2, padding=1, impl=impl),
+                         x.astype(dtype))
         return np.asarray(vjp(jnp.asarray(ct, dtype))[0], np.float32)
 
     exact = grad("xla", jnp.float32)  # the same choices: x is exact in float32
@@ -545,3 +546,26 @@ def test_max_pool_stem_dispatch_drops_select_and_scatter():
     for small in (jax.ShapeDtypeStruct((128, 24, 24, 64), jnp.float32),
                   jax.ShapeDtypeStruct(stem.shape, jnp.bfloat16)):
         assert "reduce_window" not in str(jax.make_jaxpr(pool("auto"))(small))
+
+
+def test_bench_cpu_pool_script_times_both_lowerings(capsys):
+    """scripts/bench_cpu_pool.py at batch 1: a row per shape, its two lowerings equal;
+    an unknown shape is a usage error (exit 2, one line)."""
+    import importlib.util
+    import os
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "bench_cpu_pool.py")
+    spec = importlib.util.spec_from_file_location("bench_cpu_pool", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    for name in ("stem128", "tiled"):
+        shape, k, s, p = bench.SHAPES[name]
+        x = jnp.asarray(np.random.default_rng(0).integers(-3, 3, (1, *shape[1:])), jnp.bfloat16)
+        xla, rewrite = bench.pools(x.shape, k, s, p, x.dtype)
+        np.testing.assert_array_equal(np.asarray(rewrite(x), np.float32),
+                                      np.asarray(xla(x), np.float32))
+    assert bench.main(["--shapes", "stem128,tiled", "--batch", "1", "--rounds", "1",
+                       "--repeats", "1"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith(("stem", "tiled"))]
+    assert len(rows) == 2 and all(len(r.split()) >= 10 for r in rows)
+    assert bench.main(["--shapes", "nope"]) == 2
+    assert "unknown --shapes" in capsys.readouterr().err
