@@ -35,8 +35,9 @@ forward mode, reverse mode and higher derivatives all work.  Where XLA's own
 weight gradient is kept, it reads a fenced copy of the input (see
 ``_conv_stored_input``) instead of recomputing the layers before it.
 
-2x2-style max pooling keeps the index of each window's first maximum for its
-gradient.  (The per-channel reductions that fold rows into the minor axis are
+Max pooling keeps the index of the tap each window's gradient goes to (int8), so
+that its gradient is elementwise selects, not XLA's select-and-scatter.  (The
+per-channel reductions that fold rows into the minor axis are
 :mod:`jaxcnn.functional._channels`.)  Which of these runs for a call is decided
 by :mod:`jaxcnn.functional._dispatch`.
 """
@@ -56,6 +57,10 @@ from jaxcnn import _geometry as geo
 # Convolutions smaller than this many multiply-adds (forward) keep XLA's lowering:
 # the difference is a fraction of a millisecond and the shape check costs a compile.
 MIN_MACS = 2 ** 24
+
+# Float32 max pooling over more elements than this keeps ``reduce_window`` for its value
+# where it is not differentiated (faster there: :func:`max_pool2d_rewrite`).
+POOL_TAPS_MAX_ELEMENTS = 2 ** 23
 
 
 # Keeps YNNPACK for matrix multiplications only (XLA's default also gives it
@@ -286,15 +291,31 @@ def conv2d_rewrite(x, w, *, stride, pads, dilation, groups):
 
 
 def max_pool2d_rewrite(x, kernel, stride, dilation, run_pads, out_hw):
-    """Non-overlapping max pooling as a reshape, for ``impl="auto"`` on the CPU.
+    """Max pooling without select-and-scatter, for ``impl="auto"`` on the CPU.
 
     XLA:CPU's ``reduce_window`` backward (select-and-scatter) is slow (an order
-    of magnitude for mnist_cnn's pool; docs/BENCHMARKS.md).  When the stride equals the window, there is no dilation and no padding,
-    the windows tile the (cropped) input, so a reshape exposes each window's
-    taps; a running ``where`` over them in row-major order keeps the first
-    maximum (a later tap wins only if strictly greater, or NaN where the best
-    so far is not), so the gradient goes to the first maximum as in PyTorch,
-    and NaN propagates as in ``lax.max``.
+    of magnitude for mnist_cnn's pool; docs/BENCHMARKS.md), and for ResNet's stem
+    pool it also keeps ``s32`` index buffers of the input's size.  Two forms:
+
+    - stride equal to the window, no dilation, no padding: the windows tile the
+      (cropped) input, so a reshape exposes each window's taps; a running ``where``
+      over them in row-major order keeps the first maximum (a later tap wins only if
+      strictly greater, or NaN where the best so far is not), so the gradient goes to
+      the first maximum as in PyTorch, and NaN propagates as in ``lax.max``
+      (:func:`_tiled_max_pool`).
+    - overlapping windows (kernel > stride on an axis) or padding, no dilation: the
+      ``kh * kw`` strided taps of the input padded with the lowest value, the gradient's
+      tap chosen exactly as XLA's select-and-scatter chooses it, ties, -inf, NaN and
+      padding included (:func:`_strided_max_pool`).  Measured (2-core EPYC, jaxlib
+      0.10.2, ms forward+backward, XLA / rewrite, same run; docs/BENCHMARKS.md CPU
+      item 3): float32 16x112x112x64 3x3/2 pad 1 (ResNet's stem) 319 / 46,
+      128x24x24x64 3x3/2 pad 1 127 / 16, 32x28x28x64 3x3/1 pad 1 107 / 12, 2x2/1 no pad
+      62 / 1.8; bfloat16 346 / 166, 134 / 52, 123 / 65, 68 / 16.  Forward alone the taps
+      win too (5.4 / 2.6, 6.1 / 1.0 ms; bfloat16 stem 71 / 28) except for float32 inputs
+      over :data:`POOL_TAPS_MAX_ELEMENTS` (the stem at batch 16: 27 / 43, 64x56x56x64:
+      27 / 48), where the undifferentiated value stays ``reduce_window``.  Windows over 9
+      taps, float16, and strides above the window without padding (gaps, no
+      overlap) were not measured and keep XLA.
 
     Arguments:
         x: input ``(N, H, W, C)``.
@@ -307,11 +328,23 @@ def max_pool2d_rewrite(x, kernel, stride, dilation, run_pads, out_hw):
     """
     if not jnp.issubdtype(x.dtype, jnp.floating):
         return None
-    if (tuple(stride) != tuple(kernel) or tuple(dilation) != (1, 1)
-            or any(p for pair in run_pads for p in pair)):
+    if tuple(dilation) != (1, 1):
         return None
-    (kh, kw), (oh, ow) = (int(k) for k in kernel), out_hw
-    return lambda x: _tiled_max_pool(x[:, :oh * kh, :ow * kw], (kh, kw))
+    kernel, stride = tuple(int(k) for k in kernel), tuple(int(s) for s in stride)
+    run_pads = tuple(tuple(int(p) for p in pair) for pair in run_pads)
+    out_hw = tuple(int(o) for o in out_hw)
+    padded = any(p for pair in run_pads for p in pair)
+    if stride == kernel and not padded:
+        (kh, kw), (oh, ow) = kernel, out_hw
+        return lambda x: _tiled_max_pool(x[:, :oh * kh, :ow * kw], (kh, kw))
+    if not all(isinstance(d, int) for d in x.shape):
+        return None  # symbolic dimensions (jax.export with a dynamic batch) keep XLA's lowering
+    overlap = any(k > s for k, s in zip(kernel, stride))
+    if x.dtype not in (jnp.float32, jnp.bfloat16) or kernel[0] * kernel[1] > 9:
+        return None
+    if not (overlap or padded):
+        return None
+    return lambda x: _strided_max_pool(x, kernel, stride, run_pads, out_hw)
 
 
 def _windows(x, kernel):
@@ -357,3 +390,83 @@ def _tiled_max_pool_jvp(kernel, primals, tangents):
 
 
 _tiled_max_pool.defjvp(_tiled_max_pool_jvp)
+
+
+def _strided_taps(xp, kernel, stride, out_hw):
+    """The ``kh * kw`` taps of ``xp`` (padded), row-major: tap ``a * kw + b`` is
+    ``xp[:, a + i * sh, b + j * sw]`` for output ``(i, j)``, each ``(N, OH, OW, C)``."""
+    (kh, kw), (sh, sw), (oh, ow) = kernel, stride, out_hw
+    n, c = xp.shape[0], xp.shape[3]
+    return [lax.slice(xp, (0, a, b, 0), (n, a + (oh - 1) * sh + 1, b + (ow - 1) * sw + 1, c),
+                      (1, sh, sw, 1))
+            for a in range(kh) for b in range(kw)]
+
+
+def _strided_max_and_tap(x, kernel, stride, run_pads, out_hw):
+    """The maximum of each (padded, possibly overlapping) window and the row-major index
+    of the tap XLA's reduce_window gradient gives it to.
+
+    XLA's gradient (select-and-scatter with ``>=``) walks each window row-major, padding
+    included as the lowest value, and moves to a later tap unless the current one is
+    ``>=`` it: the first maximum without NaN; with NaN, ``!(a >= b)`` holds either way, so
+    it moves on past and onto NaN (measured on jaxlib 0.10.2 and 0.11.2, tested in
+    tests/functional/test_functional_conv_cpu.py).  The value is ``lax.max``'s, which
+    propagates NaN; a tap landing in the padding gets no gradient.
+    """
+    xp = jnp.pad(x, ((0, 0), *run_pads, (0, 0)), constant_values=geo.lowest(x.dtype))
+    taps = _strided_taps(xp, kernel, stride, out_hw)
+    tap_dtype = jnp.int8 if len(taps) <= 127 else jnp.int32
+    y = best = taps[0]
+    first = jnp.zeros(y.shape, tap_dtype)
+    for t, tap in enumerate(taps[1:], 1):
+        later = ~(best >= tap)
+        best = jnp.where(later, tap, best)
+        first = jnp.where(later, jnp.asarray(t, tap_dtype), first)
+        y = lax.max(y, tap)
+    return y, first
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2, 3, 4))
+def _strided_max_pool(x, kernel, stride, run_pads, out_hw):
+    if x.dtype == jnp.float32 and x.size > POOL_TAPS_MAX_ELEMENTS:
+        return geo.xla_max_pool(x, kernel, stride, (1, 1), run_pads, out_hw)
+    xp = jnp.pad(x, ((0, 0), *run_pads, (0, 0)), constant_values=geo.lowest(x.dtype))
+    return functools.reduce(lax.max, _strided_taps(xp, kernel, stride, out_hw))
+
+
+def _strided_max_pool_jvp(kernel, stride, run_pads, out_hw, primals, tangents):
+    """The tangent is the masked sum of the strided taps of the input tangent: its
+    transpose (the gradient) is ``kh * kw`` elementwise selects of ``dy`` by the stored
+    tap index, each put back by the transpose of a strided slice (``lax.pad`` with
+    interior padding) and summed: no select-and-scatter, no scatter.
+
+    A bfloat16 input is compared and its tangent summed in float32 (the comparisons are
+    exact; an input's gradient, the sum of the cotangents of the windows that chose it,
+    rounds once, where XLA's select-and-scatter rounds after each add), and its tap
+    index is fenced (stored, not recomputed in the backward): XLA:CPU runs bfloat16
+    elementwise chains several times slower, and without both the bfloat16 gradient
+    measured 3-4x slower than XLA's (with both, 2-2.6x faster: docs/BENCHMARKS.md).
+    """
+    (x,), (dx,) = primals, tangents
+    wide = x.dtype != jnp.float32
+    y, first = _strided_max_and_tap(x.astype(jnp.float32) if wide else x,
+                                    kernel, stride, run_pads, out_hw)
+    if wide:
+        y, first = y.astype(x.dtype), _fence_index(first, kernel[0] * kernel[1] - 1)
+    acc = jnp.float32 if wide else dx.dtype
+    dtaps = _strided_taps(jnp.pad(dx.astype(acc), ((0, 0), *run_pads, (0, 0))),
+                          kernel, stride, out_hw)
+    zero = jnp.zeros((), acc)
+    dy = functools.reduce(jnp.add, [jnp.where(first == t, d, zero) for t, d in enumerate(dtaps)])
+    return y, dy.astype(dx.dtype)
+
+
+def _fence_index(index, top):
+    """``index`` (values in ``[0, top]``), stored: like :func:`_fence`, a conditional XLA
+    cannot fuse through; the second branch clips to ``[0, top]`` (the identity here, which
+    XLA cannot prove), the predicate (never true) is read from ``index``."""
+    first = index[(0,) * index.ndim]
+    return lax.cond(first < 0, lambda v: jnp.clip(v, 0, top).astype(v.dtype), lambda v: v, index)
+
+
+_strided_max_pool.defjvp(_strided_max_pool_jvp)

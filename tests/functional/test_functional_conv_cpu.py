@@ -415,12 +415,157 @@ def test_max_pool_reshape_propagates_nan_and_inf():
     assert np.isnan(y[0, 0, 0, 0]) and y[0, 1, 1, 0] == np.inf and y[0, 0, 1, 0] == 0
 
 
-@pytest.mark.parametrize("kwargs", [dict(kernel_size=2, padding=1), dict(kernel_size=3, stride=2),
-                                    dict(kernel_size=2, dilation=2),
-                                    dict(kernel_size=2, ceil_mode=True)])
+@pytest.mark.parametrize("kwargs", [dict(kernel_size=2, dilation=2),
+                                    dict(kernel_size=2, stride=3),
+                                    dict(kernel_size=(5, 2), padding=(2, 1)),
+                                    dict(kernel_size=3, stride=2, padding=1, dtype=jnp.float16),
+                                    dict(kernel_size=3, stride=2, padding=1, dtype=jnp.int32)])
 def test_max_pool_other_geometries_keep_reduce_window(kwargs):
-    x = jnp.asarray(np.random.default_rng(9).standard_normal((2, 7, 7, 3)), jnp.float32)
+    """Dilation, gaps without padding, windows over 9 taps and unmeasured dtypes keep XLA."""
+    dtype = kwargs.pop("dtype", jnp.float32)
+    x = jnp.asarray(np.random.default_rng(9).integers(-50, 50, (2, 7, 7, 3)), dtype)
     jaxpr = str(jax.make_jaxpr(lambda x: F.max_pool2d(x, impl="auto", **kwargs))(x))
     assert "reduce_window" in jaxpr or "argmax" in jaxpr
     np.testing.assert_array_equal(F.max_pool2d(x, impl="auto", **kwargs),
                                   F.max_pool2d(x, impl="xla", **kwargs))
+
+
+# ---- overlapping / padded max pooling (strided taps) ----------------------------------------
+
+# (kernel, stride, padding, ceil_mode): ResNet's stem, stride 1, ceil_mode overhangs, unequal
+# axes, stride = kernel with padding, overlap on one axis only.
+OVERLAP_GEOMETRIES = [(3, 2, 1, False), (3, 1, 1, False), (3, 2, 1, True), (3, 2, 0, True),
+                      ((2, 3), (1, 2), (1, 1), True), (2, 2, 1, False),
+                      ((3, 1), (2, 1), (1, 0), False), (2, 1, 0, False)]
+
+
+def _tied_input(rng, shape, dtype):
+    """Small integers (ties in most windows); from the second sample on, mostly -inf with
+    NaN and inf, so that some windows see only -inf and padding, and some hold NaN before,
+    after or between maxima."""
+    x = rng.integers(-2, 3, shape).astype(np.float32)
+    u = rng.random(shape)
+    u[0] = 1.0
+    x[u < 0.7] = -np.inf
+    x[(u >= 0.7) & (u < 0.8)] = np.nan
+    x[(u >= 0.8) & (u < 0.83)] = np.inf
+    return jnp.asarray(x, dtype)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("geometry", OVERLAP_GEOMETRIES)
+def test_max_pool_overlapping_matches_reduce_window_value_and_gradient(geometry, dtype):
+    """Value and gradient equal reduce_window's (jax.vjp) exactly: the same tap chosen per
+    window (first maximum, XLA's rule with -inf, NaN and padding), integer cotangents so
+    that sums are exact in bfloat16 too."""
+    k, s, p, ceil = geometry
+    rng = np.random.default_rng(OVERLAP_GEOMETRIES.index(geometry))
+    x = _tied_input(rng, (2, 8, 7, 3), dtype)
+
+    def pool(impl):
+        return lambda x: F.max_pool2d(x, k, stride=s, padding=p, ceil_mode=ceil, impl=impl)
+
+    for fn in (pool("auto"), jax.grad(lambda x: jnp.sum(pool("auto")(x)))):
+        jaxpr = str(jax.make_jaxpr(fn)(x))
+        assert "reduce_window" not in jaxpr and "select_and" not in jaxpr  # the taps ran
+    y, vjp = jax.vjp(jax.jit(pool("auto")), x)
+    y_xla, vjp_xla = jax.vjp(jax.jit(pool("xla")), x)
+    assert y.dtype == dtype and y.shape == y_xla.shape
+    np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(y_xla, np.float32))
+    ct = jnp.asarray(rng.integers(1, 9, y.shape), dtype)
+    np.testing.assert_array_equal(np.asarray(vjp(ct)[0], np.float32),
+                                  np.asarray(vjp_xla(ct)[0], np.float32))
+
+
+def test_max_pool_overlapping_bf16_gradient_rounds_once():
+    """bfloat16 with real-valued cotangents: the taps sum in float32 and round once, XLA
+    rounds after each add; both within bfloat16's rounding of the float32 sum."""
+    rng = np.random.default_rng(5)
+    x = jnp.asarray(rng.integers(-2, 3, (2, 9, 9, 4)), jnp.bfloat16)
+    ct = np.asarray(jnp.asarray(rng.standard_normal((2, 5, 5, 4)), jnp.bfloat16), np.float32)
+
+    def grad(impl, dtype):
+        y, vjp = jax.vjp(lambda x: F.max_pool2d(x, 3, stride=2, padding=1, impl=impl),
+                         x.astype(dtype))
+        return np.asarray(vjp(jnp.asarray(ct, dtype))[0], np.float32)
+
+    exact = grad("xla", jnp.float32)  # the same choices: x is exact in float32
+    np.testing.assert_array_equal(grad("auto", jnp.bfloat16),
+                                  np.asarray(jnp.asarray(exact, jnp.bfloat16), np.float32))
+    assert_close(grad("xla", jnp.bfloat16), exact, RTOL[jnp.bfloat16])
+
+
+def test_max_pool_overlapping_forward_mode_and_second_order():
+    """jvp against reduce_window's on distinct values; on ties, the jvp is the transpose
+    of the gradient (<jvp(t), c> == <t, vjp(c)>, exact on integers); second order as XLA."""
+    rng = np.random.default_rng(13)
+    geometry = dict(kernel_size=3, stride=2, padding=1, ceil_mode=True)
+
+    def pool(impl):
+        return lambda x: F.max_pool2d(x, impl=impl, **geometry)
+
+    xs = jnp.asarray(rng.permutation(2 * 7 * 6 * 3).reshape(2, 7, 6, 3) - 100.0, jnp.float32)
+    t = jnp.asarray(rng.integers(-4, 5, xs.shape), jnp.float32)
+    y, ty = jax.jvp(pool("auto"), (xs,), (t,))
+    y_ref, ty_ref = jax.jvp(pool("xla"), (xs,), (t,))
+    np.testing.assert_array_equal(y, y_ref)
+    np.testing.assert_array_equal(ty, ty_ref)
+
+    x = jnp.asarray(rng.integers(-2, 3, xs.shape), jnp.float32)
+    _, ty = jax.jvp(pool("auto"), (x,), (t,))
+    y, vjp = jax.vjp(pool("xla"), x)
+    c = jnp.asarray(rng.integers(-4, 5, y.shape), jnp.float32)
+    assert float(jnp.sum(ty * c)) == float(jnp.sum(t * vjp(c)[0]))
+
+    smooth = xs / 50.0
+
+    def curvature(impl):
+        return lambda x: jnp.sum(jax.grad(lambda x: jnp.sum(jnp.sin(pool(impl)(x))))(x) * x)
+
+    assert_close(jax.grad(curvature("auto"))(smooth), jax.grad(curvature("xla"))(smooth),
+                 RTOL[jnp.float32])
+
+
+def test_max_pool_stem_dispatch_drops_select_and_scatter():
+    """ResNet's stem pool on the CPU: the gradient has no select-and-scatter (XLA's has, so
+    the check can fail); the undifferentiated float32 value stays reduce_window above
+    POOL_TAPS_MAX_ELEMENTS (measured faster there), the taps below it and for bfloat16."""
+    def pool(impl):
+        return lambda x: F.max_pool2d(x, 3, stride=2, padding=1, impl=impl)
+
+    def grad_hlo(impl, x):
+        fn = jax.jit(jax.grad(lambda x: jnp.sum(pool(impl)(x).astype(jnp.float32))))
+        return fn.lower(x).as_text()
+
+    stem = jax.ShapeDtypeStruct((16, 112, 112, 64), jnp.float32)
+    assert "select_and_scatter" in grad_hlo("xla", stem)
+    for x in (stem, jax.ShapeDtypeStruct(stem.shape, jnp.bfloat16)):
+        hlo = grad_hlo("auto", x)
+        assert "select_and_scatter" not in hlo and "reduce_window" not in hlo
+    assert "reduce_window" in str(jax.make_jaxpr(pool("auto"))(stem))
+    for small in (jax.ShapeDtypeStruct((128, 24, 24, 64), jnp.float32),
+                  jax.ShapeDtypeStruct(stem.shape, jnp.bfloat16)):
+        assert "reduce_window" not in str(jax.make_jaxpr(pool("auto"))(small))
+
+
+def test_bench_cpu_pool_script_times_both_lowerings(capsys):
+    """scripts/bench_cpu_pool.py at batch 1: a row per shape, its two lowerings equal;
+    an unknown shape is a usage error (exit 2, one line)."""
+    import importlib.util
+    import os
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "bench_cpu_pool.py")
+    spec = importlib.util.spec_from_file_location("bench_cpu_pool", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    for name in ("stem128", "tiled"):
+        shape, k, s, p = bench.SHAPES[name]
+        x = jnp.asarray(np.random.default_rng(0).integers(-3, 3, (1, *shape[1:])), jnp.bfloat16)
+        xla, rewrite = bench.pools(x.shape, k, s, p, x.dtype)
+        np.testing.assert_array_equal(np.asarray(rewrite(x), np.float32),
+                                      np.asarray(xla(x), np.float32))
+    assert bench.main(["--shapes", "stem128,tiled", "--batch", "1", "--rounds", "1",
+                       "--repeats", "1"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith(("stem", "tiled"))]
+    assert len(rows) == 2 and all(len(r.split()) >= 10 for r in rows)
+    assert bench.main(["--shapes", "nope"]) == 2
+    assert "unknown --shapes" in capsys.readouterr().err
