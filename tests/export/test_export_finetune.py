@@ -104,7 +104,8 @@ def test_bad_init_from_exits_2_with_one_line(tmp_path, capsys):
            "does not exist")
     _fails(base + [f"model.init_from={tmp_path}"], capsys, "params.npz", "directory")
     (tmp_path / "weights.pt").write_bytes(b"\x80\x02 not for us")
-    _fails(base + [f"model.init_from={tmp_path}/weights.pt"], capsys, ".npz or .safetensors")
+    _fails(base + [f"model.init_from={tmp_path}/weights.pt"], capsys, "a PyTorch .pt file is a pickle",
+           "safetensors")
     corrupt = tmp_path / "corrupt.safetensors"
     corrupt.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
     _fails(base + [f"model.init_from={corrupt}"], capsys, "corrupt.safetensors")
