@@ -223,6 +223,17 @@ def xla_max_pool(x, kernel, stride, dilation, run_pads, out_hw):
         ((0, 0), *run_pads, (0, 0)))
 
 
+def window_taps(xp, kernel, stride, dilation, out_hw) -> list:
+    """The ``kh * kw`` taps of the windows over ``xp`` (already padded), row-major: tap
+    ``a * kw + b`` is ``xp[:, a * dh + i * sh, b * dw + j * sw]`` for output ``(i, j)``,
+    each ``(N, OH, OW, C)`` (strided slices, no gather)."""
+    (sh, sw), (dh, dw), (oh, ow) = stride, dilation, out_hw
+    n, c = xp.shape[0], xp.shape[3]
+    return [lax.slice(xp, (0, a * dh, b * dw, 0),
+                      (n, a * dh + (oh - 1) * sh + 1, b * dw + (ow - 1) * sw + 1, c), (1, sh, sw, 1))
+            for a in range(kernel[0]) for b in range(kernel[1])]
+
+
 def _dilated_max_pool(x, kernel, stride, dilation, run_pads, out_hw):
     """Max pooling with a dilated window, as an argmax over the window's taps.
 
@@ -231,12 +242,7 @@ def _dilated_max_pool(x, kernel, stride, dilation, run_pads, out_hw):
     ``argmax``; the gradient of the gather then goes to that first maximum.
     """
     xp = jnp.pad(x, ((0, 0), *run_pads, (0, 0)), constant_values=lowest(x.dtype))
-    (sh, sw), (dh, dw), (oh, ow) = stride, dilation, out_hw
-    n, c = x.shape[0], x.shape[3]
-    taps = jnp.stack([
-        lax.slice(xp, (0, i * dh, j * dw, 0),
-                  (n, i * dh + (oh - 1) * sh + 1, j * dw + (ow - 1) * sw + 1, c), (1, sh, sw, 1))
-        for i in range(kernel[0]) for j in range(kernel[1])])
+    taps = jnp.stack(window_taps(xp, kernel, stride, dilation, out_hw))
     first = jnp.argmax(taps, axis=0)
     return jnp.take_along_axis(taps, first[None], axis=0)[0]
 

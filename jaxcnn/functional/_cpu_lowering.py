@@ -392,16 +392,6 @@ def _tiled_max_pool_jvp(kernel, primals, tangents):
 _tiled_max_pool.defjvp(_tiled_max_pool_jvp)
 
 
-def _strided_taps(xp, kernel, stride, out_hw):
-    """The ``kh * kw`` taps of ``xp`` (padded), row-major: tap ``a * kw + b`` is
-    ``xp[:, a + i * sh, b + j * sw]`` for output ``(i, j)``, each ``(N, OH, OW, C)``."""
-    (kh, kw), (sh, sw), (oh, ow) = kernel, stride, out_hw
-    n, c = xp.shape[0], xp.shape[3]
-    return [lax.slice(xp, (0, a, b, 0), (n, a + (oh - 1) * sh + 1, b + (ow - 1) * sw + 1, c),
-                      (1, sh, sw, 1))
-            for a in range(kh) for b in range(kw)]
-
-
 def _strided_max_and_tap(x, kernel, stride, run_pads, out_hw):
     """The maximum of each (padded, possibly overlapping) window and the row-major index
     of the tap XLA's reduce_window gradient gives it to.
@@ -414,7 +404,7 @@ def _strided_max_and_tap(x, kernel, stride, run_pads, out_hw):
     propagates NaN; a tap landing in the padding gets no gradient.
     """
     xp = jnp.pad(x, ((0, 0), *run_pads, (0, 0)), constant_values=geo.lowest(x.dtype))
-    taps = _strided_taps(xp, kernel, stride, out_hw)
+    taps = geo.window_taps(xp, kernel, stride, (1, 1), out_hw)
     tap_dtype = jnp.int8 if len(taps) <= 127 else jnp.int32
     y = best = taps[0]
     first = jnp.zeros(y.shape, tap_dtype)
@@ -431,7 +421,7 @@ def _strided_max_pool(x, kernel, stride, run_pads, out_hw):
     if x.dtype == jnp.float32 and x.size > POOL_TAPS_MAX_ELEMENTS:
         return geo.xla_max_pool(x, kernel, stride, (1, 1), run_pads, out_hw)
     xp = jnp.pad(x, ((0, 0), *run_pads, (0, 0)), constant_values=geo.lowest(x.dtype))
-    return functools.reduce(lax.max, _strided_taps(xp, kernel, stride, out_hw))
+    return functools.reduce(lax.max, geo.window_taps(xp, kernel, stride, (1, 1), out_hw))
 
 
 def _strided_max_pool_jvp(kernel, stride, run_pads, out_hw, primals, tangents):
@@ -454,8 +444,8 @@ def _strided_max_pool_jvp(kernel, stride, run_pads, out_hw, primals, tangents):
     if wide:
         y, first = y.astype(x.dtype), _fence_index(first, kernel[0] * kernel[1] - 1)
     acc = jnp.float32 if wide else dx.dtype
-    dtaps = _strided_taps(jnp.pad(dx.astype(acc), ((0, 0), *run_pads, (0, 0))),
-                          kernel, stride, out_hw)
+    dtaps = geo.window_taps(jnp.pad(dx.astype(acc), ((0, 0), *run_pads, (0, 0))),
+                            kernel, stride, (1, 1), out_hw)
     zero = jnp.zeros((), acc)
     dy = functools.reduce(jnp.add, [jnp.where(first == t, d, zero) for t, d in enumerate(dtaps)])
     return y, dy.astype(dx.dtype)

@@ -836,11 +836,6 @@ class _Packing:
                 start += size(i)
         self.w_len = start
 
-    def _moved(self, i):
-        """Leaf ``i``'s block shape with its split dimension first."""
-        d, shape = self.dims[i], self.shapes[i]
-        return (shape[d],) + tuple(v for j, v in enumerate(shape) if j != d)
-
     def gather(self, blocks):
         """``mine_of(s)``: stage ``s``'s ``{block path: parameters}``, whole, valid on the
         device running stage ``s`` (after one ``all_to_all`` per dtype)."""
@@ -849,7 +844,7 @@ class _Packing:
         for dt, length in self.p_len.items():
             rows = []
             for s in range(S):
-                parts = [jnp.moveaxis(leaves[i], self.dims[i], 0).reshape(-1) for i in self.stage_leaves[s]
+                parts = [_blocks(leaves[i], self.dims[i], 1)[0] for i in self.stage_leaves[s]
                          if self.dims[i] is not None and self.dtypes[i] == dt]
                 flat = jnp.concatenate(parts + [jnp.zeros((0,), dt)])
                 rows.append(jnp.pad(flat, (0, length - flat.shape[0])))
@@ -863,9 +858,9 @@ class _Packing:
                 if d is None:
                     out.append(leaves[i])
                     continue
-                n, moved = math.prod(self.shapes[i]), self._moved(i)
-                every = recv[self.dtypes[i]][:, self.p_off[i]:self.p_off[i] + n]
-                out.append(jnp.moveaxis(every.reshape((S * moved[0],) + moved[1:]), 0, d))
+                n = math.prod(self.shapes[i])
+                every = recv[self.dtypes[i]][:, self.p_off[i]:self.p_off[i] + n]  # row k: device k's block
+                out.append(_unblock(every, d, self.whole_shape[i]))
             return jax.tree_util.tree_unflatten(self.stage_def[s], out)
 
         return mine_of
