@@ -71,6 +71,17 @@ def _apply_child(name, layer, rng, params, state, x, train, policy, choices, new
     return y
 
 
+def apply_in_turn(children, params, state, x, *, train=False, rng=None, policy=None,
+                  choices=None):
+    """``(y, new_state)`` of ``children`` (``(name, Layer)`` pairs) applied one after the
+    other, each through its own ``apply`` (a :func:`serial` without its Conv -> BatchNorm
+    fusion)."""
+    new_state = {}
+    for (name, layer), r in zip(children, split_rng(rng, len(children))):
+        x = _apply_child(name, layer, r, params, state, x, train, policy, choices, new_state)
+    return x, new_state
+
+
 def serial(*layers) -> Layer:
     """Apply layers one after the other, like ``torch.nn.Sequential``.
 
@@ -91,15 +102,14 @@ def serial(*layers) -> Layer:
         return params, state, shape
 
     def apply(params, state, x, *, train=False, rng=None, policy=None, choices=None):
-        new_state, rngs = {}, split_rng(rng, n)
         if fusion.active(choices, train):  # Conv -> BatchNorm [-> ReLU] chains, when chosen
-            x = fusion.apply_chain(children, rngs, params, state, x, train=train, policy=policy,
-                                   choices=choices, new_state=new_state,
+            new_state = {}
+            x = fusion.apply_chain(children, split_rng(rng, n), params, state, x, train=train,
+                                   policy=policy, choices=choices, new_state=new_state,
                                    apply_child=_apply_child)
             return x, new_state
-        for (name, layer), r in zip(children, rngs):
-            x = _apply_child(name, layer, r, params, state, x, train, policy, choices, new_state)
-        return x, new_state
+        return apply_in_turn(children, params, state, x, train=train, rng=rng, policy=policy,
+                             choices=choices)
 
     return Layer(init, apply, "serial", {}, tuple(children))
 

@@ -266,19 +266,22 @@ def gather_params(params, shardings):
     a whole gradient after the backward.
     """
     whole = jax.tree_util.tree_map(lambda s: NamedSharding(s.mesh, P()), shardings)
+    # Two constraints, each the other's transpose's partner: at rest, then whole.  The
+    # gradient is pinned whole, then at rest: the reduce-scatter.
+    return jax.lax.with_sharding_constraint(jax.lax.with_sharding_constraint(params, shardings),
+                                            whole)
 
-    @jax.custom_vjp
-    def gather(p):
-        return jax.lax.with_sharding_constraint(p, whole)
 
-    def forward(p):
-        return gather(p), None
+def _unfused(layer: Layer, children) -> Layer:
+    """A rebuilt ``serial``: its children one after the other, each through its own
+    ``apply``, never through the Conv -> BatchNorm fusion's chain walk (which would call
+    the fused kernel on the children's parameters directly, past their sharding
+    constraints and parameter gathers; the children's insides keep the caller's
+    fusion choice)."""
+    def apply(params, state, x, **kwargs):
+        return C.apply_in_turn(children, params, state, x, **kwargs)
 
-    def backward(_, g):
-        return (jax.lax.with_sharding_constraint(g, shardings),)
-
-    gather.defvjp(forward, backward)
-    return gather(params)
+    return layer._replace(apply=apply, children=tuple(children))
 
 
 def constrain(model: Layer, layout: SpatialLayout, mesh: Mesh, params=None) -> Layer:
@@ -298,8 +301,8 @@ def constrain(model: Layer, layout: SpatialLayout, mesh: Mesh, params=None) -> L
             return _pinned(layer, gathered if path == last else inner)
         if layer.kind != "serial" or not any(_in(p, path) for p in split):
             return layer
-        children = [(name, rebuild(child, child_path(path, name))) for name, child in layer.children]
-        return layer._replace(apply=C.serial(*children).apply, children=tuple(children))
+        return _unfused(layer, [(name, rebuild(child, child_path(path, name)))
+                                for name, child in layer.children])
 
     body = rebuild(model, "")
     if not split:

@@ -7,7 +7,7 @@ from hypothesis import given, settings, strategies as st
 from jax.test_util import check_grads
 
 from jaxcnn import functional as F
-from numeric import assert_close
+from numeric import assert_close, jaxpr_eqns
 
 # Relative-to-max error bounds. fp32 against a float64 loop (the conftest
 # sets jax_default_matmul_precision=highest); bf16 keeps 8 mantissa bits.
@@ -323,16 +323,9 @@ def test_conv_transpose2d_matches_torch_with_gradients(x_shape, k, stride, paddi
 
 def _negative_low_pads(jaxpr) -> list:
     """The pads of every convolution in `jaxpr` (sub-jaxprs included) with a negative low pad."""
-    found = []
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "conv_general_dilated" and any(lo < 0 for lo, _ in eqn.params["padding"]):
-            found.append(eqn.params["padding"])
-        for value in eqn.params.values():
-            for item in value if isinstance(value, (tuple, list)) else (value,):
-                inner = getattr(item, "jaxpr", item)  # a ClosedJaxpr's jaxpr, or a Jaxpr
-                if hasattr(inner, "eqns"):
-                    found += _negative_low_pads(inner)
-    return found
+    return [eqn.params["padding"] for eqn in jaxpr_eqns(jaxpr)
+            if eqn.primitive.name == "conv_general_dilated"
+            and any(lo < 0 for lo, _ in eqn.params["padding"])]
 
 
 @pytest.mark.parametrize("op", ["conv2d", "conv_transpose2d"])

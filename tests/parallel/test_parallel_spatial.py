@@ -11,9 +11,11 @@ import pytest
 from jaxcnn import layers as L
 from jaxcnn.models import get as get_model
 from jaxcnn.parallel import ParallelPlan, make_mesh, spatial_layout
+from jaxcnn.layers._tree import get_path
 from jaxcnn.parallel.spatial import window_halo
 from jaxcnn.train.step import make_train_step
 
+from numeric import jaxpr_eqns
 from _helpers import batches, init, max_diff, run_single
 
 LR1 = optax.sgd(1.0)  # new params = params - grads: one step exposes the gradients
@@ -90,17 +92,20 @@ def test_activations_are_height_sharded_until_the_gather():
     state0 = init(model, LR1, shape)
     x = plan.put_batch(batches(shape, 1)[0])["image"]
     # Which layers carry constraints: read them back from the jaxpr.
-    jaxpr = str(jax.make_jaxpr(lambda p, s, x: plan.step_model.apply(p, s, x))(
-        state0.params, state0.state, x))
-    specs = re.findall(r"sharding_constraint\[[^\]]*?spec=P\(([^)]*)\)", jaxpr)
-    # The parameters first, gathered whole (P()): at rest the large ones are split over spatial.
+    jaxpr = jax.make_jaxpr(lambda p, s, x: plan.step_model.apply(p, s, x))(
+        state0.params, state0.state, x)
+    eqns = list(jaxpr_eqns(jaxpr))
+    specs = [str(e.params["sharding"].spec) for e in eqns if e.primitive.name == "sharding_constraint"]
+    # The parameters first, pinned at rest and then gathered whole (P()): at rest the large
+    # ones are split over spatial.
     leaves = jax.tree_util.tree_leaves(state0.params)
-    assert specs[:len(leaves)] == [""] * len(leaves)
-    specs = specs[len(leaves):]
+    rest = [str(s.spec) for s in jax.tree_util.tree_leaves(plan.state_shardings.params)]
+    assert specs[:2 * len(leaves)] == rest + ["P()"] * len(leaves)
+    specs = specs[2 * len(leaves):]
     # input + every split unit (4 stem units + 4 blocks of layer1/layer2), the last one gathering.
     assert len(specs) == 1 + len(plan.spatial.split)
-    assert specs[:-1] == ["'data', 'spatial'"] * len(plan.spatial.split)
-    assert specs[-1] == "'data',"
+    assert specs[:-1] == ["P('data', 'spatial')"] * len(plan.spatial.split)
+    assert specs[-1] == "P('data',)"
 
 
 def test_parameters_and_moments_rest_split_over_spatial():
@@ -331,3 +336,36 @@ def test_split_units_run_xla_kernels_the_rest_keeps_the_callers_choices():
     jax.jit(lambda x: constrain(model, layout, mesh).apply(
         {}, {}, x, choices=Choices(impl="pallas", conv_bn="mosaic"))[0]).lower(x)
     assert seen == [("a", "xla", "off"), ("b", "xla", "off"), ("c", "pallas", "mosaic")]
+
+
+def test_no_fused_chain_walks_past_the_split_units(monkeypatch):
+    """With the Conv -> BatchNorm fusion chosen (conv_bn="mosaic", as on a GPU) a rebuilt
+    serial must not walk its children through the fusion's chain (which calls the fused kernel
+    on a child's parameters directly, past the child's pin and parameter gather: ResNet's stem
+    conv1 -> bn1 would run unsplit on ungathered weights); the units' insides still may."""
+    from jaxcnn.layers import Choices, fusion
+    walked = []
+
+    def walk(children, rngs, params, state, x, *, train, policy, choices, new_state, apply_child):
+        walked.append([layer for _, layer in children])
+        for (name, layer), r in zip(children, rngs):
+            x = apply_child(name, layer, r, params, state, x, train, policy, choices, new_state)
+        return x
+
+    monkeypatch.setattr(fusion, "apply_chain", walk)
+    model, shape = _model("resnet18")
+    plan = _plan(model, LR1, shape, 2, 4)
+    state0 = init(model, LR1, shape)
+    x = plan.put_batch(batches(shape, 1)[0])["image"]
+    jax.make_jaxpr(lambda p, s, x: plan.step_model.apply(
+        p, s, x, train=True, rng=jax.random.PRNGKey(0), choices=Choices(conv_bn="mosaic")))(
+        state0.params, state0.state, x)
+    top = dict(plan.step_model.children)
+    rebuilt = [plan.step_model, top["layer1"], top["layer2"]]  # serials holding split units
+    assert plan.spatial.gather_after == "layer2.1"
+
+    def same(a, b):
+        return len(a) == len(b) and all(x is y for x, y in zip(a, b))
+    assert not [w for w in walked for r in rebuilt if same(w, [c for _, c in r.children])]
+    # layer3 and layer4 are not split: their blocks keep the caller's fusion inside.
+    assert [w for w in walked if same(w, [c for _, c in top["layer3"].children])]
