@@ -11,7 +11,6 @@ import pytest
 from jaxcnn import layers as L
 from jaxcnn.models import get as get_model
 from jaxcnn.parallel import ParallelPlan, make_mesh, spatial_layout
-from jaxcnn.layers._tree import get_path
 from jaxcnn.parallel.spatial import window_halo
 from jaxcnn.train.step import make_train_step
 
