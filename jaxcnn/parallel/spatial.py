@@ -266,10 +266,22 @@ def gather_params(params, shardings):
     a whole gradient after the backward.
     """
     whole = jax.tree_util.tree_map(lambda s: NamedSharding(s.mesh, P()), shardings)
-    # Two constraints, each the other's transpose's partner: at rest, then whole.  The
-    # gradient is pinned whole, then at rest: the reduce-scatter.
-    return jax.lax.with_sharding_constraint(jax.lax.with_sharding_constraint(params, shardings),
-                                            whole)
+
+    # A custom_vjp, not two constraints (at rest, then whole: each its own transpose): the
+    # transposed pair pins the gradient whole before splitting it, which XLA computes as an
+    # all-reduce and a slice: 562 MB per device for ResNet-50 on 4 shards, against 490.
+    @jax.custom_vjp
+    def gather(p):
+        return jax.lax.with_sharding_constraint(p, whole)
+
+    def forward(p):
+        return gather(p), None
+
+    def backward(_, g):
+        return (jax.lax.with_sharding_constraint(g, shardings),)
+
+    gather.defvjp(forward, backward)
+    return gather(params)
 
 
 def _unfused(layer: Layer, children) -> Layer:
