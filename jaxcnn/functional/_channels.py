@@ -17,31 +17,45 @@ WIDE_LANES = 1024
 
 
 def _fold(shape) -> int:
-    """How many rows of ``shape``'s ``(rows, C)`` view to fold into the minor axis, or 0
-    for XLA's own form (not on a CPU, symbolic dimensions, or nothing to gain)."""
+    """How many entries of ``shape``'s second-to-last axis (an image's width) to fold into
+    the minor axis, or 0 for XLA's own form (not on a CPU, symbolic dimensions, or nothing
+    to gain).
+
+    Only the two minor axes are merged (``(..., W, C) -> (..., W / g, g * C)``), never the
+    batch or the height, so an array split along those (data parallelism, spatial
+    partitioning) is reshaped where it lies: merging every row into one axis would make XLA's
+    partitioner gather a height-split activation around each reduction.
+    """
     if jax.default_backend() != "cpu" or len(shape) < 2:
         return 0
     if not all(isinstance(d, int) for d in shape):
         return 0
-    c, rows = shape[-1], int(np.prod(shape[:-1]))
-    if rows < 2 or c == 0 or 2 * c > WIDE_LANES:
+    c, width = shape[-1], shape[-2]
+    if int(np.prod(shape[:-1])) < 2 or c == 0 or 2 * c > WIDE_LANES:
         return 0
-    g = max(g for g in range(1, WIDE_LANES // c + 1) if rows % g == 0)
+    g = max(g for g in range(1, WIDE_LANES // c + 1) if width % g == 0)
     return g if g > 1 else 0
+
+
+def _folded(shape, g: int):
+    """``shape`` with ``g`` entries of its width folded into the channels."""
+    return (*shape[:-2], shape[-2] // g, g * shape[-1])
 
 
 def channel_sum(x):
     """Sum over every axis but the last: ``(..., C) -> (C,)``, in ``x``'s dtype.
 
-    On the CPU the ``(rows, C)`` view is folded to ``(rows / g, g * C)`` with about
-    :data:`WIDE_LANES` lanes, reduced over rows, then over the ``g`` groups.
+    On the CPU the ``(..., W, C)`` array is folded to ``(..., W / g, g * C)`` with up to
+    :data:`WIDE_LANES` lanes, reduced over every axis but the last, then over the ``g``
+    groups.
     """
     shape = tuple(jnp.shape(x))
     g = _fold(shape)
     if not g:
         return jnp.sum(x, axis=tuple(range(len(shape) - 1)))
     c = shape[-1]
-    return jnp.sum(jnp.sum(x.reshape(-1, g * c), axis=0).reshape(g, c), axis=0)
+    folded = x.reshape(_folded(shape, g))
+    return jnp.sum(jnp.sum(folded, axis=tuple(range(len(shape) - 1))).reshape(g, c), axis=0)
 
 
 def channel_mean(x):
@@ -64,7 +78,7 @@ def channel_broadcast(v, shape):
         return jnp.broadcast_to(v, shape)
     c = shape[-1]
     row = jnp.broadcast_to(v, (g, c)).reshape(g * c)
-    return jnp.broadcast_to(row, (int(np.prod(shape[:-1])) // g, g * c)).reshape(shape)
+    return jnp.broadcast_to(row, _folded(shape, g)).reshape(shape)
 
 
 def add_bias(y, b):

@@ -7,10 +7,9 @@ pooling window the rows it needs from the neighbouring shards (halo
 exchanges, ``collective-permute`` in the compiled HLO: no whole activation is
 gathered for them), and BatchNorm's mean over ``(N, H, W)`` becomes an
 all-reduce over ``data`` and ``spatial`` together.  (On the CPU backend the
-per-channel sums of :mod:`jaxcnn.functional._channels` fold ``(N, H, W, C)``
-into ``(rows, lanes)`` with a reshape that the partitioner can only do by
-all-gathering a height-split activation: CPU-emulated devices see those
-gathers, other backends do not fold; docs/BENCHMARKS.md has the counts.)
+per-channel sums of :mod:`jaxcnn.functional._channels` fold an activation's
+width into its channels, never its batch or height, so the partitioner reshapes
+a height-split activation where it lies.)
 What this module decides is *how far* the split goes and that it is sound:
 
 * The model is read as a sequence of **units**: the children of its top-level

@@ -39,12 +39,23 @@ def test_channel_fold_choice():
     assert ch._fold((13 * 17, 100)) == 0                 # no divisor of 221 in 2..10: XLA's form
     assert ch._fold((4, 4, 600)) == 0                    # wide enough already
     assert ch._fold((64,)) == 0
+    assert ch._fold((8, 14, 14, 256)) == 2               # a divisor of the width (not of the rows)
+    assert ch._fold((8, 16, 7, 128)) == 7
+
+
+def test_channel_fold_keeps_batch_and_height_axes():
+    """The fold merges the width into the channels only: an activation split over the batch or
+    the height (spatial partitioning) is reshaped where it lies, without an all-gather."""
+    x = jnp.ones((4, 8, 12, 16))
+    g = ch._fold(x.shape)
+    hlo = jax.jit(ch.channel_sum).lower(x).as_text()
+    assert f"tensor<4x8x{12 // g}x{g * 16}xf32>" in hlo
 
 
 def test_bias_and_batchnorm_gradients_use_the_folded_reduction():
     x = jnp.ones((8, 6, 6, 16))
     g = ch._fold(x.shape)
-    view = f"tensor<{288 // g}x{g * 16}xf32>"  # (rows / g, g * C), reduced over its rows
+    view = f"tensor<8x6x{6 // g}x{g * 16}xf32>"  # (N, H, W / g, g * C), reduced but for its lanes
 
     def reduced_views(f, *args):
         hlo = jax.jit(f).lower(*args).as_text()
