@@ -126,7 +126,7 @@ class ParallelPlan:
         # (and so their moments) are split over pipe as fsdp splits them over data ("ZeRO over
         # pipe"); the model state (BatchNorm statistics, small) stays replicated.
         # Under spatial partitioning they are split over spatial likewise ("ZeRO over spatial":
-        # the step model gathers them before use, SP.gather_params), unless fsdp splits them
+        # each unit of the step model gathers its own as it runs, SP.constrain), unless fsdp splits them
         # over data.
         piped = self.pipeline is not None
         spread = self.spatial is not None and not self.fsdp

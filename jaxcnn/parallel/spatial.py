@@ -49,9 +49,13 @@ locally, without communication.
 
 Parameters and optimiser moments rest split over ``spatial`` (the plan splits
 every leaf of at least ``rules.FSDP_MIN_SIZE`` elements as ``fsdp`` splits over
-``data``), so no device keeps a whole copy of the model's state between steps;
-:func:`gather_params` gathers them whole at the start of ``apply`` and
-reduce-scatters their gradients back into that split.
+``data``), so no device keeps a whole copy of the model's state between steps.
+Each unit gathers its own parameters whole as it runs, forward and again in the
+backward, and reduce-scatters its gradient before the units below it run their
+backward (FSDP's schedule, :func:`_gathering`): one unit's whole parameters and
+gradient are live at a time.  Gathering them whole also keeps XLA's partitioner
+from splitting a convolution by its channels next to the height split of its
+activation (the layout it got wrong for a ``model`` axis, above).
 """
 from __future__ import annotations
 
@@ -59,11 +63,12 @@ import dataclasses
 from typing import NamedTuple
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxcnn._geometry import dilated, explicit_pads
 from jaxcnn.layers import combinators as C
-from jaxcnn.layers._tree import child_path, leaves
+from jaxcnn.layers._tree import child_path, get_path, leaves
 from jaxcnn.layers.base import Choices, Layer, choices_or_default, record_layers
 from jaxcnn.parallel.mesh import DATA, SPATIAL
 
@@ -253,34 +258,70 @@ def _pinned(layer: Layer, sharding) -> Layer:
     return layer._replace(apply=apply)
 
 
-def gather_params(params, shardings):
-    """``params`` whole on every device (one all-gather each), with the gradient
-    reduce-scattered back into ``shardings`` (their at-rest split; a pytree of
-    ``NamedSharding`` like ``params``).
+def _stored(x, *, after):
+    """``x``, stored once ``after`` exists: a conditional that XLA can neither fuse through,
+    nor merge with another computation, nor run before ``after``.  Both branches return ``x``
+    (the second adds 0.0, so XLA cannot see they are equal); the predicate, never true for a
+    finite ``after``, reads one element of ``after``."""
+    firsts = [a[(0,) * a.ndim] for a in jax.tree_util.tree_leaves(after)]
+    pred = jnp.isnan(sum(f.astype(jnp.float32) for f in firsts))
+    return jax.lax.cond(pred, lambda v: jax.tree_util.tree_map(lambda a: a + jnp.zeros((), a.dtype), v),
+                        lambda v: v, x)
 
-    Parameters split over ``spatial`` are gathered before the model uses them, so
-    XLA's partitioner never splits a convolution by its channels next to the height
-    split of its activation (the layout it got wrong for a ``model`` axis, see the
-    module docs); the gradient leaves in the parameters' own split, so no device holds
-    a whole gradient after the backward.
-    """
+
+def _gathering(layer: Layer, shardings) -> Layer:
+    """``layer`` gathering its own parameters as it runs (FSDP's schedule, per unit): the
+    forward gathers them once its input exists and keeps them out of what the backward
+    reads; the backward gathers them again once the output's gradient exists, and lets the
+    input's gradient leave only with the parameters' gradient reduce-scattered.  So one
+    unit's whole parameters and gradient are live at a time, not the whole model's.
+
+    A ``custom_vjp``: the forward takes ``jax.vjp`` of the unit and drops the gathered
+    weights from its residuals (found by identity; any value made from them, a 16-bit
+    cast say, stays a residual), the backward gathers them again and puts them back.  The
+    order comes from conditionals (:func:`_stored`), not ``jax.checkpoint`` or
+    ``optimization_barrier``: XLA:CPU drops the barriers, then merges a recomputed gather
+    with the forward's, schedules every gather at the start of the program and combines
+    every gradient's reduction into one all-reduce at its end (ResNet-50 at 224x224 on 4
+    shards: 388 -> 357 MB per device with this; docs/BENCHMARKS.md)."""
     whole = jax.tree_util.tree_map(lambda s: NamedSharding(s.mesh, P()), shardings)
 
-    # A custom_vjp, not two constraints (at rest, then whole: each its own transpose): the
-    # transposed pair pins the gradient whole before splitting it, which XLA computes as an
-    # all-reduce and a slice: 562 MB per device for ResNet-50 on 4 shards, against 490.
-    @jax.custom_vjp
     def gather(p):
         return jax.lax.with_sharding_constraint(p, whole)
 
-    def forward(p):
-        return gather(p), None
+    def apply(params, state, x, *, rng=None, **kwargs):
+        def run(w, x, state, rng):
+            return layer.apply(w, state, x, rng=rng, **kwargs)
 
-    def backward(_, g):
-        return (jax.lax.with_sharding_constraint(g, shardings),)
+        static = {}  # the backward's residual layout, found when the forward is traced
 
-    gather.defvjp(forward, backward)
-    return gather(params)
+        @jax.custom_vjp
+        def unit(params, x, state, rng):
+            return run(gather(params), x, state, rng)
+
+        def fwd(params, x, state, rng):
+            w = gather(_stored(params, after=x))
+            out, vjp = jax.vjp(lambda w, x: run(w, x, state, rng), w, x)
+            ids = {id(leaf): i for i, leaf in enumerate(jax.tree_util.tree_leaves(w))}
+            leaves, static["tree"] = jax.tree_util.tree_flatten(vjp)
+            static["slots"] = [ids.get(id(leaf), -1) for leaf in leaves]
+            kept = [None if k >= 0 else leaf for leaf, k in zip(leaves, static["slots"])]
+            return out, (params, kept)
+
+        def bwd(res, ct):
+            params, kept = res
+            w = jax.tree_util.tree_leaves(gather(_stored(params, after=ct[0])))
+            vjp = jax.tree_util.tree_unflatten(static["tree"], [
+                w[k] if k >= 0 else leaf for leaf, k in zip(kept, static["slots"])])
+            d_w, d_x = vjp(ct)
+            d_params = jax.lax.with_sharding_constraint(d_w, shardings)
+            leaves = [g for g in jax.tree_util.tree_leaves(d_params) if g.ndim]
+            d_x = _stored(d_x, after=leaves) if leaves else d_x
+            return d_params, d_x, None, None
+
+        unit.defvjp(fwd, bwd)
+        return unit(params, x, state, rng)
+    return layer._replace(apply=apply)
 
 
 def _unfused(layer: Layer, children) -> Layer:
@@ -301,27 +342,31 @@ def constrain(model: Layer, layout: SpatialLayout, mesh: Mesh, params=None) -> L
     The result has the same ``init`` (parameter and state trees, rng use) and computes
     the same function; only ``apply`` adds sharding constraints.  ``params``: the
     at-rest ``NamedSharding`` of each parameter when they are split (over ``spatial``,
-    as the plan keeps them, or ``data``): ``apply`` then gathers them first
-    (:func:`gather_params`).
+    as the plan keeps them, or ``data``): each unit then gathers its own as it runs
+    (:func:`_gathering`).
     """
     split, last = set(layout.split), layout.gather_after
     inner, gathered = activation_sharding(mesh), gathered_sharding(mesh)
 
-    def rebuild(layer: Layer, path: str) -> Layer:
+    def unit(layer: Layer, path: str) -> Layer:
         if path in split:
-            return _pinned(layer, gathered if path == last else inner)
-        if layer.kind != "serial" or not any(_in(p, path) for p in split):
+            layer = _pinned(layer, gathered if path == last else inner)
+        own = get_path(params, path) if params is not None else {}
+        return _gathering(layer, own) if own else layer
+
+    def rebuild(layer: Layer, path: str) -> Layer:
+        if layer.kind != "serial":
+            return unit(layer, path)
+        if params is None and not any(_in(p, path) for p in split):
             return layer
         return _unfused(layer, [(name, rebuild(child, child_path(path, name)))
                                 for name, child in layer.children])
 
-    body = rebuild(model, "")
     if not split:
-        return body
+        return model
+    body = rebuild(model, "")
 
     def apply(p, state, x, **kwargs):
-        if params is not None:
-            p = gather_params(p, params)
         return body.apply(p, state, jax.lax.with_sharding_constraint(x, inner), **kwargs)
 
     return body._replace(apply=apply)

@@ -11,6 +11,7 @@ import pytest
 from jaxcnn import layers as L
 from jaxcnn.models import get as get_model
 from jaxcnn.parallel import ParallelPlan, make_mesh, spatial_layout
+from jaxcnn.layers._tree import get_path
 from jaxcnn.parallel.spatial import window_halo
 from jaxcnn.train.step import make_train_step
 
@@ -95,14 +96,16 @@ def test_activations_are_height_sharded_until_the_gather():
         state0.params, state0.state, x)
     eqns = list(jaxpr_eqns(jaxpr))
     specs = [str(e.params["sharding"].spec) for e in eqns if e.primitive.name == "sharding_constraint"]
-    # The parameters first, gathered whole (P()): at rest the large ones are split over spatial.
-    leaves = jax.tree_util.tree_leaves(state0.params)
-    assert specs[:len(leaves)] == ["P()"] * len(leaves)
-    specs = specs[len(leaves):]
-    # input + every split unit (4 stem units + 4 blocks of layer1/layer2), the last one gathering.
-    assert len(specs) == 1 + len(plan.spatial.split)
-    assert specs[:-1] == ["P('data', 'spatial')"] * len(plan.spatial.split)
-    assert specs[-1] == "P('data',)"
+    # The input is pinned first; then each unit gathers its own parameters whole (P(); at rest
+    # the large ones are split over spatial) as it runs, and every split unit's output is
+    # pinned (4 stem units + 4 blocks of layer1/layer2), the last one gathering the images.
+    split = set(plan.spatial.split)
+    expected = ["P('data', 'spatial')"]
+    for unit in plan.spatial.units:
+        expected += ["P()"] * len(jax.tree_util.tree_leaves(get_path(state0.params, unit)))
+        if unit in split:
+            expected.append("P('data',)" if unit == plan.spatial.gather_after else "P('data', 'spatial')")
+    assert specs == expected
 
 
 def test_parameters_and_moments_rest_split_over_spatial():
@@ -341,10 +344,11 @@ def test_no_fused_chain_walks_past_the_split_units(monkeypatch):
     on a child's parameters directly, past the child's pin and parameter gather: ResNet's stem
     conv1 -> bn1 would run unsplit on ungathered weights); the units' insides still may."""
     from jaxcnn.layers import Choices, fusion
-    walked = []
+    walked, names = [], []
 
     def walk(children, rngs, params, state, x, *, train, policy, choices, new_state, apply_child):
         walked.append([layer for _, layer in children])
+        names.append([name for name, _ in children])
         for (name, layer), r in zip(children, rngs):
             x = apply_child(name, layer, r, params, state, x, train, policy, choices, new_state)
         return x
@@ -364,5 +368,31 @@ def test_no_fused_chain_walks_past_the_split_units(monkeypatch):
     def same(a, b):
         return len(a) == len(b) and all(x is y for x, y in zip(a, b))
     assert not [w for w in walked for r in rebuilt if same(w, [c for _, c in r.children])]
-    # layer3 and layer4 are not split: their blocks keep the caller's fusion inside.
-    assert [w for w in walked if same(w, [c for _, c in top["layer3"].children])]
+    # layer3 and layer4 are not split: their four blocks keep the caller's fusion inside.
+    assert names.count(["conv1", "bn1", "relu1", "conv2", "bn2"]) == 4
+
+
+def test_one_units_whole_parameters_live_at_a_time():
+    """Each unit gathers its own parameters as it runs and again in the backward, and its
+    gradient is reduce-scattered before the units below run theirs: the compiled step's
+    temporaries hold about one unit's whole weights and gradient, not the whole model's
+    (XLA:CPU left to itself gathers every weight at the start, keeps them for the backward and
+    reduces every gradient in one all-reduce at the end: 2.0x the model's weights here)."""
+    from jaxcnn.train.state import create_train_state
+    from jaxcnn import precision as Pr
+    c, depth = 256, 6
+    blocks = []
+    for i in range(depth):
+        blocks += [(f"conv{i}", L.Conv2D(c, 3, padding=1)), (f"relu{i}", L.Relu())]
+    model = L.serial(*blocks, ("pool", L.GlobalAvgPool2D()), ("fc", L.Linear(10)))
+    shape = (4, 8, 8, c)
+    tx = optax.sgd(0.1)
+    abstract = jax.eval_shape(lambda: create_train_state(model, tx, jax.random.PRNGKey(0), shape,
+                                                         loss_scale=Pr.make_loss_scale("none")))
+    plan = ParallelPlan(make_mesh(1, 1, spatial=4, devices=jax.devices()[:4]), model, shape, abstract,
+                        strategy="jit")
+    step = plan.wrap_step(make_train_step(plan.step_model, tx, axis_name=plan.step_axis_name))
+    host = {"image": np.zeros(shape, np.float32), "label": np.zeros(4, np.int32)}
+    temp = step.lower(plan.abstract_state, plan.put_batch(host)).compile().memory_analysis().temp_size_in_bytes
+    weights = depth * 9 * c * c * 4
+    assert temp < 0.6 * weights, (temp, weights)
