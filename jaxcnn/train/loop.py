@@ -349,7 +349,8 @@ class Training:
                 eval_metrics, evaluated = self.evaluate_and_record(state, done), True
             except RuntimeError:
                 # A terminal's Ctrl-C (a scheduler's SIGTERM) also reaches the data loader's worker
-                # processes; one still starting up dies of it, and grain reports that as a
+                # processes. They hold both back while starting (jaxcnn.data.loader._held_signals);
+                # one that dies of another stop signal anyway is reported by grain as a
                 # RuntimeError. With the signal received, that is the stop it asked for.
                 received = self._stop.signum if self._stop is not None else None
                 if received is None:

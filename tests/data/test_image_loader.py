@@ -168,6 +168,36 @@ def test_ctrl_c_to_the_process_group_leaves_the_workers_to_the_trainer():
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # this process's are its own
 
 
+def test_ctrl_c_while_the_workers_are_still_starting_is_no_worker_traceback(capfd):
+    """A Ctrl-C that reaches the workers while they still import (before their start-up function
+    ignores it) killed them with their own KeyboardInterrupt traceback on the terminal; they are
+    now started with SIGINT and SIGTERM blocked, so the signal waits and is then ignored."""
+    import multiprocessing
+    import signal
+    import threading
+    got = []
+    loader = Loader(_IgnoredSignals(), 0, 6, workers=2, shared_memory=False)
+    # The first batch starts the workers; the trainer asks for batches on its prefetch thread.
+    reader = threading.Thread(target=lambda: got.extend(int(b["x"][0]) for b in loader), daemon=True)
+    try:
+        reader.start()
+        deadline, workers = time.monotonic() + 30, []
+        while len(workers) < 2 and time.monotonic() < deadline:
+            workers = [p for p in multiprocessing.active_children() if p.name.startswith("grain")]
+            time.sleep(0.002)
+        assert len(workers) == 2
+        for worker in workers:  # still importing: that takes a spawned Python well over a second
+            os.kill(worker.pid, signal.SIGINT)
+        reader.join(60)
+    finally:
+        loader.close()
+    assert got == list(range(6))
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert not signal.pthread_sigmask(signal.SIG_BLOCK, [])  # this thread's mask is as it was
+
+
 def test_processes_share_each_epoch_exactly_once(folder):
     source = FolderSource(scan_folder(folder)["train"])
     per_epoch = TrainBatches(source, seed=3, batch_size=6, image_size=SIZE).steps_per_epoch
