@@ -741,7 +741,8 @@ class CheckpointManager:
         Arguments:
             step: the step to restore; None restores the newest checkpoint that passes
                 every check, falling back to older ones (each rejected one is logged in
-                one line with its path; unless the manager is read-only, damaged ones newer
+                one line with its path once an older one is restored, and all of them in the
+                one error when none is; unless the manager is read-only, damaged ones newer
                 than the one restored are renamed to `<step>.corrupt` so that later saves
                 of those steps are possible, while ones that merely do not match `target`
                 are left in place).
@@ -770,10 +771,13 @@ class CheckpointManager:
             try:
                 state = self._load(candidate, target)
             except CheckpointError as e:
-                logger.warning("%s; trying an older checkpoint", e)
                 failures.append((candidate, e))
                 continue
             self._check_config(candidate, config)
+            # Said only now that an older one is used: when none is, the one error below names
+            # them all (a warning each before it made N + 1 lines).
+            for _, e in failures:
+                logger.warning("%s; using checkpoint %d instead", e, candidate)
             if not self.read_only:
                 self._quarantine([s for s, e in failures if isinstance(e, CheckpointCorruptError)])
             return candidate, state

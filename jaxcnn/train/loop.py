@@ -156,7 +156,8 @@ def start(cfg, run_dir: RunDir, *, argv=None, config_path=None) -> tuple[Prepare
     Joins the other processes (``distributed``), refuses to resume under settings that train
     differently (unless ``checkpoint.on_config_change`` is "continue"), builds and checks the
     run (:func:`prepare`: the same mesh, plan, steps and size checks as ``--dry-run``; the steps
-    are compiled here), then writes ``run_meta.json`` and ``preprocessing.json``.
+    are compiled here). ``run_meta.json`` and ``preprocessing.json`` are written by
+    :func:`record_start` once the state is restored or created: a refused resume changes neither.
 
     Returns:
         ``(prepared, config_changes, seconds prepare took)``.
@@ -172,11 +173,20 @@ def start(cfg, run_dir: RunDir, *, argv=None, config_path=None) -> tuple[Prepare
     prepared = prepare(cfg)
     prepare_s = time.perf_counter() - t0
     os.makedirs(run_dir.path, exist_ok=True)
-    if jax.process_index() == 0:  # config.resolved.yaml: once resuming is decided (record_run_config)
-        run_dir.write_meta(argv, config_path)
-        from jaxcnn.data import preprocessing  # what the model expects: jaxcnn-eval and -export read it
-        preprocessing.write_preprocessing(run_dir.preprocessing, preprocessing.from_run(prepared.run))
     return prepared, changes, prepare_s
+
+
+def record_start(cfg, run_dir: RunDir, prepared: Prepared, first: int, changes, *, argv, config_path) -> None:
+    """After the resume decision (a refused resume leaves the run directory as it was): the
+    config (``config.resolved.yaml``, earlier ones kept in ``config_history/``),
+    ``run_meta.json`` and ``preprocessing.json`` (what the model expects: ``jaxcnn-eval``,
+    ``-export`` and ``-predict`` read it)."""
+    if jax.process_index() != 0:
+        return
+    record_run_config(run_dir.path, to_dict(cfg), first, changes)
+    run_dir.write_meta(argv, config_path)
+    from jaxcnn.data import preprocessing
+    preprocessing.write_preprocessing(run_dir.preprocessing, preprocessing.from_run(prepared.run))
 
 
 def startup_lines(cfg, prepared: Prepared, workdir: str, prepare_s: float) -> list[str]:
@@ -512,8 +522,7 @@ def train(cfg, workdir: str, *, argv=None, config_path=None, stream=None) -> dic
     try:  # a refused resume closes the checkpoint manager too: its orbax thread outlived the process
         state = training.restore_or_init()
         first = int(state.step)
-        if training.is_main:  # after the resume decision: a refused resume leaves it as it was
-            record_run_config(run_dir.path, to_dict(cfg), first, changes)
+        record_start(cfg, run_dir, prepared, first, changes, argv=argv, config_path=config_path)
         training.open_outputs(first)
         if training.stopper is not None and training.stopper.stopped:  # a resumed run that had stopped
             stopped_by = EARLY_STOP
