@@ -436,6 +436,9 @@ def main(argv=None) -> int:
         predictions = predict(args.source, args.images, top_k=args.top_k)
     except (ValueError, OSError, CheckpointError) as e:  # PredictError, ExportError, DataError...
         message = " ".join(str(e).split())
+        if os.path.isdir(args.source):  # a run directory started elsewhere: say where
+            from jaxcnn.train.rundir import RunDir
+            message = RunDir(args.source).explain_missing_path(message)
         print(f"jaxcnn-predict: error: {message}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except KeyboardInterrupt:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 import yaml
@@ -155,6 +156,9 @@ def main(argv=None) -> int:
             train_stream=sys.stderr if args.json else sys.stdout)
     except (ValueError, OSError, CheckpointError) as e:  # ExportError, ConfigError, DataError, files
         message = " ".join(str(e).split())  # one line, even for multi-line messages
+        if os.path.isdir(args.source):  # a run directory started elsewhere: say where
+            from jaxcnn.train.rundir import RunDir
+            message = RunDir(args.source).explain_missing_path(message)
         print(f"jaxcnn-export: error: {message}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except TrainingStopped as e:  # the fine-tune hit a non-finite loss

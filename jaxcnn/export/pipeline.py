@@ -91,7 +91,11 @@ def _image_shape_from_config(cfg):
         return _DATASET_SHAPES[cfg.data.source]
     if cfg.data.source == "synthetic":
         return models.default_input_shape(cfg.model.name)[1:]
+    if cfg.data.source in ("folder", "records"):  # decoded to RGB at the model's size
+        return tuple(models.default_input_shape(cfg.model.name)[1:3]) + (3,)
     from jaxcnn.data import load_dataset
+    if cfg.data.path is not None and not os.path.exists(cfg.data.path):  # named by its key, as in training
+        raise ExportError(f"data.path: {cfg.data.path!r} does not exist")
     return tuple(load_dataset(cfg.data.source, cfg.data.path).image_shape)
 
 

@@ -137,6 +137,7 @@ def train_main(argv=None) -> int:
     """Entry point of ``jaxcnn-train``."""
     _configure_cpu()
     args = _train_parser().parse_intermixed_args(argv)
+    cfg = run_dir = None
     try:
         from jaxcnn.train.config import dump_config, load_config
         cfg = load_config(args.config, args.overrides)
@@ -152,7 +153,8 @@ def train_main(argv=None) -> int:
         from jaxcnn.train.rundir import RunDir, check_workdir
         report_errors_as("jaxcnn-train")  # a lost peer ends the process with our line, on any thread
         workdir = args.workdir or cfg.logging.workdir or default_workdir(args.config)
-        quiet_abandoned_orbax_coroutines(RunDir(workdir).checkpoints_log)
+        run_dir = RunDir(workdir)
+        quiet_abandoned_orbax_coroutines(run_dir.checkpoints_log)
         check_workdir(  # before any compute: a file, read-only, full
             workdir, "--workdir" if args.workdir else
                       "logging.workdir" if cfg.logging.workdir else "workdir")
@@ -169,7 +171,10 @@ def train_main(argv=None) -> int:
                 raise
             raise lost from None
     except _bad_input_errors() as e:
-        return _fail("jaxcnn-train", str(e))
+        message = str(e)
+        if run_dir is not None:  # resuming a run started elsewhere: say where
+            message = run_dir.explain_missing_path(message, cfg, moved_only=True)
+        return _fail("jaxcnn-train", message)
     except _distributed_error() as e:  # a peer process is missing or lost: one line, exit 1
         if e.must_exit:
             _exit_now(1, f"jaxcnn-train: error: {e}")
@@ -238,8 +243,8 @@ def eval_main(argv=None) -> int:
         result["step"] = step
     except _bad_input_errors() as e:
         message = str(e)
-        if cfg is not None and getattr(e, "path", None) == "data.path" and "does not exist" in message:
-            message += run_dir.moved_path_hint("data.path", cfg.data.path)
+        if cfg is not None:
+            message = run_dir.explain_missing_path(message, cfg)
         return _fail("jaxcnn-eval", message)
     except KeyboardInterrupt:
         return interrupted("jaxcnn-eval", argv is None)

@@ -405,6 +405,51 @@ def test_eval_from_another_directory_says_where_a_relative_data_path_was(tmp_pat
     assert json.loads(capsys.readouterr().out)["step"] == 2
 
 
+def test_every_command_says_where_a_saved_runs_relative_path_was(tmp_path, capsys, monkeypatch):
+    """Only jaxcnn-eval said where a run with relative paths was started; jaxcnn-export (which
+    needs the data to calibrate or to measure a pruning), jaxcnn-predict (an older run without
+    preprocessing.json) and jaxcnn-train resuming the run said only "... does not exist"."""
+    import jax
+
+    from jaxcnn import models
+    from jaxcnn.export.cli import main as export_main
+    from jaxcnn.interop import save_npz
+    from jaxcnn.predict import main as predict_main
+    from PIL import Image
+
+    project = tmp_path / "project"
+    project.mkdir()
+    rng = np.random.default_rng(0)
+    _tiny_npz(project / "d.npz", rng)
+    params, state, _ = models.get("mnist_cnn", num_classes=4).init(jax.random.PRNGKey(1), (1, 10, 10, 1))
+    save_npz(project / "init.npz", params, state)
+    Image.fromarray(rng.integers(0, 255, (10, 10), dtype=np.uint8)).save(tmp_path / "digit.png")
+    args = [os.path.join(CONFIGS, "mnist_cnn.yaml"), *FAST, "model.name=mnist_cnn", "train.steps=2",
+            "data.source=npz", "data.path=d.npz", "model.num_classes=4", "model.init_from=init.npz",
+            "checkpoint.every=1"]
+    monkeypatch.chdir(project)
+    assert train_main([*args, "--workdir", "run"]) == 0
+    (project / "run" / "preprocessing.json").unlink()  # as runs written before it existed
+    monkeypatch.chdir(tmp_path)
+    capsys.readouterr()
+
+    def hint(key, value):
+        return (f"{key}: {value!r} does not exist (relative to the current directory, {tmp_path}; the run "
+                f"was started in {project}: run from there, or give {key}=...)")
+    for command, argv, key, value in [
+            (export_main, ["project/run", "--format", "npz", "--prune", "0.5", "--out", "p.npz"], "data.path", "d.npz"),
+            (predict_main, ["project/run", "digit.png"], "data.path", "d.npz"),
+            (train_main, [*args, "--workdir", "project/run"], "data.path", "d.npz")]:
+        assert command(argv) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and hint(key, value) in err, err
+    # Resuming with the data here too: the parameters it started from are still looked for.
+    _tiny_npz(tmp_path / "d.npz", np.random.default_rng(0))
+    assert train_main([*args, "--workdir", "project/run"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and hint("model.init_from", "init.npz") in err, err
+
+
 def test_tensorboard_events_and_progress_bar(tmp_path, capsys):
     pytest.importorskip("tensorboardX")
     work = tmp_path / "tb"
