@@ -231,6 +231,7 @@ class Training:
         self.metrics = self.progress = self.stopper = None
         self.last_eval = (None, {})  # (step, metrics) of the latest evaluation
         self._stop = None  # run_steps' _StopSignal while it runs
+        self._first_step_s = 0.0  # the first step's time (its executable already compiled)
         # Images skipped so far (data.on_bad_image: skip), counted as their batches are consumed.
         self.bad_images = 0 if self.run.images is None else self.run.images.skipped_at_open
 
@@ -339,7 +340,8 @@ class Training:
             t0 = time.perf_counter()
             state, m = self.prepared.train_step(state, batch)
             jax.block_until_ready(m)
-            self.progress.message(f"[jaxcnn] first step took {time.perf_counter() - t0:.1f} s")
+            self._first_step_s = time.perf_counter() - t0
+            self.progress.message(f"[jaxcnn] first step took {self._first_step_s:.1f} s")
             self._timer = [time.perf_counter(), 0]
         else:
             state, m = self.prepared.train_step(state, batch)
@@ -391,13 +393,15 @@ class Training:
         self.check_finite(done)
         run = self.run
         start, steps = self._timer
-        step_time = (time.perf_counter() - start) / steps if steps else float("nan")
-        img_s = self.cfg.data.batch_size / step_time if steps else float("nan")
+        # A log right after the first step (logging.log_every: 1, a 1-step run) has no step
+        # timed after it: that step's own time (it printed NaN, written as "nan" strings).
+        step_time = (time.perf_counter() - start) / steps if steps else self._first_step_s
+        img_s = self.cfg.data.batch_size / max(step_time, 1e-9)
         values = _summarise(self.history)
         values.update(epoch=done / run.steps_per_epoch, img_per_s=img_s, step_time_ms=step_time * 1000)
         if run.images is not None:  # running total of the images skipped (data.on_bad_image: skip)
             values["bad_images"] = self.bad_images
-        eta = (run.total_steps - done) * (step_time if steps else 0.0)
+        eta = (run.total_steps - done) * step_time
         self.metrics.write(done, "train", values)
         self.progress.update(done, done / run.steps_per_epoch, values, img_per_s=img_s,
                              step_time=step_time, eta_s=eta)

@@ -450,6 +450,19 @@ def test_every_command_says_where_a_saved_runs_relative_path_was(tmp_path, capsy
     assert err.count("\n") == 1 and hint("model.init_from", "init.npz") in err, err
 
 
+def test_a_log_right_after_the_first_step_has_a_throughput(tmp_path, capsys):
+    """A one-step run (an export's --fine-tune-steps 1) or logging.log_every=1 logged the first
+    step as "img/s nan  step nan ms", and metrics.jsonl held the strings "nan"."""
+    assert train_main([os.path.join(CONFIGS, "mnist_cnn.yaml"), *FAST, "train.steps=1",
+                       "checkpoint.enabled=false", "--workdir", str(tmp_path / "w")]) == 0
+    out = capsys.readouterr().out
+    line = next(l for l in out.splitlines() if l.startswith("step 1/1"))
+    assert "nan" not in line.lower(), line
+    record = next(r for r in read_metrics(str(tmp_path / "w")) if r["kind"] == "train")
+    assert isinstance(record["img_per_s"], float) and record["img_per_s"] > 0, record
+    assert isinstance(record["step_time_ms"], float) and record["step_time_ms"] > 0, record
+
+
 def test_tensorboard_events_and_progress_bar(tmp_path, capsys):
     pytest.importorskip("tensorboardX")
     work = tmp_path / "tb"
