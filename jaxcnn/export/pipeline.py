@@ -263,6 +263,12 @@ def export(source, out, *, format: str, model: str | None = None, num_classes=No
     out = os.fspath(out)
     if os.path.isdir(out):
         raise ExportError(f"--out {out!r} is a directory; give the output file's name")
+    parent = os.path.dirname(os.path.abspath(out))
+    if not os.path.isdir(parent):  # before any work: it ended on "[Errno 2] No such file or directory"
+        what = "is not a directory" if os.path.exists(parent) else "does not exist"
+        raise ExportError(f"--out {out!r}: its directory {os.path.dirname(out) or '.'} {what}")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ExportError(f"--out {out!r}: its directory {os.path.dirname(out) or '.'} is not writable")
     if format == "npz" and not out.endswith(".npz"):
         out += ".npz"  # what np.savez writes
     src = load_source(source, model=model, num_classes=num_classes, model_options=model_options,

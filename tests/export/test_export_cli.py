@@ -154,6 +154,18 @@ def test_out_is_the_file_written(params_file, tmp_path, capsys):
     assert json.loads(capsys.readouterr().out)["out"] == out + ".npz"
 
 
+def test_out_in_a_missing_directory_is_named_before_any_work(params_file, tmp_path, capsys, monkeypatch):
+    """It ended, after loading and converting the model, on "[Errno 2] No such file or
+    directory: '.../x.onnx'", which names neither --out nor what is missing."""
+    from jaxcnn.export import pipeline
+    monkeypatch.setattr(pipeline, "load_source", lambda *a, **k: pytest.fail("loaded before --out was checked"))
+    (tmp_path / "f").write_text("")
+    for out, why in [(tmp_path / "nope" / "x.onnx", "does not exist"), (tmp_path / "f" / "x.onnx", "is not a directory")]:
+        assert main([params_file, "--model", "mnist_cnn", "--format", "onnx", "--out", str(out)]) == 2
+        err = _one_line_error(capsys, "jaxcnn-export")
+        assert f"--out '{out}': its directory {out.parent} {why}" in err, err
+
+
 @pytest.mark.parametrize("pixel_dtype", ["uint8", "float32"])
 def test_preprocessing_in_the_graph_is_per_channel(pixel_dtype):
     """Three channels with their own mean/std, in both layouts and both pixel dtypes: the
