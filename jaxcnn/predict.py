@@ -44,7 +44,7 @@ import numpy as np
 from jaxcnn.data.preprocessing import Preprocessing, from_dict
 from jaxcnn.errors import PredictError
 
-EXIT_BAD_INPUT = 2
+from jaxcnn._cli import EXIT_BAD_INPUT
 _CHUNK = 32                      # images per forward pass (the last one padded)
 _MAX_RECORD_BYTES = 1 << 20      # a preprocessing record larger than this is not one
 
@@ -400,7 +400,7 @@ def format_predictions(predictions: Sequence[Prediction]) -> str:
 
 
 def parser() -> argparse.ArgumentParser:
-    from jaxcnn.train.cli import OneLineParser
+    from jaxcnn._cli import OneLineParser
     p = OneLineParser(
         prog="jaxcnn-predict",
         description="Print the top classes of images, with their names and probabilities, "

@@ -12,7 +12,7 @@ import sys
 
 # Exit codes: 0 success, 1 training stopped (non-finite loss, a lost peer process), 2 bad input,
 # 128 + signal number when SIGTERM/SIGINT stopped the run after a checkpoint.
-EXIT_BAD_INPUT = 2
+from jaxcnn._cli import EXIT_BAD_INPUT, OneLineParser
 
 
 def _bad_input_errors():
@@ -68,20 +68,6 @@ def default_workdir(config_path: str) -> str:
     """``runs/<config file stem>`` under the current directory."""
     stem = os.path.splitext(os.path.basename(config_path))[0]
     return os.path.join("runs", stem)
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """An ``ArgumentParser`` whose errors are one line on stderr and exit code 2.
-
-    argparse prints its usage first (wrapped onto two lines at 80 columns) and the
-    offending argument as given, line breaks included; a bad command line is reported
-    like every other bad input instead: ``PROG: error: ...`` on one line.
-    """
-
-    def error(self, message):
-        # Control characters (newlines, form feeds, ...) as escapes: one line whatever was typed.
-        message = "".join(c if c.isprintable() else ascii(c)[1:-1] for c in message)
-        self.exit(EXIT_BAD_INPUT, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def _train_parser() -> argparse.ArgumentParser:
