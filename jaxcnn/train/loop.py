@@ -164,8 +164,9 @@ def start(cfg, run_dir: RunDir, *, argv=None, config_path=None) -> tuple[Prepare
     """
     with parallel_config_errors():
         parallel.initialize(cfg.distributed)  # before anything touches a device
-    if cfg.checkpoint.enabled and cfg.checkpoint.resume == "never":
-        check_fresh_start(run_dir.path)
+    if not cfg.checkpoint.enabled or cfg.checkpoint.resume == "never":  # a new run: it must replace nothing
+        check_fresh_start(run_dir.path, to_dict(cfg), why="checkpoint.enabled=false" if not cfg.checkpoint.enabled
+                          else "checkpoint.resume=never")
     changes = check_resume_config(
         run_dir.path, to_dict(cfg), resume=cfg.checkpoint.resume if cfg.checkpoint.enabled else "never",
         on_change=cfg.checkpoint.on_config_change)

@@ -234,6 +234,31 @@ def test_resume_never_over_an_earlier_runs_checkpoints_is_refused(tmp_path, caps
     assert sorted(p.name for p in work.iterdir()) == ["checkpoints", "metrics.jsonl"]  # nothing written
 
 
+def test_a_run_without_checkpoints_never_replaces_another_runs_results(tmp_path, capsys):
+    """checkpoint.enabled=false over a run directory trained its own run beside the earlier one:
+    params.npz and config.resolved.yaml replaced (the earlier run's parameters lost), its metrics
+    appended to theirs, their checkpoints left for another config."""
+    work = tmp_path / "w"
+    base = [os.path.join(CONFIGS, "mnist_cnn.yaml"), *FAST, "train.steps=2", "--workdir", str(work)]
+    assert train_main([*base, "checkpoint.enabled=false"]) == 0
+    before = {p.name: p.read_bytes() for p in work.iterdir() if p.is_file()}
+    capsys.readouterr()
+    assert train_main([*base, "checkpoint.enabled=false", "optim.lr=0.01"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{work} holds the final parameters ({work / 'params.npz'}) of a run under " \
+        "another config (optim.lr: 0.002 -> 0.01); with checkpoint.enabled=false this run starts afresh" in err, err
+    assert {p.name: p.read_bytes() for p in work.iterdir() if p.is_file()} == before
+    assert train_main([*base, "checkpoint.enabled=false"]) == 0  # the same run again: the same parameters
+    # Checkpoints of an earlier run, whatever its config, as with checkpoint.resume=never.
+    other = tmp_path / "o"
+    (other / "checkpoints" / "4").mkdir(parents=True)
+    capsys.readouterr()
+    assert train_main([*base[:-1], str(other), "checkpoint.enabled=false"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"jaxcnn-train: error: checkpoint.enabled=false, but {other / 'checkpoints'} holds the "
+                          "checkpoints of an earlier run (steps 4)"), err
+
+
 @pytest.mark.parametrize("override, needle", [
     ("optim.lr=-1", "optim.lr"),
     ("optim.lrr=0.1", "did you mean 'optim.lr'"),
