@@ -35,12 +35,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import stat
 import sys
 import warnings
 from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import numpy as np
 
+from jaxcnn.data.files import file_kind
 from jaxcnn.data.preprocessing import Preprocessing, from_dict
 from jaxcnn.errors import PredictError
 
@@ -167,6 +169,9 @@ def decode_image(image, name: str = "image"):
         raise PredictError(f"{path}: is a directory, not an image")
     if not os.path.exists(path):
         raise PredictError(f"{path}: no such image file")
+    mode = os.stat(path).st_mode
+    if not stat.S_ISREG(mode):  # before opening: a FIFO blocked Pillow's open for good
+        raise PredictError(f"{path}: is {file_kind(mode)}, not an image file")
     try:
         with warnings.catch_warnings():   # a decompression bomb is refused, not warned about
             warnings.simplefilter("error", Image.DecompressionBombWarning)
@@ -355,6 +360,15 @@ def load_predictor(source) -> Predictor:
         raise PredictError(f"{path}: no such run directory or exported model")
     if path.lower().endswith(".onnx"):
         return _onnx_predictor(path)
+    if path.lower().endswith((".npz", ".safetensors")):
+        from jaxcnn.train.rundir import RunDir
+        parent = os.path.dirname(path) or "."
+        way = (f"give its run directory, {parent}" if os.path.isfile(RunDir(parent).config) else
+               "export it with jaxcnn-export PARAMS --model NAME --format onnx, or give its run directory")
+        raise PredictError(f"{path}: a parameter file holds neither the preprocessing nor the class names; {way}")
+    if path.endswith(".preprocessing.json"):
+        raise PredictError(f"{path}: the preprocessing record of a StableHLO export; give the export, "
+                           f"{path[:-len('.preprocessing.json')]}")
     sidecar = path + ".preprocessing.json"
     if os.path.isfile(sidecar):
         return _stablehlo_predictor(path, sidecar)
