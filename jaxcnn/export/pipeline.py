@@ -182,21 +182,50 @@ def _build_run(cfg):
 
 def _dataset(cfg):
     run = _build_run(cfg)
-    if run.dataset is None:
-        raise ExportError("the run's data is generated per step; calibration and accuracy "
+    if run.dataset is None and run.images is None:
+        raise ExportError("the run's data is synthetic, generated per step; calibration and accuracy "
                           "need a dataset")
     return run
 
 
 def calibration_batches(cfg, count: int, batch_size: int | None = None):
     """The first ``count`` batches of the run's training images, normalised as in
-    training but not augmented: ``[(N, H, W, C) float32]``."""
+    training but not augmented: ``[(N, H, W, C) float32]``. For an image folder (or its
+    records): ``count * batch_size`` training images spread evenly over the split (it is
+    ordered by class), each resized and centre-cropped as in evaluation."""
     from jaxcnn.data import eval_batches
     run = _dataset(cfg)
-    ds, bs = run.dataset, batch_size or cfg.data.batch_size
+    bs = batch_size or cfg.data.batch_size
+    if run.images is not None:
+        return _image_calibration_batches(run, cfg, count, bs)
+    ds = run.dataset
     mean, std = (ds.mean, ds.std) if cfg.data.normalize else (None, None)
     n = min(len(ds.x_train), count * bs)
     return [b["image"] for b in eval_batches(ds.x_train[:n], ds.y_train[:n], bs, mean=mean, std=std)]
+
+
+def _image_calibration_batches(run, cfg, count: int, batch_size: int):
+    import numpy as np
+
+    from jaxcnn.data.dataset import normalize
+    from jaxcnn.data.loader import load_rgb
+    from jaxcnn.data.transforms import eval_transform
+    from jaxcnn.errors import BadImageError
+    from jaxcnn.train.image_input import image_norm
+    images, (mean, std) = run.images, image_norm(cfg)
+    total = len(images.train)
+    picks = np.unique(np.linspace(0, total - 1, min(total, count * batch_size)).astype(np.int64))
+    decoded = []
+    for index in picks:
+        try:
+            decoded.append(eval_transform(load_rgb(images.train, int(index))[0], images.image_size,
+                                          images.eval_resize))
+        except BadImageError:
+            continue  # as data.on_bad_image: skip would; none at all is an error below
+    if not decoded:
+        raise ExportError(f"{images.path}: none of the {len(picks)} training images picked for calibration decodes")
+    pixels = np.stack(decoded)
+    return [normalize(pixels[i:i + batch_size], mean, std) for i in range(0, len(pixels), batch_size)]
 
 
 def evaluate_model(cfg, model, params, state) -> dict:
