@@ -180,6 +180,24 @@ def _build_run(cfg):
     return build_run(cfg)
 
 
+def _check_out_spares_source(source, out: str) -> None:
+    """An `ExportError` when writing ``out`` would overwrite the source: the parameter file
+    itself, or a file the trainer keeps in the source run directory (``--out runs/x/params.npz``
+    replaced the trained parameters with the pruned ones; a StableHLO file went over
+    ``config.resolved.yaml``)."""
+    from jaxcnn.train.rundir import RunDir
+    source = os.fspath(source)
+    real_out, real_source = os.path.realpath(out), os.path.realpath(source)
+    if real_out == real_source:
+        raise ExportError(f"--out {out!r} is the source file {source}: it would be overwritten; give another name")
+    if os.path.isdir(real_source):
+        for name in RunDir.ENTRIES:
+            owned = os.path.join(real_source, name)
+            if real_out == owned or real_out.startswith(owned + os.sep):
+                raise ExportError(f"--out {out!r} is the run's own {name} in {source}: it would be overwritten; "
+                                  "give another name")
+
+
 def _dataset(cfg):
     run = _build_run(cfg)
     if run.dataset is None and run.images is None:
@@ -300,6 +318,7 @@ def export(source, out, *, format: str, model: str | None = None, num_classes=No
         raise ExportError(f"--out {out!r}: its directory {os.path.dirname(out) or '.'} is not writable")
     if format == "npz" and not out.endswith(".npz"):
         out += ".npz"  # what np.savez writes
+    _check_out_spares_source(source, out)
     src = load_source(source, model=model, num_classes=num_classes, model_options=model_options,
                       image_shape=image_shape,
                       preprocessing=preprocessing and format in ("onnx", "stablehlo"))

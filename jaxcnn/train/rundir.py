@@ -58,6 +58,9 @@ class RunDir:
     CHECKPOINTS = "checkpoints"
     CHECKPOINTS_LOG = "checkpoints.log"
     PARAM_FILES = tuple(f"params.{fmt}" for fmt in PARAM_FORMATS)
+    # Every name the trainer writes in a run directory (nothing else may write over them).
+    ENTRIES = (CONFIG, CONFIG_HISTORY, META, PREPROCESSING, METRICS, TENSORBOARD, CHECKPOINTS,
+               CHECKPOINTS_LOG) + PARAM_FILES
 
     def __init__(self, path):
         self.path = os.fspath(path)
