@@ -102,6 +102,9 @@ def dry_run(cfg, stream=None) -> None:
     prepared = prepare(cfg)
     run, plan, memory = prepared.run, prepared.plan, prepared.memory
     print(summary(run.model, (1,) + tuple(run.input_shape[1:])), file=stream)
+    from jaxcnn.train.loop import unused_settings_lines
+    for line in unused_settings_lines(cfg):
+        print(line, file=stream)
     metrics = prepared.train_out[1]
     start = f", parameters from {cfg.model.init_from}" if cfg.model.init_from else ""
     clipped = (f" (data.eval_batch_size {cfg.data.eval_batch_size} clipped to the test set)"

@@ -31,7 +31,7 @@ from jaxcnn.errors import TrainingStopped, WorkdirError
 from jaxcnn.train import prune
 from jaxcnn.train.checkpoint import (CheckpointManager, check_fresh_start, check_resume_config,
                                      record_run_config, restore_for_resume)
-from jaxcnn.train.config import resolve_duration, to_dict
+from jaxcnn.train.config import resolve_duration, set_but_unused, to_dict
 from jaxcnn.train.ema import eval_params
 from jaxcnn.train.image_input import TrainInput, eval_image_batches
 from jaxcnn.train.metrics import (MetricsWriter, Progress, describe_devices, describe_precision,
@@ -210,7 +210,15 @@ def startup_lines(cfg, prepared: Prepared, workdir: str, prepare_s: float) -> li
                      f"{eval_set_size(run)} test images: eval batch {prepared.eval_batch_size}")
     if run.images is not None and run.images.skipped_note() is not None:
         lines.append(run.images.skipped_note())
+    lines.extend(unused_settings_lines(cfg))
     return lines
+
+
+def unused_settings_lines(cfg) -> list[str]:
+    """One line naming the settings this config's choices leave unused (it dropped them without
+    a word: ``data.image_size`` set for ``npz`` data trained at the stored size)."""
+    unused = set_but_unused(cfg)
+    return [f"not applied: {'; '.join(unused)}"] if unused else []
 
 
 class Training:

@@ -488,6 +488,26 @@ def test_a_log_right_after_the_first_step_has_a_throughput(tmp_path, capsys):
     assert isinstance(record["step_time_ms"], float) and record["step_time_ms"] > 0, record
 
 
+def test_settings_the_config_leaves_unused_are_named(tmp_path, capsys):
+    """data.image_size on npz data, or optim.b1 under sgd, were dropped without a word (the run
+    trained at the stored image size); the shipped configs set none."""
+    import glob
+
+    from jaxcnn.train.config import load_config, set_but_unused
+    _tiny_npz(tmp_path / "d.npz", np.random.default_rng(0))
+    args = [os.path.join(CONFIGS, "mnist_cnn.yaml"), *FAST, "model.name=mnist_cnn", "data.source=npz",
+            f"data.path={tmp_path / 'd.npz'}", "model.num_classes=4", "train.steps=1", "data.image_size=[28,28,1]",
+            "optim.name=sgd", "optim.b1=0.8"]
+    note = ("not applied: data.image_size=[28, 28, 1] (not used by data.source=npz); optim.b1=0.8 "
+            "(not used by optim.name=sgd)")
+    assert train_main([*args, "--dry-run"]) == 0
+    assert note + "\n" in capsys.readouterr().out
+    assert train_main([*args, "checkpoint.enabled=false", "--workdir", str(tmp_path / "w")]) == 0
+    assert f"[jaxcnn] {note}\n" in capsys.readouterr().out
+    for path in glob.glob(os.path.join(CONFIGS, "*.yaml")):
+        assert set_but_unused(load_config(path)) == [], path
+
+
 def test_tensorboard_events_and_progress_bar(tmp_path, capsys):
     pytest.importorskip("tensorboardX")
     work = tmp_path / "tb"
