@@ -280,13 +280,13 @@ def test_convert_cli_errors_are_one_line(tmp_path, capsys):
     from jaxcnn.data.images import ImageData
     assert ImageData("records", tmp_path / "out", image_size=(16, 16)).skipped_note() == (
         f"1 file left out of {tmp_path / 'out'} by jaxcnn-data convert (not images, or bad ones; it named them)")
-    for name in ("Thumbs.db", "notes.txt"):
+    for name in ("labels.csv", "notes.txt", "Thumbs.db"):  # Thumbs.db: OS litter, not counted
         (tmp_path / "f" / "val" / "red" / name).write_text("x")
     folder = ImageData("folder", tmp_path / "f", image_size=(16, 16), on_bad_image="skip")
     val = tmp_path / "f" / "val" / "red"
     assert folder.skipped_note() == (f"2 files left out of {tmp_path / 'f'} (not images by their names: "
-                                     f"{val / 'Thumbs.db'}, {val / 'notes.txt'}; data.on_bad_image is skip)")
-    for name in ("Thumbs.db", "notes.txt"):
+                                     f"{val / 'labels.csv'}, {val / 'notes.txt'}; data.on_bad_image is skip)")
+    for name in ("labels.csv", "notes.txt"):
         (val / name).unlink()
     assert ImageData("folder", tmp_path / "f", image_size=(16, 16)).skipped_note() is None
     (tmp_path / "out" / "dataset.json").write_text("{not json")
