@@ -177,7 +177,7 @@ def _exit_with_parent(parent: int, worker_index: int = 0, worker_count: int = 1)
     SIGTERM) reaches every process of the job, and a worker that died of it stopped the trainer
     on grain's "Worker process was terminated unexpectedly" instead of the checkpoint the trainer
     saves for them; the trainer stops its workers itself. (A signal that comes while the worker
-    is still importing, before this runs, is held back until here: see `_held_signals`.)"""
+    is still importing, before this runs, is held back until here: see `held_signals`.)"""
     for sig in _HELD_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)  # discards one that came while starting (held back)
     if hasattr(signal, "pthread_sigmask"):
@@ -191,12 +191,12 @@ def _exit_with_parent(parent: int, worker_index: int = 0, worker_count: int = 1)
     threading.Thread(target=watch, name="jaxcnn-loader-parent-watch", daemon=True).start()
 
 
-# Held back from a worker process until its start-up function ignores them (see `_held_signals`).
+# Held back from a worker process until its start-up function ignores them (see `held_signals`).
 _HELD_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 @contextlib.contextmanager
-def _held_signals(active: bool):
+def held_signals(active: bool, signals=_HELD_SIGNALS):
     """Blocks SIGINT and SIGTERM in the calling thread while grain may start worker processes.
 
     grain starts its workers (``spawn``) from threads it creates inside ``iter`` and the first
@@ -206,15 +206,29 @@ def _held_signals(active: bool):
     killing it with its own ``KeyboardInterrupt`` traceback, and is discarded when
     `_exit_with_parent` sets them to be ignored. This process is not deaf meanwhile: its other
     threads take the signal (the handler runs on the main thread as usual), and a signal pending
-    for this thread is delivered when the mask is restored."""
+    for this thread is delivered when the mask is restored. (``jaxcnn-data convert``'s pool holds
+    back SIGINT alone: ``Pool.terminate`` stops its workers with SIGTERM.)"""
     if not active or not hasattr(signal, "pthread_sigmask"):
         yield
         return
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, _HELD_SIGNALS)
+    # multiprocessing starts its resource tracker with the first semaphore (grain's queues, a
+    # Pool's locks) and then *unblocks* SIGINT and SIGTERM in the thread that did, whatever its
+    # mask was: started first, here, it leaves the mask alone.
+    from multiprocessing import resource_tracker
+    resource_tracker.ensure_running()
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, signals)
     try:
         yield
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def ignore_interrupts() -> None:
+    """In a worker process started under ``held_signals(True, [SIGINT])``: ignore SIGINT from
+    now on (one that came while starting is dropped) and unblock it."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])
 
 
 def _absl_flags_parsed():
@@ -269,7 +283,7 @@ class Loader:
                                                              per_worker_buffer_size=max(1, int(buffer))),
                                 worker_init_fn=functools.partial(_exit_with_parent, os.getpid()))
         self._held = workers > 0
-        with _held_signals(self._held):
+        with held_signals(self._held):
             self._iter = iter(ds)
         self._closed = False
 
@@ -280,7 +294,7 @@ class Loader:
         if self._closed:
             raise StopIteration
         try:
-            with _held_signals(self._held):
+            with held_signals(self._held):
                 batch = next(self._iter)
             return self._ring.take(batch) if self._ring is not None else batch
         except StopIteration:

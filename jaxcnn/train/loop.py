@@ -370,7 +370,7 @@ class Training:
                 eval_metrics, evaluated = self.evaluate_and_record(state, done), True
             except RuntimeError:
                 # A terminal's Ctrl-C (a scheduler's SIGTERM) also reaches the data loader's worker
-                # processes. They hold both back while starting (jaxcnn.data.loader._held_signals);
+                # processes. They hold both back while starting (jaxcnn.data.loader.held_signals);
                 # one that dies of another stop signal anyway is reported by grain as a
                 # RuntimeError. With the signal received, that is the stop it asked for.
                 received = self._stop.signum if self._stop is not None else None

@@ -198,6 +198,48 @@ def test_ctrl_c_while_the_workers_are_still_starting_is_no_worker_traceback(capf
     assert not signal.pthread_sigmask(signal.SIG_BLOCK, [])  # this thread's mask is as it was
 
 
+def _wait_until_python_catches_sigint(pid, timeout=30):
+    """Until process ``pid`` has a SIGINT handler (its interpreter is up): /proc's SigCgt mask."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                caught = next(int(line.split()[1], 16) for line in f if line.startswith("SigCgt:"))
+        except (OSError, StopIteration):
+            return
+        if caught & (1 << (2 - 1)):  # bit SIGNUM - 1
+            return
+        time.sleep(0.001)
+
+
+def test_ctrl_c_while_the_convert_workers_start_is_no_worker_traceback(folder, tmp_path, capfd):
+    """jaxcnn-data convert --workers N: a Ctrl-C that reached its pool's workers while they still
+    imported killed each with its own KeyboardInterrupt traceback."""
+    import multiprocessing
+    import signal
+    import threading
+
+    from jaxcnn.data.records import write_split
+    index = scan_folder(folder)["train"]
+    result = []
+    writer = threading.Thread(target=lambda: result.append(write_split(index, tmp_path / "t.array_record",
+                                                                        workers=2)), daemon=True)
+    writer.start()
+    deadline, workers = time.monotonic() + 30, []
+    while len(workers) < 2 and time.monotonic() < deadline:
+        workers = [p for p in multiprocessing.active_children() if "PoolWorker" in p.name]
+        time.sleep(0.002)
+    assert len(workers) == 2
+    for worker in workers:  # once Python catches SIGINT (before, the signal ends it silently)
+        _wait_until_python_catches_sigint(worker.pid)
+        os.kill(worker.pid, signal.SIGINT)
+    writer.join(120)
+    assert result and result[0] == (len(index), [])
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    assert not signal.pthread_sigmask(signal.SIG_BLOCK, [])
+
+
 def test_processes_share_each_epoch_exactly_once(folder):
     source = FolderSource(scan_folder(folder)["train"])
     per_epoch = TrainBatches(source, seed=3, batch_size=6, image_size=SIZE).steps_per_epoch
