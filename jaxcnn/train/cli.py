@@ -190,6 +190,25 @@ def _eval_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _holds_checkpoints(directory) -> bool:
+    return os.path.isdir(directory) and any(n.isdigit() for n in os.listdir(directory))
+
+
+def _final_params(run, run_dir, path):
+    """``(step, params, model_state)`` of a run's final parameter file (what it evaluated and
+    exported at its end: the moving average if it kept one), checked against the model; the
+    step is the last one ``metrics.jsonl`` records (None without one)."""
+    from jaxcnn import interop
+    from jaxcnn.train.metrics import read_metrics
+    from jaxcnn.train.setup import abstract_state
+    like = abstract_state(run)
+    load = interop.load_npz if path.endswith(".npz") else interop.load_safetensors
+    params, model_state = load(path, like=(like.params, like.state))
+    records = read_metrics(run_dir.path) if os.path.isfile(run_dir.metrics) else []
+    steps = [r["step"] for r in records if isinstance(r.get("step"), int)]
+    return (max(steps) if steps else None), params, model_state
+
+
 def eval_main(argv=None) -> int:
     """Entry point of ``jaxcnn-eval``."""
     _configure_cpu()
@@ -218,17 +237,23 @@ def eval_main(argv=None) -> int:
         from jaxcnn.data.preprocessing import run_preprocessing, with_preprocessing
         run = with_preprocessing(run, run_preprocessing(args.run_dir, run=run))
         ckpt_dir = run_dir.checkpoints
-        # Read-only: evaluation reports a damaged checkpoint and passes over it; only training
-        # moves one aside.
-        manager = CheckpointManager(ckpt_dir, read_only=True, step_leaf="step")
-        if manager.latest_step() is None:
-            raise CheckpointError(f"{ckpt_dir}: no complete checkpoint to evaluate")
-        step, state = manager.restore(args.step, target=abstract_state(run))
-        manager.close()
+        final = run_dir.find_params()
+        if args.step is None and final is not None and not _holds_checkpoints(ckpt_dir):
+            # A run with checkpoint.enabled=false (or its checkpoints removed): its final
+            # parameters, as jaxcnn-export and -predict use them ("checkpoints does not exist").
+            step, params, model_state = _final_params(run, run_dir, final)
+        else:
+            # Read-only: evaluation reports a damaged checkpoint and passes over it; only training
+            # moves one aside.
+            manager = CheckpointManager(ckpt_dir, read_only=True, step_leaf="step")
+            if manager.latest_step() is None:
+                raise CheckpointError(f"{ckpt_dir}: no complete checkpoint to evaluate")
+            step, state = manager.restore(args.step, target=abstract_state(run))
+            manager.close()
+            params, model_state = eval_params(state, run.policy), state.state  # the EMA if the run kept one
         with matmul_precision(cfg):
             result = evaluate(run, jax.jit(make_eval_step(run.model, policy=run.policy,
-                                                          impl=cfg.model.impl)),
-                              eval_params(state, run.policy), state.state)  # the EMA if the run kept one
+                                                          impl=cfg.model.impl)), params, model_state)
         result["step"] = step
     except _bad_input_errors() as e:
         message = str(e)

@@ -508,6 +508,22 @@ def test_settings_the_config_leaves_unused_are_named(tmp_path, capsys):
         assert set_but_unused(load_config(path)) == [], path
 
 
+def test_eval_of_a_run_without_checkpoints_uses_its_final_parameters(tmp_path, capsys):
+    """A run with checkpoint.enabled=false writes params.npz (which jaxcnn-export and -predict
+    use), but jaxcnn-eval said "checkpoints does not exist: no checkpoints"."""
+    work = tmp_path / "w"
+    assert train_main([os.path.join(CONFIGS, "mnist_cnn.yaml"), *FAST, "train.steps=2", "checkpoint.enabled=false",
+                       "--workdir", str(work)]) == 0
+    final = [r for r in read_metrics(str(work)) if r["kind"] == "eval"][-1]
+    capsys.readouterr()
+    assert eval_main([str(work), "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["step"] == 2 and result["count"] == final["count"]
+    assert result["top1"] == final["top1"] and result["loss"] == pytest.approx(final["loss"], rel=1e-6)
+    assert eval_main([str(work), "--step", "2"]) == 2  # a step names a checkpoint: there is none
+    assert "no checkpoints" in capsys.readouterr().err
+
+
 def test_tensorboard_events_and_progress_bar(tmp_path, capsys):
     pytest.importorskip("tensorboardX")
     work = tmp_path / "tb"
