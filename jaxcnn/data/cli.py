@@ -114,6 +114,11 @@ def main(argv=None) -> int:
 
             if args.train < 1 or args.val < 1:
                 raise ValueError("--train and --val must be at least 1")
+            for split in ("train", "val"):  # its images went in among the ones there, some replacing them
+                folder = os.path.join(args.out, split)
+                if os.path.isdir(folder) and os.listdir(folder):
+                    raise ValueError(f"{folder} already holds files; jaxcnn-data shapes writes a new example "
+                                     "folder: give a directory without train/ and val/ (created if missing)")
             written = write_shapes_folder(args.out, per_class=(args.train, args.val), seed=args.seed)
             print(f"[jaxcnn-data] wrote {len(written['train'])} training and {len(written['val'])} "
                   f"validation images to {args.out}")

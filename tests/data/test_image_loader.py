@@ -336,6 +336,20 @@ def test_convert_cli_errors_are_one_line(tmp_path, capsys):
         RecordSource(tmp_path / "out", "train")
 
 
+def test_shapes_never_writes_into_a_folder_that_holds_images(tmp_path, capsys):
+    """jaxcnn-data shapes OUT over an existing image folder put its shapes among the photos there
+    (replacing those of the same names)."""
+    photo = tmp_path / "photos" / "train" / "red" / "00000.jpg"
+    photo.parent.mkdir(parents=True)
+    photo.write_bytes(b"precious")
+    assert data_main(["shapes", str(tmp_path / "photos"), "--train", "1", "--val", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"jaxcnn-data: error: {tmp_path / 'photos' / 'train'} already holds files; jaxcnn-data shapes "
+                   "writes a new example folder: give a directory without train/ and val/ (created if missing)\n")
+    assert sorted(p.name for p in (tmp_path / "photos").rglob("*")) == ["00000.jpg", "red", "train"]
+    assert data_main(["shapes", str(tmp_path / "new"), "--train", "1", "--val", "1"]) == 0
+
+
 def test_out_that_is_a_file_is_one_clear_line(tmp_path, capsys):
     """It was "[Errno 17] File exists: 'x'" (convert) and "[Errno 20] Not a directory: 'x/train'" (shapes)."""
     write_shapes_folder(tmp_path / "f", per_class=(1, 1), classes=["red"], size_range=(16, 18))
