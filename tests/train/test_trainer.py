@@ -259,6 +259,16 @@ def test_a_run_without_checkpoints_never_replaces_another_runs_results(tmp_path,
                           "checkpoints of an earlier run (steps 4)"), err
 
 
+def test_missing_cifar_data_says_what_to_fetch(tmp_path, capsys):
+    """configs/resnet18_cifar10.yaml on a new machine said only "data.path: ... does not exist"."""
+    assert train_main([os.path.join(CONFIGS, "resnet18_cifar10.yaml"), f"data.path={tmp_path / 'cifar'}",
+                       "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"data.path: '{tmp_path / 'cifar'}' does not exist; CIFAR-10's binary " \
+        "version (data_batch_1.bin ... test_batch.bin) is cifar-10-binary.tar.gz from " \
+        "https://www.cs.toronto.edu/~kriz/cifar.html, extracted" in err, err
+
+
 @pytest.mark.parametrize("override, needle", [
     ("optim.lr=-1", "optim.lr"),
     ("optim.lrr=0.1", "did you mean 'optim.lr'"),
