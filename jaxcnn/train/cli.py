@@ -65,9 +65,25 @@ def _configure_cpu() -> None:
 
 
 def default_workdir(config_path: str) -> str:
-    """``runs/<config file stem>`` under the current directory."""
+    """``runs/<config file stem>`` under the current directory; for a run directory's own
+    ``config.resolved.yaml``, that run directory (it trained a new run in
+    ``runs/config.resolved`` instead of resuming the run)."""
+    from jaxcnn.train.rundir import RunDir
+    folder = os.path.dirname(config_path) or "."
+    if os.path.basename(config_path) == RunDir.CONFIG and os.path.isfile(RunDir(folder).meta):
+        return folder
     stem = os.path.splitext(os.path.basename(config_path))[0]
     return os.path.join("runs", stem)
+
+
+def _run_directory_as_config(path: str) -> str | None:
+    """The error for a run directory given where a config file goes, or None."""
+    from jaxcnn.train.rundir import RunDir
+    if not os.path.isdir(path) or RunDir(path).problem() is not None:
+        return None
+    return (f"{path} is a run directory, not a config file: to resume it, jaxcnn-train "
+            f"{RunDir(path).config} (its run directory is then the default --workdir); to evaluate "
+            f"it, jaxcnn-eval {path}")
 
 
 def _train_parser() -> argparse.ArgumentParser:
@@ -127,6 +143,8 @@ def train_main(argv=None) -> int:
     _configure_cpu()
     args = _train_parser().parse_intermixed_args(argv)
     cfg = run_dir = None
+    if (problem := _run_directory_as_config(args.config)) is not None:
+        return _fail("jaxcnn-train", problem)
     try:
         from jaxcnn.train.config import dump_config, load_config
         cfg = load_config(args.config, args.overrides)

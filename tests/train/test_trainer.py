@@ -1,6 +1,7 @@
 """End-to-end tests of the trainer: tiny real runs of the CLI on every data source."""
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -257,6 +258,27 @@ def test_a_run_without_checkpoints_never_replaces_another_runs_results(tmp_path,
     err = capsys.readouterr().err
     assert err.startswith(f"jaxcnn-train: error: checkpoint.enabled=false, but {other / 'checkpoints'} holds the "
                           "checkpoints of an earlier run (steps 4)"), err
+
+
+def test_a_runs_own_config_resumes_that_run(tmp_path, capsys, monkeypatch):
+    """``jaxcnn-train runs/x/config.resolved.yaml`` trained a new run from scratch in
+    runs/config.resolved; ``jaxcnn-train runs/x`` said only "cannot read config file ...: it is a
+    directory"."""
+    monkeypatch.chdir(tmp_path)
+    run = tmp_path / "runs" / "x"
+    args = [os.path.join(CONFIGS, "mnist_cnn.yaml"), *FAST, "train.steps=4", "checkpoint.every=2"]
+    assert train_main([*args, "--workdir", str(run)]) == 0
+    shutil.rmtree(run / "checkpoints" / "4")
+    (run / "params.npz").unlink()
+    capsys.readouterr()
+    assert train_main([str(run / "config.resolved.yaml")]) == 0
+    assert "resumed from step 2" in capsys.readouterr().out
+    assert sorted(os.listdir(tmp_path / "runs")) == ["x"] and (run / "params.npz").exists()
+    assert train_main([str(run)]) == 2
+    assert capsys.readouterr().err == (
+        f"jaxcnn-train: error: {run} is a run directory, not a config file: to resume it, jaxcnn-train "
+        f"{run / 'config.resolved.yaml'} (its run directory is then the default --workdir); to evaluate it, "
+        f"jaxcnn-eval {run}\n")
 
 
 def test_missing_cifar_data_says_what_to_fetch(tmp_path, capsys):
