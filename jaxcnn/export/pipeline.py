@@ -126,6 +126,7 @@ def load_source(source, *, model: str | None = None, num_classes: int | None = N
     source = os.fspath(source)
     options = dict(model_options or {})
     cfg, prep = None, None
+    given_shape = tuple(image_shape) if image_shape is not None else None
     if os.path.isdir(source):
         from jaxcnn.train.rundir import RunDir
         cfg_path = RunDir(source).config
@@ -171,7 +172,14 @@ def load_source(source, *, model: str | None = None, num_classes: int | None = N
         num_classes = _infer_num_classes(model, options, params_path, image_shape)
     net = models.get(model, num_classes=num_classes, **options)
     like = jax.eval_shape(lambda k: net.init(k, (1,) + image_shape)[:2], jax.random.PRNGKey(0))
-    params, state = _load_params(params_path, like)
+    try:
+        params, state = _load_params(params_path, like)
+    except ValueError as e:
+        if given_shape is None or "shape" not in str(e):
+            raise
+        # The flattened classifier's width follows the image size: name the option that set it.
+        raise ExportError(f"--input-shape {','.join(map(str, given_shape))}: the parameters do not fit the "
+                          f"model at that input ({' '.join(str(e).split())})") from None
     return Source(model, net, params, state, image_shape, cfg, prep)
 
 

@@ -166,6 +166,16 @@ def test_out_in_a_missing_directory_is_named_before_any_work(params_file, tmp_pa
         assert f"--out '{out}': its directory {out.parent} {why}" in err, err
 
 
+def test_an_input_shape_the_parameters_do_not_fit_names_the_option(params_file, tmp_path, capsys):
+    """It blamed the parameter file ("w.npz: does not match the expected parameters: key
+    'params/fc1.w' ...") for what --input-shape had changed."""
+    assert main([params_file, "--model", "mnist_cnn", "--format", "npz", "--input-shape", "32,32,1",
+                 "--out", str(tmp_path / "x.npz")]) == 2
+    err = _one_line_error(capsys, "jaxcnn-export")
+    assert "--input-shape 32,32,1: the parameters do not fit the model at that input (" in err, err
+    assert "key 'params/fc1.w' has shape (9216, 128), expected (12544, 128)" in err, err
+
+
 def test_out_never_overwrites_the_source(params_file, tmp_path, capsys):
     """``--out runs/x/params.npz`` replaced a run's trained parameters with the pruned export (and
     a StableHLO file went over its config.resolved.yaml); ``--out`` naming the parameter file it
