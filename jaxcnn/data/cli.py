@@ -123,6 +123,10 @@ def main(argv=None) -> int:
             print(f"[jaxcnn-data] wrote {len(written['train'])} training and {len(written['val'])} "
                   f"validation images to {args.out}")
             return 0
+        from jaxcnn.data.images import missing_packages
+        if missing := missing_packages("records", loader=False):
+            raise ValueError(f"jaxcnn-data convert needs {', '.join(missing)}, not installed: "
+                             "pip install -e \".[data]\" (or pip install 'jaxcnn[data]')")
         splits = tuple(s for s in args.splits.split(",") if s)
         if not splits:
             raise ValueError("--splits names no split")

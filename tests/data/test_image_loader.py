@@ -350,6 +350,32 @@ def test_shapes_never_writes_into_a_folder_that_holds_images(tmp_path, capsys):
     assert data_main(["shapes", str(tmp_path / "new"), "--train", "1", "--val", "1"]) == 0
 
 
+@pytest.mark.parametrize("module, package, source", [("grain", "grain", "folder"), ("PIL", "pillow", "records"),
+                                                     ("array_record", "array-record", "records")])
+def test_a_missing_data_package_is_one_line(module, package, source, folder, records, tmp_path, capsys,
+                                            monkeypatch):
+    """Without the [data] extra an image-folder run ended in a ModuleNotFoundError traceback at
+    its first batch (jaxcnn-data convert likewise)."""
+    import sys
+
+    from jaxcnn.train.cli import train_main
+    monkeypatch.setitem(sys.modules, module, None)  # import fails
+    config = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "shapes_folder.yaml")
+    assert train_main([config, f"data.source={source}", f"data.path={folder if source == 'folder' else records}",
+                       "mesh.data=1", "data.batch_size=4", "data.eval_batch_size=4", "data.image_size=[16,16]", "train.steps=1",
+                       "train.epochs=null", "optim.schedule.warmup=0", "checkpoint.enabled=false",
+                       "--workdir", str(tmp_path / "w")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"jaxcnn-train: error: data.source: '{source}' needs {package}, which is not installed: "
+                          "pip install -e \".[data]\"") and err.count("\n") == 1, err
+    if module != "grain":  # the converter needs no loader
+        assert data_main(["convert", str(folder), str(tmp_path / "out"), "--no-progress"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"jaxcnn-data: error: jaxcnn-data convert needs {package}, not installed") and \
+            err.count("\n") == 1, err
+        assert not (tmp_path / "out").exists()
+
+
 def test_out_that_is_a_file_is_one_clear_line(tmp_path, capsys):
     """It was "[Errno 17] File exists: 'x'" (convert) and "[Errno 20] Not a directory: 'x/train'" (shapes)."""
     write_shapes_folder(tmp_path / "f", per_class=(1, 1), classes=["red"], size_range=(16, 18))
