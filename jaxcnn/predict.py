@@ -35,16 +35,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import stat
 import sys
 import warnings
 from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import numpy as np
 
+from jaxcnn.data.files import file_kind
 from jaxcnn.data.preprocessing import Preprocessing, from_dict
 from jaxcnn.errors import PredictError
 
-EXIT_BAD_INPUT = 2
+from jaxcnn._cli import EXIT_BAD_INPUT
 _CHUNK = 32                      # images per forward pass (the last one padded)
 _MAX_RECORD_BYTES = 1 << 20      # a preprocessing record larger than this is not one
 
@@ -167,6 +169,9 @@ def decode_image(image, name: str = "image"):
         raise PredictError(f"{path}: is a directory, not an image")
     if not os.path.exists(path):
         raise PredictError(f"{path}: no such image file")
+    mode = os.stat(path).st_mode
+    if not stat.S_ISREG(mode):  # before opening: a FIFO blocked Pillow's open for good
+        raise PredictError(f"{path}: is {file_kind(mode)}, not an image file")
     try:
         with warnings.catch_warnings():   # a decompression bomb is refused, not warned about
             warnings.simplefilter("error", Image.DecompressionBombWarning)
@@ -355,6 +360,15 @@ def load_predictor(source) -> Predictor:
         raise PredictError(f"{path}: no such run directory or exported model")
     if path.lower().endswith(".onnx"):
         return _onnx_predictor(path)
+    if path.lower().endswith((".npz", ".safetensors")):
+        from jaxcnn.train.rundir import RunDir
+        parent = os.path.dirname(path) or "."
+        way = (f"give its run directory, {parent}" if os.path.isfile(RunDir(parent).config) else
+               "export it with jaxcnn-export PARAMS --model NAME --format onnx, or give its run directory")
+        raise PredictError(f"{path}: a parameter file holds neither the preprocessing nor the class names; {way}")
+    if path.endswith(".preprocessing.json"):
+        raise PredictError(f"{path}: the preprocessing record of a StableHLO export; give the export, "
+                           f"{path[:-len('.preprocessing.json')]}")
     sidecar = path + ".preprocessing.json"
     if os.path.isfile(sidecar):
         return _stablehlo_predictor(path, sidecar)
@@ -400,7 +414,7 @@ def format_predictions(predictions: Sequence[Prediction]) -> str:
 
 
 def parser() -> argparse.ArgumentParser:
-    from jaxcnn.train.cli import OneLineParser
+    from jaxcnn._cli import OneLineParser
     p = OneLineParser(
         prog="jaxcnn-predict",
         description="Print the top classes of images, with their names and probabilities, "
@@ -436,6 +450,9 @@ def main(argv=None) -> int:
         predictions = predict(args.source, args.images, top_k=args.top_k)
     except (ValueError, OSError, CheckpointError) as e:  # PredictError, ExportError, DataError...
         message = " ".join(str(e).split())
+        if os.path.isdir(args.source):  # a run directory started elsewhere: say where
+            from jaxcnn.train.rundir import RunDir
+            message = RunDir(args.source).explain_missing_path(message)
         print(f"jaxcnn-predict: error: {message}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except KeyboardInterrupt:

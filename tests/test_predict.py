@@ -158,6 +158,34 @@ def test_bad_input_is_one_line(run_dir, digits, tmp_path, capsys):
         jaxcnn.predict(run_dir, paths[:1], top_k=0)
 
 
+def test_a_fifo_or_a_file_that_is_no_source_is_named(run_dir, digits, tmp_path, capsys):
+    """A FIFO named like an image blocked in Pillow's open for good (the image folder loader
+    never opens one); a run's params.npz or a StableHLO export's .preprocessing.json given as the
+    source was told to have a "params.npz.preprocessing.json" beside it."""
+    import threading
+    paths, _, _, _ = digits
+    fifo = tmp_path / "camera.png"
+    os.mkfifo(fifo)
+    codes = []
+    worker = threading.Thread(target=lambda: codes.append(main([run_dir, str(fifo)])), daemon=True)
+    worker.start()
+    worker.join(30)
+    if worker.is_alive():  # let the blocked open go, then fail
+        with open(fifo, "wb"):
+            pass
+        worker.join(10)
+        pytest.fail("jaxcnn-predict blocked on a FIFO")
+    assert codes == [2] and f"{fifo}: is a FIFO (named pipe), not an image file" in _one_line(capsys, 2)
+    params = os.path.join(run_dir, "params.npz")
+    line = _one_line(capsys, main([params, paths[0]]))
+    assert f"{params}: a parameter file holds neither the preprocessing nor the class names; give its run " \
+           f"directory, {run_dir}" in line, line
+    sidecar = tmp_path / "m.shlo.preprocessing.json"
+    sidecar.write_text("{}")
+    line = _one_line(capsys, main([str(sidecar), paths[0]]))
+    assert f"the preprocessing record of a StableHLO export; give the export, {tmp_path / 'm.shlo'}" in line, line
+
+
 def _exit_code(call):
     with pytest.raises(SystemExit) as e:
         call()

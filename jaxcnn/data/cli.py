@@ -13,26 +13,45 @@ import argparse
 import os
 import sys
 
+from jaxcnn._cli import OneLineParser
 from jaxcnn.errors import DataError
 
 
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a non-negative int, got {text!r}")
+    return value
+
+
 def _parser():
-    parser = argparse.ArgumentParser(prog="jaxcnn-data", description=__doc__.split("\n\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    convert = sub.add_parser("convert", help="write an image folder's splits as ArrayRecord files")
+    parser = OneLineParser(prog="jaxcnn-data",
+                           description="Image-folder tools: convert an image folder to ArrayRecord "
+                                       "files, or write a small example folder of coloured shapes.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{convert,shapes}",
+                                parser_class=OneLineParser)
+    convert = sub.add_parser("convert", help="write an image folder's splits as ArrayRecord files",
+                             description="Write the splits of an image folder to ArrayRecord files (each "
+                                         "record checksummed) to train from with data.source: records, "
+                                         "decoding every image once to check it.")
     convert.add_argument("root", help="image folder: ROOT/train/<class>/<image>, ROOT/val/<class>/<image>")
     convert.add_argument("out", help="directory for <split>.array_record and dataset.json (created)")
     convert.add_argument("--splits", default="train,val", help="comma-separated splits (default train,val)")
     convert.add_argument("--on-bad-image", choices=("skip", "fail"), default="skip",
                          help="a file that does not decode: leave it out (skip) or stop (fail)")
-    convert.add_argument("--workers", type=int, default=0,
+    convert.add_argument("--workers", type=_count, default=0,
                          help="processes that read and check images (default 0: this one)")
     convert.add_argument("--no-progress", action="store_true", help="no progress bar")
-    shapes = sub.add_parser("shapes", help="write a small image folder of coloured shapes (an example)")
+    shapes = sub.add_parser("shapes", help="write a small image folder of coloured shapes (an example)",
+                            description="Write a small image folder of coloured shapes (4 classes) that "
+                                        "configs/shapes_folder.yaml learns in minutes on a CPU.")
     shapes.add_argument("out", help="the image folder to write")
     shapes.add_argument("--train", type=int, default=200, help="training images per class (default 200)")
     shapes.add_argument("--val", type=int, default=50, help="validation images per class (default 50)")
-    shapes.add_argument("--seed", type=int, default=0)
+    shapes.add_argument("--seed", type=_count, default=0, help="seed of the shapes, sizes and colours (default 0)")
     return parser
 
 
@@ -95,10 +114,19 @@ def main(argv=None) -> int:
 
             if args.train < 1 or args.val < 1:
                 raise ValueError("--train and --val must be at least 1")
+            for split in ("train", "val"):  # its images went in among the ones there, some replacing them
+                folder = os.path.join(args.out, split)
+                if os.path.isdir(folder) and os.listdir(folder):
+                    raise ValueError(f"{folder} already holds files; jaxcnn-data shapes writes a new example "
+                                     "folder: give a directory without train/ and val/ (created if missing)")
             written = write_shapes_folder(args.out, per_class=(args.train, args.val), seed=args.seed)
             print(f"[jaxcnn-data] wrote {len(written['train'])} training and {len(written['val'])} "
                   f"validation images to {args.out}")
             return 0
+        from jaxcnn.data.images import missing_packages
+        if missing := missing_packages("records", loader=False):
+            raise ValueError(f"jaxcnn-data convert needs {', '.join(missing)}, not installed: "
+                             "pip install -e \".[data]\" (or pip install 'jaxcnn[data]')")
         splits = tuple(s for s in args.splits.split(",") if s)
         if not splits:
             raise ValueError("--splits names no split")

@@ -25,6 +25,13 @@ from jaxcnn.errors import BadImageError, DataError
 # What ImageFolder's default loader accepts, less the formats Pillow may not read everywhere.
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp", ".gif")
 SPLITS = ("train", "val")
+# Files and folders that operating systems, archivers and NAS boxes leave in folders of photos,
+# compared without case: never images, never classes, skipped like hidden (dot) files, which
+# cover macOS's .DS_Store, ._<name> and .Spotlight-V100. Windows: thumbnail caches, folder
+# settings, the recycle bin; macOS: a folder's custom icon ("Icon\r"), a zip's __MACOSX/;
+# Synology: @eaDir/ thumbnails; ext4: lost+found/ at a file system's root.
+OS_METADATA_FILES = frozenset({"thumbs.db", "ehthumbs.db", "ehthumbs_vista.db", "desktop.ini", "icon\r"})
+OS_METADATA_DIRS = frozenset({"__macosx", "@eadir", "$recycle.bin", "system volume information", "lost+found"})
 # An image larger than this many pixels is refused before it is decoded (a decompression bomb
 # would otherwise take the memory of the worker): 8K x 8K, far beyond any training photo.
 MAX_PIXELS = 1 << 26
@@ -53,6 +60,12 @@ class FolderIndex(NamedTuple):
         return len(self.paths)
 
 
+def is_os_metadata(name: str, *, folder: bool) -> bool:
+    """Whether a file (``folder=False``) or folder name is one an OS or tool leaves behind, not
+    data: hidden (a leading dot) or one of `OS_METADATA_FILES` / `OS_METADATA_DIRS`."""
+    return name.startswith(".") or name.lower() in (OS_METADATA_DIRS if folder else OS_METADATA_FILES)
+
+
 def is_image_name(name: str) -> bool:
     """Whether a file name has one of the `IMAGE_EXTENSIONS` (any case)."""
     return name.lower().endswith(IMAGE_EXTENSIONS)
@@ -65,7 +78,8 @@ def split_dir(root, split: str) -> str:
         raise DataError(f"{root}: image folder does not exist or is not a directory")
     path = os.path.join(root, split)
     if not os.path.isdir(path):
-        have = sorted(d for d in os.listdir(root) if os.path.isdir(os.path.join(root, d)))
+        have = sorted(d for d in os.listdir(root)
+                      if os.path.isdir(os.path.join(root, d)) and not is_os_metadata(d, folder=True))
         hint = ""
         if have and all(_holds_images(os.path.join(root, d)) for d in have):
             name, parent = os.path.basename(os.path.normpath(root)), os.path.dirname(os.path.normpath(root))
@@ -105,15 +119,18 @@ def scan_split(root, split: str, class_names=None, *, on_bad_image: str = "fail"
     Raises:
         DataError naming the folder or file: a missing split, no class folders, a class folder
         with no images, a file that is not an image by its extension (with ``on_bad_image="fail"``;
-        hidden files such as ``.DS_Store`` are ignored), class folders that differ from ``train``'s.
+        hidden files such as ``.DS_Store`` and the other names of `OS_METADATA_FILES` and
+        `OS_METADATA_DIRS`, e.g. ``Thumbs.db``, ``desktop.ini``, ``__MACOSX/``, are ignored),
+        class folders that differ from ``train``'s.
     """
     path = split_dir(root, split)
     try:
         entries = sorted(os.listdir(path))
     except OSError as err:
         raise DataError(f"{path}: cannot list ({err.strerror or err})") from None
-    classes = [e for e in entries if os.path.isdir(os.path.join(path, e)) and not e.startswith(".")]
-    stray = [e for e in entries if e not in classes and not e.startswith(".")]
+    dirs = {e for e in entries if os.path.isdir(os.path.join(path, e))}
+    classes = [e for e in entries if e in dirs and not is_os_metadata(e, folder=True)]
+    stray = [e for e in entries if e not in dirs and not is_os_metadata(e, folder=False)]
     if stray:
         raise DataError(f"{os.path.join(path, stray[0])}: not a class folder (every entry of {path} "
                         f"must be a folder of images)")
@@ -136,13 +153,13 @@ def scan_split(root, split: str, class_names=None, *, on_bad_image: str = "fail"
             keep = []
             for d in sorted(dirnames):
                 real = os.path.realpath(os.path.join(dirpath, d))
-                if not d.startswith(".") and real not in seen:
+                if not is_os_metadata(d, folder=True) and real not in seen:
                     seen.add(real)
                     keep.append(d)
             dirnames[:] = keep
             rel = os.path.relpath(dirpath, path)
             for fname in sorted(filenames):
-                if fname.startswith("."):
+                if is_os_metadata(fname, folder=False):
                     continue
                 if not is_image_name(fname):
                     if on_bad_image == "skip":

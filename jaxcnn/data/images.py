@@ -21,6 +21,22 @@ IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 
 
+def missing_packages(source: str, *, loader: bool = True) -> list[str]:
+    """The pip packages an image source needs (``pip install -e ".[data]"``) that do not import:
+    Pillow, grain for the loader (``loader``), and ArrayRecord for ``records``. Without them the
+    first batch ended in a ``ModuleNotFoundError`` traceback."""
+    import importlib
+    needed = ([("grain", "grain")] if loader else []) + [("PIL", "pillow")]
+    needed += [("array_record", "array-record")] if source == "records" else []
+    missing = []
+    for module, package in needed:
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            missing.append(package)
+    return missing
+
+
 class ImageData:
     """The two splits of an image folder (``source="folder"``) or a record directory (``"records"``).
 

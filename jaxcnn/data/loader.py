@@ -24,6 +24,7 @@ on the seed and the step; in evaluation its row is masked out.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import signal
@@ -176,10 +177,11 @@ def _exit_with_parent(parent: int, worker_index: int = 0, worker_count: int = 1)
     SIGTERM) reaches every process of the job, and a worker that died of it stopped the trainer
     on grain's "Worker process was terminated unexpectedly" instead of the checkpoint the trainer
     saves for them; the trainer stops its workers itself. (A signal that comes while the worker
-    is still importing, before this runs, still ends it: the trainer then stops as the signal
-    asked, see ``jaxcnn.train.loop``.)"""
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, signal.SIG_IGN)
+    is still importing, before this runs, is held back until here: see `held_signals`.)"""
+    for sig in _HELD_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)  # discards one that came while starting (held back)
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, _HELD_SIGNALS)
 
     def watch():
         while os.getppid() == parent:
@@ -187,6 +189,46 @@ def _exit_with_parent(parent: int, worker_index: int = 0, worker_count: int = 1)
         os._exit(1)
 
     threading.Thread(target=watch, name="jaxcnn-loader-parent-watch", daemon=True).start()
+
+
+# Held back from a worker process until its start-up function ignores them (see `held_signals`).
+_HELD_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+@contextlib.contextmanager
+def held_signals(active: bool, signals=_HELD_SIGNALS):
+    """Blocks SIGINT and SIGTERM in the calling thread while grain may start worker processes.
+
+    grain starts its workers (``spawn``) from threads it creates inside ``iter`` and the first
+    ``next``; a thread inherits the mask of the thread that creates it, and a process that of
+    the thread that starts it, across ``exec``. So a worker begins with both signals blocked: a
+    Ctrl-C that reaches the process group while it still imports stays pending instead of
+    killing it with its own ``KeyboardInterrupt`` traceback, and is discarded when
+    `_exit_with_parent` sets them to be ignored. This process is not deaf meanwhile: its other
+    threads take the signal (the handler runs on the main thread as usual), and a signal pending
+    for this thread is delivered when the mask is restored. (``jaxcnn-data convert``'s pool holds
+    back SIGINT alone: ``Pool.terminate`` stops its workers with SIGTERM.)"""
+    if not active or not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    # multiprocessing starts its resource tracker with the first semaphore (grain's queues, a
+    # Pool's locks) and then *unblocks* SIGINT and SIGTERM in the thread that did, whatever its
+    # mask was: started first, here, it leaves the mask alone.
+    from multiprocessing import resource_tracker
+    resource_tracker.ensure_running()
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, signals)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def ignore_interrupts() -> None:
+    """In a worker process started under ``held_signals(True, [SIGINT])``: ignore SIGINT from
+    now on (one that came while starting is dropped) and unblock it."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])
 
 
 def _absl_flags_parsed():
@@ -240,7 +282,9 @@ class Loader:
             ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=int(workers),
                                                              per_worker_buffer_size=max(1, int(buffer))),
                                 worker_init_fn=functools.partial(_exit_with_parent, os.getpid()))
-        self._iter = iter(ds)
+        self._held = workers > 0
+        with held_signals(self._held):
+            self._iter = iter(ds)
         self._closed = False
 
     def __iter__(self):
@@ -250,7 +294,8 @@ class Loader:
         if self._closed:
             raise StopIteration
         try:
-            batch = next(self._iter)
+            with held_signals(self._held):
+                batch = next(self._iter)
             return self._ring.take(batch) if self._ring is not None else batch
         except StopIteration:
             self.close()

@@ -177,8 +177,14 @@ def write_split(index, path, *, on_bad_image: str = "skip", workers: int = 0, pr
     try:
         if workers > 0:
             import multiprocessing
+            import signal
 
-            pool = multiprocessing.get_context("spawn").Pool(workers)
+            from jaxcnn.data.loader import held_signals, ignore_interrupts
+            # A terminal's Ctrl-C reaches the workers too: while one still imported, it died of it
+            # with its own traceback. They start with SIGINT held back, then ignore it; this
+            # process stops them (terminate) when it takes the interrupt.
+            with held_signals(True, [signal.SIGINT]):
+                pool = multiprocessing.get_context("spawn").Pool(workers, initializer=ignore_interrupts)
             results = pool.imap(_verified, items, chunksize=16)
         else:
             results = map(_verified, items)

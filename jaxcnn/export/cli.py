@@ -22,11 +22,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 import yaml
 
-EXIT_BAD_INPUT = 2
+from jaxcnn._cli import EXIT_BAD_INPUT
 
 
 def _batch(text: str):
@@ -74,27 +75,44 @@ def _positive(text: str):
 
 
 def _sparsity(text: str):
-    value = float(text)
-    if not 0.0 <= value < 1.0:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0.0 <= value < 1.0:  # NaN too
         raise argparse.ArgumentTypeError(f"expected a fraction in [0, 1), got {text!r}")
+    return value
+
+
+def _positive_float(text: str):
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0.0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
     return value
 
 
 def parser() -> argparse.ArgumentParser:
     """The ``jaxcnn-export`` argument parser."""
-    from jaxcnn.train.cli import OneLineParser
+    from jaxcnn._cli import OneLineParser
     p = OneLineParser(
         prog="jaxcnn-export",
         description="Export a jaxcnn run directory (or a .npz/.safetensors parameter file "
                     "with --model) to StableHLO, ONNX, npz or safetensors, optionally pruned, "
                     "BatchNorm-folded or int8-quantised.")
-    p.add_argument("source", metavar="RUN_DIR_OR_PARAMS")
-    p.add_argument("--format", required=True, choices=("stablehlo", "onnx", "npz", "safetensors"))
+    p.add_argument("source", metavar="RUN_DIR_OR_PARAMS",
+                   help="a run directory written by jaxcnn-train, or a .npz/.safetensors parameter "
+                        "file (then --model NAME)")
+    p.add_argument("--format", required=True, choices=("stablehlo", "onnx", "npz", "safetensors"),
+                   help="stablehlo (jax.export, parameters inside), onnx (onnxruntime), or the "
+                        "parameters alone as npz or safetensors")
     p.add_argument("--out", required=True,
                    help="output file (not a directory; npz output gets '.npz' appended "
                         "when missing)")
     p.add_argument("--model", default=None, help="zoo model name (required with a parameter file)")
-    p.add_argument("--num-classes", type=int, default=None,
+    p.add_argument("--num-classes", type=_positive, default=None,
                    help="classifier width (default: the run's, else read from the parameters)")
     p.add_argument("--model-option", type=_option, action="append", default=[],
                    metavar="KEY=VALUE", help="model option, e.g. cifar_stem=true (repeatable)")
@@ -111,13 +129,15 @@ def parser() -> argparse.ArgumentParser:
                    help="training batches used to calibrate activation ranges (default 4)")
     p.add_argument("--prune", type=_sparsity, default=None, metavar="SPARSITY",
                    help="magnitude-prune this fraction of the conv/linear weights")
-    p.add_argument("--prune-scope", choices=("global", "layer"), default="global")
-    p.add_argument("--prune-structure", choices=("unstructured", "channel"),
-                   default="unstructured")
+    p.add_argument("--prune-scope", choices=("global", "layer"), default="global",
+                   help="with --prune: the smallest weights of the whole model (global, default) "
+                        "or the same fraction of each layer")
+    p.add_argument("--prune-structure", choices=("unstructured", "channel"), default="unstructured",
+                   help="with --prune: single weights (default) or whole output channels")
     p.add_argument("--fine-tune-steps", type=_positive, default=0,
                    help="after --prune, fine-tune this many steps with the trainer, pruned "
                         "weights held at zero (run directory only)")
-    p.add_argument("--fine-tune-lr", type=float, default=None,
+    p.add_argument("--fine-tune-lr", type=_positive_float, default=None,
                    help="fine-tuning peak learning rate (default: the run's / 10)")
     p.add_argument("--fine-tune-dir", default=None,
                    help="the fine-tune's run directory (default: OUT without its extension "
@@ -155,6 +175,9 @@ def main(argv=None) -> int:
             train_stream=sys.stderr if args.json else sys.stdout)
     except (ValueError, OSError, CheckpointError) as e:  # ExportError, ConfigError, DataError, files
         message = " ".join(str(e).split())  # one line, even for multi-line messages
+        if os.path.isdir(args.source):  # a run directory started elsewhere: say where
+            from jaxcnn.train.rundir import RunDir
+            message = RunDir(args.source).explain_missing_path(message)
         print(f"jaxcnn-export: error: {message}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except TrainingStopped as e:  # the fine-tune hit a non-finite loss

@@ -91,7 +91,11 @@ def _image_shape_from_config(cfg):
         return _DATASET_SHAPES[cfg.data.source]
     if cfg.data.source == "synthetic":
         return models.default_input_shape(cfg.model.name)[1:]
+    if cfg.data.source in ("folder", "records"):  # decoded to RGB at the model's size
+        return tuple(models.default_input_shape(cfg.model.name)[1:3]) + (3,)
     from jaxcnn.data import load_dataset
+    if cfg.data.path is not None and not os.path.exists(cfg.data.path):  # named by its key, as in training
+        raise ExportError(f"data.path: {cfg.data.path!r} does not exist")
     return tuple(load_dataset(cfg.data.source, cfg.data.path).image_shape)
 
 
@@ -122,6 +126,7 @@ def load_source(source, *, model: str | None = None, num_classes: int | None = N
     source = os.fspath(source)
     options = dict(model_options or {})
     cfg, prep = None, None
+    given_shape = tuple(image_shape) if image_shape is not None else None
     if os.path.isdir(source):
         from jaxcnn.train.rundir import RunDir
         cfg_path = RunDir(source).config
@@ -167,7 +172,14 @@ def load_source(source, *, model: str | None = None, num_classes: int | None = N
         num_classes = _infer_num_classes(model, options, params_path, image_shape)
     net = models.get(model, num_classes=num_classes, **options)
     like = jax.eval_shape(lambda k: net.init(k, (1,) + image_shape)[:2], jax.random.PRNGKey(0))
-    params, state = _load_params(params_path, like)
+    try:
+        params, state = _load_params(params_path, like)
+    except ValueError as e:
+        if given_shape is None or "shape" not in str(e):
+            raise
+        # The flattened classifier's width follows the image size: name the option that set it.
+        raise ExportError(f"--input-shape {','.join(map(str, given_shape))}: the parameters do not fit the "
+                          f"model at that input ({' '.join(str(e).split())})") from None
     return Source(model, net, params, state, image_shape, cfg, prep)
 
 
@@ -176,23 +188,70 @@ def _build_run(cfg):
     return build_run(cfg)
 
 
+def _check_out_spares_source(source, out: str) -> None:
+    """An `ExportError` when writing ``out`` would overwrite the source: the parameter file
+    itself, or a file the trainer keeps in the source run directory (``--out runs/x/params.npz``
+    replaced the trained parameters with the pruned ones; a StableHLO file went over
+    ``config.resolved.yaml``)."""
+    from jaxcnn.train.rundir import RunDir
+    source = os.fspath(source)
+    real_out, real_source = os.path.realpath(out), os.path.realpath(source)
+    if real_out == real_source:
+        raise ExportError(f"--out {out!r} is the source file {source}: it would be overwritten; give another name")
+    if os.path.isdir(real_source):
+        for name in RunDir.ENTRIES:
+            owned = os.path.join(real_source, name)
+            if real_out == owned or real_out.startswith(owned + os.sep):
+                raise ExportError(f"--out {out!r} is the run's own {name} in {source}: it would be overwritten; "
+                                  "give another name")
+
+
 def _dataset(cfg):
     run = _build_run(cfg)
-    if run.dataset is None:
-        raise ExportError("the run's data is generated per step; calibration and accuracy "
+    if run.dataset is None and run.images is None:
+        raise ExportError("the run's data is synthetic, generated per step; calibration and accuracy "
                           "need a dataset")
     return run
 
 
 def calibration_batches(cfg, count: int, batch_size: int | None = None):
     """The first ``count`` batches of the run's training images, normalised as in
-    training but not augmented: ``[(N, H, W, C) float32]``."""
+    training but not augmented: ``[(N, H, W, C) float32]``. For an image folder (or its
+    records): ``count * batch_size`` training images spread evenly over the split (it is
+    ordered by class), each resized and centre-cropped as in evaluation."""
     from jaxcnn.data import eval_batches
     run = _dataset(cfg)
-    ds, bs = run.dataset, batch_size or cfg.data.batch_size
+    bs = batch_size or cfg.data.batch_size
+    if run.images is not None:
+        return _image_calibration_batches(run, cfg, count, bs)
+    ds = run.dataset
     mean, std = (ds.mean, ds.std) if cfg.data.normalize else (None, None)
     n = min(len(ds.x_train), count * bs)
     return [b["image"] for b in eval_batches(ds.x_train[:n], ds.y_train[:n], bs, mean=mean, std=std)]
+
+
+def _image_calibration_batches(run, cfg, count: int, batch_size: int):
+    import numpy as np
+
+    from jaxcnn.data.dataset import normalize
+    from jaxcnn.data.loader import load_rgb
+    from jaxcnn.data.transforms import eval_transform
+    from jaxcnn.errors import BadImageError
+    from jaxcnn.train.image_input import image_norm
+    images, (mean, std) = run.images, image_norm(cfg)
+    total = len(images.train)
+    picks = np.unique(np.linspace(0, total - 1, min(total, count * batch_size)).astype(np.int64))
+    decoded = []
+    for index in picks:
+        try:
+            decoded.append(eval_transform(load_rgb(images.train, int(index))[0], images.image_size,
+                                          images.eval_resize))
+        except BadImageError:
+            continue  # as data.on_bad_image: skip would; none at all is an error below
+    if not decoded:
+        raise ExportError(f"{images.path}: none of the {len(picks)} training images picked for calibration decodes")
+    pixels = np.stack(decoded)
+    return [normalize(pixels[i:i + batch_size], mean, std) for i in range(0, len(pixels), batch_size)]
 
 
 def evaluate_model(cfg, model, params, state) -> dict:
@@ -259,8 +318,15 @@ def export(source, out, *, format: str, model: str | None = None, num_classes=No
     out = os.fspath(out)
     if os.path.isdir(out):
         raise ExportError(f"--out {out!r} is a directory; give the output file's name")
+    parent = os.path.dirname(os.path.abspath(out))
+    if not os.path.isdir(parent):  # before any work: it ended on "[Errno 2] No such file or directory"
+        what = "is not a directory" if os.path.exists(parent) else "does not exist"
+        raise ExportError(f"--out {out!r}: its directory {os.path.dirname(out) or '.'} {what}")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ExportError(f"--out {out!r}: its directory {os.path.dirname(out) or '.'} is not writable")
     if format == "npz" and not out.endswith(".npz"):
         out += ".npz"  # what np.savez writes
+    _check_out_spares_source(source, out)
     src = load_source(source, model=model, num_classes=num_classes, model_options=model_options,
                       image_shape=image_shape,
                       preprocessing=preprocessing and format in ("onnx", "stablehlo"))

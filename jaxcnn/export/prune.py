@@ -59,5 +59,5 @@ def fine_tune(run_dir, workdir, *, sparsity: float, steps: int, scope: str = "gl
         previous = RunDir(workdir).config
         if not os.path.isfile(previous) or load_config(previous) != cfg:
             raise ExportError(f"{workdir} is not empty and does not hold this fine-tune; remove it "
-                              "or choose another fine-tune directory")
+                              "or give another directory (--fine-tune-dir DIR)")
     return train(cfg, workdir, stream=stream)

@@ -741,7 +741,8 @@ class CheckpointManager:
         Arguments:
             step: the step to restore; None restores the newest checkpoint that passes
                 every check, falling back to older ones (each rejected one is logged in
-                one line with its path; unless the manager is read-only, damaged ones newer
+                one line with its path once an older one is restored, and all of them in the
+                one error when none is; unless the manager is read-only, damaged ones newer
                 than the one restored are renamed to `<step>.corrupt` so that later saves
                 of those steps are possible, while ones that merely do not match `target`
                 are left in place).
@@ -770,10 +771,13 @@ class CheckpointManager:
             try:
                 state = self._load(candidate, target)
             except CheckpointError as e:
-                logger.warning("%s; trying an older checkpoint", e)
                 failures.append((candidate, e))
                 continue
             self._check_config(candidate, config)
+            # Said only now that an older one is used: when none is, the one error below names
+            # them all (a warning each before it made N + 1 lines).
+            for _, e in failures:
+                logger.warning("%s; using checkpoint %d instead", e, candidate)
             if not self.read_only:
                 self._quarantine([s for s, e in failures if isinstance(e, CheckpointCorruptError)])
             return candidate, state
@@ -963,18 +967,32 @@ def _saved_run_config(path: str):
         return saved  # compared as written
 
 
-def check_fresh_start(workdir: str) -> None:
-    """Before any compute, for ``checkpoint.resume: never``: a `CheckpointError` when `workdir`
-    holds an earlier run's checkpoints. A new run there could not save a checkpoint until it
-    passed their newest step (orbax refuses older steps), its metrics went after theirs in
-    ``metrics.jsonl``, and its config and ``params.npz`` replaced theirs beside them."""
-    directory = RunDir(workdir).checkpoints
+def check_fresh_start(workdir: str, config_dict: Mapping | None = None, *,
+                      why: str = "checkpoint.resume=never") -> None:
+    """Before any compute, for a run that starts afresh whatever `workdir` holds
+    (``checkpoint.resume: never``, or ``checkpoint.enabled: false``, given as `why`): a
+    `CheckpointError` when `workdir` holds an earlier run's checkpoints, a `ConfigChangedError`
+    when it holds the final parameters of a run under another training config (`config_dict`).
+    A new run there could not save a checkpoint until it passed their newest step (orbax refuses
+    older steps), its metrics went after theirs in ``metrics.jsonl``, and its config and
+    ``params.npz`` replaced theirs beside them (with checkpoints off, silently)."""
+    run_dir = RunDir(workdir)
+    directory = run_dir.checkpoints
     if _has_checkpoints(directory):
         steps = sorted(int(n) for n in os.listdir(directory) if n.isdigit())
         shown = ", ".join(map(str, steps[-5:]))
-        raise CheckpointError(f"checkpoint.resume=never, but {directory} holds the checkpoints of an earlier run "
+        raise CheckpointError(f"{why}, but {directory} holds the checkpoints of an earlier run "
                               f"(steps {'..., ' if len(steps) > 5 else ''}{shown}): a new run would mix with them; "
                               f"give it a new --workdir, or remove {directory} to start over")
+    params = run_dir.find_params()
+    if config_dict is None or params is None or not os.path.isfile(run_dir.config):
+        return
+    saved = _saved_run_config(run_dir.config)
+    changes = [saved] if isinstance(saved, str) else config_changes(saved, config_dict)
+    if changes:
+        raise ConfigChangedError(f"{workdir} holds the final parameters ({params}) of a run under another config "
+                                 f"({_summary(changes)}); with {why} this run starts afresh and would replace "
+                                 "them: give it a new --workdir DIR")
 
 
 def check_resume_config(workdir: str, config_dict: Mapping, *, resume: str = "auto",

@@ -12,7 +12,7 @@ import sys
 
 # Exit codes: 0 success, 1 training stopped (non-finite loss, a lost peer process), 2 bad input,
 # 128 + signal number when SIGTERM/SIGINT stopped the run after a checkpoint.
-EXIT_BAD_INPUT = 2
+from jaxcnn._cli import EXIT_BAD_INPUT, OneLineParser
 
 
 def _bad_input_errors():
@@ -65,23 +65,25 @@ def _configure_cpu() -> None:
 
 
 def default_workdir(config_path: str) -> str:
-    """``runs/<config file stem>`` under the current directory."""
+    """``runs/<config file stem>`` under the current directory; for a run directory's own
+    ``config.resolved.yaml``, that run directory (it trained a new run in
+    ``runs/config.resolved`` instead of resuming the run)."""
+    from jaxcnn.train.rundir import RunDir
+    folder = os.path.dirname(config_path) or "."
+    if os.path.basename(config_path) == RunDir.CONFIG and os.path.isfile(RunDir(folder).meta):
+        return folder
     stem = os.path.splitext(os.path.basename(config_path))[0]
     return os.path.join("runs", stem)
 
 
-class OneLineParser(argparse.ArgumentParser):
-    """An ``ArgumentParser`` whose errors are one line on stderr and exit code 2.
-
-    argparse prints its usage first (wrapped onto two lines at 80 columns) and the
-    offending argument as given, line breaks included; a bad command line is reported
-    like every other bad input instead: ``PROG: error: ...`` on one line.
-    """
-
-    def error(self, message):
-        # Control characters (newlines, form feeds, ...) as escapes: one line whatever was typed.
-        message = "".join(c if c.isprintable() else ascii(c)[1:-1] for c in message)
-        self.exit(EXIT_BAD_INPUT, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+def _run_directory_as_config(path: str) -> str | None:
+    """The error for a run directory given where a config file goes, or None."""
+    from jaxcnn.train.rundir import RunDir
+    if not os.path.isdir(path) or RunDir(path).problem() is not None:
+        return None
+    return (f"{path} is a run directory, not a config file: to resume it, jaxcnn-train "
+            f"{RunDir(path).config} (its run directory is then the default --workdir); to evaluate "
+            f"it, jaxcnn-eval {path}")
 
 
 def _train_parser() -> argparse.ArgumentParser:
@@ -116,6 +118,9 @@ def dry_run(cfg, stream=None) -> None:
     prepared = prepare(cfg)
     run, plan, memory = prepared.run, prepared.plan, prepared.memory
     print(summary(run.model, (1,) + tuple(run.input_shape[1:])), file=stream)
+    from jaxcnn.train.loop import unused_settings_lines
+    for line in unused_settings_lines(cfg):
+        print(line, file=stream)
     metrics = prepared.train_out[1]
     start = f", parameters from {cfg.model.init_from}" if cfg.model.init_from else ""
     clipped = (f" (data.eval_batch_size {cfg.data.eval_batch_size} clipped to the test set)"
@@ -137,6 +142,9 @@ def train_main(argv=None) -> int:
     """Entry point of ``jaxcnn-train``."""
     _configure_cpu()
     args = _train_parser().parse_intermixed_args(argv)
+    cfg = run_dir = None
+    if (problem := _run_directory_as_config(args.config)) is not None:
+        return _fail("jaxcnn-train", problem)
     try:
         from jaxcnn.train.config import dump_config, load_config
         cfg = load_config(args.config, args.overrides)
@@ -152,7 +160,8 @@ def train_main(argv=None) -> int:
         from jaxcnn.train.rundir import RunDir, check_workdir
         report_errors_as("jaxcnn-train")  # a lost peer ends the process with our line, on any thread
         workdir = args.workdir or cfg.logging.workdir or default_workdir(args.config)
-        quiet_abandoned_orbax_coroutines(RunDir(workdir).checkpoints_log)
+        run_dir = RunDir(workdir)
+        quiet_abandoned_orbax_coroutines(run_dir.checkpoints_log)
         check_workdir(  # before any compute: a file, read-only, full
             workdir, "--workdir" if args.workdir else
                       "logging.workdir" if cfg.logging.workdir else "workdir")
@@ -169,7 +178,10 @@ def train_main(argv=None) -> int:
                 raise
             raise lost from None
     except _bad_input_errors() as e:
-        return _fail("jaxcnn-train", str(e))
+        message = str(e)
+        if run_dir is not None:  # resuming a run started elsewhere: say where
+            message = run_dir.explain_missing_path(message, cfg, moved_only=True)
+        return _fail("jaxcnn-train", message)
     except _distributed_error() as e:  # a peer process is missing or lost: one line, exit 1
         if e.must_exit:
             _exit_now(1, f"jaxcnn-train: error: {e}")
@@ -194,6 +206,25 @@ def _eval_parser() -> argparse.ArgumentParser:
                    help="checkpoint step to evaluate (default: the latest good one)")
     p.add_argument("--json", action="store_true", help="print the metrics as one JSON object")
     return p
+
+
+def _holds_checkpoints(directory) -> bool:
+    return os.path.isdir(directory) and any(n.isdigit() for n in os.listdir(directory))
+
+
+def _final_params(run, run_dir, path):
+    """``(step, params, model_state)`` of a run's final parameter file (what it evaluated and
+    exported at its end: the moving average if it kept one), checked against the model; the
+    step is the last one ``metrics.jsonl`` records (None without one)."""
+    from jaxcnn import interop
+    from jaxcnn.train.metrics import read_metrics
+    from jaxcnn.train.setup import abstract_state
+    like = abstract_state(run)
+    load = interop.load_npz if path.endswith(".npz") else interop.load_safetensors
+    params, model_state = load(path, like=(like.params, like.state))
+    records = read_metrics(run_dir.path) if os.path.isfile(run_dir.metrics) else []
+    steps = [r["step"] for r in records if isinstance(r.get("step"), int)]
+    return (max(steps) if steps else None), params, model_state
 
 
 def eval_main(argv=None) -> int:
@@ -224,22 +255,28 @@ def eval_main(argv=None) -> int:
         from jaxcnn.data.preprocessing import run_preprocessing, with_preprocessing
         run = with_preprocessing(run, run_preprocessing(args.run_dir, run=run))
         ckpt_dir = run_dir.checkpoints
-        # Read-only: evaluation reports a damaged checkpoint and passes over it; only training
-        # moves one aside.
-        manager = CheckpointManager(ckpt_dir, read_only=True, step_leaf="step")
-        if manager.latest_step() is None:
-            raise CheckpointError(f"{ckpt_dir}: no complete checkpoint to evaluate")
-        step, state = manager.restore(args.step, target=abstract_state(run))
-        manager.close()
+        final = run_dir.find_params()
+        if args.step is None and final is not None and not _holds_checkpoints(ckpt_dir):
+            # A run with checkpoint.enabled=false (or its checkpoints removed): its final
+            # parameters, as jaxcnn-export and -predict use them ("checkpoints does not exist").
+            step, params, model_state = _final_params(run, run_dir, final)
+        else:
+            # Read-only: evaluation reports a damaged checkpoint and passes over it; only training
+            # moves one aside.
+            manager = CheckpointManager(ckpt_dir, read_only=True, step_leaf="step")
+            if manager.latest_step() is None:
+                raise CheckpointError(f"{ckpt_dir}: no complete checkpoint to evaluate")
+            step, state = manager.restore(args.step, target=abstract_state(run))
+            manager.close()
+            params, model_state = eval_params(state, run.policy), state.state  # the EMA if the run kept one
         with matmul_precision(cfg):
             result = evaluate(run, jax.jit(make_eval_step(run.model, policy=run.policy,
-                                                          impl=cfg.model.impl)),
-                              eval_params(state, run.policy), state.state)  # the EMA if the run kept one
+                                                          impl=cfg.model.impl)), params, model_state)
         result["step"] = step
     except _bad_input_errors() as e:
         message = str(e)
-        if cfg is not None and getattr(e, "path", None) == "data.path" and "does not exist" in message:
-            message += run_dir.moved_path_hint("data.path", cfg.data.path)
+        if cfg is not None:
+            message = run_dir.explain_missing_path(message, cfg)
         return _fail("jaxcnn-eval", message)
     except KeyboardInterrupt:
         return interrupted("jaxcnn-eval", argv is None)

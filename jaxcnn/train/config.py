@@ -1029,6 +1029,27 @@ def unused_keys(cfg) -> dict[str, str]:
     return out
 
 
+def set_but_unused(cfg) -> list[str]:
+    """``"key=value (not used by chooser=choice)"`` for each key of `unused_keys` that ``cfg``
+    sets away from its schema default: an option that would otherwise be dropped without a
+    word (``data.image_size`` on ``npz`` data, ``optim.momentum`` under ``adam``)."""
+    def plain(value):
+        if isinstance(value, Config):
+            value = to_dict(value)
+        if isinstance(value, (list, tuple)):
+            return [plain(v) for v in value]
+        return value
+
+    out = []
+    for key, why in unused_keys(cfg).items():
+        node = cfg
+        for part in key.split("."):
+            node = node[part]
+        if plain(node) != plain(schema_default(key)):
+            out.append(f"{key}={plain(node)!r} ({why})")
+    return out
+
+
 def dump_config(cfg) -> str:
     """``cfg`` as YAML (what ``jaxcnn-train --print-config`` prints), each key that the config's
     other choices leave unused marked by a comment (``# not used by data.source=mnist``). Loading

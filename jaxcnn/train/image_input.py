@@ -16,7 +16,7 @@ import os
 import numpy as np
 
 from jaxcnn.data.dataset import normalize
-from jaxcnn.data.images import IMAGENET_MEAN, IMAGENET_STD, ImageData
+from jaxcnn.data.images import IMAGENET_MEAN, IMAGENET_STD, ImageData, missing_packages
 from jaxcnn.data.loader import Loader, split_info
 from jaxcnn.errors import ConfigError
 
@@ -31,6 +31,10 @@ def open_images(cfg, default_hw) -> ImageData:
     """The `ImageData` of ``cfg.data`` (``source`` folder or records); ``default_hw`` is the
     model's ``(H, W)`` used when ``data.image_size`` is null."""
     data = cfg.data
+    if missing := missing_packages(data.source):
+        raise ConfigError(f"data.source: {data.source!r} needs {', '.join(missing)}, which "
+                          f"{'is' if len(missing) == 1 else 'are'} not installed: pip install -e \".[data]\" "
+                          "(or pip install 'jaxcnn[data]')", path="data.source")
     if data.path is None or not os.path.exists(data.path):
         raise ConfigError(f"data.path: {data.path!r} does not exist", path="data.path")
     most = max(MAX_WORKERS_FLOOR, WORKERS_PER_CORE * (os.cpu_count() or 1))

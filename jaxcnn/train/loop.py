@@ -31,7 +31,7 @@ from jaxcnn.errors import TrainingStopped, WorkdirError
 from jaxcnn.train import prune
 from jaxcnn.train.checkpoint import (CheckpointManager, check_fresh_start, check_resume_config,
                                      record_run_config, restore_for_resume)
-from jaxcnn.train.config import resolve_duration, to_dict
+from jaxcnn.train.config import resolve_duration, set_but_unused, to_dict
 from jaxcnn.train.ema import eval_params
 from jaxcnn.train.image_input import TrainInput, eval_image_batches
 from jaxcnn.train.metrics import (MetricsWriter, Progress, describe_devices, describe_precision,
@@ -156,15 +156,17 @@ def start(cfg, run_dir: RunDir, *, argv=None, config_path=None) -> tuple[Prepare
     Joins the other processes (``distributed``), refuses to resume under settings that train
     differently (unless ``checkpoint.on_config_change`` is "continue"), builds and checks the
     run (:func:`prepare`: the same mesh, plan, steps and size checks as ``--dry-run``; the steps
-    are compiled here), then writes ``run_meta.json`` and ``preprocessing.json``.
+    are compiled here). ``run_meta.json`` and ``preprocessing.json`` are written by
+    :func:`record_start` once the state is restored or created: a refused resume changes neither.
 
     Returns:
         ``(prepared, config_changes, seconds prepare took)``.
     """
     with parallel_config_errors():
         parallel.initialize(cfg.distributed)  # before anything touches a device
-    if cfg.checkpoint.enabled and cfg.checkpoint.resume == "never":
-        check_fresh_start(run_dir.path)
+    if not cfg.checkpoint.enabled or cfg.checkpoint.resume == "never":  # a new run: it must replace nothing
+        check_fresh_start(run_dir.path, to_dict(cfg), why="checkpoint.enabled=false" if not cfg.checkpoint.enabled
+                          else "checkpoint.resume=never")
     changes = check_resume_config(
         run_dir.path, to_dict(cfg), resume=cfg.checkpoint.resume if cfg.checkpoint.enabled else "never",
         on_change=cfg.checkpoint.on_config_change)
@@ -172,11 +174,20 @@ def start(cfg, run_dir: RunDir, *, argv=None, config_path=None) -> tuple[Prepare
     prepared = prepare(cfg)
     prepare_s = time.perf_counter() - t0
     os.makedirs(run_dir.path, exist_ok=True)
-    if jax.process_index() == 0:  # config.resolved.yaml: once resuming is decided (record_run_config)
-        run_dir.write_meta(argv, config_path)
-        from jaxcnn.data import preprocessing  # what the model expects: jaxcnn-eval and -export read it
-        preprocessing.write_preprocessing(run_dir.preprocessing, preprocessing.from_run(prepared.run))
     return prepared, changes, prepare_s
+
+
+def record_start(cfg, run_dir: RunDir, prepared: Prepared, first: int, changes, *, argv, config_path) -> None:
+    """After the resume decision (a refused resume leaves the run directory as it was): the
+    config (``config.resolved.yaml``, earlier ones kept in ``config_history/``),
+    ``run_meta.json`` and ``preprocessing.json`` (what the model expects: ``jaxcnn-eval``,
+    ``-export`` and ``-predict`` read it)."""
+    if jax.process_index() != 0:
+        return
+    record_run_config(run_dir.path, to_dict(cfg), first, changes)
+    run_dir.write_meta(argv, config_path)
+    from jaxcnn.data import preprocessing
+    preprocessing.write_preprocessing(run_dir.preprocessing, preprocessing.from_run(prepared.run))
 
 
 def startup_lines(cfg, prepared: Prepared, workdir: str, prepare_s: float) -> list[str]:
@@ -199,7 +210,15 @@ def startup_lines(cfg, prepared: Prepared, workdir: str, prepare_s: float) -> li
                      f"{eval_set_size(run)} test images: eval batch {prepared.eval_batch_size}")
     if run.images is not None and run.images.skipped_note() is not None:
         lines.append(run.images.skipped_note())
+    lines.extend(unused_settings_lines(cfg))
     return lines
+
+
+def unused_settings_lines(cfg) -> list[str]:
+    """One line naming the settings this config's choices leave unused (it dropped them without
+    a word: ``data.image_size`` set for ``npz`` data trained at the stored size)."""
+    unused = set_but_unused(cfg)
+    return [f"not applied: {'; '.join(unused)}"] if unused else []
 
 
 class Training:
@@ -221,6 +240,7 @@ class Training:
         self.metrics = self.progress = self.stopper = None
         self.last_eval = (None, {})  # (step, metrics) of the latest evaluation
         self._stop = None  # run_steps' _StopSignal while it runs
+        self._first_step_s = 0.0  # the first step's time (its executable already compiled)
         # Images skipped so far (data.on_bad_image: skip), counted as their batches are consumed.
         self.bad_images = 0 if self.run.images is None else self.run.images.skipped_at_open
 
@@ -329,7 +349,8 @@ class Training:
             t0 = time.perf_counter()
             state, m = self.prepared.train_step(state, batch)
             jax.block_until_ready(m)
-            self.progress.message(f"[jaxcnn] first step took {time.perf_counter() - t0:.1f} s")
+            self._first_step_s = time.perf_counter() - t0
+            self.progress.message(f"[jaxcnn] first step took {self._first_step_s:.1f} s")
             self._timer = [time.perf_counter(), 0]
         else:
             state, m = self.prepared.train_step(state, batch)
@@ -349,7 +370,8 @@ class Training:
                 eval_metrics, evaluated = self.evaluate_and_record(state, done), True
             except RuntimeError:
                 # A terminal's Ctrl-C (a scheduler's SIGTERM) also reaches the data loader's worker
-                # processes; one still starting up dies of it, and grain reports that as a
+                # processes. They hold both back while starting (jaxcnn.data.loader.held_signals);
+                # one that dies of another stop signal anyway is reported by grain as a
                 # RuntimeError. With the signal received, that is the stop it asked for.
                 received = self._stop.signum if self._stop is not None else None
                 if received is None:
@@ -380,13 +402,15 @@ class Training:
         self.check_finite(done)
         run = self.run
         start, steps = self._timer
-        step_time = (time.perf_counter() - start) / steps if steps else float("nan")
-        img_s = self.cfg.data.batch_size / step_time if steps else float("nan")
+        # A log right after the first step (logging.log_every: 1, a 1-step run) has no step
+        # timed after it: that step's own time (it printed NaN, written as "nan" strings).
+        step_time = (time.perf_counter() - start) / steps if steps else self._first_step_s
+        img_s = self.cfg.data.batch_size / max(step_time, 1e-9)
         values = _summarise(self.history)
         values.update(epoch=done / run.steps_per_epoch, img_per_s=img_s, step_time_ms=step_time * 1000)
         if run.images is not None:  # running total of the images skipped (data.on_bad_image: skip)
             values["bad_images"] = self.bad_images
-        eta = (run.total_steps - done) * (step_time if steps else 0.0)
+        eta = (run.total_steps - done) * step_time
         self.metrics.write(done, "train", values)
         self.progress.update(done, done / run.steps_per_epoch, values, img_per_s=img_s,
                              step_time=step_time, eta_s=eta)
@@ -511,8 +535,7 @@ def train(cfg, workdir: str, *, argv=None, config_path=None, stream=None) -> dic
     try:  # a refused resume closes the checkpoint manager too: its orbax thread outlived the process
         state = training.restore_or_init()
         first = int(state.step)
-        if training.is_main:  # after the resume decision: a refused resume leaves it as it was
-            record_run_config(run_dir.path, to_dict(cfg), first, changes)
+        record_start(cfg, run_dir, prepared, first, changes, argv=argv, config_path=config_path)
         training.open_outputs(first)
         if training.stopper is not None and training.stopper.stopped:  # a resumed run that had stopped
             stopped_by = EARLY_STOP

@@ -30,6 +30,20 @@ from jaxcnn.errors import WorkdirError
 from jaxcnn.train.memory import fmt_bytes
 
 PARAM_FORMATS = ("npz", "safetensors")
+# The config keys that hold paths a run reads again when resumed or exported, relative to the
+# directory it was started in unless absolute.
+RELATIVE_PATH_KEYS = ("data.path", "model.init_from")
+
+
+def _dotted(config, key: str):
+    """``config[a][b]`` for ``key = "a.b"`` (a `Config` or plain mapping); None when absent."""
+    node = config
+    for part in key.split("."):
+        try:
+            node = node[part]
+        except (KeyError, TypeError, IndexError, AttributeError):
+            return None
+    return node
 
 
 class RunDir:
@@ -44,6 +58,9 @@ class RunDir:
     CHECKPOINTS = "checkpoints"
     CHECKPOINTS_LOG = "checkpoints.log"
     PARAM_FILES = tuple(f"params.{fmt}" for fmt in PARAM_FORMATS)
+    # Every name the trainer writes in a run directory (nothing else may write over them).
+    ENTRIES = (CONFIG, CONFIG_HISTORY, META, PREPROCESSING, METRICS, TENSORBOARD, CHECKPOINTS,
+               CHECKPOINTS_LOG) + PARAM_FILES
 
     def __init__(self, path):
         self.path = os.fspath(path)
@@ -104,9 +121,10 @@ class RunDir:
             return f"{self.config} does not exist: not a jaxcnn run directory"
         return None
 
-    def moved_path_hint(self, key: str, value) -> str:
+    def moved_path_hint(self, key: str, value, *, moved_only: bool = False) -> str:
         """For a relative path in the run's config that is missing here (``jaxcnn-eval`` run from
-        another directory than the training): where the run was started, from ``run_meta.json``."""
+        another directory than the training): where the run was started, from ``run_meta.json``.
+        ``moved_only``: nothing unless the run is known to have started elsewhere."""
         if not isinstance(value, str) or os.path.isabs(value):
             return ""
         try:
@@ -117,7 +135,29 @@ class RunDir:
         if isinstance(started, str) and started != os.getcwd():
             return (f" (relative to the current directory, {os.getcwd()}; the run was started in {started}: "
                     f"run from there, or give {key}=...)")
-        return f" (relative to the current directory, {os.getcwd()}; give {key}=... where the data is)"
+        if moved_only:
+            return ""
+        what = "the data is" if key.startswith("data.") else "it is"
+        return f" (relative to the current directory, {os.getcwd()}; give {key}=... where {what})"
+
+    def explain_missing_path(self, message: str, values=None, *, moved_only: bool = False) -> str:
+        """``message`` (a one-line error) with :meth:`moved_path_hint` added when it says that one
+        of `RELATIVE_PATH_KEYS` does not exist: every command that reads a saved run (eval,
+        export, predict, a resumed training) says so the same way. ``values``: the keys' values
+        (a config), else the run's ``config.resolved.yaml``."""
+        key = next((k for k in RELATIVE_PATH_KEYS if message.startswith(f"{k}: ")), None)
+        if key is None or "does not exist" not in message or "relative to the current directory" in message:
+            return message
+        value = _dotted(values, key) if values is not None else _dotted(self._saved_config(), key)
+        return message + self.moved_path_hint(key, value, moved_only=moved_only)
+
+    def _saved_config(self):
+        import yaml
+        try:
+            with open(self.config, encoding="utf-8") as f:
+                return yaml.safe_load(f)
+        except (OSError, ValueError, yaml.YAMLError):
+            return None
 
     def params(self, fmt: str) -> str:
         """``params.<fmt>`` (``fmt``: "npz" or "safetensors")."""

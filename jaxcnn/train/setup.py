@@ -125,7 +125,9 @@ def build_data(cfg, data_seed: int) -> DataSetup:
         return _image_data(cfg)
     path = cfg.data.path
     if path is not None and not os.path.exists(path):
-        raise ConfigError(f"data.path: {path!r} does not exist", path="data.path")
+        where = ("; CIFAR-10's binary version (data_batch_1.bin ... test_batch.bin) is cifar-10-binary.tar.gz "
+                 "from https://www.cs.toronto.edu/~kriz/cifar.html, extracted" if cfg.data.source == "cifar10" else "")
+        raise ConfigError(f"data.path: {path!r} does not exist{where}", path="data.path")
     if cfg.data.source == "npz":  # a device or FIFO is never data: /dev/zero ran into the OOM killer
         check_regular_file(path, "data.path")
     dataset = load_dataset(cfg.data.source, path)

@@ -101,6 +101,35 @@ def test_non_image_file_fails_or_is_skipped(tmp_path):
     assert index["train"].skipped == (str(stray),) and len(index["train"]) == 4
 
 
+def test_os_metadata_files_and_folders_are_not_data(tmp_path):
+    """Thumbs.db, desktop.ini (any case) and a zip's __MACOSX/ were errors under on_bad_image:
+    fail ("not an image file", "not a class folder") or a class of their own; only dot-files
+    were skipped."""
+    root = _bad_folder(tmp_path)
+    before = scan_folder(root)
+    for split in ("train", "val"):
+        (root / split / "Thumbs.db").write_bytes(b"\xd0\xcf\x11\xe0")
+        (root / split / "desktop.ini").write_text("[.ShellClassInfo]")
+        (root / split / "__MACOSX" / "red").mkdir(parents=True)  # unzipped on Linux: a third class
+        (root / split / "__MACOSX" / "red" / "._0.png").write_bytes(b"\x00\x05\x16\x07")
+        for cls in ("red", "blue"):
+            (root / split / cls / "thumbs.DB").write_bytes(b"\xd0\xcf\x11\xe0")
+            (root / split / cls / "Desktop.ini").write_text("[.ShellClassInfo]")
+            (root / split / cls / "Icon\r").write_bytes(b"")
+            (root / split / cls / "@eaDir").mkdir()
+            (root / split / cls / "@eaDir" / "x.jpg").write_bytes(b"a NAS thumbnail")
+    after = scan_folder(root)  # on_bad_image: fail
+    assert after == before and after["train"].skipped == ()
+    # Names that only look alike are still data: a class folder, a stray file.
+    (root / "train" / "MACOSX").mkdir()
+    with pytest.raises(DataError, match="MACOSX: empty class folder"):
+        scan_folder(root)
+    shutil.rmtree(root / "train" / "MACOSX")
+    (root / "train" / "red" / "thumbs.db.txt").write_text("x")
+    with pytest.raises(DataError, match="thumbs.db.txt: not an image file"):
+        scan_folder(root)
+
+
 def test_bad_files_raise_bad_image_error_naming_the_file(tmp_path):
     rng = np.random.default_rng(2)
     good = _save(str(tmp_path / "good.jpg"), rng.integers(0, 255, (32, 32, 3), dtype=np.uint8), quality=95)

@@ -168,6 +168,78 @@ def test_ctrl_c_to_the_process_group_leaves_the_workers_to_the_trainer():
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # this process's are its own
 
 
+def test_ctrl_c_while_the_workers_are_still_starting_is_no_worker_traceback(capfd):
+    """A Ctrl-C that reaches the workers while they still import (before their start-up function
+    ignores it) killed them with their own KeyboardInterrupt traceback on the terminal; they are
+    now started with SIGINT and SIGTERM blocked, so the signal waits and is then ignored."""
+    import multiprocessing
+    import signal
+    import threading
+    got = []
+    loader = Loader(_IgnoredSignals(), 0, 6, workers=2, shared_memory=False)
+    # The first batch starts the workers; the trainer asks for batches on its prefetch thread.
+    reader = threading.Thread(target=lambda: got.extend(int(b["x"][0]) for b in loader), daemon=True)
+    try:
+        reader.start()
+        deadline, workers = time.monotonic() + 30, []
+        while len(workers) < 2 and time.monotonic() < deadline:
+            workers = [p for p in multiprocessing.active_children() if p.name.startswith("grain")]
+            time.sleep(0.002)
+        assert len(workers) == 2
+        for worker in workers:  # still importing: that takes a spawned Python well over a second
+            os.kill(worker.pid, signal.SIGINT)
+        reader.join(60)
+    finally:
+        loader.close()
+    assert got == list(range(6))
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert not signal.pthread_sigmask(signal.SIG_BLOCK, [])  # this thread's mask is as it was
+
+
+def _wait_until_python_catches_sigint(pid, timeout=30):
+    """Until process ``pid`` has a SIGINT handler (its interpreter is up): /proc's SigCgt mask."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                caught = next(int(line.split()[1], 16) for line in f if line.startswith("SigCgt:"))
+        except (OSError, StopIteration):
+            return
+        if caught & (1 << (2 - 1)):  # bit SIGNUM - 1
+            return
+        time.sleep(0.001)
+
+
+def test_ctrl_c_while_the_convert_workers_start_is_no_worker_traceback(folder, tmp_path, capfd):
+    """jaxcnn-data convert --workers N: a Ctrl-C that reached its pool's workers while they still
+    imported killed each with its own KeyboardInterrupt traceback."""
+    import multiprocessing
+    import signal
+    import threading
+
+    from jaxcnn.data.records import write_split
+    index = scan_folder(folder)["train"]
+    result = []
+    writer = threading.Thread(target=lambda: result.append(write_split(index, tmp_path / "t.array_record",
+                                                                        workers=2)), daemon=True)
+    writer.start()
+    deadline, workers = time.monotonic() + 30, []
+    while len(workers) < 2 and time.monotonic() < deadline:
+        workers = [p for p in multiprocessing.active_children() if "PoolWorker" in p.name]
+        time.sleep(0.002)
+    assert len(workers) == 2
+    for worker in workers:  # once Python catches SIGINT (before, the signal ends it silently)
+        _wait_until_python_catches_sigint(worker.pid)
+        os.kill(worker.pid, signal.SIGINT)
+    writer.join(120)
+    assert result and result[0] == (len(index), [])
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    assert not signal.pthread_sigmask(signal.SIG_BLOCK, [])
+
+
 def test_processes_share_each_epoch_exactly_once(folder):
     source = FolderSource(scan_folder(folder)["train"])
     per_epoch = TrainBatches(source, seed=3, batch_size=6, image_size=SIZE).steps_per_epoch
@@ -250,18 +322,58 @@ def test_convert_cli_errors_are_one_line(tmp_path, capsys):
     from jaxcnn.data.images import ImageData
     assert ImageData("records", tmp_path / "out", image_size=(16, 16)).skipped_note() == (
         f"1 file left out of {tmp_path / 'out'} by jaxcnn-data convert (not images, or bad ones; it named them)")
-    for name in ("Thumbs.db", "notes.txt"):
+    for name in ("labels.csv", "notes.txt", "Thumbs.db"):  # Thumbs.db: OS litter, not counted
         (tmp_path / "f" / "val" / "red" / name).write_text("x")
     folder = ImageData("folder", tmp_path / "f", image_size=(16, 16), on_bad_image="skip")
     val = tmp_path / "f" / "val" / "red"
     assert folder.skipped_note() == (f"2 files left out of {tmp_path / 'f'} (not images by their names: "
-                                     f"{val / 'Thumbs.db'}, {val / 'notes.txt'}; data.on_bad_image is skip)")
-    for name in ("Thumbs.db", "notes.txt"):
+                                     f"{val / 'labels.csv'}, {val / 'notes.txt'}; data.on_bad_image is skip)")
+    for name in ("labels.csv", "notes.txt"):
         (val / name).unlink()
     assert ImageData("folder", tmp_path / "f", image_size=(16, 16)).skipped_note() is None
     (tmp_path / "out" / "dataset.json").write_text("{not json")
     with pytest.raises(DataError, match="not valid JSON"):
         RecordSource(tmp_path / "out", "train")
+
+
+def test_shapes_never_writes_into_a_folder_that_holds_images(tmp_path, capsys):
+    """jaxcnn-data shapes OUT over an existing image folder put its shapes among the photos there
+    (replacing those of the same names)."""
+    photo = tmp_path / "photos" / "train" / "red" / "00000.jpg"
+    photo.parent.mkdir(parents=True)
+    photo.write_bytes(b"precious")
+    assert data_main(["shapes", str(tmp_path / "photos"), "--train", "1", "--val", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"jaxcnn-data: error: {tmp_path / 'photos' / 'train'} already holds files; jaxcnn-data shapes "
+                   "writes a new example folder: give a directory without train/ and val/ (created if missing)\n")
+    assert sorted(p.name for p in (tmp_path / "photos").rglob("*")) == ["00000.jpg", "red", "train"]
+    assert data_main(["shapes", str(tmp_path / "new"), "--train", "1", "--val", "1"]) == 0
+
+
+@pytest.mark.parametrize("module, package, source", [("grain", "grain", "folder"), ("PIL", "pillow", "records"),
+                                                     ("array_record", "array-record", "records")])
+def test_a_missing_data_package_is_one_line(module, package, source, folder, records, tmp_path, capsys,
+                                            monkeypatch):
+    """Without the [data] extra an image-folder run ended in a ModuleNotFoundError traceback at
+    its first batch (jaxcnn-data convert likewise)."""
+    import sys
+
+    from jaxcnn.train.cli import train_main
+    monkeypatch.setitem(sys.modules, module, None)  # import fails
+    config = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "shapes_folder.yaml")
+    assert train_main([config, f"data.source={source}", f"data.path={folder if source == 'folder' else records}",
+                       "mesh.data=1", "data.batch_size=4", "data.eval_batch_size=4", "data.image_size=[16,16]", "train.steps=1",
+                       "train.epochs=null", "optim.schedule.warmup=0", "checkpoint.enabled=false",
+                       "--workdir", str(tmp_path / "w")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"jaxcnn-train: error: data.source: '{source}' needs {package}, which is not installed: "
+                          "pip install -e \".[data]\"") and err.count("\n") == 1, err
+    if module != "grain":  # the converter needs no loader
+        assert data_main(["convert", str(folder), str(tmp_path / "out"), "--no-progress"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"jaxcnn-data: error: jaxcnn-data convert needs {package}, not installed") and \
+            err.count("\n") == 1, err
+        assert not (tmp_path / "out").exists()
 
 
 def test_out_that_is_a_file_is_one_clear_line(tmp_path, capsys):

@@ -154,6 +154,59 @@ def test_out_is_the_file_written(params_file, tmp_path, capsys):
     assert json.loads(capsys.readouterr().out)["out"] == out + ".npz"
 
 
+def test_out_in_a_missing_directory_is_named_before_any_work(params_file, tmp_path, capsys, monkeypatch):
+    """It ended, after loading and converting the model, on "[Errno 2] No such file or
+    directory: '.../x.onnx'", which names neither --out nor what is missing."""
+    from jaxcnn.export import pipeline
+    monkeypatch.setattr(pipeline, "load_source", lambda *a, **k: pytest.fail("loaded before --out was checked"))
+    (tmp_path / "f").write_text("")
+    for out, why in [(tmp_path / "nope" / "x.onnx", "does not exist"), (tmp_path / "f" / "x.onnx", "is not a directory")]:
+        assert main([params_file, "--model", "mnist_cnn", "--format", "onnx", "--out", str(out)]) == 2
+        err = _one_line_error(capsys, "jaxcnn-export")
+        assert f"--out '{out}': its directory {out.parent} {why}" in err, err
+
+
+def test_an_input_shape_the_parameters_do_not_fit_names_the_option(params_file, tmp_path, capsys):
+    """It blamed the parameter file ("w.npz: does not match the expected parameters: key
+    'params/fc1.w' ...") for what --input-shape had changed."""
+    assert main([params_file, "--model", "mnist_cnn", "--format", "npz", "--input-shape", "32,32,1",
+                 "--out", str(tmp_path / "x.npz")]) == 2
+    err = _one_line_error(capsys, "jaxcnn-export")
+    assert "--input-shape 32,32,1: the parameters do not fit the model at that input (" in err, err
+    assert "key 'params/fc1.w' has shape (9216, 128), expected (12544, 128)" in err, err
+
+
+def test_out_never_overwrites_the_source(params_file, tmp_path, capsys):
+    """``--out runs/x/params.npz`` replaced a run's trained parameters with the pruned export (and
+    a StableHLO file went over its config.resolved.yaml); ``--out`` naming the parameter file it
+    reads overwrote it too."""
+    import shutil
+    run = tmp_path / "run"
+    run.mkdir()
+    shutil.copy(params_file, run / "params.npz")
+    import yaml
+
+    from jaxcnn.train.config import load_config, to_dict
+    config = to_dict(load_config(os.path.join(os.path.dirname(__file__), "..", "..", "configs", "mnist_cnn.yaml")))
+    (run / "config.resolved.yaml").write_text(yaml.safe_dump(config))
+    (run / "checkpoints").mkdir()
+    before = {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()}
+    for out, owned in [("params.npz", "params.npz"), ("params", "params.npz"),  # npz adds the extension
+                       ("config.resolved.yaml", "config.resolved.yaml"), ("checkpoints/x.onnx", "checkpoints")]:
+        fmt = "npz" if out.startswith("params") else "onnx"
+        assert main([str(run), "--format", fmt, "--out", str(run / out)]) == 2
+        err = _one_line_error(capsys, "jaxcnn-export")
+        assert f"is the run's own {owned} in {run}: it would be overwritten" in err, err
+    copy = tmp_path / "w.npz"
+    shutil.copy(params_file, copy)
+    assert main([str(copy), "--model", "mnist_cnn", "--format", "npz", "--prune", "0.5", "--out", str(copy)]) == 2
+    assert f"is the source file {copy}: it would be overwritten" in _one_line_error(capsys, "jaxcnn-export")
+    assert copy.read_bytes() == open(params_file, "rb").read()
+    assert {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()} == before
+    assert main([str(run / "params.npz"), "--model", "mnist_cnn", "--format", "npz", "--out",
+                 str(run / "pruned.npz")]) == 0  # a new file beside them is fine
+
+
 @pytest.mark.parametrize("pixel_dtype", ["uint8", "float32"])
 def test_preprocessing_in_the_graph_is_per_channel(pixel_dtype):
     """Three channels with their own mean/std, in both layouts and both pixel dtypes: the

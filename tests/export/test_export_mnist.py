@@ -81,7 +81,8 @@ def test_prune_and_fine_tune_through_the_trainer(trained, run_dir, tmp_path, cap
     assert accs["pruned"] < acc - 0.05 and accs["fine_tuned"] > accs["pruned"] + 0.05
     # Another fine-tune into the same directory is refused before any compute.
     _fails([run_dir, "--format", "npz", "--prune", "0.6", "--fine-tune-steps", "20",
-            "--fine-tune-dir", workdir, "--out", out], capsys, "does not hold this fine-tune")
+            "--fine-tune-dir", workdir, "--out", out], capsys,
+           "does not hold this fine-tune; remove it or give another directory (--fine-tune-dir DIR)")
 
 
 def test_cli_onnx_and_int8_stablehlo(trained, run_dir, tmp_path, capsys):

@@ -12,6 +12,7 @@
 import gc
 import hashlib
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -172,10 +173,27 @@ def test_checkpoint_from_another_config_is_refused_unless_asked(reference, tmp_p
     assert f"checkpoint {ckpt}/12 was trained under another config" in err[0]
     assert "optim.lr: 0.05 -> 0.003" in err[0] and "train.seed: 3 -> 0" in err[0]
     assert "checkpoint.on_config_change=continue" in err[0]
-    assert {k: v for k, v in tree_digest(work).items() if k != "run_meta.json"} == \
-        {k: v for k, v in before.items() if k != "run_meta.json"}
+    assert tree_digest(work) == before  # run_meta.json included: it was rewritten for the refused run
     assert train_main(run_args(data, work, "checkpoint.on_config_change=continue")) == 0
     assert resumed_step(capsys.readouterr().out) == STEPS
+    gc.collect()
+
+
+def test_a_failed_continue_is_one_line_and_loses_nothing(reference, tmp_path, capfd, caplog):
+    """``on_config_change=continue`` under another optimiser: no checkpoint holds its state.
+    Each checkpoint logged a warning line before the refusal (N + 1 lines), and the refused run
+    had already rewritten run_meta.json and preprocessing.json with its own argv and settings."""
+    data, ref, _ = reference
+    work = copy_run(ref, tmp_path)
+    before = tree_digest(work)
+    capfd.readouterr()
+    assert train_main(run_args(data, work, "optim.name=sgd", "checkpoint.on_config_change=continue")) == 2
+    err = capfd.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert "no usable checkpoint" in err[0] and "steps 12, 10, 8, 6, 4, 2" in err[0], err
+    # The warnings went through logging (pytest captures them there; a terminal shows them).
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+    assert tree_digest(work) == before
     gc.collect()
 
 

@@ -120,3 +120,31 @@ def test_records_train_bit_for_bit_like_the_folder(shapes, tmp_path):
     assert train_main(_args(tmp_path / "rec", tmp_path / "b", "data.source=records", "data.workers=2",
                             "checkpoint.enabled=false")) == 0
     _assert_same_params(tmp_path / "a", tmp_path / "b")
+
+
+def test_export_measures_and_calibrates_on_the_image_folder(shapes, tmp_path, capsys, monkeypatch):
+    """--quantize, --prune and --fold-bn of a run on an image folder ended on "the run's data is
+    generated per step; calibration and accuracy need a dataset": the accuracy is now measured on
+    the val split (as jaxcnn-eval does) and int8 calibrated on training images spread over the
+    classes, resized and centre-cropped as in evaluation."""
+    from jaxcnn.data import loader
+    from jaxcnn.export.cli import main as export_main
+    from jaxcnn.export.pipeline import calibration_batches
+    from jaxcnn.train.config import load_config
+    _, ref, _ = shapes
+    out = tmp_path / "q.shlo"
+    capsys.readouterr()
+    assert export_main([str(ref), "--format", "stablehlo", "--quantize", "int8", "--calibration-batches", "2",
+                        "--out", str(out), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    final = [r for r in read_metrics(ref) if r["kind"] == "eval"][-1]
+    assert report["accuracy"]["original"] == pytest.approx(final["top1"])  # the val split, as in training
+    assert 0.0 <= report["accuracy"]["int8"] <= 1.0 and out.exists()
+    picked, load_rgb = [], loader.load_rgb
+    monkeypatch.setattr(loader, "load_rgb", lambda source, index: picked.append(index) or load_rgb(source, index))
+    batches = calibration_batches(load_config(ref / "config.resolved.yaml"), 2, batch_size=6)
+    assert [b.shape for b in batches] == [(6, 16, 16, 3)] * 2 and all(b.dtype == np.float32 for b in batches)
+    pixels = np.concatenate(batches)  # normalised with the ImageNet statistics the run trained with
+    assert -2.2 < pixels.min() and pixels.max() < 2.7 and abs(float(pixels.mean())) < 1.5
+    # The split is ordered by class (49 files, 16-17 a class): the picks span all of it.
+    assert len(picked) == 12 and min(picked) == 0 and max(picked) == 48, picked

@@ -1,6 +1,7 @@
 """End-to-end tests of the trainer: tiny real runs of the CLI on every data source."""
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -234,6 +235,62 @@ def test_resume_never_over_an_earlier_runs_checkpoints_is_refused(tmp_path, caps
     assert sorted(p.name for p in work.iterdir()) == ["checkpoints", "metrics.jsonl"]  # nothing written
 
 
+def test_a_run_without_checkpoints_never_replaces_another_runs_results(tmp_path, capsys):
+    """checkpoint.enabled=false over a run directory trained its own run beside the earlier one:
+    params.npz and config.resolved.yaml replaced (the earlier run's parameters lost), its metrics
+    appended to theirs, their checkpoints left for another config."""
+    work = tmp_path / "w"
+    base = [os.path.join(CONFIGS, "mnist_cnn.yaml"), *FAST, "train.steps=2", "--workdir", str(work)]
+    assert train_main([*base, "checkpoint.enabled=false"]) == 0
+    before = {p.name: p.read_bytes() for p in work.iterdir() if p.is_file()}
+    capsys.readouterr()
+    assert train_main([*base, "checkpoint.enabled=false", "optim.lr=0.01"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{work} holds the final parameters ({work / 'params.npz'}) of a run under " \
+        "another config (optim.lr: 0.002 -> 0.01); with checkpoint.enabled=false this run starts afresh" in err, err
+    assert {p.name: p.read_bytes() for p in work.iterdir() if p.is_file()} == before
+    assert train_main([*base, "checkpoint.enabled=false"]) == 0  # the same run again: the same parameters
+    # Checkpoints of an earlier run, whatever its config, as with checkpoint.resume=never.
+    other = tmp_path / "o"
+    (other / "checkpoints" / "4").mkdir(parents=True)
+    capsys.readouterr()
+    assert train_main([*base[:-1], str(other), "checkpoint.enabled=false"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"jaxcnn-train: error: checkpoint.enabled=false, but {other / 'checkpoints'} holds the "
+                          "checkpoints of an earlier run (steps 4)"), err
+
+
+def test_a_runs_own_config_resumes_that_run(tmp_path, capsys, monkeypatch):
+    """``jaxcnn-train runs/x/config.resolved.yaml`` trained a new run from scratch in
+    runs/config.resolved; ``jaxcnn-train runs/x`` said only "cannot read config file ...: it is a
+    directory"."""
+    monkeypatch.chdir(tmp_path)
+    run = tmp_path / "runs" / "x"
+    args = [os.path.join(CONFIGS, "mnist_cnn.yaml"), *FAST, "train.steps=4", "checkpoint.every=2"]
+    assert train_main([*args, "--workdir", str(run)]) == 0
+    shutil.rmtree(run / "checkpoints" / "4")
+    (run / "params.npz").unlink()
+    capsys.readouterr()
+    assert train_main([str(run / "config.resolved.yaml")]) == 0
+    assert "resumed from step 2" in capsys.readouterr().out
+    assert sorted(os.listdir(tmp_path / "runs")) == ["x"] and (run / "params.npz").exists()
+    assert train_main([str(run)]) == 2
+    assert capsys.readouterr().err == (
+        f"jaxcnn-train: error: {run} is a run directory, not a config file: to resume it, jaxcnn-train "
+        f"{run / 'config.resolved.yaml'} (its run directory is then the default --workdir); to evaluate it, "
+        f"jaxcnn-eval {run}\n")
+
+
+def test_missing_cifar_data_says_what_to_fetch(tmp_path, capsys):
+    """configs/resnet18_cifar10.yaml on a new machine said only "data.path: ... does not exist"."""
+    assert train_main([os.path.join(CONFIGS, "resnet18_cifar10.yaml"), f"data.path={tmp_path / 'cifar'}",
+                       "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"data.path: '{tmp_path / 'cifar'}' does not exist; CIFAR-10's binary " \
+        "version (data_batch_1.bin ... test_batch.bin) is cifar-10-binary.tar.gz from " \
+        "https://www.cs.toronto.edu/~kriz/cifar.html, extracted" in err, err
+
+
 @pytest.mark.parametrize("override, needle", [
     ("optim.lr=-1", "optim.lr"),
     ("optim.lrr=0.1", "did you mean 'optim.lr'"),
@@ -403,6 +460,100 @@ def test_eval_from_another_directory_says_where_a_relative_data_path_was(tmp_pat
         f"the run was started in {project}: run from there, or give data.path=...)\n")
     assert eval_main(["project/run", "data.path=project/d.npz", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["step"] == 2
+
+
+def test_every_command_says_where_a_saved_runs_relative_path_was(tmp_path, capsys, monkeypatch):
+    """Only jaxcnn-eval said where a run with relative paths was started; jaxcnn-export (which
+    needs the data to calibrate or to measure a pruning), jaxcnn-predict (an older run without
+    preprocessing.json) and jaxcnn-train resuming the run said only "... does not exist"."""
+    import jax
+
+    from jaxcnn import models
+    from jaxcnn.export.cli import main as export_main
+    from jaxcnn.interop import save_npz
+    from jaxcnn.predict import main as predict_main
+    from PIL import Image
+
+    project = tmp_path / "project"
+    project.mkdir()
+    rng = np.random.default_rng(0)
+    _tiny_npz(project / "d.npz", rng)
+    params, state, _ = models.get("mnist_cnn", num_classes=4).init(jax.random.PRNGKey(1), (1, 10, 10, 1))
+    save_npz(project / "init.npz", params, state)
+    Image.fromarray(rng.integers(0, 255, (10, 10), dtype=np.uint8)).save(tmp_path / "digit.png")
+    args = [os.path.join(CONFIGS, "mnist_cnn.yaml"), *FAST, "model.name=mnist_cnn", "train.steps=2",
+            "data.source=npz", "data.path=d.npz", "model.num_classes=4", "model.init_from=init.npz",
+            "checkpoint.every=1"]
+    monkeypatch.chdir(project)
+    assert train_main([*args, "--workdir", "run"]) == 0
+    (project / "run" / "preprocessing.json").unlink()  # as runs written before it existed
+    monkeypatch.chdir(tmp_path)
+    capsys.readouterr()
+
+    def hint(key, value):
+        return (f"{key}: {value!r} does not exist (relative to the current directory, {tmp_path}; the run "
+                f"was started in {project}: run from there, or give {key}=...)")
+    for command, argv, key, value in [
+            (export_main, ["project/run", "--format", "npz", "--prune", "0.5", "--out", "p.npz"], "data.path", "d.npz"),
+            (predict_main, ["project/run", "digit.png"], "data.path", "d.npz"),
+            (train_main, [*args, "--workdir", "project/run"], "data.path", "d.npz")]:
+        assert command(argv) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and hint(key, value) in err, err
+    # Resuming with the data here too: the parameters it started from are still looked for.
+    _tiny_npz(tmp_path / "d.npz", np.random.default_rng(0))
+    assert train_main([*args, "--workdir", "project/run"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and hint("model.init_from", "init.npz") in err, err
+
+
+def test_a_log_right_after_the_first_step_has_a_throughput(tmp_path, capsys):
+    """A one-step run (an export's --fine-tune-steps 1) or logging.log_every=1 logged the first
+    step as "img/s nan  step nan ms", and metrics.jsonl held the strings "nan"."""
+    assert train_main([os.path.join(CONFIGS, "mnist_cnn.yaml"), *FAST, "train.steps=1",
+                       "checkpoint.enabled=false", "--workdir", str(tmp_path / "w")]) == 0
+    out = capsys.readouterr().out
+    line = next(l for l in out.splitlines() if l.startswith("step 1/1"))
+    assert "nan" not in line.lower(), line
+    record = next(r for r in read_metrics(str(tmp_path / "w")) if r["kind"] == "train")
+    assert isinstance(record["img_per_s"], float) and record["img_per_s"] > 0, record
+    assert isinstance(record["step_time_ms"], float) and record["step_time_ms"] > 0, record
+
+
+def test_settings_the_config_leaves_unused_are_named(tmp_path, capsys):
+    """data.image_size on npz data, or optim.b1 under sgd, were dropped without a word (the run
+    trained at the stored image size); the shipped configs set none."""
+    import glob
+
+    from jaxcnn.train.config import load_config, set_but_unused
+    _tiny_npz(tmp_path / "d.npz", np.random.default_rng(0))
+    args = [os.path.join(CONFIGS, "mnist_cnn.yaml"), *FAST, "model.name=mnist_cnn", "data.source=npz",
+            f"data.path={tmp_path / 'd.npz'}", "model.num_classes=4", "train.steps=1", "data.image_size=[28,28,1]",
+            "optim.name=sgd", "optim.b1=0.8"]
+    note = ("not applied: data.image_size=[28, 28, 1] (not used by data.source=npz); optim.b1=0.8 "
+            "(not used by optim.name=sgd)")
+    assert train_main([*args, "--dry-run"]) == 0
+    assert note + "\n" in capsys.readouterr().out
+    assert train_main([*args, "checkpoint.enabled=false", "--workdir", str(tmp_path / "w")]) == 0
+    assert f"[jaxcnn] {note}\n" in capsys.readouterr().out
+    for path in glob.glob(os.path.join(CONFIGS, "*.yaml")):
+        assert set_but_unused(load_config(path)) == [], path
+
+
+def test_eval_of_a_run_without_checkpoints_uses_its_final_parameters(tmp_path, capsys):
+    """A run with checkpoint.enabled=false writes params.npz (which jaxcnn-export and -predict
+    use), but jaxcnn-eval said "checkpoints does not exist: no checkpoints"."""
+    work = tmp_path / "w"
+    assert train_main([os.path.join(CONFIGS, "mnist_cnn.yaml"), *FAST, "train.steps=2", "checkpoint.enabled=false",
+                       "--workdir", str(work)]) == 0
+    final = [r for r in read_metrics(str(work)) if r["kind"] == "eval"][-1]
+    capsys.readouterr()
+    assert eval_main([str(work), "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["step"] == 2 and result["count"] == final["count"]
+    assert result["top1"] == final["top1"] and result["loss"] == pytest.approx(final["loss"], rel=1e-6)
+    assert eval_main([str(work), "--step", "2"]) == 2  # a step names a checkpoint: there is none
+    assert "no checkpoints" in capsys.readouterr().err
 
 
 def test_tensorboard_events_and_progress_bar(tmp_path, capsys):

@@ -1,0 +1,25 @@
+"""What every console script's command line shares: a parser whose errors are one line.
+
+A leaf module (it imports nothing of jaxcnn), so that ``jaxcnn-data`` (in ``jaxcnn.data``,
+below the trainer) parses its command line as ``jaxcnn-train`` does.
+"""
+from __future__ import annotations
+
+import argparse
+
+EXIT_BAD_INPUT = 2
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose errors are one line on stderr and exit code 2.
+
+    argparse prints its usage first (wrapped onto two lines at 80 columns) and the
+    offending argument as given, line breaks included; a bad command line is reported
+    like every other bad input instead: ``PROG: error: ...`` on one line. Sub-commands'
+    parsers (``add_subparsers``) are of this class too.
+    """
+
+    def error(self, message):
+        # Control characters (newlines, form feeds, ...) as escapes: one line whatever was typed.
+        message = "".join(c if c.isprintable() else ascii(c)[1:-1] for c in message)
+        self.exit(EXIT_BAD_INPUT, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
