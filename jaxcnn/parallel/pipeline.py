@@ -427,12 +427,13 @@ class Pipeline:
         schedule: ``"gpipe"`` (default: every forward, then every backward) or ``"1f1b"``
             (one forward, one backward: :func:`one_f_one_b`); the same numbers, ``1f1b``
             stashes ``min(S, M)`` stage inputs per device instead of ``M``.
-        remat: the backward's recomputation of a stage keeps only each block's input
-            (``jax.checkpoint`` around every block) and recomputes the block's intermediate
-            activations once more as its gradient is taken: one more forward of the stage,
-            and a stage's activation memory is its block boundaries plus one block's
-            (``parallel.pipeline.remat``; default False: the whole stage's activations of
-            one micro-batch).
+        remat: the backward's recomputation of a stage keeps only each unit's input
+            (``jax.checkpoint`` around every unit of :meth:`remat_units`: a block with
+            inner layers, or a run of consecutive single-layer blocks) and recomputes the
+            unit's intermediate activations once more as its gradient is taken: one more
+            forward of the stage, and a stage's activation memory is its units' inputs plus
+            one unit's internals (``parallel.pipeline.remat``; default False: the whole
+            stage's activations of one micro-batch).
         axis_name: the pipeline mesh axis.
 
     Raises:
@@ -510,20 +511,40 @@ class Pipeline:
 
     # ----- the schedule -----------------------------------------------------------------
 
+    def remat_units(self, s) -> list[list[Block]]:
+        """Stage ``s``'s blocks as ``remat`` runs them, one ``jax.checkpoint`` per unit: a
+        block with inner layers alone, a maximal run of consecutive single-layer blocks
+        together (ResNet's ``conv1``, ``bn1``, ``relu``, ``maxpool``: checkpointed one by one
+        they would keep every input, each of them an activation anyway; together they
+        keep the run's input only, and recompute the rest in the run's own backward)."""
+        units = []
+        for b in self.stage_blocks[s]:
+            if not b.layer.children and units and not units[-1][-1].layer.children:
+                units[-1].append(b)
+            else:
+                units.append([b])
+        return units
+
     def _run_stage(self, s, params, state, x, rng, *, policy, choices):
         """Stage ``s`` on ``x``: ``(y, {block path: new state})``."""
         new_states = {}
-        for b in self.stage_blocks[s]:
-            r = None if rng is None else _path_key(rng, b.rng_path)
+        units = self.remat_units(s) if self.remat else [[b] for b in self.stage_blocks[s]]
+        for unit in units:
+            keys = [None if rng is None else _path_key(rng, b.rng_path) for b in unit]
 
-            def apply(p, st, x, r, layer=b.layer):
-                return layer.apply(p, st, x, train=True, rng=r, policy=policy, choices=choices)
+            def apply(ps, sts, x, keys, unit=unit):
+                out = []
+                for b, p, st, r in zip(unit, ps, sts, keys):
+                    x, ns = b.layer.apply(p, st, x, train=True, rng=r, policy=policy, choices=choices)
+                    out.append(ns)
+                return x, out
 
             if self.remat:
                 apply = jax.checkpoint(apply)
-            x, ns = apply(_get(params, b.path), _get(state, b.path), x, r)
-            if ns:
-                new_states[b.path] = ns
+            x, ns = apply([_get(params, b.path) for b in unit], [_get(state, b.path) for b in unit], x, keys)
+            for b, n in zip(unit, ns):
+                if n:
+                    new_states[b.path] = n
         return x, new_states
 
     def owners(self, tree) -> dict:

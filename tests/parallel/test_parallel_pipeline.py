@@ -696,12 +696,17 @@ def test_packing_gives_each_stage_its_parameters_and_each_device_its_gradient_bl
 
 
 def test_remat_recomputes_each_block_and_matches_one_device():
-    """parallel.pipeline.remat: every block of a stage runs under jax.checkpoint in the
-    backward's recomputation (the step's jaxpr has one checkpoint per block and none without
-    remat), and ResNet-18 on 4 stages still gives one device's loss, gradients, BatchNorm
-    statistics and parameters; the config key reaches the plan, a bad value is one line."""
+    """parallel.pipeline.remat: every unit of a stage (a block with inner layers, or a run
+    of consecutive single-layer blocks: ResNet's stem is one) runs under jax.checkpoint (the
+    step's jaxpr has one checkpoint per unit in each stage's forward and backward branch,
+    and none without remat), and ResNet-18 on 4 stages still gives one device's loss,
+    gradients, BatchNorm statistics and parameters; the config key reaches the plan, a bad
+    value is one line."""
     plan, _, _ = _compare("resnet18", 1, 4, 2, remat=True)
     assert plan.pipeline.remat
+    units = [[b.name for b in u] for s in range(4) for u in plan.pipeline.remat_units(s)]
+    assert units[0] == ["conv1", "bn1", "relu", "maxpool"] and ["layer1.0"] in units
+    assert units[-1] == ["avgpool", "fc"] and sum(map(len, units)) == sum(plan.pipeline.split)
 
     def checkpoints(remat):
         model, tx = _model("resnet18"), MOMENTUM
@@ -711,8 +716,7 @@ def test_remat_recomputes_each_block_and_matches_one_device():
             plan.abstract_state, plan.put_batch(batches(SHAPE, 1, seed=1)[0])))
         return len(re.findall(r"\b(?:checkpoint|remat2?)\[", jaxpr))
 
-    blocks = len(pipeline_blocks(_model("resnet18")))
-    assert checkpoints(False) == 0 and checkpoints(True) >= blocks
+    assert checkpoints(False) == 0 and checkpoints(True) == 2 * len(units)
 
     import os
 
