@@ -185,6 +185,65 @@ def test_memory_split_is_the_best_contiguous_split_of_its_estimate(seed):
         assert estimate(np.cumsum(sizes)[:-1].tolist()) == best
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_remat_memory_split_is_the_best_split_of_its_remat_estimate(seed):
+    """balance="memory" under remat: against every contiguous split (brute force), the estimate
+    written out with each stage's units formed directly (a run of single-layer blocks is one
+    unit, cut at the stage's edges): a stage holds its units' inputs and its largest unit's
+    internals, not the sum of its activations."""
+    from jaxcnn.parallel.pipeline import (MEMORY_OWN_PARAM_BUFFERS, MEMORY_PARAM_BUFFERS, MEMORY_WIRE_BUFFERS,
+                                          memory_split, remat_stage_acts)
+    rng = np.random.default_rng(100 + seed)
+    n = int(rng.integers(4, 10))
+    acts, params = rng.integers(1, 1000, n).tolist(), rng.integers(0, 3000, n).tolist()
+    inputs = rng.integers(1, 300, n).tolist()
+    single = (rng.random(n) < 0.5).tolist()
+    widths = rng.choice([50, 100, 200, 400], n).tolist()
+
+    def held(a, b):  # the stage of blocks a..b-1 under remat
+        units = []
+        for k in range(a, b):
+            if k > a and single[k] and single[k - 1]:
+                units[-1].append(k)
+            else:
+                units.append([k])
+        return sum(inputs[u[0]] for u in units) + max(sum(acts[k] for k in u) for u in units)
+
+    for stages in range(1, min(n, 4) + 1):
+        mb, stash = int(rng.integers(1, 9)), int(rng.integers(1, 5))
+
+        def estimate(cuts, stage):
+            edges = [0, *cuts, n]
+            own = max(mb * stage(i, j) + MEMORY_OWN_PARAM_BUFFERS * sum(params[i:j]) for i, j in zip(edges, edges[1:]))
+            p = max(sum(params[i:j]) for i, j in zip(edges, edges[1:]))
+            w = max([widths[c - 1] for c in cuts] + [0])
+            return own + MEMORY_PARAM_BUFFERS * p + (stash + MEMORY_WIRE_BUFFERS) * mb * w
+
+        sizes = memory_split(acts, params, widths, stages, mb, stash,
+                             stage_acts=remat_stage_acts(acts, inputs, single))
+        assert len(sizes) == stages and min(sizes) >= 1 and sum(sizes) == n
+        splits = list(itertools.combinations(range(1, n), stages - 1))
+        best = min(estimate(c, held) for c in splits)
+        assert estimate(np.cumsum(sizes)[:-1].tolist(), held) == best
+
+
+def test_remat_memory_balance_of_a_model():
+    """Pipeline(balance="memory", remat=True) splits by the remat estimate of the model's own
+    blocks (ResNet's stem a single unit) and picks another split than without remat (ResNet-18
+    at 64x64, micro-batches of 16)."""
+    from jaxcnn.parallel.pipeline import block_costs, boundary_widths, memory_split, remat_stage_acts
+    model, shape = _model("resnet18"), (64, 64, 64, 3)
+    blocks = pipeline_blocks(model)
+    acts = [c / shape[0] for c in block_costs(model, shape, blocks, "activations")]
+    widths = boundary_widths(shape, blocks)
+    stage_acts = remat_stage_acts(acts, [64 * 64 * 3] + widths[:-1], [not b.layer.children for b in blocks])
+    assert stage_acts[0, 4] == 64 * 64 * 3 + sum(acts[:4])  # the stem: its input and all its layers
+    assert stage_acts[4, 6] == widths[3] + widths[4] + max(acts[4:6])  # layer1.0, layer1.1
+    want = memory_split(acts, block_costs(model, shape, blocks, "params"), widths, 4, 16, 4, stage_acts=stage_acts)
+    split = Pipeline(model, shape, 4, 4, balance="memory", remat=True).split
+    assert split == want != Pipeline(model, shape, 4, 4, balance="memory").split
+
+
 def test_memory_balance_weighs_parameters_at_small_batches():
     """ResNet-18 at 64x64 on 4 stages: with micro-batches of 1 the memory split's largest stage
     holds fewer parameters than the activation split's (which puts layer4's 8.4 M on one stage);
