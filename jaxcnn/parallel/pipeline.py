@@ -15,8 +15,9 @@ runs a training step's forward and backward on them with a GPipe schedule (or 1F
 * forward: a ``lax.scan`` over ``M + S - 1`` ticks; at tick ``t`` stage ``s``
   runs micro-batch ``t - s`` (``lax.switch`` on ``axis_index("pipe")``) and
   sends its output to stage ``s + 1`` with ``lax.ppermute``.  Activations
-  travel as float32 buffers ``(micro-batch, width)`` padded to the widest
-  stage boundary (bfloat16 and float16 round-trip exactly);
+  travel as buffers ``(micro-batch, width)`` padded to the widest stage
+  boundary, in the boundaries' dtype (bfloat16 under a bfloat16 compute policy;
+  float32 when they differ, which holds bfloat16 and float16 exactly);
 * backward: a second scan of ``M + S - 1`` ticks in the other direction; each
   stage recomputes its forward from the input it stashed (``M`` buffers per
   device) inside its own ``lax.switch`` branch and takes its ``jax.vjp`` there,
@@ -649,7 +650,10 @@ class Pipeline:
                                                                           choices=None)[0],
                                    packing.whole_shapes, abstract(model_state), x)
             width = max([math.prod(st.shape[1:]) for st in structs[1:]] + [1])
-            wire = jnp.result_type(jnp.float32, *[st.dtype for st in structs[1:]])  # holds each exactly
+            # the stash, wire and cotangent buffers: the boundaries' own dtype when they share
+            # one (bfloat16 under a bfloat16 compute policy: half of float32's bytes), else
+            # one that holds each exactly
+            wire = jnp.result_type(*[st.dtype for st in structs[1:]]) if S > 1 else jnp.dtype(jnp.float32)
 
             def to_buf(y):
                 f = y.astype(wire).reshape(y.shape[0], -1)

@@ -499,6 +499,33 @@ def test_mixed_precision_pipelined_matches_one_device(policy):
     assert max_diff(got.state, ref.state) < 2e-3
 
 
+def test_16_bit_policies_send_and_stash_activations_in_their_compute_dtype():
+    """The wire, stash and cotangent buffers take the stage boundaries' dtype: every ppermute
+    of the step's jaxpr (activations forward, cotangents back) is float32 under float32,
+    bfloat16 under bf16 and bf16_params, float16 under f16 (half the bytes of the float32
+    buffers the step used to send); a float16 step still matches one device with
+    accumulate=4 to float16 rounding (bfloat16: test_mixed_precision_pipelined_matches_one_device)."""
+    from jaxcnn import precision as P
+    from jaxcnn.train.state import create_train_state
+    model, tx, shape = _model("bn_net"), MOMENTUM, (16, 8, 8, 3)
+    batch = batches(shape, 1, seed=6)[0]
+    for policy, dtype in (("f32", "f32"), ("bf16", "bf16"), ("bf16_params", "bf16"), ("f16", "f16")):
+        pol = P.get_policy(policy)
+        state = jax.device_get(create_train_state(model, tx, jax.random.PRNGKey(0), shape, policy=pol,
+                                                  loss_scale=P.make_loss_scale("none")))
+        plan = ParallelPlan(make_mesh(1, 1, pipe=4), model, shape, _abstract(state), pipeline={"microbatches": 4})
+        step = plan.wrap_step(make_train_step(model, tx, policy=pol, axis_name=plan.step_axis_name,
+                                              pipeline=plan.pipeline), donate=False)
+        jaxpr = str(jax.make_jaxpr(step)(plan.abstract_state, plan.put_batch(batch)))
+        sent = set(re.findall(r"(\w+)\[[\d,]+\] = ppermute", jaxpr))
+        assert sent == {dtype}, (policy, sent)
+    got, m = step(plan.shard_state(state), plan.put_batch(batch))  # f16
+    folded = jax.random.key_data(jax.random.fold_in(jax.random.wrap_key_data(state.rng), 0))
+    ref, r = jax.jit(make_train_step(model, tx, policy=pol, accumulate=4))(state._replace(rng=folded), batch)
+    np.testing.assert_allclose(m["loss"], r["loss"], rtol=1e-3)
+    assert max_diff(got.params, ref.params) < 1e-3 and max_diff(got.state, ref.state) < 1e-3
+
+
 def test_make_mesh_keeps_the_order_of_the_devices_it_is_given():
     """All 8 devices given in another order: the mesh is laid out in that order (it used to
     take jax.make_mesh's own order whenever every device was used, which put the 2-process
@@ -668,7 +695,8 @@ def test_per_shard_batch_norm_pipelined_matches_data_parallel(monkeypatch):
 def test_bench_scaling_pipe_reports_args_temporaries_and_total(capsys):
     """scripts/bench_scaling.py --pipe 1,2 on lenet5 (compile only): a row per stage count with
     XLA's argument, temporary and total bytes per device; the arguments (parameters, momentum,
-    batch) fall with 2 stages, as fc1's 48,000 weights and their momentum are split over pipe."""
+    batch) fall with 2 stages, as fc1's 48,000 weights and their momentum are split over pipe.
+    --split and --precision reach the plan and the step; bad ones exit 2 with one line."""
     import importlib.util
     import json
     import os
@@ -695,6 +723,24 @@ def test_bench_scaling_pipe_reports_args_temporaries_and_total(capsys):
     fc1 = 2 * 400 * 120 * 4 / 2**20  # weights and momentum, float32
     assert one["args_mib"] - two["args_mib"] == pytest.approx(fc1 / 2, rel=0.05)
     assert "args" in out and "temp" in out and "total" in out
+
+    # --split by hand and --precision: a bfloat16 step's row; bad values are one line, exit 2
+    split = [len(pipeline_blocks(get_model("lenet5"))) - 1, 1]
+    try:
+        assert bench.main(["--model", "lenet5", "--pipe", "2", "--per-device-batch", "8", "--microbatches", "2",
+                           "--steps", "0", "--json", "--split", ",".join(map(str, split)),
+                           "--precision", "bf16"]) == 0
+        out = capsys.readouterr().out
+        (row,) = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+        assert row["split"] == split and "precision bf16" in out
+        for bad, words in ((["--split", "1,x"], "--split"), (["--split", "1,1,1"], "parallel.pipeline.split"),
+                           (["--precision", "f12"], "--precision")):
+            assert bench.main(["--model", "lenet5", "--pipe", "2", "--steps", "0"] + bad) == 2
+            err = capsys.readouterr().err
+            assert words in err and err.count("\n") == 1, err
+    finally:
+        os.environ.clear()
+        os.environ.update(environ)
 
 
 def test_packing_gives_each_stage_its_parameters_and_each_device_its_gradient_blocks():
