@@ -499,6 +499,41 @@ def test_mixed_precision_pipelined_matches_one_device(policy):
     assert max_diff(got.state, ref.state) < 2e-3
 
 
+def test_recomputed_units_keep_only_their_inputs_for_the_backward():
+    """pipeline._recomputed (remat's unit): the gradient of three recomputed units of two
+    3x3 convolutions equals jax.checkpoint's, and its compiled temporaries stay near a
+    unit's own activations (8x the input), where jax.checkpoint's and the plain gradient's
+    hold every unit's (13x): XLA:CPU drops jax.checkpoint's optimization barrier, and
+    schedules a recomputation as early as its inputs allow."""
+    from jaxcnn import functional as F
+    from jaxcnn.parallel.pipeline import _recomputed
+    shape = (8, 32, 32, 64)
+
+    def unit(ps, sts, x, keys):
+        for w in ps:
+            x = jax.nn.relu(F.conv2d(x, w, padding=1))
+        return x, [{} for _ in ps]
+
+    def loss(wrap):
+        def f(ws, x):
+            for w in ws:
+                x, _ = wrap(unit)([w, w], [{}, {}], x, [None, None])
+            return jax.numpy.sum(x ** 2)
+        return jax.jit(jax.grad(f, argnums=(0, 1)))
+
+    rng = np.random.default_rng(3)
+    ws = [jax.numpy.asarray(rng.standard_normal((3, 3, 64, 64)) * 0.05, np.float32) for _ in range(3)]
+    x = jax.numpy.asarray(rng.standard_normal(shape), np.float32)
+    temp = {}
+    for name, wrap in (("plain", lambda f: f), ("checkpoint", jax.checkpoint), ("recomputed", _recomputed)):
+        mem = loss(wrap).lower(ws, x).compile().memory_analysis()
+        temp[name] = mem.temp_size_in_bytes / x.nbytes
+    assert temp["recomputed"] < 0.75 * min(temp["plain"], temp["checkpoint"]), temp
+    got, ref = loss(_recomputed)(ws, x), loss(jax.checkpoint)(ws, x)
+    scale = max(float(np.max(np.abs(np.asarray(r)))) for r in jax.tree_util.tree_leaves(ref))
+    assert max_diff(got, ref) <= 1e-6 * scale  # float32: the same operations, fused apart
+
+
 def test_16_bit_policies_send_and_stash_activations_in_their_compute_dtype():
     """The wire, stash and cotangent buffers take the stage boundaries' dtype: every ppermute
     of the step's jaxpr (activations forward, cotangents back) is float32 under float32,
@@ -802,11 +837,11 @@ def test_packing_gives_each_stage_its_parameters_and_each_device_its_gradient_bl
 
 def test_remat_recomputes_each_block_and_matches_one_device():
     """parallel.pipeline.remat: every unit of a stage (a block with inner layers, or a run
-    of consecutive single-layer blocks: ResNet's stem is one) runs under jax.checkpoint (the
-    step's jaxpr has one checkpoint per unit in each stage's forward and backward branch,
-    and none without remat), and ResNet-18 on 4 stages still gives one device's loss,
-    gradients, BatchNorm statistics and parameters; the config key reaches the plan, a bad
-    value is one line."""
+    of consecutive single-layer blocks: ResNet's stem is one) is recomputed in the backward
+    (the step's jaxpr has one custom_vjp call per unit in the forward branches and one more
+    conditional per unit, the recomputation's stored input, none without remat), and
+    ResNet-18 on 4 stages still gives one device's loss, gradients, BatchNorm statistics and
+    parameters; the config key reaches the plan, a bad value is one line."""
     plan, _, _ = _compare("resnet18", 1, 4, 2, remat=True)
     assert plan.pipeline.remat
     units = [[b.name for b in u] for s in range(4) for u in plan.pipeline.remat_units(s)]
@@ -819,9 +854,10 @@ def test_remat_recomputes_each_block_and_matches_one_device():
         step = make_train_step(model, tx, axis_name=plan.step_axis_name, pipeline=plan.pipeline)
         jaxpr = str(jax.make_jaxpr(plan.wrap_step(step, donate=False))(
             plan.abstract_state, plan.put_batch(batches(SHAPE, 1, seed=1)[0])))
-        return len(re.findall(r"\b(?:checkpoint|remat2?)\[", jaxpr))
+        return len(re.findall(r"custom_vjp_call\[", jaxpr)), len(re.findall(r"\bcond\[", jaxpr))
 
-    assert checkpoints(False) == 0 and checkpoints(True) == 2 * len(units)
+    (calls, conds), (calls_remat, conds_remat) = checkpoints(False), checkpoints(True)
+    assert calls == 0 and calls_remat == len(units) and conds_remat == conds + len(units)
 
     import os
 
