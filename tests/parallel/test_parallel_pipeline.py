@@ -502,7 +502,7 @@ def test_mixed_precision_pipelined_matches_one_device(policy):
 def test_recomputed_units_keep_only_their_inputs_for_the_backward():
     """pipeline._recomputed (remat's unit): the gradient of three recomputed units of two
     3x3 convolutions equals jax.checkpoint's, and its compiled temporaries stay near a
-    unit's own activations (8x the input), where jax.checkpoint's and the plain gradient's
+    unit's own activations (6x the input), where jax.checkpoint's and the plain gradient's
     hold every unit's (13x): XLA:CPU drops jax.checkpoint's optimization barrier, and
     schedules a recomputation as early as its inputs allow."""
     from jaxcnn import functional as F
