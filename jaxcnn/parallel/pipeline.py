@@ -84,10 +84,14 @@ which calls :meth:`Pipeline.place`):
   arrays just split differently), so a run resumes onto any other layout.
 
 Per device the step then holds a ``1/S`` share of the parameters and optimiser
-state at rest, its stage's activations of one micro-batch, the ``M`` stashed
-stage inputs, and transiently its own stage's parameters and their packed
-gradients (both as large as the largest stage's parameters, as SPMD pads them);
-``docs/BENCHMARKS.md`` has the measured split for ResNet-50.
+state at rest, its stage's activations of one micro-batch (under ``remat``: its
+units' inputs and one unit's internals, each unit recomputed by :func:`_recomputed`,
+as XLA:CPU undoes ``jax.checkpoint``), the ``M`` stashed stage inputs (in the
+compute dtype under a 16-bit policy), and transiently its own stage's parameters
+and their packed gradients (both as large as the largest stage's parameters, as
+SPMD pads them); ``docs/BENCHMARKS.md`` has the measured split for ResNet-50
+(4 stages, batch 64: 0.35x of one device's memory in float32 with ``remat`` and
+``balance: memory``, 0.51x without; 0.25x under bfloat16).
 
 This module knows nothing of losses and optimisers: ``jaxcnn.train.step``
 gives :meth:`Pipeline.gradients` the loss head and the input preparation.
