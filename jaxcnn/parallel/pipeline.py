@@ -86,7 +86,7 @@ which calls :meth:`Pipeline.place`):
 Per device the step then holds a ``1/S`` share of the parameters and optimiser
 state at rest, its stage's activations of one micro-batch (under ``remat``: its
 units' inputs and one unit's internals, each unit recomputed by :func:`_recomputed`,
-as XLA:CPU undoes ``jax.checkpoint``), the ``M`` stashed stage inputs (in the
+as jax 0.10.2's XLA:CPU undoes ``jax.checkpoint``), the ``M`` stashed stage inputs (in the
 compute dtype under a 16-bit policy), and transiently its own stage's parameters
 and their packed gradients (both as large as the largest stage's parameters, as
 SPMD pads them); ``docs/BENCHMARKS.md`` has the measured split for ResNet-50
@@ -1007,7 +1007,8 @@ def _recomputed(apply):
     recomputation reading a stored copy of ``x``.
 
     ``jax.checkpoint`` keeps XLA from merging the recomputation with the forward (common
-    subexpression elimination) by an ``optimization_barrier``, which XLA:CPU drops: the
+    subexpression elimination) by an ``optimization_barrier``, which jax 0.10.2's XLA:CPU
+    drops (0.11.2's keeps it; this is at least as small there): the
     forward's values of the recomputed layers then stay live until the backward reads
     them (ResNet-50, 4 stages, batch 64: three of ``layer1``'s 49 MiB convolution
     outputs and the stem's at the first stage's peak).  Here the recomputation starts from

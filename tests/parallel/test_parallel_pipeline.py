@@ -502,9 +502,10 @@ def test_mixed_precision_pipelined_matches_one_device(policy):
 def test_recomputed_units_keep_only_their_inputs_for_the_backward():
     """pipeline._recomputed (remat's unit): the gradient of three recomputed units of two
     3x3 convolutions equals jax.checkpoint's, and its compiled temporaries stay near a
-    unit's own activations (6x the input), where jax.checkpoint's and the plain gradient's
-    hold every unit's (13x): XLA:CPU drops jax.checkpoint's optimization barrier, and
-    schedules a recomputation as early as its inputs allow."""
+    unit's own activations (6x the input) where the plain gradient holds every unit's (13x),
+    and never above jax.checkpoint's (13x with jax 0.10.2, whose XLA:CPU drops
+    jax.checkpoint's optimization barrier and schedules a recomputation as early as its
+    inputs allow; 7x with jax 0.11.2)."""
     from jaxcnn import functional as F
     from jaxcnn.parallel.pipeline import _recomputed
     shape = (8, 32, 32, 64)
@@ -528,7 +529,7 @@ def test_recomputed_units_keep_only_their_inputs_for_the_backward():
     for name, wrap in (("plain", lambda f: f), ("checkpoint", jax.checkpoint), ("recomputed", _recomputed)):
         mem = loss(wrap).lower(ws, x).compile().memory_analysis()
         temp[name] = mem.temp_size_in_bytes / x.nbytes
-    assert temp["recomputed"] < 0.75 * min(temp["plain"], temp["checkpoint"]), temp
+    assert temp["recomputed"] < 0.75 * temp["plain"] and temp["recomputed"] <= temp["checkpoint"], temp
     got, ref = loss(_recomputed)(ws, x), loss(jax.checkpoint)(ws, x)
     scale = max(float(np.max(np.abs(np.asarray(r)))) for r in jax.tree_util.tree_leaves(ref))
     assert max_diff(got, ref) <= 1e-6 * scale  # float32: the same operations, fused apart
