@@ -84,7 +84,7 @@ def _parse_args(argv):
     p.add_argument("--precision", default="f32",
                    help="--pipe: the precision policy (a jaxcnn.precision preset or spec: f32, bf16, ...)")
     p.add_argument("--remat", action="store_true",
-                   help="--pipe: parallel.pipeline.remat (each block's activations recomputed in the backward)")
+                   help="--pipe: parallel.pipeline.remat (each unit's activations recomputed in its backward)")
     p.add_argument("--schedule", default="gpipe",
                    help="--pipe: comma-separated pipeline schedules (gpipe, 1f1b), each measured")
     return p.parse_args(argv)

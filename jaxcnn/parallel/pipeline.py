@@ -471,8 +471,9 @@ class Pipeline:
             (one forward, one backward: :func:`one_f_one_b`); the same numbers, ``1f1b``
             stashes ``min(S, M)`` stage inputs per device instead of ``M``.
         remat: the backward's recomputation of a stage keeps only each unit's input
-            (``jax.checkpoint`` around every unit of :meth:`remat_units`: a block with
-            inner layers, or a run of consecutive single-layer blocks) and recomputes the
+            (:func:`_recomputed`, ``jax.checkpoint``'s contract, around every unit of
+            :meth:`remat_units`: a block with inner layers, or a run of consecutive
+            single-layer blocks) and recomputes the
             unit's intermediate activations once more as its gradient is taken: one more
             forward of the stage, and a stage's activation memory is its units' inputs plus
             one unit's internals (``parallel.pipeline.remat``; default False: the whole
@@ -559,7 +560,7 @@ class Pipeline:
     # ----- the schedule -----------------------------------------------------------------
 
     def remat_units(self, s) -> list[list[Block]]:
-        """Stage ``s``'s blocks as ``remat`` runs them, one ``jax.checkpoint`` per unit: a
+        """Stage ``s``'s blocks as ``remat`` runs them, one recomputed unit each: a
         block with inner layers alone, a maximal run of consecutive single-layer blocks
         together (ResNet's ``conv1``, ``bn1``, ``relu``, ``maxpool``: checkpointed one by one
         they would keep every input, each of them an activation anyway; together they
