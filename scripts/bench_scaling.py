@@ -33,6 +33,10 @@ pipeline's bubble fraction and the step time (``--steps 0``: compile only)::
     python scripts/bench_scaling.py --model resnet50 --pipe 1,2,4 --per-device-batch 16 \
         --microbatches 4 --steps 2
 
+``--split 5,2,4,11`` gives the blocks per stage by hand (``parallel.pipeline.split``),
+``--remat`` sets ``parallel.pipeline.remat`` and ``--precision bf16`` the precision policy
+(its compute dtype is the dtype of the stash and of what crosses the stages).
+
 ``--schedule gpipe,1f1b`` measures each stage count above 1 under each pipeline schedule
 (``parallel.pipeline.schedule``; the table's ``stash`` column: the stage inputs each device
 keeps for the backward)::
@@ -74,8 +78,13 @@ def _parse_args(argv):
     p.add_argument("--microbatches", type=int, default=4, help="--pipe: micro-batches per step")
     p.add_argument("--balance", default="macs", choices=("macs", "params", "activations", "memory"),
                    help="--pipe: what the stages' split evens out")
+    p.add_argument("--split", default=None,
+                   help="--pipe: blocks per stage, comma-separated, for every stage count above 1 "
+                        "(parallel.pipeline.split; default: the --balance split)")
+    p.add_argument("--precision", default="f32",
+                   help="--pipe: the precision policy (a jaxcnn.precision preset or spec: f32, bf16, ...)")
     p.add_argument("--remat", action="store_true",
-                   help="--pipe: parallel.pipeline.remat (each block's activations recomputed in the backward)")
+                   help="--pipe: parallel.pipeline.remat (each unit's activations recomputed in its backward)")
     p.add_argument("--schedule", default="gpipe",
                    help="--pipe: comma-separated pipeline schedules (gpipe, 1f1b), each measured")
     return p.parse_args(argv)
@@ -223,20 +232,37 @@ def _pipeline_rows(args, counts, model, image, tx) -> int:
               file=sys.stderr)
         return 2
     runs = [(pipe, schedule) for pipe in counts for schedule in (schedules if pipe > 1 else schedules[:1])]
+    try:
+        split = None if args.split is None else [int(v) for v in args.split.split(",")]
+    except ValueError:
+        print(f"bench_scaling: --split: expected comma-separated block counts, got {args.split!r}", file=sys.stderr)
+        return 2
+
+    try:
+        policy = P.get_policy(args.precision)
+    except ValueError as e:
+        print(f"bench_scaling: --precision: {e}", file=sys.stderr)
+        return 2
 
     def init():
-        return create_train_state(model, tx, jax.random.PRNGKey(0), shape, loss_scale=P.make_loss_scale("none"))
+        return create_train_state(model, tx, jax.random.PRNGKey(0), shape, policy=policy,
+                                  loss_scale=P.make_loss_scale("none"))
 
     rng = np.random.default_rng(0)
     host = {"image": rng.normal(size=shape).astype(np.float32),
             "label": rng.integers(0, args.num_classes, shape[0]).astype(np.int32)}
     rows = []
     for pipe, schedule in runs:
-        plan = ParallelPlan(make_mesh(1, 1, pipe=pipe, devices=jax.devices()[:pipe]), model, shape,
-                            jax.eval_shape(init), pipeline={"microbatches": m, "balance": args.balance,
-                                                            "schedule": schedule, "remat": args.remat})
-        step = plan.wrap_step(make_train_step(model, tx, axis_name=plan.step_axis_name, accumulate=m,
-                                              pipeline=plan.pipeline))
+        try:
+            plan = ParallelPlan(make_mesh(1, 1, pipe=pipe, devices=jax.devices()[:pipe]), model, shape,
+                                jax.eval_shape(init), pipeline={"microbatches": m, "balance": args.balance,
+                                                                "schedule": schedule, "remat": args.remat,
+                                                                "split": split if pipe > 1 else None})
+        except ValueError as e:
+            print(f"bench_scaling: {e}", file=sys.stderr)
+            return 2
+        step = plan.wrap_step(make_train_step(model, tx, policy=policy, axis_name=plan.step_axis_name,
+                                              accumulate=m, pipeline=plan.pipeline))
         placed = plan.put_batch(host)
         t0 = time.perf_counter()
         compiled = step.lower(plan.abstract_state, placed).compile()
@@ -265,7 +291,7 @@ def _pipeline_rows(args, counts, model, image, tx) -> int:
         print(json.dumps(row) if args.json else
               f"pipe {pipe} {row['schedule']}: {row['memory_mib']:.0f} MiB per device", flush=True)
     print(f"model {args.model} {image}  batch {shape[0]} in {m} micro-batches  balance {args.balance}"
-          f"{'  remat' if args.remat else ''}  backend "
+          f"{'  remat' if args.remat else ''}  precision {args.precision}  backend "
           f"{jax.default_backend()} ({os.cpu_count()} host cores)")
     print("MiB per device (XLA's memory_analysis): args = the state and batch the step takes, temp = "
           "its temporaries, total = args + outputs + temp - donated; vs = the ratio to the first row; "

@@ -443,6 +443,7 @@ def _strided_max_pool_jvp(kernel, stride, run_pads, out_hw, primals, tangents):
                                     kernel, stride, run_pads, out_hw)
     if wide:
         y, first = y.astype(x.dtype), _fence_index(first, kernel[0] * kernel[1] - 1)
+    dx = _fence_tangent(dx, first)
     acc = jnp.float32 if wide else dx.dtype
     dtaps = geo.window_taps(jnp.pad(dx.astype(acc), ((0, 0), *run_pads, (0, 0))),
                             kernel, stride, (1, 1), out_hw)
@@ -457,6 +458,26 @@ def _fence_index(index, top):
     XLA cannot prove), the predicate (never true) is read from ``index``."""
     first = index[(0,) * index.ndim]
     return lax.cond(first < 0, lambda v: jnp.clip(v, 0, top).astype(v.dtype), lambda v: v, index)
+
+
+def _fence_tangent(t, index):
+    """``t`` (the input tangent of a max pool), stored, and so is its transpose (the
+    input's gradient) in the backward: a conditional XLA cannot fuse through, linear in
+    ``t`` so that JAX transposes it into the same conditional on the cotangent.  The
+    predicate (never true) is read from ``index`` (the tap index, a primal, values >= 0);
+    the branch never taken doubles ``t`` so that XLA cannot see the branches are equal.
+
+    Without it XLA:CPU fuses the gradient's sum of ``kh * kw`` interior-padded taps into
+    every consumer of the input's gradient (a BatchNorm backward has three: its two
+    channel sums and the input gradient) and stores each padded tap whole for them:
+    nine ``(N, H + 2, W + 2, C)`` buffers for ResNet's stem pool (457 MiB at a micro-batch
+    of 16: the pipelined ResNet-50 step's regression in docs/BENCHMARKS.md).  Stored, the
+    gradient is one fused pass into one buffer plus the conditional's copy (BatchNorm +
+    ReLU + the stem pool, forward and backward at 16x112x112x64: temporaries 508 -> 98 MiB,
+    166 -> 108 ms; the pool alone unchanged).
+    """
+    first = index[(0,) * index.ndim]
+    return lax.cond(first < 0, lambda v: v * jnp.asarray(2, v.dtype), lambda v: v, t)
 
 
 _strided_max_pool.defjvp(_strided_max_pool_jvp)

@@ -15,8 +15,9 @@ runs a training step's forward and backward on them with a GPipe schedule (or 1F
 * forward: a ``lax.scan`` over ``M + S - 1`` ticks; at tick ``t`` stage ``s``
   runs micro-batch ``t - s`` (``lax.switch`` on ``axis_index("pipe")``) and
   sends its output to stage ``s + 1`` with ``lax.ppermute``.  Activations
-  travel as float32 buffers ``(micro-batch, width)`` padded to the widest
-  stage boundary (bfloat16 and float16 round-trip exactly);
+  travel as buffers ``(micro-batch, width)`` padded to the widest stage
+  boundary, in the boundaries' dtype (bfloat16 under a bfloat16 compute policy;
+  float32 when they differ, which holds bfloat16 and float16 exactly);
 * backward: a second scan of ``M + S - 1`` ticks in the other direction; each
   stage recomputes its forward from the input it stashed (``M`` buffers per
   device) inside its own ``lax.switch`` branch and takes its ``jax.vjp`` there,
@@ -83,10 +84,14 @@ which calls :meth:`Pipeline.place`):
   arrays just split differently), so a run resumes onto any other layout.
 
 Per device the step then holds a ``1/S`` share of the parameters and optimiser
-state at rest, its stage's activations of one micro-batch, the ``M`` stashed
-stage inputs, and transiently its own stage's parameters and their packed
-gradients (both as large as the largest stage's parameters, as SPMD pads them);
-``docs/BENCHMARKS.md`` has the measured split for ResNet-50.
+state at rest, its stage's activations of one micro-batch (under ``remat``: its
+units' inputs and one unit's internals, each unit recomputed by :func:`_recomputed`,
+as jax 0.10.2's XLA:CPU undoes ``jax.checkpoint``), the ``M`` stashed stage inputs (in the
+compute dtype under a 16-bit policy), and transiently its own stage's parameters
+and their packed gradients (both as large as the largest stage's parameters, as
+SPMD pads them); ``docs/BENCHMARKS.md`` has the measured split for ResNet-50
+(4 stages, batch 64: 0.35x of one device's memory in float32 with ``remat`` and
+``balance: memory``, 0.51x without; 0.25x under bfloat16).
 
 This module knows nothing of losses and optimisers: ``jaxcnn.train.step``
 gives :meth:`Pipeline.gradients` the loss head and the input preparation.
@@ -186,6 +191,32 @@ def balanced_split(costs, stages: int) -> list[int]:
     return sizes[::-1]
 
 
+def remat_stage_acts(acts, inputs, single) -> np.ndarray:
+    """``A[j, i]``: the activation elements (per example) that a stage of blocks ``j..i-1``
+    holds at the peak of its backward under ``remat``: the input of each of its units
+    (stored from the recomputed forward to the unit's backward) plus the largest unit's
+    internals (its layers' outputs, recomputed in the unit's own backward); ``inf`` for
+    ``j >= i``.  Units as :meth:`Pipeline.remat_units` forms them: a run of consecutive
+    single-layer blocks (``single``) is one unit, cut at the stage's edges.
+
+    Arguments:
+        acts: each block's layers' output elements per example (its internals).
+        inputs: each block's input elements per example.
+        single: whether each block is a single layer."""
+    n = len(acts)
+    A = np.full((n + 1, n + 1), np.inf)
+    for j in range(n):
+        stored = inner = unit = 0.0
+        for k in range(j, n):  # the stage j..k
+            if k > j and single[k] and single[k - 1]:
+                unit += acts[k]  # joins the run of single layers before it
+            else:
+                stored, unit = stored + inputs[k], float(acts[k])
+            inner = max(inner, unit)
+            A[j, k + 1] = stored + inner
+    return A
+
+
 # The per-device memory model of balance="memory", in float32 elements, as the compiled
 # step holds them at its peak (a stage's backward; measured on ResNet-50 at 224x224 with
 # XLA's buffer assignment, docs/BENCHMARKS.md): the stage's activations of one micro-batch
@@ -217,7 +248,8 @@ def boundary_widths(input_shape, blocks) -> list[int]:
     return widths
 
 
-def memory_split(acts, params, widths, stages: int, microbatch: int, stash: int) -> list[int]:
+def memory_split(acts, params, widths, stages: int, microbatch: int, stash: int,
+                 stage_acts=None) -> list[int]:
     """Blocks per stage minimising the estimated per-device elements of the pipelined step,
     ``max_s (mb A_s + MEMORY_OWN_PARAM_BUFFERS P_s) + MEMORY_PARAM_BUFFERS max_s P_s +
     (stash + MEMORY_WIRE_BUFFERS) mb w``: ``A_s`` a stage's activation elements per example
@@ -227,18 +259,25 @@ def memory_split(acts, params, widths, stages: int, microbatch: int, stash: int)
     boundary's on every device (SPMD pads every device's buffers to them), so the split is
     searched over each cap on the boundary width and on a stage's parameters: the min-max
     split of the per-stage term under both caps (a vectorised dynamic programme), plus the
-    capped terms."""
+    capped terms.  ``stage_acts`` (an ``(n + 1, n + 1)`` array, :func:`remat_stage_acts`
+    under ``remat``) replaces ``A_s`` by the activation elements per example that a stage
+    of blocks ``j..i-1`` holds; None: the sum of its blocks' ``acts``."""
     n, S = len(acts), stages
     pa = np.concatenate([[0], np.cumsum(np.asarray(acts, np.float64))])
     pp = np.concatenate([[0], np.cumsum(np.asarray(params, np.float64))])
     P = pp[None, :] - pp[:, None]  # P[j, i]: blocks j..i-1
-    A = microbatch * (pa[None, :] - pa[:, None]) + MEMORY_OWN_PARAM_BUFFERS * P  # the per-stage term
+    if stage_acts is None:
+        stage_acts = pa[None, :] - pa[:, None]
+        A_low = (microbatch * pa[-1] + MEMORY_OWN_PARAM_BUFFERS * pp[-1]) / S  # a bound on max_s below
+    else:  # some stage holds each block's internals, and some stage a 1/S share of the parameters
+        stage_acts = np.asarray(stage_acts, np.float64)
+        A_low = max(microbatch * max(acts), MEMORY_OWN_PARAM_BUFFERS * pp[-1] / S)
+    A = microbatch * stage_acts + MEMORY_OWN_PARAM_BUFFERS * P  # the per-stage term
     ij = np.arange(n + 1)
     proper = ij[:, None] < ij[None, :]
     cut_width = np.concatenate([[0], np.asarray(widths[:-1], np.float64), [0]])  # width at boundary j
     caps_p = np.unique(P[proper])
     best_cost, best_sizes = float("inf"), None
-    A_low = (microbatch * pa[-1] + MEMORY_OWN_PARAM_BUFFERS * pp[-1]) / S
     for w in np.unique(cut_width[1:n]) if n > 1 else [0.0]:
         fixed_w = (stash + MEMORY_WIRE_BUFFERS) * microbatch * w
         ok_cut = (cut_width <= w) | (ij == 0) | (ij == n)
@@ -421,18 +460,24 @@ class Pipeline:
             micro-batch of ``input_shape[0] / microbatches`` examples, the parameter-sized
             buffers and the stash and wire buffers at the widest boundary, which SPMD gives
             every device; :class:`~jaxcnn.parallel.ParallelPlan` passes the batch of one
-            data shard).
+            data shard).  Under ``remat`` the ``memory`` estimate counts what a stage holds
+            at its backward's peak instead of all its activations: its units' inputs plus
+            its largest unit's internals (:func:`remat_stage_acts`).  (``activations`` stays
+            the sum: measured on ResNet-50, its remat-aware split ignored the parameters and
+            held more in all, 1,112 against 1,085 MiB at batch 64 on 4 stages.)
         split: blocks per stage (a list of ``stages`` positive ints adding up to
             the number of blocks), or None for the balanced split.
         schedule: ``"gpipe"`` (default: every forward, then every backward) or ``"1f1b"``
             (one forward, one backward: :func:`one_f_one_b`); the same numbers, ``1f1b``
             stashes ``min(S, M)`` stage inputs per device instead of ``M``.
-        remat: the backward's recomputation of a stage keeps only each block's input
-            (``jax.checkpoint`` around every block) and recomputes the block's intermediate
-            activations once more as its gradient is taken: one more forward of the stage,
-            and a stage's activation memory is its block boundaries plus one block's
-            (``parallel.pipeline.remat``; default False: the whole stage's activations of
-            one micro-batch).
+        remat: the backward's recomputation of a stage keeps only each unit's input
+            (:func:`_recomputed`, ``jax.checkpoint``'s contract, around every unit of
+            :meth:`remat_units`: a block with inner layers, or a run of consecutive
+            single-layer blocks) and recomputes the
+            unit's intermediate activations once more as its gradient is taken: one more
+            forward of the stage, and a stage's activation memory is its units' inputs plus
+            one unit's internals (``parallel.pipeline.remat``; default False: the whole
+            stage's activations of one micro-batch).
         axis_name: the pipeline mesh axis.
 
     Raises:
@@ -462,10 +507,14 @@ class Pipeline:
         if split is None and balance == "memory":
             self.costs = block_costs(model, input_shape, self.blocks, "activations")
             per_example = [c / input_shape[0] for c in self.costs]
+            widths = boundary_widths(input_shape, self.blocks)
+            # under remat a stage holds its units' inputs and one unit's internals
+            stage_acts = None if not remat else remat_stage_acts(
+                per_example, [math.prod(input_shape[1:])] + widths[:-1], [not b.layer.children for b in self.blocks])
             slots = microbatches if schedule == "gpipe" else max(one_f_one_b(stages, microbatches).slots, 1)
             sizes = memory_split(per_example, block_costs(model, input_shape, self.blocks, "params"),
-                                 boundary_widths(input_shape, self.blocks), stages,
-                                 max(input_shape[0] // microbatches, 1), slots)
+                                 widths, stages, max(input_shape[0] // microbatches, 1), slots,
+                                 stage_acts=stage_acts)
         elif split is None:
             self.costs = block_costs(model, input_shape, self.blocks, balance)
             sizes = balanced_split(self.costs, stages)
@@ -510,20 +559,40 @@ class Pipeline:
 
     # ----- the schedule -----------------------------------------------------------------
 
+    def remat_units(self, s) -> list[list[Block]]:
+        """Stage ``s``'s blocks as ``remat`` runs them, one recomputed unit each: a
+        block with inner layers alone, a maximal run of consecutive single-layer blocks
+        together (ResNet's ``conv1``, ``bn1``, ``relu``, ``maxpool``: checkpointed one by one
+        they would keep every input, each of them an activation anyway; together they
+        keep the run's input only, and recompute the rest in the run's own backward)."""
+        units = []
+        for b in self.stage_blocks[s]:
+            if not b.layer.children and units and not units[-1][-1].layer.children:
+                units[-1].append(b)
+            else:
+                units.append([b])
+        return units
+
     def _run_stage(self, s, params, state, x, rng, *, policy, choices):
         """Stage ``s`` on ``x``: ``(y, {block path: new state})``."""
         new_states = {}
-        for b in self.stage_blocks[s]:
-            r = None if rng is None else _path_key(rng, b.rng_path)
+        units = self.remat_units(s) if self.remat else [[b] for b in self.stage_blocks[s]]
+        for unit in units:
+            keys = [None if rng is None else _path_key(rng, b.rng_path) for b in unit]
 
-            def apply(p, st, x, r, layer=b.layer):
-                return layer.apply(p, st, x, train=True, rng=r, policy=policy, choices=choices)
+            def apply(ps, sts, x, keys, unit=unit):
+                out = []
+                for b, p, st, r in zip(unit, ps, sts, keys):
+                    x, ns = b.layer.apply(p, st, x, train=True, rng=r, policy=policy, choices=choices)
+                    out.append(ns)
+                return x, out
 
             if self.remat:
-                apply = jax.checkpoint(apply)
-            x, ns = apply(_get(params, b.path), _get(state, b.path), x, r)
-            if ns:
-                new_states[b.path] = ns
+                apply = _recomputed(apply)
+            x, ns = apply([_get(params, b.path) for b in unit], [_get(state, b.path) for b in unit], x, keys)
+            for b, n in zip(unit, ns):
+                if n:
+                    new_states[b.path] = n
         return x, new_states
 
     def owners(self, tree) -> dict:
@@ -586,7 +655,10 @@ class Pipeline:
                                                                           choices=None)[0],
                                    packing.whole_shapes, abstract(model_state), x)
             width = max([math.prod(st.shape[1:]) for st in structs[1:]] + [1])
-            wire = jnp.result_type(jnp.float32, *[st.dtype for st in structs[1:]])  # holds each exactly
+            # the stash, wire and cotangent buffers: the boundaries' own dtype when they share
+            # one (bfloat16 under a bfloat16 compute policy: half of float32's bytes), else
+            # one that holds each exactly
+            wire = jnp.result_type(*[st.dtype for st in structs[1:]]) if S > 1 else jnp.dtype(jnp.float32)
 
             def to_buf(y):
                 f = y.astype(wire).reshape(y.shape[0], -1)
@@ -928,6 +1000,51 @@ def _unblock(flat, dim, shape):
     """A row of :func:`_blocks` back to its block of shape ``shape``."""
     moved = (shape[dim],) + tuple(v for i, v in enumerate(shape) if i != dim)
     return jnp.moveaxis(flat.reshape(moved), 0, dim)
+
+
+def _recomputed(apply):
+    """``apply(params, states, x, keys) -> (y, new states)`` whose gradient keeps only its
+    inputs and recomputes the rest in the backward (``jax.checkpoint``'s contract), the
+    recomputation reading a stored copy of ``x``.
+
+    ``jax.checkpoint`` keeps XLA from merging the recomputation with the forward (common
+    subexpression elimination) by an ``optimization_barrier``, which jax 0.10.2's XLA:CPU
+    drops (0.11.2's keeps it; this is at least as small there): the
+    forward's values of the recomputed layers then stay live until the backward reads
+    them (ResNet-50, 4 stages, batch 64: three of ``layer1``'s 49 MiB convolution
+    outputs and the stem's at the first stage's peak).  Here the recomputation starts from
+    a conditional's output (:func:`_stored`), which XLA cannot merge with the forward's
+    input; the cotangents of ``states`` and ``keys`` are zero (the stage's vjp seeds only
+    ``y``)."""
+    @jax.custom_vjp
+    def run(params, states, x, keys):
+        return apply(params, states, x, keys)
+
+    def fwd(params, states, x, keys):
+        return apply(params, states, x, keys), (params, states, x, keys)
+
+    def bwd(res, ct):
+        params, states, x, keys = res
+        _, vjp = jax.vjp(lambda p, v: apply(p, states, v, keys)[0], params, _stored(x, after=ct[0]))
+        d_params, d_x = vjp(ct[0])
+        zeros = jax.tree_util.tree_map(jnp.zeros_like, states)
+        return d_params, zeros, d_x, jax.tree_util.tree_map(lambda _: None, keys)
+
+    run.defvjp(fwd, bwd)
+    return run
+
+
+def _stored(x, *, after):
+    """``x``, stored once ``after`` exists: a conditional XLA can neither fuse through, nor
+    merge with another computation of ``x``, nor run before ``after`` (the cotangent that
+    starts the backward: XLA would otherwise schedule a recomputation as early as its
+    inputs allow, keeping its values as long as the forward's).  Both branches return
+    ``x`` (the second adds 0.0, so that XLA cannot see they are equal); the predicate,
+    never true for a finite ``after``, is read from ``after`` only (read from ``x`` too, it
+    let XLA recompute that element of ``x`` at the backward from the forward's values
+    fused into ``x``, keeping them live: three 49 MiB convolution outputs of ResNet-50)."""
+    pred = jnp.isnan(after[(0,) * after.ndim])
+    return jax.lax.cond(pred, lambda v: v + jnp.zeros((), v.dtype), lambda v: v, x)
 
 
 def _psum_f32(tree, axis):

@@ -548,6 +548,38 @@ def test_max_pool_stem_dispatch_drops_select_and_scatter():
         assert "reduce_window" not in str(jax.make_jaxpr(pool("auto"))(small))
 
 
+def test_max_pool_gradient_is_stored_once_for_a_batch_norm_backward(monkeypatch):
+    """The stem's BatchNorm + ReLU + 3x3/2 pool, forward and backward (compiled, not run):
+    the pool's input gradient is stored once (a conditional, ``_fence_tangent``), so the
+    temporaries stay under 3x the input; without the fence XLA:CPU stores each of the 9
+    interior-padded taps for every consumer (over 6x: the check can fail).  The gradient
+    equals the one through XLA's reduce_window to float32 rounding (the BatchNorm sums
+    fuse differently), and the pool's own gradient exactly, fence or not."""
+    shape = (4, 32, 32, 16)
+
+    def loss(impl):
+        def f(x):
+            m, v = x.mean((0, 1, 2)), x.var((0, 1, 2))
+            y = jax.nn.relu((x - m) * lax.rsqrt(v + 1e-5))
+            return jnp.sum(F.max_pool2d(y, 3, stride=2, padding=1, impl=impl) ** 2)
+        return f
+
+    def temp_over_input(fn):
+        x = jax.ShapeDtypeStruct(shape, jnp.float32)
+        return jax.jit(jax.grad(fn)).lower(x).compile().memory_analysis().temp_size_in_bytes / (4 * np.prod(shape))
+
+    x = jnp.asarray(np.random.default_rng(21).standard_normal(shape), jnp.float32)
+    pool_grad = jax.jit(jax.grad(lambda x: jnp.sum(F.max_pool2d(x, 3, stride=2, padding=1) ** 2)))
+    fenced, fenced_pool = jax.jit(jax.grad(loss("auto")))(x), pool_grad(x)
+    assert "cond" in str(jax.make_jaxpr(jax.grad(loss("auto")))(x))
+    assert temp_over_input(loss("auto")) < 3
+    assert_close(fenced, jax.jit(jax.grad(loss("xla")))(x), RTOL[jnp.float32])
+    monkeypatch.setattr(C, "_fence_tangent", lambda t, index: t)
+    assert temp_over_input(loss("auto")) > 6
+    np.testing.assert_array_equal(fenced_pool, jax.jit(jax.grad(
+        lambda x: jnp.sum(F.max_pool2d(x, 3, stride=2, padding=1) ** 2)))(x))
+
+
 def test_bench_cpu_pool_script_times_both_lowerings(capsys):
     """scripts/bench_cpu_pool.py at batch 1: a row per shape, its two lowerings equal;
     an unknown shape is a usage error (exit 2, one line)."""

@@ -185,6 +185,65 @@ def test_memory_split_is_the_best_contiguous_split_of_its_estimate(seed):
         assert estimate(np.cumsum(sizes)[:-1].tolist()) == best
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_remat_memory_split_is_the_best_split_of_its_remat_estimate(seed):
+    """balance="memory" under remat: against every contiguous split (brute force), the estimate
+    written out with each stage's units formed directly (a run of single-layer blocks is one
+    unit, cut at the stage's edges): a stage holds its units' inputs and its largest unit's
+    internals, not the sum of its activations."""
+    from jaxcnn.parallel.pipeline import (MEMORY_OWN_PARAM_BUFFERS, MEMORY_PARAM_BUFFERS, MEMORY_WIRE_BUFFERS,
+                                          memory_split, remat_stage_acts)
+    rng = np.random.default_rng(100 + seed)
+    n = int(rng.integers(4, 10))
+    acts, params = rng.integers(1, 1000, n).tolist(), rng.integers(0, 3000, n).tolist()
+    inputs = rng.integers(1, 300, n).tolist()
+    single = (rng.random(n) < 0.5).tolist()
+    widths = rng.choice([50, 100, 200, 400], n).tolist()
+
+    def held(a, b):  # the stage of blocks a..b-1 under remat
+        units = []
+        for k in range(a, b):
+            if k > a and single[k] and single[k - 1]:
+                units[-1].append(k)
+            else:
+                units.append([k])
+        return sum(inputs[u[0]] for u in units) + max(sum(acts[k] for k in u) for u in units)
+
+    for stages in range(1, min(n, 4) + 1):
+        mb, stash = int(rng.integers(1, 9)), int(rng.integers(1, 5))
+
+        def estimate(cuts, stage):
+            edges = [0, *cuts, n]
+            own = max(mb * stage(i, j) + MEMORY_OWN_PARAM_BUFFERS * sum(params[i:j]) for i, j in zip(edges, edges[1:]))
+            p = max(sum(params[i:j]) for i, j in zip(edges, edges[1:]))
+            w = max([widths[c - 1] for c in cuts] + [0])
+            return own + MEMORY_PARAM_BUFFERS * p + (stash + MEMORY_WIRE_BUFFERS) * mb * w
+
+        sizes = memory_split(acts, params, widths, stages, mb, stash,
+                             stage_acts=remat_stage_acts(acts, inputs, single))
+        assert len(sizes) == stages and min(sizes) >= 1 and sum(sizes) == n
+        splits = list(itertools.combinations(range(1, n), stages - 1))
+        best = min(estimate(c, held) for c in splits)
+        assert estimate(np.cumsum(sizes)[:-1].tolist(), held) == best
+
+
+def test_remat_memory_balance_of_a_model():
+    """Pipeline(balance="memory", remat=True) splits by the remat estimate of the model's own
+    blocks (ResNet's stem a single unit) and picks another split than without remat (ResNet-18
+    at 64x64, micro-batches of 16)."""
+    from jaxcnn.parallel.pipeline import block_costs, boundary_widths, memory_split, remat_stage_acts
+    model, shape = _model("resnet18"), (64, 64, 64, 3)
+    blocks = pipeline_blocks(model)
+    acts = [c / shape[0] for c in block_costs(model, shape, blocks, "activations")]
+    widths = boundary_widths(shape, blocks)
+    stage_acts = remat_stage_acts(acts, [64 * 64 * 3] + widths[:-1], [not b.layer.children for b in blocks])
+    assert stage_acts[0, 4] == 64 * 64 * 3 + sum(acts[:4])  # the stem: its input and all its layers
+    assert stage_acts[4, 6] == widths[3] + widths[4] + max(acts[4:6])  # layer1.0, layer1.1
+    want = memory_split(acts, block_costs(model, shape, blocks, "params"), widths, 4, 16, 4, stage_acts=stage_acts)
+    split = Pipeline(model, shape, 4, 4, balance="memory", remat=True).split
+    assert split == want != Pipeline(model, shape, 4, 4, balance="memory").split
+
+
 def test_memory_balance_weighs_parameters_at_small_batches():
     """ResNet-18 at 64x64 on 4 stages: with micro-batches of 1 the memory split's largest stage
     holds fewer parameters than the activation split's (which puts layer4's 8.4 M on one stage);
@@ -440,6 +499,69 @@ def test_mixed_precision_pipelined_matches_one_device(policy):
     assert max_diff(got.state, ref.state) < 2e-3
 
 
+def test_recomputed_units_keep_only_their_inputs_for_the_backward():
+    """pipeline._recomputed (remat's unit): the gradient of three recomputed units of two
+    3x3 convolutions equals jax.checkpoint's, and its compiled temporaries stay near a
+    unit's own activations (6x the input) where the plain gradient holds every unit's (13x),
+    and never above jax.checkpoint's (13x with jax 0.10.2, whose XLA:CPU drops
+    jax.checkpoint's optimization barrier and schedules a recomputation as early as its
+    inputs allow; 7x with jax 0.11.2)."""
+    from jaxcnn import functional as F
+    from jaxcnn.parallel.pipeline import _recomputed
+    shape = (8, 32, 32, 64)
+
+    def unit(ps, sts, x, keys):
+        for w in ps:
+            x = jax.nn.relu(F.conv2d(x, w, padding=1))
+        return x, [{} for _ in ps]
+
+    def loss(wrap):
+        def f(ws, x):
+            for w in ws:
+                x, _ = wrap(unit)([w, w], [{}, {}], x, [None, None])
+            return jax.numpy.sum(x ** 2)
+        return jax.jit(jax.grad(f, argnums=(0, 1)))
+
+    rng = np.random.default_rng(3)
+    ws = [jax.numpy.asarray(rng.standard_normal((3, 3, 64, 64)) * 0.05, np.float32) for _ in range(3)]
+    x = jax.numpy.asarray(rng.standard_normal(shape), np.float32)
+    temp = {}
+    for name, wrap in (("plain", lambda f: f), ("checkpoint", jax.checkpoint), ("recomputed", _recomputed)):
+        mem = loss(wrap).lower(ws, x).compile().memory_analysis()
+        temp[name] = mem.temp_size_in_bytes / x.nbytes
+    assert temp["recomputed"] < 0.75 * temp["plain"] and temp["recomputed"] <= temp["checkpoint"], temp
+    got, ref = loss(_recomputed)(ws, x), loss(jax.checkpoint)(ws, x)
+    scale = max(float(np.max(np.abs(np.asarray(r)))) for r in jax.tree_util.tree_leaves(ref))
+    assert max_diff(got, ref) <= 1e-6 * scale  # float32: the same operations, fused apart
+
+
+def test_16_bit_policies_send_and_stash_activations_in_their_compute_dtype():
+    """The wire, stash and cotangent buffers take the stage boundaries' dtype: every ppermute
+    of the step's jaxpr (activations forward, cotangents back) is float32 under float32,
+    bfloat16 under bf16 and bf16_params, float16 under f16 (half the bytes of the float32
+    buffers the step used to send); a float16 step still matches one device with
+    accumulate=4 to float16 rounding (bfloat16: test_mixed_precision_pipelined_matches_one_device)."""
+    from jaxcnn import precision as P
+    from jaxcnn.train.state import create_train_state
+    model, tx, shape = _model("bn_net"), MOMENTUM, (16, 8, 8, 3)
+    batch = batches(shape, 1, seed=6)[0]
+    for policy, dtype in (("f32", "f32"), ("bf16", "bf16"), ("bf16_params", "bf16"), ("f16", "f16")):
+        pol = P.get_policy(policy)
+        state = jax.device_get(create_train_state(model, tx, jax.random.PRNGKey(0), shape, policy=pol,
+                                                  loss_scale=P.make_loss_scale("none")))
+        plan = ParallelPlan(make_mesh(1, 1, pipe=4), model, shape, _abstract(state), pipeline={"microbatches": 4})
+        step = plan.wrap_step(make_train_step(model, tx, policy=pol, axis_name=plan.step_axis_name,
+                                              pipeline=plan.pipeline), donate=False)
+        jaxpr = str(jax.make_jaxpr(step)(plan.abstract_state, plan.put_batch(batch)))
+        sent = set(re.findall(r"(\w+)\[[\d,]+\] = ppermute", jaxpr))
+        assert sent == {dtype}, (policy, sent)
+    got, m = step(plan.shard_state(state), plan.put_batch(batch))  # f16
+    folded = jax.random.key_data(jax.random.fold_in(jax.random.wrap_key_data(state.rng), 0))
+    ref, r = jax.jit(make_train_step(model, tx, policy=pol, accumulate=4))(state._replace(rng=folded), batch)
+    np.testing.assert_allclose(m["loss"], r["loss"], rtol=1e-3)
+    assert max_diff(got.params, ref.params) < 1e-3 and max_diff(got.state, ref.state) < 1e-3
+
+
 def test_make_mesh_keeps_the_order_of_the_devices_it_is_given():
     """All 8 devices given in another order: the mesh is laid out in that order (it used to
     take jax.make_mesh's own order whenever every device was used, which put the 2-process
@@ -609,7 +731,8 @@ def test_per_shard_batch_norm_pipelined_matches_data_parallel(monkeypatch):
 def test_bench_scaling_pipe_reports_args_temporaries_and_total(capsys):
     """scripts/bench_scaling.py --pipe 1,2 on lenet5 (compile only): a row per stage count with
     XLA's argument, temporary and total bytes per device; the arguments (parameters, momentum,
-    batch) fall with 2 stages, as fc1's 48,000 weights and their momentum are split over pipe."""
+    batch) fall with 2 stages, as fc1's 48,000 weights and their momentum are split over pipe.
+    --split and --precision reach the plan and the step; bad ones exit 2 with one line."""
     import importlib.util
     import json
     import os
@@ -636,6 +759,24 @@ def test_bench_scaling_pipe_reports_args_temporaries_and_total(capsys):
     fc1 = 2 * 400 * 120 * 4 / 2**20  # weights and momentum, float32
     assert one["args_mib"] - two["args_mib"] == pytest.approx(fc1 / 2, rel=0.05)
     assert "args" in out and "temp" in out and "total" in out
+
+    # --split by hand and --precision: a bfloat16 step's row; bad values are one line, exit 2
+    split = [len(pipeline_blocks(get_model("lenet5"))) - 1, 1]
+    try:
+        assert bench.main(["--model", "lenet5", "--pipe", "2", "--per-device-batch", "8", "--microbatches", "2",
+                           "--steps", "0", "--json", "--split", ",".join(map(str, split)),
+                           "--precision", "bf16"]) == 0
+        out = capsys.readouterr().out
+        (row,) = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+        assert row["split"] == split and "precision bf16" in out
+        for bad, words in ((["--split", "1,x"], "--split"), (["--split", "1,1,1"], "parallel.pipeline.split"),
+                           (["--precision", "f12"], "--precision")):
+            assert bench.main(["--model", "lenet5", "--pipe", "2", "--steps", "0"] + bad) == 2
+            err = capsys.readouterr().err
+            assert words in err and err.count("\n") == 1, err
+    finally:
+        os.environ.clear()
+        os.environ.update(environ)
 
 
 def test_packing_gives_each_stage_its_parameters_and_each_device_its_gradient_blocks():
@@ -696,12 +837,17 @@ def test_packing_gives_each_stage_its_parameters_and_each_device_its_gradient_bl
 
 
 def test_remat_recomputes_each_block_and_matches_one_device():
-    """parallel.pipeline.remat: every block of a stage runs under jax.checkpoint in the
-    backward's recomputation (the step's jaxpr has one checkpoint per block and none without
-    remat), and ResNet-18 on 4 stages still gives one device's loss, gradients, BatchNorm
-    statistics and parameters; the config key reaches the plan, a bad value is one line."""
+    """parallel.pipeline.remat: every unit of a stage (a block with inner layers, or a run
+    of consecutive single-layer blocks: ResNet's stem is one) is recomputed in the backward
+    (the step's jaxpr has one custom_vjp call per unit in the forward branches and one more
+    conditional per unit, the recomputation's stored input, none without remat), and
+    ResNet-18 on 4 stages still gives one device's loss, gradients, BatchNorm statistics and
+    parameters; the config key reaches the plan, a bad value is one line."""
     plan, _, _ = _compare("resnet18", 1, 4, 2, remat=True)
     assert plan.pipeline.remat
+    units = [[b.name for b in u] for s in range(4) for u in plan.pipeline.remat_units(s)]
+    assert units[0] == ["conv1", "bn1", "relu", "maxpool"] and ["layer1.0"] in units
+    assert units[-1] == ["avgpool", "fc"] and sum(map(len, units)) == sum(plan.pipeline.split)
 
     def checkpoints(remat):
         model, tx = _model("resnet18"), MOMENTUM
@@ -709,10 +855,10 @@ def test_remat_recomputes_each_block_and_matches_one_device():
         step = make_train_step(model, tx, axis_name=plan.step_axis_name, pipeline=plan.pipeline)
         jaxpr = str(jax.make_jaxpr(plan.wrap_step(step, donate=False))(
             plan.abstract_state, plan.put_batch(batches(SHAPE, 1, seed=1)[0])))
-        return len(re.findall(r"\b(?:checkpoint|remat2?)\[", jaxpr))
+        return len(re.findall(r"custom_vjp_call\[", jaxpr)), len(re.findall(r"\bcond\[", jaxpr))
 
-    blocks = len(pipeline_blocks(_model("resnet18")))
-    assert checkpoints(False) == 0 and checkpoints(True) >= blocks
+    (calls, conds), (calls_remat, conds_remat) = checkpoints(False), checkpoints(True)
+    assert calls == 0 and calls_remat == len(units) and conds_remat == conds + len(units)
 
     import os
 
