@@ -53,6 +53,7 @@ from jax import lax
 from jax.custom_derivatives import SymbolicZero
 
 from jaxcnn import _geometry as geo
+from jaxcnn._fence import stored
 
 # Convolutions smaller than this many multiply-adds (forward) keep XLA's lowering:
 # the difference is a fraction of a millisecond and the shape check costs a compile.
@@ -209,15 +210,9 @@ _conv_patch_wgrad = _conv_with_weight_tangent(_patches_matmul)
 
 
 def _fence(x):
-    """``x``, stored: XLA cannot fuse the computation of ``x`` into what reads the result.
-
-    XLA:CPU drops ``lax.optimization_barrier``; a conditional is never fused through.
-    Both branches return ``x`` (the second adds 0.0, which only turns -0.0 into 0.0, so
-    that XLA cannot see the branches are equal and remove the conditional); the
-    predicate is read from ``x`` so it is not a constant.  Costs one copy of ``x``.
-    """
-    first = x[(0,) * x.ndim]  # not x.reshape(-1)[0]: a partitioner gathers a split x to flatten it
-    return lax.cond(jnp.isnan(first), lambda v: v + jnp.zeros((), v.dtype), lambda v: v, x)
+    """``x``, stored: XLA cannot fuse the computation of ``x`` into what reads the result
+    (:func:`jaxcnn._fence.stored`, its predicate read from ``x``; one copy of ``x``)."""
+    return stored(x, after=x)
 
 
 # XLA's own weight gradient, reading a fenced copy of the input.  XLA:CPU computes a
@@ -453,11 +448,9 @@ def _strided_max_pool_jvp(kernel, stride, run_pads, out_hw, primals, tangents):
 
 
 def _fence_index(index, top):
-    """``index`` (values in ``[0, top]``), stored: like :func:`_fence`, a conditional XLA
-    cannot fuse through; the second branch clips to ``[0, top]`` (the identity here, which
-    XLA cannot prove), the predicate (never true) is read from ``index``."""
-    first = index[(0,) * index.ndim]
-    return lax.cond(first < 0, lambda v: jnp.clip(v, 0, top).astype(v.dtype), lambda v: v, index)
+    """``index`` (values in ``[0, top]``), stored (:func:`jaxcnn._fence.stored`); the branch
+    never taken clips to ``[0, top]`` (the identity here, which XLA cannot prove)."""
+    return stored(index, after=index, other=lambda v: jnp.clip(v, 0, top).astype(v.dtype))
 
 
 def _fence_tangent(t, index):
@@ -476,8 +469,7 @@ def _fence_tangent(t, index):
     ReLU + the stem pool, forward and backward at 16x112x112x64: temporaries 508 -> 98 MiB,
     166 -> 108 ms; the pool alone unchanged).
     """
-    first = index[(0,) * index.ndim]
-    return lax.cond(first < 0, lambda v: v * jnp.asarray(2, v.dtype), lambda v: v, t)
+    return stored(t, after=index, other=lambda v: v * jnp.asarray(2, v.dtype))
 
 
 _strided_max_pool.defjvp(_strided_max_pool_jvp)

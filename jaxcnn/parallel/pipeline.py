@@ -105,6 +105,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxcnn._fence import stored
 from jaxcnn.layers.base import Layer, split_rng
 from jaxcnn.parallel.mesh import PIPE
 
@@ -1013,7 +1014,7 @@ def _recomputed(apply):
     forward's values of the recomputed layers then stay live until the backward reads
     them (ResNet-50, 4 stages, batch 64: three of ``layer1``'s 49 MiB convolution
     outputs and the stem's at the first stage's peak).  Here the recomputation starts from
-    a conditional's output (:func:`_stored`), which XLA cannot merge with the forward's
+    a conditional's output (:func:`jaxcnn._fence.stored`), which XLA cannot merge with the forward's
     input; the cotangents of ``states`` and ``keys`` are zero (the stage's vjp seeds only
     ``y``)."""
     @jax.custom_vjp
@@ -1025,26 +1026,13 @@ def _recomputed(apply):
 
     def bwd(res, ct):
         params, states, x, keys = res
-        _, vjp = jax.vjp(lambda p, v: apply(p, states, v, keys)[0], params, _stored(x, after=ct[0]))
+        _, vjp = jax.vjp(lambda p, v: apply(p, states, v, keys)[0], params, stored(x, after=ct[0]))
         d_params, d_x = vjp(ct[0])
         zeros = jax.tree_util.tree_map(jnp.zeros_like, states)
         return d_params, zeros, d_x, jax.tree_util.tree_map(lambda _: None, keys)
 
     run.defvjp(fwd, bwd)
     return run
-
-
-def _stored(x, *, after):
-    """``x``, stored once ``after`` exists: a conditional XLA can neither fuse through, nor
-    merge with another computation of ``x``, nor run before ``after`` (the cotangent that
-    starts the backward: XLA would otherwise schedule a recomputation as early as its
-    inputs allow, keeping its values as long as the forward's).  Both branches return
-    ``x`` (the second adds 0.0, so that XLA cannot see they are equal); the predicate,
-    never true for a finite ``after``, is read from ``after`` only (read from ``x`` too, it
-    let XLA recompute that element of ``x`` at the backward from the forward's values
-    fused into ``x``, keeping them live: three 49 MiB convolution outputs of ResNet-50)."""
-    pred = jnp.isnan(after[(0,) * after.ndim])
-    return jax.lax.cond(pred, lambda v: v + jnp.zeros((), v.dtype), lambda v: v, x)
 
 
 def _psum_f32(tree, axis):

@@ -63,9 +63,9 @@ import dataclasses
 from typing import NamedTuple
 
 import jax
-import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from jaxcnn._fence import stored
 from jaxcnn._geometry import dilated, explicit_pads
 from jaxcnn.layers import combinators as C
 from jaxcnn.layers._tree import child_path, get_path, leaves
@@ -258,17 +258,6 @@ def _pinned(layer: Layer, sharding) -> Layer:
     return layer._replace(apply=apply)
 
 
-def _stored(x, *, after):
-    """``x``, stored once ``after`` exists: a conditional that XLA can neither fuse through,
-    nor merge with another computation, nor run before ``after``.  Both branches return ``x``
-    (the second adds 0.0, so XLA cannot see they are equal); the predicate, never true for a
-    finite ``after``, reads one element of ``after``."""
-    firsts = [a[(0,) * a.ndim] for a in jax.tree_util.tree_leaves(after)]
-    pred = jnp.isnan(sum(f.astype(jnp.float32) for f in firsts))
-    return jax.lax.cond(pred, lambda v: jax.tree_util.tree_map(lambda a: a + jnp.zeros((), a.dtype), v),
-                        lambda v: v, x)
-
-
 def _gathering(layer: Layer, shardings) -> Layer:
     """``layer`` gathering its own parameters as it runs (FSDP's schedule, per unit): the
     forward gathers them once its input exists and keeps them out of what the backward
@@ -279,7 +268,7 @@ def _gathering(layer: Layer, shardings) -> Layer:
     A ``custom_vjp``: the forward takes ``jax.vjp`` of the unit and drops the gathered
     weights from its residuals (found by identity; any value made from them, a 16-bit
     cast say, stays a residual), the backward gathers them again and puts them back.  The
-    order comes from conditionals (:func:`_stored`), not ``jax.checkpoint`` or
+    order comes from conditionals (:func:`jaxcnn._fence.stored`), not ``jax.checkpoint`` or
     ``optimization_barrier``: XLA:CPU drops the barriers, then merges a recomputed gather
     with the forward's, schedules every gather at the start of the program and combines
     every gradient's reduction into one all-reduce at its end (ResNet-50 at 224x224 on 4
@@ -300,7 +289,7 @@ def _gathering(layer: Layer, shardings) -> Layer:
             return run(gather(params), x, state, rng)
 
         def fwd(params, x, state, rng):
-            w = gather(_stored(params, after=x))
+            w = gather(stored(params, after=x))
             out, vjp = jax.vjp(lambda w, x: run(w, x, state, rng), w, x)
             ids = {id(leaf): i for i, leaf in enumerate(jax.tree_util.tree_leaves(w))}
             leaves, static["tree"] = jax.tree_util.tree_flatten(vjp)
@@ -310,13 +299,13 @@ def _gathering(layer: Layer, shardings) -> Layer:
 
         def bwd(res, ct):
             params, kept = res
-            w = jax.tree_util.tree_leaves(gather(_stored(params, after=ct[0])))
+            w = jax.tree_util.tree_leaves(gather(stored(params, after=ct[0])))
             vjp = jax.tree_util.tree_unflatten(static["tree"], [
                 w[k] if k >= 0 else leaf for leaf, k in zip(kept, static["slots"])])
             d_w, d_x = vjp(ct)
             d_params = jax.lax.with_sharding_constraint(d_w, shardings)
             leaves = [g for g in jax.tree_util.tree_leaves(d_params) if g.ndim]
-            d_x = _stored(d_x, after=leaves) if leaves else d_x
+            d_x = stored(d_x, after=leaves) if leaves else d_x
             return d_params, d_x, None, None
 
         unit.defvjp(fwd, bwd)
