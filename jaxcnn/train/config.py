@@ -311,9 +311,10 @@ SCHEMA: dict[str, dict] = {
             "schedule": _f("str", "gpipe", "mesh.pipe > 1: gpipe (every forward, then every backward) or "
                            "1f1b (one forward, one backward: the same numbers, min(pipe, microbatches) "
                            "stage inputs kept per device instead of microbatches)", choices=("gpipe", "1f1b")),
-            "remat": _f("bool", False, "mesh.pipe > 1: the backward keeps only each block's input of a "
-                        "stage and recomputes the block once more (less activation memory, one more "
-                        "forward of the stage)"),
+            "remat": _f("bool", False, "mesh.pipe > 1: the backward keeps only each unit's input of a "
+                        "stage (a block, or a run of single-layer blocks such as ResNet's stem) and "
+                        "recomputes the unit once more (less activation memory, one more forward of "
+                        "the stage)"),
         },
         "spatial": {
             "until": _f("str", "auto", "with mesh.spatial > 1: the last layer (a path such as layer3) whose "
