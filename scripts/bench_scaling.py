@@ -34,7 +34,8 @@ pipeline's bubble fraction and the step time (``--steps 0``: compile only)::
         --microbatches 4 --steps 2
 
 ``--split 5,2,4,11`` gives the blocks per stage by hand (``parallel.pipeline.split``),
-``--remat`` sets ``parallel.pipeline.remat`` and ``--precision bf16`` the precision policy
+``--remat`` sets ``parallel.pipeline.remat`` (``parallel.spatial.remat`` for a spatial
+layout) and ``--precision bf16`` the precision policy
 (its compute dtype is the dtype of the stash and of what crosses the stages).
 
 ``--schedule gpipe,1f1b`` measures each stage count above 1 under each pipeline schedule
@@ -84,7 +85,8 @@ def _parse_args(argv):
     p.add_argument("--precision", default="f32",
                    help="--pipe: the precision policy (a jaxcnn.precision preset or spec: f32, bf16, ...)")
     p.add_argument("--remat", action="store_true",
-                   help="--pipe: parallel.pipeline.remat (each unit's activations recomputed in its backward)")
+                   help="--pipe: parallel.pipeline.remat; --layout spatial/data_spatial: "
+                        "parallel.spatial.remat (each unit's activations recomputed in its backward)")
     p.add_argument("--schedule", default="gpipe",
                    help="--pipe: comma-separated pipeline schedules (gpipe, 1f1b), each measured")
     return p.parse_args(argv)
@@ -142,7 +144,8 @@ def main(argv=None) -> int:
 
         try:
             plan = ParallelPlan(make_mesh(data, 1, spatial=spatial, devices=jax.devices()[:n]), model,
-                                shape, jax.eval_shape(init), strategy=strategy)
+                                shape, jax.eval_shape(init), strategy=strategy,
+                                spatial_remat=args.remat)
         except ValueError as e:
             print(f"bench_scaling: {n} devices: {e}", file=sys.stderr)
             return 2

@@ -59,6 +59,9 @@ class ParallelPlan:
             height, ``"auto"`` or a layer path (see :func:`jaxcnn.parallel.spatial.spatial_layout`).
             Parameters and optimiser moments of at least ``rules.FSDP_MIN_SIZE`` elements
             are then split over ``spatial`` at rest (over ``data`` with ``fsdp``).
+        spatial_remat: with a ``spatial`` axis: compute every unit of the model again in
+            the backward from its input instead of keeping its activations (one more
+            forward; see :func:`jaxcnn.parallel.spatial.constrain`).
 
     Attributes:
         step_model: the model to build the train and eval steps from: ``model`` itself,
@@ -74,7 +77,7 @@ class ParallelPlan:
 
     def __init__(self, mesh: Mesh, model, input_shape, abstract_state, *, strategy: str = "shard_map",
                  rules=None, fsdp: bool = False, sync_batch_norm: bool = True,
-                 spatial_until: str = "auto", pipeline=None):
+                 spatial_until: str = "auto", spatial_remat: bool = False, pipeline=None):
         if strategy not in S.STRATEGIES:
             raise ValueError(f"parallel.strategy: expected one of {S.STRATEGIES}, got {strategy!r}")
         if strategy == "pmap" and (mesh.shape[MODEL] > 1 or fsdp or jax.process_count() > 1):
@@ -106,7 +109,8 @@ class ParallelPlan:
         self.params_axes, self.state_axes = R.logical_axes(model, input_shape)
         self.state_shardings = self._shardings(abstract_state)
         if self.spatial is not None:
-            self.step_model = SP.constrain(model, self.spatial, mesh, params=self.state_shardings.params)
+            self.step_model = SP.constrain(model, self.spatial, mesh, params=self.state_shardings.params,
+                                           remat=spatial_remat)
         self.abstract_state = jax.tree_util.tree_map(
             lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
             abstract_state, self.state_shardings)
@@ -275,6 +279,7 @@ def setup(cfg, model, input_shape, abstract_state, *, devices=None) -> ParallelP
                         rules=dict(cfg.parallel.rules), fsdp=cfg.parallel.fsdp,
                         sync_batch_norm=cfg.parallel.sync_batch_norm,
                         spatial_until=cfg.parallel.spatial.until,
+                        spatial_remat=cfg.parallel.spatial.remat,
                         pipeline=_pipeline_config(cfg))
 
 

@@ -258,7 +258,7 @@ def _pinned(layer: Layer, sharding) -> Layer:
     return layer._replace(apply=apply)
 
 
-def _gathering(layer: Layer, shardings) -> Layer:
+def _gathering(layer: Layer, shardings, remat: bool = False) -> Layer:
     """``layer`` gathering its own parameters as it runs (FSDP's schedule, per unit): the
     forward gathers them once its input exists and keeps them out of what the backward
     reads; the backward gathers them again once the output's gradient exists, and lets the
@@ -272,8 +272,14 @@ def _gathering(layer: Layer, shardings) -> Layer:
     ``optimization_barrier``: XLA:CPU drops the barriers, then merges a recomputed gather
     with the forward's, schedules every gather at the start of the program and combines
     every gradient's reduction into one all-reduce at its end (ResNet-50 at 224x224 on 4
-    shards: 388 -> 357 MB per device with this; docs/BENCHMARKS.md)."""
+    shards: 388 -> 357 MB per device with this; docs/BENCHMARKS.md).
+
+    ``remat``: the forward keeps only the unit's input (and its parameters' split), and the
+    backward computes the unit again from a stored copy of it made once the output's
+    gradient exists (``parallel.spatial.remat``: one more forward of the model, its
+    activations kept at the units' boundaries only)."""
     whole = jax.tree_util.tree_map(lambda s: NamedSharding(s.mesh, P()), shardings)
+    own = bool(jax.tree_util.tree_leaves(shardings))
 
     def gather(p):
         return jax.lax.with_sharding_constraint(p, whole)
@@ -289,7 +295,9 @@ def _gathering(layer: Layer, shardings) -> Layer:
             return run(gather(params), x, state, rng)
 
         def fwd(params, x, state, rng):
-            w = gather(stored(params, after=x))
+            w = gather(stored(params, after=x) if own else params)
+            if remat:
+                return run(w, x, state, rng), (params, x, state, rng)
             out, vjp = jax.vjp(lambda w, x: run(w, x, state, rng), w, x)
             ids = {id(leaf): i for i, leaf in enumerate(jax.tree_util.tree_leaves(w))}
             leaves, static["tree"] = jax.tree_util.tree_flatten(vjp)
@@ -298,10 +306,15 @@ def _gathering(layer: Layer, shardings) -> Layer:
             return out, (params, kept)
 
         def bwd(res, ct):
-            params, kept = res
-            w = jax.tree_util.tree_leaves(gather(stored(params, after=ct[0])))
-            vjp = jax.tree_util.tree_unflatten(static["tree"], [
-                w[k] if k >= 0 else leaf for leaf, k in zip(kept, static["slots"])])
+            if remat:
+                params, x, state, rng = res
+                w = gather(stored(params, after=ct[0]) if own else params)
+                _, vjp = jax.vjp(lambda w, x: run(w, x, state, rng), w, stored(x, after=ct[0]))
+            else:
+                params, kept = res
+                w = jax.tree_util.tree_leaves(gather(stored(params, after=ct[0])))
+                vjp = jax.tree_util.tree_unflatten(static["tree"], [
+                    w[k] if k >= 0 else leaf for leaf, k in zip(kept, static["slots"])])
             d_w, d_x = vjp(ct)
             d_params = jax.lax.with_sharding_constraint(d_w, shardings)
             leaves = [g for g in jax.tree_util.tree_leaves(d_params) if g.ndim]
@@ -325,14 +338,16 @@ def _unfused(layer: Layer, children) -> Layer:
     return layer._replace(apply=apply, children=tuple(children))
 
 
-def constrain(model: Layer, layout: SpatialLayout, mesh: Mesh, params=None) -> Layer:
+def constrain(model: Layer, layout: SpatialLayout, mesh: Mesh, params=None,
+              remat: bool = False) -> Layer:
     """``model`` with its activations pinned as ``layout`` says (see the module docs).
 
     The result has the same ``init`` (parameter and state trees, rng use) and computes
     the same function; only ``apply`` adds sharding constraints.  ``params``: the
     at-rest ``NamedSharding`` of each parameter when they are split (over ``spatial``,
     as the plan keeps them, or ``data``): each unit then gathers its own as it runs
-    (:func:`_gathering`).
+    (:func:`_gathering`).  ``remat``: every unit is computed again in the backward from its
+    input (:func:`_gathering`), so the activations inside units are not kept.
     """
     split, last = set(layout.split), layout.gather_after
     inner, gathered = activation_sharding(mesh), gathered_sharding(mesh)
@@ -341,12 +356,12 @@ def constrain(model: Layer, layout: SpatialLayout, mesh: Mesh, params=None) -> L
         if path in split:
             layer = _pinned(layer, gathered if path == last else inner)
         own = get_path(params, path) if params is not None else {}
-        return _gathering(layer, own) if own else layer
+        return _gathering(layer, own, remat) if own or remat else layer
 
     def rebuild(layer: Layer, path: str) -> Layer:
         if layer.kind != "serial":
             return unit(layer, path)
-        if params is None and not any(_in(p, path) for p in split):
+        if params is None and not remat and not any(_in(p, path) for p in split):
             return layer
         return _unfused(layer, [(name, rebuild(child, child_path(path, name)))
                                 for name, child in layer.children])

@@ -319,6 +319,9 @@ SCHEMA: dict[str, dict] = {
         "spatial": {
             "until": _f("str", "auto", "with mesh.spatial > 1: the last layer (a path such as layer3) whose "
                         "activations stay split along height; auto = as far as the model allows", low=1),
+            "remat": _f("bool", False, "with mesh.spatial > 1: the backward keeps only each block's input "
+                        "and computes the block again (less activation memory, one more forward of the "
+                        "model)"),
         },
     },
     "distributed": {

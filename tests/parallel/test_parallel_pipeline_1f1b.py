@@ -11,7 +11,11 @@ from jaxcnn.parallel.pipeline import BACKWARD, FORWARD, IDLE, one_f_one_b
 from _helpers import MOMENTUM, batches, max_diff
 from test_parallel_pipeline import SHAPE, _assert_run_matches, _model, _pipelined, _plan, _reference
 
-SAME_RTOL = 1e-6  # 1F1B against GPipe, float32: of each leaf's largest value
+# 1F1B against GPipe, float32: of each leaf's largest value.  The two schedules run the same
+# stage programs in the same order, but XLA fuses them into different programs: bit for bit
+# until the CPU's per-channel sums reduced over three axes (N, H, W/g; the width-only fold),
+# since then up to 1.3e-6 (a BatchNorm net's bias, 2 steps on data x pipe).
+SAME_RTOL = 1e-5
 _CASES = [(1, 1), (1, 3), (2, 1), (2, 2), (2, 5), (3, 2), (3, 3), (3, 7), (4, 1), (4, 3), (4, 4), (4, 8),
           (5, 12), (8, 3), (8, 8), (8, 16)]
 
@@ -116,8 +120,8 @@ def _compare_schedules(name, data_axis, microbatches, steps=1, against_gpipe=Tru
     _assert_run_matches(got_m, got, ref_m, ref, steps)
     if not against_gpipe:
         return
-    # the same stage programs summed in the same order as GPipe's: equal (bit for bit on
-    # XLA:CPU so far) up to XLA fusing the branches of the two scans' programs apart
+    # the same stage programs summed in the same order as GPipe's: equal up to XLA fusing
+    # the branches of the two scans' programs apart (SAME_RTOL)
     gp_m, gp = out["gpipe"]
     for g, r in zip(got_m, gp_m):
         np.testing.assert_allclose(g["loss"], r["loss"], rtol=SAME_RTOL)

@@ -396,3 +396,42 @@ def test_one_units_whole_parameters_live_at_a_time():
     temp = step.lower(plan.abstract_state, plan.put_batch(host)).compile().memory_analysis().temp_size_in_bytes
     weights = depth * 9 * c * c * 4
     assert temp < 0.6 * weights, (temp, weights)
+
+
+@pytest.mark.parametrize("name", ["resnet18", "vgg11"])
+def test_remat_matches_one_device(name):
+    """parallel.spatial.remat: every unit computed again in the backward from its input (the
+    same dropout masks: vgg11's classifier) gives one device's step."""
+    model, shape = _model(name)
+    (batch,) = batches(shape, 1, seed=3)
+    mesh_devices = jax.devices()[:8]
+    abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype),
+                                      init(model, LR1, shape))
+    plans = {remat: ParallelPlan(make_mesh(2, 1, spatial=4, devices=mesh_devices), model, shape, abstract,
+                                 strategy="jit", spatial_remat=remat) for remat in (False, True)}
+    state0 = init(model, LR1, shape)
+    ref_losses, ref = run_single(model, LR1, shape, [batch])
+    losses, got, step = _run(plans[True], LR1, shape, [batch], model)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)  # tolerances as above
+    grads = jax.tree_util.tree_map(np.subtract, state0.params, got.params)
+    ref_grads = jax.tree_util.tree_map(np.subtract, state0.params, ref.params)
+    assert _rel(grads, ref_grads) < 3e-4
+    if ref.state:
+        assert _rel(got.state, ref.state) < 1e-5
+
+
+def test_remat_keeps_fewer_temporaries():
+    """ResNet-18 at 64x64, batch 8, on 4 spatial shards: the compiled step's temporaries with
+    parallel.spatial.remat are below 0.9x of those without (34 -> 30 MiB when written)."""
+    model = get_model("resnet18", num_classes=10)
+    shape = (8, 64, 64, 3)
+    abstract = jax.eval_shape(lambda: init(model, LR1, shape))
+    temps = {}
+    for remat in (False, True):
+        plan = ParallelPlan(make_mesh(1, 1, spatial=4, devices=jax.devices()[:4]), model, shape,
+                            abstract, strategy="jit", spatial_remat=remat)
+        step = plan.wrap_step(make_train_step(plan.step_model, LR1, axis_name=plan.step_axis_name))
+        host = {"image": np.zeros(shape, np.float32), "label": np.zeros(8, np.int32)}
+        compiled = step.lower(plan.abstract_state, plan.put_batch(host)).compile()
+        temps[remat] = compiled.memory_analysis().temp_size_in_bytes
+    assert temps[True] < 0.9 * temps[False], temps
