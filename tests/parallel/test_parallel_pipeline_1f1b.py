@@ -211,12 +211,17 @@ def test_schedule_key_and_its_errors():
 
 
 def test_resume_under_the_other_schedule_is_not_a_config_change():
-    """The schedule changes memory, not the training math: a run resumes under the other one."""
+    """The schedule (and remat) change memory, not the training math: a run resumes under the
+    other one."""
     from jaxcnn.train.checkpoint import config_changes
     old = {"parallel": {"pipeline": {"schedule": "gpipe", "microbatches": 4}}}
     new = {"parallel": {"pipeline": {"schedule": "1f1b", "microbatches": 4}}}
     assert config_changes(old, new) == []
     assert config_changes(old, {"parallel": {"pipeline": {"schedule": "1f1b", "microbatches": 8}}})
+    # nor does recomputing the stages' activations (pipeline or spatial remat)
+    for section in ("pipeline", "spatial"):
+        assert config_changes({"parallel": {section: {"remat": False}}},
+                              {"parallel": {section: {"remat": True}}}) == []
 
 
 def test_bench_scaling_pipe_rows_per_schedule(capsys):
