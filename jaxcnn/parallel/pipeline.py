@@ -46,7 +46,7 @@ numbers: each stage's forwards (and BatchNorm updates) and its gradient sums run
 micro-batch order, from the same model state and keys.  What it saves is the stash only,
 ``M - min(S, M)`` buffers of one micro-batch at the widest stage boundary (the
 recomputing backward keeps no other activation across ticks): for ResNet-50 at 224x224,
-batch 64 on 4 stages, 5% of the per-device memory at ``M = 8``, 10% at ``M = 16``, nothing
+batch 64 on 4 stages, 5% of the per-device memory at ``M = 8``, 12% at ``M = 16`` (the MACs split), nothing
 at ``M = 4`` (docs/BENCHMARKS.md).  GPipe stays the default.
 
 BatchNorm normalises with the statistics of each micro-batch and updates its
