@@ -35,8 +35,8 @@ pipeline's bubble fraction and the step time (``--steps 0``: compile only)::
 
 ``--split 5,2,4,11`` gives the blocks per stage by hand (``parallel.pipeline.split``),
 ``--remat`` sets ``parallel.pipeline.remat`` (``parallel.spatial.remat`` for a spatial
-layout) and ``--precision bf16`` the precision policy
-(its compute dtype is the dtype of the stash and of what crosses the stages).
+layout) and ``--precision bf16`` the precision policy of every layout
+(for ``--pipe`` its compute dtype is the dtype of the stash and of what crosses the stages).
 
 ``--schedule gpipe,1f1b`` measures each stage count above 1 under each pipeline schedule
 (``parallel.pipeline.schedule``; the table's ``stash`` column: the stage inputs each device
@@ -83,7 +83,7 @@ def _parse_args(argv):
                    help="--pipe: blocks per stage, comma-separated, for every stage count above 1 "
                         "(parallel.pipeline.split; default: the --balance split)")
     p.add_argument("--precision", default="f32",
-                   help="--pipe: the precision policy (a jaxcnn.precision preset or spec: f32, bf16, ...)")
+                   help="the precision policy (a jaxcnn.precision preset or spec: f32, bf16, ...)")
     p.add_argument("--remat", action="store_true",
                    help="--pipe: parallel.pipeline.remat; --layout spatial/data_spatial: "
                         "parallel.spatial.remat (each unit's activations recomputed in its backward)")
@@ -125,8 +125,13 @@ def main(argv=None) -> int:
     image = (tuple(int(x) for x in args.image_size.split(",")) if args.image_size
              else models.default_input_shape(args.model)[1:])
     tx = optax.sgd(0.01, momentum=0.9)
+    try:
+        policy = P.get_policy(args.precision)
+    except ValueError as e:
+        print(f"bench_scaling: --precision: {e}", file=sys.stderr)
+        return 2
     if args.pipe:
-        return _pipeline_rows(args, counts, model, image, tx)
+        return _pipeline_rows(args, counts, model, image, tx, policy)
     rows = []
     strategy = "jit" if args.layout != "data" else args.strategy
     for n in counts:
@@ -139,7 +144,7 @@ def main(argv=None) -> int:
         shape = (batch,) + image
 
         def init(shape=shape):
-            return create_train_state(model, tx, jax.random.PRNGKey(0), shape,
+            return create_train_state(model, tx, jax.random.PRNGKey(0), shape, policy=policy,
                                       loss_scale=P.make_loss_scale("none"))
 
         try:
@@ -149,7 +154,8 @@ def main(argv=None) -> int:
         except ValueError as e:
             print(f"bench_scaling: {n} devices: {e}", file=sys.stderr)
             return 2
-        step = plan.wrap_step(make_train_step(plan.step_model, tx, axis_name=plan.step_axis_name))
+        step = plan.wrap_step(make_train_step(plan.step_model, tx, axis_name=plan.step_axis_name,
+                                              policy=policy))
         rng = np.random.default_rng(0)
         host = {"image": rng.normal(size=shape).astype(np.float32),
                 "label": rng.integers(0, args.num_classes, batch).astype(np.int32)}
@@ -184,7 +190,8 @@ def main(argv=None) -> int:
     print(f"model {args.model} {image}  strategy {strategy}  layout {args.layout}  "
           f"{args.mode if args.layout == 'data' else 'fixed-batch'} scaling  "
           f"per-device batch {args.per_device_batch}  backend {jax.default_backend()} "
-          f"({os.cpu_count()} host cores){'  plain channel sums' if args.plain_channel_sums else ''}")
+          f"({os.cpu_count()} host cores){'  plain channel sums' if args.plain_channel_sums else ''}"
+          f"{'  remat' if args.remat else ''}  precision {args.precision}")
     if args.compile_only:
         print(f"{'devices':>7} {'data':>4} {'spatial':>7} {'batch':>6} {'mem/device':>11} {'vs 1st':>6} "
               f"{'temp':>9} {'vs 1st':>6} {'permutes':>8} {'gathers':>7} {'reduces':>7}  split through")
@@ -216,7 +223,7 @@ def main(argv=None) -> int:
     return 0
 
 
-def _pipeline_rows(args, counts, model, image, tx) -> int:
+def _pipeline_rows(args, counts, model, image, tx, policy) -> int:
     """``--pipe``: memory, bubble and step time of each stage count on one data shard."""
     import jax
     import numpy as np
@@ -239,12 +246,6 @@ def _pipeline_rows(args, counts, model, image, tx) -> int:
         split = None if args.split is None else [int(v) for v in args.split.split(",")]
     except ValueError:
         print(f"bench_scaling: --split: expected comma-separated block counts, got {args.split!r}", file=sys.stderr)
-        return 2
-
-    try:
-        policy = P.get_policy(args.precision)
-    except ValueError as e:
-        print(f"bench_scaling: --precision: {e}", file=sys.stderr)
         return 2
 
     def init():

@@ -63,6 +63,7 @@ import dataclasses
 from typing import NamedTuple
 
 import jax
+import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxcnn._fence import stored
@@ -266,8 +267,10 @@ def _gathering(layer: Layer, shardings, remat: bool = False) -> Layer:
     unit's whole parameters and gradient are live at a time, not the whole model's.
 
     A ``custom_vjp``: the forward takes ``jax.vjp`` of the unit and drops the gathered
-    weights from its residuals (found by identity; any value made from them, a 16-bit
-    cast say, stays a residual), the backward gathers them again and puts them back.  The
+    weights from its residuals (found by identity; a weight the unit only casts, to bfloat16
+    under a 16-bit policy, is cast here first, so the cast is what is dropped: see
+    :func:`_entry_casts`; any other value made from them stays a residual), the backward
+    gathers them again and puts them back.  The
     order comes from conditionals (:func:`jaxcnn._fence.stored`), not ``jax.checkpoint`` or
     ``optimization_barrier``: XLA:CPU drops the barriers, then merges a recomputed gather
     with the forward's, schedules every gather at the start of the program and combines
@@ -298,6 +301,10 @@ def _gathering(layer: Layer, shardings, remat: bool = False) -> Layer:
             w = gather(stored(params, after=x) if own else params)
             if remat:
                 return run(w, x, state, rng), (params, x, state, rng)
+            # the weights as the unit computes with them (a 16-bit cast under a 16-bit
+            # policy, made here rather than inside): these are what its residuals hold
+            static["casts"] = _entry_casts(lambda w, x: run(w, x, state, rng), w, x)
+            w = _cast_leaves(w, static["casts"])
             out, vjp = jax.vjp(lambda w, x: run(w, x, state, rng), w, x)
             ids = {id(leaf): i for i, leaf in enumerate(jax.tree_util.tree_leaves(w))}
             leaves, static["tree"] = jax.tree_util.tree_flatten(vjp)
@@ -312,10 +319,11 @@ def _gathering(layer: Layer, shardings, remat: bool = False) -> Layer:
                 _, vjp = jax.vjp(lambda w, x: run(w, x, state, rng), w, stored(x, after=ct[0]))
             else:
                 params, kept = res
-                w = jax.tree_util.tree_leaves(gather(stored(params, after=ct[0])))
+                w = jax.tree_util.tree_leaves(_cast_leaves(gather(stored(params, after=ct[0])), static["casts"]))
                 vjp = jax.tree_util.tree_unflatten(static["tree"], [
                     w[k] if k >= 0 else leaf for leaf, k in zip(kept, static["slots"])])
             d_w, d_x = vjp(ct)
+            d_w = jax.tree_util.tree_map(lambda g, p: g.astype(p.dtype), d_w, params)
             d_params = jax.lax.with_sharding_constraint(d_w, shardings)
             leaves = [g for g in jax.tree_util.tree_leaves(d_params) if g.ndim]
             d_x = stored(d_x, after=leaves) if leaves else d_x
@@ -324,6 +332,37 @@ def _gathering(layer: Layer, shardings, remat: bool = False) -> Layer:
         unit.defvjp(fwd, bwd)
         return unit(params, x, state, rng)
     return layer._replace(apply=apply)
+
+
+def _entry_casts(fn, w, *args) -> list:
+    """Per leaf of ``w``: the dtype ``fn(w, *args)`` converts it to where that conversion is
+    all ``fn`` does with it (every use of the leaf a ``convert_element_type`` to that one
+    dtype: a layer's policy cast), else None.  Casting such a leaf first computes the same
+    values: the conversion inside is then the identity, which JAX drops."""
+    jaxpr = jax.make_jaxpr(fn)(w, *args).jaxpr
+    leaves = jax.tree_util.tree_leaves(w)
+    targets = {id(v): set() for v in jaxpr.invars[:len(leaves)]}
+    other = {id(v) for v in jaxpr.outvars}
+    for eqn in jaxpr.eqns:
+        for v in eqn.invars:
+            if id(v) not in targets:
+                continue
+            if eqn.primitive.name == "convert_element_type":
+                targets[id(v)].add(np.dtype(eqn.params["new_dtype"]))
+            else:
+                other.add(id(v))
+    casts = []
+    for v, leaf in zip(jaxpr.invars, leaves):
+        dtypes = targets[id(v)]
+        one = len(dtypes) == 1 and id(v) not in other and next(iter(dtypes)) != np.dtype(leaf.dtype)
+        casts.append(next(iter(dtypes)) if one else None)
+    return casts
+
+
+def _cast_leaves(tree, casts):
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    return jax.tree_util.tree_unflatten(treedef, [
+        leaf if dt is None else leaf.astype(dt) for leaf, dt in zip(leaves, casts)])
 
 
 def _unfused(layer: Layer, children) -> Layer:
