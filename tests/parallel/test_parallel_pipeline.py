@@ -741,6 +741,9 @@ def test_bench_scaling_pipe_reports_args_temporaries_and_total(capsys):
     spec = importlib.util.spec_from_file_location("bench_scaling", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
+    # JAX starts here if no test before this one started it: with the suite's 8 devices, not
+    # the count the script writes into XLA_FLAGS (the tests after it in this process need 8)
+    assert jax.device_count() == 8
     environ = dict(os.environ)  # the script sets XLA_FLAGS as a command-line tool does
     try:
         assert bench.main(["--model", "lenet5", "--pipe", "1,2", "--per-device-batch", "8",
