@@ -210,9 +210,30 @@ def _build_model(cfg, num_classes: int, image_shape: tuple):
         jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0),
                                           (cfg.data.batch_size,) + tuple(image_shape)))
     except ValueError as e:
-        raise ConfigError(f"model {cfg.model.name!r} cannot take {tuple(image_shape)} images "
-                          f"(data.image_size or the dataset): {e}", path="data.image_size") from None
+        raise ConfigError(_too_small(cfg, tuple(image_shape), e), path=_image_size_key(cfg)) from None
     return model
+
+
+def _image_size_key(cfg) -> str:
+    """The key that sets the image size: ``data.image_size`` where the source uses it, else
+    the data themselves (``data.path``; ``data.source`` for the packaged MNIST digits)."""
+    if cfg.data.source in ("synthetic", "folder", "records"):
+        return "data.image_size"
+    return "data.path" if cfg.data.path else "data.source"
+
+
+def _too_small(cfg, image_shape: tuple, error) -> str:
+    """What a model that cannot take the run's images says, and what would work: a larger
+    ``data.image_size`` where the source uses it; else (npz, MNIST, CIFAR-10 keep their
+    images' size, ignoring ``data.image_size``) larger images or another model."""
+    name = cfg.model.name
+    if _image_size_key(cfg) == "data.image_size":
+        return (f"data.image_size: model {name!r} cannot take {image_shape} images ({error}); "
+                f"give a larger data.image_size")
+    where = f"data.path={cfg.data.path}" if cfg.data.path else f"data.source={cfg.data.source}"
+    return (f"model {name!r} cannot take the {image_shape} images of {where} ({error}); "
+            f"data.source={cfg.data.source} keeps its images' size (data.image_size is not used): "
+            f"give larger images, or a model that takes these (model.name)")
 
 
 def _check_augment(cfg, image_shape: tuple) -> None:
