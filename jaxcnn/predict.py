@@ -46,7 +46,7 @@ from jaxcnn.data.files import file_kind
 from jaxcnn.data.preprocessing import Preprocessing, from_dict
 from jaxcnn.errors import PredictError
 
-from jaxcnn._cli import EXIT_BAD_INPUT
+from jaxcnn._cli import EXIT_BAD_INPUT, path_arg
 _CHUNK = 32                      # images per forward pass (the last one padded)
 _MAX_RECORD_BYTES = 1 << 20      # a preprocessing record larger than this is not one
 
@@ -420,9 +420,9 @@ def parser() -> argparse.ArgumentParser:
         description="Print the top classes of images, with their names and probabilities, "
                     "as a trained run (or its ONNX/StableHLO export) sees them after the run's "
                     "own preprocessing (resize, normalisation).")
-    p.add_argument("source", help="a run directory, an .onnx export, or a StableHLO export "
+    p.add_argument("source", type=path_arg, help="a run directory, an .onnx export, or a StableHLO export "
                                   "(with its .preprocessing.json beside it)")
-    p.add_argument("images", nargs="+", metavar="IMAGE", help="image files (PNG, JPEG, ...)")
+    p.add_argument("images", type=path_arg, nargs="+", metavar="IMAGE", help="image files (PNG, JPEG, ...)")
     p.add_argument("--top-k", type=_positive_int, default=5, help="classes per image (default 5)")
     p.add_argument("--json", action="store_true",
                    help="one JSON object: {source, predictions: [{image, top_k: [{index, name, "

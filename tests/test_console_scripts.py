@@ -147,3 +147,24 @@ def test_importing_jaxcnn_imports_nothing_heavy_and_keeps_its_names():
     done = subprocess.run([sys.executable, "-c", code], env=dict(__import__("os").environ, PYTHONPATH=str(ROOT)),
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+@pytest.mark.parametrize("name, argv, option", [
+    ("jaxcnn-train", ["configs/mnist_cnn.yaml", "--workdir", ""], "--workdir"),
+    ("jaxcnn-train", [""], "config"),
+    ("jaxcnn-eval", [""], "run_dir"),
+    ("jaxcnn-export", ["runs/x", "--format", "npz", "--out", ""], "--out"),
+    ("jaxcnn-export", ["runs/x", "--format", "npz", "--out", "o.npz", "--fine-tune-dir", " "], "--fine-tune-dir"),
+    ("jaxcnn-predict", ["runs/x", ""], "IMAGE"),
+    ("jaxcnn-data", ["convert", "", "out"], "root"),
+    ("jaxcnn-data", ["shapes", ""], "out"),
+    ("jaxcnn-plot", ["runs/x", "--out", ""], "--out"),
+])
+def test_an_empty_path_is_refused_naming_the_argument(name, argv, option, capsys):
+    """``--workdir ""`` quietly trained in the default run directory (and an empty ``--out`` or
+    ``ROOT`` meant the current directory): one line naming the argument, exit 2."""
+    with pytest.raises(SystemExit) as e:
+        _entry(name)(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"argument {option}: expected a path, got " in err, err

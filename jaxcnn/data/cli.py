@@ -13,7 +13,7 @@ import argparse
 import os
 import sys
 
-from jaxcnn._cli import OneLineParser
+from jaxcnn._cli import OneLineParser, path_arg
 from jaxcnn.errors import DataError
 
 
@@ -37,8 +37,8 @@ def _parser():
                              description="Write the splits of an image folder to ArrayRecord files (each "
                                          "record checksummed) to train from with data.source: records, "
                                          "decoding every image once to check it.")
-    convert.add_argument("root", help="image folder: ROOT/train/<class>/<image>, ROOT/val/<class>/<image>")
-    convert.add_argument("out", help="directory for <split>.array_record and dataset.json (created)")
+    convert.add_argument("root", type=path_arg, help="image folder: ROOT/train/<class>/<image>, ROOT/val/<class>/<image>")
+    convert.add_argument("out", type=path_arg, help="directory for <split>.array_record and dataset.json (created)")
     convert.add_argument("--splits", default="train,val", help="comma-separated splits (default train,val)")
     convert.add_argument("--on-bad-image", choices=("skip", "fail"), default="skip",
                          help="a file that does not decode: leave it out (skip) or stop (fail)")
@@ -48,7 +48,7 @@ def _parser():
     shapes = sub.add_parser("shapes", help="write a small image folder of coloured shapes (an example)",
                             description="Write a small image folder of coloured shapes (4 classes) that "
                                         "configs/shapes_folder.yaml learns in minutes on a CPU.")
-    shapes.add_argument("out", help="the image folder to write")
+    shapes.add_argument("out", type=path_arg, help="the image folder to write")
     shapes.add_argument("--train", type=int, default=200, help="training images per class (default 200)")
     shapes.add_argument("--val", type=int, default=50, help="validation images per class (default 50)")
     shapes.add_argument("--seed", type=_count, default=0, help="seed of the shapes, sizes and colours (default 0)")
