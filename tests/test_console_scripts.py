@@ -168,3 +168,13 @@ def test_an_empty_path_is_refused_naming_the_argument(name, argv, option, capsys
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"argument {option}: expected a path, got " in err, err
+
+
+@pytest.mark.parametrize("name, missing", [("jaxcnn-train", "config"), ("jaxcnn-eval", "run_dir")])
+def test_no_arguments_names_only_what_is_required(name, missing, capsys):
+    """argparse listed the optional ``key=value`` overrides as required too."""
+    with pytest.raises(SystemExit) as e:
+        _entry(name)([])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert f"the following arguments are required: {missing} (" in err and "key=value" not in err, err

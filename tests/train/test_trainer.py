@@ -420,6 +420,11 @@ def test_eval_cli_and_plot(tmp_path, capsys):
     assert result["step"] == 4 and result["count"] == 2000
     assert result["top1"] == pytest.approx(final["top1"]) and result["loss"] == pytest.approx(final["loss"], rel=1e-5)
     assert eval_main([str(tmp_path / "nothing")]) == 2
+    # A negative step is not a step (it said "checkpoints/-1 does not exist").
+    capsys.readouterr()
+    assert eval_main([str(work), "--step", "-1"]) == 2
+    assert capsys.readouterr().err == (f"jaxcnn-eval: error: --step -1 is not a valid step (steps count "
+                                       f"from 0); steps saved in {work / 'checkpoints'}: 2, 4\n")
     pytest.importorskip("matplotlib")
     from jaxcnn.train.plot import main as plot_main
     assert plot_main([str(work)]) == 0
