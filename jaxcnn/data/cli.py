@@ -68,7 +68,7 @@ def _progress_bar(total, desc, enabled):
 def convert(root, out, *, splits=("train", "val"), on_bad_image="skip", workers=0, progress=True,
             say=print) -> dict:
     """Writes ``splits`` of the image folder ``root`` to ``out``; returns the sidecar's ``splits``."""
-    from jaxcnn.data.folder import scan_split
+    from jaxcnn.data.folder import FolderSource, scan_split
     from jaxcnn.data.records import record_file, write_sidecar, write_split
 
     if workers < 0:
@@ -92,7 +92,10 @@ def convert(root, out, *, splits=("train", "val"), on_bad_image="skip", workers=
             say(f"[jaxcnn-data] skipped {message}")
         if len(bad) > 20:
             say(f"[jaxcnn-data] ... and {len(bad) - 20} more")
-        info[split] = {"file": record_file(split), "count": written, "skipped": len(bad)}
+        # The folder's listing (jaxcnn.data.folder.FolderSource.fingerprint): a run on the records
+        # tells one conversion from another by it (a changed folder converted again).
+        info[split] = {"file": record_file(split), "count": written, "skipped": len(bad),
+                       "sha256": FolderSource(index).fingerprint()["sha256"]}
         say(f"[jaxcnn-data] {split}: {written} images in {len(names)} classes -> "
             f"{os.path.join(out, record_file(split))} ({len(bad)} skipped)")
     write_sidecar(out, names, info)

@@ -1029,6 +1029,34 @@ def check_resume_config(workdir: str, config_dict: Mapping, *, resume: str = "au
     return changes
 
 
+def check_resume_data(workdir: str, fingerprint, *, resume: str = "auto", on_change: str = "stop") -> list[str]:
+    """Before any compute: did the data of the run in `workdir` change since it last ran?
+
+    An image folder (or record directory) with images added, removed or renamed, or another
+    set of classes, gives batches other than those the checkpoints were trained on, under the
+    same config. `fingerprint` is the data's now (`jaxcnn.data.ImageData.fingerprint`; None for
+    the sources that hold no such record), compared with the one ``run_meta.json`` recorded.
+
+    Returns:
+        The changes (empty: the same, nothing to resume, or nothing recorded).
+
+    Raises:
+        ConfigChangedError: there are changes and `on_change` is "stop"; the message names
+            them and the two ways on.
+    """
+    run_dir = RunDir(workdir)
+    if fingerprint is None or resume == "never" or not _has_checkpoints(run_dir.checkpoints):
+        return []
+    from jaxcnn.data.images import data_changes
+    changes = data_changes(run_dir.read_meta().get("data"), fingerprint)
+    if changes and on_change == "stop":
+        raise ConfigChangedError(
+            f"{workdir} was trained on other data than {fingerprint['path']} holds now ({'; '.join(changes)}); "
+            f"start a new run with --workdir DIR, or continue this one on the data as they are now "
+            f"with checkpoint.on_config_change=continue")
+    return changes
+
+
 def record_run_config(workdir: str, config_dict: Mapping, step: int, changes: list[str]) -> None:
     """Writes `workdir/config.resolved.yaml`; when a run continues at `step` under a changed
     config, first keeps every config it ran under in `config_history/from_step_<N>.yaml`

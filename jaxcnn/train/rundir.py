@@ -172,10 +172,24 @@ class RunDir:
                 return self._join(name)
         return None
 
-    def write_meta(self, argv, config_path) -> None:
-        """``run_meta.json``: :func:`run_metadata`."""
+    def write_meta(self, argv, config_path, data=None) -> None:
+        """``run_meta.json``: :func:`run_metadata`, and ``data``: the fingerprint of an image
+        folder's or record directory's data (`jaxcnn.data.ImageData.fingerprint`), which a
+        resume compares."""
+        meta = run_metadata(argv, config_path)
+        if data is not None:
+            meta["data"] = data
         with open(self.meta, "w", encoding="utf-8") as f:
-            json.dump(run_metadata(argv, config_path), f, indent=2)
+            json.dump(meta, f, indent=2)
+
+    def read_meta(self) -> dict:
+        """``run_meta.json`` as written (``{}`` when missing, unreadable or not an object)."""
+        try:
+            with open(self.meta, encoding="utf-8") as f:
+                meta = json.load(f)
+        except (OSError, ValueError):
+            return {}
+        return meta if isinstance(meta, dict) else {}
 
     def save_params(self, fmt: str, trees, save) -> str | None:
         """Write ``params.<fmt>`` with ``save(path, *trees)`` through a partial file renamed into

@@ -604,7 +604,7 @@ class Prepared(NamedTuple):
     train_out: Any         # the train step's output shapes (state, metrics)
 
 
-def prepare(cfg) -> Prepared:
+def prepare(cfg, check_run=None) -> Prepared:
     """Build everything a run needs and check it, before any parameter is allocated.
 
     :func:`build_run` (config and data), ``model.init_from``, the mesh and parallel plan, the
@@ -613,11 +613,16 @@ def prepare(cfg) -> Prepared:
     run's first call reuses that executable) and measured by ``memory_analysis``, against the
     memory available (the devices', or the host's for CPU devices).
 
+    ``check_run(run)``, when given, runs once the data are open, before anything is compiled
+    (the trainer's check that a resumed run's data did not change).
+
     Raises:
         ConfigError / DataError: as :func:`build_run` and ``parallel.setup``; a state or step
             that cannot fit in memory names the keys that size it.
     """
     run = build_run(cfg)
+    if check_run is not None:
+        check_run(run)
     loaded = load_init_from(run) if cfg.model.init_from else None
     with parallel_config_errors():
         plan = parallel.setup(cfg, run.model, run.input_shape, abstract_state(run))
