@@ -37,8 +37,10 @@ def _parser():
                              description="Write the splits of an image folder to ArrayRecord files (each "
                                          "record checksummed) to train from with data.source: records, "
                                          "decoding every image once to check it.")
-    convert.add_argument("root", type=path_arg, help="image folder: ROOT/train/<class>/<image>, ROOT/val/<class>/<image>")
-    convert.add_argument("out", type=path_arg, help="directory for <split>.array_record and dataset.json (created)")
+    convert.add_argument("root", type=path_arg,
+                         help="image folder: ROOT/train/<class>/<image>, ROOT/val/<class>/<image>")
+    convert.add_argument("out", type=path_arg,
+                         help="directory for <split>.array_record and dataset.json (created; not inside ROOT)")
     convert.add_argument("--splits", default="train,val", help="comma-separated splits (default train,val)")
     convert.add_argument("--on-bad-image", choices=("skip", "fail"), default="skip",
                          help="a file that does not decode: leave it out (skip) or stop (fail)")
@@ -108,6 +110,17 @@ def _check_out_dir(out: str) -> None:
         raise ValueError(f"{out} is a file; give a directory to write into (created if missing)")
 
 
+def _check_out_outside_root(root: str, out: str) -> None:
+    """``OUT`` of ``convert`` may not be ``ROOT`` or lie inside it (links resolved): the record
+    files would sit among the images, a class folder of their own under a split, and the next
+    scan would read them as data."""
+    real_root, real_out = os.path.realpath(root), os.path.realpath(out)
+    if real_out == real_root or real_out.startswith(real_root.rstrip(os.sep) + os.sep):
+        where = "is the image folder ROOT" if real_out == real_root else f"is inside the image folder ROOT {root}"
+        raise ValueError(f"OUT {out} {where}: the record files would be read as images next time; "
+                         "give a directory outside it")
+
+
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     try:
@@ -130,6 +143,7 @@ def main(argv=None) -> int:
         if missing := missing_packages("records", loader=False):
             raise ValueError(f"jaxcnn-data convert needs {', '.join(missing)}, not installed: "
                              "pip install -e \".[data]\" (or pip install 'jaxcnn[data]')")
+        _check_out_outside_root(args.root, args.out)
         splits = tuple(s for s in args.splits.split(",") if s)
         if not splits:
             raise ValueError("--splits names no split")

@@ -316,7 +316,9 @@ def test_convert_cli_errors_are_one_line(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "skipped" in out and str(bad) in out
     meta = read_sidecar(tmp_path / "out")
+    sha = meta["splits"]["train"].pop("sha256")  # the folder's listing: a resume compares it
     assert meta["splits"]["train"] == {"file": "train.array_record", "count": 1, "skipped": 1}
+    assert len(sha) == 64 and sha != meta["splits"]["val"]["sha256"]
     # The trainer's start-up line on them: a corrupt image is no "file that is not an image",
     # nor left out of the record directory (it said both), and a folder names its strays.
     from jaxcnn.data.images import ImageData
@@ -334,6 +336,21 @@ def test_convert_cli_errors_are_one_line(tmp_path, capsys):
     (tmp_path / "out" / "dataset.json").write_text("{not json")
     with pytest.raises(DataError, match="not valid JSON"):
         RecordSource(tmp_path / "out", "train")
+
+
+def test_convert_refuses_an_out_inside_root(tmp_path, capsys):
+    """OUT inside ROOT (or ROOT itself) put the record files among the images: under a split they
+    were a class of their own the next time the folder was read."""
+    write_shapes_folder(tmp_path / "f", per_class=(2, 1), classes=["red"], size_range=(16, 18))
+    os.symlink(tmp_path / "f", tmp_path / "link")
+    for out in (tmp_path / "f", tmp_path / "f" / "train" / "records", tmp_path / "link" / "rec"):
+        assert data_main(["convert", str(tmp_path / "f"), str(out), "--no-progress"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"jaxcnn-data: error: OUT {out} is " in err, err
+        assert "the record files would be read as images next time; give a directory outside it" in err
+    assert not (tmp_path / "f" / "train" / "records").exists() and not (tmp_path / "f" / "rec").exists()
+    assert sorted(p.name for p in (tmp_path / "f").iterdir()) == ["train", "val"]
+    assert data_main(["convert", str(tmp_path / "f"), str(tmp_path / "f-records"), "--no-progress"]) == 0
 
 
 def test_shapes_never_writes_into_a_folder_that_holds_images(tmp_path, capsys):
