@@ -101,14 +101,22 @@ def test_damaged_record_is_a_bad_image(folder, tmp_path):
 # Python 3.12's resource tracker warns when a garbage collection inside it finalises grain's
 # multiprocessing semaphores (nothing leaks: the tracker removes them at exit).
 @pytest.mark.filterwarnings("ignore:ResourceTracker called reentrantly:UserWarning")
-def test_workers_give_the_same_batches_and_resume(folder):
+def test_workers_give_the_same_batches_and_resume(folder, monkeypatch):
     source = FolderSource(scan_folder(folder)["train"])
     serial = _batches(source, 9)  # 18 images, batch 4: 4 steps an epoch, so this crosses two epochs
     _same(_batches(source, 9, workers=2), serial)
     _same(_batches(source, 9, start=5), serial[5:])  # resume: the position is the step
     maker = TrainBatches(source, seed=3, batch_size=4, image_size=SIZE)
+    import signal
+    blocks, sigmask = [], signal.pthread_sigmask
+    monkeypatch.setattr(signal, "pthread_sigmask", lambda how, sigs: (blocks.append(how == signal.SIG_BLOCK),
+                                                                     sigmask(how, sigs))[1])
     with Loader(maker, 6, 9, workers=1, shared_memory=True) as loader:  # arrays via /dev/shm
         shared = list(loader)
+    monkeypatch.undo()
+    # The signals are held back while grain starts its threads and workers (iter and the first
+    # next), not around every batch (3 batches here: it held them 4 times).
+    assert sum(blocks) == 2, blocks
     assert all(type(b["image"]) is np.ndarray for b in shared)  # copied out of shared memory
     _same(shared, serial[6:])
     images = np.concatenate([b["image"] for b in serial[:4]])
