@@ -1,6 +1,6 @@
 """Classify image files with a trained run or an exported model: ``jaxcnn-predict``.
 
-    jaxcnn-predict runs/mnist_cnn digit.png [more.png ...] [--top-k 5] [--json]
+    jaxcnn-predict runs/mnist_cnn digit.png [more.png ... | a folder of images] [--top-k 5] [--json]
     jaxcnn-predict mnist.onnx digit.png
 
 In Python, ``jaxcnn.predict(source, images, top_k=5)`` returns one :class:`Prediction` per
@@ -422,12 +422,35 @@ def parser() -> argparse.ArgumentParser:
                     "own preprocessing (resize, normalisation).")
     p.add_argument("source", type=path_arg, help="a run directory, an .onnx export, or a StableHLO export "
                                   "(with its .preprocessing.json beside it)")
-    p.add_argument("images", type=path_arg, nargs="+", metavar="IMAGE", help="image files (PNG, JPEG, ...)")
+    p.add_argument("images", type=path_arg, nargs="+", metavar="IMAGE",
+                   help="image files (PNG, JPEG, ...), or directories: every image file under one")
     p.add_argument("--top-k", type=_positive_int, default=5, help="classes per image (default 5)")
     p.add_argument("--json", action="store_true",
                    help="one JSON object: {source, predictions: [{image, top_k: [{index, name, "
                         "probability}]}]}")
     return p
+
+
+def image_files(paths: Sequence[str]) -> list[str]:
+    """The command line's IMAGE arguments, a directory among them standing for every image file
+    under it (by extension, sorted, sub-folders included, as an image folder's class folders;
+    hidden files and OS litter such as ``Thumbs.db`` left out). A directory without one is a
+    :class:`PredictError` naming it."""
+    from jaxcnn.data.folder import IMAGE_EXTENSIONS, is_image_name, is_os_metadata
+    out = []
+    for path in paths:
+        if not os.path.isdir(path):
+            out.append(path)
+            continue
+        found = []
+        for dirpath, dirnames, filenames in os.walk(path):
+            dirnames[:] = sorted(d for d in dirnames if not is_os_metadata(d, folder=True))
+            found.extend(os.path.join(dirpath, f) for f in filenames
+                         if is_image_name(f) and not is_os_metadata(f, folder=False))
+        if not found:
+            raise PredictError(f"{path}: a directory with no image files ({', '.join(IMAGE_EXTENSIONS)})")
+        out.extend(sorted(found))
+    return out
 
 
 def _positive_int(text: str) -> int:
@@ -447,7 +470,7 @@ def main(argv=None) -> int:
     args = parser().parse_args(argv)
     from jaxcnn.train.checkpoint import CheckpointError
     try:
-        predictions = predict(args.source, args.images, top_k=args.top_k)
+        predictions = predict(args.source, image_files(args.images), top_k=args.top_k)
     except (ValueError, OSError, CheckpointError) as e:  # PredictError, ExportError, DataError...
         message = " ".join(str(e).split())
         if os.path.isdir(args.source):  # a run directory started elsewhere: say where
