@@ -27,6 +27,22 @@ def _count(text: str) -> int:
     return value
 
 
+# jaxcnn-data shapes writes an example folder: --train 999999999999 filled the disk (9 GB in ten
+# minutes) before anything said no.
+MAX_SHAPES_PER_CLASS = 10_000
+
+
+def _per_class(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if not 1 <= value <= MAX_SHAPES_PER_CLASS:
+        raise argparse.ArgumentTypeError(f"expected images per class from 1 to {MAX_SHAPES_PER_CLASS:,} "
+                                         f"(an example folder), got {text!r}")
+    return value
+
+
 def _parser():
     parser = OneLineParser(prog="jaxcnn-data",
                            description="Image-folder tools: convert an image folder to ArrayRecord "
@@ -51,8 +67,10 @@ def _parser():
                             description="Write a small image folder of coloured shapes (4 classes) that "
                                         "configs/shapes_folder.yaml learns in minutes on a CPU.")
     shapes.add_argument("out", type=path_arg, help="the image folder to write")
-    shapes.add_argument("--train", type=int, default=200, help="training images per class (default 200)")
-    shapes.add_argument("--val", type=int, default=50, help="validation images per class (default 50)")
+    shapes.add_argument("--train", type=_per_class, default=200,
+                        help=f"training images per class (default 200, at most {MAX_SHAPES_PER_CLASS:,})")
+    shapes.add_argument("--val", type=_per_class, default=50,
+                        help=f"validation images per class (default 50, at most {MAX_SHAPES_PER_CLASS:,})")
     shapes.add_argument("--seed", type=_count, default=0, help="seed of the shapes, sizes and colours (default 0)")
     return parser
 
@@ -79,8 +97,8 @@ def convert(root, out, *, splits=("train", "val"), on_bad_image="skip", workers=
     for split in splits:  # every split is scanned before anything is written
         indexes[split] = scan_split(root, split, names, on_bad_image=on_bad_image)
         names = indexes[split].class_names
+    info = _kept_splits(out, names, set(indexes))
     os.makedirs(out, exist_ok=True)
-    info = {}
     for split, index in indexes.items():
         bar = _progress_bar(len(index), split, progress)
         try:
@@ -102,6 +120,27 @@ def convert(root, out, *, splits=("train", "val"), on_bad_image="skip", workers=
             f"{os.path.join(out, record_file(split))} ({len(bad)} skipped)")
     write_sidecar(out, names, info)
     return info
+
+
+def _kept_splits(out: str, class_names, converting: set) -> dict:
+    """The sidecar entries of the splits an earlier ``convert`` wrote to ``out`` that this one
+    leaves alone (``--splits val`` after a whole conversion): kept, so their records stay
+    listed (the new sidecar listed only ``val``, and the ``train`` records were lost to the
+    reader). Splits of other classes than ``class_names`` cannot be kept: a ValueError."""
+    from jaxcnn.data.records import SIDECAR, read_sidecar
+    if not os.path.isfile(os.path.join(out, SIDECAR)):
+        return {}
+    try:
+        meta = read_sidecar(out)
+    except DataError:  # not a sidecar this version reads: replaced, as before
+        return {}
+    kept = {split: entry for split, entry in meta["splits"].items()
+            if split not in converting and os.path.isfile(os.path.join(out, entry["file"]))}
+    if kept and list(meta["class_names"]) != list(class_names):
+        raise ValueError(f"{out} holds the {', '.join(sorted(kept))} records of other classes "
+                         f"({len(meta['class_names'])}: {meta['class_names'][:5]}...; now {len(class_names)}: "
+                         f"{list(class_names)[:5]}...): convert those splits too (--splits), or give a new OUT")
+    return kept
 
 
 def _check_out_dir(out: str) -> None:
@@ -128,8 +167,6 @@ def main(argv=None) -> int:
         if args.command == "shapes":
             from jaxcnn.data.shapes import write_shapes_folder
 
-            if args.train < 1 or args.val < 1:
-                raise ValueError("--train and --val must be at least 1")
             for split in ("train", "val"):  # its images went in among the ones there, some replacing them
                 folder = os.path.join(args.out, split)
                 if os.path.isdir(folder) and os.listdir(folder):

@@ -361,6 +361,37 @@ def test_convert_refuses_an_out_inside_root(tmp_path, capsys):
     assert data_main(["convert", str(tmp_path / "f"), str(tmp_path / "f-records"), "--no-progress"]) == 0
 
 
+def test_converting_one_split_keeps_the_others(tmp_path, capsys):
+    """``convert ROOT OUT --splits val`` after a whole conversion wrote a sidecar listing val alone:
+    the train records were still there but lost to the reader. Other classes cannot be kept."""
+    write_shapes_folder(tmp_path / "f", per_class=(2, 1), classes=["blue", "red"], size_range=(16, 18))
+    out = tmp_path / "out"
+    assert data_main(["convert", str(tmp_path / "f"), str(out), "--no-progress"]) == 0
+    before = read_sidecar(out)["splits"]
+    assert data_main(["convert", str(tmp_path / "f"), str(out), "--splits", "val", "--no-progress"]) == 0
+    assert read_sidecar(out)["splits"] == before and len(RecordSource(out, "train")) == 4
+    for split in ("train", "val"):
+        os.rename(tmp_path / "f" / split / "red", tmp_path / f"red-{split}")
+    capsys.readouterr()
+    assert data_main(["convert", str(tmp_path / "f"), str(out), "--splits", "val", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{out} holds the train records of other classes" in err, err
+    assert read_sidecar(out)["splits"] == before  # nothing written
+    assert data_main(["convert", str(tmp_path / "f"), str(out), "--no-progress"]) == 0
+    assert read_sidecar(out)["class_names"] == ["blue"]
+
+
+@pytest.mark.parametrize("option, value", [("--train", "0"), ("--val", "999999999999"), ("--train", "x")])
+def test_shapes_counts_are_bounded(tmp_path, capsys, option, value):
+    """``--train 999999999999`` wrote images until the disk filled (9 GB in ten minutes)."""
+    with pytest.raises(SystemExit) as exit_:
+        data_main(["shapes", str(tmp_path / "s"), option, value])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"argument {option}: expected images per class from 1 to 10,000" in err
+    assert not (tmp_path / "s").exists()
+
+
 def test_shapes_never_writes_into_a_folder_that_holds_images(tmp_path, capsys):
     """jaxcnn-data shapes OUT over an existing image folder put its shapes among the photos there
     (replacing those of the same names)."""
