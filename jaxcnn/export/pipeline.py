@@ -188,6 +188,22 @@ def _build_run(cfg):
     return build_run(cfg)
 
 
+# The extensions that name one export format: an --out ending in another format's is refused
+# (--format stablehlo --out m.onnx wrote a StableHLO module that jaxcnn-predict and onnxruntime
+# then read as a broken ONNX file; --format onnx --out m.npz, a "parameter file").
+_EXTENSIONS = {".onnx": "onnx", ".npz": "npz", ".safetensors": "safetensors"}
+
+
+def _check_out_extension(out: str, format: str) -> None:
+    ext = os.path.splitext(out)[1].lower()
+    named = _EXTENSIONS.get(ext)
+    if named is not None and named != format:
+        mine = next((e for e, f in _EXTENSIONS.items() if f == format), "")
+        better = repr(os.path.splitext(out)[0] + mine) + ("" if mine else " (any name but those extensions)")
+        raise ExportError(f"--out {out!r} has the {ext} extension of the {named} format, but --format is "
+                          f"{format}; give --out {better}, or --format {named}")
+
+
 def _check_out_spares_source(source, out: str) -> None:
     """An `ExportError` when writing ``out`` would overwrite the source: the parameter file
     itself, or a file the trainer keeps in the source run directory (``--out runs/x/params.npz``
@@ -324,6 +340,7 @@ def export(source, out, *, format: str, model: str | None = None, num_classes=No
         raise ExportError(f"--out {out!r}: its directory {os.path.dirname(out) or '.'} {what}")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise ExportError(f"--out {out!r}: its directory {os.path.dirname(out) or '.'} is not writable")
+    _check_out_extension(out, format)
     if format == "npz" and not out.endswith(".npz"):
         out += ".npz"  # what np.savez writes
     _check_out_spares_source(source, out)

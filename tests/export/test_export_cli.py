@@ -141,6 +141,22 @@ def params_file(tmp_path_factory):
     return path
 
 
+@pytest.mark.parametrize("fmt, out, better", [("stablehlo", "m.onnx", "'{tmp}/m' (any name but those extensions)"),
+                                               ("onnx", "m.NPZ", "'{tmp}/m.onnx'"),
+                                               ("npz", "m.safetensors", "'{tmp}/m.npz'"),
+                                               ("safetensors", "m.npz", "'{tmp}/m.safetensors'")])
+def test_an_out_named_for_another_format_is_refused(params_file, tmp_path, capsys, fmt, out, better):
+    """``--format stablehlo --out m.onnx`` wrote a StableHLO module that jaxcnn-predict (and
+    onnxruntime) then read as a broken ONNX file; ``--format onnx --out m.npz`` a "parameter file"."""
+    out = str(tmp_path / out)
+    assert main([params_file, "--model", "mnist_cnn", "--format", fmt, "--out", out]) == 2
+    err = _one_line_error(capsys, "jaxcnn-export")
+    ext = os.path.splitext(out)[1].lower()
+    assert f"--out {out!r} has the {ext} extension of the" in err, err
+    assert f"give --out {better.format(tmp=tmp_path)}" in err, err
+    assert os.listdir(tmp_path) == []
+
+
 def test_out_is_the_file_written(params_file, tmp_path, capsys):
     base = ["--model", "mnist_cnn", "--format", "npz"]
     assert main([params_file, *base, "--out", str(tmp_path)]) == 2   # an existing directory
