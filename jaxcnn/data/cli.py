@@ -93,6 +93,10 @@ def convert(root, out, *, splits=("train", "val"), on_bad_image="skip", workers=
 
     if workers < 0:
         raise ValueError(f"--workers must be non-negative, got {workers}")
+    most = max(16, 4 * (os.cpu_count() or 1))  # as the trainer bounds data.workers: each is a process
+    if workers > most:
+        raise ValueError(f"--workers {workers} is more than {most} processes (4 per core of this "
+                         f"machine's {os.cpu_count()}, at least 16)")
     indexes, names = {}, None
     for split in splits:  # every split is scanned before anything is written
         indexes[split] = scan_split(root, split, names, on_bad_image=on_bad_image)

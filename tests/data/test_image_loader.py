@@ -346,6 +346,15 @@ def test_convert_cli_errors_are_one_line(tmp_path, capsys):
         RecordSource(tmp_path / "out", "train")
 
 
+def test_convert_workers_are_bounded(tmp_path, capsys):
+    """``--workers 100000`` started a pool of 100,000 processes; the trainer's data.workers had a bound."""
+    write_shapes_folder(tmp_path / "f", per_class=(1, 1), classes=["red"], size_range=(16, 18))
+    assert data_main(["convert", str(tmp_path / "f"), str(tmp_path / "out"), "--workers", "100000"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--workers 100000 is more than" in err and "processes" in err, err
+    assert not (tmp_path / "out").exists()
+
+
 def test_convert_refuses_an_out_inside_root(tmp_path, capsys):
     """OUT inside ROOT (or ROOT itself) put the record files among the images: under a split they
     were a class of their own the next time the folder was read."""
