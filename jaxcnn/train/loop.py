@@ -150,6 +150,10 @@ class EarlyStopping:
                 self.update(record)
 
 
+# The run directories this process trains in, each with its lock file held open (see RunDir.lock).
+_LOCKS: dict = {}
+
+
 def start(cfg, run_dir: RunDir, *, argv=None, config_path=None) -> tuple[Prepared, list[str], float]:
     """Everything before the first state exists.
 
@@ -174,7 +178,16 @@ def start(cfg, run_dir: RunDir, *, argv=None, config_path=None) -> tuple[Prepare
     prepared = prepare(cfg, check_run=lambda run: changes.extend(_data_changes(cfg, run_dir, run)))
     prepare_s = time.perf_counter() - t0
     os.makedirs(run_dir.path, exist_ok=True)
+    key = os.path.realpath(run_dir.path)
+    if jax.process_index() == 0 and key not in _LOCKS:  # one trainer per run directory
+        _LOCKS[key] = run_dir.lock()
     return prepared, changes, prepare_s
+
+
+def _unlock(run_dir: RunDir) -> None:
+    lock = _LOCKS.pop(os.path.realpath(run_dir.path), None)
+    if lock is not None:
+        lock.close()
 
 
 def _data_changes(cfg, run_dir: RunDir, run) -> list[str]:
@@ -539,6 +552,16 @@ def train(cfg, workdir: str, *, argv=None, config_path=None, stream=None) -> dic
     """
     run_dir = RunDir(workdir)
     prepared, changes, prepare_s = start(cfg, run_dir, argv=argv, config_path=config_path)
+    try:
+        return _train(cfg, run_dir, prepared, changes, prepare_s, argv=argv, config_path=config_path,
+                      stream=stream)
+    finally:
+        _unlock(run_dir)
+
+
+def _train(cfg, run_dir: RunDir, prepared, changes, prepare_s, *, argv, config_path, stream) -> dict:
+    """`train` once the run directory is this process's."""
+    workdir = run_dir.path
     training = Training(cfg, prepared, run_dir, stream or sys.stdout)
     for line in startup_lines(cfg, prepared, workdir, prepare_s):
         training.say(line)
