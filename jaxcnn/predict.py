@@ -112,7 +112,7 @@ class Predictor(NamedTuple):
     def predict(self, images: Sequence[Any], top_k: int = 5) -> list[Prediction]:
         """:func:`predict` with this model."""
         _check_top_k(top_k)
-        images = list(images)
+        images = _as_list(images)
         return self._predict([decode_image(im, _name(im, i)) for i, im in enumerate(images)],
                              [_name(im, i) for i, im in enumerate(images)], top_k)
 
@@ -133,6 +133,14 @@ class Predictor(NamedTuple):
                                    float(probs[i])) for i in order)
             out.append(Prediction(name, top, probs))
         return out
+
+
+def _as_list(images) -> list:
+    """``images`` as a list; one path (``str``/``PathLike``) or Pillow image is a list of one (a
+    path was iterated character by character: "d: no such image file")."""
+    if isinstance(images, (str, bytes, os.PathLike)) or type(images).__module__.startswith("PIL."):
+        return [images]
+    return list(images)
 
 
 def _name(image, i: int) -> str:
@@ -384,7 +392,7 @@ def predict(source, images: Sequence[Any], top_k: int = 5) -> list[Prediction]:
             ``.preprocessing.json``), or a :class:`Predictor` from :func:`load_predictor`.
         images: image file paths (anything Pillow reads), Pillow images, or ``uint8``
             arrays ``(H, W)``/``(H, W, C)``; each is preprocessed as the module's docstring
-            says.
+            says. One path or Pillow image is a list of one.
         top_k: how many classes to report per image (at most the class count).
 
     Returns:
@@ -395,7 +403,7 @@ def predict(source, images: Sequence[Any], top_k: int = 5) -> list[Prediction]:
         PredictError (a ``ValueError``) naming the bad image or source.
     """
     _check_top_k(top_k)
-    images = list(images)
+    images = _as_list(images)
     names = [_name(im, i) for i, im in enumerate(images)]
     # Every image is decoded (and so checked) before the model is loaded.
     decoded = [decode_image(im, name) for im, name in zip(images, names)]

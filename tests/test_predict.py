@@ -5,6 +5,7 @@ dataset's pixels, normalised with the dataset's statistics) and the true labels.
 resize rule and the bad-input errors (one line, exit code 2)."""
 import json
 import os
+import pathlib
 import shutil
 
 import jax
@@ -139,6 +140,19 @@ def test_a_folder_stands_for_the_images_under_it(run_dir, digits, tmp_path, caps
         str(folder / "b" / "a.png"), str(folder / "z.png"), paths[2]]
     direct = jaxcnn.predict(run_dir, [paths[1], paths[0]], top_k=1)
     assert [p["top_k"][0]["index"] for p in report["predictions"][:2]] == [p.top_k[0].index for p in direct]
+
+
+def test_one_image_is_a_list_of_one(run_dir, digits):
+    """``jaxcnn.predict(run, "digit.png")`` iterated the path's characters ("d: no such image file")."""
+    paths, _, _, _ = digits
+    many = jaxcnn.predict(run_dir, paths[:1], top_k=2)
+    for one in (paths[0], pathlib.Path(paths[0])):
+        got = jaxcnn.predict(run_dir, one, top_k=2)
+        assert [p.image for p in got] == [paths[0]]
+        np.testing.assert_array_equal(got[0].probabilities, many[0].probabilities)
+    with Image.open(paths[0]) as opened:
+        got = load_predictor(run_dir).predict(opened, top_k=2)
+    assert len(got) == 1 and got[0].top_k == many[0].top_k
 
 
 def _one_line(capsys, code):
