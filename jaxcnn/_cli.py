@@ -23,3 +23,12 @@ class OneLineParser(argparse.ArgumentParser):
         # Control characters (newlines, form feeds, ...) as escapes: one line whatever was typed.
         message = "".join(c if c.isprintable() else ascii(c)[1:-1] for c in message)
         self.exit(EXIT_BAD_INPUT, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def path_arg(value: str) -> str:
+    """An argparse ``type`` for a file or directory argument: an empty one (``--workdir ""``,
+    an unset shell variable) is refused, naming the argument, instead of standing for the
+    current directory or quietly for the option's default."""
+    if not value.strip():
+        raise argparse.ArgumentTypeError(f"expected a path, got {value!r}")
+    return value

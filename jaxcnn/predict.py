@@ -1,6 +1,6 @@
 """Classify image files with a trained run or an exported model: ``jaxcnn-predict``.
 
-    jaxcnn-predict runs/mnist_cnn digit.png [more.png ...] [--top-k 5] [--json]
+    jaxcnn-predict runs/mnist_cnn digit.png [more.png ... | a folder of images] [--top-k 5] [--json]
     jaxcnn-predict mnist.onnx digit.png
 
 In Python, ``jaxcnn.predict(source, images, top_k=5)`` returns one :class:`Prediction` per
@@ -46,7 +46,7 @@ from jaxcnn.data.files import file_kind
 from jaxcnn.data.preprocessing import Preprocessing, from_dict
 from jaxcnn.errors import PredictError
 
-from jaxcnn._cli import EXIT_BAD_INPUT
+from jaxcnn._cli import EXIT_BAD_INPUT, path_arg
 _CHUNK = 32                      # images per forward pass (the last one padded)
 _MAX_RECORD_BYTES = 1 << 20      # a preprocessing record larger than this is not one
 
@@ -112,7 +112,7 @@ class Predictor(NamedTuple):
     def predict(self, images: Sequence[Any], top_k: int = 5) -> list[Prediction]:
         """:func:`predict` with this model."""
         _check_top_k(top_k)
-        images = list(images)
+        images = _as_list(images)
         return self._predict([decode_image(im, _name(im, i)) for i, im in enumerate(images)],
                              [_name(im, i) for i, im in enumerate(images)], top_k)
 
@@ -133,6 +133,14 @@ class Predictor(NamedTuple):
                                    float(probs[i])) for i in order)
             out.append(Prediction(name, top, probs))
         return out
+
+
+def _as_list(images) -> list:
+    """``images`` as a list; one path (``str``/``PathLike``) or Pillow image is a list of one (a
+    path was iterated character by character: "d: no such image file")."""
+    if isinstance(images, (str, bytes, os.PathLike)) or type(images).__module__.startswith("PIL."):
+        return [images]
+    return list(images)
 
 
 def _name(image, i: int) -> str:
@@ -384,7 +392,7 @@ def predict(source, images: Sequence[Any], top_k: int = 5) -> list[Prediction]:
             ``.preprocessing.json``), or a :class:`Predictor` from :func:`load_predictor`.
         images: image file paths (anything Pillow reads), Pillow images, or ``uint8``
             arrays ``(H, W)``/``(H, W, C)``; each is preprocessed as the module's docstring
-            says.
+            says. One path or Pillow image is a list of one.
         top_k: how many classes to report per image (at most the class count).
 
     Returns:
@@ -395,7 +403,7 @@ def predict(source, images: Sequence[Any], top_k: int = 5) -> list[Prediction]:
         PredictError (a ``ValueError``) naming the bad image or source.
     """
     _check_top_k(top_k)
-    images = list(images)
+    images = _as_list(images)
     names = [_name(im, i) for i, im in enumerate(images)]
     # Every image is decoded (and so checked) before the model is loaded.
     decoded = [decode_image(im, name) for im, name in zip(images, names)]
@@ -420,14 +428,37 @@ def parser() -> argparse.ArgumentParser:
         description="Print the top classes of images, with their names and probabilities, "
                     "as a trained run (or its ONNX/StableHLO export) sees them after the run's "
                     "own preprocessing (resize, normalisation).")
-    p.add_argument("source", help="a run directory, an .onnx export, or a StableHLO export "
+    p.add_argument("source", type=path_arg, help="a run directory, an .onnx export, or a StableHLO export "
                                   "(with its .preprocessing.json beside it)")
-    p.add_argument("images", nargs="+", metavar="IMAGE", help="image files (PNG, JPEG, ...)")
+    p.add_argument("images", type=path_arg, nargs="+", metavar="IMAGE",
+                   help="image files (PNG, JPEG, ...), or directories: every image file under one")
     p.add_argument("--top-k", type=_positive_int, default=5, help="classes per image (default 5)")
     p.add_argument("--json", action="store_true",
                    help="one JSON object: {source, predictions: [{image, top_k: [{index, name, "
                         "probability}]}]}")
     return p
+
+
+def image_files(paths: Sequence[str]) -> list[str]:
+    """The command line's IMAGE arguments, a directory among them standing for every image file
+    under it (by extension, sorted, sub-folders included, as an image folder's class folders;
+    hidden files and OS litter such as ``Thumbs.db`` left out). A directory without one is a
+    :class:`PredictError` naming it."""
+    from jaxcnn.data.folder import IMAGE_EXTENSIONS, is_image_name, is_os_metadata
+    out = []
+    for path in paths:
+        if not os.path.isdir(path):
+            out.append(path)
+            continue
+        found = []
+        for dirpath, dirnames, filenames in os.walk(path):
+            dirnames[:] = sorted(d for d in dirnames if not is_os_metadata(d, folder=True))
+            found.extend(os.path.join(dirpath, f) for f in filenames
+                         if is_image_name(f) and not is_os_metadata(f, folder=False))
+        if not found:
+            raise PredictError(f"{path}: a directory with no image files ({', '.join(IMAGE_EXTENSIONS)})")
+        out.extend(sorted(found))
+    return out
 
 
 def _positive_int(text: str) -> int:
@@ -447,7 +478,7 @@ def main(argv=None) -> int:
     args = parser().parse_args(argv)
     from jaxcnn.train.checkpoint import CheckpointError
     try:
-        predictions = predict(args.source, args.images, top_k=args.top_k)
+        predictions = predict(args.source, image_files(args.images), top_k=args.top_k)
     except (ValueError, OSError, CheckpointError) as e:  # PredictError, ExportError, DataError...
         message = " ".join(str(e).split())
         if os.path.isdir(args.source):  # a run directory started elsewhere: say where

@@ -2,7 +2,7 @@
 """Same as ``jaxcnn-eval``: ``python scripts/evaluate.py RUN_DIR [key=value ...]``."""
 import sys
 
-from jaxcnn.train.cli import eval_main
+from jaxcnn._console import evaluate
 
 if __name__ == "__main__":
-    sys.exit(eval_main())
+    sys.exit(evaluate())

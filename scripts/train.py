@@ -2,7 +2,7 @@
 """Same as ``jaxcnn-train``: ``python scripts/train.py configs/mnist_cnn.yaml [key=value ...]``."""
 import sys
 
-from jaxcnn.train.cli import train_main
+from jaxcnn._console import train
 
 if __name__ == "__main__":
-    sys.exit(train_main())
+    sys.exit(train())

@@ -5,6 +5,7 @@ dataset's pixels, normalised with the dataset's statistics) and the true labels.
 resize rule and the bad-input errors (one line, exit code 2)."""
 import json
 import os
+import pathlib
 import shutil
 
 import jax
@@ -123,6 +124,37 @@ def test_command_line(run_dir, digits, own, capsys):
     assert name == str(int(np.argmax(own[0]))) and 0 < float(prob) <= 1
 
 
+def test_a_folder_stands_for_the_images_under_it(run_dir, digits, tmp_path, capsys):
+    """jaxcnn-predict RUN FOLDER said "FOLDER: is a directory, not an image": it classifies every
+    image file under it (sorted, class sub-folders included, other files and OS litter left out)."""
+    paths, _, _, _ = digits
+    folder = tmp_path / "photos"
+    (folder / "b").mkdir(parents=True)
+    shutil.copy(paths[0], folder / "z.png")
+    shutil.copy(paths[1], folder / "b" / "a.png")
+    for name in ("Thumbs.db", ".hidden.png", "labels.csv"):
+        (folder / name).write_text("x")
+    assert main([run_dir, str(folder), paths[2], "--top-k", "1", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert [p["image"] for p in report["predictions"]] == [
+        str(folder / "b" / "a.png"), str(folder / "z.png"), paths[2]]
+    direct = jaxcnn.predict(run_dir, [paths[1], paths[0]], top_k=1)
+    assert [p["top_k"][0]["index"] for p in report["predictions"][:2]] == [p.top_k[0].index for p in direct]
+
+
+def test_one_image_is_a_list_of_one(run_dir, digits):
+    """``jaxcnn.predict(run, "digit.png")`` iterated the path's characters ("d: no such image file")."""
+    paths, _, _, _ = digits
+    many = jaxcnn.predict(run_dir, paths[:1], top_k=2)
+    for one in (paths[0], pathlib.Path(paths[0])):
+        got = jaxcnn.predict(run_dir, one, top_k=2)
+        assert [p.image for p in got] == [paths[0]]
+        np.testing.assert_array_equal(got[0].probabilities, many[0].probabilities)
+    with Image.open(paths[0]) as opened:
+        got = load_predictor(run_dir).predict(opened, top_k=2)
+    assert len(got) == 1 and got[0].top_k == many[0].top_k
+
+
 def _one_line(capsys, code):
     err = capsys.readouterr().err
     lines = err.strip().splitlines()
@@ -141,7 +173,12 @@ def test_bad_input_is_one_line(run_dir, digits, tmp_path, capsys):
     corrupt = tmp_path / "corrupt.png"
     corrupt.write_bytes(open(paths[0], "rb").read()[:60])   # the header, then nothing
     assert f"{corrupt}: a corrupt or unreadable image" in _one_line(capsys, main([run_dir, str(corrupt)]))
-    assert "is a directory, not an image" in _one_line(capsys, main([run_dir, str(tmp_path)]))
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "Thumbs.db").write_text("x")
+    line = _one_line(capsys, main([run_dir, str(tmp_path / "empty")]))
+    assert f"{tmp_path / 'empty'}: a directory with no image files (.jpg" in line
+    with pytest.raises(PredictError, match="is a directory, not an image"):
+        jaxcnn.predict(run_dir, [str(tmp_path)])
     empty_run = tmp_path / "no_params"
     shutil.copytree(run_dir, empty_run, ignore=shutil.ignore_patterns("params.*"))
     line = _one_line(capsys, main([str(empty_run), paths[0]]))

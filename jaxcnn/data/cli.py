@@ -13,7 +13,7 @@ import argparse
 import os
 import sys
 
-from jaxcnn._cli import OneLineParser
+from jaxcnn._cli import OneLineParser, path_arg
 from jaxcnn.errors import DataError
 
 
@@ -27,6 +27,22 @@ def _count(text: str) -> int:
     return value
 
 
+# jaxcnn-data shapes writes an example folder: --train 999999999999 filled the disk (9 GB in ten
+# minutes) before anything said no.
+MAX_SHAPES_PER_CLASS = 10_000
+
+
+def _per_class(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if not 1 <= value <= MAX_SHAPES_PER_CLASS:
+        raise argparse.ArgumentTypeError(f"expected images per class from 1 to {MAX_SHAPES_PER_CLASS:,} "
+                                         f"(an example folder), got {text!r}")
+    return value
+
+
 def _parser():
     parser = OneLineParser(prog="jaxcnn-data",
                            description="Image-folder tools: convert an image folder to ArrayRecord "
@@ -37,8 +53,10 @@ def _parser():
                              description="Write the splits of an image folder to ArrayRecord files (each "
                                          "record checksummed) to train from with data.source: records, "
                                          "decoding every image once to check it.")
-    convert.add_argument("root", help="image folder: ROOT/train/<class>/<image>, ROOT/val/<class>/<image>")
-    convert.add_argument("out", help="directory for <split>.array_record and dataset.json (created)")
+    convert.add_argument("root", type=path_arg,
+                         help="image folder: ROOT/train/<class>/<image>, ROOT/val/<class>/<image>")
+    convert.add_argument("out", type=path_arg,
+                         help="directory for <split>.array_record and dataset.json (created; not inside ROOT)")
     convert.add_argument("--splits", default="train,val", help="comma-separated splits (default train,val)")
     convert.add_argument("--on-bad-image", choices=("skip", "fail"), default="skip",
                          help="a file that does not decode: leave it out (skip) or stop (fail)")
@@ -48,9 +66,11 @@ def _parser():
     shapes = sub.add_parser("shapes", help="write a small image folder of coloured shapes (an example)",
                             description="Write a small image folder of coloured shapes (4 classes) that "
                                         "configs/shapes_folder.yaml learns in minutes on a CPU.")
-    shapes.add_argument("out", help="the image folder to write")
-    shapes.add_argument("--train", type=int, default=200, help="training images per class (default 200)")
-    shapes.add_argument("--val", type=int, default=50, help="validation images per class (default 50)")
+    shapes.add_argument("out", type=path_arg, help="the image folder to write")
+    shapes.add_argument("--train", type=_per_class, default=200,
+                        help=f"training images per class (default 200, at most {MAX_SHAPES_PER_CLASS:,})")
+    shapes.add_argument("--val", type=_per_class, default=50,
+                        help=f"validation images per class (default 50, at most {MAX_SHAPES_PER_CLASS:,})")
     shapes.add_argument("--seed", type=_count, default=0, help="seed of the shapes, sizes and colours (default 0)")
     return parser
 
@@ -68,17 +88,21 @@ def _progress_bar(total, desc, enabled):
 def convert(root, out, *, splits=("train", "val"), on_bad_image="skip", workers=0, progress=True,
             say=print) -> dict:
     """Writes ``splits`` of the image folder ``root`` to ``out``; returns the sidecar's ``splits``."""
-    from jaxcnn.data.folder import scan_split
+    from jaxcnn.data.folder import FolderSource, scan_split
     from jaxcnn.data.records import record_file, write_sidecar, write_split
 
     if workers < 0:
         raise ValueError(f"--workers must be non-negative, got {workers}")
+    most = max(16, 4 * (os.cpu_count() or 1))  # as the trainer bounds data.workers: each is a process
+    if workers > most:
+        raise ValueError(f"--workers {workers} is more than {most} processes (4 per core of this "
+                         f"machine's {os.cpu_count()}, at least 16)")
     indexes, names = {}, None
     for split in splits:  # every split is scanned before anything is written
         indexes[split] = scan_split(root, split, names, on_bad_image=on_bad_image)
         names = indexes[split].class_names
+    info = _kept_splits(out, names, set(indexes))
     os.makedirs(out, exist_ok=True)
-    info = {}
     for split, index in indexes.items():
         bar = _progress_bar(len(index), split, progress)
         try:
@@ -92,17 +116,52 @@ def convert(root, out, *, splits=("train", "val"), on_bad_image="skip", workers=
             say(f"[jaxcnn-data] skipped {message}")
         if len(bad) > 20:
             say(f"[jaxcnn-data] ... and {len(bad) - 20} more")
-        info[split] = {"file": record_file(split), "count": written, "skipped": len(bad)}
+        # The folder's listing (jaxcnn.data.folder.FolderSource.fingerprint): a run on the records
+        # tells one conversion from another by it (a changed folder converted again).
+        info[split] = {"file": record_file(split), "count": written, "skipped": len(bad),
+                       "sha256": FolderSource(index).fingerprint()["sha256"]}
         say(f"[jaxcnn-data] {split}: {written} images in {len(names)} classes -> "
             f"{os.path.join(out, record_file(split))} ({len(bad)} skipped)")
     write_sidecar(out, names, info)
     return info
 
 
+def _kept_splits(out: str, class_names, converting: set) -> dict:
+    """The sidecar entries of the splits an earlier ``convert`` wrote to ``out`` that this one
+    leaves alone (``--splits val`` after a whole conversion): kept, so their records stay
+    listed (the new sidecar listed only ``val``, and the ``train`` records were lost to the
+    reader). Splits of other classes than ``class_names`` cannot be kept: a ValueError."""
+    from jaxcnn.data.records import SIDECAR, read_sidecar
+    if not os.path.isfile(os.path.join(out, SIDECAR)):
+        return {}
+    try:
+        meta = read_sidecar(out)
+    except DataError:  # not a sidecar this version reads: replaced, as before
+        return {}
+    kept = {split: entry for split, entry in meta["splits"].items()
+            if split not in converting and os.path.isfile(os.path.join(out, entry["file"]))}
+    if kept and list(meta["class_names"]) != list(class_names):
+        raise ValueError(f"{out} holds the {', '.join(sorted(kept))} records of other classes "
+                         f"({len(meta['class_names'])}: {meta['class_names'][:5]}...; now {len(class_names)}: "
+                         f"{list(class_names)[:5]}...): convert those splits too (--splits), or give a new OUT")
+    return kept
+
+
 def _check_out_dir(out: str) -> None:
     """``OUT`` of either command is a directory to create or fill: a file there is a ValueError."""
     if os.path.exists(out) and not os.path.isdir(out):
         raise ValueError(f"{out} is a file; give a directory to write into (created if missing)")
+
+
+def _check_out_outside_root(root: str, out: str) -> None:
+    """``OUT`` of ``convert`` may not be ``ROOT`` or lie inside it (links resolved): the record
+    files would sit among the images, a class folder of their own under a split, and the next
+    scan would read them as data."""
+    real_root, real_out = os.path.realpath(root), os.path.realpath(out)
+    if real_out == real_root or real_out.startswith(real_root.rstrip(os.sep) + os.sep):
+        where = "is the image folder ROOT" if real_out == real_root else f"is inside the image folder ROOT {root}"
+        raise ValueError(f"OUT {out} {where}: the record files would be read as images next time; "
+                         "give a directory outside it")
 
 
 def main(argv=None) -> int:
@@ -112,8 +171,6 @@ def main(argv=None) -> int:
         if args.command == "shapes":
             from jaxcnn.data.shapes import write_shapes_folder
 
-            if args.train < 1 or args.val < 1:
-                raise ValueError("--train and --val must be at least 1")
             for split in ("train", "val"):  # its images went in among the ones there, some replacing them
                 folder = os.path.join(args.out, split)
                 if os.path.isdir(folder) and os.listdir(folder):
@@ -127,6 +184,7 @@ def main(argv=None) -> int:
         if missing := missing_packages("records", loader=False):
             raise ValueError(f"jaxcnn-data convert needs {', '.join(missing)}, not installed: "
                              "pip install -e \".[data]\" (or pip install 'jaxcnn[data]')")
+        _check_out_outside_root(args.root, args.out)
         splits = tuple(s for s in args.splits.split(",") if s)
         if not splits:
             raise ValueError("--splits names no split")

@@ -83,6 +83,7 @@ class ImageData:
             if self.train.class_names != self.val.class_names:
                 raise DataError(f"{path}: train and val records name different classes")
         self.class_names = tuple(self.train.class_names)
+        self._fingerprint = None
 
     def skipped_note(self) -> str | None:
         """One line on the ``skipped_at_open`` images (None when there are none)."""
@@ -95,6 +96,16 @@ class ImageData:
                     "it named them)")
         shown = ", ".join(self._skipped_names[:3]) + (", ..." if n > 3 else "")
         return f"{files} left out of {self.path} (not images by their names: {shown}; data.on_bad_image is skip)"
+
+    def fingerprint(self) -> dict:
+        """What identifies the data a run trains and evaluates on, cheaply (no image read):
+        ``{"source", "path", "classes", "train": {"images", "sha256"}, "val": {...}}``; a run
+        records it (``run_meta.json``) and a resume compares it (`data_changes`)."""
+        if self._fingerprint is None:
+            self._fingerprint = {"source": self.source, "path": os.path.abspath(self.path),
+                                 "classes": len(self.class_names), "train": self.train.fingerprint(),
+                                 "val": self.val.fingerprint()}
+        return dict(self._fingerprint)
 
     @property
     def num_classes(self) -> int:
@@ -121,3 +132,23 @@ class ImageData:
         return EvalBatches(self.val, batch_size=batch_size, image_size=self.image_size, resize=self.eval_resize,
                            on_bad_image=self.on_bad_image, process_index=process_index,
                            process_count=process_count)
+
+
+def data_changes(saved: dict, now: dict) -> list[str]:
+    """How the data a run recorded (`ImageData.fingerprint`) differ from ``now``'s, one phrase
+    per split that changed (empty: the same, or nothing comparable recorded)."""
+    if not isinstance(saved, dict) or saved.get("source") != now.get("source"):
+        return []
+    changes = []
+    if saved.get("classes") != now["classes"]:
+        changes.append(f"{now['classes']} classes, the run's had {saved.get('classes')}")
+    for split in ("train", "val"):
+        old, new = saved.get(split), now[split]
+        if not isinstance(old, dict) or old == new:
+            continue
+        if old.get("images") != new["images"]:
+            changes.append(f"{split}: {new['images']} images, the run's had {old.get('images')}")
+        else:
+            what = "other file names" if now["source"] == "folder" else "other records"
+            changes.append(f"{split}: {new['images']} images as before, but {what}")
+    return changes

@@ -282,6 +282,9 @@ class Loader:
             ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=int(workers),
                                                              per_worker_buffer_size=max(1, int(buffer))),
                                 worker_init_fn=functools.partial(_exit_with_parent, os.getpid()))
+        # Only grain's `iter` and first `next` start threads and processes: the signals are held
+        # back for those two calls alone (each hold costs the resource tracker's check and two
+        # sigmask calls, once per batch before).
         self._held = workers > 0
         with held_signals(self._held):
             self._iter = iter(ds)
@@ -294,7 +297,11 @@ class Loader:
         if self._closed:
             raise StopIteration
         try:
-            with held_signals(self._held):
+            if self._held:
+                with held_signals(True):
+                    batch = next(self._iter)
+                self._held = False
+            else:
                 batch = next(self._iter)
             return self._ring.take(batch) if self._ring is not None else batch
         except StopIteration:

@@ -105,6 +105,9 @@ def _images(path, key, x):
         x = x[..., None]
     if x.ndim != 4:
         raise DataError(f"{path}: {key} must be (N, H, W, C) or (N, H, W), got shape {x.shape}")
+    if x.shape[1] in (1, 3) and x.shape[3] not in (1, 3, 4):  # PyTorch's layout, read as 1- or 3-pixel rows
+        raise DataError(f"{path}: {key} has shape {x.shape}, channels first (N, C, H, W, PyTorch's layout); "
+                        f"jaxcnn takes channels last (N, H, W, C): save np.transpose({key}, (0, 2, 3, 1))")
     if x.dtype == np.uint8:
         return x
     if not np.issubdtype(x.dtype, np.floating):
@@ -117,7 +120,10 @@ def _images(path, key, x):
 
 def _labels(path, key, y):
     if y.ndim != 1 or not np.issubdtype(y.dtype, np.integer):
-        raise DataError(f"{path}: {key} must be a 1-D integer array, got {y.dtype} with shape {y.shape}")
+        one_hot = y.ndim == 2 and y.shape[1] > 1 and y.size and bool(np.all((y == 0) | (y == 1))) \
+            and bool(np.all(y.sum(axis=1) == 1))
+        hint = f"; one-hot rows: save the class indices, {key}.argmax(axis=1)" if one_hot else ""
+        raise DataError(f"{path}: {key} must be a 1-D integer array, got {y.dtype} with shape {y.shape}{hint}")
     if y.size and (y.min() < 0 or y.max() > np.iinfo(np.int32).max):
         raise DataError(f"{path}: {key} has labels in [{y.min()}, {y.max()}], expected non-negative int32")
     return y.astype(np.int32)

@@ -123,6 +123,7 @@ class RecordSource:
         if not os.path.isfile(self.path):
             raise DataError(f"{self.path}: record file missing")
         self.skipped = int(info.get("skipped", 0))
+        self._listing = info.get("sha256")
         from grain.sources import ArrayRecordDataSource
 
         try:
@@ -151,6 +152,18 @@ class RecordSource:
     @property
     def name(self) -> str:
         return self.path
+
+    def fingerprint(self) -> dict:
+        """What identifies this split's examples, cheaply: ``{"images": N, "sha256": ...}`` over
+        the class names, the record count and the converted folder's listing that
+        ``jaxcnn-data convert`` recorded in ``dataset.json`` (for records written before it did,
+        the record file's size), so a folder converted again after a change gives another."""
+        digest = hashlib.sha256()
+        for name in self.class_names:
+            digest.update(name.encode("utf-8", "surrogateescape") + b"\0")
+        listing = self._listing if isinstance(self._listing, str) else f"size {os.path.getsize(self.path)}"
+        digest.update(f"\0{len(self)}\0{listing}".encode())
+        return {"images": len(self), "sha256": digest.hexdigest()}
 
 
 def write_split(index, path, *, on_bad_image: str = "skip", workers: int = 0, progress=None):

@@ -96,19 +96,19 @@ def _positive_float(text: str):
 
 def parser() -> argparse.ArgumentParser:
     """The ``jaxcnn-export`` argument parser."""
-    from jaxcnn._cli import OneLineParser
+    from jaxcnn._cli import OneLineParser, path_arg
     p = OneLineParser(
         prog="jaxcnn-export",
         description="Export a jaxcnn run directory (or a .npz/.safetensors parameter file "
                     "with --model) to StableHLO, ONNX, npz or safetensors, optionally pruned, "
                     "BatchNorm-folded or int8-quantised.")
-    p.add_argument("source", metavar="RUN_DIR_OR_PARAMS",
+    p.add_argument("source", type=path_arg, metavar="RUN_DIR_OR_PARAMS",
                    help="a run directory written by jaxcnn-train, or a .npz/.safetensors parameter "
                         "file (then --model NAME)")
     p.add_argument("--format", required=True, choices=("stablehlo", "onnx", "npz", "safetensors"),
                    help="stablehlo (jax.export, parameters inside), onnx (onnxruntime), or the "
                         "parameters alone as npz or safetensors")
-    p.add_argument("--out", required=True,
+    p.add_argument("--out", type=path_arg, required=True,
                    help="output file (not a directory; npz output gets '.npz' appended "
                         "when missing)")
     p.add_argument("--model", default=None, help="zoo model name (required with a parameter file)")
@@ -139,7 +139,7 @@ def parser() -> argparse.ArgumentParser:
                         "weights held at zero (run directory only)")
     p.add_argument("--fine-tune-lr", type=_positive_float, default=None,
                    help="fine-tuning peak learning rate (default: the run's / 10)")
-    p.add_argument("--fine-tune-dir", default=None,
+    p.add_argument("--fine-tune-dir", type=path_arg, default=None,
                    help="the fine-tune's run directory (default: OUT without its extension "
                         "+ '_finetune')")
     p.add_argument("--no-preprocessing", dest="preprocessing", action="store_false",

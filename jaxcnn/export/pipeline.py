@@ -168,6 +168,8 @@ def load_source(source, *, model: str | None = None, num_classes: int | None = N
     image_shape = tuple(int(d) for d in (image_shape or models.default_input_shape(model)[1:]))
     if len(image_shape) != 3:
         raise ExportError(f"image shape must be (H, W, C), got {image_shape}")
+    if cfg is None and params_path.endswith(".safetensors") and interop.is_torch_safetensors(params_path):
+        return _torch_source(params_path, model, num_classes, options, image_shape)
     if num_classes is None:
         num_classes = _infer_num_classes(model, options, params_path, image_shape)
     net = models.get(model, num_classes=num_classes, **options)
@@ -183,9 +185,43 @@ def load_source(source, *, model: str | None = None, num_classes: int | None = N
     return Source(model, net, params, state, image_shape, cfg, prep)
 
 
+def _torch_source(path: str, model: str, num_classes, options: dict, image_shape: tuple) -> Source:
+    """A PyTorch ``state_dict`` saved as safetensors (torchvision's or timm's names, as
+    ``model.init_from`` takes it): converted to ``model``'s parameters, the classifier's width
+    read from the file unless ``num_classes`` is given. (It was "unexpected key 'bn1.bias'; keys
+    must start with 'params/' or 'state/'".)"""
+    if num_classes is not None:
+        options = dict(options, num_classes=num_classes)
+    params, state = interop.load_torch_safetensors(path, model, input_shape=(1,) + image_shape, **options)
+    if num_classes is None:
+        head = _last_weight_path(models.get(model, **options), image_shape)
+        node = params
+        for part in (head or "").split("."):
+            node = node.get(part, {}) if isinstance(node, dict) else {}
+        num_classes = int(node["w"].shape[-1]) if isinstance(node, dict) and "w" in node else None
+    net = models.get(model, **({} if num_classes is None else {"num_classes": num_classes}), **options)
+    return Source(model, net, params, state, image_shape, None, None)
+
+
 def _build_run(cfg):
     from jaxcnn.train.setup import build_run
     return build_run(cfg)
+
+
+# The extensions that name one export format: an --out ending in another format's is refused
+# (--format stablehlo --out m.onnx wrote a StableHLO module that jaxcnn-predict and onnxruntime
+# then read as a broken ONNX file; --format onnx --out m.npz, a "parameter file").
+_EXTENSIONS = {".onnx": "onnx", ".npz": "npz", ".safetensors": "safetensors"}
+
+
+def _check_out_extension(out: str, format: str) -> None:
+    ext = os.path.splitext(out)[1].lower()
+    named = _EXTENSIONS.get(ext)
+    if named is not None and named != format:
+        mine = next((e for e, f in _EXTENSIONS.items() if f == format), "")
+        better = repr(os.path.splitext(out)[0] + mine) + ("" if mine else " (any name but those extensions)")
+        raise ExportError(f"--out {out!r} has the {ext} extension of the {named} format, but --format is "
+                          f"{format}; give --out {better}, or --format {named}")
 
 
 def _check_out_spares_source(source, out: str) -> None:
@@ -324,6 +360,7 @@ def export(source, out, *, format: str, model: str | None = None, num_classes=No
         raise ExportError(f"--out {out!r}: its directory {os.path.dirname(out) or '.'} {what}")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise ExportError(f"--out {out!r}: its directory {os.path.dirname(out) or '.'} is not writable")
+    _check_out_extension(out, format)
     if format == "npz" and not out.endswith(".npz"):
         out += ".npz"  # what np.savez writes
     _check_out_spares_source(source, out)

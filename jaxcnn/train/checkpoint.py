@@ -291,21 +291,93 @@ class _LateOrbaxFutures(logging.Filter):
         return False
 
 
+class DataFileError(Exception):
+    """A data file of a checkpoint's database is missing or shorter than a value it holds."""
+
+
 def _unreadable_value(directory: Path, batch: int = 16) -> tuple[str, Exception] | None:
     """The first value of an OCDBT checkpoint directory that cannot be read (a truncated or
-    missing data file), as ``(key, error)``, or None when every value reads.
+    missing data file), as ``(key, error)``, or None when every value can be read.
 
-    Read here, synchronously and waiting for every read it started, before orbax reads the
-    same values: orbax gives up at the first failed read while the others are still in flight,
-    and their completions then print "Event loop is closed" tracebacks from TensorStore's
-    threads long after the damage was reported (nothing in Python can catch those). Values are
-    read `batch` at a time and dropped, so memory holds a few arrays at most; the files are
-    then in the page cache for orbax. A directory that is not an OCDBT database, or whose index
-    cannot be opened, is left to orbax (which reports it in one line: it has not started any
-    read then).
+    Found before orbax reads the same values: orbax gives up at the first failed read while the
+    others are still in flight, and their completions then print "Event loop is closed"
+    tracebacks from TensorStore's threads long after the damage was reported (nothing in Python
+    can catch those). The check reads only the database's index (its manifest and b-tree nodes,
+    a few KB for a model's state): each value it lists lies at a byte range of a data file,
+    and the file must be there and reach that far (`_short_data_file`), which ``stat`` tells
+    without reading the arrays (it read every value, in every process, before). An index this
+    does not understand falls back to reading every value (`_unreadable_by_reading`). A
+    directory that is not an OCDBT database, or whose manifest cannot be opened, is left to
+    orbax (which reports it in one line: it has not started any read then).
     """
     if not (directory / "manifest.ocdbt").is_file():
         return None
+    import tensorstore as ts
+
+    try:
+        base = ts.KvStore.open(f"file://{directory.resolve()}/").result()
+        manifest = ts.ocdbt.dump(base).result()
+    except Exception:  # noqa: BLE001 - orbax reports an unreadable index in its own words
+        return None
+    try:
+        return _short_data_file(directory, base, manifest)
+    except (KeyError, TypeError, ValueError, AttributeError):  # an index of another form
+        return _unreadable_by_reading(directory, batch)
+
+
+def _data_ref(text: str) -> tuple[str, int]:
+    """``("BASE/REL", end)`` of an OCDBT reference ``"value:BASE:REL:OFFSET:LENGTH"`` (a value)
+    or ``"btreenode:BASE:REL:OFFSET:LENGTH"`` (an index node): the file, relative to the
+    database, and the byte just past the range."""
+    head, offset, length = text.rsplit(":", 2)
+    _, base, rel = head.split(":", 2)
+    if not rel or int(offset) < 0 or int(length) < 0:
+        raise ValueError(f"not a data reference: {text!r}")
+    return base + rel, int(offset) + int(length)
+
+
+def _key_text(key) -> str:
+    """A key of the index dump (bytes), as text."""
+    return key.decode(errors="replace") if isinstance(key, bytes) else str(key)
+
+
+def _short_data_file(directory: Path, base, manifest: dict) -> tuple[str, Exception] | None:
+    """`_unreadable_value` from the index alone: walks the newest version's b-tree (dumping each
+    node, which reads it) and checks every referenced data file's size with ``stat``."""
+    import tensorstore as ts
+
+    versions = manifest["versions"]
+    if not versions:
+        return None
+    root = versions[-1]["root"].get("location")
+    pending = [("the database index", root)] if root else []
+    sizes = {}
+    while pending:
+        key, ref = pending.pop()
+        rel, end = _data_ref(ref)
+        if rel not in sizes:
+            path = directory / rel
+            sizes[rel] = path.stat().st_size if path.is_file() else None
+        if sizes[rel] is None:
+            return key, DataFileError(f"data file {directory / rel} is missing")
+        if sizes[rel] < end:
+            return key, DataFileError(f"data file {directory / rel} holds {sizes[rel]} bytes; "
+                                      f"{key} ends at byte {end} (truncated)")
+        if ref.startswith("btreenode:"):
+            try:
+                node = ts.ocdbt.dump(base, ref).result()
+            except Exception as e:  # noqa: BLE001 - a damaged index node
+                return key, e
+            for entry in node["entries"]:
+                name = _key_text(entry.get("key", entry.get("key_prefix", "")))
+                pending.extend((name, v) for v in entry.values()
+                               if isinstance(v, str) and v.startswith(("value:", "btreenode:")))
+    return None
+
+
+def _unreadable_by_reading(directory: Path, batch: int = 16) -> tuple[str, Exception] | None:
+    """`_unreadable_value` by reading every value, synchronously and waiting for every read it
+    started, `batch` at a time (dropped at once, so memory holds a few arrays at most)."""
     import tensorstore as ts
 
     try:
@@ -1026,6 +1098,34 @@ def check_resume_config(workdir: str, config_dict: Mapping, *, resume: str = "au
                                      f"({_summary(changes, 3)}); start a new run with --workdir DIR")
         raise ConfigChangedError(f"{workdir} was trained under another config ({_summary(changes)}); "
                                  f"{_CONFIG_WAYS_ON}")
+    return changes
+
+
+def check_resume_data(workdir: str, fingerprint, *, resume: str = "auto", on_change: str = "stop") -> list[str]:
+    """Before any compute: did the data of the run in `workdir` change since it last ran?
+
+    An image folder (or record directory) with images added, removed or renamed, or another
+    set of classes, gives batches other than those the checkpoints were trained on, under the
+    same config. `fingerprint` is the data's now (`jaxcnn.data.ImageData.fingerprint`; None for
+    the sources that hold no such record), compared with the one ``run_meta.json`` recorded.
+
+    Returns:
+        The changes (empty: the same, nothing to resume, or nothing recorded).
+
+    Raises:
+        ConfigChangedError: there are changes and `on_change` is "stop"; the message names
+            them and the two ways on.
+    """
+    run_dir = RunDir(workdir)
+    if fingerprint is None or resume == "never" or not _has_checkpoints(run_dir.checkpoints):
+        return []
+    from jaxcnn.data.images import data_changes
+    changes = data_changes(run_dir.read_meta().get("data"), fingerprint)
+    if changes and on_change == "stop":
+        raise ConfigChangedError(
+            f"{workdir} was trained on other data than {fingerprint['path']} holds now ({'; '.join(changes)}); "
+            f"start a new run with --workdir DIR, or continue this one on the data as they are now "
+            f"with checkpoint.on_config_change=continue")
     return changes
 
 

@@ -12,7 +12,7 @@ import sys
 
 # Exit codes: 0 success, 1 training stopped (non-finite loss, a lost peer process), 2 bad input,
 # 128 + signal number when SIGTERM/SIGINT stopped the run after a checkpoint.
-from jaxcnn._cli import EXIT_BAD_INPUT, OneLineParser
+from jaxcnn._cli import EXIT_BAD_INPUT, OneLineParser, path_arg
 
 
 def _bad_input_errors():
@@ -91,10 +91,10 @@ def _train_parser() -> argparse.ArgumentParser:
         prog="jaxcnn-train",
         description="Train a jaxcnn model from a YAML config, e.g. "
                     "`jaxcnn-train configs/mnist_cnn.yaml train.epochs=2 optim.lr=3e-4`.")
-    p.add_argument("config", help="YAML run config (may name a `base:` config)")
-    p.add_argument("overrides", nargs="*", metavar="key=value",
+    p.add_argument("config", type=path_arg, help="YAML run config (may name a `base:` config)")
+    p.add_argument("overrides", nargs="*", default=[], metavar="key=value",
                    help="dotted overrides applied after the file, e.g. data.batch_size=64")
-    p.add_argument("--workdir", default=None,
+    p.add_argument("--workdir", type=path_arg, default=None,
                    help="run directory (default: logging.workdir, else runs/<config name>)")
     p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     p.add_argument("--dry-run", action="store_true",
@@ -199,8 +199,8 @@ def _eval_parser() -> argparse.ArgumentParser:
     p = OneLineParser(
         prog="jaxcnn-eval",
         description="Evaluate a finished or running training run on its test set.")
-    p.add_argument("run_dir", help="a run directory written by jaxcnn-train")
-    p.add_argument("overrides", nargs="*", metavar="key=value",
+    p.add_argument("run_dir", type=path_arg, help="a run directory written by jaxcnn-train")
+    p.add_argument("overrides", nargs="*", default=[], metavar="key=value",
                    help="dotted overrides of the run's config (e.g. data.path=...)")
     p.add_argument("--step", type=int, default=None,
                    help="checkpoint step to evaluate (default: the latest good one)")
@@ -266,6 +266,10 @@ def eval_main(argv=None) -> int:
             manager = CheckpointManager(ckpt_dir, read_only=True, step_leaf="step")
             if manager.latest_step() is None:
                 raise CheckpointError(f"{ckpt_dir}: no complete checkpoint to evaluate")
+            if args.step is not None and args.step < 0:  # said "checkpoints/-1 does not exist"
+                saved = ", ".join(map(str, manager.all_steps()))
+                raise CheckpointError(f"--step {args.step} is not a valid step (steps count from 0); "
+                                      f"steps saved in {ckpt_dir}: {saved}")
             step, state = manager.restore(args.step, target=abstract_state(run))
             manager.close()
             params, model_state = eval_params(state, run.policy), state.state  # the EMA if the run kept one

@@ -755,8 +755,22 @@ def _validate(raw: dict, sources: dict, default_source: str) -> Config:
         return under[0] if under else default_source
 
     resolved = _validate_section(raw, SCHEMA, "", source_of)
+    _expand_home(resolved)
     _cross_checks(resolved, source_of)
     return Config(resolved)
+
+
+# Keys naming files or directories: a leading "~" is the home directory, as a shell would take
+# it (a config file's `path: ~/data/cifar-10-batches-bin` was "does not exist").
+PATH_KEYS = ("data.path", "model.init_from", "logging.workdir")
+
+
+def _expand_home(resolved: dict) -> None:
+    for key in PATH_KEYS:
+        section, name = key.split(".")
+        value = resolved[section][name]
+        if isinstance(value, str) and value.startswith("~"):
+            resolved[section][name] = os.path.expanduser(value)
 
 
 def _validate_section(raw, schema: dict, prefix: str, source_of) -> dict:

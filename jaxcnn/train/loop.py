@@ -30,7 +30,7 @@ from jaxcnn.data import Prefetcher, eval_batches
 from jaxcnn.errors import TrainingStopped, WorkdirError
 from jaxcnn.train import prune
 from jaxcnn.train.checkpoint import (CheckpointManager, check_fresh_start, check_resume_config,
-                                     record_run_config, restore_for_resume)
+                                     check_resume_data, record_run_config, restore_for_resume)
 from jaxcnn.train.config import resolve_duration, set_but_unused, to_dict
 from jaxcnn.train.ema import eval_params
 from jaxcnn.train.image_input import TrainInput, eval_image_batches
@@ -150,6 +150,10 @@ class EarlyStopping:
                 self.update(record)
 
 
+# The run directories this process trains in, each with its lock file held open (see RunDir.lock).
+_LOCKS: dict = {}
+
+
 def start(cfg, run_dir: RunDir, *, argv=None, config_path=None) -> tuple[Prepared, list[str], float]:
     """Everything before the first state exists.
 
@@ -171,10 +175,29 @@ def start(cfg, run_dir: RunDir, *, argv=None, config_path=None) -> tuple[Prepare
         run_dir.path, to_dict(cfg), resume=cfg.checkpoint.resume if cfg.checkpoint.enabled else "never",
         on_change=cfg.checkpoint.on_config_change)
     t0 = time.perf_counter()
-    prepared = prepare(cfg)
+    prepared = prepare(cfg, check_run=lambda run: changes.extend(_data_changes(cfg, run_dir, run)))
     prepare_s = time.perf_counter() - t0
     os.makedirs(run_dir.path, exist_ok=True)
+    key = os.path.realpath(run_dir.path)
+    if jax.process_index() == 0 and key not in _LOCKS:  # one trainer per run directory
+        _LOCKS[key] = run_dir.lock()
     return prepared, changes, prepare_s
+
+
+def _unlock(run_dir: RunDir) -> None:
+    lock = _LOCKS.pop(os.path.realpath(run_dir.path), None)
+    if lock is not None:
+        lock.close()
+
+
+def _data_changes(cfg, run_dir: RunDir, run) -> list[str]:
+    """``"data: ..."`` for each way a resumed run's image data changed (`check_resume_data`)."""
+    if run.images is None:
+        return []
+    changes = check_resume_data(run_dir.path, run.images.fingerprint(),
+                                resume=cfg.checkpoint.resume if cfg.checkpoint.enabled else "never",
+                                on_change=cfg.checkpoint.on_config_change)
+    return [f"data: {c}" for c in changes]
 
 
 def record_start(cfg, run_dir: RunDir, prepared: Prepared, first: int, changes, *, argv, config_path) -> None:
@@ -185,7 +208,8 @@ def record_start(cfg, run_dir: RunDir, prepared: Prepared, first: int, changes, 
     if jax.process_index() != 0:
         return
     record_run_config(run_dir.path, to_dict(cfg), first, changes)
-    run_dir.write_meta(argv, config_path)
+    run = prepared.run
+    run_dir.write_meta(argv, config_path, data=None if run.images is None else run.images.fingerprint())
     from jaxcnn.data import preprocessing
     preprocessing.write_preprocessing(run_dir.preprocessing, preprocessing.from_run(prepared.run))
 
@@ -528,9 +552,21 @@ def train(cfg, workdir: str, *, argv=None, config_path=None, stream=None) -> dic
     """
     run_dir = RunDir(workdir)
     prepared, changes, prepare_s = start(cfg, run_dir, argv=argv, config_path=config_path)
+    try:
+        return _train(cfg, run_dir, prepared, changes, prepare_s, argv=argv, config_path=config_path,
+                      stream=stream)
+    finally:
+        _unlock(run_dir)
+
+
+def _train(cfg, run_dir: RunDir, prepared, changes, prepare_s, *, argv, config_path, stream) -> dict:
+    """`train` once the run directory is this process's."""
+    workdir = run_dir.path
     training = Training(cfg, prepared, run_dir, stream or sys.stdout)
     for line in startup_lines(cfg, prepared, workdir, prepare_s):
         training.say(line)
+    if changes:  # checkpoint.on_config_change=continue
+        training.say(f"continuing under changes (checkpoint.on_config_change=continue): {'; '.join(changes)}")
     error = None
     try:  # a refused resume closes the checkpoint manager too: its orbax thread outlived the process
         state = training.restore_or_init()

@@ -54,12 +54,12 @@ def _check_out(out: str) -> None:
 
 
 def main(argv=None) -> int:
-    from jaxcnn._cli import OneLineParser
+    from jaxcnn._cli import OneLineParser, path_arg
     parser = OneLineParser(prog="jaxcnn-plot",
                            description="Draw a run's training and evaluation loss and top-1 accuracy "
                                        "curves from its metrics.jsonl into a PNG (needs matplotlib).")
-    parser.add_argument("run_dir", help="a run directory written by jaxcnn-train (finished or running)")
-    parser.add_argument("--out", default=None, help="PNG path (default RUN_DIR/curves.png)")
+    parser.add_argument("run_dir", type=path_arg, help="a run directory written by jaxcnn-train (finished or running)")
+    parser.add_argument("--out", type=path_arg, default=None, help="PNG path (default RUN_DIR/curves.png)")
     args = parser.parse_args(argv)
     path = RunDir(args.run_dir).metrics
     if not os.path.isfile(path):

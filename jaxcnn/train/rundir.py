@@ -8,6 +8,7 @@ A run directory holds::
     metrics.jsonl             one JSON record per log/eval interval (tb/: TensorBoard events)
     checkpoints/<step>/       orbax checkpoints (checkpoints.log: the detail of their errors)
     params.npz | params.safetensors   the final parameters and model state
+    .jaxcnn-train.lock        held (flock) by the trainer while it runs: one trainer at a time
 
 Everything that reads or writes one of these (the trainer, ``jaxcnn-eval``, ``jaxcnn-export``,
 ``jaxcnn-plot``, fine-tuning) names it through :class:`RunDir`.
@@ -58,9 +59,10 @@ class RunDir:
     CHECKPOINTS = "checkpoints"
     CHECKPOINTS_LOG = "checkpoints.log"
     PARAM_FILES = tuple(f"params.{fmt}" for fmt in PARAM_FORMATS)
+    LOCK = ".jaxcnn-train.lock"
     # Every name the trainer writes in a run directory (nothing else may write over them).
     ENTRIES = (CONFIG, CONFIG_HISTORY, META, PREPROCESSING, METRICS, TENSORBOARD, CHECKPOINTS,
-               CHECKPOINTS_LOG) + PARAM_FILES
+               CHECKPOINTS_LOG, LOCK) + PARAM_FILES
 
     def __init__(self, path):
         self.path = os.fspath(path)
@@ -172,10 +174,43 @@ class RunDir:
                 return self._join(name)
         return None
 
-    def write_meta(self, argv, config_path) -> None:
-        """``run_meta.json``: :func:`run_metadata`."""
+    def lock(self):
+        """Takes the run directory for this process (an exclusive ``flock`` on `LOCK`, released
+        when the process ends), or raises ``WorkdirError`` naming the process that holds it: a
+        second ``jaxcnn-train`` on the same directory (the same command run twice) wrote its
+        checkpoints, metrics and ``params.npz`` over the first's. Returns the open lock file
+        (keep it open). A file system without locks (some network mounts) is not refused."""
+        import fcntl
+        path = self._join(self.LOCK)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise WorkdirError(f"{self.path} is in use by another jaxcnn-train (it holds {path}); wait for "
+                               f"it to end, or give another --workdir") from None
+        except OSError:  # no locks on this file system: nothing to guard with
+            pass
+        return os.fdopen(fd, "r")  # the file stays empty: a run directory's bytes change only by its run
+
+    def write_meta(self, argv, config_path, data=None) -> None:
+        """``run_meta.json``: :func:`run_metadata`, and ``data``: the fingerprint of an image
+        folder's or record directory's data (`jaxcnn.data.ImageData.fingerprint`), which a
+        resume compares."""
+        meta = run_metadata(argv, config_path)
+        if data is not None:
+            meta["data"] = data
         with open(self.meta, "w", encoding="utf-8") as f:
-            json.dump(run_metadata(argv, config_path), f, indent=2)
+            json.dump(meta, f, indent=2)
+
+    def read_meta(self) -> dict:
+        """``run_meta.json`` as written (``{}`` when missing, unreadable or not an object)."""
+        try:
+            with open(self.meta, encoding="utf-8") as f:
+                meta = json.load(f)
+        except (OSError, ValueError):
+            return {}
+        return meta if isinstance(meta, dict) else {}
 
     def save_params(self, fmt: str, trees, save) -> str | None:
         """Write ``params.<fmt>`` with ``save(path, *trees)`` through a partial file renamed into

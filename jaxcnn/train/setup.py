@@ -210,9 +210,30 @@ def _build_model(cfg, num_classes: int, image_shape: tuple):
         jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0),
                                           (cfg.data.batch_size,) + tuple(image_shape)))
     except ValueError as e:
-        raise ConfigError(f"model {cfg.model.name!r} cannot take {tuple(image_shape)} images "
-                          f"(data.image_size or the dataset): {e}", path="data.image_size") from None
+        raise ConfigError(_too_small(cfg, tuple(image_shape), e), path=_image_size_key(cfg)) from None
     return model
+
+
+def _image_size_key(cfg) -> str:
+    """The key that sets the image size: ``data.image_size`` where the source uses it, else
+    the data themselves (``data.path``; ``data.source`` for the packaged MNIST digits)."""
+    if cfg.data.source in ("synthetic", "folder", "records"):
+        return "data.image_size"
+    return "data.path" if cfg.data.path else "data.source"
+
+
+def _too_small(cfg, image_shape: tuple, error) -> str:
+    """What a model that cannot take the run's images says, and what would work: a larger
+    ``data.image_size`` where the source uses it; else (npz, MNIST, CIFAR-10 keep their
+    images' size, ignoring ``data.image_size``) larger images or another model."""
+    name = cfg.model.name
+    if _image_size_key(cfg) == "data.image_size":
+        return (f"data.image_size: model {name!r} cannot take {image_shape} images ({error}); "
+                f"give a larger data.image_size")
+    where = f"data.path={cfg.data.path}" if cfg.data.path else f"data.source={cfg.data.source}"
+    return (f"model {name!r} cannot take the {image_shape} images of {where} ({error}); "
+            f"data.source={cfg.data.source} keeps its images' size (data.image_size is not used): "
+            f"give larger images, or a model that takes these (model.name)")
 
 
 def _check_augment(cfg, image_shape: tuple) -> None:
@@ -583,7 +604,7 @@ class Prepared(NamedTuple):
     train_out: Any         # the train step's output shapes (state, metrics)
 
 
-def prepare(cfg) -> Prepared:
+def prepare(cfg, check_run=None) -> Prepared:
     """Build everything a run needs and check it, before any parameter is allocated.
 
     :func:`build_run` (config and data), ``model.init_from``, the mesh and parallel plan, the
@@ -592,11 +613,16 @@ def prepare(cfg) -> Prepared:
     run's first call reuses that executable) and measured by ``memory_analysis``, against the
     memory available (the devices', or the host's for CPU devices).
 
+    ``check_run(run)``, when given, runs once the data are open, before anything is compiled
+    (the trainer's check that a resumed run's data did not change).
+
     Raises:
         ConfigError / DataError: as :func:`build_run` and ``parallel.setup``; a state or step
             that cannot fit in memory names the keys that size it.
     """
     run = build_run(cfg)
+    if check_run is not None:
+        check_run(run)
     loaded = load_init_from(run) if cfg.model.init_from else None
     with parallel_config_errors():
         plan = parallel.setup(cfg, run.model, run.input_shape, abstract_state(run))

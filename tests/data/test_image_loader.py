@@ -101,14 +101,22 @@ def test_damaged_record_is_a_bad_image(folder, tmp_path):
 # Python 3.12's resource tracker warns when a garbage collection inside it finalises grain's
 # multiprocessing semaphores (nothing leaks: the tracker removes them at exit).
 @pytest.mark.filterwarnings("ignore:ResourceTracker called reentrantly:UserWarning")
-def test_workers_give_the_same_batches_and_resume(folder):
+def test_workers_give_the_same_batches_and_resume(folder, monkeypatch):
     source = FolderSource(scan_folder(folder)["train"])
     serial = _batches(source, 9)  # 18 images, batch 4: 4 steps an epoch, so this crosses two epochs
     _same(_batches(source, 9, workers=2), serial)
     _same(_batches(source, 9, start=5), serial[5:])  # resume: the position is the step
     maker = TrainBatches(source, seed=3, batch_size=4, image_size=SIZE)
+    import signal
+    blocks, sigmask = [], signal.pthread_sigmask
+    monkeypatch.setattr(signal, "pthread_sigmask", lambda how, sigs: (blocks.append(how == signal.SIG_BLOCK),
+                                                                     sigmask(how, sigs))[1])
     with Loader(maker, 6, 9, workers=1, shared_memory=True) as loader:  # arrays via /dev/shm
         shared = list(loader)
+    monkeypatch.undo()
+    # The signals are held back while grain starts its threads and workers (iter and the first
+    # next), not around every batch (3 batches here: it held them 4 times).
+    assert sum(blocks) == 2, blocks
     assert all(type(b["image"]) is np.ndarray for b in shared)  # copied out of shared memory
     _same(shared, serial[6:])
     images = np.concatenate([b["image"] for b in serial[:4]])
@@ -316,7 +324,9 @@ def test_convert_cli_errors_are_one_line(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "skipped" in out and str(bad) in out
     meta = read_sidecar(tmp_path / "out")
+    sha = meta["splits"]["train"].pop("sha256")  # the folder's listing: a resume compares it
     assert meta["splits"]["train"] == {"file": "train.array_record", "count": 1, "skipped": 1}
+    assert len(sha) == 64 and sha != meta["splits"]["val"]["sha256"]
     # The trainer's start-up line on them: a corrupt image is no "file that is not an image",
     # nor left out of the record directory (it said both), and a folder names its strays.
     from jaxcnn.data.images import ImageData
@@ -334,6 +344,61 @@ def test_convert_cli_errors_are_one_line(tmp_path, capsys):
     (tmp_path / "out" / "dataset.json").write_text("{not json")
     with pytest.raises(DataError, match="not valid JSON"):
         RecordSource(tmp_path / "out", "train")
+
+
+def test_convert_workers_are_bounded(tmp_path, capsys):
+    """``--workers 100000`` started a pool of 100,000 processes; the trainer's data.workers had a bound."""
+    write_shapes_folder(tmp_path / "f", per_class=(1, 1), classes=["red"], size_range=(16, 18))
+    assert data_main(["convert", str(tmp_path / "f"), str(tmp_path / "out"), "--workers", "100000"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--workers 100000 is more than" in err and "processes" in err, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_convert_refuses_an_out_inside_root(tmp_path, capsys):
+    """OUT inside ROOT (or ROOT itself) put the record files among the images: under a split they
+    were a class of their own the next time the folder was read."""
+    write_shapes_folder(tmp_path / "f", per_class=(2, 1), classes=["red"], size_range=(16, 18))
+    os.symlink(tmp_path / "f", tmp_path / "link")
+    for out in (tmp_path / "f", tmp_path / "f" / "train" / "records", tmp_path / "link" / "rec"):
+        assert data_main(["convert", str(tmp_path / "f"), str(out), "--no-progress"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"jaxcnn-data: error: OUT {out} is " in err, err
+        assert "the record files would be read as images next time; give a directory outside it" in err
+    assert not (tmp_path / "f" / "train" / "records").exists() and not (tmp_path / "f" / "rec").exists()
+    assert sorted(p.name for p in (tmp_path / "f").iterdir()) == ["train", "val"]
+    assert data_main(["convert", str(tmp_path / "f"), str(tmp_path / "f-records"), "--no-progress"]) == 0
+
+
+def test_converting_one_split_keeps_the_others(tmp_path, capsys):
+    """``convert ROOT OUT --splits val`` after a whole conversion wrote a sidecar listing val alone:
+    the train records were still there but lost to the reader. Other classes cannot be kept."""
+    write_shapes_folder(tmp_path / "f", per_class=(2, 1), classes=["blue", "red"], size_range=(16, 18))
+    out = tmp_path / "out"
+    assert data_main(["convert", str(tmp_path / "f"), str(out), "--no-progress"]) == 0
+    before = read_sidecar(out)["splits"]
+    assert data_main(["convert", str(tmp_path / "f"), str(out), "--splits", "val", "--no-progress"]) == 0
+    assert read_sidecar(out)["splits"] == before and len(RecordSource(out, "train")) == 4
+    for split in ("train", "val"):
+        os.rename(tmp_path / "f" / split / "red", tmp_path / f"red-{split}")
+    capsys.readouterr()
+    assert data_main(["convert", str(tmp_path / "f"), str(out), "--splits", "val", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{out} holds the train records of other classes" in err, err
+    assert read_sidecar(out)["splits"] == before  # nothing written
+    assert data_main(["convert", str(tmp_path / "f"), str(out), "--no-progress"]) == 0
+    assert read_sidecar(out)["class_names"] == ["blue"]
+
+
+@pytest.mark.parametrize("option, value", [("--train", "0"), ("--val", "999999999999"), ("--train", "x")])
+def test_shapes_counts_are_bounded(tmp_path, capsys, option, value):
+    """``--train 999999999999`` wrote images until the disk filled (9 GB in ten minutes)."""
+    with pytest.raises(SystemExit) as exit_:
+        data_main(["shapes", str(tmp_path / "s"), option, value])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"argument {option}: expected images per class from 1 to 10,000" in err
+    assert not (tmp_path / "s").exists()
 
 
 def test_shapes_never_writes_into_a_folder_that_holds_images(tmp_path, capsys):

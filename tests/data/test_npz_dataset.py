@@ -59,6 +59,13 @@ def test_missing_array(tmp_path, rng):
     ("y_test", np.zeros(3, np.int64), "x_test has 4 images but y_test has 3 labels"),
     ("x_test", np.zeros((4, 5, 6, 3), np.uint8), r"x_train uint8\(5, 5, 3\) and x_test uint8\(5, 6, 3\) differ"),
     ("x_train", np.full((6, 5, 5, 3), np.nan, np.float32), "x_train holds NaN or infinite values"),
+    # PyTorch habits: channels first (read as 3-pixel rows of 5 channels), one-hot labels.
+    ("x_train", np.zeros((6, 3, 5, 5), np.uint8), r"x_train has shape \(6, 3, 5, 5\), channels first "
+                                                  r"\(N, C, H, W, PyTorch's layout\); jaxcnn takes channels "
+                                                  r"last \(N, H, W, C\): save np.transpose\(x_train, \(0, 2, 3, 1\)\)"),
+    ("y_train", np.eye(4)[[0, 1, 2, 3, 0, 1]], r"y_train must be a 1-D integer array, got float64 with shape "
+                                               r"\(6, 4\); one-hot rows: save the class indices, "
+                                               r"y_train.argmax\(axis=1\)$"),
 ])
 def test_refusals(tmp_path, rng, key, value, message):
     arrays = _arrays(rng)

@@ -141,6 +141,22 @@ def params_file(tmp_path_factory):
     return path
 
 
+@pytest.mark.parametrize("fmt, out, better", [("stablehlo", "m.onnx", "'{tmp}/m' (any name but those extensions)"),
+                                               ("onnx", "m.NPZ", "'{tmp}/m.onnx'"),
+                                               ("npz", "m.safetensors", "'{tmp}/m.npz'"),
+                                               ("safetensors", "m.npz", "'{tmp}/m.safetensors'")])
+def test_an_out_named_for_another_format_is_refused(params_file, tmp_path, capsys, fmt, out, better):
+    """``--format stablehlo --out m.onnx`` wrote a StableHLO module that jaxcnn-predict (and
+    onnxruntime) then read as a broken ONNX file; ``--format onnx --out m.npz`` a "parameter file"."""
+    out = str(tmp_path / out)
+    assert main([params_file, "--model", "mnist_cnn", "--format", fmt, "--out", out]) == 2
+    err = _one_line_error(capsys, "jaxcnn-export")
+    ext = os.path.splitext(out)[1].lower()
+    assert f"--out {out!r} has the {ext} extension of the" in err, err
+    assert f"give --out {better.format(tmp=tmp_path)}" in err, err
+    assert os.listdir(tmp_path) == []
+
+
 def test_out_is_the_file_written(params_file, tmp_path, capsys):
     base = ["--model", "mnist_cnn", "--format", "npz"]
     assert main([params_file, *base, "--out", str(tmp_path)]) == 2   # an existing directory
@@ -233,3 +249,31 @@ def test_preprocessing_in_the_graph_is_per_channel(pixel_dtype):
                                                    preprocessing=prep))
         assert str(exported.in_avals[0].dtype) == pixel_dtype
         np.testing.assert_allclose(np.asarray(exported.call(x)), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_a_torch_state_dict_exports_like_the_same_parameters(params_file, tmp_path, capsys):
+    """A PyTorch state dict saved as safetensors (what model.init_from takes from torchvision) was
+    "unexpected key ...; keys must start with 'params/' or 'state/'": it is converted, its classifier
+    width read from it, and exports as the same parameters in jaxcnn's own file do."""
+    from safetensors.numpy import save_file
+    params, state = interop.load_npz(params_file)
+    torch_names = {k: np.asarray(v) for k, v in interop.to_torch_state_dict("mnist_cnn", params, state).items()}
+    assert "conv1.weight" in torch_names and torch_names["conv1.weight"].shape == (32, 1, 3, 3)
+    torch_file = str(tmp_path / "torch.safetensors")
+    save_file(torch_names, torch_file)
+    out = str(tmp_path / "from_torch.npz")
+    assert main([torch_file, "--model", "mnist_cnn", "--format", "npz", "--out", out]) == 0
+    got, got_state = interop.load_npz(out)
+    for (path, a), (_, b) in zip(jax.tree_util.tree_leaves_with_path(params),
+                                 jax.tree_util.tree_leaves_with_path(got)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=jax.tree_util.keystr(path))
+    ort = pytest.importorskip("onnxruntime")
+    assert main([torch_file, "--model", "mnist_cnn", "--format", "onnx", "--out", str(tmp_path / "t.onnx")]) == 0
+    assert main([params_file, "--model", "mnist_cnn", "--format", "onnx", "--out", str(tmp_path / "j.onnx")]) == 0
+    x = np.random.default_rng(0).normal(size=(3, 28, 28, 1)).astype(np.float32)
+    runs = [ort.InferenceSession(str(tmp_path / f)).run(None, {"input": x})[0] for f in ("t.onnx", "j.onnx")]
+    np.testing.assert_array_equal(runs[0], runs[1])
+    capsys.readouterr()
+    assert main([torch_file, "--model", "mnist_cnn", "--num-classes", "7", "--format", "npz",
+                 "--out", str(tmp_path / "x.npz")]) == 2
+    assert "key 'fc2.weight' has shape (10, 128), the model's is (7, 128)" in _one_line_error(capsys, "jaxcnn-export")

@@ -195,18 +195,27 @@ def test_reference_run_checkpoints_hold_what_training_held(reference):
 
 
 def test_a_truncated_data_file_is_found_before_orbax_reads(reference, tmp_path, monkeypatch):
-    """The synchronous read of every value finds a truncated data file and names the value, with
-    no orbax read started (orbax abandons its other reads at the first failure, and their late
-    completions print tracebacks from TensorStore's threads); a good checkpoint reads whole."""
+    """The check before orbax reads finds a truncated data file and names the value, with no
+    orbax read started (orbax abandons its other reads at the first failure, and their late
+    completions print tracebacks from TensorStore's threads); a good checkpoint reads whole.
+    The check reads the index only (data files' sizes against the byte ranges it lists): it read
+    every value of the checkpoint, in every process, before orbax read them again."""
+    import tensorstore as ts
+
     from jaxcnn.train import checkpoint as C
 
     data, ref = reference
     work = tmp_path / "ckpt"
     shutil.copytree(ref / "checkpoints", work)
-    assert C._unreadable_value(work / "12" / "state") is None
-    truncate_array_file(work / "12")
-    key, error = C._unreadable_value(work / "12" / "state")
-    assert key.endswith(("/0", "/0.0", "/0.0.0.0")) and "OUT_OF_RANGE" in str(error), (key, error)
+    with monkeypatch.context() as no_reads:  # no value read: only the index
+        no_reads.setattr(ts.KvStore, "read", lambda *a, **k: pytest.fail("a value was read"))
+        assert C._unreadable_value(work / "12" / "state") is None
+        truncate_array_file(work / "12")
+        key, error = C._unreadable_value(work / "12" / "state")
+    assert key.endswith(("/0", "/0.0", "/0.0.0.0")) and "(truncated)" in str(error), (key, error)
+    assert isinstance(error, C.DataFileError) and f"{work / '12' / 'state'}/" in str(error), error
+    by_reading = C._unreadable_by_reading(work / "12" / "state")  # what orbax would meet
+    assert by_reading is not None and "OUT_OF_RANGE" in str(by_reading[1]), by_reading
     cfg = load_config(tiny_args(data)[0], tiny_args(data)[1:])
     target = abstract_state(build_run(cfg))
     with CheckpointManager(work, read_only=True) as mgr:

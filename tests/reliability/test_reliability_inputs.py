@@ -355,6 +355,20 @@ def test_config_errors_found_by_building_the_run_exit_2(tmp_path, override, need
     assert code == 2 and needle in err and len(err.strip().splitlines()) == 1, err
 
 
+def test_npz_images_too_small_for_the_model_do_not_suggest_data_image_size(tmp_path):
+    """npz data keep their images' size: the error named ``data.image_size`` (which npz ignores);
+    it names the file and says what works."""
+    rng = np.random.default_rng(0)
+    x, y = rng.integers(0, 255, (24, 4, 4), dtype=np.uint8), rng.integers(0, 3, 24)
+    np.savez(tmp_path / "small.npz", x_train=x[:16], y_train=y[:16], x_test=x[16:], y_test=y[16:])
+    code, _, err = cli([CONFIG, "data.source=npz", f"data.path={tmp_path / 'small.npz'}",
+                        "data.batch_size=8", "--dry-run"])
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert f"cannot take the (4, 4, 1) images of data.path={tmp_path / 'small.npz'}" in err, err
+    assert "data.image_size is not used" in err and "give larger images, or a model" in err, err
+    assert "data.image_size or" not in err and "give a larger data.image_size" not in err, err
+
+
 def test_dry_run_does_not_allocate_a_batch(tmp_path):
     """A huge batch is only traced by --dry-run (it used to build one real batch: 60 GB here); its
     compiled step's memory is checked against the machine's (4.7 TB here: refused, naming the key)."""

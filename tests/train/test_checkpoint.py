@@ -401,7 +401,7 @@ def test_damage_detail_goes_to_the_log_file(tmp_path, caplog):
         assert m.restore(target=abstract(states[1]))[0] == 1
     line = next(r.getMessage() for r in caplog.records if "could not be read" in r.getMessage())
     assert "\n" not in line and len(line) < 800 and f"(details in {log})" in line
-    assert "Traceback" in log.read_text() and str(tmp_path / "ckpt" / "2") in log.read_text()
+    assert "(truncated)" in log.read_text() and str(tmp_path / "ckpt" / "2") in log.read_text()
     gc.collect()
 
 

@@ -564,3 +564,16 @@ def test_startup_output_mentions_fsdp_and_the_model_axis_only_when_used():
     text = describe_devices(plan(2, 2, True))
     assert ", model parallel over 2" in text and "(fsdp)" in text and "False" not in text
 
+
+
+def test_a_leading_tilde_in_a_path_key_is_the_home_directory(tmp_path, monkeypatch):
+    """``path: ~/data/x.npz`` in a config file (where no shell expands it) was "does not exist"."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    cfg_file = tmp_path / "c.yaml"
+    cfg_file.write_text("model: {name: mnist_cnn, init_from: ~/p.npz}\ntrain: {steps: 1}\n"
+                        "data: {source: npz, path: ~/d.npz}\nlogging: {workdir: ~/runs/x}\n")
+    cfg = load_config(cfg_file)
+    assert (cfg.data.path, cfg.model.init_from, cfg.logging.workdir) == (
+        str(tmp_path / "d.npz"), str(tmp_path / "p.npz"), str(tmp_path / "runs" / "x"))
+    cfg = load_config(cfg_file, ["data.path=d~.npz", "model.init_from=null"])
+    assert cfg.data.path == "d~.npz" and cfg.model.init_from is None

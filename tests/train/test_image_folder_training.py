@@ -148,3 +148,74 @@ def test_export_measures_and_calibrates_on_the_image_folder(shapes, tmp_path, ca
     assert -2.2 < pixels.min() and pixels.max() < 2.7 and abs(float(pixels.mean())) < 1.5
     # The split is ordered by class (49 files, 16-17 a class): the picks span all of it.
     assert len(picked) == 12 and min(picked) == 0 and max(picked) == 48, picked
+
+
+def _tree(path):
+    """Every file under ``path`` with its bytes' hash and modification time."""
+    import hashlib
+    return {str(p.relative_to(path)): (hashlib.sha256(p.read_bytes()).hexdigest(), p.stat().st_mtime_ns)
+            for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+def test_a_resume_on_changed_data_is_refused_unless_asked(tmp_path, capsys):
+    """Images added to, removed from or renamed in the folder (or a class added) between a run and
+    its resume went unnoticed: the resumed run trained on other batches under the same config.
+    The run records its data's fingerprint (run_meta.json), and a resume on other data stops with
+    one line, changing nothing, unless checkpoint.on_config_change=continue."""
+    folder = tmp_path / "f"
+    write_shapes_folder(folder, per_class=(6, 2), classes=CLASSES[:2], size_range=(16, 20))
+    args = _args(folder, tmp_path / "w", "train.steps=2", "optim.schedule.warmup=0", "checkpoint.every=2",
+                 "data.batch_size=4", "data.eval_batch_size=4")
+    assert train_main(args) == 0
+    meta = json.loads((tmp_path / "w" / "run_meta.json").read_text())
+    assert meta["data"]["train"]["images"] == 12 and meta["data"]["classes"] == 2
+    assert train_main(args) == 0  # the same data: the finished run is resumed
+    capsys.readouterr()
+    before = _tree(tmp_path / "w")
+
+    def refused(needle):
+        assert train_main(args) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1, err
+        assert f"{tmp_path / 'w'} was trained on other data than {folder} holds" in err, err
+        assert needle in err and "checkpoint.on_config_change=continue" in err, err
+        assert _tree(tmp_path / "w") == before
+
+    first = sorted((folder / "train" / "blue").iterdir())[0]
+    os.rename(first, first.with_name("renamed" + first.suffix))
+    refused("train: 12 images as before, but other file names")
+    os.remove(first.with_name("renamed" + first.suffix))
+    refused("train: 11 images, the run's had 12")
+    shutil.copytree(folder / "train" / "green", folder / "train" / "red")
+    shutil.copytree(folder / "val" / "green", folder / "val" / "red")
+    refused("3 classes, the run's had 2")
+    shutil.rmtree(folder / "train" / "red")
+    shutil.rmtree(folder / "val" / "red")
+    # Asked to go on: it does, says so, and records the data as they are now.
+    assert train_main(args + ["checkpoint.on_config_change=continue"]) == 0
+    assert "continuing under changes (checkpoint.on_config_change=continue): data: train: 11 images" in \
+        capsys.readouterr().out
+    assert json.loads((tmp_path / "w" / "run_meta.json").read_text())["data"]["train"]["images"] == 11
+    assert train_main(args) == 0
+
+
+def test_record_fingerprints_tell_converted_folders_apart(tmp_path):
+    """Records converted again from a changed folder have another fingerprint, a same one as
+    long as the folder is the same."""
+    from jaxcnn.data.images import ImageData, data_changes
+    folder = tmp_path / "f"
+    write_shapes_folder(folder, per_class=(3, 1), classes=CLASSES[:2], size_range=(16, 20))
+
+    def converted(out):
+        assert data_main(["convert", str(folder), str(tmp_path / out), "--no-progress"]) == 0
+        return ImageData("records", tmp_path / out, image_size=(16, 16)).fingerprint()
+
+    a, b = converted("a"), converted("b")
+    assert {k: v for k, v in a.items() if k != "path"} == {k: v for k, v in b.items() if k != "path"}
+    assert data_changes(a, b) == []
+    os.remove(sorted((folder / "val" / "blue").iterdir())[0])
+    write_shapes_folder(tmp_path / "g", per_class=(1, 1), classes=CLASSES[:1], size_range=(16, 20))
+    shutil.copy(next((tmp_path / "g" / "val" / "blue").iterdir()), folder / "val" / "blue" / "new.png")
+    c = converted("c")
+    assert c["val"]["images"] == a["val"]["images"] and data_changes(a, c) == [
+        "val: 2 images as before, but other records"]

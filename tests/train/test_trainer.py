@@ -420,6 +420,11 @@ def test_eval_cli_and_plot(tmp_path, capsys):
     assert result["step"] == 4 and result["count"] == 2000
     assert result["top1"] == pytest.approx(final["top1"]) and result["loss"] == pytest.approx(final["loss"], rel=1e-5)
     assert eval_main([str(tmp_path / "nothing")]) == 2
+    # A negative step is not a step (it said "checkpoints/-1 does not exist").
+    capsys.readouterr()
+    assert eval_main([str(work), "--step", "-1"]) == 2
+    assert capsys.readouterr().err == (f"jaxcnn-eval: error: --step -1 is not a valid step (steps count "
+                                       f"from 0); steps saved in {work / 'checkpoints'}: 2, 4\n")
     pytest.importorskip("matplotlib")
     from jaxcnn.train.plot import main as plot_main
     assert plot_main([str(work)]) == 0
@@ -580,3 +585,26 @@ def test_command_line_errors_are_one_line_exit_2(tmp_path, capsys, argv):
         eval_main([str(tmp_path), "--step", "x"])
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.count("\n") == 1 and err.startswith("jaxcnn-eval: error:"), err
+
+
+def test_a_second_trainer_on_the_same_run_directory_is_refused(tmp_path, capsys):
+    """The same command run twice at once (two terminals, a job resubmitted) trained both into one
+    directory, each writing its checkpoints, metrics and params.npz over the other's. A trainer
+    holds the directory (an flock, released when it ends); a second is one line, exit 2."""
+    import fcntl
+    work = tmp_path / "w"
+    args = [os.path.join(CONFIGS, "mnist_cnn.yaml"), *FAST, "train.steps=2", "checkpoint.every=2",
+            "--workdir", str(work)]
+    assert train_main(args) == 0
+    lock = work / ".jaxcnn-train.lock"
+    assert lock.is_file() and lock.stat().st_size == 0
+    before = {p.name: p.stat().st_mtime_ns for p in work.rglob("*")}
+    capsys.readouterr()
+    with open(lock) as other:  # another trainer, as far as flock can tell
+        fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        assert train_main(args) == 2
+        err = capsys.readouterr().err
+        assert err == (f"jaxcnn-train: error: {work} is in use by another jaxcnn-train (it holds {lock}); "
+                       "wait for it to end, or give another --workdir\n"), err
+    assert {p.name: p.stat().st_mtime_ns for p in work.rglob("*")} == before
+    assert train_main(args) == 0  # released: the run is resumed (finished) as usual
