@@ -105,6 +105,7 @@ class ParallelPlan:
             self.spatial = SP.spatial_layout(model, input_shape, axis_size(mesh, SPATIAL),
                                              until=spatial_until)
         self.mesh, self.strategy, self.fsdp, self.sync_batch_norm = mesh, strategy, fsdp, sync_batch_norm
+        self.spatial_remat = bool(spatial_remat and self.spatial is not None)
         self.rules = R.merge_rules(rules)
         self.params_axes, self.state_axes = R.logical_axes(model, input_shape)
         self.state_shardings = self._shardings(abstract_state)

@@ -238,8 +238,8 @@ def describe_precision(cfg, run) -> str:
 
 
 def describe_devices(plan) -> str:
-    """The ``devices ...`` start-up line: data parallelism always; the model axis, fsdp and the
-    process count only where used, and with several processes, when a data shard's devices span
+    """The ``devices ...`` start-up line: data parallelism always; the model axis, pipeline
+    stages, the spatial split, fsdp and the process count only where used, and with several processes, when a data shard's devices span
     processes (``mesh.order: [pipe]``), how many and which share of every batch each loads."""
     n_data, n_model = plan.mesh.shape["data"], plan.mesh.shape["model"]
     text = (f"devices {jax.device_count()} ({jax.default_backend()}): data parallel over {n_data} "
@@ -250,6 +250,10 @@ def describe_devices(plan) -> str:
     if pipe is not None:
         text += (f", pipeline over {pipe.stages} stages ({pipe.microbatches} micro-batches, bubble "
                  f"{pipe.bubble_fraction:.0%}; blocks per stage {pipe.split}; schedule {pipe.schedule})")
+    spatial = getattr(plan, "spatial", None)
+    if spatial is not None:
+        text += (f", images split along height over {spatial.shards} (through {spatial.gather_after}"
+                 f"{', remat' if getattr(plan, 'spatial_remat', False) else ''})")
     if plan.fsdp:
         text += ", parameters and optimiser state sharded over the data axis (fsdp)"
     procs = jax.process_count()

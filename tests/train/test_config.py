@@ -563,6 +563,11 @@ def test_startup_output_mentions_fsdp_and_the_model_axis_only_when_used():
     assert describe_devices(plan(n, 1, False)) == f"devices {n} ({backend}): data parallel over {n} (shard_map)"
     text = describe_devices(plan(2, 2, True))
     assert ", model parallel over 2" in text and "(fsdp)" in text and "False" not in text
+    split = SimpleNamespace(mesh=SimpleNamespace(shape={"data": 2, "model": 1}), strategy="jit", fsdp=False,
+                            spatial=SimpleNamespace(shards=4, gather_after="layer2.3"), spatial_remat=True)
+    # a spatial run's start-up line said only "data parallel over 2 (jit)"
+    assert describe_devices(split).endswith(
+        "data parallel over 2 (jit), images split along height over 4 (through layer2.3, remat)")
 
 
 
