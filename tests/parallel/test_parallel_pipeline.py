@@ -101,7 +101,7 @@ def _assert_run_matches(got_m, got, ref_m, ref, steps):
     assert int(got.step) == steps and np.array_equal(got.rng, ref.rng)
 
 
-@pytest.mark.parametrize("data_axis", [1, pytest.param(2, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("data_axis", [1, 2])
 def test_resnet18_pipelined_matches_one_device_on_the_same_micro_batches(data_axis):
     """ResNet-18 on 4 stages (x 2 data shards): loss, accuracy, gradients, BatchNorm
     statistics and parameters of one step as one device with accumulate=2."""
