@@ -250,9 +250,13 @@ def _dilated_max_pool(x, kernel, stride, dilation, run_pads, out_hw):
 def xla_avg_pool(x, kernel, stride, pads, run_pads, out_hw, count_include_pad):
     """Average pooling by XLA over validated geometry (:func:`pool_geometry`): window
     sums in float32 (or wider) over :func:`avg_divisor`, in ``x.dtype``."""
-    acc = jnp.promote_types(x.dtype, jnp.float32)
-    summed = lax.reduce_window(
-        x.astype(acc), np.array(0, acc), lax.add, (1, *kernel, 1), (1, *stride, 1),
-        ((0, 0), *run_pads, (0, 0)))
+    summed = window_sums(x, kernel, stride, run_pads)
     divisor = avg_divisor(jnp.shape(x)[1:3], pads, kernel, stride, out_hw, count_include_pad)
-    return (summed / divisor.astype(acc)[None, :, :, None]).astype(x.dtype)
+    return (summed / divisor.astype(summed.dtype)[None, :, :, None]).astype(x.dtype)
+
+
+def window_sums(x, kernel, stride, run_pads):
+    """Sums of every window over ``x`` zero-padded by ``run_pads``, in float32 (or wider)."""
+    acc = jnp.promote_types(x.dtype, jnp.float32)
+    return lax.reduce_window(x.astype(acc), np.array(0, acc), lax.add, (1, *kernel, 1),
+                             (1, *stride, 1), ((0, 0), *run_pads, (0, 0)))

@@ -35,7 +35,8 @@ pipeline's bubble fraction and the step time (``--steps 0``: compile only)::
 
 ``--split 5,2,4,11`` gives the blocks per stage by hand (``parallel.pipeline.split``),
 ``--remat`` sets ``parallel.pipeline.remat`` (``parallel.spatial.remat`` for a spatial
-layout) and ``--precision bf16`` the precision policy of every layout
+layout), ``--halo explicit`` ``parallel.spatial.halo`` (halo rows by ``shard_map`` +
+``ppermute`` instead of XLA's partitioner) and ``--precision bf16`` the precision policy of every layout
 (for ``--pipe`` its compute dtype is the dtype of the stash and of what crosses the stages).
 
 ``--schedule gpipe,1f1b`` measures each stage count above 1 under each pipeline schedule
@@ -68,6 +69,10 @@ def _parse_args(argv):
     p.add_argument("--warmup", type=int, default=2, help="untimed steps (compilation) per device count")
     p.add_argument("--layout", default="data", choices=("data", "spatial", "data_spatial"),
                    help="which mesh axis the devices go on (spatial: jit, global batch fixed)")
+    p.add_argument("--halo", default="partitioner",
+                   help="spatial layouts: parallel.spatial.halo, partitioner (XLA's SPMD partitioner) or "
+                        "explicit (shard_map + ppermute); 'partitioner,explicit' measures each count "
+                        "under both, one after the other")
     p.add_argument("--compile-only", action="store_true",
                    help="compile each step and report its memory and collectives; run nothing")
     p.add_argument("--plain-channel-sums", action="store_true",
@@ -132,11 +137,19 @@ def main(argv=None) -> int:
         return 2
     if args.pipe:
         return _pipeline_rows(args, counts, model, image, tx, policy)
+    halos = args.halo.split(",")
+    if not halos or any(h not in ("partitioner", "explicit") for h in halos):
+        print(f"bench_scaling: --halo: expected partitioner and/or explicit, got {args.halo!r}",
+              file=sys.stderr)
+        return 2
     rows = []
     strategy = "jit" if args.layout != "data" else args.strategy
+    runs = []
     for n in counts:
         data, spatial = {"data": (n, 1), "spatial": (1, n),
                          "data_spatial": (min(n, 2), max(1, n // 2))}[args.layout]
+        runs += [(n, data, spatial, halo) for halo in (halos if spatial > 1 else halos[:1])]
+    for n, data, spatial, halo in runs:
         if args.layout == "data":
             batch = args.per_device_batch * (n if args.mode == "weak" else max(counts))
         else:
@@ -150,7 +163,7 @@ def main(argv=None) -> int:
         try:
             plan = ParallelPlan(make_mesh(data, 1, spatial=spatial, devices=jax.devices()[:n]), model,
                                 shape, jax.eval_shape(init), strategy=strategy,
-                                spatial_remat=args.remat)
+                                spatial_remat=args.remat, spatial_halo=halo)
         except ValueError as e:
             print(f"bench_scaling: {n} devices: {e}", file=sys.stderr)
             return 2
@@ -164,6 +177,7 @@ def main(argv=None) -> int:
         compiled = step.lower(plan.abstract_state, placed).compile()
         hlo = compiled.as_text()
         row = {"devices": n, "data": data, "spatial": spatial, "global_batch": batch,
+               "halo": halo if spatial > 1 else "-",
                "split_through": plan.spatial.gather_after if plan.spatial else None,
                "step_bytes": _step_bytes(compiled), "lower_compile_s": time.perf_counter() - t0}
         try:  # the temporaries (activations and their gradients) are what spatial shards divide
@@ -193,11 +207,12 @@ def main(argv=None) -> int:
           f"({os.cpu_count()} host cores){'  plain channel sums' if args.plain_channel_sums else ''}"
           f"{'  remat' if args.remat else ''}  precision {args.precision}")
     if args.compile_only:
-        print(f"{'devices':>7} {'data':>4} {'spatial':>7} {'batch':>6} {'mem/device':>11} {'vs 1st':>6} "
-              f"{'temp':>9} {'vs 1st':>6} {'permutes':>8} {'gathers':>7} {'reduces':>7}  split through")
+        print(f"{'devices':>7} {'data':>4} {'spatial':>7} {'halo':>11} {'batch':>6} {'mem/device':>11} "
+              f"{'vs 1st':>6} {'temp':>9} {'vs 1st':>6} {'permutes':>8} {'gathers':>7} {'reduces':>7}  "
+              f"split through")
         for r in rows:
             mem, temp = r["step_bytes"] or 0, r["temp_bytes"] or 0
-            print(f"{r['devices']:>7} {r['data']:>4} {r['spatial']:>7} {r['global_batch']:>6} "
+            print(f"{r['devices']:>7} {r['data']:>4} {r['spatial']:>7} {r['halo']:>11} {r['global_batch']:>6} "
                   f"{fmt_bytes(mem):>11} {mem / (rows[0]['step_bytes'] or 1):>6.2f} "
                   f"{fmt_bytes(temp):>9} {temp / (rows[0]['temp_bytes'] or 1):>6.2f} "
                   f"{r['collective-permute']:>8} {r['all-gather']:>7} {r['all-reduce']:>7}  "
@@ -211,10 +226,11 @@ def main(argv=None) -> int:
         r["speedup"] = r["img_per_s"] / rows[0]["img_per_s"]
         # Weak scaling: throughput vs n x one device; strong: time-to-batch vs n x faster.
         r["efficiency"] = r["img_per_s"] / (base * r["devices"])
-    print(f"{'devices':>7} {'data':>4} {'spatial':>7} {'batch':>6} {'step ms':>9} {'img/s':>9} "
+    print(f"{'devices':>7} {'data':>4} {'spatial':>7} {'halo':>11} {'batch':>6} {'step ms':>9} {'img/s':>9} "
           f"{'speedup':>8} {'efficiency':>10} {'mem/device':>11}")
     for r in rows:
-        print(f"{r['devices']:>7} {r['data']:>4} {r['spatial']:>7} {r['global_batch']:>6} {r['step_ms']:>9.1f} "
+        print(f"{r['devices']:>7} {r['data']:>4} {r['spatial']:>7} {r['halo']:>11} {r['global_batch']:>6} "
+              f"{r['step_ms']:>9.1f} "
               f"{r['img_per_s']:>9.1f} {r['speedup']:>8.2f} {r['efficiency']:>10.2f} "
               f"{fmt_bytes(r['step_bytes'] or 0):>11}")
     if args.json:

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxcnn import _geometry as geo
-from jaxcnn.functional import _channels, _dispatch
+from jaxcnn.functional import _channels, _dispatch, _halo
 
 
 def _check_bias(op: str, b, channels: int, w_shape) -> None:
@@ -15,7 +15,8 @@ def _check_bias(op: str, b, channels: int, w_shape) -> None:
             f"got {tuple(jnp.shape(b))}")
 
 
-def conv2d(x, w, b=None, *, stride=1, padding=0, dilation=1, groups=1, impl="auto"):
+def conv2d(x, w, b=None, *, stride=1, padding=0, dilation=1, groups=1, impl="auto",
+           height_axis=None):
     """2-D cross-correlation with PyTorch ``Conv2d`` semantics, in NHWC.
 
     Arguments:
@@ -35,6 +36,12 @@ def conv2d(x, w, b=None, *, stride=1, padding=0, dilation=1, groups=1, impl="aut
             large convolutions whose weight gradient XLA would give to
             YNNPACK get an im2col-matmul weight gradient instead
             (:mod:`jaxcnn.functional._cpu_lowering`).
+        height_axis: inside ``shard_map`` over an axis whose devices hold the image's
+            rows in equal blocks, in order: that axis's name.  ``x`` is then this
+            device's block and the result its block of the whole image's output
+            (padding and output size are the whole image's); the rows the block's
+            windows need from its neighbours come by ``ppermute``
+            (:mod:`jaxcnn.functional._halo`), and the convolution runs on XLA.
 
     Returns:
         ``(N, H_out, W_out, C_out)`` with
@@ -61,6 +68,9 @@ def conv2d(x, w, b=None, *, stride=1, padding=0, dilation=1, groups=1, impl="aut
             f"{w_shape[2]} * groups={groups} = {w_shape[2] * groups} "
             f"(x shape {x_shape}, w shape {w_shape})")
     _check_bias(op, b, c_out, w_shape)
+    if height_axis is not None:
+        return _halo.conv2d(x, w, b, stride=stride, padding=padding, dilation=dilation, groups=groups,
+                            axis_name=height_axis, run=conv2d)
     stride, dilation, pads, _ = geo.conv_geometry(op, x_shape, w_shape, stride, padding,
                                                   dilation)
     x, pads = geo.pad_beyond_window(x, pads, geo.dilated(w_shape[:2], dilation))

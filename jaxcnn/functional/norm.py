@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxcnn import _geometry as geo
+from jaxcnn.functional import _halo
 from jaxcnn.functional._channels import channel_broadcast, channel_mean
 
 #: The ways :func:`batch_norm_train` can be differentiated (``grad=``).
@@ -238,7 +239,7 @@ def layer_norm(x, scale=None, bias=None, *, axes=-1, eps=1e-5):
     return y.astype(x.dtype)
 
 
-def group_norm(x, num_groups, scale=None, bias=None, *, eps=1e-5):
+def group_norm(x, num_groups, scale=None, bias=None, *, eps=1e-5, height_axis=None):
     """Group normalisation (PyTorch ``GroupNorm``), channels last.
 
     Channel ``c`` belongs to group ``c // (C // num_groups)``; each sample's
@@ -249,6 +250,9 @@ def group_norm(x, num_groups, scale=None, bias=None, *, eps=1e-5):
         num_groups: number of groups; divides ``C``.
         scale, bias: optional per-channel affine parameters ``(C,)``.
         eps: added to the variance.
+        height_axis: the name of a mapped axis over which each image's rows are split
+            in equal blocks (as for :func:`jaxcnn.functional.conv2d`): the statistics
+            are then the whole image's (``pmean`` over it).
 
     Returns:
         Same shape and dtype as ``x``.
@@ -266,7 +270,6 @@ def group_norm(x, num_groups, scale=None, bias=None, *, eps=1e-5):
         _check_channel_vector(op, name, v, c, x_shape)
     xg = x.astype(_acc_dtype(x)).reshape(*x_shape[:-1], num_groups, c // num_groups)
     axes = tuple(range(1, len(x_shape) - 1)) + (len(x_shape),)
-    mean = jnp.mean(xg, axis=axes, keepdims=True)
-    var = jnp.mean(jnp.square(xg - mean), axis=axes, keepdims=True)
+    mean, var = _halo.group_moments(xg, axes, height_axis)
     y = ((xg - mean) * lax.rsqrt(var + eps)).reshape(x_shape)
     return _affine(y, scale, bias).astype(x.dtype)

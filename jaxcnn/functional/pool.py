@@ -6,11 +6,11 @@ import numpy as np
 from jax import lax
 
 from jaxcnn import _geometry as geo
-from jaxcnn.functional import _dispatch
+from jaxcnn.functional import _dispatch, _halo
 
 
 def max_pool2d(x, kernel_size, *, stride=None, padding=0, dilation=1, ceil_mode=False,
-               impl="auto"):
+               impl="auto", height_axis=None):
     """Max pooling with PyTorch ``MaxPool2d`` semantics, in NHWC.
 
     Padding is filled with ``-inf`` (the dtype's minimum for integers), so a
@@ -32,6 +32,10 @@ def max_pool2d(x, kernel_size, *, stride=None, padding=0, dilation=1, ceil_mode=
             ``"auto"`` (XLA unless the autotuner measured the kernel faster on
             this GPU for this shape; on a CPU, unpadded pooling with stride =
             window runs as a reshape, see :mod:`jaxcnn.functional._cpu_lowering`).
+        height_axis: the name of a mapped axis over which the image's rows are split
+            in equal blocks, in order (as for :func:`jaxcnn.functional.conv2d`): ``x``
+            is this device's block, the result its block of the whole image's output,
+            on XLA.
 
     Returns:
         ``(N, H_out, W_out, C)``.
@@ -41,6 +45,9 @@ def max_pool2d(x, kernel_size, *, stride=None, padding=0, dilation=1, ceil_mode=
             malformed arguments.
     """
     op = "max_pool2d"
+    if height_axis is not None:
+        return _halo.max_pool2d(x, kernel_size, stride=stride, padding=padding, dilation=dilation,
+                                ceil_mode=ceil_mode, axis_name=height_axis)
     kernel, stride, dilation, pads, run_pads, out_hw = geo.pool_geometry(
         op, jnp.shape(x), kernel_size, stride, padding, dilation, ceil_mode)
     run = _dispatch.choose(op, impl, (x,), dict(  # one form per call: the tuning-cache key
@@ -52,7 +59,7 @@ def max_pool2d(x, kernel_size, *, stride=None, padding=0, dilation=1, ceil_mode=
 
 
 def avg_pool2d(x, kernel_size, *, stride=None, padding=0, ceil_mode=False,
-               count_include_pad=True, impl="auto"):
+               count_include_pad=True, impl="auto", height_axis=None):
     """Average pooling with PyTorch ``AvgPool2d`` semantics, in NHWC.
 
     The divisor of each window is the number of its positions inside the input,
@@ -71,6 +78,10 @@ def avg_pool2d(x, kernel_size, *, stride=None, padding=0, ceil_mode=False,
         impl: ``"xla"``, ``"pallas"`` (the :mod:`pallas_kernels` kernel) or
             ``"auto"`` (XLA unless the autotuner measured the kernel faster on
             this GPU for this shape).
+        height_axis: the name of a mapped axis over which the image's rows are split
+            in equal blocks, in order (as for :func:`jaxcnn.functional.conv2d`): ``x``
+            is this device's block, the result its block of the whole image's output,
+            on XLA.
 
     Returns:
         ``(N, H_out, W_out, C)``.
@@ -80,6 +91,9 @@ def avg_pool2d(x, kernel_size, *, stride=None, padding=0, ceil_mode=False,
             malformed arguments.
     """
     op = "avg_pool2d"
+    if height_axis is not None:
+        return _halo.avg_pool2d(x, kernel_size, stride=stride, padding=padding, ceil_mode=ceil_mode,
+                                count_include_pad=count_include_pad, axis_name=height_axis)
     kernel, stride, _, pads, run_pads, out_hw = geo.pool_geometry(
         op, jnp.shape(x), kernel_size, stride, padding, 1, ceil_mode)
     run = _dispatch.choose(op, impl, (x,), dict(

@@ -100,6 +100,11 @@ def cast_out(policy, kind: str, y, input_dtype):
     return y
 
 
+def layer_height_axis(choices) -> str | None:
+    """The ops' ``height_axis`` for a layer applied with ``choices``."""
+    return choices_or_default(choices).height_axis
+
+
 def layer_impl(choices) -> str:
     """The ops' ``impl`` argument for a layer applied with ``choices`` (a ``Choices`` or None)."""
     return _dispatch.layer_impl(choices_or_default(choices).impl)

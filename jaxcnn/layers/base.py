@@ -82,12 +82,18 @@ class Choices:
             cache holds a measured win on this Hopper GPU: none yet), ``"off"`` or
             ``"mosaic"`` (fused wherever the Mosaic GPU kernels run the convolution;
             GPU interpret mode off a GPU).  Same values and gradients either way.
+        height_axis: the mapped axis (``shard_map``) whose devices hold each image's
+            rows in equal blocks, in order, or None: convolution and pooling layers
+            then bring the halo rows their windows need from the neighbouring blocks
+            and GroupNorm reduces its statistics over it (the ops' ``height_axis``;
+            BatchNorm's go by ``axis_name``, which should then include this axis).
     """
 
     impl: str = "auto"
     batch_norm_grad: str = "auto"
     axis_name: str | None = None
     conv_bn: str = "auto"
+    height_axis: str | None = None
 
     def __post_init__(self):
         from jaxcnn.functional import _dispatch
@@ -99,6 +105,9 @@ class Choices:
         if self.axis_name is not None and not isinstance(self.axis_name, (str, tuple)):
             raise ValueError(f"Choices: axis_name must be an axis name (a string or a tuple of "
                              f"them) or None, got {self.axis_name!r}")
+        if self.height_axis is not None and not isinstance(self.height_axis, str):
+            raise ValueError(f"Choices: height_axis must be an axis name (a string) or None, "
+                             f"got {self.height_axis!r}")
 
 
 DEFAULT_CHOICES = Choices()

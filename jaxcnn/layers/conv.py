@@ -11,8 +11,9 @@ import jax.numpy as jnp
 
 from jaxcnn import functional as F
 from jaxcnn.layers import initializers as inits
-from jaxcnn.layers._common import (cast_in, check_image, check_positive, layer_impl,
-                                   padding_pairs, pair, transpose_output_size, window_output_size)
+from jaxcnn.layers._common import (cast_in, check_image, check_positive, layer_height_axis,
+                                   layer_impl, padding_pairs, pair, transpose_output_size,
+                                   window_output_size)
 from jaxcnn.layers.base import Layer, leaf
 
 
@@ -82,7 +83,8 @@ def Conv2D(out_channels: int, kernel_size, *, stride=1, padding=0, dilation=1, g
         del train, rng
         x, params = cast_in(policy, "conv2d", x, params)
         y = F.conv2d(x, params["w"], params.get("b"), stride=stride, padding=padding,
-                     dilation=dilation, groups=groups, impl=layer_impl(choices))
+                     dilation=dilation, groups=groups, impl=layer_impl(choices),
+                     height_axis=layer_height_axis(choices))
         return y, state
 
     return leaf("conv2d", init, apply, config)

@@ -183,7 +183,8 @@ def GroupNorm(num_groups: int, *, eps: float = 1e-5) -> Layer:
         del train, rng
         in_dtype = x.dtype
         x, params = cast_in(policy, "group_norm", x, params)
-        y = F.group_norm(x, num_groups, params["scale"], params["bias"], eps=eps)
+        y = F.group_norm(x, num_groups, params["scale"], params["bias"], eps=eps,
+                         height_axis=choices_or_default(choices).height_axis)
         return cast_out(policy, "group_norm", y, in_dtype), state
 
     return leaf("group_norm", init, apply, dict(num_groups=num_groups, eps=eps))

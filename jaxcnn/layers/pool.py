@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 from jaxcnn import functional as F
-from jaxcnn.layers._common import (cast_in, check_image, check_positive, layer_impl,
-                                   padding_pairs, pair, window_output_size)
+from jaxcnn.layers._common import (cast_in, check_image, check_positive, layer_height_axis,
+                                   layer_impl, padding_pairs, pair, window_output_size)
 from jaxcnn.layers.base import Layer, leaf
 
 
 def _window_layer(name, kind, kernel_size, stride, padding, dilation, ceil_mode, run, extra):
-    """A max/avg pooling layer; ``run(x, kernel, stride, padding, impl)`` calls the op."""
+    """A max/avg pooling layer; ``run(x, kernel, stride, padding, impl, height_axis)`` calls the op."""
     kernel = pair(kernel_size, "kernel_size", name)
     stride = kernel if stride is None else pair(stride, "stride", name)
     dilation = pair(dilation, "dilation", name)
@@ -37,7 +37,7 @@ def _window_layer(name, kind, kernel_size, stride, padding, dilation, ceil_mode,
     def apply(params, state, x, *, train=False, rng=None, policy=None, choices=None):
         del params, train, rng
         x, _ = cast_in(policy, kind, x)
-        return run(x, kernel, stride, padding, layer_impl(choices)), state
+        return run(x, kernel, stride, padding, layer_impl(choices), layer_height_axis(choices)), state
 
     return leaf(kind, init, apply, config)
 
@@ -58,8 +58,8 @@ def MaxPool2D(kernel_size, stride=None, padding=0, dilation=1, ceil_mode: bool =
     """
     return _window_layer(
         "MaxPool2D", "max_pool2d", kernel_size, stride, padding, dilation, ceil_mode,
-        lambda x, k, s, p, impl: F.max_pool2d(x, k, stride=s, padding=p, dilation=dilation,
-                                              ceil_mode=ceil_mode, impl=impl), {})
+        lambda x, k, s, p, impl, rows: F.max_pool2d(x, k, stride=s, padding=p, dilation=dilation,
+                                                    ceil_mode=ceil_mode, impl=impl, height_axis=rows), {})
 
 
 def AvgPool2D(kernel_size, stride=None, padding=0, ceil_mode: bool = False,
@@ -79,8 +79,9 @@ def AvgPool2D(kernel_size, stride=None, padding=0, ceil_mode: bool = False,
     """
     return _window_layer(
         "AvgPool2D", "avg_pool2d", kernel_size, stride, padding, 1, ceil_mode,
-        lambda x, k, s, p, impl: F.avg_pool2d(x, k, stride=s, padding=p, ceil_mode=ceil_mode,
-                                              count_include_pad=count_include_pad, impl=impl),
+        lambda x, k, s, p, impl, rows: F.avg_pool2d(x, k, stride=s, padding=p, ceil_mode=ceil_mode,
+                                                    count_include_pad=count_include_pad, impl=impl,
+                                                    height_axis=rows),
         dict(count_include_pad=count_include_pad))
 
 

@@ -62,6 +62,10 @@ class ParallelPlan:
         spatial_remat: with a ``spatial`` axis: compute every unit of the model again in
             the backward from its input instead of keeping its activations (one more
             forward; see :func:`jaxcnn.parallel.spatial.constrain`).
+        spatial_halo: with a ``spatial`` axis: ``"partitioner"`` (XLA's SPMD partitioner
+            brings the halo rows) or ``"explicit"`` (each split unit runs per block of rows in
+            ``shard_map``, halo rows by ``ppermute``; it also splits windows taller than
+            their input and composes with a ``model`` axis).
 
     Attributes:
         step_model: the model to build the train and eval steps from: ``model`` itself,
@@ -77,7 +81,8 @@ class ParallelPlan:
 
     def __init__(self, mesh: Mesh, model, input_shape, abstract_state, *, strategy: str = "shard_map",
                  rules=None, fsdp: bool = False, sync_batch_norm: bool = True,
-                 spatial_until: str = "auto", spatial_remat: bool = False, pipeline=None):
+                 spatial_until: str = "auto", spatial_remat: bool = False,
+                 spatial_halo: str = "partitioner", pipeline=None):
         if strategy not in S.STRATEGIES:
             raise ValueError(f"parallel.strategy: expected one of {S.STRATEGIES}, got {strategy!r}")
         if strategy == "pmap" and (mesh.shape[MODEL] > 1 or fsdp or jax.process_count() > 1):
@@ -94,24 +99,27 @@ class ParallelPlan:
         self.pipeline = _pipeline(mesh, model, input_shape, strategy, fsdp, pipeline or {})
         self.spatial, self.step_model = None, model
         if axis_size(mesh, SPATIAL) > 1:
-            if mesh.shape[MODEL] > 1:
+            SP.check_halo(spatial_halo)
+            if mesh.shape[MODEL] > 1 and spatial_halo == "partitioner":
                 raise ValueError(f"mesh.model: {mesh.shape[MODEL]} with mesh.spatial="
                                  f"{axis_size(mesh, SPATIAL)}: spatial partitioning composes with the "
                                  f"data axis only (XLA's partitioner gave wrong gradients for "
-                                 f"spatial x model meshes); use mesh.model=1")
+                                 f"spatial x model meshes); use mesh.model=1 or "
+                                 f"parallel.spatial.halo: explicit")
             if strategy != "jit":
                 raise ValueError(f"parallel.strategy: mesh.spatial={axis_size(mesh, SPATIAL)} needs strategy "
                                  f"jit (one global program that XLA partitions), got {strategy!r}")
             self.spatial = SP.spatial_layout(model, input_shape, axis_size(mesh, SPATIAL),
-                                             until=spatial_until)
+                                             until=spatial_until, halo=spatial_halo)
         self.mesh, self.strategy, self.fsdp, self.sync_batch_norm = mesh, strategy, fsdp, sync_batch_norm
         self.spatial_remat = bool(spatial_remat and self.spatial is not None)
+        self.spatial_halo = spatial_halo if self.spatial is not None else None
         self.rules = R.merge_rules(rules)
         self.params_axes, self.state_axes = R.logical_axes(model, input_shape)
         self.state_shardings = self._shardings(abstract_state)
         if self.spatial is not None:
             self.step_model = SP.constrain(model, self.spatial, mesh, params=self.state_shardings.params,
-                                           remat=spatial_remat)
+                                           remat=spatial_remat, halo=spatial_halo)
         self.abstract_state = jax.tree_util.tree_map(
             lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
             abstract_state, self.state_shardings)
@@ -281,6 +289,7 @@ def setup(cfg, model, input_shape, abstract_state, *, devices=None) -> ParallelP
                         sync_batch_norm=cfg.parallel.sync_batch_norm,
                         spatial_until=cfg.parallel.spatial.until,
                         spatial_remat=cfg.parallel.spatial.remat,
+                        spatial_halo=cfg.parallel.spatial.halo,
                         pipeline=_pipeline_config(cfg))
 
 

@@ -43,6 +43,19 @@ What this module decides is *how far* the split goes and that it is sound:
   gradients and BatchNorm statistics (0.02-0.2 off, the loss right) with the
   channels either left to it or pinned whole, so the plan refuses it.
 
+**Explicit halos** (``halo="explicit"``, ``parallel.spatial.halo: explicit``) are the
+alternative for both of the partitioner's faults: every split unit runs inside ``shard_map``
+over the whole mesh on its device's block of rows (:func:`_explicit`), its convolutions and
+pooling bring the rows their windows need from the neighbouring blocks with ``ppermute``
+(``Choices.height_axis``; the ops in :mod:`jaxcnn.functional._halo`), BatchNorm reduces over
+``data`` and ``spatial`` and GroupNorm over ``spatial``.  Nothing is left for the
+partitioner to get wrong, so a window taller than its whole input is split and a ``model``
+axis is allowed (the split units are then computed whole on each of its devices; the layers
+after the gather keep their tensor-parallel sharding).  A layer drawing random numbers per
+position (dropout, stochastic depth) ends the split: one block's draw is not the whole
+image's.  The partitioner stays the default: it keeps less memory at 2 shards and is as fast
+(docs/BENCHMARKS.md, "Explicit halos against the partitioner's").
+
 Batches arrive as under data parallelism (``P(data)``: each spatial shard's
 device holds its data shard's whole images); the first constraint slices them
 locally, without communication.
@@ -78,6 +91,8 @@ ROW_KINDS = frozenset({
     "relu", "relu6", "leaky_relu", "elu", "gelu", "silu", "hardswish", "hardsigmoid", "sigmoid",
     "tanh", "batch_norm", "group_norm", "dropout", "stochastic_depth", "identity", "layer_scale"})
 UNTIL_KEY = "parallel.spatial.until"
+HALOS = ("partitioner", "explicit")
+RANDOM_KINDS = frozenset({"dropout", "stochastic_depth"})
 
 
 class SpatialLayout(NamedTuple):
@@ -144,11 +159,14 @@ def _describe(record) -> str:
             f"padding {c['padding'] if isinstance(c['padding'], str) else c['padding'][0]}")
 
 
-def _leaf_problem(record, shards: int, halos: dict) -> str | None:
+def _leaf_problem(record, shards: int, halos: dict, halo: str) -> str | None:
     """Why this leaf cannot be computed height-sharded, or None (recording its halo)."""
     name = record.path or "the model"
     if record.kind not in WINDOW_KINDS and record.kind not in ROW_KINDS:
         return f"{name} ({record.kind}) is not computed row by row"
+    if halo == "explicit" and record.kind in RANDOM_KINDS:
+        return (f"{name} ({record.kind}) draws random numbers per position, which one device's block "
+                f"of the image would not draw as the whole image does (parallel.spatial.halo: explicit)")
     if len(record.input_shape) != 4 or len(record.output_shape) != 4:
         return f"{name} ({record.kind}) has input {record.input_shape}, not an (N, H, W, C) image"
     height, out_height = record.input_shape[1], record.output_shape[1]
@@ -160,7 +178,7 @@ def _leaf_problem(record, shards: int, halos: dict) -> str | None:
         c = record.config
         window = dilated(c["kernel_size"], c["dilation"])
         pads = explicit_pads(c["padding"], record.input_shape[1:3], window, c["stride"])
-        if window[0] > height:
+        if window[0] > height and halo == "partitioner":
             return (f"{name} ({_describe(record)}): its window ({window[0]} rows) is taller than its "
                     f"whole {height}-row input (XLA's partitioner gets such a window's input gradient "
                     f"wrong when the image is split, so it is not split)")
@@ -173,7 +191,8 @@ def _leaf_problem(record, shards: int, halos: dict) -> str | None:
     return None
 
 
-def spatial_layout(model: Layer, input_shape, shards: int, *, until: str = "auto") -> SpatialLayout:
+def spatial_layout(model: Layer, input_shape, shards: int, *, until: str = "auto",
+                   halo: str = "partitioner") -> SpatialLayout:
     """Decide which units of ``model`` run height-sharded over ``shards`` devices.
 
     Shape driven (``jax.eval_shape`` of ``init``): nothing is computed.
@@ -184,6 +203,9 @@ def spatial_layout(model: Layer, input_shape, shards: int, *, until: str = "auto
         shards: devices on the spatial axis (>= 2).
         until: ``"auto"`` (the longest run of units that can be split), or the path
             of the last unit (or nested ``serial``) to split.
+        halo: who brings the halo rows, ``"partitioner"`` or ``"explicit"`` (see
+            :func:`constrain`): explicit halos split windows taller than their whole
+            input too, and never units that draw random numbers per position (dropout).
 
     Returns:
         A :class:`SpatialLayout`.
@@ -194,6 +216,7 @@ def spatial_layout(model: Layer, input_shape, shards: int, *, until: str = "auto
             a leaf up to it cannot be split (which leaf and why: height, halo or kind).
     """
     input_shape = tuple(int(d) for d in input_shape)
+    check_halo(halo)
     if len(input_shape) != 4:
         raise ValueError(f"mesh.spatial: splits images (N, H, W, C); the model input is {input_shape}")
     if input_shape[1] % shards:
@@ -218,7 +241,7 @@ def spatial_layout(model: Layer, input_shape, shards: int, *, until: str = "auto
         for leaf_path, _ in leaves(unit, path):
             record = by_path.get(leaf_path)
             problem = (f"{leaf_path or 'the model'} is not a recorded jaxcnn layer" if record is None
-                       else _leaf_problem(record, shards, halos))
+                       else _leaf_problem(record, shards, halos, halo))
             if problem:
                 break
         if problem:
@@ -232,6 +255,11 @@ def spatial_layout(model: Layer, input_shape, shards: int, *, until: str = "auto
             break
         split.append(path)
     return SpatialLayout(shards, paths, tuple(split), halos, stop)
+
+
+def check_halo(halo) -> None:
+    if halo not in HALOS:
+        raise ValueError(f"parallel.spatial.halo: expected one of {HALOS}, got {halo!r}")
 
 
 def activation_sharding(mesh: Mesh) -> NamedSharding:
@@ -256,6 +284,27 @@ def _pinned(layer: Layer, sharding) -> Layer:
         kwargs["choices"] = _split_choices(kwargs.get("choices"))
         y, new_state = layer.apply(params, state, x, **kwargs)
         return jax.lax.with_sharding_constraint(y, sharding), new_state
+    return layer._replace(apply=apply)
+
+
+def _explicit(layer: Layer, mesh: Mesh) -> Layer:
+    """``layer`` run per block, inside ``shard_map`` over the whole mesh: each device gets
+    its images' block of rows (``P(data, spatial)``) and the unit's parameters and state
+    whole; its convolutions and pooling bring their halo rows with ``ppermute``
+    (``Choices.height_axis``), BatchNorm reduces over ``data`` and ``spatial``
+    (``Choices.axis_name``).  ``check_vma`` stays on, so the parameters' gradients are
+    summed over the blocks (the transpose of their broadcast) and the state must leave
+    the same on every device, which BatchNorm's ``pmean`` makes it."""
+    def apply(params, state, x, *, rng=None, **kwargs):
+        choices = dataclasses.replace(_split_choices(kwargs.pop("choices", None)),
+                                      axis_name=(DATA, SPATIAL), height_axis=SPATIAL)
+
+        def block(params, state, x, rng):
+            return layer.apply(params, state, x, rng=rng, choices=choices, **kwargs)
+
+        rows = P(DATA, SPATIAL)
+        return jax.shard_map(block, mesh=mesh, in_specs=(P(), P(), rows, P()), out_specs=(rows, P()),
+                             check_vma=True)(params, state, x, rng)
     return layer._replace(apply=apply)
 
 
@@ -378,7 +427,7 @@ def _unfused(layer: Layer, children) -> Layer:
 
 
 def constrain(model: Layer, layout: SpatialLayout, mesh: Mesh, params=None,
-              remat: bool = False) -> Layer:
+              remat: bool = False, halo: str = "partitioner") -> Layer:
     """``model`` with its activations pinned as ``layout`` says (see the module docs).
 
     The result has the same ``init`` (parameter and state trees, rng use) and computes
@@ -387,13 +436,19 @@ def constrain(model: Layer, layout: SpatialLayout, mesh: Mesh, params=None,
     as the plan keeps them, or ``data``): each unit then gathers its own as it runs
     (:func:`_gathering`).  ``remat``: every unit is computed again in the backward from its
     input (:func:`_gathering`), so the activations inside units are not kept.
+    ``halo``: ``"partitioner"`` leaves the split units to XLA's SPMD partitioner, which
+    inserts the halo exchanges; ``"explicit"`` runs each split unit per block of rows inside
+    ``shard_map`` (:func:`_explicit`), its windows' halo rows exchanged by ``ppermute``
+    (:mod:`jaxcnn.functional._halo`).  Build ``layout`` with the same ``halo``.
     """
+    check_halo(halo)
     split, last = set(layout.split), layout.gather_after
     inner, gathered = activation_sharding(mesh), gathered_sharding(mesh)
 
     def unit(layer: Layer, path: str) -> Layer:
         if path in split:
-            layer = _pinned(layer, gathered if path == last else inner)
+            layer = _pinned(_explicit(layer, mesh) if halo == "explicit" else layer,
+                            gathered if path == last else inner)
         own = get_path(params, path) if params is not None else {}
         return _gathering(layer, own, remat) if own or remat else layer
 

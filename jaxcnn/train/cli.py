@@ -130,7 +130,8 @@ def dry_run(cfg, stream=None) -> None:
     of = f" of {fmt_bytes(memory['available'])} available" if memory.get("available") else ""
     pipe = f" x pipe {plan.pipeline.stages}" if plan.pipeline else ""
     spatial = (f" x spatial {plan.spatial.shards} (images split along height through "
-               f"{plan.spatial.gather_after})" if plan.spatial else "")
+               f"{plan.spatial.gather_after}"
+               f"{', explicit halos' if plan.spatial_halo == 'explicit' else ''})" if plan.spatial else "")
     print(f"dry run ok: model {cfg.model.name}{start}, input {run.input_shape}, "
           f"{run.total_steps} steps ({run.steps_per_epoch}/epoch), policy {run.policy.to_string()}, "
           f"mesh data {plan.mesh.shape['data']}{pipe} x model {plan.mesh.shape['model']}{spatial} ({plan.strategy}), "

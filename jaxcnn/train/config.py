@@ -322,6 +322,11 @@ SCHEMA: dict[str, dict] = {
             "remat": _f("bool", False, "with mesh.spatial > 1: the backward keeps only each block's input "
                         "and computes the block again (less activation memory, one more forward of the "
                         "model)"),
+            "halo": _f("str", "partitioner", "with mesh.spatial > 1: who brings each window's rows from "
+                       "the neighbouring shards: partitioner (XLA's SPMD partitioner, under jit) or "
+                       "explicit (each split block in shard_map, rows by ppermute; also splits windows "
+                       "taller than their input and composes with mesh.model)",
+                       choices=("partitioner", "explicit")),
         },
     },
     "distributed": {

@@ -253,7 +253,8 @@ def describe_devices(plan) -> str:
     spatial = getattr(plan, "spatial", None)
     if spatial is not None:
         text += (f", images split along height over {spatial.shards} (through {spatial.gather_after}"
-                 f"{', remat' if getattr(plan, 'spatial_remat', False) else ''})")
+                 f"{', remat' if getattr(plan, 'spatial_remat', False) else ''}"
+                 f"{', explicit halos' if getattr(plan, 'spatial_halo', None) == 'explicit' else ''})")
     if plan.fsdp:
         text += ", parameters and optimiser state sharded over the data axis (fsdp)"
     procs = jax.process_count()

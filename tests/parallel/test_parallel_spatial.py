@@ -83,6 +83,143 @@ def test_same_loss_gradients_and_statistics_as_one_device(name, data, spatial):
     assert re.search(r"collective-permute(-start)?\(", hlo)
 
 
+# -- explicit halos: shard_map + ppermute ------------------------------------------------------------
+
+def _halo_cases():
+    """Window ops with random geometry (kernel, stride, padding, dilation, ceil_mode) on images
+    that split into 2 or 4 blocks whose output splits too: ``(name, op(x, **kw), x shape, kw)``."""
+    from jaxcnn import functional as F
+    rng = np.random.default_rng(7)
+    cases = []
+    while len(cases) < 12:
+        kind = ["conv", "conv", "conv", "max", "avg", "group"][len(cases) % 6]
+        shards = int(rng.choice([2, 4]))
+        k, s = int(rng.integers(1, 6)), int(rng.integers(1, 3))
+        d = int(rng.integers(1, 3)) if kind in ("conv", "max") else 1
+        pad = int(rng.integers(0, k // 2 + 1))
+        ceil = bool(rng.integers(0, 2)) if kind in ("max", "avg") else False
+        height = shards * int(rng.integers(1, 5)) * s
+        shape = (2, height, 5, 4)
+        kw = dict(stride=s, padding=pad, dilation=d)
+        if kind == "conv":
+            groups = int(rng.choice([1, 2, 4]))
+            w = rng.standard_normal((k, k, 4 // groups, 4)).astype(np.float32)
+            if len(cases) % 2:
+                kw["padding"] = "SAME"
+            op = lambda x, w=w, g=groups, **kw: F.conv2d(x, w, np.ones(4, np.float32), groups=g, **kw)
+        elif kind == "max":
+            kw["ceil_mode"] = ceil
+            op = lambda x, k=k, **kw: F.max_pool2d(x, k, **kw)
+        elif kind == "avg":
+            kw = dict(stride=s, padding=pad, ceil_mode=ceil, count_include_pad=bool(len(cases) % 2))
+            op = lambda x, k=k, **kw: F.avg_pool2d(x, k, **kw)
+        else:
+            kw = {}
+            op = lambda x, **kw: F.group_norm(x, 2, **kw)
+        try:
+            out = jax.eval_shape(lambda x: op(x, **kw), jax.ShapeDtypeStruct(shape, np.float32))
+        except ValueError:
+            continue
+        if out.shape[1] == 0 or out.shape[1] % shards:
+            continue
+        cases.append((kind, shards, op, shape, kw))
+    return cases
+
+
+def test_explicit_halo_ops_give_their_block_of_the_whole_images_output():
+    """conv2d / max_pool2d / avg_pool2d / group_norm with ``height_axis`` inside shard_map (the
+    image's rows in 2 or 4 blocks) against the same op on the whole image: forward and input
+    gradient (and the weight gradient of conv2d, summed over the blocks) to float32 rounding
+    (1e-5 of the largest entry); random geometry including "SAME", dilation, ceil_mode, groups,
+    windows taller than a block and the padding of the first and last blocks."""
+    from jax.sharding import Mesh, PartitionSpec as P
+    rng = np.random.default_rng(0)
+    for kind, shards, op, shape, kw in _halo_cases():
+        mesh = Mesh(np.array(jax.devices()[:shards]), ("rows",))
+        blocks = jax.shard_map(lambda x: op(x, height_axis="rows", **kw), mesh=mesh, in_specs=P(None, "rows"),
+                               out_specs=P(None, "rows"), check_vma=True)
+        x = rng.standard_normal(shape).astype(np.float32)
+        want = op(x, **kw)
+        ct = rng.standard_normal(want.shape).astype(np.float32)
+        got = jax.jit(blocks)(x)
+        grad = jax.jit(jax.grad(lambda x: (blocks(x) * ct).sum()))(x)
+        want_grad = jax.grad(lambda x: (op(x, **kw) * ct).sum())(x)
+        where = (kind, shards, shape, kw)
+        np.testing.assert_allclose(got, want, atol=1e-5 * np.abs(want).max(), err_msg=str(where))
+        np.testing.assert_allclose(grad, want_grad, atol=1e-5 * np.abs(want_grad).max(), err_msg=str(where))
+
+
+def test_explicit_halo_weight_gradient_sums_over_the_blocks():
+    from jax.sharding import Mesh, PartitionSpec as P
+    from jaxcnn import functional as F
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((2, 16, 6, 3)).astype(np.float32)
+    w = rng.standard_normal((7, 7, 3, 5)).astype(np.float32)
+    mesh = Mesh(np.array(jax.devices()[:4]), ("rows",))
+    conv = lambda x, w, **kw: F.conv2d(x, w, stride=2, padding=3, **kw)
+    blocks = jax.shard_map(lambda x, w: conv(x, w, height_axis="rows"), mesh=mesh,
+                           in_specs=(P(None, "rows"), P()), out_specs=P(None, "rows"), check_vma=True)
+    ct = rng.standard_normal(conv(x, w).shape).astype(np.float32)
+    got = jax.jit(jax.grad(lambda w: (blocks(x, w) * ct).sum()))(w)
+    want = jax.grad(lambda w: (conv(x, w) * ct).sum())(w)
+    np.testing.assert_allclose(got, want, atol=1e-5 * np.abs(want).max())
+
+
+def test_explicit_halo_refuses_windows_past_the_neighbouring_blocks():
+    from jax.sharding import Mesh, PartitionSpec as P
+    from jaxcnn import functional as F
+    mesh = Mesh(np.array(jax.devices()[:4]), ("rows",))
+    w = np.ones((7, 7, 1, 1), np.float32)
+    blocks = jax.shard_map(lambda x: F.conv2d(x, w, padding=3, height_axis="rows"), mesh=mesh,
+                           in_specs=P(None, "rows"), out_specs=P(None, "rows"))
+    with pytest.raises(ValueError, match=r"block 0 of 4 reads rows 0..4 of the 8-row image, beyond its "
+                                         r"neighbours' 2-row blocks"):
+        blocks(np.ones((1, 8, 3, 1), np.float32))
+
+
+@pytest.mark.parametrize("data,spatial,model_axis,remat", [(2, 2, 1, False), (2, 2, 2, False), (2, 2, 1, True)],
+                         ids=["data2_spatial2", "data2_spatial2_model2", "data2_spatial2_remat"])
+def test_explicit_halos_match_one_device_where_the_partitioner_is_wrong(data, spatial, model_axis, remat):
+    """ResNet-18 with ``parallel.spatial.halo: explicit`` in the two layouts XLA's partitioner gets
+    wrong: a 3x3 window on 2-row images (layer3, split here; the partitioner stops before it) with
+    data 2, and spatial x model; and with ``parallel.spatial.remat``.  Loss, gradients and
+    BatchNorm statistics as on one device (tolerances as in
+    test_same_loss_gradients_and_statistics_as_one_device)."""
+    model, shape = _model("resnet18")
+    (batch,) = batches(shape, 1, seed=3)
+    mesh = make_mesh(data, model_axis, spatial=spatial, devices=jax.devices()[:data * spatial * model_axis])
+    abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype),
+                                      init(model, LR1, shape))
+    plan = ParallelPlan(mesh, model, shape, abstract, strategy="jit", spatial_halo="explicit",
+                        spatial_remat=remat)
+    assert plan.spatial.gather_after == "layer3.1"
+    assert plan.spatial.gather_after not in spatial_layout(model, shape, spatial).split
+    state0 = init(model, LR1, shape)
+    ref_losses, ref = run_single(model, LR1, shape, [batch])
+    losses, got, step = _run(plan, LR1, shape, [batch], model)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    grads = jax.tree_util.tree_map(np.subtract, state0.params, got.params)
+    ref_grads = jax.tree_util.tree_map(np.subtract, state0.params, ref.params)
+    assert _rel(grads, ref_grads) < 3e-4
+    assert _rel(got.state, ref.state) < 1e-5
+    hlo = step.lower(plan.abstract_state, plan.put_batch(batch)).compile().as_text()
+    assert re.search(r"collective-permute(-start)?\(", hlo)
+
+
+def test_explicit_halos_end_the_split_at_random_layers():
+    """Dropout draws per position: one block's draw is not the whole image's, so explicit
+    halos stop before it (the partitioner's global program draws the whole image's)."""
+    model = L.serial(L.Conv2D(4, 3, padding=1), L.Dropout(0.5), L.Conv2D(4, 3, padding=1),
+                     L.GlobalAvgPool2D())
+    shape = (2, 8, 8, 3)
+    assert spatial_layout(model, shape, 2).gather_after == "2"
+    layout = spatial_layout(model, shape, 2, halo="explicit")
+    assert layout.split == ("0",) and "1 (dropout) draws random numbers per position" in layout.stop
+    with pytest.raises(ValueError, match=r"^parallel.spatial.halo: expected one of \('partitioner', "
+                                         r"'explicit'\), got 'ppermute'"):
+        spatial_layout(model, shape, 2, halo="ppermute")
+
+
 def test_activations_are_height_sharded_until_the_gather():
     model, shape = _model("resnet18")
     plan = _plan(model, LR1, shape, 2, 4)
@@ -182,7 +319,8 @@ def test_refused_before_compute():
         ParallelPlan(make_mesh(2, 1, spatial=4), model, shape, abstract, strategy="shard_map")
     # Not with a model axis: XLA's partitioner got spatial x model wrong (0.02-0.2 off).
     with pytest.raises(ValueError, match=r"^mesh.model: 2 with mesh.spatial=2: spatial partitioning "
-                                         r"composes with the data axis only"):
+                                         r"composes with the data axis only .* or parallel.spatial.halo: "
+                                         r"explicit"):
         ParallelPlan(make_mesh(2, 2, spatial=2), model, shape, abstract, strategy="jit")
 
 
@@ -274,6 +412,21 @@ def test_train_cli_refuses_an_impossible_split_before_compute(tmp_path, capsys):
     assert "parallel.strategy: mesh.spatial=4 needs strategy jit" in capsys.readouterr().err
 
 
+def test_train_cli_takes_explicit_halos_with_a_model_axis(tmp_path, capsys):
+    """``parallel.spatial.halo: explicit`` from the config: the spatial x model mesh the partitioner
+    layout refuses is accepted, and the start-up line says which halos."""
+    from jaxcnn.train.cli import train_main
+    data = _tiny16(tmp_path / "tiny16.npz")
+    mesh = ["mesh.data=1", "mesh.spatial=4", "mesh.model=2", "parallel.strategy=jit"]
+    assert train_main(_cli_args(data, tmp_path / "a", *mesh, "--dry-run")) == 2
+    assert "use mesh.model=1 or parallel.spatial.halo: explicit" in capsys.readouterr().err
+    assert train_main(_cli_args(data, tmp_path / "b", *mesh, "parallel.spatial.halo=explicit",
+                                "--dry-run")) == 0
+    assert "spatial 4 (images split along height through pool1, explicit halos)" in capsys.readouterr().out
+    assert train_main(_cli_args(data, tmp_path / "c", *mesh, "parallel.spatial.halo=both", "--dry-run")) == 2
+    assert "parallel.spatial.halo" in capsys.readouterr().err
+
+
 def test_bench_scaling_reports_memory_and_halo_exchanges(capsys):
     import importlib.util
     import json
@@ -291,15 +444,19 @@ def test_bench_scaling_reports_memory_and_halo_exchanges(capsys):
     environ = dict(os.environ)
     try:
         assert bench.main(["--model", "mnist_cnn", "--layout", "spatial", "--devices", "1,2",
-                           "--per-device-batch", "4", "--compile-only", "--json"]) == 0
+                           "--per-device-batch", "4", "--compile-only", "--json",
+                           "--halo", "partitioner,explicit"]) == 0
     finally:
         os.environ.clear()
         os.environ.update(environ)
     out = capsys.readouterr().out
     rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
-    assert [(r["data"], r["spatial"], r["global_batch"]) for r in rows] == [(1, 1, 4), (1, 2, 4)]
-    assert rows[0]["split_through"] is None and rows[1]["split_through"] == "dropout1"
+    assert [(r["data"], r["spatial"], r["global_batch"], r["halo"]) for r in rows] == [
+        (1, 1, 4, "-"), (1, 2, 4, "partitioner"), (1, 2, 4, "explicit")]
+    # explicit halos stop before dropout1 (it draws per position)
+    assert [r["split_through"] for r in rows] == [None, "dropout1", "pool"]
     assert rows[0]["collective-permute"] == 0 and rows[1]["collective-permute"] > 0
+    assert rows[2]["collective-permute"] > 0
     assert all(r["step_bytes"] > 0 for r in rows)
     assert "mem/device" in out
 

@@ -568,6 +568,8 @@ def test_startup_output_mentions_fsdp_and_the_model_axis_only_when_used():
     # a spatial run's start-up line said only "data parallel over 2 (jit)"
     assert describe_devices(split).endswith(
         "data parallel over 2 (jit), images split along height over 4 (through layer2.3, remat)")
+    explicit = SimpleNamespace(**{**vars(split), "spatial_remat": False, "spatial_halo": "explicit"})
+    assert describe_devices(explicit).endswith("over 4 (through layer2.3, explicit halos)")
 
 
 
