@@ -368,8 +368,9 @@ def _keep_until(workdir, step):
 def test_train_cli_spatial_run_resumes_onto_data_only_and_back(tmp_path, capsys):
     """lenet5 on 16x16 images: spatial 4 (data 2) splits conv1 (5x5, 2 halo rows of 4), act1 and
     pool1 and gathers before conv2 (whose 5x5 window needs 3 rows of a 2-row shard).  A spatial run
-    resumed at step 4 as data-parallel, and that run resumed at step 6 as spatial again, end where
-    the spatial run ends (float32: 1e-5; the layout is not a config change)."""
+    resumed at step 4 as data-parallel, and that run resumed at step 6 as spatial again, and the
+    spatial run resumed at step 4 on pipeline stages (data 2 x pipe 4) end where the spatial run
+    ends (float32: 1e-5; the layout is not a config change)."""
     import shutil
 
     from jaxcnn.interop import load_npz
@@ -392,8 +393,17 @@ def test_train_cli_spatial_run_resumes_onto_data_only_and_back(tmp_path, capsys)
     _keep_until(back, 6)
     assert train_main(_cli_args(data, back, *SPATIAL4, "parallel.spatial.until=act1")) == 0
     assert "resumed from step 6" in capsys.readouterr().out
+    # and onto pipeline stages (lenet5 has no BatchNorm: micro-batches change nothing, but the
+    # micro-batch count is a config change the user accepts)
+    piped = tmp_path / "piped"
+    shutil.copytree(ref, piped)
+    _keep_until(piped, 4)
+    assert train_main(_cli_args(data, piped, "mesh.data=2", "mesh.pipe=4", "parallel.strategy=shard_map",
+                                "parallel.pipeline.microbatches=2", "checkpoint.on_config_change=continue")) == 0
+    out = capsys.readouterr().out
+    assert "resumed from step 4" in out and "pipeline over 4 stages" in out
     want = load_npz(str(ref / "params.npz"))
-    for run in (flat, back):
+    for run in (flat, back, piped):
         got = load_npz(str(run / "params.npz"))
         assert max_diff(got, want) < 1e-5, run.name
 
