@@ -17,7 +17,8 @@ What this module decides is *how far* the split goes and that it is sound:
   ``layer1.0``, ``layer1.1``...; VGG's ``features`` gives ``features.0``...).
   A residual block, a ``parallel`` or a ``gate`` is one unit.
 * A unit can be split when each of its leaves computes row by row (activations,
-  BatchNorm/GroupNorm, dropout, identity, layer scale) or is a convolution /
+  BatchNorm/GroupNorm, a LayerNorm or linear layer over channels, dropout, identity,
+  layer scale) or is a convolution /
   max or average pooling window, every leaf's input and output height divides
   into the shards, every window needs at most one shard's worth of rows from
   each neighbour (its *halo*), and no window is taller than the whole image
@@ -52,8 +53,8 @@ pooling bring the rows their windows need from the neighbouring blocks with ``pp
 partitioner to get wrong, so a window taller than its whole input is split and a ``model``
 axis is allowed (the split units are then computed whole on each of its devices; the layers
 after the gather keep their tensor-parallel sharding).  A layer drawing random numbers per
-position (dropout, stochastic depth) ends the split: one block's draw is not the whole
-image's.  The partitioner stays the default: it keeps less memory at 2 shards and is as fast
+position (dropout, stochastic depth, at a rate above 0) ends the split: one block's draw
+is not the whole image's.  The partitioner stays the default: it keeps less memory at 2 shards and is as fast
 (docs/BENCHMARKS.md, "Explicit halos against the partitioner's").
 
 Batches arrive as under data parallelism (``P(data)``: each spatial shard's
@@ -159,12 +160,28 @@ def _describe(record) -> str:
             f"padding {c['padding'] if isinstance(c['padding'], str) else c['padding'][0]}")
 
 
+def _row_wise(record) -> bool:
+    """Computed at each position on its own: the row kinds, a LayerNorm over channels only and
+    a linear layer over an image's channels (ConvNeXt's blocks)."""
+    if record.kind in ROW_KINDS:
+        return True
+    rank = len(record.input_shape)
+    if record.kind == "layer_norm":
+        return rank == 4 and {a % rank for a in record.config["axes"]} == {rank - 1}
+    return record.kind == "linear" and rank == 4
+
+
+def _draws(record) -> bool:
+    """Whether a dropout or stochastic-depth leaf draws at all (its rate above 0)."""
+    return float(record.config.get("rate", record.config.get("p", 0.0))) > 0
+
+
 def _leaf_problem(record, shards: int, halos: dict, halo: str) -> str | None:
     """Why this leaf cannot be computed height-sharded, or None (recording its halo)."""
     name = record.path or "the model"
-    if record.kind not in WINDOW_KINDS and record.kind not in ROW_KINDS:
+    if record.kind not in WINDOW_KINDS and not _row_wise(record):
         return f"{name} ({record.kind}) is not computed row by row"
-    if halo == "explicit" and record.kind in RANDOM_KINDS:
+    if halo == "explicit" and record.kind in RANDOM_KINDS and _draws(record):
         return (f"{name} ({record.kind}) draws random numbers per position, which one device's block "
                 f"of the image would not draw as the whole image does (parallel.spatial.halo: explicit)")
     if len(record.input_shape) != 4 or len(record.output_shape) != 4:

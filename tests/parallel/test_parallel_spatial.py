@@ -206,6 +206,34 @@ def test_explicit_halos_match_one_device_where_the_partitioner_is_wrong(data, sp
     assert re.search(r"collective-permute(-start)?\(", hlo)
 
 
+@pytest.mark.parametrize("halo,drop", [("partitioner", 0.3), ("explicit", 0.0)])
+def test_convnext_blocks_split_their_layer_norms_and_linear_layers(halo, drop):
+    """ConvNeXt's blocks (7x7 depthwise conv, LayerNorm over channels, linear layers over
+    channels, layer scale, stochastic depth) are computed row by row: a small ConvNeXt is split
+    through its last block on data 2 x spatial 2 (the split used to end at the stem's LayerNorm)
+    and gives one device's loss and gradients (as in
+    test_same_loss_gradients_and_statistics_as_one_device).  Stochastic depth at 0.3 under the
+    partitioner (one global program draws as one device does); explicit halos split it at rate 0."""
+    from jaxcnn.models.convnext import cn_block
+    model = L.serial(("stem", L.serial(L.Conv2D(8, 2, stride=2), L.LayerNorm(axes=-1, eps=1e-6))),
+                     ("blocks", L.serial(cn_block(8, 0.5, drop), cn_block(8, 0.5, drop))),
+                     ("pool", L.GlobalAvgPool2D()), ("head", L.Linear(10)))
+    shape = (4, 16, 16, 3)
+    (batch,) = batches(shape, 1, seed=5)
+    mesh = make_mesh(2, 1, spatial=2, devices=jax.devices()[:4])
+    abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype),
+                                      init(model, LR1, shape))
+    plan = ParallelPlan(mesh, model, shape, abstract, strategy="jit", spatial_halo=halo)
+    assert plan.spatial.gather_after == "blocks.1", plan.spatial.stop
+    state0 = init(model, LR1, shape)
+    ref_losses, ref = run_single(model, LR1, shape, [batch])
+    losses, got, _ = _run(plan, LR1, shape, [batch], model)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    grads = jax.tree_util.tree_map(np.subtract, state0.params, got.params)
+    ref_grads = jax.tree_util.tree_map(np.subtract, state0.params, ref.params)
+    assert _rel(grads, ref_grads) < 3e-4
+
+
 def test_explicit_halos_end_the_split_at_random_layers():
     """Dropout draws per position: one block's draw is not the whole image's, so explicit
     halos stop before it (the partitioner's global program draws the whole image's)."""
