@@ -64,21 +64,27 @@ def test_same_loss_gradients_and_statistics_as_one_device(name, data, spatial):
     devices = jax.devices()[:data * spatial]
     plan = _plan(model, LR1, shape, data, spatial, devices=devices)
     assert plan.spatial.split and plan.spatial.shards == spatial
+    _same_as_one_device(plan, model, shape, batch)
+
+
+def _same_as_one_device(plan, model, shape, batch):
+    """One sgd(1.0) step of ``plan`` against one device.
+
+    Float32 rounding: the loss to 1e-5 relative; the gradients (params0 - params1 under
+    sgd(1.0)) to 3e-4 of their largest entry (BatchNorm over a batch of 4 on 1x1 maps
+    amplifies rounding: data-parallel jit alone differs from one device by 6e-5..8e-5 of it on
+    resnet18; a wrong halo differs by O(1)); BatchNorm running statistics (over data and
+    spatial) to 1e-5 of their largest entry.  The compiled step exchanges halo rows between
+    spatial neighbours (collective-permute)."""
     state0 = init(model, LR1, shape)
     ref_losses, ref = run_single(model, LR1, shape, [batch])
     losses, got, step = _run(plan, LR1, shape, [batch], model)
-    # float32 rounding: the loss to 1e-5 relative; the gradients (params0 - params1 under
-    # sgd(1.0)) to 3e-4 of their largest entry (BatchNorm over a batch of 4 on 1x1 maps
-    # amplifies rounding: data-parallel jit alone differs from one device by 6e-5..8e-5 of it on
-    # resnet18; a wrong halo differs by O(1)); BatchNorm running statistics (over data and
-    # spatial) to 1e-5 of their largest entry.
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     grads = jax.tree_util.tree_map(np.subtract, state0.params, got.params)
     ref_grads = jax.tree_util.tree_map(np.subtract, state0.params, ref.params)
     assert _rel(grads, ref_grads) < 3e-4
     if ref.state:
         assert _rel(got.state, ref.state) < 1e-5
-    # The compiled step exchanges halo rows between spatial neighbours (collective-permute).
     hlo = step.lower(plan.abstract_state, plan.put_batch(batch)).compile().as_text()
     assert re.search(r"collective-permute(-start)?\(", hlo)
 
@@ -194,16 +200,7 @@ def test_explicit_halos_match_one_device_where_the_partitioner_is_wrong(data, sp
                         spatial_remat=remat)
     assert plan.spatial.gather_after == "layer3.1"
     assert plan.spatial.gather_after not in spatial_layout(model, shape, spatial).split
-    state0 = init(model, LR1, shape)
-    ref_losses, ref = run_single(model, LR1, shape, [batch])
-    losses, got, step = _run(plan, LR1, shape, [batch], model)
-    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
-    grads = jax.tree_util.tree_map(np.subtract, state0.params, got.params)
-    ref_grads = jax.tree_util.tree_map(np.subtract, state0.params, ref.params)
-    assert _rel(grads, ref_grads) < 3e-4
-    assert _rel(got.state, ref.state) < 1e-5
-    hlo = step.lower(plan.abstract_state, plan.put_batch(batch)).compile().as_text()
-    assert re.search(r"collective-permute(-start)?\(", hlo)
+    _same_as_one_device(plan, model, shape, batch)
 
 
 @pytest.mark.parametrize("halo,drop", [("partitioner", 0.3), ("explicit", 0.0)])
@@ -225,13 +222,7 @@ def test_convnext_blocks_split_their_layer_norms_and_linear_layers(halo, drop):
                                       init(model, LR1, shape))
     plan = ParallelPlan(mesh, model, shape, abstract, strategy="jit", spatial_halo=halo)
     assert plan.spatial.gather_after == "blocks.1", plan.spatial.stop
-    state0 = init(model, LR1, shape)
-    ref_losses, ref = run_single(model, LR1, shape, [batch])
-    losses, got, _ = _run(plan, LR1, shape, [batch], model)
-    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
-    grads = jax.tree_util.tree_map(np.subtract, state0.params, got.params)
-    ref_grads = jax.tree_util.tree_map(np.subtract, state0.params, ref.params)
-    assert _rel(grads, ref_grads) < 3e-4
+    _same_as_one_device(plan, model, shape, batch)
 
 
 def test_explicit_halos_end_the_split_at_random_layers():
@@ -657,20 +648,11 @@ def test_remat_matches_one_device(name):
     same dropout masks: vgg11's classifier) gives one device's step."""
     model, shape = _model(name)
     (batch,) = batches(shape, 1, seed=3)
-    mesh_devices = jax.devices()[:8]
     abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype),
                                       init(model, LR1, shape))
-    plans = {remat: ParallelPlan(make_mesh(2, 1, spatial=4, devices=mesh_devices), model, shape, abstract,
-                                 strategy="jit", spatial_remat=remat) for remat in (False, True)}
-    state0 = init(model, LR1, shape)
-    ref_losses, ref = run_single(model, LR1, shape, [batch])
-    losses, got, step = _run(plans[True], LR1, shape, [batch], model)
-    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)  # tolerances as above
-    grads = jax.tree_util.tree_map(np.subtract, state0.params, got.params)
-    ref_grads = jax.tree_util.tree_map(np.subtract, state0.params, ref.params)
-    assert _rel(grads, ref_grads) < 3e-4
-    if ref.state:
-        assert _rel(got.state, ref.state) < 1e-5
+    plan = ParallelPlan(make_mesh(2, 1, spatial=4, devices=jax.devices()[:8]), model, shape, abstract,
+                        strategy="jit", spatial_remat=True)
+    _same_as_one_device(plan, model, shape, batch)
 
 
 def test_remat_keeps_fewer_temporaries():
