@@ -313,8 +313,12 @@ def _explicit(layer: Layer, mesh: Mesh) -> Layer:
     summed over the blocks (the transpose of their broadcast) and the state must leave
     the same on every device, which BatchNorm's ``pmean`` makes it."""
     def apply(params, state, x, *, rng=None, **kwargs):
-        choices = dataclasses.replace(_split_choices(kwargs.pop("choices", None)),
-                                      axis_name=(DATA, SPATIAL), height_axis=SPATIAL)
+        whole = _split_choices(kwargs.pop("choices", None))
+        choices = dataclasses.replace(whole, axis_name=(DATA, SPATIAL), height_axis=SPATIAL)
+        # the weights' 16-bit casts made here, outside the shard_map, where the per-unit gather
+        # (_gathering's _entry_casts) sees them and drops them from the residuals
+        params = _cast_leaves(params, _entry_casts(
+            lambda w, x: layer.apply(w, state, x, rng=rng, choices=whole, **kwargs), params, x))
 
         def block(params, state, x, rng):
             return layer.apply(params, state, x, rng=rng, choices=choices, **kwargs)
