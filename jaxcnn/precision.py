@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from typing import Any, Mapping, NamedTuple
 
 import jax
@@ -291,9 +292,37 @@ def get_policy(spec, overrides: Mapping[str, Any] | None = None) -> Policy:
     return policy.with_overrides(overrides)
 
 
-def cast_for(policy: Policy | None, kind: str, tree):
+@functools.lru_cache(maxsize=64)
+def _named_policy(name: str) -> Policy:
+    return get_policy(name)
+
+
+def as_policy(policy) -> Policy | None:
+    """The :class:`Policy` a layer's ``apply(..., policy=)`` argument stands for.
+
+    Arguments:
+        policy: a :class:`Policy`, None (no casting), or a name the config's
+            ``precision.policy`` accepts (``"bf16"``, ``"p=f32,c=bf16,o=f32"``...),
+            read by :func:`get_policy` as the trainer reads it.
+
+    Raises ValueError for an unknown name and TypeError for any other type,
+    each naming ``policy``, the bad value and the accepted forms.
+    """
+    if policy is None or isinstance(policy, Policy):
+        return policy
+    if isinstance(policy, str):
+        try:
+            return _named_policy(policy)
+        except ValueError as e:
+            raise ValueError(f"policy={policy!r}: {e}") from None
+    raise TypeError(f"policy must be a jaxcnn.precision.Policy, a policy name or None, got "
+                    f"{type(policy).__name__} {policy!r}; {_FORMS}")
+
+
+def cast_for(policy: Policy | str | None, kind: str, tree):
     """Cast ``tree`` to the compute dtype ``policy`` gives layer ``kind``;
-    identity when ``policy`` is None."""
+    identity when ``policy`` is None.  ``policy`` may be a name (see :func:`as_policy`)."""
+    policy = as_policy(policy)
     if policy is None:
         return tree
     return policy.for_layer(kind).cast_to_compute(tree)

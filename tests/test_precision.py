@@ -536,3 +536,44 @@ def test_bf16_first_moment_keeps_its_dtype():
     adam = state[0]
     assert adam.mu["w"].dtype == BF16 and adam.nu["w"].dtype == F32
     assert params["w"].dtype == F32
+
+
+# --- a policy name given to apply ------------------------------------------------------
+
+def _lenet():
+    from jaxcnn import models
+    model = models.get("lenet5")
+    params, state, _ = model.init(jax.random.key(0), (2, 28, 28, 1))
+    x = jax.random.normal(jax.random.key(1), (2, 28, 28, 1), F32)
+    return model, params, state, x
+
+
+@pytest.mark.parametrize("name", ["bf16", "bf16_params", "p=f32,c=f16,o=bf16", " FP32 "])
+def test_apply_takes_the_policy_names_the_config_takes(name):
+    """The same names as precision.policy (read by get_policy): the same outputs, bit for bit."""
+    model, params, state, x = _lenet()
+    policy = P.get_policy(name)
+    params = policy.cast_to_param(params)
+    want, _ = model.apply(params, state, x, policy=policy)
+    got, _ = model.apply(params, state, x, policy=name)
+    assert got.dtype == want.dtype
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    # and under jit (the name is static: it only decides the casts at trace time)
+    jitted, _ = jax.jit(lambda p, s, x: model.apply(p, s, x, policy=name))(params, state, x)
+    np.testing.assert_array_equal(np.asarray(jitted, np.float32), np.asarray(want, np.float32))
+
+
+@pytest.mark.parametrize("bad, error, words", [
+    ("bf17", ValueError, ["policy='bf17'", "'bf17'", "fp32, bf16, bf16_params, fp16"]),
+    ("", ValueError, ["policy=''", "fp32, bf16, bf16_params, fp16"]),
+    (jnp.bfloat16, TypeError, ["policy must be", "bfloat16", "fp32, bf16, bf16_params, fp16"]),
+    (16, TypeError, ["policy must be", "int 16", "fp32, bf16, bf16_params, fp16"]),
+])
+def test_apply_refuses_a_bad_policy_naming_it(bad, error, words):
+    model, params, state, x = _lenet()
+    with pytest.raises(error) as info:
+        model.apply(params, state, x, policy=bad)
+    message = str(info.value)
+    assert "\n" not in message
+    for word in words:
+        assert word in message, (word, message)
