@@ -1,11 +1,13 @@
 """Mixed precision: dtype policies, matmul precision and loss scaling.
 
 A :class:`Policy` names the dtypes parameters are stored in
-(``param_dtype``), layers compute in (``compute_dtype``) and the model returns
-(``output_dtype``), plus an optional float32 ``master_dtype`` copy of the
+(``param_dtype``), layers compute in (``compute_dtype``) and the whole model
+returns (``output_dtype``), plus an optional float32 ``master_dtype`` copy of the
 parameters kept by the optimiser.  Layers cast at their boundary:
 ``apply(..., policy=p)`` casts its input and parameters with
-``cast_for(p, kind, ...)``.  Layer kinds that must stay accurate
+``cast_for(p, kind, ...)`` and returns the compute dtype; only a whole model
+(:func:`jaxcnn.layers.whole_model`, which every :func:`jaxcnn.models.get` model
+is) casts its output to ``output_dtype``.  Layer kinds that must stay accurate
 (:data:`DEFAULT_FP32_KINDS`: normalisation, softmax, losses) compute in
 float32 unless the configuration overrides them.
 
@@ -99,7 +101,12 @@ class Policy(NamedTuple):
     Arguments:
         param_dtype: dtype parameters are stored in.
         compute_dtype: dtype layers compute in.
-        output_dtype: dtype of the model's output.
+        output_dtype: dtype a whole model's output is cast to: what
+            ``apply`` of a :func:`jaxcnn.models.get` model (or any layer wrapped
+            in :func:`jaxcnn.layers.whole_model`) returns.  A single layer, a
+            pipeline stage or a spatial unit returns ``compute_dtype``; the
+            trainer's loss casts the logits to its own dtype (float32 unless
+            ``overrides`` say otherwise) either way.
         overrides: ``((kind, Policy), ...)`` per layer kind; kinds listed in
             :data:`DEFAULT_FP32_KINDS` compute in float32 unless overridden.
         master_dtype: dtype of the copy of the parameters the optimiser
