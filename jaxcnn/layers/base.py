@@ -169,7 +169,16 @@ def record_layers():
 
 
 def current_path() -> str:
+    """The dotted path of the layer being initialised or applied inside a combinator
+    (``"classifier.0"``), ``""`` outside any."""
     return ".".join(_REC.scopes)
+
+
+def where(name: str) -> str:
+    """``name`` for an error message, with the layer's path when it has one:
+    ``"Linear at 'classifier.0'"``, as the combinators name theirs."""
+    path = current_path()
+    return f"{name} at {path!r}" if path else name
 
 
 def leaf(kind: str, init: Callable, apply: Callable, config: dict | None = None) -> Layer:

@@ -19,6 +19,7 @@ from jaxcnn.layers.base import Layer, current_path, name_scope, split_rng
 from jaxcnn.precision import as_policy, cast_for
 
 _NOTE = "while initialising layer "
+_APPLY_NOTE = "while applying layer "
 
 
 def _named(items, what: str, start: int = 0) -> list[tuple[str, Layer]]:
@@ -64,8 +65,17 @@ def _init_child(name, layer, key, input_shape, params, state):
 
 
 def _apply_child(name, layer, rng, params, state, x, train, policy, choices, new_state):
-    y, s = layer.apply(params.get(name, {}), state.get(name, {}), x, train=train, rng=rng,
-                       policy=policy, choices=choices)
+    """Apply one child under its name (so a layer's apply can name its path, as its init can)."""
+    with name_scope(name):
+        try:
+            y, s = layer.apply(params.get(name, {}), state.get(name, {}), x, train=train, rng=rng,
+                               policy=policy, choices=choices)
+        except ValueError as e:
+            path = current_path()  # once, and not when the message itself names it
+            if not any(n.startswith(_APPLY_NOTE) for n in getattr(e, "__notes__", ())) \
+                    and f"at {path!r}" not in str(e):
+                e.add_note(f"{_APPLY_NOTE}{path!r} to input shape {tuple(getattr(x, 'shape', ()))}")
+            raise
     if s:
         new_state[name] = s
     return y
