@@ -219,3 +219,29 @@ def test_record_fingerprints_tell_converted_folders_apart(tmp_path):
     c = converted("c")
     assert c["val"]["images"] == a["val"]["images"] and data_changes(a, c) == [
         "val: 2 images as before, but other records"]
+
+
+def test_folder_and_record_fingerprints_are_the_recorded_hashes(tmp_path):
+    """The fingerprints runs record in run_meta.json stay what they were (a change would refuse
+    every resume): SHA-256 over the class names, each NUL-terminated, then for a folder a NUL and
+    each "<class>/<file>" NUL-terminated; for its records a NUL, the count, a NUL and the
+    folder's hash (which jaxcnn-data convert records); computed here by hand, with a non-ASCII
+    class name."""
+    import hashlib
+
+    from jaxcnn.data.images import ImageData
+    folder = tmp_path / "f"
+    write_shapes_folder(folder, per_class=(2, 1), classes=CLASSES[:2], size_range=(16, 20))
+    for split in ("train", "val"):
+        os.rename(folder / split / "green", folder / split / "grün")
+    names = ["blue", "grün"]
+    assert data_main(["convert", str(folder), str(tmp_path / "r"), "--no-progress"]) == 0
+    of_folder = ImageData("folder", folder, image_size=(16, 16)).fingerprint()
+    of_records = ImageData("records", tmp_path / "r", image_size=(16, 16)).fingerprint()
+    for split, count in [("train", 4), ("val", 2)]:
+        classes = b"".join(n.encode() + b"\0" for n in names)
+        files = sorted(f"{c}/{f}" for c in names for f in os.listdir(folder / split / c))
+        by_hand = hashlib.sha256(classes + b"\0" + b"".join(f.encode() + b"\0" for f in files)).hexdigest()
+        assert of_folder[split] == {"images": count, "sha256": by_hand}, split
+        by_hand = hashlib.sha256(classes + f"\0{count}\0{by_hand}".encode()).hexdigest()
+        assert of_records[split] == {"images": count, "sha256": by_hand}, split
