@@ -1,11 +1,13 @@
 """Mixed precision: dtype policies, matmul precision and loss scaling.
 
 A :class:`Policy` names the dtypes parameters are stored in
-(``param_dtype``), layers compute in (``compute_dtype``) and the model returns
-(``output_dtype``), plus an optional float32 ``master_dtype`` copy of the
+(``param_dtype``), layers compute in (``compute_dtype``) and the whole model
+returns (``output_dtype``), plus an optional float32 ``master_dtype`` copy of the
 parameters kept by the optimiser.  Layers cast at their boundary:
 ``apply(..., policy=p)`` casts its input and parameters with
-``cast_for(p, kind, ...)``.  Layer kinds that must stay accurate
+``cast_for(p, kind, ...)`` and returns the compute dtype; only a whole model
+(:func:`jaxcnn.layers.whole_model`, which every :func:`jaxcnn.models.get` model
+is) casts its output to ``output_dtype``.  Layer kinds that must stay accurate
 (:data:`DEFAULT_FP32_KINDS`: normalisation, softmax, losses) compute in
 float32 unless the configuration overrides them.
 
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from typing import Any, Mapping, NamedTuple
 
 import jax
@@ -98,7 +101,12 @@ class Policy(NamedTuple):
     Arguments:
         param_dtype: dtype parameters are stored in.
         compute_dtype: dtype layers compute in.
-        output_dtype: dtype of the model's output.
+        output_dtype: dtype a whole model's output is cast to: what
+            ``apply`` of a :func:`jaxcnn.models.get` model (or any layer wrapped
+            in :func:`jaxcnn.layers.whole_model`) returns.  A single layer, a
+            pipeline stage or a spatial unit returns ``compute_dtype``; the
+            trainer's loss casts the logits to its own dtype (float32 unless
+            ``overrides`` say otherwise) either way.
         overrides: ``((kind, Policy), ...)`` per layer kind; kinds listed in
             :data:`DEFAULT_FP32_KINDS` compute in float32 unless overridden.
         master_dtype: dtype of the copy of the parameters the optimiser
@@ -291,9 +299,37 @@ def get_policy(spec, overrides: Mapping[str, Any] | None = None) -> Policy:
     return policy.with_overrides(overrides)
 
 
-def cast_for(policy: Policy | None, kind: str, tree):
+@functools.lru_cache(maxsize=64)
+def _named_policy(name: str) -> Policy:
+    return get_policy(name)
+
+
+def as_policy(policy) -> Policy | None:
+    """The :class:`Policy` a layer's ``apply(..., policy=)`` argument stands for.
+
+    Arguments:
+        policy: a :class:`Policy`, None (no casting), or a name the config's
+            ``precision.policy`` accepts (``"bf16"``, ``"p=f32,c=bf16,o=f32"``...),
+            read by :func:`get_policy` as the trainer reads it.
+
+    Raises ValueError for an unknown name and TypeError for any other type,
+    each naming ``policy``, the bad value and the accepted forms.
+    """
+    if policy is None or isinstance(policy, Policy):
+        return policy
+    if isinstance(policy, str):
+        try:
+            return _named_policy(policy)
+        except ValueError as e:
+            raise ValueError(f"policy={policy!r}: {e}") from None
+    raise TypeError(f"policy must be a jaxcnn.precision.Policy, a policy name or None, got "
+                    f"{type(policy).__name__} {policy!r}; {_FORMS}")
+
+
+def cast_for(policy: Policy | str | None, kind: str, tree):
     """Cast ``tree`` to the compute dtype ``policy`` gives layer ``kind``;
-    identity when ``policy`` is None."""
+    identity when ``policy`` is None.  ``policy`` may be a name (see :func:`as_policy`)."""
+    policy = as_policy(policy)
     if policy is None:
         return tree
     return policy.for_layer(kind).cast_to_compute(tree)

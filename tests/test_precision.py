@@ -536,3 +536,76 @@ def test_bf16_first_moment_keeps_its_dtype():
     adam = state[0]
     assert adam.mu["w"].dtype == BF16 and adam.nu["w"].dtype == F32
     assert params["w"].dtype == F32
+
+
+# --- a policy name given to apply ------------------------------------------------------
+
+def _lenet():
+    from jaxcnn import models
+    model = models.get("lenet5")
+    params, state = jax.jit(lambda k: model.init(k, (2, 28, 28, 1))[:2])(jax.random.key(0))
+    x = jax.random.normal(jax.random.key(1), (2, 28, 28, 1), F32)
+    return model, params, state, x
+
+
+@pytest.mark.parametrize("name", ["bf16", "bf16_params", "p=f32,c=f16,o=bf16", " FP32 "])
+def test_apply_takes_the_policy_names_the_config_takes(name):
+    """The same names as precision.policy (read by get_policy): the same outputs, bit for bit."""
+    model, params, state, x = _lenet()
+    policy = P.get_policy(name)
+    params = policy.cast_to_param(params)
+    # jitted, as training and evaluation apply it (the name only decides the casts, at trace time)
+    want, got = [jax.jit(lambda p, s, x, pol=pol: model.apply(p, s, x, policy=pol)[0])(params, state, x)
+                 for pol in (policy, name)]
+    assert got.dtype == want.dtype == policy.output_dtype
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
+@pytest.mark.parametrize("bad, error, words", [
+    ("bf17", ValueError, ["policy='bf17'", "'bf17'", "fp32, bf16, bf16_params, fp16"]),
+    ("", ValueError, ["policy=''", "fp32, bf16, bf16_params, fp16"]),
+    (jnp.bfloat16, TypeError, ["policy must be", "bfloat16", "fp32, bf16, bf16_params, fp16"]),
+    (16, TypeError, ["policy must be", "int 16", "fp32, bf16, bf16_params, fp16"]),
+])
+def test_apply_refuses_a_bad_policy_naming_it(bad, error, words):
+    model, params, state, x = _lenet()
+    with pytest.raises(error) as info:
+        model.apply(params, state, x, policy=bad)
+    message = str(info.value)
+    assert "\n" not in message
+    for word in words:
+        assert word in message, (word, message)
+
+
+# --- the whole model's output dtype ------------------------------------------------------
+
+@pytest.mark.parametrize("spec", ["bf16", "fp16", "bf16_params", "p=f32,c=f32,o=bf16", "c=bf16,o=f16"])
+def test_a_zoo_model_returns_the_output_dtype(spec):
+    """A models.get model returns output_dtype; its unwrapped body (a pipeline stage's view)
+    returns the compute dtype, and the two hold the same values (the cast is the only change)."""
+    model, params, state, x = _lenet()
+    policy = P.get_policy(spec)
+    params = policy.cast_to_param(params)
+    y, _ = model.apply(params, state, x, policy=policy)
+    assert y.dtype == policy.output_dtype
+    from jaxcnn import layers as L
+    body = L.serial(*model.children)
+    inner, _ = body.apply(params, state, x, policy=policy)
+    assert inner.dtype == policy.compute_dtype
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(inner.astype(policy.output_dtype)))
+    # no policy: the layers' own dtype, no cast
+    y32, _ = model.apply(P.cast_floating(params, F32), state, x)
+    assert y32.dtype == F32
+
+
+def test_whole_model_wraps_a_composed_model():
+    from jaxcnn import layers as L
+    net = L.serial(L.Flatten(), L.Linear(3))
+    model = L.whole_model(net)
+    assert (model.kind, model.children, model.init) == (net.kind, net.children, net.init)
+    params, state, _ = model.init(jax.random.key(0), (2, 4, 4, 1))
+    x = jax.random.normal(jax.random.key(1), (2, 4, 4, 1), F32)
+    y, _ = model.apply(params, state, x, policy="bf16")
+    assert y.dtype == F32 and net.apply(params, state, x, policy="bf16")[0].dtype == BF16
+    grads = jax.grad(lambda p: jnp.sum(model.apply(p, state, x, policy="bf16")[0] ** 2))(params)
+    assert all(g.dtype == F32 for g in jax.tree_util.tree_leaves(grads))

@@ -266,6 +266,17 @@ def _to_rgb(image):
     return image.convert("RGB")
 
 
+def class_names_digest(class_names):
+    """A SHA-256 that has read ``class_names``, each NUL-terminated (names that are not valid
+    UTF-8 as the file system gave them): where the fingerprints of a folder's split
+    (:meth:`FolderSource.fingerprint`) and of its converted records
+    (``RecordSource.fingerprint``) start."""
+    digest = hashlib.sha256()
+    for name in class_names:
+        digest.update(name.encode("utf-8", "surrogateescape") + b"\0")
+    return digest
+
+
 class FolderSource:
     """Random access to the encoded images of one split of an image folder.
 
@@ -292,9 +303,7 @@ class FolderSource:
         """What identifies this split's examples, cheaply (from the file list the scan already
         made, no file opened): ``{"images": N, "sha256": ...}`` over the class names and the
         sorted relative paths, so an added, removed or renamed image or class changes it."""
-        digest = hashlib.sha256()
-        for name in self.index.class_names:
-            digest.update(name.encode("utf-8", "surrogateescape") + b"\0")
+        digest = class_names_digest(self.index.class_names)
         digest.update(b"\0")
         for path in self.index.paths:
             digest.update(path.encode("utf-8", "surrogateescape") + b"\0")

@@ -19,6 +19,7 @@ import json
 import os
 import struct
 
+from jaxcnn.data.folder import class_names_digest
 from jaxcnn.errors import BadImageError, DataError
 
 MAGIC = b"JXIR"
@@ -158,9 +159,7 @@ class RecordSource:
         the class names, the record count and the converted folder's listing that
         ``jaxcnn-data convert`` recorded in ``dataset.json`` (for records written before it did,
         the record file's size), so a folder converted again after a change gives another."""
-        digest = hashlib.sha256()
-        for name in self.class_names:
-            digest.update(name.encode("utf-8", "surrogateescape") + b"\0")
+        digest = class_names_digest(self.class_names)
         listing = self._listing if isinstance(self._listing, str) else f"size {os.path.getsize(self.path)}"
         digest.update(f"\0{len(self)}\0{listing}".encode())
         return {"images": len(self), "sha256": digest.hexdigest()}

@@ -157,22 +157,24 @@ def main(argv=None) -> int:
     from jaxcnn import cpu
     cpu.configure()  # before JAX starts: jaxcnn's XLA:CPU flag and malloc policy
     args = parser().parse_args(argv)
+    from jaxcnn.export._args import command_line_flags
     from jaxcnn.export.pipeline import export
     from jaxcnn.train.checkpoint import CheckpointError
     from jaxcnn.errors import TrainingStopped
     log = None if args.json else print
     try:
-        report = export(
-            args.source, args.out, format=args.format, model=args.model,
-            num_classes=args.num_classes, model_options=dict(args.model_option),
-            image_shape=args.input_shape, batch=args.batch, layout=args.layout,
-            fold_bn=args.fold_bn, quantize=args.quantize,
-            calibration_count=args.calibration_batches, prune=args.prune,
-            prune_scope=args.prune_scope, prune_structure=args.prune_structure,
-            fine_tune_steps=args.fine_tune_steps, fine_tune_lr=args.fine_tune_lr,
-            fine_tune_dir=args.fine_tune_dir, opset=args.opset,
-            preprocessing=args.preprocessing, log=log,
-            train_stream=sys.stderr if args.json else sys.stdout)
+        with command_line_flags():  # errors name --model, --out..., not the Python arguments
+            report = export(
+                args.source, args.out, format=args.format, model=args.model,
+                num_classes=args.num_classes, model_options=dict(args.model_option),
+                image_shape=args.input_shape, batch=args.batch, layout=args.layout,
+                fold_bn=args.fold_bn, quantize=args.quantize,
+                calibration_count=args.calibration_batches, prune=args.prune,
+                prune_scope=args.prune_scope, prune_structure=args.prune_structure,
+                fine_tune_steps=args.fine_tune_steps, fine_tune_lr=args.fine_tune_lr,
+                fine_tune_dir=args.fine_tune_dir, opset=args.opset,
+                preprocessing=args.preprocessing, log=log,
+                train_stream=sys.stderr if args.json else sys.stdout)
     except (ValueError, OSError, CheckpointError) as e:  # ExportError, ConfigError, DataError, files
         message = " ".join(str(e).split())  # one line, even for multi-line messages
         if os.path.isdir(args.source):  # a run directory started elsewhere: say where

@@ -19,6 +19,7 @@ import jax
 from jaxcnn import interop, models
 from jaxcnn.data.preprocessing import PREPROCESSING_FILE, run_preprocessing
 from jaxcnn.errors import ExportError
+from jaxcnn.export._args import arg
 from jaxcnn.export.fold import fold_batch_norm
 from jaxcnn.export.onnx_export import MIN_OPSET, export_onnx
 from jaxcnn.export.prune import fine_tune, magnitude_prune, sparsity_report
@@ -80,7 +81,7 @@ def _infer_num_classes(name, options, params_path, image_shape):
         node = node.get(part, {}) if isinstance(node, dict) else {}
     if not isinstance(node, dict) or not hasattr(node.get("w"), "shape"):
         raise ExportError(f"{params_path}: no weight 'params/{path}.w' for model {name!r}'s "
-                          "classifier; is --model right?")
+                          f"classifier; is {arg('model')} right?")
     return int(node["w"].shape[-1])
 
 
@@ -144,7 +145,7 @@ def load_source(source, *, model: str | None = None, num_classes: int | None = N
             raise ExportError(f"{source}: run directory has no parameters "
                               f"({' or '.join(RunDir.PARAM_FILES)}); {why}")
         if model is not None and model != cfg.model.name:
-            raise ExportError(f"--model {model!r} does not match the run's model "
+            raise ExportError(f"{arg('model', repr(model))} does not match the run's model "
                               f"{cfg.model.name!r}")
         model = cfg.model.name
         options = {**dict(cfg.model.options), **options}
@@ -159,7 +160,7 @@ def load_source(source, *, model: str | None = None, num_classes: int | None = N
         if not source.endswith((".npz", ".safetensors")):  # before asking for --model
             _load_params(source, None)
         if model is None:
-            raise ExportError(f"{source}: a parameter file needs --model NAME "
+            raise ExportError(f"{source}: a parameter file needs {arg('model', 'NAME')} "
                               f"(one of {models.names()})")
     else:
         raise ExportError(f"{source}: no such run directory or parameter file")
@@ -180,7 +181,8 @@ def load_source(source, *, model: str | None = None, num_classes: int | None = N
         if given_shape is None or "shape" not in str(e):
             raise
         # The flattened classifier's width follows the image size: name the option that set it.
-        raise ExportError(f"--input-shape {','.join(map(str, given_shape))}: the parameters do not fit the "
+        shape = arg("image_shape", repr(given_shape), cli_value=",".join(map(str, given_shape)))
+        raise ExportError(f"{shape}: the parameters do not fit the "
                           f"model at that input ({' '.join(str(e).split())})") from None
     return Source(model, net, params, state, image_shape, cfg, prep)
 
@@ -220,8 +222,9 @@ def _check_out_extension(out: str, format: str) -> None:
     if named is not None and named != format:
         mine = next((e for e, f in _EXTENSIONS.items() if f == format), "")
         better = repr(os.path.splitext(out)[0] + mine) + ("" if mine else " (any name but those extensions)")
-        raise ExportError(f"--out {out!r} has the {ext} extension of the {named} format, but --format is "
-                          f"{format}; give --out {better}, or --format {named}")
+        raise ExportError(f"{arg('out', repr(out))} has the {ext} extension of the {named} format, but "
+                          f"{arg('format')} is {format}; give {arg('out', better)}, or "
+                          f"{arg('format', repr(named), cli_value=named)}")
 
 
 def _check_out_spares_source(source, out: str) -> None:
@@ -233,12 +236,14 @@ def _check_out_spares_source(source, out: str) -> None:
     source = os.fspath(source)
     real_out, real_source = os.path.realpath(out), os.path.realpath(source)
     if real_out == real_source:
-        raise ExportError(f"--out {out!r} is the source file {source}: it would be overwritten; give another name")
+        raise ExportError(f"{arg('out', repr(out))} is the source file {source}: it would be overwritten; "
+                          "give another name")
     if os.path.isdir(real_source):
         for name in RunDir.ENTRIES:
             owned = os.path.join(real_source, name)
             if real_out == owned or real_out.startswith(owned + os.sep):
-                raise ExportError(f"--out {out!r} is the run's own {name} in {source}: it would be overwritten; "
+                raise ExportError(f"{arg('out', repr(out))} is the run's own {name} in {source}: it would be "
+                                  "overwritten; "
                                   "give another name")
 
 
@@ -343,6 +348,11 @@ def export(source, out, *, format: str, model: str | None = None, num_classes=No
     Returns:
         A report: ``{"out", "format", "model", "preprocessing", ...}`` with ``sparsity`` and
         ``accuracy`` entries (before/after, when a run directory gives test data).
+
+    Raises:
+        ExportError (or ``ValueError`` from the file readers) naming the argument at fault as
+        this function's (``model='x'``, ``image_shape=...``); ``jaxcnn-export`` names its flags
+        (``--model 'x'``) instead.
     """
     say = log or (lambda _: None)
     if format not in FORMATS:
@@ -350,16 +360,17 @@ def export(source, out, *, format: str, model: str | None = None, num_classes=No
     if quantize not in (None, "int8"):
         raise ExportError(f"quantize must be 'int8', got {quantize!r}")
     if calibration_count < 1:
-        raise ExportError(f"calibration batches must be a positive count, got {calibration_count}")
+        raise ExportError(f"calibration_count must be a positive count of batches, got {calibration_count}")
     out = os.fspath(out)
     if os.path.isdir(out):
-        raise ExportError(f"--out {out!r} is a directory; give the output file's name")
+        raise ExportError(f"{arg('out', repr(out))} is a directory; give the output file's name")
     parent = os.path.dirname(os.path.abspath(out))
     if not os.path.isdir(parent):  # before any work: it ended on "[Errno 2] No such file or directory"
         what = "is not a directory" if os.path.exists(parent) else "does not exist"
-        raise ExportError(f"--out {out!r}: its directory {os.path.dirname(out) or '.'} {what}")
+        raise ExportError(f"{arg('out', repr(out))}: its directory {os.path.dirname(out) or '.'} {what}")
     if not os.access(parent, os.W_OK | os.X_OK):
-        raise ExportError(f"--out {out!r}: its directory {os.path.dirname(out) or '.'} is not writable")
+        raise ExportError(f"{arg('out', repr(out))}: its directory {os.path.dirname(out) or '.'} is not "
+                          "writable")
     _check_out_extension(out, format)
     if format == "npz" and not out.endswith(".npz"):
         out += ".npz"  # what np.savez writes
@@ -368,24 +379,25 @@ def export(source, out, *, format: str, model: str | None = None, num_classes=No
                       image_shape=image_shape,
                       preprocessing=preprocessing and format in ("onnx", "stablehlo"))
     net, params, state, cfg = src.model, src.params, src.state, src.cfg
-    needs_run = [flag for flag, on in (("--quantize", quantize), ("--fine-tune-steps",
-                                                                  fine_tune_steps)) if on]
+    needs_run = [arg(name) for name, on in (("quantize", quantize), ("fine_tune_steps",
+                                                                     fine_tune_steps)) if on]
     if needs_run and cfg is None:
         raise ExportError(f"{' and '.join(needs_run)} need training data: pass a run directory, "
                           "not a parameter file")
     if fine_tune_steps and not prune:
-        raise ExportError("--fine-tune-steps fine-tunes a pruned model: add --prune SPARSITY")
+        raise ExportError(f"{arg('fine_tune_steps')} fine-tunes a pruned model: add "
+                          f"{arg('prune', 'SPARSITY')}")
     if fine_tune_steps and (model_options or num_classes or image_shape):
-        raise ExportError("--fine-tune-steps trains the run's own model on its own data; leave out "
-                          "--model-option, --num-classes and --input-shape")
+        raise ExportError(f"{arg('fine_tune_steps')} trains the run's own model on its own data; leave "
+                          f"out {arg('model_options')}, {arg('num_classes')} and {arg('image_shape')}")
     report = {"out": out, "format": format, "model": src.name,
               "image_shape": list(src.image_shape), "accuracy": {}}
     prep = src.preprocessing
     if prep is not None and tuple(prep.image_shape) != tuple(src.image_shape):
         if prep.image_shape[-1] != src.image_shape[-1] and preprocessing:
-            raise ExportError(f"--input-shape {tuple(src.image_shape)} has "
-                              f"{src.image_shape[-1]} channels but the run's preprocessing "
-                              f"normalises {prep.image_shape[-1]}; add --no-preprocessing")
+            raise ExportError(f"{arg('image_shape', repr(tuple(src.image_shape)), cli_value=str(tuple(src.image_shape)))}"
+                              f" has {src.image_shape[-1]} channels but the run's preprocessing "
+                              f"normalises {prep.image_shape[-1]}; add {arg('preprocessing=False')}")
         prep = prep._replace(image_shape=tuple(src.image_shape))
     in_graph = bool(preprocessing and prep is not None and format in ("onnx", "stablehlo"))
     meta = None
@@ -463,7 +475,7 @@ def _input_line(format, layout, image_shape, prep, in_graph, report, from_run, b
              "stablehlo": report.get("preprocessing_file")}.get(format)
     if prep is None and from_run:  # an older run directory, not reconstructed for this export
         return ("input: float32, normalised as the network was trained on (the run directory has "
-                "no preprocessing.json; an ONNX or StableHLO export without --no-preprocessing "
+                f"no preprocessing.json; an ONNX or StableHLO export without {arg('preprocessing=False')} "
                 "reconstructs it and builds it in)")
     if prep is None:
         return ("input: float32, normalised as the network was trained on (a bare parameter file "
@@ -475,8 +487,8 @@ def _input_line(format, layout, image_shape, prep, in_graph, report, from_run, b
     if in_graph:
         return (f"input: raw {prep.pixel_dtype} pixels in [{lo}, {hi}], {layout.upper()} {dims}; "
                 f"the model normalises them ({prep.formula}, mean {list(prep.mean)}, std "
-                f"{list(prep.std)}); recorded in {where}; --no-preprocessing leaves it out")
+                f"{list(prep.std)}); recorded in {where}; {arg('preprocessing=False')} leaves it out")
     return (f"input: float32 {layout.upper()} {dims}, already normalised: {prep.formula} of "
             f"{prep.pixel_dtype} pixels in [{lo}, {hi}], mean {list(prep.mean)}, std "
-            f"{list(prep.std)} (--no-preprocessing; recorded in {where})")
+            f"{list(prep.std)} ({arg('preprocessing=False')}; recorded in {where})")
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 
 from jaxcnn.errors import ExportError
+from jaxcnn.export._args import on_command_line
 from jaxcnn.train.prune import (PRUNABLE, PruneMask, apply_masks, keep_tree,  # noqa: F401  (re-exported)
                                 magnitude_prune, mask_updates, prunable_layers, sparsity_report,
                                 with_keep)
@@ -58,6 +59,8 @@ def fine_tune(run_dir, workdir, *, sparsity: float, steps: int, scope: str = "gl
     if os.path.isdir(workdir) and os.listdir(workdir):
         previous = RunDir(workdir).config
         if not os.path.isfile(previous) or load_config(previous) != cfg:
+            other_dir = ("--fine-tune-dir DIR" if on_command_line()
+                         else "export's fine_tune_dir, fine_tune's workdir")
             raise ExportError(f"{workdir} is not empty and does not hold this fine-tune; remove it "
-                              "or give another directory (--fine-tune-dir DIR)")
+                              f"or give another directory ({other_dir})")
     return train(cfg, workdir, stream=stream)

@@ -206,6 +206,18 @@ def _head_classes(model, shapes, input_shape, model_options):
     return int(shape[0]) if len(shape) == 2 and shape[0] != heads[-1].torch_shape[0] else None
 
 
+_SHOWN = 3  # problems of one sort named in a mismatch message; the rest are counted
+
+
+def _first_few(problems: list[str], what: str) -> list[str]:
+    """The first :data:`_SHOWN` of ``problems``, then ``"and N more <what>"``: a state dict of
+    another model mismatches in hundreds of keys, which named one by one made a
+    13 KB line."""
+    if len(problems) <= _SHOWN:
+        return problems
+    return problems[:_SHOWN] + [f"and {len(problems) - _SHOWN} more {what}"]
+
+
 def match_state_dict(model, shapes, *, input_shape=None, skip=(), **model_options):
     """Check a PyTorch ``state_dict``'s names and shapes against a model, before reading it.
 
@@ -221,9 +233,10 @@ def match_state_dict(model, shapes, *, input_shape=None, skip=(), **model_option
         ``(label, entries)``: the model's entries to read, skipped ones left out.
 
     Raises:
-        ValueError: naming each missing key (with the model's shape), unexpected key (with
-            the state dict's shape) and mis-shaped key (with both shapes), and each ``skip``
-            entry that names no parameter of the model. A missing ``num_batches_tracked`` is
+        ValueError: naming the missing keys (with the model's shape), unexpected keys (with
+            the state dict's shape) and mis-shaped keys (with both shapes), the first three of
+            each sort and how many more, and each ``skip`` entry that names no parameter of
+            the model. A missing ``num_batches_tracked`` is
             not a problem (PyTorch loads such state dicts; it reads as 0).
     """
     label, entries = _entries(model, input_shape, model_options)
@@ -238,12 +251,15 @@ def match_state_dict(model, shapes, *, input_shape=None, skip=(), **model_option
     missing = [e for e in kept if e.torch_name not in shapes
                and not e.torch_name.endswith("num_batches_tracked")]
     unexpected = sorted(k for k in set(shapes) - expected if not _under(k, skip))
-    problems = [f"missing key {e.torch_name!r} (the model's shape {e.torch_shape})"
-                for e in missing]
-    problems += [f"unexpected key {k!r} (shape {tuple(shapes[k])})" for k in unexpected]
-    problems += [f"key {e.torch_name!r} has shape {tuple(shapes[e.torch_name])}, the model's "
-                 f"is {e.torch_shape}" for e in kept
-                 if e.torch_name in shapes and tuple(shapes[e.torch_name]) != e.torch_shape]
+    problems = _first_few([f"missing key {e.torch_name!r} (the model's shape {e.torch_shape})"
+                           for e in missing], "missing keys")
+    problems += _first_few([f"unexpected key {k!r} (shape {tuple(shapes[k])})"
+                            for k in unexpected], "unexpected keys")
+    problems += _first_few([f"key {e.torch_name!r} has shape {tuple(shapes[e.torch_name])}, "
+                            f"the model's is {e.torch_shape}" for e in kept
+                            if e.torch_name in shapes
+                            and tuple(shapes[e.torch_name]) != e.torch_shape],
+                           "mis-shaped keys")
     if problems:
         raise ValueError(f"{label}: state_dict does not match the model: " + "; ".join(problems))
     return label, kept
@@ -374,8 +390,10 @@ def to_torch_state_dict(model, params, state, *, input_shape=None, **model_optio
     for collection in given:
         wanted = {e.path for e in entries if e.collection == collection}
         have = set(given[collection])
-        problems += [f"missing {collection} {p!r}" for p in sorted(wanted - have)]
-        problems += [f"unexpected {collection} {p!r}" for p in sorted(have - wanted)]
+        problems += _first_few([f"missing {collection} {p!r}" for p in sorted(wanted - have)],
+                               f"missing {collection} entries")
+        problems += _first_few([f"unexpected {collection} {p!r}" for p in sorted(have - wanted)],
+                               f"unexpected {collection} entries")
     if problems:
         raise ValueError(f"{label}: params/state do not match the model: " + "; ".join(problems))
     try:

@@ -18,7 +18,7 @@ from jaxcnn.layers.activation import (Elu, Gelu, Hardsigmoid, Hardswish, LeakyRe
                                       Relu, Relu6, Sigmoid, Silu, Softmax, Tanh)
 from jaxcnn.layers.base import (Choices, Layer, LayerRecord, leaf, name_scope, record_layers,
                                 split_rng)
-from jaxcnn.layers.combinators import gate, parallel, residual, serial
+from jaxcnn.layers.combinators import gate, parallel, residual, serial, whole_model
 from jaxcnn.layers.conv import Conv2D, ConvTranspose2D
 from jaxcnn.layers.dropout import Dropout, StochasticDepth
 from jaxcnn.layers.linear import Linear
@@ -36,6 +36,6 @@ __all__ = [
     "Relu", "Relu6", "LeakyRelu", "Elu", "Gelu", "Silu", "Hardswish", "Sigmoid", "Tanh",
     "Softmax", "LogSoftmax",
     "Dropout", "Flatten", "Identity",
-    "serial", "residual", "parallel",
+    "serial", "residual", "parallel", "whole_model",
     "Hardsigmoid", "StochasticDepth", "LayerScale", "SqueezeExcitation", "gate",
 ]

@@ -11,7 +11,10 @@ NamedTuple of two pure functions::
 dimension, e.g. ``(N, H, W, C)`` for images (NHWC).  ``init`` is shape driven:
 it never runs a forward pass.  ``params`` holds trained arrays, ``state`` the
 non-trained ones (BatchNorm running statistics); both are nested dicts with
-readable keys, and a layer without any returns ``{}``.  ``choices`` (a
+readable keys, and a layer without any returns ``{}``.  ``policy`` is a
+:class:`jaxcnn.precision.Policy`, a name the config's ``precision.policy`` takes
+(``"bf16"``, ``"p=f32,c=bf16,o=f32"``: see :func:`jaxcnn.precision.as_policy`) or
+None (no casting).  ``choices`` (a
 :class:`Choices` or None) picks the kernels, the BatchNorm backward and the
 axis BatchNorm syncs over; like ``policy`` it is an argument, passed down by
 the combinators, so a traced function that closes over it can never keep a
@@ -175,7 +178,16 @@ def record_layers():
 
 
 def current_path() -> str:
+    """The dotted path of the layer being initialised or applied inside a combinator
+    (``"classifier.0"``), ``""`` outside any."""
     return ".".join(_REC.scopes)
+
+
+def where(name: str) -> str:
+    """``name`` for an error message, with the layer's path when it has one:
+    ``"Linear at 'classifier.0'"``, as the combinators name theirs."""
+    path = current_path()
+    return f"{name} at {path!r}" if path else name
 
 
 def leaf(kind: str, init: Callable, apply: Callable, config: dict | None = None) -> Layer:

@@ -1,5 +1,5 @@
 """Combinators: layers made of layers — :func:`serial`, :func:`residual`, :func:`parallel`,
-:func:`gate`.
+:func:`gate`; and :func:`whole_model`, which marks a layer as a whole model.
 
 Children are named like PyTorch modules: an item is a Layer (named by its
 position, ``"0"``, ``"1"``, ... as in ``nn.Sequential``) or a ``(name, Layer)``
@@ -16,9 +16,10 @@ import jax.numpy as jnp
 
 from jaxcnn.layers import fusion
 from jaxcnn.layers.base import Layer, current_path, name_scope, split_rng
-from jaxcnn.precision import cast_for
+from jaxcnn.precision import as_policy, cast_for
 
 _NOTE = "while initialising layer "
+_APPLY_NOTE = "while applying layer "
 
 
 def _named(items, what: str, start: int = 0) -> list[tuple[str, Layer]]:
@@ -64,8 +65,17 @@ def _init_child(name, layer, key, input_shape, params, state):
 
 
 def _apply_child(name, layer, rng, params, state, x, train, policy, choices, new_state):
-    y, s = layer.apply(params.get(name, {}), state.get(name, {}), x, train=train, rng=rng,
-                       policy=policy, choices=choices)
+    """Apply one child under its name (so a layer's apply can name its path, as its init can)."""
+    with name_scope(name):
+        try:
+            y, s = layer.apply(params.get(name, {}), state.get(name, {}), x, train=train, rng=rng,
+                               policy=policy, choices=choices)
+        except ValueError as e:
+            path = current_path()  # once, and not when the message itself names it
+            if not any(n.startswith(_APPLY_NOTE) for n in getattr(e, "__notes__", ())) \
+                    and f"at {path!r}" not in str(e):
+                e.add_note(f"{_APPLY_NOTE}{path!r} to input shape {tuple(getattr(x, 'shape', ()))}")
+            raise
     if s:
         new_state[name] = s
     return y
@@ -278,3 +288,34 @@ def gate(*layers) -> Layer:
         return x * g, new_state
 
     return Layer(init, apply, "gate", {}, tuple(children))
+
+
+def whole_model(layer: Layer) -> Layer:
+    """``layer`` as a whole model: its ``apply`` casts the output to the policy's
+    ``output_dtype`` (float32 under every preset), the model's end of the
+    :class:`jaxcnn.precision.Policy` contract.
+
+    A layer does not know whether it is the whole model or a part, so only this
+    wrapper casts: every other layer returns its compute dtype, so that a
+    bfloat16 network stays bfloat16 inside.  The zoo models
+    (:func:`jaxcnn.models.get`) come wrapped; wrap a model you compose yourself.
+    Its parts (``children``, what a pipeline stage or a spatial unit applies) are
+    ``layer``'s, unwrapped: they return their compute dtype.
+
+    Arguments:
+        layer: the model.
+
+    Returns:
+        ``layer`` with the same ``init``, ``kind``, ``config`` and ``children``; its
+        ``apply`` output (floating leaves) is cast to ``policy.output_dtype`` when
+        a policy is given, and is ``layer``'s own without one.
+    """
+    inner = layer.apply
+
+    def apply(params, state, x, *, train=False, rng=None, policy=None, choices=None):
+        policy = as_policy(policy)
+        y, new_state = inner(params, state, x, train=train, rng=rng, policy=policy,
+                             choices=choices)
+        return (y if policy is None else policy.cast_to_output(y)), new_state
+
+    return layer._replace(apply=apply)

@@ -11,6 +11,7 @@ import inspect
 from typing import Callable, NamedTuple
 
 from jaxcnn.layers.base import Layer
+from jaxcnn.layers.combinators import whole_model
 
 
 class _Entry(NamedTuple):
@@ -54,8 +55,9 @@ def get(name: str, *, num_classes: int | None = None, **options) -> Layer:
             ``width_mult`` for MobileNetV2); unknown options are a ValueError.
 
     Returns:
-        The model as a Layer; its input is ``(N, H, W, C)`` images and its
-        output ``(N, num_classes)`` logits.
+        The model as a Layer (wrapped in :func:`jaxcnn.layers.whole_model`); its
+        input is ``(N, H, W, C)`` images and its output ``(N, num_classes)``
+        logits, in the policy's ``output_dtype`` under a precision policy.
     """
     builder = _entry(name).builder
     accepted = inspect.signature(builder).parameters
@@ -68,7 +70,7 @@ def get(name: str, *, num_classes: int | None = None, **options) -> Layer:
             raise ValueError(f"model {name!r}: num_classes must be a positive int, "
                              f"got {num_classes!r}")
         options["num_classes"] = num_classes
-    return builder(**options)
+    return whole_model(builder(**options))
 
 
 def names() -> list[str]:

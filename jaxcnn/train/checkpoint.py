@@ -1101,6 +1101,18 @@ def check_resume_config(workdir: str, config_dict: Mapping, *, resume: str = "au
     return changes
 
 
+def recorded_data_changes(workdir: str, fingerprint) -> list[str]:
+    """How the data `fingerprint` describes (`jaxcnn.data.ImageData.fingerprint`; None: a
+    source that holds no such record) differ from those the run in `workdir` recorded in
+    ``run_meta.json``, one phrase per change (`jaxcnn.data.images.data_changes`); empty when
+    the same or nothing was recorded.  `check_resume_data` stops a resume on them;
+    ``jaxcnn-eval`` warns."""
+    if fingerprint is None:
+        return []
+    from jaxcnn.data.images import data_changes
+    return data_changes(RunDir(workdir).read_meta().get("data"), fingerprint)
+
+
 def check_resume_data(workdir: str, fingerprint, *, resume: str = "auto", on_change: str = "stop") -> list[str]:
     """Before any compute: did the data of the run in `workdir` change since it last ran?
 
@@ -1119,8 +1131,7 @@ def check_resume_data(workdir: str, fingerprint, *, resume: str = "auto", on_cha
     run_dir = RunDir(workdir)
     if fingerprint is None or resume == "never" or not _has_checkpoints(run_dir.checkpoints):
         return []
-    from jaxcnn.data.images import data_changes
-    changes = data_changes(run_dir.read_meta().get("data"), fingerprint)
+    changes = recorded_data_changes(workdir, fingerprint)
     if changes and on_change == "stop":
         raise ConfigChangedError(
             f"{workdir} was trained on other data than {fingerprint['path']} holds now ({'; '.join(changes)}); "

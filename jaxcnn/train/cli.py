@@ -228,6 +228,21 @@ def _final_params(run, run_dir, path):
     return (max(steps) if steps else None), params, model_state
 
 
+def _warn_of_other_data(run_dir, run) -> None:
+    """One line on stderr when the image data evaluated on are not those the run recorded
+    (``run_meta.json``): the folder changed since training, or it is another folder
+    (``data.path=...``), which is fine to evaluate on, so it goes on.  The comparison is the
+    one that stops a resume (`check_resume_data`)."""
+    if run.images is None:
+        return
+    from jaxcnn.train.checkpoint import recorded_data_changes
+    fingerprint = run.images.fingerprint()
+    changes = recorded_data_changes(run_dir.path, fingerprint)
+    if changes:
+        print(f"jaxcnn-eval: warning: {fingerprint['path']} does not hold the data {run_dir.path} was "
+              f"trained on ({'; '.join(changes)}); evaluating on them as they are now", file=sys.stderr)
+
+
 def eval_main(argv=None) -> int:
     """Entry point of ``jaxcnn-eval``."""
     _configure_cpu()
@@ -255,6 +270,7 @@ def eval_main(argv=None) -> int:
         # Normalise as in training (the run's preprocessing.json), as jaxcnn-export does.
         from jaxcnn.data.preprocessing import run_preprocessing, with_preprocessing
         run = with_preprocessing(run, run_preprocessing(args.run_dir, run=run))
+        _warn_of_other_data(run_dir, run)
         ckpt_dir = run_dir.checkpoints
         final = run_dir.find_params()
         if args.step is None and final is not None and not _holds_checkpoints(ckpt_dir):

@@ -277,3 +277,36 @@ def test_a_torch_state_dict_exports_like_the_same_parameters(params_file, tmp_pa
     assert main([torch_file, "--model", "mnist_cnn", "--num-classes", "7", "--format", "npz",
                  "--out", str(tmp_path / "x.npz")]) == 2
     assert "key 'fc2.weight' has shape (10, 128), the model's is (7, 128)" in _one_line_error(capsys, "jaxcnn-export")
+
+
+def test_export_from_python_names_its_arguments_the_command_line_its_flags(params_file, tmp_path, capsys):
+    """jaxcnn.export.export() said '--model', '--out', '--input-shape' to Python callers."""
+    from jaxcnn.export import ExportError, export
+    cases = [  # (export's keyword arguments, what Python is told, what jaxcnn-export says, its argv)
+        (dict(format="npz"), "a parameter file needs model=NAME (one of [",
+         "a parameter file needs --model NAME (one of [", []),
+        (dict(format="stablehlo", model="mnist_cnn", out="m.onnx"),
+         "out='{tmp}/m.onnx' has the .onnx extension of the onnx format, but format is stablehlo; "
+         "give out='{tmp}/m' (any name but those extensions), or format='onnx'",
+         "--out '{tmp}/m.onnx' has the .onnx extension of the onnx format, but --format is stablehlo; "
+         "give --out '{tmp}/m' (any name but those extensions), or --format onnx",
+         ["--model", "mnist_cnn"]),
+        (dict(format="npz", model="mnist_cnn", image_shape=(32, 32, 1)),
+         "image_shape=(32, 32, 1): the parameters do not fit the model at that input (",
+         "--input-shape 32,32,1: the parameters do not fit the model at that input (",
+         ["--model", "mnist_cnn", "--input-shape", "32,32,1"]),
+        (dict(format="npz", model="mnist_cnn", quantize="int8", fine_tune_steps=2),
+         "quantize and fine_tune_steps need training data: pass a run directory",
+         "--quantize and --fine-tune-steps need training data: pass a run directory",
+         ["--model", "mnist_cnn", "--quantize", "int8", "--fine-tune-steps", "2"]),
+    ]
+    for kwargs, python, cli, argv in cases:
+        out = str(tmp_path / kwargs.pop("out", "x.npz"))
+        for _ in range(2):  # the command line's wording does not stay behind
+            with pytest.raises(ExportError) as info:
+                export(params_file, out, **kwargs)
+            message = str(info.value)
+            assert python.format(tmp=tmp_path) in message and "--" not in message, message
+            assert main([params_file, "--format", kwargs["format"], "--out", out, *argv]) == 2
+            assert cli.format(tmp=tmp_path) in _one_line_error(capsys, "jaxcnn-export")
+    assert os.listdir(tmp_path) == []

@@ -170,3 +170,45 @@ def test_every_mismatched_key_is_named_with_both_shapes():
     assert ("key 'layer2.0.conv1.weight' has shape (128, 64, 3, 1), the model's is "
             "(128, 64, 3, 3)") in message
     assert "key 'layer3.1.bn2.running_var' has shape (255,), the model's is (256,)" in message
+
+
+def _problems(message, sort):
+    """The keys a mismatch message names as ``sort`` ("missing key", ...) and its "and N more"."""
+    import re
+    named = re.findall(rf"(?:: |; ){sort} '([^']+)'", message)
+    more = re.search(rf"; and (\d+) more {sort.split()[0]}", message)
+    return named, int(more.group(1)) if more else 0
+
+
+def test_another_models_state_dict_is_a_short_line_naming_real_keys():
+    """resnet18's keys into resnet34 (and back) named every key: a 13 KB line.  Now the first
+    three of each sort, then how many more, all in one line under 1,000 characters."""
+    sd18, sd34 = _numpy_state_dict("resnet18"), _numpy_state_dict("resnet34")
+    for given, model, sort, wrong in [
+            (sd18, "resnet34", "missing key",  # a missing counter is no problem (it reads as 0)
+             sorted(k for k in set(sd34) - set(sd18) if not k.endswith("num_batches_tracked"))),
+            (sd34, "resnet18", "unexpected key", sorted(set(sd34) - set(sd18)))]:
+        with pytest.raises(ValueError) as info:
+            from_torch_state_dict(model, given)
+        message = str(info.value)
+        assert "\n" not in message and len(message) < 1000, len(message)
+        assert message.startswith(f"{model}: state_dict does not match the model: {sort} '")
+        named, more = _problems(message, sort)
+        assert len(named) == 3 and set(named) <= set(wrong), named
+        assert more == len(wrong) - 3 > 0
+        assert "num_batches_tracked" not in message or sort == "unexpected key"
+    # mis-shaped keys, together with one missing and one unexpected
+    bad = dict(sd18)
+    for k in [k for k in bad if k.endswith("running_var")]:
+        bad[k] = np.zeros((1,), np.float32)
+    bad["extra.weight"] = bad.pop("layer4.1.conv2.weight")
+    with pytest.raises(ValueError) as info:
+        from_torch_state_dict("resnet18", bad)
+    message = str(info.value)
+    assert len(message) < 1000
+    assert _problems(message, "missing key") == (["layer4.1.conv2.weight"], 0)
+    assert _problems(message, "unexpected key") == (["extra.weight"], 0)
+    shaped = sorted(k for k in sd18 if k.endswith("running_var"))
+    assert message.count("has shape (1,), the model's is (") == 3
+    assert f"; and {len(shaped) - 3} more mis-shaped keys" in message
+    assert "key 'bn1.running_var' has shape (1,), the model's is (64,)" in message

@@ -292,3 +292,30 @@ def test_conv_layers_match_torch():
         torch.from_numpy(np.asarray(params["b"])), stride=2, padding=1, output_padding=1,
         groups=2)
     np.testing.assert_allclose(y, ref.permute(0, 2, 3, 1).numpy(), **TOL)
+
+
+def test_linear_errors_name_its_path_in_the_model():
+    """The input-shape error of a Linear inside a model named no layer ('linear: x's last axis
+    must match w's input size ...'); now its path, as the combinators name theirs."""
+    model = L.serial(L.Flatten(), ("classifier", L.serial(L.Linear(4), L.Relu(), L.Linear(2))))
+    params, state, _ = model.init(jax.random.PRNGKey(0), (2, 3, 3, 1))
+    x = rand((2, 4, 4, 1))  # another input size than at init: 16 features, not 9
+    for apply in (model.apply, jax.jit(model.apply)):
+        with pytest.raises(ValueError) as info:
+            apply(params, state, x)
+        assert str(info.value) == (
+            "Linear at 'classifier.0': input shape (2, 16) does not end in the 9 features its "
+            "weight takes (w shape (9, 4)); was the model initialised for another input size?")
+    with pytest.raises(ValueError, match=r"^Linear at 'classifier.0': expected an input of rank >= 2, "
+                                         r"got shape \(2,\)"):
+        L.serial(("classifier", L.serial(L.Linear(4)))).init(jax.random.PRNGKey(0), (2,))
+    # a Linear on its own has no path
+    with pytest.raises(ValueError, match=r"^Linear: input shape \(2, 5\) does not end in the 9 features"):
+        L.Linear(4).apply(params["classifier"]["0"], {}, rand((2, 5)))
+    # the other layers' apply errors get the path as a note, as their init errors do
+    conv = L.serial(("body", L.serial(L.Conv2D(4, 3))))
+    params, state, _ = conv.init(jax.random.PRNGKey(0), (1, 5, 5, 3))
+    with pytest.raises(ValueError, match="channel mismatch") as info:
+        conv.apply(params, state, rand((1, 5, 5, 2)))
+    assert [n for n in info.value.__notes__ if n.startswith("while applying")] == [
+        "while applying layer 'body.0' to input shape (1, 5, 5, 2)"]

@@ -219,3 +219,72 @@ def test_record_fingerprints_tell_converted_folders_apart(tmp_path):
     c = converted("c")
     assert c["val"]["images"] == a["val"]["images"] and data_changes(a, c) == [
         "val: 2 images as before, but other records"]
+
+
+def test_folder_and_record_fingerprints_are_the_recorded_hashes(tmp_path):
+    """The fingerprints runs record in run_meta.json stay what they were (a change would refuse
+    every resume): SHA-256 over the class names, each NUL-terminated, then for a folder a NUL and
+    each "<class>/<file>" NUL-terminated; for its records a NUL, the count, a NUL and the
+    folder's hash (which jaxcnn-data convert records); computed here by hand, with a non-ASCII
+    class name."""
+    import hashlib
+
+    from jaxcnn.data.images import ImageData
+    folder = tmp_path / "f"
+    write_shapes_folder(folder, per_class=(2, 1), classes=CLASSES[:2], size_range=(16, 20))
+    for split in ("train", "val"):
+        os.rename(folder / split / "green", folder / split / "grün")
+    names = ["blue", "grün"]
+    assert data_main(["convert", str(folder), str(tmp_path / "r"), "--no-progress"]) == 0
+    of_folder = ImageData("folder", folder, image_size=(16, 16)).fingerprint()
+    of_records = ImageData("records", tmp_path / "r", image_size=(16, 16)).fingerprint()
+    for split, count in [("train", 4), ("val", 2)]:
+        classes = b"".join(n.encode() + b"\0" for n in names)
+        files = sorted(f"{c}/{f}" for c in names for f in os.listdir(folder / split / c))
+        by_hand = hashlib.sha256(classes + b"\0" + b"".join(f.encode() + b"\0" for f in files)).hexdigest()
+        assert of_folder[split] == {"images": count, "sha256": by_hand}, split
+        by_hand = hashlib.sha256(classes + f"\0{count}\0{by_hand}".encode()).hexdigest()
+        assert of_records[split] == {"images": count, "sha256": by_hand}, split
+
+
+def test_eval_on_changed_or_other_data_warns_and_goes_on(tmp_path, capsys):
+    """jaxcnn-eval on a folder that changed since training (the fingerprint run_meta.json recorded
+    differs) said nothing; now one warning line naming the folder and what differs, as a resume's
+    refusal does, and the evaluation goes on (another folder is a legitimate thing to evaluate)."""
+    import yaml
+
+    from jaxcnn.interop import save_npz
+    from jaxcnn.train.cli import eval_main
+    from jaxcnn.train.config import load_config, to_dict
+    from jaxcnn.train.rundir import RunDir
+    from jaxcnn.train.setup import build_run, init_state
+    folder, work = tmp_path / "f", tmp_path / "w"
+    write_shapes_folder(folder, per_class=(4, 2), classes=CLASSES[:2], size_range=(16, 20))
+    # A finished run directory as the trainer leaves it, without the training (its final
+    # parameters: the initial ones; run_meta.json: the folder's fingerprint).
+    cfg = load_config(CONFIG, _args(folder, work, "checkpoint.enabled=false", "data.batch_size=4",
+                                    "data.eval_batch_size=4")[1:-2])
+    run = build_run(cfg)
+    state = init_state(run)
+    work.mkdir()
+    save_npz(str(work / "params.npz"), state.params, state.state)
+    (work / "config.resolved.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    RunDir(str(work)).write_meta([], CONFIG, data=run.images.fingerprint())
+
+    def evaluated(*overrides):
+        assert eval_main([str(work), "--json", *overrides]) == 0
+        out, err = capsys.readouterr()
+        assert json.loads(out)["count"] == 4, out  # it went on: every val image evaluated
+        return err
+
+    assert evaluated() == ""  # the same data: no warning
+    first = sorted((folder / "val" / "blue").iterdir())[0]
+    os.rename(first, first.with_name("renamed" + first.suffix))
+    assert evaluated() == (f"jaxcnn-eval: warning: {folder} does not hold the data {work} was trained on "
+                           "(val: 4 images as before, but other file names); evaluating on them as they "
+                           "are now\n")
+    other = tmp_path / "g"
+    write_shapes_folder(other, per_class=(5, 2), classes=CLASSES[:2], size_range=(16, 20))
+    err = evaluated(f"data.path={other}")
+    assert err.count("\n") == 1 and err.startswith(f"jaxcnn-eval: warning: {other} does not hold the data "), err
+    assert "(train: 10 images, the run's had 8" in err and err.endswith("evaluating on them as they are now\n"), err
