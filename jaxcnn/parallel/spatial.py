@@ -21,11 +21,12 @@ What this module decides is *how far* the split goes and that it is sound:
   layer scale) or is a convolution /
   max or average pooling window, every leaf's input and output height divides
   into the shards, every window needs at most one shard's worth of rows from
-  each neighbour (its *halo*), and no window is taller than the whole image
+  each neighbour (its *halo*), and (with the partitioner's halos) no window is taller than the
+  whole image
   (for such a window, e.g. a 3x3 convolution on a 2-row image split in two,
   XLA's SPMD partitioner computes a wrong input gradient when ``data`` is above
   1: seen with jax 0.10.2 and 0.11.2 on CPU; the forward pass is right).
-  Global or adaptive pooling, flatten, linear layers, transposed convolutions
+  Global or adaptive pooling, flatten, linear layers on flat features, transposed convolutions
   and anything unknown end the split.
 * ``until="auto"`` (default) splits the longest run of units from the input on
   that can be split; ``until="<path>"`` (a unit or a nested ``serial`` such as
@@ -42,7 +43,8 @@ What this module decides is *how far* the split goes and that it is sound:
 * The ``spatial`` axis composes with ``data`` only: with a ``model`` axis too
   (data 2 x spatial 2 x model 2, or 1 x 2 x 2) XLA's partitioner returned wrong
   gradients and BatchNorm statistics (0.02-0.2 off, the loss right) with the
-  channels either left to it or pinned whole, so the plan refuses it.
+  channels either left to it or pinned whole, so the plan refuses it (with the
+  partitioner's halos).
 
 **Explicit halos** (``halo="explicit"``, ``parallel.spatial.halo: explicit``) are the
 alternative for both of the partitioner's faults: every split unit runs inside ``shard_map``
@@ -54,7 +56,8 @@ partitioner to get wrong, so a window taller than its whole input is split and a
 axis is allowed (the split units are then computed whole on each of its devices; the layers
 after the gather keep their tensor-parallel sharding).  A layer drawing random numbers per
 position (dropout, stochastic depth, at a rate above 0) ends the split: one block's draw
-is not the whole image's.  The partitioner stays the default: it keeps less memory at 2 shards and is as fast
+is not the whole image's.  The partitioner stays the default: as fast, and 5-33% less memory
+on ResNet-50 at 2 and 4 shards
 (docs/BENCHMARKS.md, "Explicit halos against the partitioner's").
 
 Batches arrive as under data parallelism (``P(data)``: each spatial shard's
