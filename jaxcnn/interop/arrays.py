@@ -137,6 +137,18 @@ def _declared(path, shapes: dict, like, skip=()):
     _check_against(path, trees, like, skip)
 
 
+SHOWN = 3  # problems of one sort named in a mismatch message; the rest are counted
+
+
+def first_few(problems: list[str], what: str) -> list[str]:
+    """The first :data:`SHOWN` of ``problems``, then ``"and N more <what>"``: a file or state
+    dict of another model mismatches in hundreds of keys, which named one by one made a
+    13 KB message."""
+    if len(problems) <= SHOWN:
+        return problems
+    return problems[:SHOWN] + [f"and {len(problems) - SHOWN} more {what}"]
+
+
 def _check_against(path, trees, like, skip=()):
     """Compare the file's keys and shapes with the ``(params, state)`` template; keys under
     a ``skip`` prefix are left out on both sides."""
@@ -144,14 +156,13 @@ def _check_against(path, trees, like, skip=()):
     for collection, template in zip(COLLECTIONS, like):
         expected = {k: tuple(v.shape) for k, v in tree_items(template) if not _under(k, skip)}
         found = {k: v for k, v in trees[collection].items() if not _under(k, skip)}
-        for k in sorted(set(expected) - set(found)):
-            problems.append(f"missing key '{collection}/{k}' (expected shape {expected[k]})")
-        for k in sorted(set(found) - set(expected)):
-            problems.append(f"unexpected key '{collection}/{k}' (shape {found[k].shape})")
-        for k in sorted(set(found) & set(expected)):
-            if tuple(found[k].shape) != expected[k]:
-                problems.append(f"key '{collection}/{k}' has shape {found[k].shape}, "
-                                f"expected {expected[k]}")
+        problems += first_few([f"missing key '{collection}/{k}' (expected shape {expected[k]})"
+                               for k in sorted(set(expected) - set(found))], f"missing {collection} keys")
+        problems += first_few([f"unexpected key '{collection}/{k}' (shape {found[k].shape})"
+                               for k in sorted(set(found) - set(expected))], f"unexpected {collection} keys")
+        problems += first_few([f"key '{collection}/{k}' has shape {found[k].shape}, expected {expected[k]}"
+                               for k in sorted(set(found) & set(expected))
+                               if tuple(found[k].shape) != expected[k]], f"mis-shaped {collection} keys")
     if problems:
         raise ValueError(f"{path}: does not match the expected parameters:\n  "
                          + "\n  ".join(problems))

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxcnn import models
-from jaxcnn.interop.arrays import tree_items, unflatten
+from jaxcnn.interop.arrays import first_few, tree_items, unflatten
 from jaxcnn.layers.base import Layer, record_layers
 
 # Our leaf name -> PyTorch's; the order is PyTorch's order within a module
@@ -206,18 +206,6 @@ def _head_classes(model, shapes, input_shape, model_options):
     return int(shape[0]) if len(shape) == 2 and shape[0] != heads[-1].torch_shape[0] else None
 
 
-_SHOWN = 3  # problems of one sort named in a mismatch message; the rest are counted
-
-
-def _first_few(problems: list[str], what: str) -> list[str]:
-    """The first :data:`_SHOWN` of ``problems``, then ``"and N more <what>"``: a state dict of
-    another model mismatches in hundreds of keys, which named one by one made a
-    13 KB line."""
-    if len(problems) <= _SHOWN:
-        return problems
-    return problems[:_SHOWN] + [f"and {len(problems) - _SHOWN} more {what}"]
-
-
 def match_state_dict(model, shapes, *, input_shape=None, skip=(), **model_options):
     """Check a PyTorch ``state_dict``'s names and shapes against a model, before reading it.
 
@@ -251,11 +239,11 @@ def match_state_dict(model, shapes, *, input_shape=None, skip=(), **model_option
     missing = [e for e in kept if e.torch_name not in shapes
                and not e.torch_name.endswith("num_batches_tracked")]
     unexpected = sorted(k for k in set(shapes) - expected if not _under(k, skip))
-    problems = _first_few([f"missing key {e.torch_name!r} (the model's shape {e.torch_shape})"
+    problems = first_few([f"missing key {e.torch_name!r} (the model's shape {e.torch_shape})"
                            for e in missing], "missing keys")
-    problems += _first_few([f"unexpected key {k!r} (shape {tuple(shapes[k])})"
+    problems += first_few([f"unexpected key {k!r} (shape {tuple(shapes[k])})"
                             for k in unexpected], "unexpected keys")
-    problems += _first_few([f"key {e.torch_name!r} has shape {tuple(shapes[e.torch_name])}, "
+    problems += first_few([f"key {e.torch_name!r} has shape {tuple(shapes[e.torch_name])}, "
                             f"the model's is {e.torch_shape}" for e in kept
                             if e.torch_name in shapes
                             and tuple(shapes[e.torch_name]) != e.torch_shape],
@@ -390,9 +378,9 @@ def to_torch_state_dict(model, params, state, *, input_shape=None, **model_optio
     for collection in given:
         wanted = {e.path for e in entries if e.collection == collection}
         have = set(given[collection])
-        problems += _first_few([f"missing {collection} {p!r}" for p in sorted(wanted - have)],
+        problems += first_few([f"missing {collection} {p!r}" for p in sorted(wanted - have)],
                                f"missing {collection} entries")
-        problems += _first_few([f"unexpected {collection} {p!r}" for p in sorted(have - wanted)],
+        problems += first_few([f"unexpected {collection} {p!r}" for p in sorted(have - wanted)],
                                f"unexpected {collection} entries")
     if problems:
         raise ValueError(f"{label}: params/state do not match the model: " + "; ".join(problems))

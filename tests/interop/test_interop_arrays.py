@@ -85,6 +85,30 @@ def test_template_mismatch_names_the_keys(tmp_path, save, load, ext):
 
 
 @pytest.mark.parametrize("save, load, ext", FORMATS, ids=IDS)
+def test_another_models_file_is_a_short_message(tmp_path, save, load, ext):
+    """resnet18's parameters read against resnet34's template: three keys of each sort, then
+    how many more (it listed every one of about 150 keys, one per line)."""
+    from jaxcnn.models import get as get_model
+    shape = (1, 32, 32, 3)
+    small, big = (jax.eval_shape(lambda k, m=get_model(n, num_classes=10): m.init(k, shape)[:2],
+                                 jax.random.PRNGKey(0)) for n in ("resnet18", "resnet34"))
+    params, state = jax.tree_util.tree_map(lambda s: np.zeros(s.shape, s.dtype), small)
+    path = tmp_path / f"r18.{ext}"
+    save(path, params, state)
+    with pytest.raises(ValueError) as info:
+        load(path, like=big)
+    message = str(info.value)
+    assert len(message) < 1500, len(message)
+    assert str(path) in message and "missing key 'params/layer1.2." in message
+    missing = len(_leaves(big[0])) - len(_leaves(small[0]))
+    assert f"and {missing - 3} more missing params keys" in message
+
+
+def _leaves(tree):
+    return jax.tree_util.tree_leaves(tree)
+
+
+@pytest.mark.parametrize("save, load, ext", FORMATS, ids=IDS)
 def test_corrupt_and_missing_files_name_the_path(tmp_path, save, load, ext):
     path = tmp_path / f"vars.{ext}"
     save(path, *_variables())
