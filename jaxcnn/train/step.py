@@ -225,7 +225,8 @@ def make_train_step(model, tx: optax.GradientTransformation, *, policy=None,
     Arguments:
         model: the ``Layer`` to train.
         tx: the optax optimiser.
-        policy: mixed-precision ``Policy`` or None (compute in the parameters' dtype).
+        policy: mixed-precision ``Policy``, a policy name (``"bf16"``: see
+            :func:`jaxcnn.precision.as_policy`) or None (compute in the parameters' dtype).
         label_smoothing: passed to the cross-entropy loss.
         schedule: learning-rate schedule, only used to report ``lr``.
         skip_nonfinite: leave params, optimiser and model state unchanged on a
@@ -257,6 +258,7 @@ def make_train_step(model, tx: optax.GradientTransformation, *, policy=None,
     Metrics: ``loss`` (unscaled, float32), ``top1`` (batch accuracy),
     ``grad_norm``, ``lr``, ``loss_scale``, ``finite`` (1.0 when the step was
     applied) and ``skipped`` (steps skipped so far)."""
+    policy = P.as_policy(policy)
     bn_axis = axis_name if sync_batch_norm else None
     choices = Choices(impl=impl, batch_norm_grad=batch_norm_grad, axis_name=bn_axis, conv_bn=conv_bn)
     loss_fn = _loss_fn(model, policy=policy, choices=choices, label_smoothing=label_smoothing,
@@ -301,8 +303,10 @@ def make_eval_step(model, *, policy=None, impl: str = "auto"):
     ``batch`` may carry a boolean ``"mask"`` (padding of the last batch); the
     result holds sums over real examples only: ``loss_sum``, ``top1_sum``,
     ``top5_sum`` and ``count``, so any number of batches add up exactly.
-    ``impl``: the layers' kernels (``Choices.impl``, passed to ``model.apply``).
+    ``impl``: the layers' kernels (``Choices.impl``, passed to ``model.apply``);
+    ``policy``: as for :func:`make_train_step`.
     """
+    policy = P.as_policy(policy)
     loss_policy = _loss_policy(policy)
     choices = Choices(impl=impl)  # a bad name fails here, not at trace time
 

@@ -118,6 +118,24 @@ def test_train_step_dtypes(preset):
     assert logits.dtype == policy.output_dtype  # the whole model's output: float32 under every preset
 
 
+def test_steps_take_a_policy_by_name():
+    """make_train_step / make_eval_step take a policy's name as the layers do: the same step as
+    with the Policy object (a name gave an AttributeError inside the step)."""
+    from jaxcnn.train.step import make_eval_step
+    run = _tiny_run("bf16")
+    state = init_state(run)
+    batch = {"image": jnp.zeros((16, 28, 28, 1)) + 0.1, "label": jnp.arange(16) % 10}
+    by_name = jax.jit(make_train_step(run.model, run.tx, policy="bf16"))(state, batch)
+    by_object = jax.jit(make_train_step(run.model, run.tx, policy=run.policy))(state, batch)
+    assert jax.tree_util.tree_all(jax.tree_util.tree_map(
+        lambda a, b: bool(jnp.array_equal(a, b)), by_name, by_object))
+    sums = [jax.jit(make_eval_step(run.model, policy=p))(state.params, state.state, batch)
+            for p in ("bf16", run.policy)]
+    assert jax.tree_util.tree_all(jax.tree_util.tree_map(lambda a, b: bool(jnp.array_equal(a, b)), *sums))
+    with pytest.raises(ValueError, match=r"^policy='bf17': "):
+        make_train_step(run.model, run.tx, policy="bf17")
+
+
 def test_master_copy_keeps_small_updates():
     """bf16 params updated directly would round a 1e-4 relative update away; the master keeps it."""
     run = _tiny_run("bf16_params", ["optim.name=sgd", "optim.lr=1e-4", "optim.momentum=0"])
