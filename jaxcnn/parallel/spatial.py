@@ -27,7 +27,9 @@ What this module decides is *how far* the split goes and that it is sound:
   XLA's SPMD partitioner computes a wrong input gradient when ``data`` is above
   1: seen with jax 0.10.2 and 0.11.2 on CPU; the forward pass is right).
   Global or adaptive pooling, flatten, linear layers on flat features, transposed convolutions
-  and anything unknown end the split.
+  and anything unknown end the split; inside a ``gate`` (squeeze-and-excitation), a global
+  average pooling and the layers on its ``(N, 1, 1, C)`` output do not (with the
+  partitioner's halos: they reduce over the split rows and broadcast back).
 * ``until="auto"`` (default) splits the longest run of units from the input on
   that can be split; ``until="<path>"`` (a unit or a nested ``serial`` such as
   ``"layer3"``) splits exactly up to and including it and raises, before any
@@ -174,6 +176,30 @@ def _row_wise(record) -> bool:
     return record.kind == "linear" and rank == 4
 
 
+GLOBAL_POOLS = frozenset({"adaptive_avg_pool2d", "global_avg_pool2d"})
+
+
+def _gated(layer: Layer, path: str, inside: bool = False) -> set:
+    """The paths of the leaves of ``layer`` that are inside a ``gate``'s body."""
+    if not layer.children:
+        return {path} if inside else set()
+    inside = inside or layer.kind == "gate"
+    return set().union(*(_gated(child, child_path(path, name), inside) for name, child in layer.children))
+
+
+def _whole_in_gate(record) -> bool:
+    """A leaf of a gate's body that the partitioner computes on whole images as they are:
+    a global average pooling (``(N, 1, 1, C)`` out: squeeze-and-excitation's squeeze, a sum
+    over the split rows and an all-reduce) or a layer on such ``(N, 1, 1, C)`` values.  The
+    gate's product broadcasts them back over the split rows."""
+    shape, out = record.input_shape, record.output_shape
+    if len(shape) != 4 or len(out) != 4:
+        return False
+    if record.kind in GLOBAL_POOLS:
+        return out[1:3] == (1, 1)
+    return shape[1:3] == (1, 1) and (record.kind == "conv2d" or _row_wise(record))
+
+
 def _draws(record) -> bool:
     """Whether a dropout or stochastic-depth leaf draws at all (its rate above 0)."""
     return float(record.config.get("rate", record.config.get("p", 0.0))) > 0
@@ -257,9 +283,11 @@ def spatial_layout(model: Layer, input_shape, shards: int, *, until: str = "auto
         if until != "auto" and i > last:
             stop = f"{UNTIL_KEY} is {until!r}"
             break
-        problem = None
+        problem, gated = None, _gated(unit, path) if halo == "partitioner" else set()
         for leaf_path, _ in leaves(unit, path):
             record = by_path.get(leaf_path)
+            if record is not None and leaf_path in gated and _whole_in_gate(record):
+                continue
             problem = (f"{leaf_path or 'the model'} is not a recorded jaxcnn layer" if record is None
                        else _leaf_problem(record, shards, halos, halo))
             if problem:

@@ -225,6 +225,28 @@ def test_convnext_blocks_split_their_layer_norms_and_linear_layers(halo, drop):
     _same_as_one_device(plan, model, shape, batch)
 
 
+def test_squeeze_excitation_gates_are_split_through():
+    """A squeeze-and-excitation gate (global average pooling to (N, 1, 1, C), 1x1 convolutions,
+    the product broadcast back) inside the split: the partitioner reduces the pooling over the
+    split rows, so the split goes on past it (it ended at the gate's pooling: EfficientNet and
+    MobileNetV3 split only their first block), and the step is one device's."""
+    model = L.serial(("stem", L.Conv2D(8, 3, padding=1)), ("bn", L.BatchNorm()), ("act", L.Silu()),
+                     ("se", L.SqueezeExcitation(8, 2, activation=L.Silu)),
+                     ("down", L.Conv2D(8, 3, stride=2, padding=1)), ("pool", L.GlobalAvgPool2D()),
+                     ("head", L.Linear(10)))
+    shape = (4, 16, 16, 3)
+    (batch,) = batches(shape, 1, seed=6)
+    plan = _plan(model, LR1, shape, 2, 2, devices=jax.devices()[:4])
+    assert plan.spatial.gather_after == "down", plan.spatial.stop
+    _same_as_one_device(plan, model, shape, batch)
+    # the zoo's gated models split until a height stops dividing (224x224 on 2 shards: 7 rows)
+    for name in ("efficientnet_b0", "mobilenet_v3_small"):
+        layout = spatial_layout(get_model(name, num_classes=10), (2, 224, 224, 3), 2)
+        assert "output height 7 does not divide" in layout.stop, (name, layout.stop)
+    # explicit halos do not split a gate's global pooling
+    assert spatial_layout(model, shape, 2, halo="explicit").gather_after == "act"
+
+
 def test_explicit_halos_end_the_split_at_random_layers():
     """Dropout draws per position: one block's draw is not the whole image's, so explicit
     halos stop before it (the partitioner's global program draws the whole image's)."""
