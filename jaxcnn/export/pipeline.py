@@ -382,7 +382,8 @@ def export(source, out, *, format: str, model: str | None = None, num_classes=No
     needs_run = [arg(name) for name, on in (("quantize", quantize), ("fine_tune_steps",
                                                                      fine_tune_steps)) if on]
     if needs_run and cfg is None:
-        raise ExportError(f"{' and '.join(needs_run)} need training data: pass a run directory, "
+        raise ExportError(f"{' and '.join(needs_run)} {'need' if len(needs_run) > 1 else 'needs'} "
+                          f"training data: pass a run directory, "
                           "not a parameter file")
     if fine_tune_steps and not prune:
         raise ExportError(f"{arg('fine_tune_steps')} fine-tunes a pruned model: add "

@@ -299,6 +299,10 @@ def test_export_from_python_names_its_arguments_the_command_line_its_flags(param
          "quantize and fine_tune_steps need training data: pass a run directory",
          "--quantize and --fine-tune-steps need training data: pass a run directory",
          ["--model", "mnist_cnn", "--quantize", "int8", "--fine-tune-steps", "2"]),
+        (dict(format="npz", model="mnist_cnn", quantize="int8"),
+         "quantize needs training data: pass a run directory",
+         "--quantize needs training data: pass a run directory",
+         ["--model", "mnist_cnn", "--quantize", "int8"]),
     ]
     for kwargs, python, cli, argv in cases:
         out = str(tmp_path / kwargs.pop("out", "x.npz"))
