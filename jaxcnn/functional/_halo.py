@@ -30,36 +30,43 @@ def _blocks(x, axis_name):
     return shards, lax.axis_index(axis_name), (n, h * shards, w, c)
 
 
-def halo_sizes(height: int, shards: int, extent: int, stride: int, lo: int, out_height: int):
-    """``(above, below, neighbour_above, neighbour_below)``: rows a block's windows read
+def halo_sizes(height: int, shards: int, kernel: int, dilation: int, stride: int, lo: int,
+               out_height: int):
+    """``(above, below, neighbour_above, neighbour_below)``: rows a block's windows span
     before its first and after its last row (the largest over blocks, padding included),
-    and how many of those a neighbour sends (the rest are padding).
+    and how many of those a neighbour sends (the rest are padding, or rows the dilated
+    taps skip).
 
     Raises:
-        ValueError: when a block's windows read real rows beyond its neighbours' blocks.
+        ValueError: when a block's windows' taps read real rows beyond its neighbours' blocks.
     """
     h, ho = height // shards, out_height // shards
+    extent = (kernel - 1) * dilation + 1
     above = below = 0
     for i in range(shards):
         first = i * ho * stride - lo
         last = first + (ho - 1) * stride + extent - 1
         above, below = max(above, i * h - first), max(below, last - ((i + 1) * h - 1))
-        if max(first, 0) < (i - 1) * h or min(last, height - 1) > (i + 2) * h - 1:
-            raise ValueError(f"block {i} of {shards} reads rows {max(first, 0)}..{min(last, height - 1)} "
+        read = [r for o in range(ho) for j in range(kernel)
+                if 0 <= (r := first + o * stride + j * dilation) < height]
+        if read and (min(read) < (i - 1) * h or max(read) > (i + 2) * h - 1):
+            raise ValueError(f"block {i} of {shards} reads rows {min(read)}..{max(read)} "
                              f"of the {height}-row image, beyond its neighbours' {h}-row blocks")
     above, below = max(above, 0), max(below, 0)
     return above, below, min(above, h), min(below, h)
 
 
-def rows_for_windows(x, axis_name, *, extent: int, stride: int, lo: int, out_height: int, fill):
+def rows_for_windows(x, axis_name, *, kernel: int, dilation: int, stride: int, lo: int, out_height: int,
+                     fill):
     """The rows of the whole image that this block's ``out_height // shards`` output rows of
-    a window op read, ``((ho - 1) * stride + extent)`` of them from row ``i*ho*stride - lo``,
+    a window op read, ``((ho - 1) * stride + extent)`` of them from row ``i*ho*stride - lo``
+    (``extent = (kernel - 1) * dilation + 1``),
     rows outside the image equal to ``fill``.
 
     Arguments:
         x: this device's block ``(N, h, W, C)``.
         axis_name: the mapped axis the height is split over.
-        extent: the window's (dilated) height.
+        kernel, dilation: the window's height in taps and their spacing.
         stride: its vertical stride.
         lo: its padding above the image.
         out_height: the whole image's output height (divisible by the shards).
@@ -67,7 +74,9 @@ def rows_for_windows(x, axis_name, *, extent: int, stride: int, lo: int, out_hei
     """
     shards, i, (_, height, _, _) = _blocks(x, axis_name)
     h, ho = height // shards, out_height // shards
-    above, below, from_above, from_below = halo_sizes(height, shards, extent, stride, lo, out_height)
+    above, below, from_above, from_below = halo_sizes(height, shards, kernel, dilation, stride, lo,
+                                                      out_height)
+    extent = (kernel - 1) * dilation + 1
     fill = jnp.asarray(fill, x.dtype)
     parts = []
     if above:
@@ -94,7 +103,7 @@ def conv2d(x, w, b, *, stride, padding, dilation, groups, axis_name, run):
                                                        dilation)
     _check_split("conv2d", shape, out_hw, shards)
     def windows(x, w, b):
-        rows = rows_for_windows(x, axis_name, extent=geo.dilated(jnp.shape(w)[:2], dilation)[0],
+        rows = rows_for_windows(x, axis_name, kernel=jnp.shape(w)[0], dilation=dilation[0],
                                 stride=stride[0], lo=pads[0][0], out_height=out_hw[0], fill=0)
         return run(rows, w, b, stride=stride, padding=((0, 0), pads[1]), dilation=dilation,
                    groups=groups, impl="xla")
@@ -108,7 +117,7 @@ def max_pool2d(x, kernel_size, *, stride, padding, dilation, ceil_mode, axis_nam
         op, shape, kernel_size, stride, padding, dilation, ceil_mode)
     _check_split(op, shape, out_hw, shards)
     def windows(x):
-        rows = rows_for_windows(x, axis_name, extent=geo.dilated(kernel, dilation)[0], stride=stride[0],
+        rows = rows_for_windows(x, axis_name, kernel=kernel[0], dilation=dilation[0], stride=stride[0],
                                 lo=run_pads[0][0], out_height=out_hw[0], fill=geo.lowest(x.dtype))
         return geo.xla_max_pool(rows, kernel, stride, dilation, ((0, 0), run_pads[1]),
                                 (out_hw[0] // shards, out_hw[1]))
@@ -122,7 +131,7 @@ def avg_pool2d(x, kernel_size, *, stride, padding, ceil_mode, count_include_pad,
         op, shape, kernel_size, stride, padding, 1, ceil_mode)
     _check_split(op, shape, out_hw, shards)
     ho = out_hw[0] // shards
-    summed = geo.window_sums(rows_for_windows(x, axis_name, extent=kernel[0], stride=stride[0],
+    summed = geo.window_sums(rows_for_windows(x, axis_name, kernel=kernel[0], dilation=1, stride=stride[0],
                                               lo=run_pads[0][0], out_height=out_hw[0], fill=0),
                              kernel, stride, ((0, 0), run_pads[1]))
     divisor = geo.avg_divisor(shape[1:3], pads, kernel, stride, out_hw, count_include_pad)

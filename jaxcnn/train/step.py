@@ -225,8 +225,7 @@ def make_train_step(model, tx: optax.GradientTransformation, *, policy=None,
     Arguments:
         model: the ``Layer`` to train.
         tx: the optax optimiser.
-        policy: mixed-precision ``Policy``, a policy name (``"bf16"``: see
-            :func:`jaxcnn.precision.as_policy`) or None (compute in the parameters' dtype).
+        policy: a mixed-precision ``Policy``, its name (``"bf16"``) or None (the params' dtype).
         label_smoothing: passed to the cross-entropy loss.
         schedule: learning-rate schedule, only used to report ``lr``.
         skip_nonfinite: leave params, optimiser and model state unchanged on a
@@ -258,8 +257,7 @@ def make_train_step(model, tx: optax.GradientTransformation, *, policy=None,
     Metrics: ``loss`` (unscaled, float32), ``top1`` (batch accuracy),
     ``grad_norm``, ``lr``, ``loss_scale``, ``finite`` (1.0 when the step was
     applied) and ``skipped`` (steps skipped so far)."""
-    policy = P.as_policy(policy)
-    bn_axis = axis_name if sync_batch_norm else None
+    policy, bn_axis = P.as_policy(policy), axis_name if sync_batch_norm else None
     choices = Choices(impl=impl, batch_norm_grad=batch_norm_grad, axis_name=bn_axis, conv_bn=conv_bn)
     loss_fn = _loss_fn(model, policy=policy, choices=choices, label_smoothing=label_smoothing,
                        image_norm=image_norm, mix=mix)

@@ -183,6 +183,43 @@ def test_explicit_halo_refuses_windows_past_the_neighbouring_blocks():
         blocks(np.ones((1, 8, 3, 1), np.float32))
 
 
+def test_explicit_halo_ops_accept_every_window_the_plan_accepts():
+    """The ops refuse a window exactly when the plan does (its halo, over the rows the taps
+    read, is more than a block holds): a dilated window whose span passes a block but whose
+    taps skip it was accepted by the plan and refused by the op.  And that window, computed."""
+    from jax.sharding import Mesh, PartitionSpec as P
+    from jaxcnn import functional as F
+    from jaxcnn.functional._halo import halo_sizes
+    checked = 0
+    for shards in (2, 3, 4):
+        for h in (1, 2, 3):
+            for k in range(1, 6):
+                for d in (1, 2, 3):
+                    for s in (1, 2):
+                        for lo in range(0, (k - 1) * d + 1):
+                            for hi in range(0, (k - 1) * d + 1):
+                                height = shards * h
+                                out = (height + lo + hi - (k - 1) * d - 1) // s + 1
+                                if out < shards or out % shards:
+                                    continue
+                                plan = window_halo(height, out, shards, k, s, (lo, hi), d) <= h
+                                try:
+                                    halo_sizes(height, shards, k, d, s, lo, out)
+                                    op = True
+                                except ValueError:
+                                    op = False
+                                assert plan == op, (shards, h, k, d, s, lo, hi)
+                                checked += 1
+    assert checked > 1000
+    mesh = Mesh(np.array(jax.devices()[:3]), ("rows",))
+    x = np.random.default_rng(0).standard_normal((2, 3, 4, 2)).astype(np.float32)
+    w = np.random.default_rng(1).standard_normal((3, 3, 2, 4)).astype(np.float32)
+    blocks = jax.shard_map(lambda x: F.conv2d(x, w, padding=3, dilation=3, height_axis="rows"), mesh=mesh,
+                           in_specs=P(None, "rows"), out_specs=P(None, "rows"))
+    want = F.conv2d(x, w, padding=3, dilation=3)
+    np.testing.assert_allclose(jax.jit(blocks)(x), want, atol=1e-5 * np.abs(want).max())
+
+
 @pytest.mark.parametrize("data,spatial,model_axis,remat", [(2, 2, 1, False), (2, 2, 2, False), (2, 2, 1, True)],
                          ids=["data2_spatial2", "data2_spatial2_model2", "data2_spatial2_remat"])
 def test_explicit_halos_match_one_device_where_the_partitioner_is_wrong(data, spatial, model_axis, remat):
