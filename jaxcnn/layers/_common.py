@@ -8,7 +8,7 @@ from typing import Sequence
 
 from jaxcnn._geometry import explicit_pads, out_size, pair
 from jaxcnn.functional import _dispatch
-from jaxcnn.layers.base import choices_or_default
+from jaxcnn.layers.base import choices_or_default, where
 from jaxcnn.precision import DEFAULT_FP32_KINDS, cast_for
 
 
@@ -103,6 +103,16 @@ def cast_out(policy, kind: str, y, input_dtype):
 def layer_height_axis(choices) -> str | None:
     """The ops' ``height_axis`` for a layer applied with ``choices``."""
     return choices_or_default(choices).height_axis
+
+
+def whole_images_only(name: str, choices, why: str = "computes on whole images") -> None:
+    """Raise when ``choices`` says ``x`` is one block of each image's rows
+    (``Choices.height_axis``) and the layer ``name`` cannot compute its share from that block
+    alone (it would return a wrong result per block, silently)."""
+    axis = layer_height_axis(choices)
+    if axis is not None:
+        raise ValueError(f"{where(name)}: {why}, but Choices.height_axis={axis!r} makes x one block "
+                         f"of each image's rows; gather the rows first (apply it without height_axis)")
 
 
 def layer_impl(choices) -> str:

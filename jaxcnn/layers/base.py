@@ -89,7 +89,9 @@ class Choices:
             rows in equal blocks, in order, or None: convolution and pooling layers
             then bring the halo rows their windows need from the neighbouring blocks
             and GroupNorm reduces its statistics over it (the ops' ``height_axis``;
-            BatchNorm's go by ``axis_name``, which should then include this axis).
+            BatchNorm's go by ``axis_name``, which must then include this axis).  Layers
+            that cannot compute their share from one block (global and adaptive
+            pooling, flatten, transposed convolution, a LayerNorm over the rows) raise.
     """
 
     impl: str = "auto"

@@ -13,7 +13,7 @@ from jaxcnn import functional as F
 from jaxcnn.layers import initializers as inits
 from jaxcnn.layers._common import (cast_in, check_image, check_positive, layer_height_axis,
                                    layer_impl, padding_pairs, pair, transpose_output_size,
-                                   window_output_size)
+                                   whole_images_only, window_output_size)
 from jaxcnn.layers.base import Layer, leaf
 
 
@@ -153,6 +153,7 @@ def ConvTranspose2D(out_channels: int, kernel_size, *, stride=1, padding=0, outp
 
     def apply(params, state, x, *, train=False, rng=None, policy=None, choices=None):
         del train, rng
+        whole_images_only(name, choices, "has no halo exchange of its own")
         x, params = cast_in(policy, "conv_transpose2d", x, params)
         y = F.conv_transpose2d(x, params["w"], params.get("b"), stride=stride, padding=padding,
                                output_padding=output_padding, dilation=dilation, groups=groups)

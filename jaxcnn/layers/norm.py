@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxcnn import functional as F
-from jaxcnn.layers._common import cast_in, cast_out, check_min_rank, prod
+from jaxcnn.layers._common import cast_in, cast_out, check_min_rank, prod, whole_images_only
 from jaxcnn.layers.base import Layer, choices_or_default, leaf
 
 
@@ -98,6 +98,9 @@ def BatchNorm(*, momentum: float | None = 0.1, eps: float = 1e-5, axis_name=None
             return cast_out(policy, "batch_norm", y, in_dtype), state
         choices = choices_or_default(choices)
         axis = axis_name if axis_name is not None else choices.axis_name
+        if choices.height_axis is not None and choices.height_axis not in (
+                axis if isinstance(axis, tuple) else (axis,)):
+            whole_images_only(name, choices, f"takes its statistics over axis_name={axis!r} only")
         n = values_per_channel(name, x.shape, axis)
         x, params = cast_in(policy, "batch_norm", x, params)
         y, mean, var = F.batch_norm_train(x, params["scale"], params["bias"], eps=eps,
@@ -145,6 +148,8 @@ def LayerNorm(*, axes=-1, eps: float = 1e-5) -> Layer:
     def apply(params, state, x, *, train=False, rng=None, policy=None, choices=None):
         del train, rng
         in_dtype = x.dtype
+        if x.ndim - len(axes_t) < 2:  # it normalises over rows too
+            whole_images_only(name, choices, f"normalises over axes {axes!r}, the rows among them")
         x, params = cast_in(policy, "layer_norm", x, params)
         axes_pos = tuple(range(x.ndim - len(axes_t), x.ndim))
         y = F.layer_norm(x, params["scale"], params["bias"], axes=axes_pos, eps=eps)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from jaxcnn import functional as F
 from jaxcnn.layers._common import (cast_in, check_image, check_positive, layer_height_axis,
-                                   layer_impl, padding_pairs, pair, window_output_size)
+                                   layer_impl, padding_pairs, pair, whole_images_only,
+                                   window_output_size)
 from jaxcnn.layers.base import Layer, leaf
 
 
@@ -112,6 +113,7 @@ def AdaptiveAvgPool2D(output_size) -> Layer:
 
     def apply(params, state, x, *, train=False, rng=None, policy=None, choices=None):
         del params, train, rng
+        whole_images_only(name, choices)
         x, _ = cast_in(policy, "adaptive_avg_pool2d", x)
         return F.adaptive_avg_pool2d(x, sizes), state
 
@@ -133,6 +135,7 @@ def GlobalAvgPool2D() -> Layer:
 
     def apply(params, state, x, *, train=False, rng=None, policy=None, choices=None):
         del params, train, rng
+        whole_images_only(name, choices)
         x, _ = cast_in(policy, "global_avg_pool2d", x)
         return F.global_avg_pool2d(x), state
 

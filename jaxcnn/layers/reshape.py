@@ -1,7 +1,7 @@
 """Shape-only layers: :func:`Flatten` and :func:`Identity`."""
 from __future__ import annotations
 
-from jaxcnn.layers._common import cast_in, check_min_rank, prod
+from jaxcnn.layers._common import cast_in, check_min_rank, prod, whole_images_only
 from jaxcnn.layers.base import Layer, leaf
 
 
@@ -21,6 +21,7 @@ def Flatten() -> Layer:
 
     def apply(params, state, x, *, train=False, rng=None, policy=None, choices=None):
         del params, train, rng
+        whole_images_only("Flatten", choices)
         x, _ = cast_in(policy, "flatten", x)
         return x.reshape(x.shape[0], -1), state
 

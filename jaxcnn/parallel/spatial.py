@@ -56,9 +56,10 @@ pooling bring the rows their windows need from the neighbouring blocks with ``pp
 ``data`` and ``spatial`` and GroupNorm over ``spatial``.  Nothing is left for the
 partitioner to get wrong, so a window taller than its whole input is split and a ``model``
 axis is allowed (the split units are then computed whole on each of its devices; the layers
-after the gather keep their tensor-parallel sharding).  A layer drawing random numbers per
-position (dropout, stochastic depth, at a rate above 0) ends the split: one block's draw
-is not the whole image's.  The partitioner stays the default: as fast, and 5-33% less memory
+after the gather keep their tensor-parallel sharding).  A layer drawing random numbers
+(dropout, stochastic depth, at a rate above 0) ends the split: one block's draw is not the
+whole batch's (so ConvNeXt-T, whose stochastic depth starts at its second block, splits only
+through ``features.1.0``), and so does a squeeze-and-excitation gate (its global pooling).  The partitioner stays the default: as fast, and 5-33% less memory
 on ResNet-50 at 2 and 4 shards
 (docs/BENCHMARKS.md, "Explicit halos against the partitioner's").
 
@@ -211,8 +212,8 @@ def _leaf_problem(record, shards: int, halos: dict, halo: str) -> str | None:
     if record.kind not in WINDOW_KINDS and not _row_wise(record):
         return f"{name} ({record.kind}) is not computed row by row"
     if halo == "explicit" and record.kind in RANDOM_KINDS and _draws(record):
-        return (f"{name} ({record.kind}) draws random numbers per position, which one device's block "
-                f"of the image would not draw as the whole image does (parallel.spatial.halo: explicit)")
+        return (f"{name} ({record.kind}) draws random numbers per example or position, which one "
+                f"device's block would not draw as the whole batch does (parallel.spatial.halo: explicit)")
     if len(record.input_shape) != 4 or len(record.output_shape) != 4:
         return f"{name} ({record.kind}) has input {record.input_shape}, not an (N, H, W, C) image"
     height, out_height = record.input_shape[1], record.output_shape[1]

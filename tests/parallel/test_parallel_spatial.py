@@ -183,6 +183,27 @@ def test_explicit_halo_refuses_windows_past_the_neighbouring_blocks():
         blocks(np.ones((1, 8, 3, 1), np.float32))
 
 
+@pytest.mark.parametrize("layer,why", [
+    (L.GlobalAvgPool2D(), "GlobalAvgPool2D: computes on whole images"),
+    (L.AdaptiveAvgPool2D(2), "AdaptiveAvgPool2D: computes on whole images"),
+    (L.Flatten(), "Flatten: computes on whole images"),
+    (L.ConvTranspose2D(2, 3), "ConvTranspose2D: has no halo exchange of its own"),
+    (L.LayerNorm(axes=(-3, -2, -1)), "LayerNorm: normalises over axes (-3, -2, -1), the rows among them"),
+    (L.BatchNorm(), "BatchNorm: takes its statistics over axis_name=None only"),
+])
+def test_layers_that_cannot_compute_a_block_of_rows_refuse_height_axis(layer, why):
+    """Choices.height_axis says x is one block of each image's rows: a layer that would return a
+    wrong result from a block alone (per-block means, a transposed convolution without halos,
+    BatchNorm statistics not reduced over the blocks) raises instead of computing it."""
+    from jaxcnn.layers import Choices
+    x = np.ones((2, 4, 4, 3), np.float32)
+    params, state, _ = layer.init(jax.random.PRNGKey(0), x.shape)
+    with pytest.raises(ValueError, match=re.escape(why) + r", but Choices.height_axis='rows' makes x one "
+                                         r"block of each image's rows"):
+        layer.apply(params, state, x, train=True, choices=Choices(height_axis="rows"))
+    layer.apply(params, state, x, train=True, choices=Choices())  # and without it, computes
+
+
 def test_explicit_halo_ops_accept_every_window_the_plan_accepts():
     """The ops refuse a window exactly when the plan does (its halo, over the rows the taps
     read, is more than a block holds): a dilated window whose span passes a block but whose
@@ -292,7 +313,7 @@ def test_explicit_halos_end_the_split_at_random_layers():
     shape = (2, 8, 8, 3)
     assert spatial_layout(model, shape, 2).gather_after == "2"
     layout = spatial_layout(model, shape, 2, halo="explicit")
-    assert layout.split == ("0",) and "1 (dropout) draws random numbers per position" in layout.stop
+    assert layout.split == ("0",) and "1 (dropout) draws random numbers per example or position" in layout.stop
     with pytest.raises(ValueError, match=r"^parallel.spatial.halo: expected one of \('partitioner', "
                                          r"'explicit'\), got 'ppermute'"):
         spatial_layout(model, shape, 2, halo="ppermute")
