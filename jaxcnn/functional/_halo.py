@@ -30,6 +30,32 @@ def _blocks(x, axis_name):
     return shards, lax.axis_index(axis_name), (n, h * shards, w, c)
 
 
+def window_halo(height: int, out_height: int, shards: int, kernel: int, stride: int,
+                pads: tuple[int, int], dilation: int = 1) -> int:
+    """Rows one shard of a window op's input needs from a neighbour (the larger side,
+    over all shards), with input and output both split evenly into ``shards`` blocks.
+
+    Output row ``o`` reads input rows ``o*stride - lo + j*dilation`` for ``j < kernel``
+    (rows outside the image are padding, no one's); shard ``i`` holds input rows
+    ``[i*h, (i+1)*h)`` and computes output rows ``[i*ho, (i+1)*ho)``.
+    """
+    h = height // shards
+    need = 0
+    for i in range(shards):
+        rows = tapped_rows(height, out_height, shards, i, kernel, stride, pads[0], dilation)
+        if rows:
+            need = max(need, i * h - min(rows), max(rows) - ((i + 1) * h - 1))
+    return need
+
+
+def tapped_rows(height: int, out_height: int, shards: int, i: int, kernel: int, stride: int, lo: int,
+                dilation: int) -> list:
+    """The image rows (padding left out) that block ``i``'s output rows' window taps read."""
+    ho = out_height // shards
+    return [r for o in range(i * ho, (i + 1) * ho) for j in range(kernel)
+            if 0 <= (r := o * stride - lo + j * dilation) < height]
+
+
 def halo_sizes(height: int, shards: int, kernel: int, dilation: int, stride: int, lo: int,
                out_height: int):
     """``(above, below, neighbour_above, neighbour_below)``: rows a block's windows span
@@ -47,8 +73,7 @@ def halo_sizes(height: int, shards: int, kernel: int, dilation: int, stride: int
         first = i * ho * stride - lo
         last = first + (ho - 1) * stride + extent - 1
         above, below = max(above, i * h - first), max(below, last - ((i + 1) * h - 1))
-        read = [r for o in range(ho) for j in range(kernel)
-                if 0 <= (r := first + o * stride + j * dilation) < height]
+        read = tapped_rows(height, out_height, shards, i, kernel, stride, lo, dilation)
         if read and (min(read) < (i - 1) * h or max(read) > (i + 2) * h - 1):
             raise ValueError(f"block {i} of {shards} reads rows {min(read)}..{max(read)} "
                              f"of the {height}-row image, beyond its neighbours' {h}-row blocks")

@@ -88,6 +88,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxcnn._fence import stored
 from jaxcnn._geometry import dilated, explicit_pads
+from jaxcnn.functional._halo import window_halo
 from jaxcnn.layers import combinators as C
 from jaxcnn.layers._tree import child_path, get_path, leaves
 from jaxcnn.layers.base import Choices, Layer, choices_or_default, record_layers
@@ -137,26 +138,6 @@ def _units(layer: Layer, path: str = ""):
 
 def _in(path: str, prefix: str) -> bool:
     return not prefix or path == prefix or path.startswith(prefix + ".")
-
-
-def window_halo(height: int, out_height: int, shards: int, kernel: int, stride: int,
-                pads: tuple[int, int], dilation: int = 1) -> int:
-    """Rows one shard of a window op's input needs from a neighbour (the larger side,
-    over all shards), with input and output both split evenly into ``shards`` blocks.
-
-    Output row ``o`` reads input rows ``o*stride - lo + j*dilation`` for ``j < kernel``
-    (rows outside the image are padding, no one's); shard ``i`` holds input rows
-    ``[i*h, (i+1)*h)`` and computes output rows ``[i*ho, (i+1)*ho)``.
-    """
-    h, ho = height // shards, out_height // shards
-    lo = pads[0]
-    need = 0
-    for i in range(shards):
-        rows = [r for o in range(i * ho, (i + 1) * ho) for j in range(kernel)
-                if 0 <= (r := o * stride - lo + j * dilation) < height]
-        if rows:
-            need = max(need, i * h - min(rows), max(rows) - ((i + 1) * h - 1))
-    return need
 
 
 def _describe(record) -> str:
