@@ -111,6 +111,7 @@ from jaxcnn.parallel.mesh import PIPE
 
 BALANCE = ("macs", "params", "activations", "memory")
 SCHEDULES = ("gpipe", "1f1b")
+ENGINES = ("spmd", "mpmd")
 
 
 class Block(NamedTuple):
@@ -480,6 +481,9 @@ class Pipeline:
             one unit's internals (``parallel.pipeline.remat``; default False: the whole
             stage's activations of one micro-batch).
         axis_name: the pipeline mesh axis.
+        engine: ``"spmd"`` (default: the schedule as one program every device runs, this
+            module) or ``"mpmd"`` (one program per stage, :mod:`jaxcnn.parallel.mpmd`: the
+            same numbers, each device holding its own stage's buffers only; one process).
 
     Raises:
         ValueError: naming the ``parallel.pipeline`` key (or ``mesh.pipe``) when the
@@ -489,7 +493,10 @@ class Pipeline:
 
     def __init__(self, model: Layer, input_shape, stages: int, microbatches: int, *,
                  balance: str = "macs", split=None, schedule: str = "gpipe", remat: bool = False,
-                 axis_name: str = PIPE):
+                 axis_name: str = PIPE, engine: str = "spmd"):
+        if engine not in ENGINES:
+            raise ValueError(f"parallel.pipeline.engine: expected one of {ENGINES}, got {engine!r}")
+        self.engine = engine
         if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
             raise ValueError(f"parallel.pipeline.microbatches: expected an int >= 1, got {microbatches!r}")
         if balance not in BALANCE:

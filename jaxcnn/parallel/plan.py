@@ -30,6 +30,7 @@ from jaxcnn.parallel import spatial as SP
 from jaxcnn.parallel import strategies as S
 from jaxcnn.parallel.distributed import batch_share, global_batch
 from jaxcnn.parallel.mesh import DATA, MODEL, PIPE, SPATIAL, axis_size, check_batch, make_mesh
+from jaxcnn.parallel.mpmd import MPMD
 from jaxcnn.parallel.pipeline import Pipeline
 
 class ParallelPlan:
@@ -97,6 +98,9 @@ class ParallelPlan:
             raise ValueError(f"mesh.{SPATIAL}: {axis_size(mesh, SPATIAL)} with mesh.{PIPE}={axis_size(mesh, PIPE)}: "
                              "spatial partitioning and pipeline stages do not combine; use one of them")
         self.pipeline = _pipeline(mesh, model, input_shape, strategy, fsdp, pipeline or {})
+        # one program per stage: each leaf of the state on its stage's devices (parallel.mpmd)
+        self.mpmd = MPMD(self.pipeline, mesh) if self.pipeline is not None and self.pipeline.engine == "mpmd" \
+            else None
         self.spatial, self.step_model = None, model
         if axis_size(mesh, SPATIAL) > 1:
             SP.check_halo(spatial_halo)
@@ -141,6 +145,8 @@ class ParallelPlan:
         # Under spatial partitioning they are split over spatial likewise ("ZeRO over spatial":
         # each unit of the step model gathers its own as it runs, SP.constrain), unless fsdp splits them
         # over data.
+        if self.mpmd is not None:
+            return self.mpmd.shardings(abstract_state)
         piped = self.pipeline is not None
         spread = self.spatial is not None and not self.fsdp
         params = R.tree_shardings(self.params_axes, abstract_state.params, self.mesh, self.rules,
@@ -184,6 +190,8 @@ class ParallelPlan:
         arrays with a leading device axis).  Use it as the ``Prefetcher``'s ``device_put``."""
         if self.strategy == "pmap":
             return S.pmap_batch(local_batch, self.mesh.devices.size)
+        if self.mpmd is not None:  # one process: the images to the first stage, the labels to the last
+            return {k: jax.device_put(v, self.mpmd.batch_sharding(k)) for k, v in local_batch.items()}
         return global_batch(local_batch, self.batch_sharding())
 
     def eval_rows(self, batch_size: int) -> int:
@@ -220,12 +228,16 @@ class ParallelPlan:
         if getattr(train_step, "pipeline", self.pipeline) is not self.pipeline:
             raise ValueError("parallel.pipeline: the train step was not built with this plan's pipeline; "
                              "build it with make_train_step(..., pipeline=plan.pipeline)")
+        if self.mpmd is not None:
+            return self.mpmd.build_step(**train_step.mpmd, donate=donate)
         return S.wrap_train_step(train_step, self.strategy, self.mesh, self.state_shardings,
                                  sync_batch_norm=self.sync_batch_norm, donate=donate)
 
     def wrap_eval(self, eval_step):
         """``eval_step(params, model_state, batch)`` jitted with the state's shardings
         (a global program under every strategy; its sums come back replicated)."""
+        if self.mpmd is not None:
+            return self.mpmd.build_eval(eval_step)
         sh = self.state_shardings
         return jax.jit(eval_step, in_shardings=(sh.params, sh.state, self.batch_sharding()),
                        out_shardings=self.replicated)
@@ -240,10 +252,10 @@ def _pipeline(mesh, model, input_shape, strategy, fsdp, spec) -> Pipeline | None
     """The :class:`Pipeline` of a mesh with a ``pipe`` axis (None without one), its
     combinations with the other settings and the batch checked before any compute."""
     stages = axis_size(mesh, PIPE)
-    unknown = set(spec) - {"microbatches", "split", "balance", "schedule", "remat"}
+    unknown = set(spec) - {"microbatches", "split", "balance", "schedule", "remat", "engine"}
     if unknown:
         raise ValueError(f"parallel.pipeline: unknown key(s) {sorted(unknown)}; expected microbatches, "
-                         "split, balance, schedule, remat")
+                         "split, balance, schedule, remat, engine")
     if stages == 1:
         return None
     if strategy != "shard_map":
@@ -258,7 +270,8 @@ def _pipeline(mesh, model, input_shape, strategy, fsdp, spec) -> Pipeline | None
     shard = (input_shape[0] // mesh.shape[DATA],) + tuple(input_shape[1:])  # balance="memory" weighs it
     pipe = Pipeline(model, shard, stages, 2 * stages if microbatches is None else microbatches,
                     balance=spec.get("balance") or "macs", split=spec.get("split"),
-                    schedule=spec.get("schedule") or "gpipe", remat=spec.get("remat", False))
+                    schedule=spec.get("schedule") or "gpipe", remat=spec.get("remat", False),
+                    engine=spec.get("engine") or "spmd")
     pipe.check_batch(input_shape[0] // mesh.shape[DATA])
     return pipe
 
@@ -297,7 +310,7 @@ def _pipeline_config(cfg) -> dict:
     """``parallel.pipeline`` as ``ParallelPlan(pipeline=...)`` takes it; the micro-batches are
     ``train.accumulate_steps`` when ``parallel.pipeline.microbatches`` is unset."""
     spec = {k: getattr(cfg.parallel.pipeline, k)
-            for k in ("microbatches", "split", "balance", "schedule", "remat")}
+            for k in ("microbatches", "split", "balance", "schedule", "remat", "engine")}
     if spec["microbatches"] is None and cfg.train.accumulate_steps > 1:
         spec["microbatches"] = cfg.train.accumulate_steps
     if cfg.mesh.pipe > 1 and spec["microbatches"] is None:

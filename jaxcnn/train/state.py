@@ -56,14 +56,9 @@ def create_train_state(model, tx, key, input_shape, *, loss_scale, policy=None) 
     """
     init_key, dropout_key = jax.random.split(key)
     params, state, _ = model.init(init_key, input_shape)
-    if policy is not None and policy.needs_master_copy:
-        master = P.cast_floating(params, policy.master_dtype)
-        opt_state = MasterCopyState(master, tx.init(master))
-        params = policy.cast_to_param(master)
-    else:
-        if policy is not None:
-            params = policy.cast_to_param(params)
-        opt_state = tx.init(params)
+    opt_state = init_opt_state(tx, params, policy)
+    if policy is not None:
+        params = policy.cast_to_param(params)
     return TrainState(
         step=jnp.zeros((), jnp.int32),
         params=params,
@@ -73,6 +68,15 @@ def create_train_state(model, tx, key, input_shape, *, loss_scale, policy=None) 
         rng=jax.random.key_data(dropout_key) if _is_typed_key(dropout_key) else dropout_key,
         skipped=jnp.zeros((), jnp.int32),
     )
+
+
+def init_opt_state(tx, params, policy=None):
+    """``tx.init`` of ``params``, or under a policy that keeps a float32 master copy, a
+    :class:`MasterCopyState` of that copy and ``tx.init`` of it."""
+    if policy is not None and policy.needs_master_copy:
+        master = P.cast_floating(params, policy.master_dtype)
+        return MasterCopyState(master, tx.init(master))
+    return tx.init(params)
 
 
 def _is_typed_key(key) -> bool:

@@ -17,7 +17,7 @@ from jaxcnn import precision as P
 from jaxcnn.data import mix as mixing
 from jaxcnn.layers.base import Choices
 from jaxcnn.parallel.mesh import DATA
-from jaxcnn.train.state import MasterCopyState, TrainState
+from jaxcnn.train.state import MasterCopyState, TrainState, init_opt_state
 
 
 def _loss_policy(policy):
@@ -62,6 +62,40 @@ def _micro_batches(x, k: int):
         raise ValueError(f"train.accumulate_steps: {k} does not divide the batch of {n} examples "
                          "of each device's step")
     return x.reshape((n // k, k) + x.shape[1:]).swapaxes(0, 1)
+
+
+def _as_applied(grads, opt_state, policy):
+    """The gradients in the dtype the optimiser sees them (the master copy's, if any)."""
+    if isinstance(opt_state, MasterCopyState):
+        return P.cast_floating(grads, policy.master_dtype)
+    return grads
+
+
+def clip_by_norm(grads, norm, max_norm):
+    """``optax.clip_by_global_norm(max_norm)`` given the global norm ``norm``: unchanged below
+    it, else scaled to it."""
+    return jax.tree_util.tree_map(
+        lambda g: jnp.where(norm < max_norm, g, (g / norm.astype(g.dtype)) * max_norm), grads)
+
+
+def _finish(schedule):
+    """``finish((step, loss_scale, skipped), finite, grad_norm, loss, top1) -> (step, loss_scale,
+    skipped, metrics)``: the scalars of a train step after its update (every engine's)."""
+    def finish(scalars, finite, grad_norm, loss, top1):
+        step, loss_scale, skipped = scalars
+        skipped = skipped + jnp.where(finite, 0, 1).astype(jnp.int32)
+        metrics = {
+            "loss": loss.astype(jnp.float32),
+            "top1": top1.astype(jnp.float32),
+            "grad_norm": grad_norm.astype(jnp.float32),
+            "lr": jnp.asarray(schedule(step) if schedule is not None else 0.0, jnp.float32),
+            "loss_scale": jnp.asarray(P.current_scale(loss_scale), jnp.float32),
+            "finite": finite.astype(jnp.float32),
+            "skipped": skipped,
+        }
+        return step + 1, loss_scale.adjust(finite), skipped, metrics
+
+    return finish
 
 
 def apply_optimizer(tx: optax.GradientTransformation, state: TrainState, grads, policy):
@@ -179,6 +213,38 @@ def _pipeline_gradients(pipeline, policy, choices, image_norm, label_smoothing, 
     return gradients
 
 
+def _mpmd_train_step(pipeline, tx, *, policy, choices, image_norm, label_smoothing, mix, accumulate,
+                     axis_name, sync_batch_norm, finish, skip_nonfinite, clip_norm):
+    """The pieces of a train step that :class:`jaxcnn.parallel.mpmd.MPMD` runs one program per
+    stage (``plan.wrap_step`` builds it); called directly it raises."""
+    if axis_name is None:
+        raise ValueError("parallel.pipeline: the step runs its stages under shard_map over the data "
+                         "axis; build it with axis_name=plan.step_axis_name")
+    if accumulate not in (1, pipeline.microbatches):
+        raise ValueError(f"train.accumulate_steps: {accumulate} micro-batches, but the pipeline runs "
+                         f"parallel.pipeline.microbatches={pipeline.microbatches}")
+    if mix is not None and mix.enabled:
+        raise ValueError("data.mix: mixup/CutMix is not supported with pipeline parallelism (mesh.pipe > 1)")
+
+    def train_step(state, batch):
+        raise ValueError("parallel.pipeline.engine: an mpmd step is one program per stage; run it "
+                         "through plan.wrap_step(train_step)")
+
+    def update(params, opt_state, grads):
+        view = TrainState(None, params, None, opt_state, None, None, None)
+        return apply_optimizer(tx, view, grads, policy)
+
+    train_step.mpmd = dict(
+        head=_head(policy=policy, label_smoothing=label_smoothing),
+        prepare=lambda x: device_normalize(x, image_norm), policy=policy, choices=choices,
+        init_opt=lambda params: init_opt_state(tx, params, policy), update=update, finish=finish,
+        clip_norm=clip_norm, sync_batch_norm=sync_batch_norm,
+        select_nonfinite=lambda state: skip_nonfinite or isinstance(state.loss_scale, P.DynamicLossScale))
+    train_step.batch_norm_axis_name = choices.axis_name
+    train_step.pipeline = pipeline
+    return train_step
+
+
 def _gradients(loss_fn, accumulate: int):
     """``gradients(state, batch, rng) -> (scaled gradients, loss, top1, new model state)``,
     over ``accumulate`` micro-batches (see :func:`make_train_step`)."""
@@ -219,7 +285,7 @@ def make_train_step(model, tx: optax.GradientTransformation, *, policy=None,
                     image_norm: tuple | None = None, impl: str = "auto",
                     batch_norm_grad: str = "auto", sync_batch_norm: bool = True,
                     mix: mixing.MixSpec | None = None, accumulate: int = 1, conv_bn="auto",
-                    pipeline=None):
+                    pipeline=None, clip_norm: float | None = None):
     """Build ``train_step(state, batch) -> (state, metrics)``.
 
     Arguments:
@@ -249,7 +315,12 @@ def make_train_step(model, tx: optax.GradientTransformation, *, policy=None,
             run in turn (``lax.scan``), gradients averaged into one update; BatchNorm uses
             and updates its statistics per micro-batch, as PyTorch does.
         pipeline: a :class:`jaxcnn.parallel.Pipeline` (``plan.pipeline``): gradients from its GPipe or 1F1B
-            schedule over its micro-batches (``accumulate``: 1 or their count).
+            schedule over its micro-batches (``accumulate``: 1 or their count).  With
+            ``engine="mpmd"`` the step is one program per stage: give it to
+            ``plan.wrap_step``, which runs it (:mod:`jaxcnn.parallel.mpmd`).
+        clip_norm: clip the gradients to this global norm before ``tx`` (what
+            ``optax.clip_by_global_norm`` first in ``tx`` does); the ``mpmd`` pipeline
+            engine needs it here, as each stage's ``tx`` sees its own gradients only.
 
     The returned function carries ``batch_norm_axis_name`` (the axis BatchNorm syncs over, or
     None) and ``pipeline``, which :func:`jaxcnn.parallel.strategies.wrap_train_step` checks.
@@ -261,6 +332,12 @@ def make_train_step(model, tx: optax.GradientTransformation, *, policy=None,
     choices = Choices(impl=impl, batch_norm_grad=batch_norm_grad, axis_name=bn_axis, conv_bn=conv_bn)
     loss_fn = _loss_fn(model, policy=policy, choices=choices, label_smoothing=label_smoothing,
                        image_norm=image_norm, mix=mix)
+    finish = _finish(schedule)
+    if pipeline is not None and getattr(pipeline, "engine", "spmd") == "mpmd":
+        return _mpmd_train_step(pipeline, tx, policy=policy, choices=choices, image_norm=image_norm,
+                                label_smoothing=label_smoothing, mix=mix, accumulate=accumulate,
+                                axis_name=axis_name, sync_batch_norm=sync_batch_norm, finish=finish,
+                                skip_nonfinite=skip_nonfinite, clip_norm=clip_norm)
     gradients = _gradients(loss_fn, accumulate) if pipeline is None else _pipeline_gradients(
         pipeline, policy, choices, image_norm, label_smoothing, mix, accumulate, axis_name, sync_batch_norm)
 
@@ -271,24 +348,18 @@ def make_train_step(model, tx: optax.GradientTransformation, *, policy=None,
         if axis_name is not None and pipeline is None:
             grads, loss, top1 = cross_device_mean((grads, loss, top1), axis_name)
         finite = P.all_finite(grads)
-        grads, new_params, new_opt_state = apply_optimizer(tx, state, grads, policy)
-        new_loss_scale = state.loss_scale.adjust(finite)
+        grad_norm = optax.tree.norm(_as_applied(grads, state.opt_state, policy))
+        if clip_norm is not None:
+            grads = clip_by_norm(grads, grad_norm, clip_norm)
+        _, new_params, new_opt_state = apply_optimizer(tx, state, grads, policy)
         if skip_nonfinite or isinstance(state.loss_scale, P.DynamicLossScale):
             new_params, new_opt_state, new_model_state = P.select_tree(
                 finite, (new_params, new_opt_state, new_model_state),
                 (state.params, state.opt_state, state.state))
-        skipped = state.skipped + jnp.where(finite, 0, 1).astype(jnp.int32)
-        new_state = TrainState(state.step + 1, new_params, new_model_state, new_opt_state,
+        step, new_loss_scale, skipped, metrics = finish((state.step, state.loss_scale, state.skipped),
+                                                        finite, grad_norm, loss, top1)
+        new_state = TrainState(step, new_params, new_model_state, new_opt_state,
                                new_loss_scale, state.rng, skipped)
-        metrics = {
-            "loss": loss.astype(jnp.float32),
-            "top1": top1.astype(jnp.float32),
-            "grad_norm": optax.tree.norm(grads).astype(jnp.float32),
-            "lr": jnp.asarray(schedule(state.step) if schedule is not None else 0.0, jnp.float32),
-            "loss_scale": jnp.asarray(P.current_scale(state.loss_scale), jnp.float32),
-            "finite": finite.astype(jnp.float32),
-            "skipped": skipped,
-        }
         return new_state, metrics
 
     train_step.batch_norm_axis_name, train_step.pipeline = bn_axis, pipeline  # wrap_step checks both
@@ -308,9 +379,7 @@ def make_eval_step(model, *, policy=None, impl: str = "auto"):
     loss_policy = _loss_policy(policy)
     choices = Choices(impl=impl)  # a bad name fails here, not at trace time
 
-    def eval_step(params, model_state, batch):
-        logits, _ = model.apply(params, model_state, batch["image"], train=False,
-                                policy=policy, choices=choices)
+    def sums(logits, batch):
         logits = P.cast_for(loss_policy, "loss", logits).astype(jnp.float32)
         labels = batch["label"]
         mask = batch.get("mask")
@@ -325,4 +394,11 @@ def make_eval_step(model, *, policy=None, impl: str = "auto"):
             "count": jnp.sum(mask).astype(jnp.float32),
         }
 
+    def eval_step(params, model_state, batch):
+        logits, _ = model.apply(params, model_state, batch["image"], train=False,
+                                policy=policy, choices=choices)
+        return sums(logits, batch)
+
+    # the pieces an mpmd pipeline runs stage by stage (plan.wrap_eval)
+    eval_step.sums, eval_step.policy, eval_step.choices = sums, policy, choices
     return eval_step

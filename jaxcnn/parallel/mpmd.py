@@ -1,0 +1,458 @@
+"""Pipeline stages as one program per stage (MPMD): ``parallel.pipeline.engine: mpmd``.
+
+The default engine (:mod:`jaxcnn.parallel.pipeline`) runs the schedule as one SPMD program:
+every device runs the same code, so every device holds buffers sized by the widest stage
+boundary and the largest stage, and the per-device memory of ResNet-50 falls little from 2
+to 4 stages (docs/BENCHMARKS.md).  Here each stage has its own devices (the mesh's devices
+at its ``pipe`` index: a one-axis ``data`` mesh) and its own compiled programs, which a
+Python driver dispatches in the schedule's order (GPipe or 1F1B, :func:`one_f_one_b`):
+
+* ``forward`` of stage ``s`` on micro-batch ``m``: the stage's blocks on its input (the
+  images for stage 0), its output moved to stage ``s + 1``'s devices (``jax.device_put``
+  between devices holding the same rows: a device-to-device copy); the last stage computes
+  the loss.  The BatchNorm statistics are threaded through the micro-batches in order;
+* ``backward``: the stage's forward recomputed from the input it stashed (as the SPMD
+  engine does, so a device keeps its stage inputs across ticks and one micro-batch's
+  activations of its own stage), its ``jax.vjp`` added to the stage's gradient accumulator
+  (donated), the input cotangent moved to stage ``s - 1``;
+* the update: each stage averages its accumulator over ``data``, unscales it, and sends the
+  sum of squares and finiteness of its gradients (two scalars) to every stage, so global-norm
+  clipping, the finiteness check, loss scaling and skipping non-finite steps see the whole
+  model's gradients; then each stage runs the optimiser on its own leaves.  The optimiser
+  must therefore treat leaves separately apart from the global norm, which the engine gives
+  it (``clip_norm``): SGD, Adam(W), LARS and LAMB (per-leaf trust ratios) all do; an
+  ``optax.clip_by_global_norm`` inside ``tx`` would clip each stage by its own norm (the
+  trainer builds ``tx`` without it and passes ``optim.grad_clip_norm`` instead).
+
+Every program is a ``shard_map`` over its stage's ``data`` axis with the SPMD engine's
+per-device semantics (each data shard's dropout key, BatchNorm statistics synced over
+``data``), so both engines compute the same numbers up to the order of float sums.
+
+What lives where: each parameter, its optimiser moments and BatchNorm statistics on its
+stage's devices (replicated over ``data``), the scalars (step, loss scale, key, the
+optimiser's counts) on every device; the images on stage 0 and the labels on the last
+stage.  The state is the same canonical ``TrainState`` as every other layout's (each leaf
+just placed on its stage's devices), so checkpoints resume across layouts and engines.
+
+A device then holds only its own stage's parameters, optimiser state and gradient
+accumulator, its stage's stash (1F1B: ``min(S - s, M)`` inputs of its own width, GPipe:
+``M``) and its stage's backward: no buffer is padded to another stage's size.  One process
+only: moving a stage's output to devices of another process needs a collective both run
+(use the SPMD engine across processes).
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jaxcnn.parallel.mesh import DATA
+from jaxcnn.parallel.pipeline import BACKWARD, FORWARD, Pipeline, _get, _set, one_f_one_b
+
+
+
+
+def stage_meshes(mesh: Mesh, axis: str) -> list[Mesh]:
+    """Each stage's devices as a one-axis ``data`` mesh (the mesh's devices at that ``pipe``
+    index, in ``data`` order; every other axis has size 1)."""
+    names = list(mesh.axis_names)
+    devices = np.moveaxis(mesh.devices, [names.index(axis), names.index(DATA)], [0, 1])
+    return [Mesh(devices[s].reshape(devices.shape[1], -1)[:, 0], (DATA,)) if devices[s].size == devices.shape[1]
+            else _bad_mesh(mesh) for s in range(devices.shape[0])]
+
+
+def _bad_mesh(mesh):
+    raise ValueError(f"parallel.pipeline.engine: mpmd runs on a data x pipe mesh, got {dict(mesh.shape)}")
+
+
+def _keys(path) -> tuple | None:
+    """The dict keys at the end of a key path (the parameter path inside an optimiser state),
+    or None when it does not end in a dict key."""
+    out = []
+    for k in reversed(path):
+        if not isinstance(k, jax.tree_util.DictKey):
+            break
+        out.append(k.key)
+    return tuple(reversed(out)) or None
+
+
+class Placement(NamedTuple):
+    """Which stage owns each leaf of a ``TrainState`` (None: every stage keeps one)."""
+
+    owner: Callable  # key path -> stage or None
+
+
+class MPMD:
+    """The MPMD engine of one :class:`~jaxcnn.parallel.pipeline.Pipeline` on one mesh.
+
+    Arguments:
+        pipeline: the stages and schedule (its ``stage_blocks``, ``schedule``, ``remat``).
+        mesh: a ``data x pipe`` mesh (``mesh.model`` 1); stage ``s`` runs on its devices at
+            ``pipe`` index ``s``.
+
+    Raises:
+        ValueError: naming ``parallel.pipeline.engine`` for several processes or another axis.
+    """
+
+    def __init__(self, pipeline: Pipeline, mesh: Mesh):
+        if jax.process_count() > 1:
+            raise ValueError("parallel.pipeline.engine: mpmd runs in one process (a stage's output "
+                             "moves between devices by jax.device_put); use engine spmd across processes")
+        self.pipeline, self.mesh = pipeline, mesh
+        self.meshes = stage_meshes(mesh, pipeline.axis_name)
+        self.rep = [NamedSharding(m, P()) for m in self.meshes]
+        self.rows = [NamedSharding(m, P(DATA)) for m in self.meshes]
+        self.everywhere = NamedSharding(mesh, P())
+        self.block_owner = {b.path: s for s, blocks in enumerate(pipeline.stage_blocks) for b in blocks}
+
+    # ----- placement --------------------------------------------------------------------
+
+    def owner(self, keys) -> int | None:
+        """The stage whose block holds the parameter at dict-key path ``keys`` (None: no block)."""
+        if keys is None:
+            return None
+        for n in range(len(keys), 0, -1):
+            if keys[:n] in self.block_owner:
+                return self.block_owner[keys[:n]]
+        return None
+
+    def leaf_owner(self, field: str, path) -> int | None:
+        """The stage owning a ``TrainState`` leaf: ``field`` its field name, ``path`` its key path
+        inside it (params and model state by their block; an optimiser state leaf by the
+        parameter path its key path ends in; anything else None)."""
+        if field in ("params", "state", "opt_state"):
+            return self.owner(_keys(path))
+        return None
+
+    def shardings(self, abstract_state):
+        """A ``TrainState`` of shardings: every owned leaf replicated over its stage's devices,
+        every other leaf over all devices."""
+        out = {}
+        for field in abstract_state._fields:
+            tree = getattr(abstract_state, field)
+            out[field] = jax.tree_util.tree_map_with_path(
+                lambda path, _, f=field: self._sharding(self.leaf_owner(f, path)), tree)
+        return type(abstract_state)(**out)
+
+    def _sharding(self, stage):
+        return self.everywhere if stage is None else self.rep[stage]
+
+    def stage_tree(self, tree, s):
+        """The part of a params-like tree (nested dicts) that stage ``s``'s blocks hold."""
+        out = {}
+        for b in self.pipeline.stage_blocks[s]:
+            v = _get(tree, b.path)
+            if v:
+                out = _set(out, b.path, v)
+        return out
+
+    def merge(self, tree, parts):
+        """``tree`` with each stage's part (:meth:`stage_tree`) put back."""
+        for s, part in enumerate(parts):
+            for b in self.pipeline.stage_blocks[s]:
+                v = _get(part, b.path)
+                if v:
+                    tree = _set(tree, b.path, v)
+        return tree
+
+    def stage_opt(self, opt_state, template, s):
+        """Stage ``s``'s optimiser state (shaped as ``template``, ``tx.init`` of its
+        parameters) from the whole one: the leaves with the same key path; the unowned ones
+        (counts) copied to its devices."""
+        whole = dict(jax.tree_util.tree_flatten_with_path(opt_state)[0])
+        paths, treedef = jax.tree_util.tree_flatten_with_path(template)
+        leaves = []
+        for path, _ in paths:
+            if path not in whole:
+                raise ValueError(f"parallel.pipeline.engine: the optimiser state of stage {s} has a leaf at "
+                                 f"{jax.tree_util.keystr(path)} that the whole model's has not; mpmd needs an "
+                                 f"optimiser whose state follows the parameters leaf by leaf")
+            x = whole[path]
+            leaves.append(x if self.owner(_keys(path)) == s else jax.device_put(x, self.rep[s]))
+        return jax.tree_util.tree_unflatten(treedef, leaves)
+
+    def merge_opt(self, opt_state, parts):
+        """The whole optimiser state from the stages' (:meth:`stage_opt`): each owned leaf from its
+        stage, each unowned one (a count, the same on every stage) from stage 0's, on every device."""
+        found = [dict(jax.tree_util.tree_flatten_with_path(p)[0]) for p in parts]
+        paths, treedef = jax.tree_util.tree_flatten_with_path(opt_state)
+        leaves = []
+        for path, _ in paths:
+            s = self.owner(_keys(path))
+            leaves.append(found[s][path] if s is not None else jax.device_put(found[0][path], self.everywhere))
+        return jax.tree_util.tree_unflatten(treedef, leaves)
+
+    def batch_sharding(self, key: str) -> NamedSharding:
+        """Where a batch's ``key`` goes: the images to stage 0's devices, the rest (labels,
+        mask) to the last stage's, split over ``data``."""
+        return self.rows[0] if key == "image" else self.rows[-1]
+
+    def build_eval(self, eval_step):
+        """``eval(params, model_state, batch) -> sums`` stage by stage (each stage's blocks in
+        inference mode on its devices, the sums on the last), from ``make_eval_step``'s step
+        (its ``sums``, ``policy`` and ``choices``)."""
+        S, blocks = self.pipeline.stages, self.pipeline.stage_blocks
+
+        def program(s):
+            def f(params, mstate, x, rest):
+                for b in blocks[s]:
+                    x, _ = b.layer.apply(_get(params, b.path), _get(mstate, b.path), x, train=False,
+                                         policy=eval_step.policy, choices=eval_step.choices)
+                return eval_step.sums(x, rest) if s == S - 1 else x
+            return jax.jit(f, out_shardings=self.rep[s] if s == S - 1 else self.rows[s])
+
+        programs = [program(s) for s in range(S)]
+
+        def run(params, model_state, batch):
+            x = jax.device_put(batch["image"], self.rows[0])
+            rest = {k: jax.device_put(v, self.rows[-1]) for k, v in batch.items() if k != "image"}
+            for s in range(S):
+                x = programs[s](self.stage_tree(params, s), self.stage_tree(model_state, s), x,
+                                rest if s == S - 1 else None)
+                if s < S - 1:
+                    x = jax.device_put(x, self.rows[s + 1])
+            return jax.device_put(x, self.everywhere)
+
+        return run
+
+    # ----- the step ---------------------------------------------------------------------
+
+    def build_step(self, *, head, prepare, policy, choices, init_opt, update, finish, select_nonfinite,
+                   clip_norm=None, sync_batch_norm: bool = True, donate: bool = True):
+        """``step(state, batch) -> (state, metrics)`` of the canonical ``TrainState``.
+
+        Arguments:
+            head: ``head(logits, labels, loss_scale) -> (scaled loss, (loss, top1))``.
+            prepare: stage 0's input from a micro-batch's images.
+            policy, choices: passed to every block (``choices.axis_name``: ``data`` to sync
+                BatchNorm over the data shards).
+            init_opt: the optimiser state of some parameters (run abstractly, for the shape of
+                each stage's).
+            update: ``update(params, opt_state, grads) -> (grads as applied, params, opt_state)``.
+            finish: ``finish((step, loss_scale, skipped), finite, grad_norm, loss, top1) ->
+                (step, loss_scale, skipped, metrics)`` (run on every device).
+            select_nonfinite: ``select_nonfinite(state)``: keep each stage's parameters,
+                optimiser and model state when any gradient is not finite.
+            clip_norm: global-norm clipping of the gradients before ``update`` (optax's
+                ``clip_by_global_norm`` on the whole model's gradients), or None.
+            sync_batch_norm: False: each data shard's own statistics, their running values
+                averaged over ``data``.
+            donate: the step reuses the buffers of the state it is given.
+        """
+        return _Driver(self, head=head, prepare=prepare, policy=policy, choices=choices, init_opt=init_opt,
+                       update=update, finish=finish, clip_norm=clip_norm, select_nonfinite=select_nonfinite,
+                       sync_batch_norm=sync_batch_norm, donate=donate)
+
+
+def _floating(x):
+    return jnp.issubdtype(x.dtype, jnp.floating)
+
+
+def _acc_dtype(x):
+    return jnp.promote_types(x.dtype, jnp.float32)
+
+
+class _Driver:
+    """The compiled stage programs and the Python loop that runs them in the schedule's order."""
+
+    def __init__(self, engine: MPMD, *, head, prepare, policy, choices, init_opt, update, finish, clip_norm,
+                 select_nonfinite, sync_batch_norm, donate):
+        self.e, self.p = engine, engine.pipeline
+        self.head, self.prepare, self.policy, self.choices = head, prepare, policy, choices
+        self.init_opt, self.update, self.finish = init_opt, update, finish
+        self.clip_norm, self.select, self.sync = clip_norm, select_nonfinite, sync_batch_norm
+        self.donate = donate
+        S, D = self.p.stages, engine.mesh.shape[DATA]
+        self.fwd = [self._forward(s) for s in range(S)]
+        self.bwd = [self._backward(s) for s in range(S)]
+        self.grads = [self._grads(s) for s in range(S)]
+        self.apply = {}  # (stage, select) -> program
+        zeros = lambda t: jax.tree_util.tree_map(lambda x: jnp.zeros((D,) + x.shape, _acc_dtype(x)), t)  # noqa: E731
+        self.zeros = [jax.jit(zeros, out_shardings=engine.rows[s]) for s in range(S)]
+        self.finish_jit = jax.jit(finish, out_shardings=engine.everywhere)
+
+    # ----- per-device pieces (inside shard_map over the stage's data axis) --------------------
+
+    def _key(self, rng, step, m):
+        key = jax.random.fold_in(jax.random.wrap_key_data(rng), jax.lax.axis_index(DATA))
+        return jax.random.fold_in(jax.random.fold_in(key, step), m)
+
+    def _micro(self, x, m):
+        """Micro-batch ``m`` of this device's rows: examples ``m, m + M, ...``."""
+        M = self.p.microbatches
+        n = x.shape[0]
+        self.p.check_batch(n)
+        return jax.lax.dynamic_index_in_dim(x.reshape((n // M, M) + x.shape[1:]), m, 1, keepdims=False)
+
+    def _run(self, s, params, mstate, x, key):
+        return self.p._run_stage(s, params, mstate, x, key, policy=self.policy, choices=self.choices)
+
+    def _shard_map(self, s, f, in_specs, out_specs):
+        return jax.shard_map(f, mesh=self.e.meshes[s], in_specs=in_specs, out_specs=out_specs,
+                             check_vma=False)
+
+    def _forward(self, s):
+        last, first = s == self.p.stages - 1, s == 0
+
+        def f(params, mstate, x, labels, rng, step, m, loss_scale):
+            key = self._key(rng, step, m)
+            x = self.prepare(self._micro(x, m)) if first else x
+            y, new = self._run(s, params, mstate, x, key)
+            for path, v in new.items():
+                mstate = _set(mstate, path, v)
+            if not self.sync:  # each shard's statistics: their running values averaged
+                mstate = jax.tree_util.tree_map(
+                    lambda v: jax.lax.pmean(v, DATA) if _floating(v) else v, mstate)
+            if last:
+                _, (loss, top1) = self.head(y, self._micro(labels, m), loss_scale)
+                out = (jax.lax.pmean(loss.astype(jnp.float32), DATA), jax.lax.pmean(top1.astype(jnp.float32), DATA))
+                return out, mstate
+            return y, mstate
+
+        out_y = (P(), P()) if last else P(DATA)
+        mapped = self._shard_map(s, f, (P(), P(), P(DATA), P(DATA) if last else None, P(), P(), P(), P()),
+                                 (out_y, P()))
+        return jax.jit(mapped)
+
+    def _backward(self, s):
+        last, first = s == self.p.stages - 1, s == 0
+
+        def f(params, mstate, x, ct, rng, step, m, loss_scale, acc):
+            key = self._key(rng, step, m)
+
+            def g(params, x):
+                y, _ = self._run(s, params, mstate, x, key)
+                return self.head(y, self._micro(ct, m), loss_scale)[0] if last else y
+
+            if first:
+                out, vjp = jax.vjp(lambda p: g(p, self.prepare(self._micro(x, m))), params)
+                (d_params,) = vjp(jnp.ones_like(out) if last else ct)
+                d_x = None
+            else:
+                out, vjp = jax.vjp(g, params, x)
+                d_params, d_x = vjp(jnp.ones_like(out) if last else ct)
+            acc = jax.tree_util.tree_map(lambda a, d: a + d.astype(a.dtype)[None], acc, d_params)
+            return acc, d_x
+
+        mapped = self._shard_map(s, f, (P(), P(), P(DATA), P(DATA), P(), P(), P(), P(), P(DATA)),
+                                 (P(DATA), None if first else P(DATA)))
+        return jax.jit(mapped, donate_argnums=(8,))
+
+    def _grads(self, s):
+        """The accumulator -> this stage's unscaled gradients (averaged over micro-batches and
+        ``data``, in the parameters' dtypes), their sum of squares and finiteness."""
+        M = self.p.microbatches
+
+        def f(acc, params, loss_scale):
+            def mean(a, p):
+                g = (a / M).astype(p.dtype)
+                wide = g.astype(jnp.float32) if _floating(g) and jnp.finfo(g.dtype).bits < 32 else g
+                return jnp.mean(wide, axis=0).astype(p.dtype)
+            grads = loss_scale.unscale(jax.tree_util.tree_map(mean, acc, params))
+            leaves = jax.tree_util.tree_leaves(grads)
+            sq = sum((jnp.sum(jnp.square(g.astype(jnp.float32))) for g in leaves), jnp.zeros((), jnp.float32))
+            finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in leaves] + [jnp.array(True)]))
+            return grads, sq, finite
+
+        return jax.jit(f, out_shardings=self.e.rep[s], donate_argnums=(0,))
+
+    def _apply(self, s, select):
+        def f(params, opt_state, grads, mstate, old_mstate, sqs, finites):
+            finite = jnp.all(finites)
+            if self.clip_norm is not None:  # optax.clip_by_global_norm over every stage's gradients
+                norm = jnp.sqrt(jnp.sum(sqs))
+                grads = jax.tree_util.tree_map(
+                    lambda g: jnp.where(norm < self.clip_norm, g, (g / norm.astype(g.dtype)) * self.clip_norm), grads)
+            _, new_params, new_opt = self.update(params, opt_state, grads)
+            if select:
+                pick = lambda new, old: jax.tree_util.tree_map(lambda a, b: jnp.where(finite, a, b), new, old)  # noqa: E731
+                new_params, new_opt, mstate = pick(new_params, params), pick(new_opt, opt_state), pick(mstate, old_mstate)
+            return new_params, new_opt, mstate
+
+        return jax.jit(f, out_shardings=self.e.rep[s], donate_argnums=(0, 1, 2) if self.donate else (2,))
+
+    # ----- the driver -----------------------------------------------------------------
+
+    def order(self):
+        """``[(FORWARD or BACKWARD, stage, micro-batch)]`` in dispatch order: GPipe's ticks
+        (every forward, then every backward), or the 1F1B timetable's, stage by stage."""
+        S, M = self.p.stages, self.p.microbatches
+        if self.p.schedule == "gpipe":
+            ops = [(FORWARD, s, t - s) for t in range(M + S - 1) for s in range(S) if 0 <= t - s < M]
+            return ops + [(BACKWARD, s, t - (S - 1 - s)) for t in range(M + S - 1) for s in range(S - 1, -1, -1)
+                          if 0 <= t - (S - 1 - s) < M]
+        table = one_f_one_b(S, M)
+        return [(int(table.op[t, s]), s, int(table.micro[t, s])) for t in range(table.ticks) for s in range(S)
+                if table.op[t, s] in (FORWARD, BACKWARD)]
+
+    def views(self, state):
+        """Each stage's parameters, model state and optimiser state (its own leaves, no copy)."""
+        e, S = self.e, self.p.stages
+        params = [e.stage_tree(state.params, s) for s in range(S)]
+        mstate = [e.stage_tree(state.state, s) for s in range(S)]
+        opt = [e.stage_opt(state.opt_state, jax.eval_shape(self.init_opt, params[s]), s) for s in range(S)]
+        return params, mstate, opt
+
+    def __call__(self, state, batch):
+        e, p, S, M = self.e, self.p, self.p.stages, self.p.microbatches
+        params, old_mstate, opt = self.views(state)
+        mstate = list(old_mstate)
+        scalars = [jax.device_put((state.rng, state.step, state.loss_scale), e.rep[s]) for s in range(S)]
+        images = jax.device_put(batch["image"], e.rows[0])
+        labels = jax.device_put(batch["label"], e.rows[S - 1])
+        acc = [self.zeros[s](params[s]) for s in range(S)]
+        stash = [dict() for _ in range(S)]  # stage inputs, kept from their arrival to their backward
+        cts = [dict() for _ in range(S)]
+        losses, top1s = [], []
+        for kind, s, m in self.order():
+            rng, step, ls = scalars[s]
+            mi = np.int32(m)
+            x = images if s == 0 else stash[s][m]
+            if kind == FORWARD:
+                y, mstate[s] = self.fwd[s](params[s], mstate[s], x, labels if s == S - 1 else None,
+                                           rng, step, mi, ls)
+                if s == S - 1:
+                    losses.append(y[0])
+                    top1s.append(y[1])
+                else:
+                    stash[s + 1][m] = jax.device_put(y, e.rows[s + 1])
+            else:
+                ct = labels if s == S - 1 else cts[s].pop(m)
+                acc[s], d_x = self.bwd[s](params[s], old_mstate[s], x, ct, rng, step, mi, ls, acc[s])
+                if s > 0:
+                    del stash[s][m]
+                    cts[s - 1][m] = jax.device_put(d_x, e.rows[s - 1])
+        grads, sqs, fins = zip(*[self.grads[s](acc[s], params[s], scalars[s][2]) for s in range(S)])
+        del acc
+        new_params, new_mstate, new_opt = [], [], []
+        select = bool(self.select(state))
+        for s in range(S):
+            sq = jnp.stack(jax.device_put(list(sqs), e.rep[s]))
+            fin = jnp.stack(jax.device_put(list(fins), e.rep[s]))
+            if (s, select) not in self.apply:
+                self.apply[(s, select)] = self._apply(s, select)
+            ps, os_, ms = self.apply[(s, select)](params[s], opt[s], grads[s], mstate[s], old_mstate[s], sq, fin)
+            new_params.append(ps)
+            new_opt.append(os_)
+            new_mstate.append(ms)
+        loss = jnp.mean(jnp.stack(losses))
+        top1 = jnp.mean(jnp.stack(top1s))
+        sq_all = jax.device_put(list(sqs), e.everywhere)
+        fin_all = jax.device_put(list(fins), e.everywhere)
+        step, loss_scale, skipped, metrics = self.finish_jit(
+            (state.step, state.loss_scale, state.skipped), jnp.all(jnp.stack(fin_all)),
+            jnp.sqrt(jnp.sum(jnp.stack(sq_all))), jax.device_put(loss, e.everywhere), jax.device_put(top1, e.everywhere))
+        new_state = type(state)(
+            step=step, params=e.merge(state.params, new_params), state=e.merge(state.state, new_mstate),
+            opt_state=e.merge_opt(state.opt_state, new_opt), loss_scale=loss_scale, rng=state.rng,
+            skipped=skipped)
+        return new_state, metrics
+
+
+def stage_bytes(tree) -> int:
+    """Bytes of the arrays (or shapes) in ``tree``."""
+    return sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree_util.tree_leaves(tree))

@@ -1,0 +1,78 @@
+"""The MPMD pipeline engine (``parallel.pipeline.engine: mpmd``, :mod:`jaxcnn.parallel.mpmd`):
+one program per stage on its own devices gives the SPMD engine's numbers, which are one
+device's with ``accumulate=M`` (BatchNorm per micro-batch in order)."""
+import jax
+import numpy as np
+import optax
+import pytest
+
+from jaxcnn.parallel import ParallelPlan, make_mesh
+from jaxcnn.train.step import make_eval_step, make_train_step
+
+from _helpers import MOMENTUM, batches, init
+from test_parallel_pipeline import SHAPE, _abstract, _assert_run_matches, _model, _pipelined, _plan, _reference
+
+
+@pytest.mark.parametrize("name,data_axis,schedule", [("resnet18", 1, "1f1b"), ("resnet18", 2, "gpipe"),
+                                                     ("vgg11", 1, "1f1b")])
+def test_mpmd_matches_one_device_on_the_same_micro_batches(name, data_axis, schedule):
+    """ResNet-18 and VGG-11 (dropout) on 4 stages, one program per stage (x 2 data shards): loss,
+    accuracy, gradients, BatchNorm statistics and parameters of one step as one device with
+    accumulate=2; each leaf of the state stays on its stage's devices."""
+    model, tx = _model(name), MOMENTUM
+    data = batches(SHAPE, 1, seed=1)
+    ref_m, ref = _reference(model, tx, SHAPE, data, 2)
+    plan = _plan(model, tx, SHAPE, data_axis, 4, microbatches=2, schedule=schedule, engine="mpmd")
+    got_m, got = _pipelined(plan, model, tx, SHAPE, data)
+    _assert_run_matches(got_m, got, ref_m, ref, 1)
+
+
+def test_mpmd_gives_the_spmd_engines_numbers_with_dropout_on_data_shards():
+    """VGG-11 with dropout on 2 data shards x 4 stages, 2 steps: each data shard draws its own
+    masks (the one-device run cannot); both engines draw the same ones."""
+    model, tx = _model("vgg11"), MOMENTUM
+    data = batches(SHAPE, 2, seed=2)
+    runs = {engine: _pipelined(_plan(model, tx, SHAPE, 2, 4, microbatches=2, schedule="1f1b", engine=engine),
+                               model, tx, SHAPE, data) for engine in ("spmd", "mpmd")}
+    _assert_run_matches(*runs["mpmd"], *runs["spmd"], 2)
+
+
+def test_mpmd_state_lives_on_its_stages_devices_and_evaluates_stage_by_stage():
+    """Every parameter, optimiser moment and BatchNorm statistic on its own stage's devices (the
+    step and key on every device); the evaluation sums are one device's."""
+    model, tx = _model("resnet18"), MOMENTUM
+    plan = _plan(model, tx, SHAPE, 2, 4, microbatches=2, engine="mpmd")
+    state = plan.shard_state(init(model, tx, SHAPE))
+    stage_devices = [set(m.devices.flat) for m in plan.mpmd.meshes]
+    owner = {b.path: s for s, blocks in enumerate(plan.pipeline.stage_blocks) for b in blocks}
+    for field in ("params", "state"):
+        for path, leaf in jax.tree_util.tree_leaves_with_path(getattr(state, field)):
+            keys = tuple(k.key for k in path)
+            s = next(owner[keys[:n]] for n in range(len(keys), 0, -1) if keys[:n] in owner)
+            assert leaf.sharding.device_set == stage_devices[s], (field, keys)
+    traces = jax.tree_util.tree_leaves(state.opt_state)  # SGD's momentum: one per parameter
+    assert [t.sharding.device_set for t in traces] == [p.sharding.device_set
+                                                      for p in jax.tree_util.tree_leaves(state.params)]
+    assert state.step.sharding.device_set == set(plan.mesh.devices.flat)
+    data = batches(SHAPE, 1, seed=3)[0]
+    data = dict(data, mask=np.arange(SHAPE[0]) < 13)
+    got = plan.wrap_eval(make_eval_step(model))(state.params, state.state, plan.put_eval_batch(data))
+    host = jax.device_get(init(model, tx, SHAPE))
+    want = jax.jit(make_eval_step(model))(host.params, host.state, data)
+    for k in want:
+        np.testing.assert_allclose(np.asarray(got[k]), np.asarray(want[k]), rtol=1e-5, atol=1e-5)
+
+
+def test_mpmd_clips_by_the_whole_models_norm():
+    """``clip_norm`` clips every stage by the norm of all the gradients: the same step as one device
+    with ``optax.clip_by_global_norm`` first in the chain (a clip small enough to act)."""
+    model = _model("resnet18")
+    data = batches(SHAPE, 1, seed=4)
+    chained = optax.chain(optax.clip_by_global_norm(0.05), MOMENTUM)
+    ref_m, ref = _reference(model, chained, SHAPE, data, 2)
+    plan = _plan(model, MOMENTUM, SHAPE, 1, 4, microbatches=2, engine="mpmd")
+    step = plan.wrap_step(make_train_step(model, MOMENTUM, axis_name=plan.step_axis_name,
+                                          pipeline=plan.pipeline, clip_norm=0.05), donate=False)
+    state, m = step(plan.shard_state(init(model, MOMENTUM, SHAPE)), plan.put_batch(data[0]))
+    assert ref_m[0]["grad_norm"] > 0.05
+    _assert_run_matches([jax.device_get(m)], jax.device_get(state), ref_m, ref, 1)
