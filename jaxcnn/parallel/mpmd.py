@@ -398,7 +398,7 @@ class _Driver:
         return params, mstate, opt
 
     def __call__(self, state, batch):
-        e, p, S, M = self.e, self.p, self.p.stages, self.p.microbatches
+        e, S = self.e, self.p.stages
         params, old_mstate, opt = self.views(state)
         mstate = list(old_mstate)
         scalars = [jax.device_put((state.rng, state.step, state.loss_scale), e.rep[s]) for s in range(S)]

@@ -6,11 +6,10 @@ import numpy as np
 import optax
 import pytest
 
-from jaxcnn.parallel import ParallelPlan, make_mesh
 from jaxcnn.train.step import make_eval_step, make_train_step
 
 from _helpers import MOMENTUM, batches, init
-from test_parallel_pipeline import SHAPE, _abstract, _assert_run_matches, _model, _pipelined, _plan, _reference
+from test_parallel_pipeline import SHAPE, _assert_run_matches, _model, _pipelined, _plan, _reference
 
 
 @pytest.mark.parametrize("name,data_axis,schedule", [("resnet18", 1, "1f1b"), ("resnet18", 2, "gpipe"),
