@@ -45,6 +45,16 @@ keeps for the backward)::
 
     python scripts/bench_scaling.py --model resnet50 --pipe 4 --per-device-batch 64 \
         --microbatches 8 --steps 0 --schedule gpipe,1f1b
+
+``--engine spmd,mpmd`` measures each stage count above 1 under each pipeline engine
+(``parallel.pipeline.engine``).  An ``mpmd`` step is one program per stage, so its memory is
+the largest stage's peak from each stage program's ``memory_analysis``
+(``MPMD``'s ``memory``: ``args`` its state and batch, ``temp`` the rest: gradient
+accumulator, stash, and the larger of its programs' temporaries and outputs); the stages'
+peaks follow the table::
+
+    python scripts/bench_scaling.py --model resnet50 --pipe 1,2,4 --per-device-batch 64 \
+        --microbatches 4 --steps 0 --schedule 1f1b --balance memory --remat --engine spmd,mpmd
 """
 from __future__ import annotations
 
@@ -94,6 +104,8 @@ def _parse_args(argv):
                         "parallel.spatial.remat (each unit's activations recomputed in its backward)")
     p.add_argument("--schedule", default="gpipe",
                    help="--pipe: comma-separated pipeline schedules (gpipe, 1f1b), each measured")
+    p.add_argument("--engine", default="spmd",
+                   help="--pipe: comma-separated pipeline engines (spmd, mpmd), each measured")
     return p.parse_args(argv)
 
 
@@ -246,7 +258,7 @@ def _pipeline_rows(args, counts, model, image, tx, policy) -> int:
 
     from jaxcnn import precision as P
     from jaxcnn.parallel import ParallelPlan, make_mesh
-    from jaxcnn.parallel.pipeline import SCHEDULES
+    from jaxcnn.parallel.pipeline import ENGINES, SCHEDULES
     from jaxcnn.train.state import create_train_state
     from jaxcnn.train.step import make_train_step
 
@@ -257,7 +269,13 @@ def _pipeline_rows(args, counts, model, image, tx, policy) -> int:
         print(f"bench_scaling: --schedule: expected a comma-separated list of {SCHEDULES}, got {bad[0]!r}",
               file=sys.stderr)
         return 2
-    runs = [(pipe, schedule) for pipe in counts for schedule in (schedules if pipe > 1 else schedules[:1])]
+    engines = args.engine.split(",")
+    if [e for e in engines if e not in ENGINES]:
+        print(f"bench_scaling: --engine: expected a comma-separated list of {ENGINES}, got {args.engine!r}",
+              file=sys.stderr)
+        return 2
+    runs = [(pipe, schedule, engine) for pipe in counts for schedule in (schedules if pipe > 1 else schedules[:1])
+            for engine in (engines if pipe > 1 else engines[:1])]
     try:
         split = None if args.split is None else [int(v) for v in args.split.split(",")]
     except ValueError:
@@ -272,12 +290,13 @@ def _pipeline_rows(args, counts, model, image, tx, policy) -> int:
     host = {"image": rng.normal(size=shape).astype(np.float32),
             "label": rng.integers(0, args.num_classes, shape[0]).astype(np.int32)}
     rows = []
-    for pipe, schedule in runs:
+    for pipe, schedule, engine in runs:
         try:
             plan = ParallelPlan(make_mesh(1, 1, pipe=pipe, devices=jax.devices()[:pipe]), model, shape,
                                 jax.eval_shape(init), pipeline={"microbatches": m, "balance": args.balance,
                                                                 "schedule": schedule, "remat": args.remat,
-                                                                "split": split if pipe > 1 else None})
+                                                                "split": split if pipe > 1 else None,
+                                                                "engine": engine})
         except ValueError as e:
             print(f"bench_scaling: {e}", file=sys.stderr)
             return 2
@@ -285,23 +304,33 @@ def _pipeline_rows(args, counts, model, image, tx, policy) -> int:
                                               accumulate=m, pipeline=plan.pipeline))
         placed = plan.put_batch(host)
         t0 = time.perf_counter()
-        compiled = step.lower(plan.abstract_state, placed).compile()
-        compile_s = time.perf_counter() - t0
-        mem = compiled.memory_analysis()
-        per_device = (mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes
-                      - mem.alias_size_in_bytes)
-        row = {"pipe": pipe, "microbatches": m, "batch": shape[0], "memory_mib": per_device / 2**20,
-               "args_mib": mem.argument_size_in_bytes / 2**20, "temp_mib": mem.temp_size_in_bytes / 2**20,
-               "out_mib": mem.output_size_in_bytes / 2**20, "alias_mib": mem.alias_size_in_bytes / 2**20,
+        row = {"pipe": pipe, "microbatches": m, "batch": shape[0],
                "bubble": 0.0 if plan.pipeline is None else plan.pipeline.bubble_fraction,
                "split": None if plan.pipeline is None else plan.pipeline.split,
-               "compile_s": compile_s, "step_ms": None, "schedule": schedule if plan.pipeline else "-",
+               "step_ms": None, "schedule": schedule if plan.pipeline else "-",
+               "engine": engine if plan.pipeline else "-",
                "stash": plan.pipeline.stash_slots if plan.pipeline else None}
+        if plan.mpmd is not None:  # one program per stage: the largest stage's peak
+            report = step.memory(plan.abstract_state, placed)
+            peak = max(report["stages"], key=lambda st: st["peak"])
+            row.update(memory_mib=peak["peak"] / 2**20, args_mib=(peak["state"] + peak["batch"]) / 2**20,
+                       temp_mib=(peak["peak"] - peak["state"] - peak["batch"]) / 2**20,
+                       out_mib=0.0, alias_mib=0.0, stage_mib=[round(st["peak"] / 2**20, 1) for st in report["stages"]])
+            compiled = step
+        else:
+            compiled = step.lower(plan.abstract_state, placed).compile()
+            mem = compiled.memory_analysis()
+            per_device = (mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes
+                          - mem.alias_size_in_bytes)
+            row.update(memory_mib=per_device / 2**20, args_mib=mem.argument_size_in_bytes / 2**20,
+                       temp_mib=mem.temp_size_in_bytes / 2**20, out_mib=mem.output_size_in_bytes / 2**20,
+                       alias_mib=mem.alias_size_in_bytes / 2**20)
+        row["compile_s"] = time.perf_counter() - t0
         if args.steps:
-            state = jax.jit(init, out_shardings=plan.state_shardings)()
+            state = plan.create_state(init)
             for _ in range(args.warmup):
                 state, metrics = compiled(state, placed)
-            jax.block_until_ready(metrics)
+            jax.block_until_ready(state)
             t0 = time.perf_counter()
             for _ in range(args.steps):
                 state, metrics = compiled(state, placed)
@@ -309,22 +338,23 @@ def _pipeline_rows(args, counts, model, image, tx, policy) -> int:
             row["step_ms"] = (time.perf_counter() - t0) / args.steps * 1e3
         rows.append(row)
         print(json.dumps(row) if args.json else
-              f"pipe {pipe} {row['schedule']}: {row['memory_mib']:.0f} MiB per device", flush=True)
+              f"pipe {pipe} {row['schedule']} {row['engine']}: {row['memory_mib']:.0f} MiB per device", flush=True)
     print(f"model {args.model} {image}  batch {shape[0]} in {m} micro-batches  balance {args.balance}"
           f"{'  remat' if args.remat else ''}  precision {args.precision}  backend "
           f"{jax.default_backend()} ({os.cpu_count()} host cores)")
     print("MiB per device (XLA's memory_analysis): args = the state and batch the step takes, temp = "
           "its temporaries, total = args + outputs + temp - donated; vs = the ratio to the first row; "
-          "stash = the stage inputs a device keeps")
-    print(f"{'pipe':>4} {'schedule':>8} {'stash':>5} {'args':>7} {'vs':>5} {'temp':>7} {'vs':>5} {'total':>7} "
+          "stash = the stage inputs a device keeps; mpmd: the largest stage's peak (every stage's after the blocks)")
+    print(f"{'pipe':>4} {'schedule':>8} {'engine':>6} {'stash':>5} {'args':>7} {'vs':>5} {'temp':>7} {'vs':>5} {'total':>7} "
           f"{'vs':>5} {'bubble':>7} {'step ms':>9}  blocks per stage")
     first = rows[0]
     for r in rows:
         step_ms = "-" if r["step_ms"] is None else f"{r['step_ms']:.0f}"
         ratio = lambda k: r[k] / first[k] if first[k] else float("nan")  # noqa: E731
-        print(f"{r['pipe']:>4} {r['schedule']:>8} {r['stash'] or '-':>5} {r['args_mib']:>7.1f} "
+        print(f"{r['pipe']:>4} {r['schedule']:>8} {r['engine']:>6} {r['stash'] or '-':>5} {r['args_mib']:>7.1f} "
               f"{ratio('args_mib'):>5.2f} {r['temp_mib']:>7.1f} {ratio('temp_mib'):>5.2f} {r['memory_mib']:>7.1f} "
-              f"{ratio('memory_mib'):>5.2f} {r['bubble']:>7.2f} {step_ms:>9}  {r['split'] or '-'}")
+              f"{ratio('memory_mib'):>5.2f} {r['bubble']:>7.2f} {step_ms:>9}  {r['split'] or '-'}"
+              f"{'  stages ' + str(r['stage_mib']) + ' MiB' if r.get('stage_mib') else ''}")
     return 0
 
 

@@ -20,9 +20,10 @@ Python driver dispatches in the schedule's order (GPipe or 1F1B, :func:`one_f_on
   clipping, the finiteness check, loss scaling and skipping non-finite steps see the whole
   model's gradients; then each stage runs the optimiser on its own leaves.  The optimiser
   must therefore treat leaves separately apart from the global norm, which the engine gives
-  it (``clip_norm``): SGD, Adam(W), LARS and LAMB (per-leaf trust ratios) all do; an
-  ``optax.clip_by_global_norm`` inside ``tx`` would clip each stage by its own norm (the
-  trainer builds ``tx`` without it and passes ``optim.grad_clip_norm`` instead).
+  it (``clip_norm``): SGD, Adam(W), LARS and LAMB (per-leaf trust ratios) all do.  An
+  ``optax.clip_by_global_norm`` inside ``tx`` alone would clip each stage by its own norm;
+  the trainer passes ``optim.grad_clip_norm`` as ``clip_norm`` too, after which every
+  stage's norm is within the bound and ``tx``'s own clip leaves it as it is.
 
 Every program is a ``shard_map`` over its stage's ``data`` axis with the SPMD engine's
 per-device semantics (each data shard's dropout key, BatchNorm statistics synced over
@@ -172,7 +173,10 @@ class MPMD:
                                  f"{jax.tree_util.keystr(path)} that the whole model's has not; mpmd needs an "
                                  f"optimiser whose state follows the parameters leaf by leaf")
             x = whole[path]
-            leaves.append(x if self.owner(_keys(path)) == s else jax.device_put(x, self.rep[s]))
+            if self.owner(_keys(path)) != s:  # a count: a copy on this stage's devices
+                x = jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self.rep[s]) \
+                    if isinstance(x, jax.ShapeDtypeStruct) else jax.device_put(x, self.rep[s])
+            leaves.append(x)
         return jax.tree_util.tree_unflatten(treedef, leaves)
 
     def merge_opt(self, opt_state, parts):
@@ -184,6 +188,24 @@ class MPMD:
         for path, _ in paths:
             s = self.owner(_keys(path))
             leaves.append(found[s][path] if s is not None else jax.device_put(found[0][path], self.everywhere))
+        return jax.tree_util.tree_unflatten(treedef, leaves)
+
+    def create(self, fn, *args):
+        """``fn(*args)`` (a ``TrainState``) made in place: one program per stage computes that
+        stage's leaves on its devices (XLA drops the rest of ``fn``), one more the unowned
+        leaves on every device; no device holds another stage's parameters."""
+        abstract = jax.eval_shape(fn, *args)
+        paths, treedef = jax.tree_util.tree_flatten_with_path(abstract)
+        owners = [self.leaf_owner(path[0].name, path[1:]) for path, _ in paths]
+        leaves = [None] * len(paths)
+        for group in [None] + list(range(self.pipeline.stages)):
+            idx = [i for i, o in enumerate(owners) if o == group]
+            if not idx:
+                continue
+            part = jax.jit(lambda *a, idx=tuple(idx): [jax.tree_util.tree_leaves(fn(*a))[i] for i in idx],
+                           out_shardings=self._sharding(group))(*args)
+            for i, x in zip(idx, part):
+                leaves[i] = x
         return jax.tree_util.tree_unflatten(treedef, leaves)
 
     def batch_sharding(self, key: str) -> NamedSharding:
@@ -358,7 +380,7 @@ class _Driver:
             finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in leaves] + [jnp.array(True)]))
             return grads, sq, finite
 
-        return jax.jit(f, out_shardings=self.e.rep[s], donate_argnums=(0,))
+        return jax.jit(f, out_shardings=self.e.rep[s])
 
     def _apply(self, s, select):
         def f(params, opt_state, grads, mstate, old_mstate, sqs, finites):
@@ -388,6 +410,74 @@ class _Driver:
         table = one_f_one_b(S, M)
         return [(int(table.op[t, s]), s, int(table.micro[t, s])) for t in range(table.ticks) for s in range(S)
                 if table.op[t, s] in (FORWARD, BACKWARD)]
+
+    def memory(self, abstract_state, abstract_batch) -> dict:
+        """The step's bytes per device, stage by stage, from XLA's compile-time
+        ``memory_analysis`` of each stage program (nothing runs): ``{"stages": [{...}],
+        "per_device": the largest stage's peak}``.  A stage's peak is the larger of
+
+        * the schedule's: its state (parameters, optimiser state, BatchNorm statistics and the
+          scalars every device keeps), its gradient accumulator, its part of the batch, its
+          stash (GPipe: ``M`` stage inputs; 1F1B: ``min(S - s, M)``), plus the larger of its
+          forward's and its backward's temporaries and outputs (less donated buffers), the
+          backward's incoming cotangent too;
+        * the update's: its state, its part of the batch and its gradients, plus the update's
+          (or the gradient average's, with the accumulator still held) temporaries and outputs.
+        """
+        e, S, M = self.e, self.p.stages, self.p.microbatches
+        views = self.views(abstract_state)
+        images = jax.ShapeDtypeStruct(abstract_batch["image"].shape, abstract_batch["image"].dtype,
+                                      sharding=e.rows[0])
+        labels = jax.ShapeDtypeStruct(abstract_batch["label"].shape, abstract_batch["label"].dtype,
+                                      sharding=e.rows[-1])
+        scal = [jax.tree_util.tree_map(lambda x, s=s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=e.rep[s]),
+                                       (abstract_state.rng, abstract_state.step, abstract_state.loss_scale))
+                for s in range(S)]
+        slots = ([M] * S if self.p.schedule == "gpipe" else [min(S - s, M) for s in range(S)])
+        m = jax.ShapeDtypeStruct((), np.int32)
+        D = e.mesh.shape[DATA]
+        out, x = [], images
+        for s in range(S):
+            params, mstate = _on(views[0][s], e.rep[s]), _on(views[1][s], e.rep[s])
+            opt = _on(views[2][s], e.rep[s])
+            acc = jax.eval_shape(self.zeros[s], params)
+            acc = jax.tree_util.tree_map(lambda a, s=s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=e.rows[s]), acc)
+            rng, step, ls = scal[s]
+            last = s == S - 1
+            fwd = self.fwd[s].lower(params, mstate, x, labels if last else None, rng, step, m, ls).compile()
+            y = jax.eval_shape(self.fwd[s], params, mstate, x, labels if last else None, rng, step, m, ls)[0]
+            ct = labels if last else jax.ShapeDtypeStruct(y.shape, y.dtype, sharding=e.rows[s])
+            bwd = self.bwd[s].lower(params, mstate, x, ct, rng, step, m, ls, acc).compile()
+            grads_c = self.grads[s].lower(acc, params, ls).compile()
+            grads = jax.eval_shape(self.grads[s], acc, params, ls)[0]
+            vec = jax.ShapeDtypeStruct((S,), np.float32, sharding=e.rep[s])
+            fin = jax.ShapeDtypeStruct((S,), np.bool_, sharding=e.rep[s])
+            select = False
+            if (s, select) not in self.apply:
+                self.apply[(s, select)] = self._apply(s, select)
+            grads = _on(grads, e.rep[s])
+            apply = self.apply[(s, select)].lower(params, opt, grads, mstate, mstate, vec, fin).compile()
+            everywhere = [v for v in jax.tree_util.tree_leaves(abstract_state)
+                          if getattr(v, "sharding", None) is None or len(v.sharding.device_set) > D]
+            state_b = _per_device((params, mstate, opt)) + _per_device(everywhere)
+            batch_b = (_per_device(images) if s == 0 else 0) + (_per_device(labels) if last else 0)
+            stash_b = 0 if s == 0 else slots[s] * _per_device(x)  # x: one micro-batch
+            ct_b = 0 if last else _per_device(ct)
+            schedule = state_b + _per_device(acc) + batch_b + stash_b + max(_prog(fwd), _prog(bwd) + ct_b)
+            update = state_b + batch_b + max(_per_device(acc) + _prog(grads_c), _per_device(grads) + _prog(apply))
+            out.append({"state": state_b, "accumulator": _per_device(acc), "batch": batch_b, "stash": stash_b,
+                        "forward": _prog(fwd), "backward": _prog(bwd), "update": _prog(apply),
+                        "peak": max(schedule, update)})
+            if not last:  # the next stage's input: one micro-batch of this stage's output
+                x = jax.ShapeDtypeStruct(y.shape, y.dtype, sharding=e.rows[s + 1])
+        return {"stages": out, "per_device": max(st["peak"] for st in out)}
+
+    def out_shapes(self, abstract_state):
+        """``(state, metrics)`` as the step returns them, as shapes."""
+        f32, scalars = jax.ShapeDtypeStruct((), jnp.float32), (abstract_state.step, abstract_state.loss_scale,
+                                                               abstract_state.skipped)
+        metrics = jax.eval_shape(self.finish, scalars, jax.ShapeDtypeStruct((), jnp.bool_), f32, f32, f32)[3]
+        return abstract_state, metrics
 
     def views(self, state):
         """Each stage's parameters, model state and optimiser state (its own leaves, no copy)."""
@@ -453,6 +543,24 @@ class _Driver:
         return new_state, metrics
 
 
-def stage_bytes(tree) -> int:
-    """Bytes of the arrays (or shapes) in ``tree``."""
-    return sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree_util.tree_leaves(tree))
+def _on(tree, sharding):
+    """``tree``'s leaves as shapes placed by ``sharding``."""
+    return jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree)
+
+
+def _per_device(tree) -> int:
+    """Bytes of one device's shard of each leaf (arrays or placed shapes)."""
+    total = 0
+    for x in jax.tree_util.tree_leaves(tree):
+        sh = getattr(x, "sharding", None)
+        shape = sh.shard_shape(x.shape) if sh is not None else x.shape
+        total += math.prod(shape) * jnp.dtype(x.dtype).itemsize
+    return total
+
+
+def _prog(compiled) -> int:
+    """A compiled program's temporaries and outputs less the donated buffers it reuses, per device."""
+    st = compiled.memory_analysis()
+    if isinstance(st, (list, tuple)):
+        st = st[0]
+    return max(0, int(st.temp_size_in_bytes) + int(st.output_size_in_bytes) - int(st.alias_size_in_bytes))

@@ -310,6 +310,42 @@ def memory_split(acts, params, widths, stages: int, microbatch: int, stash: int,
     return best_sizes
 
 
+def mpmd_memory_split(acts, params, widths, stages: int, microbatch: int, slots,
+                      stage_acts=None) -> list[int]:
+    """Blocks per stage minimising the largest stage's estimated bytes under the MPMD engine,
+    where each device holds its own stage's buffers only: ``max_s (mb A_s + (MEMORY_PARAM_BUFFERS
+    + MEMORY_OWN_PARAM_BUFFERS) P_s + (slots_s + MEMORY_WIRE_BUFFERS / 2) mb w_s)``, ``w_s`` the
+    width of stage ``s``'s input (0 for stage 0: its input is the batch, there anyway),
+    ``slots_s`` its stash (``slots``: a list by stage), the rest as :func:`memory_split` (an
+    exact min-max dynamic programme over the contiguous splits)."""
+    n, S = len(acts), stages
+    pa = np.concatenate([[0], np.cumsum(np.asarray(acts, np.float64))])
+    pp = np.concatenate([[0], np.cumsum(np.asarray(params, np.float64))])
+    A = (pa[None, :] - pa[:, None]) if stage_acts is None else np.asarray(stage_acts, np.float64)
+    P = pp[None, :] - pp[:, None]
+    width_in = np.concatenate([[0.0], np.asarray(widths[:-1], np.float64), [0.0]])  # input of block j
+    ij = np.arange(n + 1)
+    proper = ij[:, None] < ij[None, :]
+    best = np.full(n + 1, np.inf)
+    best[0] = 0.0
+    cuts = []
+    for s in range(S):
+        wire = (slots[s] + MEMORY_WIRE_BUFFERS / 2) * microbatch * (width_in if s else np.zeros(n + 1))
+        cost = np.where(proper, microbatch * A + (MEMORY_PARAM_BUFFERS + MEMORY_OWN_PARAM_BUFFERS) * P
+                        + wire[:, None], np.inf)
+        cand = np.maximum(best[:, None], cost)
+        cuts.append(np.argmin(cand, axis=0))  # ties: the earliest boundary
+        best = cand.min(axis=0)
+    if not np.isfinite(best[n]):
+        raise ValueError(f"parallel.pipeline.balance: no split of {n} blocks into {S} stages")
+    sizes, i = [], n
+    for k in range(S - 1, -1, -1):
+        j = int(cuts[k][i])
+        sizes.append(i - j)
+        i = j
+    return sizes[::-1]
+
+
 def check_split(split, stages: int, n_blocks: int) -> list[int]:
     """An explicit ``split`` (blocks per stage) checked against the stages and blocks."""
     if not isinstance(split, (list, tuple)) or not all(isinstance(v, int) and not isinstance(v, bool)
@@ -520,9 +556,16 @@ class Pipeline:
             stage_acts = None if not remat else remat_stage_acts(
                 per_example, [math.prod(input_shape[1:])] + widths[:-1], [not b.layer.children for b in self.blocks])
             slots = microbatches if schedule == "gpipe" else max(one_f_one_b(stages, microbatches).slots, 1)
-            sizes = memory_split(per_example, block_costs(model, input_shape, self.blocks, "params"),
-                                 widths, stages, max(input_shape[0] // microbatches, 1), slots,
-                                 stage_acts=stage_acts)
+            if engine == "mpmd":  # each device holds its own stage's buffers: no padding to the largest
+                per_stage = [microbatches if schedule == "gpipe" else min(stages - s, microbatches)
+                             for s in range(stages)]
+                sizes = mpmd_memory_split(per_example, block_costs(model, input_shape, self.blocks, "params"),
+                                          widths, stages, max(input_shape[0] // microbatches, 1), per_stage,
+                                          stage_acts=stage_acts)
+            else:
+                sizes = memory_split(per_example, block_costs(model, input_shape, self.blocks, "params"),
+                                     widths, stages, max(input_shape[0] // microbatches, 1), slots,
+                                     stage_acts=stage_acts)
         elif split is None:
             self.costs = block_costs(model, input_shape, self.blocks, balance)
             sizes = balanced_split(self.costs, stages)

@@ -161,6 +161,14 @@ class ParallelPlan:
                 for name in abstract_state._fields if name not in ("params", "state", "opt_state")}
         return type(abstract_state)(params=params, state=state, opt_state=opt, **rest)
 
+    def create_state(self, fn, *args):
+        """``fn(*args)`` (a ``TrainState``) made where it lives, without a whole copy on one
+        device: one program placing its output by :attr:`state_shardings` (under the ``mpmd``
+        pipeline engine one per stage, :meth:`jaxcnn.parallel.mpmd.MPMD.create`)."""
+        if self.mpmd is not None:
+            return self.mpmd.create(fn, *args)
+        return jax.jit(fn, out_shardings=self.state_shardings)(*args)
+
     def shard_state(self, state):
         """Place a (host or single-device) ``TrainState`` on the mesh."""
         return jax.device_put(state, self.state_shardings)

@@ -72,8 +72,8 @@ _ENTRY_KEYS = {"path", "shape", "dtype", "sha256"}
 # them between a run and its resumption is not a config change; every other key is.
 # (model.impl, model.batch_norm_grad and model.conv_bn pick kernels of the same function, equal
 # up to rounding;
-# mesh/parallel.strategy/fsdp/rules/spatial/pipeline split, balance, schedule and remat place the
-# same computation (remat: recomputes it); parallel.sync_batch_norm does
+# mesh/parallel.strategy/fsdp/rules/spatial/pipeline split, balance, schedule, remat and engine place
+# the same computation (remat: recomputes it); parallel.sync_batch_norm does
 # change the math and is not listed.)
 NON_TRAINING_KEYS = (
     "logging.", "checkpoint.", "distributed.", "mesh.",
@@ -84,6 +84,7 @@ NON_TRAINING_KEYS = (
     "model.impl", "model.batch_norm_grad", "model.conv_bn",
     "parallel.strategy", "parallel.fsdp", "parallel.rules", "parallel.spatial.", "parallel.pipeline.split",
     "parallel.pipeline.balance", "parallel.pipeline.schedule", "parallel.pipeline.remat",
+    "parallel.pipeline.engine",
 )
 
 

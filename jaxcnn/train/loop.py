@@ -294,8 +294,7 @@ class Training:
                 self.say(f"resumed from step {step}: {self.manager.directory}/{step}")
                 return state
         trees, keep = initial_params(self.run, self.prepared.loaded)
-        state = jax.jit(lambda t, k: init_state(self.run, t, k),
-                        out_shardings=self.plan.state_shardings)(trees, keep)
+        state = self.plan.create_state(lambda t, k: init_state(self.run, t, k), trees, keep)
         if cfg.model.init_from:
             self.say(f"parameters from {cfg.model.init_from}")
         if keep is not None:

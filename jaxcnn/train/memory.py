@@ -76,10 +76,14 @@ def check_state_memory(plan, available, size_keys) -> int:
         ConfigError: naming the keys that size it (``model.num_classes=1000000000 ...``).
     """
     leaves = jax.tree_util.tree_leaves_with_path(plan.abstract_state)
-    per_device = 0
+    held = {}  # the bytes each device holds (a leaf on some devices only counts on those)
     for _, x in leaves:
-        shape = x.sharding.shard_shape(x.shape) if getattr(x, "sharding", None) is not None else x.shape
-        per_device += math.prod(shape) * np.dtype(x.dtype).itemsize
+        sharding = getattr(x, "sharding", None)
+        shape = sharding.shard_shape(x.shape) if sharding is not None else x.shape
+        where = frozenset(sharding.device_set) if sharding is not None else frozenset([None])
+        held[where] = held.get(where, 0) + math.prod(shape) * np.dtype(x.dtype).itemsize
+    devices = set().union(*held) if held else set()
+    per_device = max((sum(b for where, b in held.items() if d in where) for d in devices), default=0)
     if available is None:
         return per_device
     free, scope = available
@@ -118,7 +122,12 @@ def check_step_memory(compiled, plan, available, keys, what) -> int | None:
     Raises:
         ConfigError: ``"<keys>: one <what> needs X; this machine has Y available"``.
     """
-    per_device = _step_bytes(compiled)
+    return check_bytes(_step_bytes(compiled), plan, available, keys, what)
+
+
+def check_bytes(per_device, plan, available, keys, what) -> int | None:
+    """Refuses a step that needs ``per_device`` bytes on a device when that is not available
+    (:func:`check_step_memory`'s check, for a step measured otherwise)."""
     if per_device is None or available is None:
         return per_device
     free, scope = available

@@ -249,7 +249,8 @@ def describe_devices(plan) -> str:
     pipe = getattr(plan, "pipeline", None)
     if pipe is not None:
         text += (f", pipeline over {pipe.stages} stages ({pipe.microbatches} micro-batches, bubble "
-                 f"{pipe.bubble_fraction:.0%}; blocks per stage {pipe.split}; schedule {pipe.schedule})")
+                 f"{pipe.bubble_fraction:.0%}; blocks per stage {pipe.split}; schedule {pipe.schedule}"
+                 f"{'; one program per stage (mpmd)' if getattr(pipe, 'engine', 'spmd') == 'mpmd' else ''})")
     spatial = getattr(plan, "spatial", None)
     if spatial is not None:
         text += (f", images split along height over {spatial.shards} (through {spatial.gather_after}"

@@ -30,7 +30,7 @@ from jaxcnn.interop.arrays import PARAMETER_FILE_TYPES, tree_items, unflatten, u
 from jaxcnn.train import prune
 from jaxcnn.train.ema import ema
 from jaxcnn.train.config import resolve_duration, train_steps
-from jaxcnn.train.memory import (available_memory, check_state_memory, check_step_memory,
+from jaxcnn.train.memory import (available_memory, check_bytes, check_state_memory, check_step_memory,
                                  local_devices)
 from jaxcnn.train.optim import build_optimizer
 from jaxcnn.train.rundir import RunDir
@@ -637,9 +637,20 @@ def prepare(cfg, check_run=None) -> Prepared:
         axis_name=plan.step_axis_name, sync_batch_norm=plan.sync_batch_norm,
         image_norm=train_image_norm(run),
         impl=cfg.model.impl, batch_norm_grad=cfg.model.batch_norm_grad, mix=mix_spec(cfg),
-        accumulate=micro_batches(cfg), conv_bn=cfg.model.conv_bn, pipeline=plan.pipeline))
+        accumulate=micro_batches(cfg), conv_bn=cfg.model.conv_bn, pipeline=plan.pipeline,
+        # mpmd: each stage's tx sees its own gradients, so the step clips by the whole model's
+        # norm first (tx's own clip_by_global_norm then finds every stage within it)
+        clip_norm=cfg.optim.grad_clip_norm if plan.mpmd is not None else None))
     eval_step = plan.wrap_eval(make_eval_step(plan.step_model, policy=run.policy, impl=cfg.model.impl))
     eval_size = eval_batch_size(run)
+    if plan.mpmd is not None:  # one program per stage: checked by its largest stage's peak
+        with matmul_precision(cfg):
+            report = train_step.memory(plan.abstract_state, abstract_batch(run, plan))
+        memory["train_step"] = check_bytes(report["per_device"], plan, available,
+                                           [f"data.batch_size={cfg.data.batch_size}"] + _size_keys(run),
+                                           "train step")
+        return Prepared(run, plan, loaded, train_step, eval_step, eval_size, memory,
+                        train_step.out_shapes(plan.abstract_state))
     with matmul_precision(cfg):  # traced as the loop traces it, so the loop reuses the executable
         lowered = train_step.lower(plan.abstract_state, abstract_batch(run, plan))
         compiled = _compile(lowered)

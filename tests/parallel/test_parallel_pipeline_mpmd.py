@@ -75,3 +75,37 @@ def test_mpmd_clips_by_the_whole_models_norm():
     state, m = step(plan.shard_state(init(model, MOMENTUM, SHAPE)), plan.put_batch(data[0]))
     assert ref_m[0]["grad_norm"] > 0.05
     _assert_run_matches([jax.device_get(m)], jax.device_get(state), ref_m, ref, 1)
+
+
+def test_trainer_runs_the_mpmd_engine_and_resumes_across_engines(tmp_path):
+    """jaxcnn-train with mesh.data=2 mesh.pipe=4 parallel.pipeline.engine=mpmd (and global-norm
+    clipping that acts) trains and evaluates as one device with the same 4 micro-batches; its
+    step-2 checkpoint resumes on 8 data-parallel devices, and the one-device run's on the mpmd
+    engine over 2 stages, each ending where the one-device run does."""
+    import shutil
+
+    from test_parallel_pipeline import LOSS_RTOL, _final, _train
+    from _helpers import max_diff
+
+    common = ["parallel.pipeline.microbatches=4", "optim.grad_clip_norm=0.05", "train.eval_every=2"]
+    code, out, err = _train(["mesh.data=1"] + common, tmp_path / "ref")
+    assert code == 0, err
+    ref_params, ref_losses = _final(tmp_path / "ref")
+    code, out, err = _train(["mesh.data=2", "mesh.pipe=4", "parallel.pipeline.engine=mpmd"] + common, tmp_path / "mpmd")
+    assert code == 0, err
+    assert "one program per stage (mpmd)" in out
+    params, losses = _final(tmp_path / "mpmd")
+    np.testing.assert_allclose(losses, ref_losses, rtol=LOSS_RTOL)
+    assert max_diff(params, ref_params) < 1e-5
+    for source, layout in (("mpmd", ["mesh.data=8"]),
+                           ("ref", ["mesh.data=1", "mesh.pipe=2", "parallel.pipeline.engine=mpmd"])):
+        work = tmp_path / ("moved_" + source)
+        shutil.copytree(tmp_path / source, work)
+        shutil.rmtree(work / "checkpoints" / "4")
+        (work / "params.npz").unlink()
+        code, out, err = _train(layout + common + ["checkpoint.resume=must"], work)
+        assert code == 0, err
+        assert "resumed from step 2" in out
+        params, losses = _final(work)
+        np.testing.assert_allclose(losses, ref_losses, rtol=LOSS_RTOL)
+        assert max_diff(params, ref_params) < 1e-5
