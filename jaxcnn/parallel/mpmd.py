@@ -43,8 +43,8 @@ only: moving a stage's output to devices of another process needs a collective b
 """
 from __future__ import annotations
 
+import collections
 import math
-from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -52,6 +52,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxcnn.parallel.mesh import DATA
+from jaxcnn.parallel.strategies import CPU_MAX_IN_FLIGHT
 from jaxcnn.parallel.pipeline import BACKWARD, FORWARD, Pipeline, _get, _set, one_f_one_b
 
 
@@ -79,12 +80,6 @@ def _keys(path) -> tuple | None:
             break
         out.append(k.key)
     return tuple(reversed(out)) or None
-
-
-class Placement(NamedTuple):
-    """Which stage owns each leaf of a ``TrainState`` (None: every stage keeps one)."""
-
-    owner: Callable  # key path -> stage or None
 
 
 class MPMD:
@@ -296,6 +291,10 @@ class _Driver:
         zeros = lambda t: jax.tree_util.tree_map(lambda x: jnp.zeros((D,) + x.shape, _acc_dtype(x)), t)  # noqa: E731
         self.zeros = [jax.jit(zeros, out_shardings=engine.rows[s]) for s in range(S)]
         self.finish_jit = jax.jit(finish, out_shardings=engine.everywhere)
+        self.templates = {}  # stage -> its optimiser state's shape
+        # emulated CPU devices: wait for the step CPU_MAX_IN_FLIGHT calls back, as the SPMD steps do
+        self.pending = collections.deque()
+        self.max_in_flight = CPU_MAX_IN_FLIGHT if engine.mesh.devices.flat[0].platform == "cpu" else None
 
     # ----- per-device pieces (inside shard_map over the stage's data axis) --------------------
 
@@ -484,7 +483,10 @@ class _Driver:
         e, S = self.e, self.p.stages
         params = [e.stage_tree(state.params, s) for s in range(S)]
         mstate = [e.stage_tree(state.state, s) for s in range(S)]
-        opt = [e.stage_opt(state.opt_state, jax.eval_shape(self.init_opt, params[s]), s) for s in range(S)]
+        for s in range(S):
+            if s not in self.templates:
+                self.templates[s] = jax.eval_shape(self.init_opt, params[s])
+        opt = [e.stage_opt(state.opt_state, self.templates[s], s) for s in range(S)]
         return params, mstate, opt
 
     def __call__(self, state, batch):
@@ -540,6 +542,10 @@ class _Driver:
             step=step, params=e.merge(state.params, new_params), state=e.merge(state.state, new_mstate),
             opt_state=e.merge_opt(state.opt_state, new_opt), loss_scale=loss_scale, rng=state.rng,
             skipped=skipped)
+        if self.max_in_flight is not None:
+            self.pending.append(metrics)
+            if len(self.pending) > self.max_in_flight:
+                jax.block_until_ready(self.pending.popleft())
         return new_state, metrics
 
 

@@ -93,6 +93,12 @@ SPMD pads them); ``docs/BENCHMARKS.md`` has the measured split for ResNet-50
 (4 stages, batch 64: 0.35x of one device's memory in float32 with ``remat`` and
 ``balance: memory``, 0.51x without; 0.25x under bfloat16).
 
+``engine="mpmd"`` (``parallel.pipeline.engine: mpmd``) runs the same stages and schedule as one
+program per stage instead, each on its own devices with its own leaves whole, driven from
+Python (:mod:`jaxcnn.parallel.mpmd`): the same numbers, and no device holds buffers sized by
+another stage (ResNet-50, 224x224, batch 64: 0.25x of one device on 2 stages against this
+engine's 0.40x; one process only).
+
 This module knows nothing of losses and optimisers: ``jaxcnn.train.step``
 gives :meth:`Pipeline.gradients` the loss head and the input preparation.
 """

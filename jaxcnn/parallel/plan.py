@@ -48,14 +48,16 @@ class ParallelPlan:
         sync_batch_norm: BatchNorm statistics over the global batch.
         pipeline: with a ``pipe`` axis: ``{"microbatches": M, "split": None | [blocks per
             stage], "balance": "macs" | "params" | "activations" | "memory", "schedule": "gpipe" |
-            "1f1b", "remat": bool}``
+            "1f1b", "remat": bool, "engine": "spmd" | "mpmd"}``
             (all optional; ``microbatches``
             defaults to twice the stages); the plan's :attr:`pipeline` (a
             :class:`~jaxcnn.parallel.pipeline.Pipeline`) then goes to
             ``make_train_step(..., pipeline=plan.pipeline)``.  Parameters and optimiser
             moments of at least ``rules.FSDP_MIN_SIZE`` elements are then split over ``pipe``
             (as ``fsdp`` splits them over ``data``), and the step's optimiser update is a
-            global program over those shards.
+            global program over those shards.  With ``"engine": "mpmd"`` each stage's
+            leaves live whole on its own devices instead and the step is one program per
+            stage (:attr:`mpmd`, :mod:`jaxcnn.parallel.mpmd`; one process).
         spatial_until: with a ``spatial`` axis: how far activations stay split along
             height, ``"auto"`` or a layer path (see :func:`jaxcnn.parallel.spatial.spatial_layout`).
             Parameters and optimiser moments of at least ``rules.FSDP_MIN_SIZE`` elements

@@ -155,6 +155,18 @@ def _head(*, policy, label_smoothing):
     return head
 
 
+def _check_pipelined(pipeline, accumulate, axis_name, mix):
+    """What a pipelined step (either engine) needs of ``make_train_step``'s arguments."""
+    if axis_name is None:
+        raise ValueError("parallel.pipeline: the step runs its stages under shard_map over the data "
+                         "axis; build it with axis_name=plan.step_axis_name")
+    if accumulate not in (1, pipeline.microbatches):
+        raise ValueError(f"train.accumulate_steps: {accumulate} micro-batches, but the pipeline runs "
+                         f"parallel.pipeline.microbatches={pipeline.microbatches}")
+    if mix is not None and mix.enabled:
+        raise ValueError("data.mix: mixup/CutMix is not supported with pipeline parallelism (mesh.pipe > 1)")
+
+
 def _pipeline_gradients(pipeline, policy, choices, image_norm, label_smoothing, mix, accumulate,
                         axis_name, sync_batch_norm):
     """``gradients(state, batch, rng) -> (scaled gradients, loss, top1, new model state)`` of a
@@ -169,17 +181,10 @@ def _pipeline_gradients(pipeline, policy, choices, image_norm, label_smoothing, 
     ``rng`` argument, the step's key before that fold, is not used).
     """
     from jax.sharding import PartitionSpec as PS
-    if axis_name is None:
-        raise ValueError("parallel.pipeline: the step runs its stages under shard_map over the data "
-                         "axis; build it with axis_name=plan.step_axis_name")
+    _check_pipelined(pipeline, accumulate, axis_name, mix)
     if pipeline.mesh is None:
         raise ValueError("parallel.pipeline: the pipeline does not know where the parameters live; "
                          "use the one of a ParallelPlan (make_train_step(..., pipeline=plan.pipeline))")
-    if accumulate not in (1, pipeline.microbatches):
-        raise ValueError(f"train.accumulate_steps: {accumulate} micro-batches, but the pipeline runs "
-                         f"parallel.pipeline.microbatches={pipeline.microbatches}")
-    if mix is not None and mix.enabled:
-        raise ValueError("data.mix: mixup/CutMix is not supported with pipeline parallelism (mesh.pipe > 1)")
     data_axis, pipe_axis = DATA, pipeline.axis_name
     piped = pipeline.gradients(_head(policy=policy, label_smoothing=label_smoothing),
                                prepare=lambda x: device_normalize(x, image_norm),
@@ -217,14 +222,7 @@ def _mpmd_train_step(pipeline, tx, *, policy, choices, image_norm, label_smoothi
                      axis_name, sync_batch_norm, finish, skip_nonfinite, clip_norm):
     """The pieces of a train step that :class:`jaxcnn.parallel.mpmd.MPMD` runs one program per
     stage (``plan.wrap_step`` builds it); called directly it raises."""
-    if axis_name is None:
-        raise ValueError("parallel.pipeline: the step runs its stages under shard_map over the data "
-                         "axis; build it with axis_name=plan.step_axis_name")
-    if accumulate not in (1, pipeline.microbatches):
-        raise ValueError(f"train.accumulate_steps: {accumulate} micro-batches, but the pipeline runs "
-                         f"parallel.pipeline.microbatches={pipeline.microbatches}")
-    if mix is not None and mix.enabled:
-        raise ValueError("data.mix: mixup/CutMix is not supported with pipeline parallelism (mesh.pipe > 1)")
+    _check_pipelined(pipeline, accumulate, axis_name, mix)
 
     def train_step(state, batch):
         raise ValueError("parallel.pipeline.engine: an mpmd step is one program per stage; run it "

@@ -70,6 +70,34 @@ def _reference(model, tx, shape, data, accumulate):
     return metrics, jax.device_get(state._replace(rng=shared))
 
 
+def run_bn_net(policy, loss_scale="none", steps=2, **pipeline):
+    """A small BatchNorm net on data 2 x pipe 4 under a precision policy: ``(metrics of each
+    step, final state)`` of ``steps`` steps from the same initial state and batches."""
+    from jaxcnn import precision as P
+    from jaxcnn.train.state import create_train_state
+    model, tx, shape = _model("bn_net"), MOMENTUM, (16, 8, 8, 3)
+    pol = P.get_policy(policy)
+    state = jax.device_get(create_train_state(model, tx, jax.random.PRNGKey(0), shape, policy=pol,
+                                              loss_scale=P.make_loss_scale(loss_scale)))
+    plan = ParallelPlan(make_mesh(2, 1, pipe=4), model, shape, _abstract(state), pipeline=pipeline)
+    step = plan.wrap_step(make_train_step(model, tx, policy=pol, axis_name="data", pipeline=plan.pipeline),
+                          donate=False)
+    got, metrics = plan.shard_state(state), []
+    for b in batches(shape, steps, seed=6):
+        got, m = step(got, plan.put_batch(b))
+        metrics.append(jax.device_get(m))
+    return metrics, jax.device_get(got)
+
+
+def random_blocks(seed):
+    """A random split problem: ``(rng, n blocks, activations, parameters, boundary widths)``."""
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(4, 10))
+    acts, params = rng.integers(1, 1000, n).tolist(), rng.integers(0, 3000, n).tolist()
+    widths = rng.choice([50, 100, 200, 400], n).tolist()
+    return rng, n, acts, params, widths
+
+
 def _assert_grads_close(got, ref):
     """Momentum traces after one step from zero are the gradients."""
     for g, r in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(ref)):
@@ -164,10 +192,7 @@ def test_memory_split_is_the_best_contiguous_split_of_its_estimate(seed):
     MEMORY_WIRE_BUFFERS) x mb x the widest boundary between stages."""
     from jaxcnn.parallel.pipeline import (MEMORY_OWN_PARAM_BUFFERS, MEMORY_PARAM_BUFFERS, MEMORY_WIRE_BUFFERS,
                                           memory_split)
-    rng = np.random.default_rng(seed)
-    n = int(rng.integers(4, 10))
-    acts, params = rng.integers(1, 1000, n).tolist(), rng.integers(0, 3000, n).tolist()
-    widths = rng.choice([50, 100, 200, 400], n).tolist()
+    rng, n, acts, params, widths = random_blocks(seed)
     for stages in range(1, min(n, 4) + 1):
         mb, stash = int(rng.integers(1, 9)), int(rng.integers(1, 5))
 

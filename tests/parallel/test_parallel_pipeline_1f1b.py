@@ -9,7 +9,7 @@ from jaxcnn.parallel import Pipeline
 from jaxcnn.parallel.pipeline import BACKWARD, FORWARD, IDLE, one_f_one_b
 
 from _helpers import MOMENTUM, batches, max_diff
-from test_parallel_pipeline import SHAPE, _assert_run_matches, _model, _pipelined, _plan, _reference
+from test_parallel_pipeline import SHAPE, _assert_run_matches, _model, _pipelined, _plan, _reference, run_bn_net
 
 # 1F1B against GPipe, float32: of each leaf's largest value.  The two schedules run the same
 # stage programs in the same order, but XLA fuses them into different programs: bit for bit
@@ -156,26 +156,10 @@ def test_vgg11_dropout_1f1b_matches_one_device():
 def test_bf16_1f1b_matches_gpipe():
     """bfloat16 compute (activations and cotangents cross stages as float32 buffers), data 2 x
     pipe 4, M = 8: two steps of 1F1B as GPipe's (the GPipe tests compare GPipe with one device)."""
-    from jaxcnn import precision as P
-    from jaxcnn.parallel import ParallelPlan, make_mesh
-    from jaxcnn.train.state import create_train_state
-    from jaxcnn.train.step import make_train_step
-    model, tx, shape = _model("bn_net"), MOMENTUM, (16, 8, 8, 3)
-    pol = P.get_policy("bf16")
-    state = jax.device_get(create_train_state(model, tx, jax.random.PRNGKey(0), shape, policy=pol,
-                                              loss_scale=P.make_loss_scale("none")))
-    abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), state)
     out = {}
     for schedule in ("gpipe", "1f1b"):
-        plan = ParallelPlan(make_mesh(2, 1, pipe=4), model, shape, abstract,
-                            pipeline={"microbatches": 8, "schedule": schedule})
-        step = plan.wrap_step(make_train_step(model, tx, policy=pol, axis_name="data", pipeline=plan.pipeline),
-                              donate=False)
-        got, losses = plan.shard_state(state), []
-        for b in batches(shape, 2, seed=6):
-            got, m = step(got, plan.put_batch(b))
-            losses.append(float(m["loss"]))
-        out[schedule] = losses, jax.device_get(got)
+        metrics, final = run_bn_net("bf16", microbatches=8, schedule=schedule)
+        out[schedule] = [float(m["loss"]) for m in metrics], final
     np.testing.assert_allclose(out["1f1b"][0], out["gpipe"][0], rtol=SAME_RTOL)
     assert max_diff(out["1f1b"][1].params, out["gpipe"][1].params) < 1e-6
     assert max_diff(out["1f1b"][1].state, out["gpipe"][1].state) < 1e-6

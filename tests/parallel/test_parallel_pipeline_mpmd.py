@@ -9,7 +9,8 @@ import pytest
 from jaxcnn.train.step import make_eval_step, make_train_step
 
 from _helpers import MOMENTUM, batches, init
-from test_parallel_pipeline import SHAPE, _assert_run_matches, _model, _pipelined, _plan, _reference
+from test_parallel_pipeline import (SHAPE, _assert_run_matches, _model, _pipelined, _plan, _reference,
+                                    random_blocks, run_bn_net)
 
 
 @pytest.mark.parametrize("name,data_axis,schedule", [("resnet18", 1, "1f1b"), ("resnet18", 2, "gpipe"),
@@ -109,3 +110,59 @@ def test_trainer_runs_the_mpmd_engine_and_resumes_across_engines(tmp_path):
         params, losses = _final(work)
         np.testing.assert_allclose(losses, ref_losses, rtol=LOSS_RTOL)
         assert max_diff(params, ref_params) < 1e-5
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_mpmd_memory_split_is_the_best_contiguous_split_of_its_estimate(seed):
+    """balance="memory" under the mpmd engine: against every contiguous split (brute force), the
+    largest stage's own estimate, mb x its activations + (MEMORY_PARAM_BUFFERS +
+    MEMORY_OWN_PARAM_BUFFERS) x its parameters + (its stash + MEMORY_WIRE_BUFFERS / 2) x mb x the
+    width of its input (none for stage 0): nothing padded to another stage's size."""
+    import itertools
+
+    from jaxcnn.parallel.pipeline import (MEMORY_OWN_PARAM_BUFFERS, MEMORY_PARAM_BUFFERS, MEMORY_WIRE_BUFFERS,
+                                          mpmd_memory_split)
+    rng, n, acts, params, widths = random_blocks(seed)
+    for stages in range(1, min(n, 4) + 1):
+        mb = int(rng.integers(1, 9))
+        slots = [min(stages - s, 4) for s in range(stages)]
+
+        def estimate(cuts):
+            edges = [0, *cuts, n]
+            return max(mb * sum(acts[i:j]) + (MEMORY_PARAM_BUFFERS + MEMORY_OWN_PARAM_BUFFERS) * sum(params[i:j])
+                       + (0 if s == 0 else (slots[s] + MEMORY_WIRE_BUFFERS / 2) * mb * widths[i - 1])
+                       for s, (i, j) in enumerate(zip(edges, edges[1:])))
+
+        sizes = mpmd_memory_split(acts, params, widths, stages, mb, slots)
+        assert len(sizes) == stages and min(sizes) >= 1 and sum(sizes) == n
+        best = min(estimate(c) for c in itertools.combinations(range(1, n), stages - 1))
+        assert estimate(np.cumsum(sizes)[:-1].tolist()) == best
+
+
+@pytest.mark.parametrize("policy,loss_scale", [("bf16", "none"), ("f16", "dynamic")])
+def test_mpmd_mixed_precision_and_loss_scaling_give_the_spmd_engines_numbers(policy, loss_scale):
+    """A bfloat16 policy, and float16 with dynamic loss scaling (its finiteness check and scale
+    update over every stage's gradients): 2 steps of the mpmd engine as the SPMD engine's, to the
+    16-bit dtype's rounding."""
+    from _helpers import max_diff
+    out = {engine: run_bn_net(policy, loss_scale, microbatches=4, engine=engine) for engine in ("spmd", "mpmd")}
+    (ms, got), (rs, ref) = out["mpmd"], out["spmd"]
+    for m, r in zip(ms, rs):
+        np.testing.assert_allclose(m["loss"], r["loss"], rtol=1e-3)
+        assert m["loss_scale"] == r["loss_scale"] and m["finite"] == r["finite"] == 1.0
+    for g, r in zip(jax.tree_util.tree_leaves(got.loss_scale), jax.tree_util.tree_leaves(ref.loss_scale)):
+        assert np.array_equal(g, r)
+    assert max_diff(got.params, ref.params) < 4e-3
+    assert max_diff(got.state, ref.state) < 2e-3
+
+
+def test_mpmd_errors_name_the_key():
+    """An unknown engine, and an mpmd step called without its plan, are one-line errors naming
+    parallel.pipeline.engine."""
+    model = _model("resnet18")
+    with pytest.raises(ValueError, match="parallel.pipeline.engine: expected one of"):
+        _plan(model, MOMENTUM, SHAPE, 1, 2, microbatches=2, engine="mimd")
+    plan = _plan(model, MOMENTUM, SHAPE, 1, 2, microbatches=2, engine="mpmd")
+    step = make_train_step(model, MOMENTUM, axis_name=plan.step_axis_name, pipeline=plan.pipeline)
+    with pytest.raises(ValueError, match="parallel.pipeline.engine: an mpmd step is one program per stage"):
+        step(None, None)
