@@ -277,6 +277,34 @@ def _gradients(loss_fn, accumulate: int):
     return whole if accumulate == 1 else accumulated
 
 
+def _one_program_step(gradients, tx, *, policy, finish, axis_name, pipelined, skip_nonfinite, clip_norm):
+    """``train_step(state, batch)`` as one program: ``gradients`` (one device's, accumulated or
+    the SPMD pipeline's), then the mean over ``axis_name`` (not for a pipeline, whose gradients
+    leave its schedule averaged), the optimiser and ``finish``."""
+    def train_step(state: TrainState, batch):
+        rng = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
+        grads, loss, top1, new_model_state = gradients(state, batch, rng)
+        grads = state.loss_scale.unscale(grads)
+        if axis_name is not None and not pipelined:
+            grads, loss, top1 = cross_device_mean((grads, loss, top1), axis_name)
+        finite = P.all_finite(grads)
+        grad_norm = optax.tree.norm(_as_applied(grads, state.opt_state, policy))
+        if clip_norm is not None:
+            grads = clip_by_norm(grads, grad_norm, clip_norm)
+        _, new_params, new_opt_state = apply_optimizer(tx, state, grads, policy)
+        if skip_nonfinite or isinstance(state.loss_scale, P.DynamicLossScale):
+            new_params, new_opt_state, new_model_state = P.select_tree(
+                finite, (new_params, new_opt_state, new_model_state),
+                (state.params, state.opt_state, state.state))
+        step, new_loss_scale, skipped, metrics = finish((state.step, state.loss_scale, state.skipped),
+                                                        finite, grad_norm, loss, top1)
+        new_state = TrainState(step, new_params, new_model_state, new_opt_state,
+                               new_loss_scale, state.rng, skipped)
+        return new_state, metrics
+
+    return train_step
+
+
 def make_train_step(model, tx: optax.GradientTransformation, *, policy=None,
                     label_smoothing: float = 0.0, schedule: Callable | None = None,
                     skip_nonfinite: bool = False, axis_name: str | None = None,
@@ -313,12 +341,10 @@ def make_train_step(model, tx: optax.GradientTransformation, *, policy=None,
             run in turn (``lax.scan``), gradients averaged into one update; BatchNorm uses
             and updates its statistics per micro-batch, as PyTorch does.
         pipeline: a :class:`jaxcnn.parallel.Pipeline` (``plan.pipeline``): gradients from its GPipe or 1F1B
-            schedule over its micro-batches (``accumulate``: 1 or their count).  With
-            ``engine="mpmd"`` the step is one program per stage: give it to
-            ``plan.wrap_step``, which runs it (:mod:`jaxcnn.parallel.mpmd`).
-        clip_norm: clip the gradients to this global norm before ``tx`` (what
-            ``optax.clip_by_global_norm`` first in ``tx`` does); the ``mpmd`` pipeline
-            engine needs it here, as each stage's ``tx`` sees its own gradients only.
+            schedule over its micro-batches (``accumulate``: 1 or their count; ``engine="mpmd"``:
+            one program per stage, run by ``plan.wrap_step``, :mod:`jaxcnn.parallel.mpmd`).
+        clip_norm: clip the gradients to this global norm before ``tx`` (as ``optax.clip_by_global_norm``
+            first in ``tx``; under ``mpmd`` each stage's ``tx`` sees its own gradients only).
 
     The returned function carries ``batch_norm_axis_name`` (the axis BatchNorm syncs over, or
     None) and ``pipeline``, which :func:`jaxcnn.parallel.strategies.wrap_train_step` checks.
@@ -339,27 +365,9 @@ def make_train_step(model, tx: optax.GradientTransformation, *, policy=None,
     gradients = _gradients(loss_fn, accumulate) if pipeline is None else _pipeline_gradients(
         pipeline, policy, choices, image_norm, label_smoothing, mix, accumulate, axis_name, sync_batch_norm)
 
-    def train_step(state: TrainState, batch):
-        rng = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
-        grads, loss, top1, new_model_state = gradients(state, batch, rng)
-        grads = state.loss_scale.unscale(grads)
-        if axis_name is not None and pipeline is None:
-            grads, loss, top1 = cross_device_mean((grads, loss, top1), axis_name)
-        finite = P.all_finite(grads)
-        grad_norm = optax.tree.norm(_as_applied(grads, state.opt_state, policy))
-        if clip_norm is not None:
-            grads = clip_by_norm(grads, grad_norm, clip_norm)
-        _, new_params, new_opt_state = apply_optimizer(tx, state, grads, policy)
-        if skip_nonfinite or isinstance(state.loss_scale, P.DynamicLossScale):
-            new_params, new_opt_state, new_model_state = P.select_tree(
-                finite, (new_params, new_opt_state, new_model_state),
-                (state.params, state.opt_state, state.state))
-        step, new_loss_scale, skipped, metrics = finish((state.step, state.loss_scale, state.skipped),
-                                                        finite, grad_norm, loss, top1)
-        new_state = TrainState(step, new_params, new_model_state, new_opt_state,
-                               new_loss_scale, state.rng, skipped)
-        return new_state, metrics
-
+    train_step = _one_program_step(gradients, tx, policy=policy, finish=finish, axis_name=axis_name,
+                                   pipelined=pipeline is not None, skip_nonfinite=skip_nonfinite,
+                                   clip_norm=clip_norm)
     train_step.batch_norm_axis_name, train_step.pipeline = bn_axis, pipeline  # wrap_step checks both
     return train_step
 

@@ -166,3 +166,26 @@ def test_mpmd_errors_name_the_key():
     step = make_train_step(model, MOMENTUM, axis_name=plan.step_axis_name, pipeline=plan.pipeline)
     with pytest.raises(ValueError, match="parallel.pipeline.engine: an mpmd step is one program per stage"):
         step(None, None)
+
+
+def test_clip_norm_is_clip_by_global_norm_first_in_the_chain():
+    """``make_train_step(clip_norm=c)`` on one device: the step of ``optax.chain(clip_by_global_norm(c),
+    tx)``, and the reported ``grad_norm`` is the norm before clipping."""
+    from _helpers import max_diff
+    model, shape = _model("bn_net"), (16, 8, 8, 3)
+    data = batches(shape, 2, seed=7)
+    runs = {}
+    for name, tx, clip in (("chain", optax.chain(optax.clip_by_global_norm(0.01), MOMENTUM), None),
+                           ("step", MOMENTUM, 0.01)):
+        step = jax.jit(make_train_step(model, tx, clip_norm=clip))
+        state, ms = init(model, tx, shape), []
+        for b in data:
+            state, m = step(state, b)
+            ms.append(jax.device_get(m))
+        runs[name] = ms, jax.device_get(state)
+    (ms, got), (rs, ref) = runs["step"], runs["chain"]
+    assert ms[0]["grad_norm"] > 0.01
+    for m, r in zip(ms, rs):
+        np.testing.assert_allclose(m["loss"], r["loss"], rtol=1e-6)
+        np.testing.assert_allclose(m["grad_norm"], r["grad_norm"], rtol=1e-6)
+    assert max_diff(got.params, ref.params) < 1e-7
