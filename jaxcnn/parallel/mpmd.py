@@ -20,7 +20,9 @@ Python driver dispatches in the schedule's order (GPipe or 1F1B, :func:`one_f_on
   clipping, the finiteness check, loss scaling and skipping non-finite steps see the whole
   model's gradients; then each stage runs the optimiser on its own leaves.  The optimiser
   must therefore treat leaves separately apart from the global norm, which the engine gives
-  it (``clip_norm``): SGD, Adam(W), LARS and LAMB (per-leaf trust ratios) all do.  An
+  it (``make_train_step(clip_norm=)``): SGD, Adam(W), LARS and LAMB (per-leaf trust ratios)
+  all do, and so do counts, which every stage keeps alike; a scalar state that depends on the
+  gradients (``optax.apply_if_finite``'s, ``reduce_on_plateau``'s) would be stage 0's.  An
   ``optax.clip_by_global_norm`` inside ``tx`` alone would clip each stage by its own norm;
   the trainer passes ``optim.grad_clip_norm`` as ``clip_norm`` too, after which every
   stage's norm is within the bound and ``tx``'s own clip leaves it as it is.
@@ -36,7 +38,7 @@ stage.  The state is the same canonical ``TrainState`` as every other layout's (
 just placed on its stage's devices), so checkpoints resume across layouts and engines.
 
 A device then holds only its own stage's parameters, optimiser state and gradient
-accumulator, its stage's stash (1F1B: ``min(S - s, M)`` inputs of its own width, GPipe:
+accumulator, its stage's stash (1F1B: ``min(S - s + 1, M)`` inputs of its own width on stage ``s > 0``, GPipe:
 ``M``) and its stage's backward: no buffer is padded to another stage's size.  One process
 only: moving a stage's output to devices of another process needs a collective both run
 (use the SPMD engine across processes).
@@ -53,7 +55,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxcnn.parallel.mesh import DATA
 from jaxcnn.parallel.strategies import CPU_MAX_IN_FLIGHT
-from jaxcnn.parallel.pipeline import BACKWARD, FORWARD, Pipeline, _get, _set, one_f_one_b
+from jaxcnn.parallel.pipeline import BACKWARD, FORWARD, Pipeline, _get, _set, one_f_one_b, stash_per_stage
 
 
 
@@ -104,6 +106,7 @@ class MPMD:
         self.rows = [NamedSharding(m, P(DATA)) for m in self.meshes]
         self.everywhere = NamedSharding(mesh, P())
         self.block_owner = {b.path: s for s, blocks in enumerate(pipeline.stage_blocks) for b in blocks}
+        self.param_paths = None  # the parameters' dict-key paths (learn)
 
     # ----- placement --------------------------------------------------------------------
 
@@ -116,17 +119,32 @@ class MPMD:
                 return self.block_owner[keys[:n]]
         return None
 
+    def learn(self, params) -> None:
+        """Remember the parameters' dict-key paths (once), which optimiser-state leaves end in."""
+        if self.param_paths is None:
+            self.param_paths = {_keys(path) for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]}
+
+    def opt_owner(self, path) -> int | None:
+        """The stage owning an optimiser-state leaf: the block of the parameter path its key path
+        ends in (the longest such suffix: the state may hold the parameters' tree under dict keys
+        of its own, as ``optax.named_chain`` does); None for a leaf that ends in none (a count)."""
+        keys = _keys(path)
+        if keys is None or self.param_paths is None:
+            return self.owner(keys)
+        return next((self.owner(keys[i:]) for i in range(len(keys)) if keys[i:] in self.param_paths), None)
+
     def leaf_owner(self, field: str, path) -> int | None:
         """The stage owning a ``TrainState`` leaf: ``field`` its field name, ``path`` its key path
-        inside it (params and model state by their block; an optimiser state leaf by the
-        parameter path its key path ends in; anything else None)."""
-        if field in ("params", "state", "opt_state"):
+        inside it (params and model state by their block; an optimiser state leaf by
+        :meth:`opt_owner`; anything else None)."""
+        if field in ("params", "state"):
             return self.owner(_keys(path))
-        return None
+        return self.opt_owner(path) if field == "opt_state" else None
 
     def shardings(self, abstract_state):
         """A ``TrainState`` of shardings: every owned leaf replicated over its stage's devices,
         every other leaf over all devices."""
+        self.learn(abstract_state.params)
         out = {}
         for field in abstract_state._fields:
             tree = getattr(abstract_state, field)
@@ -168,7 +186,7 @@ class MPMD:
                                  f"{jax.tree_util.keystr(path)} that the whole model's has not; mpmd needs an "
                                  f"optimiser whose state follows the parameters leaf by leaf")
             x = whole[path]
-            if self.owner(_keys(path)) != s:  # a count: a copy on this stage's devices
+            if self.opt_owner(path) != s:  # a count: a copy on this stage's devices
                 x = jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self.rep[s]) \
                     if isinstance(x, jax.ShapeDtypeStruct) else jax.device_put(x, self.rep[s])
             leaves.append(x)
@@ -181,7 +199,7 @@ class MPMD:
         paths, treedef = jax.tree_util.tree_flatten_with_path(opt_state)
         leaves = []
         for path, _ in paths:
-            s = self.owner(_keys(path))
+            s = self.opt_owner(path)
             leaves.append(found[s][path] if s is not None else jax.device_put(found[0][path], self.everywhere))
         return jax.tree_util.tree_unflatten(treedef, leaves)
 
@@ -190,6 +208,7 @@ class MPMD:
         stage's leaves on its devices (XLA drops the rest of ``fn``), one more the unowned
         leaves on every device; no device holds another stage's parameters."""
         abstract = jax.eval_shape(fn, *args)
+        self.learn(abstract.params)
         paths, treedef = jax.tree_util.tree_flatten_with_path(abstract)
         owners = [self.leaf_owner(path[0].name, path[1:]) for path, _ in paths]
         leaves = [None] * len(paths)
@@ -239,7 +258,7 @@ class MPMD:
     # ----- the step ---------------------------------------------------------------------
 
     def build_step(self, *, head, prepare, policy, choices, init_opt, update, finish, select_nonfinite,
-                   clip_norm=None, sync_batch_norm: bool = True, donate: bool = True):
+                   sync_batch_norm: bool = True, donate: bool = True):
         """``step(state, batch) -> (state, metrics)`` of the canonical ``TrainState``.
 
         Arguments:
@@ -249,19 +268,19 @@ class MPMD:
                 BatchNorm over the data shards).
             init_opt: the optimiser state of some parameters (run abstractly, for the shape of
                 each stage's).
-            update: ``update(params, opt_state, grads) -> (grads as applied, params, opt_state)``.
+            update: ``update(params, opt_state, grads, norm) -> (grads as applied, params,
+                opt_state)`` of one stage's leaves, ``norm`` the global norm of every stage's
+                gradients (for global-norm clipping).
             finish: ``finish((step, loss_scale, skipped), finite, grad_norm, loss, top1) ->
                 (step, loss_scale, skipped, metrics)`` (run on every device).
             select_nonfinite: ``select_nonfinite(state)``: keep each stage's parameters,
                 optimiser and model state when any gradient is not finite.
-            clip_norm: global-norm clipping of the gradients before ``update`` (optax's
-                ``clip_by_global_norm`` on the whole model's gradients), or None.
             sync_batch_norm: False: each data shard's own statistics, their running values
                 averaged over ``data``.
             donate: the step reuses the buffers of the state it is given.
         """
         return _Driver(self, head=head, prepare=prepare, policy=policy, choices=choices, init_opt=init_opt,
-                       update=update, finish=finish, clip_norm=clip_norm, select_nonfinite=select_nonfinite,
+                       update=update, finish=finish, select_nonfinite=select_nonfinite,
                        sync_batch_norm=sync_batch_norm, donate=donate)
 
 
@@ -276,12 +295,12 @@ def _acc_dtype(x):
 class _Driver:
     """The compiled stage programs and the Python loop that runs them in the schedule's order."""
 
-    def __init__(self, engine: MPMD, *, head, prepare, policy, choices, init_opt, update, finish, clip_norm,
+    def __init__(self, engine: MPMD, *, head, prepare, policy, choices, init_opt, update, finish,
                  select_nonfinite, sync_batch_norm, donate):
         self.e, self.p = engine, engine.pipeline
         self.head, self.prepare, self.policy, self.choices = head, prepare, policy, choices
         self.init_opt, self.update, self.finish = init_opt, update, finish
-        self.clip_norm, self.select, self.sync = clip_norm, select_nonfinite, sync_batch_norm
+        self.select, self.sync = select_nonfinite, sync_batch_norm
         self.donate = donate
         S, D = self.p.stages, engine.mesh.shape[DATA]
         self.fwd = [self._forward(s) for s in range(S)]
@@ -384,17 +403,13 @@ class _Driver:
     def _apply(self, s, select):
         def f(params, opt_state, grads, mstate, old_mstate, sqs, finites):
             finite = jnp.all(finites)
-            if self.clip_norm is not None:  # optax.clip_by_global_norm over every stage's gradients
-                norm = jnp.sqrt(jnp.sum(sqs))
-                grads = jax.tree_util.tree_map(
-                    lambda g: jnp.where(norm < self.clip_norm, g, (g / norm.astype(g.dtype)) * self.clip_norm), grads)
-            _, new_params, new_opt = self.update(params, opt_state, grads)
+            _, new_params, new_opt = self.update(params, opt_state, grads, jnp.sqrt(jnp.sum(sqs)))
             if select:
                 pick = lambda new, old: jax.tree_util.tree_map(lambda a, b: jnp.where(finite, a, b), new, old)  # noqa: E731
                 new_params, new_opt, mstate = pick(new_params, params), pick(new_opt, opt_state), pick(mstate, old_mstate)
             return new_params, new_opt, mstate
 
-        return jax.jit(f, out_shardings=self.e.rep[s], donate_argnums=(0, 1, 2) if self.donate else (2,))
+        return jax.jit(f, out_shardings=self.e.rep[s], donate_argnums=(0, 1) if self.donate else ())
 
     # ----- the driver -----------------------------------------------------------------
 
@@ -404,7 +419,8 @@ class _Driver:
         S, M = self.p.stages, self.p.microbatches
         if self.p.schedule == "gpipe":
             ops = [(FORWARD, s, t - s) for t in range(M + S - 1) for s in range(S) if 0 <= t - s < M]
-            return ops + [(BACKWARD, s, t - (S - 1 - s)) for t in range(M + S - 1) for s in range(S - 1, -1, -1)
+            # within a tick, stage s before s + 1: s uses its cotangent before s + 1 sends the next
+            return ops + [(BACKWARD, s, t - (S - 1 - s)) for t in range(M + S - 1) for s in range(S)
                           if 0 <= t - (S - 1 - s) < M]
         table = one_f_one_b(S, M)
         return [(int(table.op[t, s]), s, int(table.micro[t, s])) for t in range(table.ticks) for s in range(S)
@@ -417,7 +433,7 @@ class _Driver:
 
         * the schedule's: its state (parameters, optimiser state, BatchNorm statistics and the
           scalars every device keeps), its gradient accumulator, its part of the batch, its
-          stash (GPipe: ``M`` stage inputs; 1F1B: ``min(S - s, M)``), plus the larger of its
+          stash (:func:`~jaxcnn.parallel.pipeline.stash_per_stage`), plus the larger of its
           forward's and its backward's temporaries and outputs (less donated buffers), the
           backward's incoming cotangent too;
         * the update's: its state, its part of the batch and its gradients, plus the update's
@@ -432,7 +448,7 @@ class _Driver:
         scal = [jax.tree_util.tree_map(lambda x, s=s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=e.rep[s]),
                                        (abstract_state.rng, abstract_state.step, abstract_state.loss_scale))
                 for s in range(S)]
-        slots = ([M] * S if self.p.schedule == "gpipe" else [min(S - s, M) for s in range(S)])
+        slots = stash_per_stage(self.p.schedule, S, M)
         m = jax.ShapeDtypeStruct((), np.int32)
         D = e.mesh.shape[DATA]
         out, x = [], images
@@ -481,6 +497,7 @@ class _Driver:
     def views(self, state):
         """Each stage's parameters, model state and optimiser state (its own leaves, no copy)."""
         e, S = self.e, self.p.stages
+        e.learn(state.params)
         params = [e.stage_tree(state.params, s) for s in range(S)]
         mstate = [e.stage_tree(state.state, s) for s in range(S)]
         for s in range(S):

@@ -482,6 +482,17 @@ def one_f_one_b(stages: int, microbatches: int) -> Timetable:
     return Timetable(T, op, micro, slot, store, slots)
 
 
+def stash_per_stage(schedule: str, stages: int, microbatches: int) -> list[int]:
+    """The stage inputs each stage holds at once for its backward when every stage keeps its
+    own (the ``mpmd`` engine): none on stage 0 (its input is the batch), ``M`` on the others
+    under GPipe, and under 1F1B as many as the timetable's stash slots on that stage
+    (``min(S - s + 1, M)``: the next input arrives as the stage still holds ``S - s``)."""
+    if schedule == "gpipe":
+        return [0] + [microbatches] * (stages - 1)
+    table = one_f_one_b(stages, microbatches)
+    return [0] + [int(table.store[:, s].max()) + 1 for s in range(1, stages)]
+
+
 def _check(ok: bool, what: str) -> None:
     """An invariant of the timetable (kept under ``python -O``)."""
     if not ok:
@@ -563,8 +574,7 @@ class Pipeline:
                 per_example, [math.prod(input_shape[1:])] + widths[:-1], [not b.layer.children for b in self.blocks])
             slots = microbatches if schedule == "gpipe" else max(one_f_one_b(stages, microbatches).slots, 1)
             if engine == "mpmd":  # each device holds its own stage's buffers: no padding to the largest
-                per_stage = [microbatches if schedule == "gpipe" else min(stages - s, microbatches)
-                             for s in range(stages)]
+                per_stage = stash_per_stage(schedule, stages, microbatches)
                 sizes = mpmd_memory_split(per_example, block_costs(model, input_shape, self.blocks, "params"),
                                           widths, stages, max(input_shape[0] // microbatches, 1), per_stage,
                                           stage_acts=stage_acts)

@@ -229,6 +229,8 @@ class ParallelPlan:
             local_batch = {k: np.concatenate([np.asarray(v), np.zeros((pad,) + np.shape(v)[1:],
                                                                       np.asarray(v).dtype)])
                            for k, v in local_batch.items()}
+        if self.mpmd is not None:  # straight to the stages that read them (one process)
+            return {k: jax.device_put(v, self.mpmd.batch_sharding(k)) for k, v in local_batch.items()}
         return global_batch(local_batch, self.batch_sharding())
 
     def wrap_step(self, train_step, *, donate: bool = True):
@@ -239,6 +241,7 @@ class ParallelPlan:
             raise ValueError("parallel.pipeline: the train step was not built with this plan's pipeline; "
                              "build it with make_train_step(..., pipeline=plan.pipeline)")
         if self.mpmd is not None:
+            S._check_batch_norm_axis(train_step, DATA if self.sync_batch_norm else None)
             return self.mpmd.build_step(**train_step.mpmd, donate=donate)
         return S.wrap_train_step(train_step, self.strategy, self.mesh, self.state_shardings,
                                  sync_batch_norm=self.sync_batch_norm, donate=donate)

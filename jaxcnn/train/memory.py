@@ -82,8 +82,9 @@ def check_state_memory(plan, available, size_keys) -> int:
         shape = sharding.shard_shape(x.shape) if sharding is not None else x.shape
         where = frozenset(sharding.device_set) if sharding is not None else frozenset([None])
         held[where] = held.get(where, 0) + math.prod(shape) * np.dtype(x.dtype).itemsize
+    everywhere = held.pop(frozenset([None]), 0)  # a leaf without a sharding: on every device
     devices = set().union(*held) if held else set()
-    per_device = max((sum(b for where, b in held.items() if d in where) for d in devices), default=0)
+    per_device = everywhere + max((sum(b for where, b in held.items() if d in where) for d in devices), default=0)
     if available is None:
         return per_device
     free, scope = available

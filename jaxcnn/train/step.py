@@ -71,11 +71,14 @@ def _as_applied(grads, opt_state, policy):
     return grads
 
 
-def clip_by_norm(grads, norm, max_norm):
-    """``optax.clip_by_global_norm(max_norm)`` given the global norm ``norm``: unchanged below
-    it, else scaled to it."""
-    return jax.tree_util.tree_map(
-        lambda g: jnp.where(norm < max_norm, g, (g / norm.astype(g.dtype)) * max_norm), grads)
+def _clipped(grads, opt_state, policy, norm, max_norm):
+    """``optax.clip_by_global_norm(max_norm)`` first in the chain, given the gradients' global
+    norm ``norm``: in the dtype the optimiser sees them, unchanged below the bound, else scaled
+    to it (``max_norm`` None: unchanged)."""
+    if max_norm is None:
+        return grads
+    return jax.tree_util.tree_map(lambda g: jnp.where(norm < max_norm, g, (g / norm.astype(g.dtype)) * max_norm),
+                                  _as_applied(grads, opt_state, policy))
 
 
 def _finish(schedule):
@@ -228,15 +231,15 @@ def _mpmd_train_step(pipeline, tx, *, policy, choices, image_norm, label_smoothi
         raise ValueError("parallel.pipeline.engine: an mpmd step is one program per stage; run it "
                          "through plan.wrap_step(train_step)")
 
-    def update(params, opt_state, grads):
+    def update(params, opt_state, grads, norm):  # norm: the whole model's gradients' global norm
         view = TrainState(None, params, None, opt_state, None, None, None)
-        return apply_optimizer(tx, view, grads, policy)
+        return apply_optimizer(tx, view, _clipped(grads, opt_state, policy, norm, clip_norm), policy)
 
     train_step.mpmd = dict(
         head=_head(policy=policy, label_smoothing=label_smoothing),
         prepare=lambda x: device_normalize(x, image_norm), policy=policy, choices=choices,
         init_opt=lambda params: init_opt_state(tx, params, policy), update=update, finish=finish,
-        clip_norm=clip_norm, sync_batch_norm=sync_batch_norm,
+        sync_batch_norm=sync_batch_norm,
         select_nonfinite=lambda state: skip_nonfinite or isinstance(state.loss_scale, P.DynamicLossScale))
     train_step.batch_norm_axis_name = choices.axis_name
     train_step.pipeline = pipeline
@@ -289,8 +292,7 @@ def _one_program_step(gradients, tx, *, policy, finish, axis_name, pipelined, sk
             grads, loss, top1 = cross_device_mean((grads, loss, top1), axis_name)
         finite = P.all_finite(grads)
         grad_norm = optax.tree.norm(_as_applied(grads, state.opt_state, policy))
-        if clip_norm is not None:
-            grads = clip_by_norm(grads, grad_norm, clip_norm)
+        grads = _clipped(grads, state.opt_state, policy, grad_norm, clip_norm)
         _, new_params, new_opt_state = apply_optimizer(tx, state, grads, policy)
         if skip_nonfinite or isinstance(state.loss_scale, P.DynamicLossScale):
             new_params, new_opt_state, new_model_state = P.select_tree(

@@ -6,11 +6,12 @@ import numpy as np
 import optax
 import pytest
 
+from jaxcnn.parallel import ParallelPlan, make_mesh
 from jaxcnn.train.step import make_eval_step, make_train_step
 
 from _helpers import MOMENTUM, batches, init
-from test_parallel_pipeline import (SHAPE, _assert_run_matches, _model, _pipelined, _plan, _reference,
-                                    random_blocks, run_bn_net)
+from test_parallel_pipeline import (SHAPE, _abstract, _assert_run_matches, _model, _pipelined, _plan,
+                                    _reference, random_blocks, run_bn_net)
 
 
 @pytest.mark.parametrize("name,data_axis,schedule", [("resnet18", 1, "1f1b"), ("resnet18", 2, "gpipe"),
@@ -121,11 +122,11 @@ def test_mpmd_memory_split_is_the_best_contiguous_split_of_its_estimate(seed):
     import itertools
 
     from jaxcnn.parallel.pipeline import (MEMORY_OWN_PARAM_BUFFERS, MEMORY_PARAM_BUFFERS, MEMORY_WIRE_BUFFERS,
-                                          mpmd_memory_split)
+                                          mpmd_memory_split, stash_per_stage)
     rng, n, acts, params, widths = random_blocks(seed)
     for stages in range(1, min(n, 4) + 1):
         mb = int(rng.integers(1, 9))
-        slots = [min(stages - s, 4) for s in range(stages)]
+        slots = stash_per_stage("1f1b", stages, 4)
 
         def estimate(cuts):
             edges = [0, *cuts, n]
@@ -189,3 +190,65 @@ def test_clip_norm_is_clip_by_global_norm_first_in_the_chain():
         np.testing.assert_allclose(m["loss"], r["loss"], rtol=1e-6)
         np.testing.assert_allclose(m["grad_norm"], r["grad_norm"], rtol=1e-6)
     assert max_diff(got.params, ref.params) < 1e-7
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_the_drivers_order_holds_what_the_memory_estimate_counts(schedule):
+    """Replaying the driver's dispatch order: every op after its inputs, each stage's stash at
+    most ``stash_per_stage`` inputs at once (and that many at some point), at most one cotangent
+    waiting on any stage."""
+    from types import SimpleNamespace
+
+    from jaxcnn.parallel.mpmd import _Driver
+    from jaxcnn.parallel.pipeline import BACKWARD, FORWARD, stash_per_stage
+    for S, M in [(2, 1), (2, 4), (3, 6), (4, 2), (4, 8), (4, 16), (5, 3)]:
+        order = _Driver.order(SimpleNamespace(p=SimpleNamespace(stages=S, microbatches=M, schedule=schedule)))
+        assert sorted(order) == sorted((k, s, m) for k in (FORWARD, BACKWARD) for s in range(S) for m in range(M))
+        stash, cts, done = [set() for _ in range(S)], [set() for _ in range(S)], set()
+        most, most_ct = [0] * S, 0
+        for kind, s, m in order:
+            if kind == FORWARD:
+                assert s == 0 or m in stash[s]
+                if s < S - 1:
+                    stash[s + 1].add(m)
+            else:
+                assert (FORWARD, s, m) in done and (s == S - 1 or m in cts[s])
+                stash[s].discard(m)
+                cts[s].discard(m)
+                if s > 0:
+                    cts[s - 1].add(m)
+            done.add((kind, s, m))
+            most = [max(a, len(b)) for a, b in zip(most, stash)]
+            most_ct = max(most_ct, max(len(c) for c in cts))
+        assert most == stash_per_stage(schedule, S, M), (S, M, most)
+        assert most_ct <= 1
+
+
+def test_mpmd_splits_an_optimiser_state_that_holds_the_parameters_tree_under_its_own_keys():
+    """``optax.named_chain`` keeps its parts' states under their names, and a state that is the
+    parameters' tree itself then sits under a dict key: each leaf still goes to its parameter's
+    stage, and the step is one device's."""
+    import jax.numpy as jnp
+
+    def trace():  # a state that is the parameters' tree itself
+        return optax.GradientTransformation(
+            lambda p: jax.tree_util.tree_map(jnp.zeros_like, p),
+            lambda u, st, params=None: (u, jax.tree_util.tree_map(lambda a, g: 0.9 * a + g, st, u)))
+
+    model, shape = _model("bn_net"), (16, 8, 8, 3)
+    tx = optax.named_chain(("momentum", MOMENTUM), ("trace", trace()))
+    data = batches(shape, 2, seed=8)
+    ref_m, ref = _reference(model, tx, shape, data, 2)
+    plan = _plan(model, tx, shape, 1, 4, microbatches=2, engine="mpmd")
+    got_m, got = _pipelined(plan, model, tx, shape, data)
+    _assert_run_matches(got_m, got, ref_m, ref, 2)
+
+
+def test_mpmd_refuses_a_step_whose_batch_norm_sync_is_not_the_plans():
+    """A plan without BatchNorm sync and a step built with it: refused, as the SPMD engine does."""
+    model = _model("resnet18")
+    plan = ParallelPlan(make_mesh(2, 1, pipe=2), model, SHAPE, _abstract(init(model, MOMENTUM, SHAPE)),
+                        sync_batch_norm=False, pipeline={"microbatches": 2, "engine": "mpmd"})
+    step = make_train_step(model, MOMENTUM, axis_name=plan.step_axis_name, pipeline=plan.pipeline)
+    with pytest.raises(ValueError, match="BatchNorm"):
+        plan.wrap_step(step)
