@@ -54,23 +54,18 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxcnn.parallel.mesh import DATA
-from jaxcnn.parallel.strategies import CPU_MAX_IN_FLIGHT
 from jaxcnn.parallel.pipeline import BACKWARD, FORWARD, Pipeline, _get, _set, one_f_one_b, stash_per_stage
-
-
+from jaxcnn.parallel.strategies import CPU_MAX_IN_FLIGHT
 
 
 def stage_meshes(mesh: Mesh, axis: str) -> list[Mesh]:
     """Each stage's devices as a one-axis ``data`` mesh (the mesh's devices at that ``pipe``
-    index, in ``data`` order; every other axis has size 1)."""
+    index, in ``data`` order; every other axis must have size 1)."""
     names = list(mesh.axis_names)
     devices = np.moveaxis(mesh.devices, [names.index(axis), names.index(DATA)], [0, 1])
-    return [Mesh(devices[s].reshape(devices.shape[1], -1)[:, 0], (DATA,)) if devices[s].size == devices.shape[1]
-            else _bad_mesh(mesh) for s in range(devices.shape[0])]
-
-
-def _bad_mesh(mesh):
-    raise ValueError(f"parallel.pipeline.engine: mpmd runs on a data x pipe mesh, got {dict(mesh.shape)}")
+    if devices[0].size != devices.shape[1]:
+        raise ValueError(f"parallel.pipeline.engine: mpmd runs on a data x pipe mesh, got {dict(mesh.shape)}")
+    return [Mesh(devices[s].reshape(-1), (DATA,)) for s in range(devices.shape[0])]
 
 
 def _keys(path) -> tuple | None:
