@@ -248,6 +248,23 @@ class MPMD:
                     x = jax.device_put(x, self.rows[s + 1])
             return jax.device_put(x, self.everywhere)
 
+        def memory(params, model_state, batch) -> int:
+            """The evaluation's bytes on the busiest device (shapes in; XLA's compile-time
+            ``memory_analysis`` of each stage's program): its stage's parameters and statistics,
+            its input and what its program adds (temporaries and outputs)."""
+            x = _on(batch["image"], self.rows[0])
+            rest = {k: _on(v, self.rows[-1]) for k, v in batch.items() if k != "image"}
+            peak = 0
+            for s in range(S):
+                args = (_on(self.stage_tree(params, s), self.rep[s]), _on(self.stage_tree(model_state, s), self.rep[s]),
+                        x, rest if s == S - 1 else None)
+                compiled = programs[s].lower(*args).compile()
+                peak = max(peak, _per_device(args) + _prog(compiled))
+                if s < S - 1:
+                    x = _on(jax.eval_shape(programs[s], *args), self.rows[s + 1])
+            return peak
+
+        run.memory = memory
         return run
 
     # ----- the step ---------------------------------------------------------------------

@@ -649,6 +649,12 @@ def prepare(cfg, check_run=None) -> Prepared:
         memory["train_step"] = check_bytes(report["per_device"], plan, available,
                                            [f"data.batch_size={cfg.data.batch_size}"] + _size_keys(run),
                                            "train step")
+        if eval_set_size(run) is not None:
+            key = "data.eval_batch_size" if cfg.data.eval_batch_size else "data.batch_size"
+            memory["eval_step"] = check_bytes(
+                eval_step.memory(plan.abstract_state.params, plan.abstract_state.state,
+                                 abstract_eval_batch(run, plan, eval_size)),
+                plan, available, [f"{key}={eval_size}"] + _size_keys(run), "eval step")
         return Prepared(run, plan, loaded, train_step, eval_step, eval_size, memory,
                         train_step.out_shapes(plan.abstract_state))
     with matmul_precision(cfg):  # traced as the loop traces it, so the loop reuses the executable
