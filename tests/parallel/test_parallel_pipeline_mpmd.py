@@ -64,6 +64,7 @@ def test_mpmd_state_lives_on_its_stages_devices_and_evaluates_stage_by_stage():
         np.testing.assert_allclose(np.asarray(got[k]), np.asarray(want[k]), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow  # the trainer test clips too (optim.grad_clip_norm), against one device
 def test_mpmd_clips_by_the_whole_models_norm():
     """``clip_norm`` clips every stage by the norm of all the gradients: the same step as one device
     with ``optax.clip_by_global_norm`` first in the chain (a clip small enough to act)."""
@@ -140,7 +141,8 @@ def test_mpmd_memory_split_is_the_best_contiguous_split_of_its_estimate(seed):
         assert estimate(np.cumsum(sizes)[:-1].tolist()) == best
 
 
-@pytest.mark.parametrize("policy,loss_scale", [("bf16", "none"), ("f16", "dynamic")])
+@pytest.mark.parametrize("policy,loss_scale", [pytest.param("bf16", "none", marks=pytest.mark.slow),
+                                                ("f16", "dynamic")])
 def test_mpmd_mixed_precision_and_loss_scaling_give_the_spmd_engines_numbers(policy, loss_scale):
     """A bfloat16 policy, and float16 with dynamic loss scaling (its finiteness check and scale
     update over every stage's gradients): 2 steps of the mpmd engine as the SPMD engine's, to the
