@@ -102,6 +102,7 @@ class MPMD:
         self.everywhere = NamedSharding(mesh, P())
         self.block_owner = {b.path: s for s, blocks in enumerate(pipeline.stage_blocks) for b in blocks}
         self.param_paths = None  # the parameters' dict-key paths (learn)
+        self.opt_owners = {}  # optimiser-state key path -> opt_owner (asked every step)
 
     # ----- placement --------------------------------------------------------------------
 
@@ -123,10 +124,14 @@ class MPMD:
         """The stage owning an optimiser-state leaf: the block of the parameter path its key path
         ends in (the longest such suffix: the state may hold the parameters' tree under dict keys
         of its own, as ``optax.named_chain`` does); None for a leaf that ends in none (a count)."""
+        if path in self.opt_owners:
+            return self.opt_owners[path]
         keys = _keys(path)
         if keys is None or self.param_paths is None:
             return self.owner(keys)
-        return next((self.owner(keys[i:]) for i in range(len(keys)) if keys[i:] in self.param_paths), None)
+        found = self.opt_owners[path] = next(
+            (self.owner(keys[i:]) for i in range(len(keys)) if keys[i:] in self.param_paths), None)
+        return found
 
     def leaf_owner(self, field: str, path) -> int | None:
         """The stage owning a ``TrainState`` leaf: ``field`` its field name, ``path`` its key path
@@ -168,11 +173,10 @@ class MPMD:
                     tree = _set(tree, b.path, v)
         return tree
 
-    def stage_opt(self, opt_state, template, s):
+    def stage_opt(self, whole, template, s):
         """Stage ``s``'s optimiser state (shaped as ``template``, ``tx.init`` of its
-        parameters) from the whole one: the leaves with the same key path; the unowned ones
-        (counts) copied to its devices."""
-        whole = dict(jax.tree_util.tree_flatten_with_path(opt_state)[0])
+        parameters) from the whole one (``whole``: its leaves by key path): the leaves with the
+        same key path; the unowned ones (counts) copied to its devices."""
         paths, treedef = jax.tree_util.tree_flatten_with_path(template)
         leaves = []
         for path, _ in paths:
@@ -223,7 +227,7 @@ class MPMD:
         return self.rows[0] if key == "image" else self.rows[-1]
 
     def build_eval(self, eval_step):
-        """``eval(params, model_state, batch) -> sums`` stage by stage (each stage's blocks in
+        """``evaluate(params, model_state, batch) -> sums`` stage by stage (each stage's blocks in
         inference mode on its devices, the sums on the last), from ``make_eval_step``'s step
         (its ``sums``, ``policy`` and ``choices``)."""
         S, blocks = self.pipeline.stages, self.pipeline.stage_blocks
@@ -321,7 +325,11 @@ class _Driver:
         self.apply = {}  # (stage, select) -> program
         zeros = lambda t: jax.tree_util.tree_map(lambda x: jnp.zeros((D,) + x.shape, _acc_dtype(x)), t)  # noqa: E731
         self.zeros = [jax.jit(zeros, out_shardings=engine.rows[s]) for s in range(S)]
-        self.finish_jit = jax.jit(finish, out_shardings=engine.everywhere)
+        # the global scalars from every stage's: finite, norm, mean loss and accuracy
+        self.finish_jit = jax.jit(lambda scalars, fins, sqs, losses, top1s: finish(
+            scalars, jnp.all(jnp.stack(fins)), jnp.sqrt(jnp.sum(jnp.stack(sqs))), jnp.mean(jnp.stack(losses)),
+            jnp.mean(jnp.stack(top1s))), out_shardings=engine.everywhere)
+        self.schedule = self.order()  # dispatch order, the same every step
         self.templates = {}  # stage -> its optimiser state's shape
         # emulated CPU devices: wait for the step CPU_MAX_IN_FLIGHT calls back, as the SPMD steps do
         self.pending = collections.deque()
@@ -413,9 +421,9 @@ class _Driver:
         return jax.jit(f, out_shardings=self.e.rep[s])
 
     def _apply(self, s, select):
-        def f(params, opt_state, grads, mstate, old_mstate, sqs, finites):
-            finite = jnp.all(finites)
-            _, new_params, new_opt = self.update(params, opt_state, grads, jnp.sqrt(jnp.sum(sqs)))
+        def f(params, opt_state, grads, mstate, old_mstate, sqs, finites):  # sqs, finites: every stage's
+            finite = jnp.all(jnp.stack(finites))
+            _, new_params, new_opt = self.update(params, opt_state, grads, jnp.sqrt(jnp.sum(jnp.stack(sqs))))
             if select:
                 pick = lambda new, old: jax.tree_util.tree_map(lambda a, b: jnp.where(finite, a, b), new, old)  # noqa: E731
                 new_params, new_opt, mstate = pick(new_params, params), pick(new_opt, opt_state), pick(mstate, old_mstate)
@@ -477,8 +485,8 @@ class _Driver:
             bwd = self.bwd[s].lower(params, mstate, x, ct, rng, step, m, ls, acc).compile()
             grads_c = self.grads[s].lower(acc, params, ls).compile()
             grads = jax.eval_shape(self.grads[s], acc, params, ls)[0]
-            vec = jax.ShapeDtypeStruct((S,), np.float32, sharding=e.rep[s])
-            fin = jax.ShapeDtypeStruct((S,), np.bool_, sharding=e.rep[s])
+            vec = [jax.ShapeDtypeStruct((), np.float32, sharding=e.rep[s])] * S  # every stage's scalars
+            fin = [jax.ShapeDtypeStruct((), np.bool_, sharding=e.rep[s])] * S
             select = False
             if (s, select) not in self.apply:
                 self.apply[(s, select)] = self._apply(s, select)
@@ -515,7 +523,8 @@ class _Driver:
         for s in range(S):
             if s not in self.templates:
                 self.templates[s] = jax.eval_shape(self.init_opt, params[s])
-        opt = [e.stage_opt(state.opt_state, self.templates[s], s) for s in range(S)]
+        whole = dict(jax.tree_util.tree_flatten_with_path(state.opt_state)[0])
+        opt = [e.stage_opt(whole, self.templates[s], s) for s in range(S)]
         return params, mstate, opt
 
     def __call__(self, state, batch):
@@ -529,7 +538,7 @@ class _Driver:
         stash = [dict() for _ in range(S)]  # stage inputs, kept from their arrival to their backward
         cts = [dict() for _ in range(S)]
         losses, top1s = [], []
-        for kind, s, m in self.order():
+        for kind, s, m in self.schedule:
             rng, step, ls = scalars[s]
             mi = np.int32(m)
             x = images if s == 0 else stash[s][m]
@@ -552,21 +561,16 @@ class _Driver:
         new_params, new_mstate, new_opt = [], [], []
         select = bool(self.select(state))
         for s in range(S):
-            sq = jnp.stack(jax.device_put(list(sqs), e.rep[s]))
-            fin = jnp.stack(jax.device_put(list(fins), e.rep[s]))
+            sq, fin = jax.device_put((list(sqs), list(fins)), e.rep[s])
             if (s, select) not in self.apply:
                 self.apply[(s, select)] = self._apply(s, select)
             ps, os_, ms = self.apply[(s, select)](params[s], opt[s], grads[s], mstate[s], old_mstate[s], sq, fin)
             new_params.append(ps)
             new_opt.append(os_)
             new_mstate.append(ms)
-        loss = jnp.mean(jnp.stack(losses))
-        top1 = jnp.mean(jnp.stack(top1s))
-        sq_all = jax.device_put(list(sqs), e.everywhere)
-        fin_all = jax.device_put(list(fins), e.everywhere)
         step, loss_scale, skipped, metrics = self.finish_jit(
-            (state.step, state.loss_scale, state.skipped), jnp.all(jnp.stack(fin_all)),
-            jnp.sqrt(jnp.sum(jnp.stack(sq_all))), jax.device_put(loss, e.everywhere), jax.device_put(top1, e.everywhere))
+            (state.step, state.loss_scale, state.skipped),
+            *jax.device_put((list(fins), list(sqs), losses, top1s), e.everywhere))
         new_state = type(state)(
             step=step, params=e.merge(state.params, new_params), state=e.merge(state.state, new_mstate),
             opt_state=e.merge_opt(state.opt_state, new_opt), loss_scale=loss_scale, rng=state.rng,

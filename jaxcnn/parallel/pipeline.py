@@ -294,23 +294,12 @@ def memory_split(acts, params, widths, stages: int, microbatch: int, stash: int,
                 break  # the caps only grow from here
             allowed = proper & ok_cut[:, None] & (P <= cap)
             cost = np.where(allowed, A, np.inf)
-            best = np.full(n + 1, np.inf)
-            best[0] = 0.0
-            cuts = []
-            for _ in range(S):
-                cand = np.where(allowed, np.maximum(best[:, None], cost), np.inf)
-                cuts.append(np.argmin(cand, axis=0))  # ties: the earliest boundary
-                best = cand.min(axis=0)
-            if not np.isfinite(best[n]):
+            found, sizes = _min_max_split([cost] * S)
+            if found is None:
                 continue
-            total = best[n] + MEMORY_PARAM_BUFFERS * cap + fixed_w
+            total = found + MEMORY_PARAM_BUFFERS * cap + fixed_w
             if total < best_cost:
-                sizes, i = [], n
-                for k in range(S - 1, -1, -1):
-                    j = int(cuts[k][i])
-                    sizes.append(i - j)
-                    i = j
-                best_cost, best_sizes = total, sizes[::-1]
+                best_cost, best_sizes = total, sizes
     if best_sizes is None:
         raise ValueError(f"parallel.pipeline.balance: no split of {n} blocks into {S} stages")
     return best_sizes
@@ -332,24 +321,38 @@ def mpmd_memory_split(acts, params, widths, stages: int, microbatch: int, slots,
     width_in = np.concatenate([[0.0], np.asarray(widths[:-1], np.float64), [0.0]])  # input of block j
     ij = np.arange(n + 1)
     proper = ij[:, None] < ij[None, :]
+    costs = []
+    for s in range(S):
+        wire = (slots[s] + MEMORY_WIRE_BUFFERS / 2) * microbatch * (width_in if s else np.zeros(n + 1))
+        costs.append(np.where(proper, microbatch * A + (MEMORY_PARAM_BUFFERS + MEMORY_OWN_PARAM_BUFFERS) * P
+                              + wire[:, None], np.inf))
+    found, sizes = _min_max_split(costs)
+    if found is None:
+        raise ValueError(f"parallel.pipeline.balance: no split of {n} blocks into {S} stages")
+    return sizes
+
+
+def _min_max_split(costs):
+    """The contiguous split minimising the largest stage's cost (a dynamic programme over the
+    stages): ``costs[s][j, i]`` stage ``s``'s cost as blocks ``j..i-1`` (``inf``: not allowed).
+    Returns ``(that cost, blocks per stage)``, or ``(None, None)`` when no split is allowed;
+    ties go to the earliest boundaries."""
+    n = costs[0].shape[0] - 1
     best = np.full(n + 1, np.inf)
     best[0] = 0.0
     cuts = []
-    for s in range(S):
-        wire = (slots[s] + MEMORY_WIRE_BUFFERS / 2) * microbatch * (width_in if s else np.zeros(n + 1))
-        cost = np.where(proper, microbatch * A + (MEMORY_PARAM_BUFFERS + MEMORY_OWN_PARAM_BUFFERS) * P
-                        + wire[:, None], np.inf)
+    for cost in costs:
         cand = np.maximum(best[:, None], cost)
-        cuts.append(np.argmin(cand, axis=0))  # ties: the earliest boundary
+        cuts.append(np.argmin(cand, axis=0))
         best = cand.min(axis=0)
     if not np.isfinite(best[n]):
-        raise ValueError(f"parallel.pipeline.balance: no split of {n} blocks into {S} stages")
+        return None, None
     sizes, i = [], n
-    for k in range(S - 1, -1, -1):
+    for k in range(len(costs) - 1, -1, -1):
         j = int(cuts[k][i])
         sizes.append(i - j)
         i = j
-    return sizes[::-1]
+    return float(best[n]), sizes[::-1]
 
 
 def check_split(split, stages: int, n_blocks: int) -> list[int]:
@@ -572,16 +575,13 @@ class Pipeline:
             # under remat a stage holds its units' inputs and one unit's internals
             stage_acts = None if not remat else remat_stage_acts(
                 per_example, [math.prod(input_shape[1:])] + widths[:-1], [not b.layer.children for b in self.blocks])
-            slots = microbatches if schedule == "gpipe" else max(one_f_one_b(stages, microbatches).slots, 1)
+            params, mb = block_costs(model, input_shape, self.blocks, "params"), max(input_shape[0] // microbatches, 1)
             if engine == "mpmd":  # each device holds its own stage's buffers: no padding to the largest
-                per_stage = stash_per_stage(schedule, stages, microbatches)
-                sizes = mpmd_memory_split(per_example, block_costs(model, input_shape, self.blocks, "params"),
-                                          widths, stages, max(input_shape[0] // microbatches, 1), per_stage,
-                                          stage_acts=stage_acts)
+                sizes = mpmd_memory_split(per_example, params, widths, stages, mb,
+                                          stash_per_stage(schedule, stages, microbatches), stage_acts=stage_acts)
             else:
-                sizes = memory_split(per_example, block_costs(model, input_shape, self.blocks, "params"),
-                                     widths, stages, max(input_shape[0] // microbatches, 1), slots,
-                                     stage_acts=stage_acts)
+                slots = microbatches if schedule == "gpipe" else max(one_f_one_b(stages, microbatches).slots, 1)
+                sizes = memory_split(per_example, params, widths, stages, mb, slots, stage_acts=stage_acts)
         elif split is None:
             self.costs = block_costs(model, input_shape, self.blocks, balance)
             sizes = balanced_split(self.costs, stages)
