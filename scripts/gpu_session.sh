@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# The GPU measurements of docs/BENCHMARKS.md, in stages that each fit a 10-minute call on
-# a lent machine (run from the repository root; results and logs go to $OUT):
+# A lent GPU session runs `python scripts/gpu_check.py` first: every figure that matters in
+# one time-boxed command (480 s), with three tile configurations per kernel.  The stages
+# below are the long form, tuning sweeps over every candidate tile, for a longer lease; each
+# fits a 10-minute call (run from the repository root; results and logs go to $OUT):
 #
 #   bash scripts/gpu_session.sh check      # versions, then the kernel tests on the GPU
 #   bash scripts/gpu_session.sh kernels    # tune + time the Pallas kernels (bench_kernels --tune)
