@@ -158,6 +158,13 @@ def _torch_versions() -> dict:
             "torch_cudnn": cudnn}
 
 
+def _environment_info() -> str:
+    try:
+        return jax.print_environment_info(return_string=True)[:3000]
+    except Exception as e:  # informative only
+        return f"unavailable ({type(e).__name__})"
+
+
 def stage_env(ctx: Context) -> int:
     device = jax.devices()[0]
     ctx.emit("env", python=platform.python_version(), platform=platform.platform(),
@@ -167,7 +174,8 @@ def stage_env(ctx: Context) -> int:
              compute_capability=getattr(device, "compute_capability", None),
              triton=_module_version("triton"), flax=_module_version("flax"),
              optax=_module_version("optax"), **_cuda_versions(), **_torch_versions(),
-             mosaic=mc.unavailable_reason() or "available")
+             mosaic=mc.unavailable_reason() or "available",
+             jax_environment=_environment_info())
     if not ctx.dry:
         ctx.emit("env", nvidia_smi=_command(
             ["nvidia-smi", "--query-gpu=name,driver_version,memory.total,clocks.max.sm",
@@ -315,9 +323,9 @@ def stage_torch(ctx: Context) -> int:
 
 
 def stage_resnet50_more(ctx: Context) -> int:
-    """The other BatchNorm backward and the fused Conv-BatchNorm kernels (where ``correct``
-    passed them)."""
-    variants = [dict(impl="xla", bn_grad="closed_form", conv_bn="off")]
+    """The other BatchNorm forms (the explicit one first: the candidate default) and the fused
+    Conv-BatchNorm kernels (where ``correct`` passed them)."""
+    variants = [dict(impl="xla", bn_grad=g, conv_bn="off") for g in ("explicit", "closed_form")]
     if ctx.family_failed("mosaic_fused_stats") or ctx.family_failed("mosaic_fused_bnrelu+stats"):
         ctx.emit("skip", unit="conv_bn=mosaic", reason="a fused family failed `correct`")
     elif mc.unavailable_reason() is None and not ctx.dry:  # a dry run interprets each conv

@@ -1,14 +1,26 @@
 """Per-channel reductions and broadcasts over NHWC (``(..., C)``) arrays.
 
-BatchNorm's statistics, every bias and scale gradient, and the bias add of
-the convolutions go through these three functions.  Off the CPU, and where
-nothing is gained, they are ``jnp.sum``/``jnp.mean``/``jnp.broadcast_to``.
+BatchNorm's statistics and backward sums, every bias and scale gradient, and the bias add
+of the convolutions go through these functions.  Off the CPU, and where nothing is gained,
+they are ``jnp.sum``/``jnp.mean``/``jnp.broadcast_to``.
+
+On the CPU a per-channel sum is a matrix-vector product: the ``(..., W, C)`` array, its
+width folded into the channels (``(..., W / g, g * C)``, up to :data:`WIDE_LANES` lanes), is
+contracted with ones over every axis but the last (``lax.dot_general``), then summed over
+the ``g`` groups.  XLA:CPU runs that as one streaming read (a GEMV), where its own reduction
+of the same array over several major axes is many times slower (``docs/BENCHMARKS.md``,
+"Training BatchNorm"), and the SPMD partitioner splits a contraction over a sharded
+axis into local products and an all-reduce, so a height- or batch-split activation is
+reduced where it lies.  Reverse mode through :func:`channel_broadcast` (a broadcast
+parameter's gradient) still reduces the folded array XLA's way: code that needs the fast
+sum in a backward pass calls :func:`channel_sum` there (BatchNorm's custom VJPs do).
 """
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 # Per-channel reductions over (N, H, W) with few channels are XLA:CPU's slow case: it
 # reduces the major axes of an (N*H*W, C) array with C lanes, several times slower than
@@ -46,16 +58,34 @@ def channel_sum(x):
     """Sum over every axis but the last: ``(..., C) -> (C,)``, in ``x``'s dtype.
 
     On the CPU the ``(..., W, C)`` array is folded to ``(..., W / g, g * C)`` with up to
-    :data:`WIDE_LANES` lanes, reduced over every axis but the last, then over the ``g``
-    groups.
+    :data:`WIDE_LANES` lanes, contracted with ones over every axis but the last, then
+    summed over the ``g`` groups (module docstring).
     """
     shape = tuple(jnp.shape(x))
     g = _fold(shape)
     if not g:
         return jnp.sum(x, axis=tuple(range(len(shape) - 1)))
     c = shape[-1]
-    folded = x.reshape(_folded(shape, g))
-    return jnp.sum(jnp.sum(folded, axis=tuple(range(len(shape) - 1))).reshape(g, c), axis=0)
+    return jnp.sum(_lead_sum(x.reshape(_folded(shape, g))).reshape(g, c), axis=0)
+
+
+@jax.custom_jvp
+def _lead_sum(folded):
+    """Sum of ``folded`` over every axis but the last, as a contraction with ones (in
+    float32 for 16-bit inputs, returned in their dtype).  Its tangent is ``jnp.sum``'s, so
+    reverse mode transposes it to a broadcast: the contraction's own transpose would be an
+    outer product, which XLA:CPU computes as a matrix product."""
+    lead = tuple(range(folded.ndim - 1))
+    acc = jnp.promote_types(folded.dtype, jnp.float32)
+    ones = jnp.ones(folded.shape[:-1], folded.dtype)
+    total = lax.dot_general(ones, folded, ((lead, lead), ((), ())), preferred_element_type=acc)
+    return total.astype(folded.dtype)
+
+
+@_lead_sum.defjvp
+def _lead_sum_jvp(primals, tangents):
+    (folded,), (t,) = primals, tangents
+    return _lead_sum(folded), jnp.sum(t, axis=tuple(range(folded.ndim - 1)))
 
 
 def channel_mean(x):

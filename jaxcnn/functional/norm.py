@@ -6,6 +6,7 @@ biased (population) ones, the ones used to normalise.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -14,10 +15,10 @@ from jax import lax
 
 from jaxcnn import _geometry as geo
 from jaxcnn.functional import _halo
-from jaxcnn.functional._channels import channel_broadcast, channel_mean
+from jaxcnn.functional._channels import channel_broadcast, channel_mean, channel_sum
 
 #: The ways :func:`batch_norm_train` can be differentiated (``grad=``).
-BATCH_NORM_GRADS = ("autodiff", "closed_form")
+BATCH_NORM_GRADS = ("explicit", "autodiff", "closed_form")
 
 
 def _acc_dtype(x):
@@ -97,7 +98,18 @@ def check_batch_norm_grad(op: str, grad: str) -> str:
     return grad
 
 
-def batch_norm_train(x, scale=None, bias=None, *, eps=1e-5, axis_name=None, grad="auto"):
+def resolve_batch_norm_grad(grad: str) -> str:
+    """The form ``grad`` names: ``"auto"`` is ``"explicit"`` on the CPU, where it was
+    measured faster (``docs/BENCHMARKS.md``), and ``"autodiff"`` elsewhere until the GPU
+    check (``scripts/gpu_check.py``) has measured it there."""
+    check_batch_norm_grad("batch_norm_train", grad)
+    if grad != "auto":
+        return grad
+    return "explicit" if jax.default_backend() == "cpu" else "autodiff"
+
+
+def batch_norm_train(x, scale=None, bias=None, *, eps=1e-5, axis_name=None, grad="auto",
+                     relu=False):
     """Batch normalisation with the batch's own statistics (training form).
 
     The statistics are taken per channel over every axis but the last.  With
@@ -108,24 +120,26 @@ def batch_norm_train(x, scale=None, bias=None, *, eps=1e-5, axis_name=None, grad
     one, to avoid the cancellation of ``E[x**2] - E[x]**2``; every shard must
     hold the same number of elements.
 
-    Two forms, the same function and gradients up to rounding (``grad``):
+    Three forms, the same function and gradients up to rounding (``grad``):
 
+    * ``"explicit"``: the fewest passes over the activation
+      (``docs/batch_norm.md``).  Forward: both statistics from one read of ``x``
+      (sums about a per-channel shift), then one read and one write for
+      ``y = x * a + c`` (``a``, ``c`` per channel).  Backward: one read of ``x`` and
+      ``dy`` for the two sums ``Σ dy`` and ``Σ dy·x``, then one more of each and one
+      write for ``dx``.  Both passes are custom VJPs on the shard's own data; the
+      per-channel arithmetic between them (the collectives included) is
+      differentiated by JAX, so ``pmap``, ``shard_map`` (with or without
+      ``check_vma``) and ``vmap``, differentiated inside or out, behave as with
+      autodiff.  Only ``x`` is kept for the backward, in its own dtype.
     * ``"autodiff"``: the mean, then the variance about it (two reads of ``x``),
-      all differentiated by JAX.  The variance's cotangent reaches ``x`` through
-      the centring, whose gradient is another reduction, so the backward reduces
-      twice in sequence before its elementwise pass.
-    * ``"closed_form"``: both statistics in one read of ``x`` (:func:`_moments`,
-      sums about a per-channel shift), whose VJP is the closed-form, elementwise
-      ``dmean / n + 2 dvar (x - mean) / n``.  The rest (normalising, the affine,
-      the cross-device combination) is differentiated by JAX as above, so its
-      reductions (of ``dy`` and ``dy * (x - mean)``, the parameters' gradients
-      among them) all read the same arrays and fuse into one pass on a GPU,
-      followed by one elementwise pass.  Collectives stay outside the custom VJP:
-      ``pmap``, ``shard_map`` (with or without ``check_vma``) and ``vmap``,
-      differentiated inside or out, behave as with autodiff.
+      all differentiated by JAX.
+    * ``"closed_form"``: the one-pass statistics with their closed-form VJP, the
+      rest differentiated by JAX.
 
-    ``"auto"`` is ``"autodiff"``: the closed form has not yet been timed on a
-    GPU, and on the 2-core CPU of ``docs/BENCHMARKS.md`` it was no faster.
+    ``"auto"`` is ``"explicit"`` on the CPU and ``"autodiff"`` elsewhere
+    (:func:`resolve_batch_norm_grad`).  The older two forms stay selectable for one
+    release.
 
     Arguments:
         x: input ``(..., C)``, e.g. NHWC.
@@ -133,7 +147,11 @@ def batch_norm_train(x, scale=None, bias=None, *, eps=1e-5, axis_name=None, grad
         eps: added to the variance.
         axis_name: name of a mapped axis to synchronise statistics over, or
             ``None`` for local statistics.
-        grad: ``"auto"``, ``"autodiff"`` or ``"closed_form"``.
+        grad: ``"auto"``, ``"explicit"``, ``"autodiff"`` or ``"closed_form"``.
+        relu: return ``max(y, 0)``: a ReLU that follows the normalisation, folded
+            into it by ``"explicit"`` (its backward recomputes the mask from ``x``,
+            so neither ``y`` nor a mask is kept or read); the other forms apply it
+            after.
 
     Returns:
         ``(y, mean, var)``: ``y`` like ``x``; ``mean`` and ``var`` of shape
@@ -145,19 +163,27 @@ def batch_norm_train(x, scale=None, bias=None, *, eps=1e-5, axis_name=None, grad
         raise ValueError(f"{op}: x must have rank >= 2 (batch..., C), got shape {x_shape}")
     for name, v in (("scale", scale), ("bias", bias)):
         _check_channel_vector(op, name, v, x_shape[-1], x_shape)
-    check_batch_norm_grad(op, grad)
-    xa = x.astype(_acc_dtype(x))
-    if grad == "closed_form":
-        mean, var = _moments(xa)
+    form = resolve_batch_norm_grad(grad)
+    acc = _acc_dtype(x)
+    if form in ("explicit", "closed_form"):
+        mean, var = _moments(x)
     else:
+        xa = x.astype(acc)
         mean = channel_mean(xa)
         var = channel_mean(jnp.square(xa - channel_broadcast(mean, x_shape)))
     if axis_name is not None:
         local_mean = mean
         mean = lax.pmean(local_mean, axis_name)
         var = lax.pmean(var + jnp.square(local_mean - mean), axis_name)
-    centred = xa - channel_broadcast(mean, x_shape)
-    y = _scale_shift(centred, lax.rsqrt(var + eps), scale, bias)
+    factor = lax.rsqrt(var + eps)
+    if form == "explicit":
+        a = factor if scale is None else factor * scale.astype(acc)
+        c = -mean * a if bias is None else bias.astype(acc) - mean * a
+        return _affine_relu(x, *_varying_like(x, a, c), relu=relu), mean, var
+    centred = x.astype(acc) - channel_broadcast(mean, x_shape)
+    y = _scale_shift(centred, factor, scale, bias)
+    if relu:
+        y = jnp.maximum(y, 0)
     return y.astype(x.dtype), mean, var
 
 
@@ -167,8 +193,9 @@ SHIFT_ROWS = 256
 
 
 @jax.custom_vjp
-def _moments(xa):
-    """Per-channel mean and biased variance of ``xa`` ``(..., C)`` from one read of it.
+def _moments(x):
+    """Per-channel mean and biased variance of ``x`` ``(..., C)`` from one read of it, in
+    float32 (float64 for float64 ``x``) whatever ``x``'s dtype.
 
     The sums are taken about a per-channel shift (the mean of the first
     :data:`SHIFT_ROWS` rows), which keeps ``E[d**2] - E[d]**2`` clear of
@@ -176,32 +203,83 @@ def _moments(xa):
     The VJP is closed-form and elementwise: ``d mean / dx = 1 / n`` and
     ``d var / dx = 2 (x - mean) / n`` (the mean's own dependence on ``x`` cancels
     because the deviations sum to zero), so no reduction follows the variance's
-    cotangent, as one would in autodiff of ``mean((x - mean(x))**2)``.
+    cotangent, as one would in autodiff of ``mean((x - mean(x))**2)``.  Only ``x``
+    is kept for it, in its own dtype.
     """
-    return _moments_fwd(xa)[0]
+    return _moments_fwd(x)[0]
 
 
-def _moments_fwd(xa):
-    shape = xa.shape
-    rows = xa.reshape(-1, shape[-1])
-    shift = lax.stop_gradient(jnp.mean(rows[:SHIFT_ROWS], axis=0))
-    d = xa - channel_broadcast(shift, shape)
-    m1 = channel_mean(d)
-    var = jnp.maximum(channel_mean(jnp.square(d)) - jnp.square(m1), 0.0)
+def _moments_fwd(x):
+    shape, acc = x.shape, _acc_dtype(x)
+    rows = x.reshape(-1, shape[-1])
+    shift = lax.stop_gradient(jnp.mean(rows[:SHIFT_ROWS].astype(acc), axis=0))
+    xa = x.astype(acc)
+    m1 = channel_mean(xa) - shift  # the mean of d = x - shift, without storing d
+    var = jnp.maximum(channel_mean(jnp.square(xa - channel_broadcast(shift, shape)))
+                      - jnp.square(m1), 0.0)
     mean = shift + m1
-    return (mean, var), (xa, mean)
+    return (mean, var), (x, mean)
 
 
 def _moments_bwd(res, cts):
-    xa, mean = res
+    x, mean = res
     dmean, dvar = cts
-    shape = xa.shape
+    shape = x.shape
     n = math.prod(shape[:-1])  # values per channel
-    return (channel_broadcast(dmean / n, shape)
-            + (xa - channel_broadcast(mean, shape)) * channel_broadcast(2.0 * dvar / n, shape),)
+    dx = (channel_broadcast(dmean / n, shape)
+          + (x.astype(mean.dtype) - channel_broadcast(mean, shape))
+          * channel_broadcast(2.0 * dvar / n, shape))
+    return (dx.astype(x.dtype),)
 
 
 _moments.defvjp(_moments_fwd, _moments_bwd)
+
+
+def _varying(v) -> frozenset:
+    """The mapped axes ``v`` varies over inside ``shard_map(check_vma=True)`` (else none)."""
+    axis_type = getattr(jax.typeof(v), "manual_axis_type", None)
+    return frozenset(getattr(axis_type, "varying", ()) or ())
+
+
+def _varying_like(x, *vs):
+    """``vs`` made to vary over every mapped axis ``x`` varies over (inside
+    ``shard_map(check_vma=True)``), so that a custom VJP taking both may return
+    their cotangents as per-device partial sums, whose transpose JAX then sums; a no-op
+    elsewhere."""
+    varying = _varying(x)
+    if not varying:
+        return vs
+    return tuple(v if not (varying - _varying(v)) else
+                 lax.pcast(v, tuple(sorted(varying - _varying(v))), to="varying") for v in vs)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _affine_relu(x, a, c, relu):
+    """``x * a + c`` per channel, then ``max(., 0)`` with ``relu``: one read of ``x`` and one
+    write of the result, in ``x``'s dtype (computed in ``a``'s).  The VJP reads ``x`` and
+    the output's cotangent twice: once for the two per-channel sums (the cotangents of
+    ``a`` and ``c``, with the ReLU's mask recomputed from ``x``), once for ``dx``."""
+    return _affine_relu_fwd(x, a, c, relu)[0]
+
+
+def _affine_relu_fwd(x, a, c, relu):
+    z = x.astype(a.dtype) * channel_broadcast(a, x.shape) + channel_broadcast(c, x.shape)
+    y = jnp.maximum(z, 0) if relu else z
+    return y.astype(x.dtype), (x, a, c)
+
+
+def _affine_relu_bwd(relu, res, dy):
+    x, a, c = res
+    g = dy.astype(a.dtype)
+    xa = x.astype(a.dtype)
+    if relu:
+        z = xa * channel_broadcast(a, x.shape) + channel_broadcast(c, x.shape)
+        g = jnp.where(z > 0, g, jnp.zeros_like(g))
+    da, dc = channel_sum(g * xa), channel_sum(g)
+    return (g * channel_broadcast(a, x.shape)).astype(x.dtype), da, dc
+
+
+_affine_relu.defvjp(_affine_relu_fwd, _affine_relu_bwd)
 
 
 def layer_norm(x, scale=None, bias=None, *, axes=-1, eps=1e-5):

@@ -76,8 +76,9 @@ class Choices:
         impl: kernels of the convolution and pooling layers: ``"auto"`` (the
             ops' own choice), ``"xla"`` (never a Pallas kernel; on the CPU the
             ops' CPU lowerings stay) or ``"pallas"``.
-        batch_norm_grad: BatchNorm's backward form (``F.batch_norm_train``'s
-            ``grad``): ``"auto"`` (autodiff), ``"autodiff"`` or ``"closed_form"``.
+        batch_norm_grad: BatchNorm's training form (``F.batch_norm_train``'s
+            ``grad``): ``"auto"`` (``"explicit"`` on the CPU, ``"autodiff"`` elsewhere),
+            ``"explicit"``, ``"autodiff"`` or ``"closed_form"``.
         axis_name: the mapped axis (``shard_map``/``pmap``) that BatchNorm layers
             built without ``axis_name`` sync their statistics over, or None.
         conv_bn: ``Conv -> BatchNorm [-> ReLU]`` chains in training

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from jaxcnn.layers import fusion
+from jaxcnn.layers import fusion, norm
 from jaxcnn.layers.base import Layer, current_path, name_scope, split_rng
 from jaxcnn.precision import as_policy, cast_for
 
@@ -64,12 +64,14 @@ def _init_child(name, layer, key, input_shape, params, state):
     return tuple(out_shape)
 
 
-def _apply_child(name, layer, rng, params, state, x, train, policy, choices, new_state):
-    """Apply one child under its name (so a layer's apply can name its path, as its init can)."""
+def _apply_child(name, layer, rng, params, state, x, train, policy, choices, new_state,
+                 apply=None):
+    """Apply one child under its name (so a layer's apply can name its path, as its init can),
+    through ``apply`` when given (else its own)."""
     with name_scope(name):
         try:
-            y, s = layer.apply(params.get(name, {}), state.get(name, {}), x, train=train, rng=rng,
-                               policy=policy, choices=choices)
+            y, s = (apply or layer.apply)(params.get(name, {}), state.get(name, {}), x,
+                                          train=train, rng=rng, policy=policy, choices=choices)
         except ValueError as e:
             path = current_path()  # once, and not when the message itself names it
             if not any(n.startswith(_APPLY_NOTE) for n in getattr(e, "__notes__", ())) \
@@ -81,14 +83,29 @@ def _apply_child(name, layer, rng, params, state, x, train, policy, choices, new
     return y
 
 
+def _apply_children(children, rngs, params, state, x, train, policy, choices, new_state):
+    """``children`` applied one after the other, each through its own ``apply``, except that
+    in training a BatchNorm followed by a ReLU runs as one (:func:`jaxcnn.layers.norm.with_relu`:
+    the ReLU folded into BatchNorm's backward), under the BatchNorm's name (a ReLU has no
+    parameters or state)."""
+    i = 0
+    while i < len(children):
+        name, layer = children[i]
+        fold = (train and layer.kind == "batch_norm" and i + 1 < len(children)
+                and children[i + 1][1].kind == "relu")
+        x = _apply_child(name, layer, rngs[i], params, state, x, train, policy, choices,
+                         new_state, apply=norm.with_relu(layer) if fold else None)
+        i += 2 if fold else 1
+    return x
+
+
 def apply_in_turn(children, params, state, x, *, train=False, rng=None, policy=None,
                   choices=None):
     """``(y, new_state)`` of ``children`` (``(name, Layer)`` pairs) applied one after the
-    other, each through its own ``apply`` (a :func:`serial` without its Conv -> BatchNorm
-    fusion)."""
+    other (a :func:`serial` without its Conv -> BatchNorm fusion)."""
     new_state = {}
-    for (name, layer), r in zip(children, split_rng(rng, len(children))):
-        x = _apply_child(name, layer, r, params, state, x, train, policy, choices, new_state)
+    x = _apply_children(children, split_rng(rng, len(children)), params, state, x, train,
+                        policy, choices, new_state)
     return x, new_state
 
 
@@ -182,9 +199,7 @@ def residual(*layers, shortcut: Layer | None = None, shortcut_name: str = "short
                                    policy=policy, choices=choices, new_state=new_state,
                                    apply_child=_apply_child)
         else:
-            for (name, layer), r in zip(main, rngs):
-                y = _apply_child(name, layer, r, params, state, y, train, policy, choices,
-                                 new_state)
+            y = _apply_children(main, rngs, params, state, x, train, policy, choices, new_state)
         s = x
         if shortcut is not None:
             s = _apply_child(shortcut_name, shortcut, rngs[len(main)], params, state, x, train,

@@ -14,6 +14,9 @@ from jaxcnn.layers._common import cast_in, cast_out, check_min_rank, prod, whole
 from jaxcnn.layers.base import Layer, choices_or_default, leaf
 
 
+_HALF = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
 def _affine_params(channels: int):
     return {"scale": jnp.ones((channels,), jnp.float32),
             "bias": jnp.zeros((channels,), jnp.float32)}
@@ -47,6 +50,44 @@ def running_stats(state, mean, var, n, momentum):
     }
 
 
+def _batch_norm_apply(name, momentum, eps, axis_name, *, relu: bool):
+    """BatchNorm's ``apply``; with ``relu`` also the ReLU that follows it, folded into the
+    training form (``F.batch_norm_train(relu=True)``)."""
+    def apply(params, state, x, *, train=False, rng=None, policy=None, choices=None):
+        del rng
+        in_dtype = x.dtype
+        if not train:
+            stats = (state["mean"], state["var"])
+            x, (params, (mean, var)) = cast_in(policy, "batch_norm", x, (params, stats))
+            y = F.batch_norm(x, mean, var, params["scale"], params["bias"], eps=eps)
+            y = F.relu(y) if relu else y
+            return cast_out(policy, "batch_norm", y, in_dtype), state
+        choices = choices_or_default(choices)
+        axis = axis_name if axis_name is not None else choices.axis_name
+        if choices.height_axis is not None and choices.height_axis not in (
+                axis if isinstance(axis, tuple) else (axis,)):
+            whole_images_only(name, choices, f"takes its statistics over axis_name={axis!r} only")
+        n = values_per_channel(name, x.shape, axis)
+        cx, params = cast_in(policy, "batch_norm", x, params)
+        if cx.dtype == jnp.float32 and x.dtype in _HALF:
+            cx = x  # it computes in float32 whatever it is given: no float32 copy of x
+        y, mean, var = F.batch_norm_train(cx, params["scale"], params["bias"], eps=eps,
+                                          axis_name=axis, grad=choices.batch_norm_grad,
+                                          relu=relu)
+        new_state = running_stats(state, mean, var, n, momentum)
+        return cast_out(policy, "batch_norm", y, in_dtype), new_state
+    return apply
+
+
+def with_relu(layer: Layer):
+    """The ``apply`` of BatchNorm ``layer`` followed by a ReLU, the two as one (in training the
+    ReLU's mask is recomputed inside BatchNorm's backward: no extra pass, nothing kept).
+    The combinators call it for a ``batch_norm`` child followed by a ``relu`` one."""
+    cfg = layer.config
+    return _batch_norm_apply("BatchNorm", cfg["momentum"], cfg["eps"], cfg["axis_name"],
+                             relu=True)
+
+
 def BatchNorm(*, momentum: float | None = 0.1, eps: float = 1e-5, axis_name=None) -> Layer:
     """Batch normalisation over the last (channel) axis, like ``torch.nn.BatchNorm2d``.
 
@@ -66,7 +107,8 @@ def BatchNorm(*, momentum: float | None = 0.1, eps: float = 1e-5, axis_name=None
             None takes ``apply``'s ``choices.axis_name``, if any.
 
     ``apply``'s ``choices.batch_norm_grad`` picks the backward form (``F.batch_norm_train``'s
-    ``grad``).
+    ``grad``).  A 16-bit input under a policy that computes BatchNorm in float32 goes in
+    as it is: the op computes in float32 and returns the input's dtype, as the cast would.
 
     Returns:
         A Layer of kind ``"batch_norm"``: input ``(N, ..., C)``, output of the same
@@ -88,26 +130,7 @@ def BatchNorm(*, momentum: float | None = 0.1, eps: float = 1e-5, axis_name=None
                  "count": jnp.zeros((), jnp.int32)}
         return _affine_params(c), state, tuple(input_shape)
 
-    def apply(params, state, x, *, train=False, rng=None, policy=None, choices=None):
-        del rng
-        in_dtype = x.dtype
-        if not train:
-            stats = (state["mean"], state["var"])
-            x, (params, (mean, var)) = cast_in(policy, "batch_norm", x, (params, stats))
-            y = F.batch_norm(x, mean, var, params["scale"], params["bias"], eps=eps)
-            return cast_out(policy, "batch_norm", y, in_dtype), state
-        choices = choices_or_default(choices)
-        axis = axis_name if axis_name is not None else choices.axis_name
-        if choices.height_axis is not None and choices.height_axis not in (
-                axis if isinstance(axis, tuple) else (axis,)):
-            whole_images_only(name, choices, f"takes its statistics over axis_name={axis!r} only")
-        n = values_per_channel(name, x.shape, axis)
-        x, params = cast_in(policy, "batch_norm", x, params)
-        y, mean, var = F.batch_norm_train(x, params["scale"], params["bias"], eps=eps,
-                                          axis_name=axis, grad=choices.batch_norm_grad)
-        new_state = running_stats(state, mean, var, n, momentum)
-        return cast_out(policy, "batch_norm", y, in_dtype), new_state
-
+    apply = _batch_norm_apply(name, momentum, eps, axis_name, relu=False)
     return leaf("batch_norm", init, apply, dict(momentum=momentum, eps=eps, axis_name=axis_name))
 
 

@@ -125,9 +125,11 @@ SCHEMA: dict[str, dict] = {
         "impl": _f("str", "auto", "convolution/pooling kernels of the layers: auto (XLA, or a Pallas "
                    "kernel where the autotuner measured it faster on this GPU), xla, or pallas "
                    "(see README, Pallas kernels)", choices=("auto", "xla", "pallas")),
-        "batch_norm_grad": _f("str", "auto", "BatchNorm backward: auto (= autodiff), autodiff, or "
-                              "closed_form (one-pass statistics; see F.batch_norm_train)",
-                              choices=("auto", "autodiff", "closed_form")),
+        "batch_norm_grad": _f("str", "auto", "BatchNorm's training form: auto (explicit on the CPU, "
+                              "autodiff on a GPU until measured there), explicit (the fewest passes "
+                              "over the activation, a following ReLU folded in), autodiff, or "
+                              "closed_form (see F.batch_norm_train)",
+                              choices=("auto", "explicit", "autodiff", "closed_form")),
         "conv_bn": _f("str", "auto", "Conv -> BatchNorm -> ReLU chains in training: auto (fused "
                       "into the Mosaic GPU convolution only where bench_mgpu.py --fused --tune "
                       "measured a win on this Hopper GPU), off, or mosaic (fused wherever the "

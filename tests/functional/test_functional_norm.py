@@ -94,17 +94,20 @@ def test_batch_norm_train_synced_under_shard_map_with_gradients(grad):
     def whole(x, scale):
         return F.batch_norm_train(x, scale, grad="autodiff")
 
-    (y, mean, var), vjp_s = jax.vjp(sharded, x, scale)
-    (y_ref, mean_ref, var_ref), vjp_w = jax.vjp(whole, x, scale)
-    assert_close(y, y_ref, RTOL[jnp.float32])
-    assert_close(mean, mean_ref, RTOL[jnp.float32])
-    assert_close(var, var_ref, RTOL[jnp.float32])
+    def outputs_and_grads(fn):  # one compiled program per function, run for each cotangent
+        return jax.jit(lambda x, scale, cts: (lambda out, pull: (out, pull(cts)))(
+            *jax.vjp(fn, x, scale)))
+
+    sharded_run, whole_run = outputs_and_grads(sharded), outputs_and_grads(whole)
     # Cotangents for the statistics too: replicated outputs (check_vma on), so each
     # device's copy of the cotangent is the total, not a share to be summed.
     dmean, dvar = jnp.asarray(data(41, (5,), 0.0)), jnp.asarray(data(42, (5,), 0.0))
     for cts in ((g, jnp.zeros((5,)), jnp.zeros((5,))), (g, dmean, dvar),
                 (jnp.zeros_like(g), dmean, jnp.zeros((5,)))):
-        for a, b in zip(vjp_s(cts), vjp_w(cts)):
+        (out, grads), (out_ref, grads_ref) = sharded_run(x, scale, cts), whole_run(x, scale, cts)
+        for a, b in zip(out, out_ref):
+            assert_close(a, b, RTOL[jnp.float32])
+        for a, b in zip(grads, grads_ref):
             assert_close(a, b, 1e-4)
 
 
@@ -115,27 +118,31 @@ def _bn_vjp(grad, x, scale, bias, cts, axis_name=None):
     return (y, mean, var), vjp(cts)
 
 
+ONE_PASS = pytest.mark.parametrize("form", ["explicit", "closed_form"])
+
+
+@ONE_PASS
 @settings(max_examples=12, deadline=None)
 @given(shape=st.sampled_from([(7, 3), (2, 3, 5, 4), (3, 1, 4, 9), (5, 2, 2, 1)]),
-       offset=st.sampled_from([0.0, 3.0, -50.0]), affine=st.booleans(), seed=st.integers(0, 2**16))
-def test_batch_norm_closed_form_matches_autodiff_with_statistics_cotangents(shape, offset, affine,
-                                                                           seed):
+       offset=st.sampled_from([0.0, 3.0, -50.0]), affine=st.booleans(), relu=st.booleans(),
+       seed=st.integers(0, 2**16))
+def test_batch_norm_one_pass_forms_match_autodiff_with_statistics_cotangents(
+        form, shape, offset, affine, relu, seed):
     """Every output's cotangent, the running-statistics ones included, against JAX's own
-    derivative of the two-pass formula (float32, 1e-4 relative to the largest gradient)."""
+    derivative of the two-pass formula (float32, 1e-4 relative to the largest gradient),
+    with and without the ReLU folded in."""
     c = shape[-1]
     x = jnp.asarray(data(seed, shape, offset))
-    scale, bias = (jnp.asarray(data(seed + 1, (c,))), jnp.asarray(data(seed + 2, (c,)))) \
-        if affine else (None, None)
+    params = (jnp.asarray(data(seed + 1, (c,))), jnp.asarray(data(seed + 2, (c,)))) \
+        if affine else ()
     cts = (jnp.asarray(data(seed + 3, shape, 0.0)), jnp.asarray(data(seed + 4, (c,), 0.0)),
            jnp.asarray(data(seed + 5, (c,), 0.0)))
-    if affine:
-        (out_c, grads_c), (out_a, grads_a) = (_bn_vjp(g, x, scale, bias, cts)
-                                              for g in ("closed_form", "autodiff"))
-    else:
-        (out_c, grads_c), (out_a, grads_a) = (
-            jax.vjp(lambda x: F.batch_norm_train(x, eps=1e-3, grad=g), x)[0:1]
-            + (jax.vjp(lambda x: F.batch_norm_train(x, eps=1e-3, grad=g), x)[1](cts),)
-            for g in ("closed_form", "autodiff"))
+
+    def run(grad):
+        out, pull = jax.vjp(
+            lambda *a: F.batch_norm_train(*a, eps=1e-3, grad=grad, relu=relu), x, *params)
+        return out, pull(cts)
+    (out_c, grads_c), (out_a, grads_a) = run(form), run("autodiff")
     for a, b in zip(out_c, out_a):
         assert_close(a, b, RTOL[jnp.float32])
     for a, b in zip(grads_c, grads_a):
@@ -161,11 +168,12 @@ def test_batch_norm_train_gradient_of_a_synced_vmap(grad):
     assert_close(jax.grad(per_device)(x), jax.grad(whole)(x), 1e-4)
 
 
-def test_batch_norm_closed_form_bf16_gradients_against_float32():
+@ONE_PASS
+def test_batch_norm_one_pass_bf16_gradients_against_float32(form):
     x = data(31, (4, 6, 6, 8), 2.0)
     scale, bias, g = data(32, (8,)), data(33, (8,)), data(34, x.shape, 0.0)
     zeros = jnp.zeros((8,))
-    _, (dx16, ds16, db16) = _bn_vjp("closed_form", jnp.asarray(x, jnp.bfloat16), scale, bias,
+    _, (dx16, ds16, db16) = _bn_vjp(form, jnp.asarray(x, jnp.bfloat16), scale, bias,
                                     (jnp.asarray(g, jnp.bfloat16), zeros, zeros))
     xb = np.asarray(jnp.asarray(x, jnp.bfloat16), np.float32)
     gb = np.asarray(jnp.asarray(g, jnp.bfloat16), np.float32)
@@ -176,23 +184,25 @@ def test_batch_norm_closed_form_bf16_gradients_against_float32():
     assert_close(db16, db, 1e-4)
 
 
-def test_batch_norm_closed_form_statistics_survive_a_large_mean():
+@ONE_PASS
+def test_batch_norm_one_pass_statistics_survive_a_large_mean(form):
     """One read of x gives both statistics by summing about a per-channel shift: without
     it, E[x**2] - E[x]**2 at mean 1e4 and variance ~1 loses every digit in float32.  The
     shift averages the first rows, so one outlying first row barely moves it."""
     x = data(35, (16, 8, 8, 3), 0.0) / 2 + 1e4
-    _, mean, var = F.batch_norm_train(x, grad="closed_form")
+    _, mean, var = F.batch_norm_train(x, grad=form)
     _, m, v = normalise_ref(x, (0, 1, 2), 1e-5)
     np.testing.assert_allclose(np.asarray(mean), m.ravel(), rtol=1e-6)
     np.testing.assert_allclose(np.asarray(var), v.ravel(), rtol=1e-3)
     x = data(36, (4096, 2), 0.0)
     x[0] = 3e3  # 3,000 standard deviations out
-    _, _, var = F.batch_norm_train(x, grad="closed_form")
+    _, _, var = F.batch_norm_train(x, grad=form)
     _, _, v = normalise_ref(x, (0,), 1e-5)
     np.testing.assert_allclose(np.asarray(var), v.ravel(), rtol=1e-4)
 
 
-def test_batch_norm_closed_form_synced_like_the_trainer_with_statistics_cotangents():
+@ONE_PASS
+def test_batch_norm_one_pass_synced_like_the_trainer_with_statistics_cotangents(form):
     """Under the trainer's ``shard_map(check_vma=False)`` the per-device gradients of a
     loss that also uses the synced statistics add up to the whole batch's (each device
     holding a quarter of the statistics' terms: without the check, cotangents of the
@@ -206,7 +216,7 @@ def test_batch_norm_closed_form_synced_like_the_trainer_with_statistics_cotangen
         return jnp.sum(jnp.sin(y) * w) + jnp.sum(mean * jnp.arange(5.0)) + jnp.sum(var ** 2)
 
     def per_device(x, s, b, w_):
-        y, mean, var = F.batch_norm_train(x, s, b, axis_name="data", grad="closed_form")
+        y, mean, var = F.batch_norm_train(x, s, b, axis_name="data", grad=form)
         part = jnp.sum(jnp.sin(y) * w_)
         return (part + (jnp.sum(mean * jnp.arange(5.0)) + jnp.sum(var ** 2)) / 4)[None]
 
@@ -217,23 +227,27 @@ def test_batch_norm_closed_form_synced_like_the_trainer_with_statistics_cotangen
     def whole(x, s, b):
         return loss(*F.batch_norm_train(x, s, b, grad="autodiff"))
 
-    assert_close(sharded(x, scale, bias), whole(x, scale, bias), RTOL[jnp.float32])
-    for a, b in zip(jax.grad(sharded, (0, 1, 2))(x, scale, bias),
-                    jax.grad(whole, (0, 1, 2))(x, scale, bias)):
+    (value, grads), (ref, grads_ref) = (
+        jax.jit(jax.value_and_grad(f, (0, 1, 2)))(x, scale, bias) for f in (sharded, whole))
+    assert_close(value, ref, RTOL[jnp.float32])
+    for a, b in zip(grads, grads_ref):
         assert_close(a, b, 1e-4)
 
 
 def test_batch_norm_grad_argument_picks_the_form():
     x = jnp.asarray(data(40, (2, 3, 3, 4)))
 
-    def primitives(fn):
-        return {str(e.primitive) for e in jax.make_jaxpr(fn)(x).eqns}
+    def names(fn):
+        return str(jax.make_jaxpr(fn)(x))
 
-    assert not any("custom_vjp" in p for p in primitives(lambda x: F.batch_norm_train(x)[0]))
-    assert not any("custom_vjp" in p for p in primitives(
-        lambda x: F.batch_norm_train(x, grad="autodiff")[0]))
-    assert any("custom_vjp" in p for p in primitives(
-        lambda x: F.batch_norm_train(x, grad="closed_form")[0]))
+    assert "_affine_relu" not in names(lambda x: F.batch_norm_train(x, grad="autodiff")[0])
+    assert "custom_vjp" not in names(lambda x: F.batch_norm_train(x, grad="autodiff")[0])
+    closed = names(lambda x: F.batch_norm_train(x, grad="closed_form")[0])
+    assert "_moments" in closed and "_affine_relu" not in closed
+    explicit = names(lambda x: F.batch_norm_train(x, grad="explicit")[0])
+    assert "_moments" in explicit and "_affine_relu" in explicit
+    # On the CPU "auto" is the explicit form (measured faster there: docs/BENCHMARKS.md).
+    assert names(lambda x: F.batch_norm_train(x)[0]) == explicit
     with pytest.raises(ValueError, match=r"batch_norm_train: grad must be .*'fused'"):
         F.batch_norm_train(x, grad="fused")
     # The scope is gone (a cached jit trace ignored it); calling it says what to pass instead.
@@ -273,9 +287,10 @@ def test_norm_gradients_numerically():
     x, s, b = (jnp.asarray(data(22, (3, 2, 2, 4))), jnp.asarray(data(23, (4,))),
                jnp.asarray(data(24, (4,))))
     tol = dict(order=1, modes=("rev",), atol=NUMERIC_GRAD_TOL, rtol=NUMERIC_GRAD_TOL, eps=1e-2)
-    check_grads(lambda x, s, b: F.batch_norm_train(x, s, b)[0], (x, s, b), **tol)
-    check_grads(lambda x, s, b: F.batch_norm_train(x, s, b, grad="closed_form")[0], (x, s, b),
-                **tol)
+    for grad in F.BATCH_NORM_GRADS:
+        check_grads(lambda x, s, b: F.batch_norm_train(x, s, b, grad=grad)[0], (x, s, b),
+                    **tol)
+    check_grads(lambda x, s, b: F.batch_norm_train(x, s, b, relu=True)[0], (x, s, b), **tol)
     check_grads(lambda x, s, b: F.layer_norm(x, s, b), (x, s, b), **tol)
     check_grads(lambda x, s, b: F.group_norm(x, 2, s, b), (x, s, b), **tol)
 
@@ -284,7 +299,7 @@ ERRORS = [
     (lambda: F.batch_norm(np.zeros((2, 3)), np.zeros(4), np.zeros(3)), r"batch_norm: mean must have shape \(3,\).*\(2, 3\).*\(4,\)"),
     (lambda: F.batch_norm_train(np.zeros((2, 3)), np.zeros(2)), r"batch_norm_train: scale must have shape \(3,\)"),
     (lambda: F.batch_norm_train(np.zeros(3)), r"batch_norm_train: x must have rank >= 2"),
-    (lambda: F.batch_norm_train(np.zeros((2, 3)), grad="fast"), r"batch_norm_train: grad must be 'auto' or one of \('autodiff', 'closed_form'\), got 'fast'"),
+    (lambda: F.batch_norm_train(np.zeros((2, 3)), grad="fast"), r"batch_norm_train: grad must be 'auto' or one of \('explicit', 'autodiff', 'closed_form'\), got 'fast'"),
     (lambda: F.layer_norm(np.zeros((2, 3)), np.zeros(2)), r"layer_norm: scale must have shape \(3,\)"),
     (lambda: F.layer_norm(np.zeros((2, 3)), axes=2), r"layer_norm: axes \(2,\) out of range for x shape \(2, 3\)"),
     (lambda: F.group_norm(np.zeros((2, 4, 4, 6)), 4), r"group_norm: num_groups=4 must be a positive int dividing the 6 channels"),
@@ -330,3 +345,41 @@ def test_norms_match_torch_with_gradients():
     yt = tf.layer_norm(torch.tensor(x.transpose(0, 3, 1, 2)), (6, 5, 3),
                        torch.tensor(s3.transpose(2, 0, 1)), torch.tensor(b3.transpose(2, 0, 1)))
     assert_close(y, yt.numpy().transpose(0, 2, 3, 1), RTOL[jnp.float32])
+
+
+def _activations_moved(fn, *args):
+    """Bytes the compiled CPU program reads and writes (XLA's cost analysis), in units of
+    the first argument's size."""
+    cost = jax.jit(fn).lower(*args).compile().cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    return cost["bytes accessed"] / args[0].nbytes
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="counts XLA:CPU's compiled program")
+def test_explicit_batch_norm_moves_the_activation_fewest_times():
+    """The training BatchNorm's compiled forward and backward on the CPU, in activation-sized
+    reads and writes: forward 6 (x for the sum, x for the centred squares written and read
+    back for their sum, x read and y written), backward 8 more (dy summed, dy*x written and
+    read back for its sum, dy and x read and dx written); a folded ReLU adds 3 (the masked
+    dy written and read back).  XLA:CPU's fast per-channel sum is a matrix-vector product,
+    which does not fuse its elementwise producer: that is the 2 per product sum above the
+    ideal 3 + 5.  Autodiff (the old default) moves more, and none of this may regress."""
+    x = jnp.asarray(data(50, (8, 16, 16, 64)))
+    dy = jnp.asarray(data(51, x.shape, 0.0))
+    c = jnp.ones((64,))
+
+    def step(grad, relu):
+        def run(x, dy):
+            out, pull = jax.vjp(
+                lambda x, s, b: F.batch_norm_train(x, s, b, grad=grad, relu=relu), x, c, c)
+            return out[0], pull((dy, jnp.zeros_like(c), jnp.zeros_like(c)))
+        return run
+
+    moved = {(g, r): _activations_moved(step(g, r), x, dy)
+             for g in F.BATCH_NORM_GRADS for r in (False, True)}
+    forward = _activations_moved(lambda x: F.batch_norm_train(x, c, c, grad="explicit")[0], x)
+    assert forward <= 6.5, forward
+    assert moved["explicit", False] <= 14.5 and moved["explicit", True] <= 17.5, moved
+    assert moved["explicit", False] < moved["closed_form", False], moved
+    for r in (False, True):
+        assert moved["explicit", r] < moved["autodiff", r], moved

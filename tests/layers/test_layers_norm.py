@@ -122,7 +122,8 @@ def test_batch_norm_takes_its_axis_and_backward_from_apply_choices():
     shards = x.reshape(n_dev, 2, 3, 2, 4)
     ys, mean, var, _ = np_bn_steps([x], params, 0.1)
     for choices in (L.Choices(axis_name="batch"),
-                    L.Choices(axis_name="batch", batch_norm_grad="closed_form")):
+                    L.Choices(axis_name="batch", batch_norm_grad="closed_form"),
+                    L.Choices(axis_name="batch", batch_norm_grad="autodiff")):
         y, new_state = jax.pmap(lambda x: layer.apply(params, state, x, train=True,
                                                       choices=choices), axis_name="batch")(shards)
         np.testing.assert_allclose(np.asarray(y).reshape(-1, 4), ys[0], **TOL)
@@ -138,11 +139,13 @@ def test_batch_norm_takes_its_axis_and_backward_from_apply_choices():
                                         choices=L.Choices(axis_name="unbound")),
                     axis_name="batch")(shards)
     np.testing.assert_allclose(np.asarray(y).reshape(-1, 4), ys[0], **TOL)
-    # The backward form reaches the op: the closed form's one-pass moments appear.
+    # The backward form reaches the op: the one-pass moments, and the explicit affine.
     grad_text = {g: str(jax.make_jaxpr(lambda x: layer.apply(
         params, state, x, train=True, choices=L.Choices(batch_norm_grad=g))[0])(x))
-        for g in ("autodiff", "closed_form")}
+        for g in ("autodiff", "closed_form", "explicit")}
     assert "_moments" not in grad_text["autodiff"] and "_moments" in grad_text["closed_form"]
+    assert "_affine_relu" in grad_text["explicit"] and "_affine_relu" not in grad_text[
+        "closed_form"]
 
 
 def test_batch_norm_policy_computes_in_float32():
@@ -163,6 +166,72 @@ def test_batch_norm_policy_computes_in_float32():
     # A float32 input under a bf16 policy stays float32.
     y, _ = layer.apply(params, state, x.astype(jnp.float32), train=True, policy=policy)
     assert y.dtype == jnp.float32
+
+
+def _bn_relu_net():
+    return L.serial(("conv", L.Conv2D(6, 3, padding=1)), ("bn", L.BatchNorm()),
+                    ("relu", L.Relu()), ("conv2", L.Conv2D(4, 1)), ("bn2", L.BatchNorm()))
+
+
+@pytest.mark.parametrize("grad", ["explicit", "autodiff"])
+def test_batch_norm_then_relu_runs_as_one_in_training(grad):
+    """In training a serial's BatchNorm -> ReLU pair is one op (the ReLU's mask recomputed in
+    BatchNorm's backward): the same outputs, running statistics and gradients as the two
+    layers one after the other; nothing changes in evaluation."""
+    net = _bn_relu_net()
+    x = jnp.asarray(rand((4, 5, 5, 3), seed=11, loc=0.5))
+    params, state, _ = net.init(KEY, x.shape)
+    choices = L.Choices(batch_norm_grad=grad)
+
+    def loss(p, model, train=True):
+        y, new_state = model.apply(p, state, x, train=train, choices=choices)
+        return jnp.sum(jnp.sin(y)), new_state
+
+    def stepwise(p, train=True):  # each child through its own apply
+        new_state, h = {}, x
+        for name, layer in net.children:
+            h, s = layer.apply(p.get(name, {}), state.get(name, {}), h, train=train,
+                               choices=choices)
+            if s:
+                new_state[name] = s
+        return jnp.sum(jnp.sin(h)), new_state
+
+    (value, st), grads = jax.value_and_grad(loss, has_aux=True)(params, net)
+    (ref, st_ref), grads_ref = jax.value_and_grad(stepwise, has_aux=True)(params)
+    np.testing.assert_allclose(value, ref, rtol=1e-6)
+    for a, b in zip(jax.tree.leaves((st, grads)), jax.tree.leaves((st_ref, grads_ref))):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    folded = str(jax.make_jaxpr(lambda p: loss(p, net)[0])(params))
+    assert "name=relu" not in folded  # no separate ReLU: it is inside BatchNorm's op
+    assert "name=relu" in str(jax.make_jaxpr(lambda p: loss(p, net, train=False)[0])(params))
+    np.testing.assert_allclose(loss(params, net, train=False)[0],
+                               stepwise(params, train=False)[0], rtol=1e-6)
+
+
+def test_batch_norm_keeps_a_16_bit_input_for_its_backward():
+    """Under a policy computing BatchNorm in float32 a bfloat16 input goes in as it is: the
+    backward keeps it (no float32 copy of the activation), and the result is the cast's."""
+    import contextlib
+    import io
+
+    from jax.ad_checkpoint import print_saved_residuals
+    layer = L.BatchNorm()
+    x = jnp.asarray(rand((4, 6, 6, 8), seed=12, loc=1.0), jnp.bfloat16)
+    params = affine(8)
+    _, state, _ = layer.init(KEY, x.shape)
+    policy = Policy(compute_dtype=jnp.bfloat16)
+    choices = L.Choices(batch_norm_grad="explicit")
+
+    def f(x):
+        return layer.apply(params, state, x, train=True, policy=policy, choices=choices)[0]
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        print_saved_residuals(f, x)
+    saved = out.getvalue()
+    assert "bf16[4,6,6,8]" in saved and "f32[4,6,6,8]" not in saved, saved
+    y32 = layer.apply(params, state, x.astype(jnp.float32), train=True, choices=choices)[0]
+    np.testing.assert_allclose(np.asarray(f(x), np.float32), y32, rtol=2 ** -8, atol=1e-6)
 
 
 # ---------------------------------------------------------------- LayerNorm / GroupNorm

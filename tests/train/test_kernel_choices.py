@@ -39,12 +39,14 @@ def _jaxpr(fn, *args) -> str:
 def test_train_step_traces_the_chosen_kernels():
     tx, state, batch = _setup()
     text = {(impl, bn): _jaxpr(make_train_step(NET, tx, impl=impl, batch_norm_grad=bn), state, batch)
-            for impl in ("auto", "xla", "pallas") for bn in ("auto", "autodiff", "closed_form")}
-    # Pallas kernels show as pallas_call. On the CPU "auto" is XLA and the autodiff backward.
+            for impl in ("auto", "xla", "pallas")
+            for bn in ("auto", "explicit", "autodiff", "closed_form")}
+    # Pallas kernels show as pallas_call. On the CPU "auto" is XLA and the explicit BatchNorm.
     for (impl, bn), t in text.items():
         assert ("pallas_call" in t) == (impl == "pallas"), (impl, bn)
     for impl in ("auto", "xla", "pallas"):
-        assert text[impl, "auto"] == text[impl, "autodiff"] != text[impl, "closed_form"]
+        assert text[impl, "auto"] == text[impl, "explicit"] != text[impl, "closed_form"]
+        assert text[impl, "autodiff"] not in (text[impl, "explicit"], text[impl, "closed_form"])
     assert text["auto", "closed_form"] == text["xla", "closed_form"]
 
 
@@ -58,9 +60,10 @@ def test_eval_step_traces_the_chosen_kernels():
 def test_same_losses_whichever_backward():
     tx, state, batch = _setup()
     _, auto = jax.jit(make_train_step(NET, tx))(state, batch)
-    _, closed = jax.jit(make_train_step(NET, tx, batch_norm_grad="closed_form"))(state, batch)
-    np.testing.assert_allclose(closed["loss"], auto["loss"], rtol=1e-6)
-    np.testing.assert_allclose(closed["grad_norm"], auto["grad_norm"], rtol=1e-4)
+    for form in ("autodiff", "closed_form"):
+        _, other = jax.jit(make_train_step(NET, tx, batch_norm_grad=form))(state, batch)
+        np.testing.assert_allclose(other["loss"], auto["loss"], rtol=1e-6)
+        np.testing.assert_allclose(other["grad_norm"], auto["grad_norm"], rtol=1e-4)
 
 
 def test_one_jitted_function_retraces_for_each_choice():
@@ -86,9 +89,9 @@ def test_one_jitted_function_retraces_for_each_choice():
     assert "pallas_call" not in text["xla"] and "pallas_call" in text["pallas"]
     bn = {g: str(jax.make_jaxpr(forward, static_argnums=3)(
         state.params, state.state, batch["image"], L.Choices(batch_norm_grad=g)))
-        for g in ("auto", "autodiff", "closed_form")}
+        for g in ("auto", "explicit", "autodiff", "closed_form")}
     assert "_moments" not in bn["autodiff"] and "_moments" in bn["closed_form"]
-    assert bn["auto"] == bn["autodiff"]
+    assert bn["auto"] == bn["explicit"] != bn["closed_form"]
 
 
 def test_the_scopes_are_gone():
