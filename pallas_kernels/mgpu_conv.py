@@ -61,11 +61,11 @@ bfloat16/float16 in, float32 accumulation):
   which is faster.
 - **Zero padding.**  The bottom/right padding (and every read past the image,
   channel or weight tails) is TMA's out-of-bounds zero fill on the
-  multi-dimensional window.  The top/left padding is explicit: the input is
-  padded by ``(pad_top, pad_left)`` with ``jnp.pad`` before the kernel (one
-  extra pass over the input), because a TMA window starting at a negative
-  coordinate cannot be checked offline (GPU interpret mode cannot simulate
-  it) and so is not relied on.
+  multi-dimensional window, which every copy requests explicitly (:func:`tma_load`).
+  The top/left padding is explicit: the input is padded by ``(pad_top, pad_left)``
+  with ``jnp.pad`` before the kernel (one extra pass over the input), because a TMA
+  window starting at a negative coordinate cannot be checked offline (GPU interpret
+  mode cannot simulate it) and so is not relied on.
 - **Epilogue.**  The float32 accumulator gets the bias (read in the
   accumulator's column layout), the residual (both TMA-loaded, the residual
   per output row, while the main loop runs) and the ReLU, each optional; it
@@ -149,7 +149,8 @@ def unavailable_reason() -> str | None:
     except ImportError as e:  # pragma: no cover - depends on the jax build
         return f"jax.experimental.pallas.mosaic_gpu does not import: {e}"
     missing = [a for a in ("InterpretGPUParams", "LoweringSemantics", "Layout", "wgmma",
-                           "copy_gmem_to_smem", "TilingTransform", "SwizzleTransform")
+                           "copy_gmem_to_smem", "TilingTransform", "SwizzleTransform",
+                           "OOBFillMode")
                if not hasattr(plgpu, a)]
     if missing:
         return f"jax {jax.__version__}: mosaic_gpu lacks {missing}"
@@ -393,6 +394,35 @@ def _lane_params(plgpu):
     return plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)
 
 
+def tma_load(plgpu, src, dst, barrier) -> None:
+    """The TMA copy of the global-memory window ``src`` into the shared-memory ``dst``,
+    arriving on ``barrier``, with every element outside ``src``'s array read as zero,
+    explicitly (``OOBFillMode.ZEROS``): the kernels' bottom/right padding and their row,
+    channel and weight tails are that zero fill, and jax makes no promise about the
+    default mode (ZEROS on jax 0.11 and 0.12).  The mode also keeps Mosaic off its
+    non-tensor bulk copy, which it may use for a contiguous window under the other modes
+    and which bounds the window by the end of the whole array only (a window past a row's
+    end would read the next row)."""
+    plgpu.copy_gmem_to_smem(src, dst, barrier, oob_mode=plgpu.OOBFillMode.ZEROS)
+
+
+def smem_store(plgpu, ref, value, *, swizzled: bool) -> None:
+    """``ref[...] = value`` into shared memory, the transfer jax 0.11 lowers it to on every
+    supported jax: an optimised (bank-conflict-free) store into a ``swizzled`` tile, a plain
+    one into an unswizzled tile, and no read of the old contents.
+
+    jax 0.12 lowers the assignment as a swap that also loads the old contents and demands
+    an optimised transfer for both, which Mosaic cannot plan for an unswizzled tile in
+    ``wgmma``'s fragment layout (``TransferPlanDerivationError``); its ``plgpu.store``
+    takes ``optimized`` and reads nothing.  jax 0.11 has no ``plgpu.store``, and its
+    assignment already stores unswizzled tiles unoptimised (the old value it loads is
+    unused)."""
+    if hasattr(plgpu, "store"):
+        plgpu.store(ref, value, optimized=swizzled)
+    else:
+        ref[...] = value
+
+
 def _implicit_gemm(x, w3, bias, residual, gm: _Geom, cfg: MgpuConfig, *, relu, interpret,
                    detect_races, name, in_ss=None, stats=False):
     """``y[n, oh, ow, :] = sum_{tap, c} x[n, oh + i*dh, ow + j*dw, c] * w3[tap, c, :gm.co]``,
@@ -473,15 +503,14 @@ def _implicit_gemm(x, w3, bias, residual, gm: _Geom, cfg: MgpuConfig, *, relu, i
             tap, cc = s // kc, s % kc
             (qh, qw), phase = _tap_offset(tap, gm)
             for r in range(th):
-                plgpu.copy_gmem_to_smem(
-                    x_ref.at[phase * gm.n + img, oh0 + r + qh, pl.ds(ow0 + qw, tw),
-                             pl.ds(cc * bk, bk)],
-                    a_smem.at[slot, pl.ds(r * tw, tw)], bars.at[slot])
-            plgpu.copy_gmem_to_smem(w_ref.at[tap, pl.ds(cc * bk, bk), pl.ds(co0, bn)],
-                                    b_smem.at[slot], bars.at[slot])
+                tma_load(plgpu, x_ref.at[phase * gm.n + img, oh0 + r + qh,
+                                         pl.ds(ow0 + qw, tw), pl.ds(cc * bk, bk)],
+                         a_smem.at[slot, pl.ds(r * tw, tw)], bars.at[slot])
+            tma_load(plgpu, w_ref.at[tap, pl.ds(cc * bk, bk), pl.ds(co0, bn)],
+                     b_smem.at[slot], bars.at[slot])
             if has_pro:  # this step's channel chunk of the prologue's scale and shift
-                plgpu.copy_gmem_to_smem(ss_ref.at[:, pl.ds(cc * bk, bk)], ss_smem.at[slot],
-                                        bars.at[slot])
+                tma_load(plgpu, ss_ref.at[:, pl.ds(cc * bk, bk)], ss_smem.at[slot],
+                         bars.at[slot])
 
         # A traced zero keeps the first windows' starts dynamic: Pallas rejects static
         # windows that overhang the array, which TMA zero-fills.
@@ -493,13 +522,13 @@ def _implicit_gemm(x, w3, bias, residual, gm: _Geom, cfg: MgpuConfig, *, relu, i
 
         def load_epilogue_operands():  # issued first: they load during the main loop
             if has_bias:  # bias_rows(bn) entries: a whole number of COPY_BYTES
-                plgpu.copy_gmem_to_smem(bias_ref.at[pl.ds(co0 + zero, bias_rows(bn))],
-                                        bias_smem, epi_bar)
+                tma_load(plgpu, bias_ref.at[pl.ds(co0 + zero, bias_rows(bn))], bias_smem,
+                         epi_bar)
             if has_res:
                 for r in range(th):
-                    plgpu.copy_gmem_to_smem(
-                        res_ref.at[img, oh0 + r + zero, pl.ds(ow0, tw), pl.ds(co0, bn)],
-                        res_smem.at[pl.ds(r * tw, tw)], epi_bar)
+                    tma_load(plgpu,
+                             res_ref.at[img, oh0 + r + zero, pl.ds(ow0, tw), pl.ds(co0, bn)],
+                             res_smem.at[pl.ds(r * tw, tw)], epi_bar)
 
         def prologue(a, s, slot):
             """``relu(a * scale + shift)`` of step ``s``'s input tile, zero where the tile
@@ -525,7 +554,8 @@ def _implicit_gemm(x, w3, bias, residual, gm: _Geom, cfg: MgpuConfig, *, relu, i
             # wgmma reads; the previous user of this slot (step s - stages) finished at
             # step s - stages + 1 (stages >= 2).
             a = plgpu.load(a_smem.at[slot], layout=plgpu.Layout.WGMMA, optimized=False)
-            a_sw[slot] = prologue(a, s, slot) if has_pro else a
+            smem_store(plgpu, a_sw.at[slot], prologue(a, s, slot) if has_pro else a,
+                       swizzled=True)
             plgpu.commit_smem()
             plgpu.wgmma(acc_ref, a_sw.at[slot], b_smem.at[slot])
             plgpu.wgmma_wait(1)  # step s-1's wgmma is done with its slot
@@ -553,7 +583,7 @@ def _implicit_gemm(x, w3, bias, residual, gm: _Geom, cfg: MgpuConfig, *, relu, i
             if relu:
                 acc = jnp.maximum(acc, 0.0)
             y = acc.astype(dtype)
-            o_smem[...] = y
+            smem_store(plgpu, o_smem, y, swizzled=False)
             if stats:  # of the stored values, over the tile's pixels inside the output
                 r, c = pixel_rc(bn)
                 inside = (oh0 + r < gm.oh) & (ow0 + c < gm.ow)
@@ -563,8 +593,9 @@ def _implicit_gemm(x, w3, bias, residual, gm: _Geom, cfg: MgpuConfig, *, relu, i
                 # Squares about the tile's own mean: no E[y^2] - E[y]^2 cancellation.
                 centred = jnp.where(inside, yf - lax.broadcast_in_dim(total / count,
                                                                       (TILE_M, bn), [1]), 0.0)
-                st_smem[0] = total
-                st_smem[1] = jnp.sum(centred * centred, axis=0)
+                smem_store(plgpu, st_smem.at[0], total, swizzled=False)
+                smem_store(plgpu, st_smem.at[1], jnp.sum(centred * centred, axis=0),
+                           swizzled=False)
             plgpu.commit_smem()
             if stats:  # this CTA's partials: one row of the (tiles_m, 2, cop) buffer
                 plgpu.copy_smem_to_gmem(st_smem, st_ref.at[mi, :, pl.ds(co0, bn)])
@@ -732,12 +763,10 @@ def wgrad_tile_copies(plgpu, x_ref, dy_ref, x_buf, dy_buf, bars, *, n, tap, tile
         oh0, ow0 = (rest // tiles_w) * th, (rest % tiles_w) * tw
         for r in range(th):
             # Pixels past the output read zeros from dy (TMA fill), so they add nothing.
-            plgpu.copy_gmem_to_smem(
-                x_ref.at[phase * n + img, oh0 + r + qh, pl.ds(ow0 + qw, tw), x_chans],
-                x_buf.at[slot, pl.ds(r * tw, tw)], bars.at[slot])
-            plgpu.copy_gmem_to_smem(
-                dy_ref.at[img, oh0 + r, pl.ds(ow0, tw), dy_chans],
-                dy_buf.at[slot, pl.ds(r * tw, tw)], bars.at[slot])
+            tma_load(plgpu, x_ref.at[phase * n + img, oh0 + r + qh, pl.ds(ow0 + qw, tw), x_chans],
+                     x_buf.at[slot, pl.ds(r * tw, tw)], bars.at[slot])
+            tma_load(plgpu, dy_ref.at[img, oh0 + r, pl.ds(ow0, tw), dy_chans],
+                     dy_buf.at[slot, pl.ds(r * tw, tw)], bars.at[slot])
     return issue
 
 
@@ -1015,10 +1044,9 @@ def conv_wgrad(x, dy, *, kernel_hw, stride=(1, 1), pads=((0, 0), (0, 0)), dilati
         def scoped(acc_ref):
             def step(s, slot):
                 plgpu.barrier_wait(bars.at[slot])
-                x_sw[slot] = plgpu.load(x_un.at[slot], layout=plgpu.Layout.WGMMA,
-                                        optimized=False)
-                dy_sw[slot] = plgpu.load(dy_un.at[slot], layout=plgpu.Layout.WGMMA,
-                                         optimized=False)
+                for un, sw in ((x_un, x_sw), (dy_un, dy_sw)):
+                    smem_store(plgpu, sw.at[slot], plgpu.load(
+                        un.at[slot], layout=plgpu.Layout.WGMMA, optimized=False), swizzled=True)
                 plgpu.commit_smem()
                 # (C x pixels) @ (pixels x C_out): the input tile read transposed.
                 plgpu.wgmma(acc_ref, x_sw.at[slot].T, dy_sw.at[slot])
@@ -1032,7 +1060,7 @@ def conv_wgrad(x, dy, *, kernel_hw, stride=(1, 1), pads=((0, 0), (0, 0)), dilati
             wgrad_tile_loop(issue, step, first=first, count=count, stages=stages,
                             per_split=per_split)
             plgpu.wgmma_wait(0)
-            o_smem[...] = acc_ref[...]
+            smem_store(plgpu, o_smem, acc_ref[...], swizzled=False)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(o_smem, o_ref.at[si, tap, pl.ds(c0, bm), pl.ds(co0, bn)])
             plgpu.wait_smem_to_gmem(0)

@@ -192,14 +192,15 @@ def depthwise_wgrad(x, dy, *, kernel_hw, stride=(1, 1), pads=((0, 0), (0, 0)), d
                                      tap=(phase, qh, qw), tiles_hw=(tiles_h, tiles_w),
                                      tile_hw=(th, tw), chans=(pl.ds(c0, bc), pl.ds(c0, bc)))
         # Every thread owns the same elements of the accumulator throughout (one layout).
-        acc_smem[...] = plgpu.layout_cast(jnp.zeros((mw.TILE_M, bc), F32), layout)
+        mc.smem_store(plgpu, acc_smem, plgpu.layout_cast(jnp.zeros((mw.TILE_M, bc), F32), layout),
+                      swizzled=False)
 
         def step(s, slot):
             plgpu.barrier_wait(bars.at[slot])
             xv = plgpu.load(x_buf.at[slot], layout=layout, optimized=False)
             dv = plgpu.load(dy_buf.at[slot], layout=layout, optimized=False)
             acc = plgpu.load(acc_smem, layout=layout, optimized=False)
-            acc_smem[...] = acc + xv.astype(F32) * dv.astype(F32)
+            mc.smem_store(plgpu, acc_smem, acc + xv.astype(F32) * dv.astype(F32), swizzled=False)
             plgpu.commit_smem()  # every thread has read the slot: refill it
 
             @pl.when(s + stages < count)

@@ -254,11 +254,10 @@ def tap_reduce(srcs, taps, *, n: int, out_hw, c: int, out_dtypes, init, combine,
                     else:
                         window = src.at[phase * n + img, oh0 + r + qh, pl.ds(ow0 + qw, tw),
                                         pl.ds(c0, bc)]
-                    plgpu.copy_gmem_to_smem(window, buf.at[slot, pl.ds(r * tw, tw)],
-                                            bars.at[slot])
+                    mc.tma_load(plgpu, window, buf.at[slot, pl.ds(r * tw, tw)], bars.at[slot])
 
         if has_w:
-            plgpu.copy_gmem_to_smem(w_ref.at[:, pl.ds(c0, bc)], w_smem, w_bar)
+            mc.tma_load(plgpu, w_ref.at[:, pl.ds(c0, bc)], w_smem, w_bar)
         for t in range(stages):
             issue(t, t)
         if has_w:
@@ -281,7 +280,7 @@ def tap_reduce(srcs, taps, *, n: int, out_hw, c: int, out_dtypes, init, combine,
                 issue(t + stages, slot)
         outs = finish(acc, pos, w_row)
         for o, smem in zip(outs, out_smem):
-            smem[...] = o.astype(smem.dtype)
+            mc.smem_store(plgpu, smem, o.astype(smem.dtype), swizzled=False)
         plgpu.commit_smem()
         for r in range(th):
             def store(off, size, r=r):

@@ -28,7 +28,7 @@ pooling and depthwise window kernels; with ``--candidates``, every tile configur
 tuner can choose on the device kind, a row per kernel and configuration: the dense
 convolution's forward (plain and each fused form), input and weight gradients
 (``dense_candidates``), then the window kernels' (``window_candidates``).  It needs jax
-0.11, not triton.
+>= 0.11 (checked on 0.11.2 and 0.12.0.1, whose TMA loads are inline PTX), not triton.
 """
 from __future__ import annotations
 
@@ -360,14 +360,17 @@ def _candidates(fn, args, kind) -> list:
 
 MOSAIC_TARGET = "mosaic_gpu_v2"
 _MOSAIC_FEATURES = {
-    # what each field means -> byte strings in the kernel's serialized MLIR module
-    "tma_load": (b"nvvm.cp.async.bulk.tensor.shared.cluster.global",),
-    "tma_store": (b"nvvm.cp.async.bulk.tensor.global.shared.cta",
-                  b"cp.async.bulk.tensor.global.shared", b"cp.async.bulk.global.shared"),
-    "mbarrier": (b"nvvm.mbarrier.try_wait.parity",),
-    "setmaxnreg": (b"setmaxnreg",),
-    "ldmatrix": (b"nvvm.ldmatrix",),
-    "stmatrix": (b"nvvm.stmatrix",),
+    # what each field means -> patterns (regular expressions) in the kernel's serialized MLIR
+    # module: an NVVM operation's name, or the PTX of an inline-assembly instruction
+    "tma_load": (rb"nvvm\.cp\.async\.bulk\.tensor\.shared\.cluster\.global",  # jax 0.11
+                 rb"cp\.async\.bulk\.tensor\.[1-5]d\.shared::(?:cta|cluster)\.global"),  # 0.12
+    "bulk_load": (rb"cp\.async\.bulk\.shared::(?:cta|cluster)\.global",),
+    "tma_store": (rb"nvvm\.cp\.async\.bulk\.tensor\.global\.shared\.cta",
+                  rb"cp\.async\.bulk\.tensor\.global\.shared", rb"cp\.async\.bulk\.global\.shared"),
+    "mbarrier": (rb"nvvm\.mbarrier\.try_wait\.parity",),
+    "setmaxnreg": (rb"setmaxnreg",),
+    "ldmatrix": (rb"nvvm\.ldmatrix",),
+    "stmatrix": (rb"nvvm\.stmatrix",),
 }
 
 
@@ -376,7 +379,8 @@ class MosaicReport:
     """What one Mosaic GPU kernel's lowered module uses (presence, not counts: the module is
     MLIR bytecode, which names each operation once in its string table)."""
     name: str
-    tma_load: bool  # cp.async.bulk.tensor global -> shared (TMA)
+    tma_load: bool  # cp.async.bulk.tensor global -> shared (TMA; jax 0.12 emits it as PTX)
+    bulk_load: bool  # non-tensor cp.async.bulk global -> shared: no zero fill past a row
     tma_store: bool  # cp.async.bulk[.tensor] shared -> global
     wgmma: tuple  # the wgmma.mma_async shapes/types, e.g. "m64n128k16.f32.bf16.bf16"
     mbarrier: bool
@@ -401,7 +405,7 @@ def lower_mosaic_kernels(fn, *args, kind: str = H100) -> list:
 
 
 def mosaic_report(name: str, module: bytes) -> MosaicReport:
-    flags = {k: any(p in module for p in pats) for k, pats in _MOSAIC_FEATURES.items()}
+    flags = {k: any(re.search(p, module) for p in pats) for k, pats in _MOSAIC_FEATURES.items()}
     shapes = sorted({m.decode() for m in re.findall(
         rb"wgmma\.mma_async\.sync\.aligned\.([a-z0-9.]+)", module)})
     return MosaicReport(name=name, wgmma=tuple(shapes), **flags)

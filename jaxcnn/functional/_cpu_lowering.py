@@ -64,10 +64,12 @@ MIN_MACS = 2 ** 24
 POOL_TAPS_MAX_ELEMENTS = 2 ** 23
 
 
-# Keeps YNNPACK for matrix multiplications only (XLA's default also gives it
-# some convolutions); the jaxlib minor versions where this flag was checked.
+# Keeps YNNPACK for matrix multiplications only (XLA's default also gives it some
+# convolutions and the reductions); the jaxlib minor versions where this flag was checked
+# (0.12.0.1 too: XLA knows it, and it keeps the fusions that
+# tests/functional/test_functional_conv_cpu.py measures as they are on 0.11.2).
 XLA_CPU_FLAG = "--xla_cpu_experimental_ynn_fusion_type=individual_dot"
-_FLAG_CHECKED_JAXLIB = ((0, 10), (0, 11))
+_FLAG_CHECKED_JAXLIB = ((0, 10), (0, 11), (0, 12))
 
 
 def xla_flags_skip_reason(environ=os.environ) -> str | None:

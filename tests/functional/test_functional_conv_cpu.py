@@ -554,7 +554,14 @@ def test_max_pool_gradient_is_stored_once_for_a_batch_norm_backward(monkeypatch)
     temporaries stay under 3x the input; without the fence XLA:CPU stores each of the 9
     interior-padded taps for every consumer (over 6x: the check can fail).  The gradient
     equals the one through XLA's reduce_window to float32 rounding (the BatchNorm sums
-    fuse differently), and the pool's own gradient exactly, fence or not."""
+    fuse differently), and the pool's own gradient exactly, fence or not.
+
+    Measured under jaxcnn's XLA:CPU flag (``jaxcnn.cpu.configure``, which the suite calls),
+    the same on jaxlib 0.10.2, 0.11.2 and 0.12.0.1.  Under XLA's default, YNNPACK takes the
+    BatchNorm's channel sums, which cannot absorb the gradient's taps, so it is stored once
+    with or without the fence (about 2.1x on 0.11.2 and 0.12.0.1): the flag must be in
+    effect for the fence to be what this measures."""
+    assert C.XLA_CPU_FLAG in C._flags_xla_read().split(), "jaxcnn's XLA:CPU flag is off"
     shape = (4, 32, 32, 16)
 
     def loss(impl):

@@ -89,11 +89,13 @@ def lower_with_grads(fn, *args) -> list:
 
 def assert_tma_pipeline(reports, what: str = "") -> None:
     """Each lowered kernel moves its tiles with TMA (``cp.async.bulk.tensor`` loads and
-    stores) and waits on mbarriers."""
+    stores), loads nothing with the non-tensor bulk copy (which has no zero fill past a
+    row: the kernels' padding is the tensor TMA's) and waits on mbarriers."""
     assert reports, f"{what}: no Mosaic kernel lowered"
     for r in reports:
         where = f"{r.name}{what and f' ({what})'}"
         assert r.tma_load, f"{where}: no TMA load (cp.async.bulk.tensor)"
+        assert not r.bulk_load, f"{where}: a non-tensor bulk load (cp.async.bulk, no zero fill)"
         assert r.tma_store, f"{where}: no TMA store"
         assert r.mbarrier, f"{where}: no mbarrier wait"
 

@@ -36,7 +36,10 @@ def _cuda_text(fn, *args):
 
 
 def _grad(fn, argnums):
-    return jax.grad(lambda *a: jnp.sum(fn(*a).astype(jnp.float32)), argnums=argnums)
+    """The value and gradient of ``sum(fn)``: the value keeps the forward kernel live where
+    the gradient does not read its output (an average pool's), which jax 0.12 drops from
+    a gradient alone as dead code."""
+    return jax.value_and_grad(lambda *a: jnp.sum(fn(*a).astype(jnp.float32)), argnums=argnums)
 
 
 S = jax.ShapeDtypeStruct
