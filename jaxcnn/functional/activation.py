@@ -7,8 +7,11 @@ are written with ``jnp.where`` so that the chosen branch gives PyTorch's one-sid
 """
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 
 def relu(x):
@@ -59,7 +62,26 @@ def gelu(x, approximate=False):
         approximate: use PyTorch's ``approximate="tanh"`` formula
             ``0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x**3)))`` instead of erf.
     """
-    return jax.nn.gelu(x, approximate=approximate)
+    if approximate:
+        return jax.nn.gelu(x, approximate=True)
+    return _gelu_erf(x)
+
+
+@jax.custom_jvp
+def _gelu_erf(x):
+    """The erf GELU with its derivative ``Phi(x) + x phi(x)`` written out (in float32 for
+    16-bit ``x``): jax 0.12's own derivative of erf fails inside ``shard_map(check_vma=True)``
+    (its polynomial's coefficients do not vary with ``x``), where ConvNeXt's split blocks run."""
+    return jax.nn.gelu(x, approximate=False)
+
+
+@_gelu_erf.defjvp
+def _gelu_erf_jvp(primals, tangents):
+    (x,), (t,) = primals, tangents
+    xf = x.astype(jnp.promote_types(x.dtype, jnp.float32))
+    cdf = 0.5 * (1.0 + lax.erf(xf * (1.0 / math.sqrt(2.0))))
+    pdf = jnp.exp(-0.5 * xf * xf) * (1.0 / math.sqrt(2.0 * math.pi))
+    return _gelu_erf(x), t * (cdf + xf * pdf).astype(x.dtype)
 
 
 def silu(x):

@@ -104,3 +104,23 @@ def test_values_and_gradients_match_torch():
         y, vjp = jax.vjp(lambda x: ours(x, axis=0), jnp.asarray(x))
         assert_close(y, yt.detach().numpy(), RTOL[jnp.float32])
         assert_close(vjp(jnp.broadcast_to(jnp.arange(7.0), x.shape))[0], xt.grad.numpy(), GRAD_RTOL)
+
+
+def test_gelu_gradient_inside_a_checked_shard_map():
+    """The erf GELU's derivative inside ``shard_map(check_vma=True)`` (ConvNeXt's blocks under
+    the explicit spatial split): jax 0.12's derivative of erf fails there; ours is written out
+    and equals JAX's elsewhere, second derivative included."""
+    from jax.sharding import Mesh, PartitionSpec as P
+    mesh = Mesh(np.array(jax.devices()[:4]), ("d",))
+    x = jnp.linspace(-6.0, 6.0, 16).reshape(8, 2)
+
+    def grad_of(f):
+        return jax.grad(lambda v: jnp.sum(jnp.sin(f(v))))
+
+    sharded = jax.jit(jax.shard_map(grad_of(F.gelu), mesh=mesh, in_specs=P("d"),
+                                    out_specs=P("d"), check_vma=True))
+    reference = grad_of(lambda v: jax.nn.gelu(v, approximate=False))
+    np.testing.assert_allclose(sharded(x), reference(x), rtol=1e-6, atol=1e-6)
+    second = jax.vmap(jax.grad(jax.grad(F.gelu)))(x.ravel())
+    second_ref = jax.vmap(jax.grad(jax.grad(lambda v: jax.nn.gelu(v, approximate=False))))(x.ravel())
+    np.testing.assert_allclose(second, second_ref, rtol=1e-5, atol=1e-6)

@@ -50,16 +50,25 @@ def test_channel_fold_keeps_batch_and_height_axes():
     g = ch._fold(x.shape)
     hlo = jax.jit(ch.channel_sum).lower(x).as_text()
     assert f"tensor<4x8x{12 // g}x{g * 16}xf32>" in hlo
+    # The CPU's fast sum is a contraction with ones (XLA:CPU's matrix-vector product); its
+    # reverse mode is a plain broadcast, not the contraction's transpose (an outer product).
+    assert "dot_general" in hlo
+    grad = jax.jit(jax.grad(lambda x: jnp.sum(ch.channel_sum(x) * jnp.arange(16.0))))
+    assert "dot_general" not in grad.lower(x).as_text()
 
 
 def test_bias_and_batchnorm_gradients_use_the_folded_reduction():
+    """The bias gradient reduces the folded view; BatchNorm's explicit form sums it as a
+    contraction with ones (forward: x and the centred squares; backward: dy and dy * x)."""
     x = jnp.ones((8, 6, 6, 16))
     g = ch._fold(x.shape)
     view = f"tensor<8x6x{6 // g}x{g * 16}xf32>"  # (N, H, W / g, g * C), reduced but for its lanes
 
     def reduced_views(f, *args):
         hlo = jax.jit(f).lower(*args).as_text()
-        return [line for line in hlo.splitlines() if "reduce" in line and f"({view}" in line]
+        return [line for line in hlo.splitlines()
+                if ("reduce" in line and f"({view}" in line)
+                or ("dot_general" in line and f", {view})" in line)]
 
     bias_grad = jax.grad(lambda b: jnp.sum(jnp.sin(F.conv2d(x, jnp.ones((1, 1, 16, 16)), b))))
     assert reduced_views(bias_grad, jnp.ones(16))
