@@ -32,9 +32,11 @@ jax.config.update("jax_default_matmul_precision", "highest")
 # One persistent XLA compilation cache for the whole run, shared by the xdist workers: many
 # tests build the same programs afresh (a new make_train_step closure, the same model), which
 # JAX's in-memory caches cannot see but the persistent cache (keyed on the program) can.  The
-# controller creates it and removes it at the end; subprocess tests do not inherit it.
-# JAXCNN_TEST_COMPILATION_CACHE=0 turns it off.
-_CACHE_ENV = "JAXCNN_TEST_COMPILATION_CACHE"
+# controller creates it and removes it at the end; a subprocess uses it when the test passes
+# it on (tests/xla_cache.py: subprocess_env).  JAXCNN_TEST_COMPILATION_CACHE=0 turns it off.
+import xla_cache  # noqa: E402
+
+_CACHE_ENV = xla_cache.CACHE_ENV
 
 
 def pytest_configure(config):
@@ -45,7 +47,7 @@ def pytest_configure(config):
     if os.environ[_CACHE_ENV] == "0":  # JAXCNN_TEST_COMPILATION_CACHE=0: compile everything
         return
     jax.config.update("jax_compilation_cache_dir", os.environ[_CACHE_ENV])
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", xla_cache.MIN_COMPILE_TIME_S)
 
 
 def pytest_unconfigure(config):

@@ -10,6 +10,7 @@ import types
 import numpy as np
 import pytest
 
+import xla_cache
 from jaxcnn import parallel
 from jaxcnn.interop import load_npz
 from jaxcnn.train.config import ConfigError
@@ -28,7 +29,7 @@ def _free_port() -> int:
 
 
 def _env():
-    env = dict(os.environ)
+    env = xla_cache.subprocess_env()  # the workers of later tests load the programs of earlier ones
     env["PYTHONPATH"] = os.pathsep.join([ROOT, HERE, env.get("PYTHONPATH", "")])
     env.pop("XLA_FLAGS", None)  # the worker asks for 4 devices itself
     return env

@@ -27,7 +27,9 @@ def _shard_shapes(x):
 CASES = [("mnist_cnn", "jit"), ("bn", "jit"), ("bn", "shard_map")]
 
 
-@pytest.mark.parametrize("data,model_axis", [(-1, 2), (-1, 4), (2, 4)])
+# data 4 x model 2 (the data axis inferred) and data 2 x model 4 (given; (-1, 4) was a third
+# case, the same mesh).
+@pytest.mark.parametrize("data,model_axis", [(-1, 2), (2, 4)])
 @pytest.mark.parametrize("name,strategy", CASES)
 def test_same_logits_and_gradients_as_unsharded(name, strategy, data, model_axis):
     model, shape = model_and_shape(name)

@@ -24,6 +24,15 @@ GRAD_RTOL = 1e-4  # of the largest |gradient| of each leaf (BatchNorm backward a
 STATE_TOL = 2e-5
 
 SHAPE = (16, 32, 32, 3)  # micro-batches of 8 at M = 2: BatchNorm on 1x1 maps of 4 is ill-conditioned
+# VGG-11 has no BatchNorm, so its runs take 4 images (micro-batches of 1 or 2): a step of its
+# full-width convolutions on 16 images was most of these tests' time (the programs, and so the
+# compilation, are the same whatever the batch).
+VGG_SHAPE = (4, 32, 32, 3)
+
+
+def shape_of(name):
+    """The batch shape the model ``name`` runs on in these tests."""
+    return VGG_SHAPE if name.startswith("vgg11") else SHAPE
 _MODELS = {}
 
 
@@ -57,8 +66,21 @@ def _pipelined(plan, model, tx, shape, data):
     return metrics, jax.device_get(state)
 
 
+_REFERENCES = {}
+
+
 def _reference(model, tx, shape, data, accumulate):
-    """One device, the same micro-batches in turn; the rng as data shard 0 folds it."""
+    """One device, the same micro-batches in turn; the rng as data shard 0 folds it.  Cached per
+    model, optimiser, batches and accumulation (host arrays): the GPipe, 1F1B, remat and mpmd
+    tests compare against the same runs."""
+    key = (id(model), id(tx), tuple(shape), accumulate,
+           tuple((b["image"].tobytes(), b["label"].tobytes()) for b in data))
+    if key not in _REFERENCES:  # holding model and tx keeps their ids unique
+        _REFERENCES[key] = (model, tx, _run_reference(model, tx, shape, data, accumulate))
+    return _REFERENCES[key][2]
+
+
+def _run_reference(model, tx, shape, data, accumulate):
     step = jax.jit(make_train_step(model, tx, accumulate=accumulate))
     state = init(model, tx, shape)
     shared = state.rng
@@ -107,11 +129,11 @@ def _assert_grads_close(got, ref):
 
 
 def _compare(name, data_axis, pipe, microbatches, steps=1, **pipeline):
-    model, tx = _model(name), MOMENTUM
-    data = batches(SHAPE, steps, seed=1)
-    plan = _plan(model, tx, SHAPE, data_axis, pipe, microbatches=microbatches, **pipeline)
-    got_m, got = _pipelined(plan, model, tx, SHAPE, data)
-    ref_m, ref = _reference(model, tx, SHAPE, data, microbatches)
+    model, tx, shape = _model(name), MOMENTUM, shape_of(name)
+    data = batches(shape, steps, seed=1)
+    plan = _plan(model, tx, shape, data_axis, pipe, microbatches=microbatches, **pipeline)
+    got_m, got = _pipelined(plan, model, tx, shape, data)
+    ref_m, ref = _reference(model, tx, shape, data, microbatches)
     _assert_run_matches(got_m, got, ref_m, ref, steps)
     return plan, got, ref
 
@@ -129,7 +151,10 @@ def _assert_run_matches(got_m, got, ref_m, ref, steps):
     assert int(got.step) == steps and np.array_equal(got.rng, ref.rng)
 
 
-@pytest.mark.parametrize("data_axis", [1, 2])
+# data 1: the GPipe leg of test_parallel_pipeline_1f1b.py::test_resnet18_1f1b_matches_gpipe_and_one_device
+# is this same run (ResNet-18, 4 stages, 2 micro-batches, one data shard), checked against the same
+# one-device run with the same assertions.
+@pytest.mark.parametrize("data_axis", [pytest.param(1, marks=pytest.mark.slow), 2])
 def test_resnet18_pipelined_matches_one_device_on_the_same_micro_batches(data_axis):
     """ResNet-18 on 4 stages (x 2 data shards): loss, accuracy, gradients, BatchNorm
     statistics and parameters of one step as one device with accumulate=2."""
@@ -462,6 +487,11 @@ def test_trainer_refuses_a_split_it_cannot_run_in_one_line(tmp_path, args, needl
     assert code == 2 and len(lines) == 1 and needle in lines[0], (code, err)
 
 
+# The default suite covers the pipe axis across two processes through the trainer:
+# test_parallel_distributed.py::test_trainer_with_the_pipe_axis_across_two_processes_matches_one_and_resumes
+# (lenet5's fc1 split over the stages, so over the processes; losses, evaluations and parameters
+# as one process); BatchNorm per micro-batch on data x pipe: test_batch_norm_per_micro_batch_over_steps.
+@pytest.mark.slow
 def test_two_processes_with_the_pipe_axis_across_them(tmp_path):
     """data 2 x pipe 4 over two processes of 4 CPU devices, stages 0-1 on one and 2-3 on the
     other: 2 steps as one device with the same 4 micro-batches."""

@@ -11,7 +11,7 @@ from jaxcnn.train.step import make_eval_step, make_train_step
 
 from _helpers import MOMENTUM, batches, init
 from test_parallel_pipeline import (SHAPE, _abstract, _assert_run_matches, _model, _pipelined, _plan,
-                                    _reference, random_blocks, run_bn_net)
+                                    _reference, random_blocks, run_bn_net, shape_of)
 
 
 @pytest.mark.parametrize("name,data_axis,schedule", [("resnet18", 1, "1f1b"), ("resnet18", 2, "gpipe"),
@@ -20,21 +20,21 @@ def test_mpmd_matches_one_device_on_the_same_micro_batches(name, data_axis, sche
     """ResNet-18 and VGG-11 (dropout) on 4 stages, one program per stage (x 2 data shards): loss,
     accuracy, gradients, BatchNorm statistics and parameters of one step as one device with
     accumulate=2; each leaf of the state stays on its stage's devices."""
-    model, tx = _model(name), MOMENTUM
-    data = batches(SHAPE, 1, seed=1)
-    ref_m, ref = _reference(model, tx, SHAPE, data, 2)
-    plan = _plan(model, tx, SHAPE, data_axis, 4, microbatches=2, schedule=schedule, engine="mpmd")
-    got_m, got = _pipelined(plan, model, tx, SHAPE, data)
+    model, tx, shape = _model(name), MOMENTUM, shape_of(name)
+    data = batches(shape, 1, seed=1)
+    ref_m, ref = _reference(model, tx, shape, data, 2)
+    plan = _plan(model, tx, shape, data_axis, 4, microbatches=2, schedule=schedule, engine="mpmd")
+    got_m, got = _pipelined(plan, model, tx, shape, data)
     _assert_run_matches(got_m, got, ref_m, ref, 1)
 
 
 def test_mpmd_gives_the_spmd_engines_numbers_with_dropout_on_data_shards():
     """VGG-11 with dropout on 2 data shards x 4 stages, 2 steps: each data shard draws its own
     masks (the one-device run cannot); both engines draw the same ones."""
-    model, tx = _model("vgg11"), MOMENTUM
-    data = batches(SHAPE, 2, seed=2)
-    runs = {engine: _pipelined(_plan(model, tx, SHAPE, 2, 4, microbatches=2, schedule="1f1b", engine=engine),
-                               model, tx, SHAPE, data) for engine in ("spmd", "mpmd")}
+    model, tx, shape = _model("vgg11"), MOMENTUM, shape_of("vgg11")
+    data = batches(shape, 2, seed=2)
+    runs = {engine: _pipelined(_plan(model, tx, shape, 2, 4, microbatches=2, schedule="1f1b", engine=engine),
+                               model, tx, shape, data) for engine in ("spmd", "mpmd")}
     _assert_run_matches(*runs["mpmd"], *runs["spmd"], 2)
 
 

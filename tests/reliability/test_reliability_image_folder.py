@@ -6,6 +6,7 @@ import os
 
 import pytest
 
+import xla_cache
 from jaxcnn.data.shapes import write_shapes_folder
 from jaxcnn.train.cli import train_main
 from reliability_lib import (ORBAX_LEFTOVER_WARNINGS, ROOT, Killable, assert_params_bitwise_equal, resumed_step,
@@ -57,7 +58,8 @@ def test_kill_minus_9_with_workers_then_resume_is_bitwise(tmp_path, capsys):
     assert train_main(_args(folder, tmp_path / "ref")) == 0
 
     work = tmp_path / "killed"
-    proc = Killable(_args(folder, work, "data.workers=2"))
+    # the suite's compilation cache holds the reference run's programs: the subprocess only loads them
+    proc = Killable(_args(folder, work, "data.workers=2"), cache_dir=xla_cache.directory())
     try:
         assert wait_for(lambda: 6 in step_dirs(work / "checkpoints")[0], proc), proc.output
         workers = [p for p in _children(proc.proc.pid) if _running(p)]

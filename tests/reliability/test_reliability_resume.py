@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import pytest
 import yaml
 
+import xla_cache
 from jaxcnn.train import setup
 from jaxcnn.train.checkpoint import CheckpointManager
 from jaxcnn.train.cli import train_main
@@ -42,12 +43,13 @@ run_args = checkpointed_args
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """A finished 12-step run with a checkpoint every 2 steps: (data path, run dir, compile cache)."""
+    """A finished 12-step run with a checkpoint every 2 steps: (data path, run dir, compile cache:
+    the suite's, where this in-process run left its programs for the subprocess runs)."""
     base = tmp_path_factory.mktemp("resume")
     data = tiny_npz(base / "d.npz")
     assert train_main(run_args(data, base / "ref")) == 0
     assert step_dirs(base / "ref" / "checkpoints")[0] == [2, 4, 6, 8, 10, 12]
-    return data, base / "ref", base / "cache"
+    return data, base / "ref", xla_cache.directory() or base / "cache"
 
 
 def copy_run(ref, tmp_path):

@@ -66,18 +66,22 @@ def test_layer_dtypes_under_every_preset(name, preset):
         y, new_state = layer.apply(p, state, x, train=True, rng=rng, policy=policy)
         return y, new_state
 
-    y, new_state = run(params, x)
+    # One jitted program for the forward and the gradient, not one compile per eager op: the
+    # dtypes come from tracing, the same either way.
+    @jax.jit
+    def forward_and_grads(p, x):
+        return run(p, x), jax.grad(lambda p, x: jnp.sum(run(p, x)[0].astype(jnp.float32)), argnums=(0, 1))(p, x)
+
+    (y, new_state), grads = forward_and_grads(params, x)
     assert y.shape == out_shape
     assert y.dtype == policy.compute_dtype, (name, preset, y.dtype)
     for leaf in jax.tree_util.tree_leaves(new_state):  # BatchNorm statistics stay float32
         if jnp.issubdtype(leaf.dtype, jnp.floating):
             assert leaf.dtype == jnp.float32
-    grads = jax.grad(lambda p, x: jnp.sum(run(p, x)[0].astype(jnp.float32)), argnums=(0, 1))(params, x)
     for leaf in jax.tree_util.tree_leaves(grads[0]):
         assert leaf.dtype == policy.param_dtype
     assert grads[1].dtype == policy.compute_dtype
-    assert all(bool(jnp.all(jnp.isfinite(g.astype(jnp.float32))))
-               for g in jax.tree_util.tree_leaves(grads))
+    assert all(np.all(np.isfinite(np.asarray(g, np.float32))) for g in jax.tree_util.tree_leaves(grads))
 
 
 def test_norm_layers_compute_in_float32_under_bf16():
@@ -187,12 +191,13 @@ def test_fp16_overflow_step_is_skipped_and_scale_round_trips(tmp_path):
 
 
 def test_bf16_matches_fp32_accuracy_on_short_mnist_run(tmp_path):
-    """Shortened version of the README's full bf16-vs-fp32 comparison."""
+    """Shortened version of the README's full bf16-vs-fp32 comparison: lenet5, 200 steps of 32
+    digits (0.95 in float32 when written; mnist_cnn, 120 steps of 64, took 2.5x as long)."""
     accuracy = {}
     for policy in ("fp32", "bf16"):
         work = tmp_path / policy
-        assert train_main([os.path.join(CONFIGS, "mnist_cnn.yaml"), f"precision.policy={policy}",
-                           "train.steps=120", "data.batch_size=64", "checkpoint.enabled=false",
+        assert train_main([os.path.join(CONFIGS, "mnist_cnn.yaml"), "model.name=lenet5", f"precision.policy={policy}",
+                           "train.steps=200", "data.batch_size=32", "checkpoint.enabled=false",
                            "train.eval_every=null", "logging.log_every=40", "logging.progress=none", "mesh.data=1",
                            "--workdir", str(work)]) == 0
         final = [r for r in read_metrics(work) if r["kind"] == "eval"][-1]

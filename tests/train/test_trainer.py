@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import yaml
 
+import xla_cache
 from jaxcnn.interop import load_npz
 from jaxcnn.train.cli import eval_main, train_main
 from jaxcnn.train.metrics import read_metrics
@@ -77,10 +78,11 @@ def test_sigterm_then_resume_is_bitwise_equal_to_uninterrupted(tmp_path):
     # Uninterrupted reference, in process.
     assert train_main(common + ["--workdir", str(tmp_path / "ref")]) == 0
 
-    # The same run in a subprocess, stopped by SIGTERM once a checkpoint exists.
+    # The same run in a subprocess, stopped by SIGTERM once a checkpoint exists (it loads the
+    # reference's compiled programs from the suite's compilation cache: the same executables).
     work = tmp_path / "run"
     cmd = [sys.executable, "-m", "jaxcnn.train.cli", *common, "--workdir", str(work)]
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = xla_cache.subprocess_env(dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")))
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.time() + 240
     while time.time() < deadline and proc.poll() is None:
