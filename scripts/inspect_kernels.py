@@ -340,13 +340,16 @@ def launch_names(kernel: str) -> set:
     return names
 
 
-def _candidates(fn, args, kind) -> list:
-    """``[(report, config text)]`` for every candidate config of every kernel ``fn`` runs."""
+def _candidates(fn, args, kind, kernels=None) -> list:
+    """``[(report, config text)]`` for every candidate config of every kernel ``fn`` runs (of
+    the autotune kernels named in ``kernels``, such as ``{"depthwise_wgrad"}``, if given)."""
     with as_device_kind(kind), autotune._recording() as rec, _abstract_gpu(kind):
         jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
     out = []
     limit = _SHARED_MEMORY_LIMITS.get(kind)
     for key, (kernel, g, co, dtype) in rec.items():
+        if kernels is not None and kernel not in kernels:
+            continue
         for cfg in autotune.candidates(kernel, g, co):
             if limit is not None and autotune.shared_memory_estimate(kernel, cfg, dtype) > limit:
                 continue  # the tuner skips it too
@@ -542,11 +545,12 @@ def dense_only(call):
         lambda x, w: mc.conv2d(x, w, **geometry), x, w)[1](dy)[which]
 
 
-def dense_candidates(args, *, stride, pads, kind: str = H100) -> list:
+def dense_candidates(args, *, stride, pads, kind: str = H100, pick=None) -> list:
     """``[(kernel, config, report)]``: every tile configuration the tuner can choose for each
     dense Mosaic kernel of ``conv(x, w)`` (``args``: abstract ``x``, ``w``) on ``kind`` (the
     candidates within that device's shared memory), each lowered for it with only its kernel
-    (:func:`dense_only`) and reported."""
+    (:func:`dense_only`) and reported.  ``pick``, if given, maps each kernel's list of
+    candidates to those to lower (a test's sample of them)."""
     import pallas_kernels.mgpu_conv as mc
     x, w = args
     ss = jax.ShapeDtypeStruct((x.shape[3],), jnp.float32)
@@ -555,7 +559,8 @@ def dense_candidates(args, *, stride, pads, kind: str = H100) -> list:
     out = []
     for kernel, call in dense_calls(x, w, stride=stride, pads=pads).items():
         fn = dense_only(call)
-        for cfg in call.candidates(_SHARED_MEMORY_LIMITS.get(kind)):
+        cfgs = call.candidates(_SHARED_MEMORY_LIMITS.get(kind))
+        for cfg in pick(cfgs) if pick else cfgs:
             with autotune.override({call.key: cfg}):
                 reports = inspect_mosaic(fn, x, w, ss, ss, dy, kind=kind)
             out += [(kernel, cfg, r) for r in reports if r.name == f"jaxcnn_{kernel}"]
@@ -599,13 +604,13 @@ def window_launch_names(kernel: str) -> set:
     return names
 
 
-def window_candidates(op: str, kw: dict, args, kind: str = H100) -> list:
+def window_candidates(op: str, kw: dict, args, kind: str = H100, pick=None) -> list:
     """``[(kernel, config, report)]``: every tile configuration the tuner can choose for each
     Mosaic window kernel of ``op(*args, **kw)`` on ``kind`` (its candidates within that
     device's shared memory), each lowered for it and reported, launch by launch.  Each
     candidate is lowered with only what its kernel needs: a forward alone (the max pool's
     with and without its tap index), a gradient with its cotangent (and the max pool's
-    forward, whose index it reads)."""
+    forward, whose index it reads).  ``pick`` as :func:`dense_candidates`'."""
     import pallas_kernels.mgpu_window as mw
     run = mosaic_window_call(op, kw, grads=False)
     ct = jax.eval_shape(run, *args)
@@ -624,7 +629,8 @@ def window_candidates(op: str, kw: dict, args, kind: str = H100) -> list:
     for key, (kernel, call, _, _) in sorted(launched.items()):
         if kernel not in mw.KERNELS:
             continue
-        for cfg in call.candidates(_SHARED_MEMORY_LIMITS.get(kind)):
+        cfgs = call.candidates(_SHARED_MEMORY_LIMITS.get(kind))
+        for cfg in pick(cfgs) if pick else cfgs:
             with autotune.override({key: cfg}):
                 reports = inspect_mosaic(only(kernel), *args, ct, kind=kind)
             out += [(kernel, cfg, r) for r in reports if r.name in window_launch_names(kernel)]

@@ -124,8 +124,9 @@ def test_depthwise_weight_gradient_candidates_do_not_spill(k, stride, hw, c):
         return pk.conv2d(x, w, stride=stride, padding=k // 2, groups=c, backend="triton", **GPU)
     # Batch 256 (abstract: nothing allocated), as in the benchmarks.
     args = (S((256, hw, hw, c), jnp.bfloat16), S((k, k, 1, c), jnp.bfloat16))
-    found = [(r, cfg) for r, cfg in ik._candidates(_grad(fn, (1,)), args, "NVIDIA H100 80GB HBM3")
-             if r.name == "jaxcnn_depthwise_wgrad"]
+    found = [(r, cfg) for r, cfg in ik._candidates(_grad(fn, (1,)), args, "NVIDIA H100 80GB HBM3",
+                                                   kernels={"depthwise_wgrad"})]
+    assert {r.name for r, _ in found} == {"jaxcnn_depthwise_wgrad"}
     assert len(found) >= 5
     for r, cfg in found:
         assert r.spill_bytes in (0, None), f"{cfg}: {r.spill_bytes} bytes spilled"

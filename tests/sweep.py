@@ -1,0 +1,21 @@
+"""How much of a sweep over kernel tile configurations the default suite lowers.
+
+Lowering every tile configuration the tuner may choose, for every kernel of a call, takes
+minutes on two cores (each is a compilation for an abstract H100).  The default suite lowers
+every other one, the first and the last always among them (so the smallest and the largest
+tiles are there); ``JAXCNN_TEST_ALL_EXAMPLES=1``, which the scheduled long run sets, lowers
+them all, as it runs all of the property tests' examples (``tests/conftest.py``).
+"""
+import os
+
+ALL_EXAMPLES_ENV = "JAXCNN_TEST_ALL_EXAMPLES"
+
+
+def sample(candidates) -> list:
+    """``candidates`` (a sequence) in full with ``JAXCNN_TEST_ALL_EXAMPLES=1``; else those at
+    even positions, and the last."""
+    candidates = list(candidates)
+    if os.environ.get(ALL_EXAMPLES_ENV) == "1" or len(candidates) <= 2:
+        return candidates
+    picked = candidates[::2]
+    return picked if picked[-1] is candidates[-1] else picked + candidates[-1:]
