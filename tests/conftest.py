@@ -34,6 +34,7 @@ jax.config.update("jax_default_matmul_precision", "highest")
 # JAX's in-memory caches cannot see but the persistent cache (keyed on the program) can.  The
 # controller creates it and removes it at the end; a subprocess uses it when the test passes
 # it on (tests/xla_cache.py: subprocess_env).  JAXCNN_TEST_COMPILATION_CACHE=0 turns it off.
+import sweep  # noqa: E402
 import xla_cache  # noqa: E402
 
 _CACHE_ENV = xla_cache.CACHE_ENV
@@ -79,12 +80,9 @@ def pytest_runtest_teardown(item, nextitem):
 
 # Property tests (hypothesis) run half their max_examples, at least 10, in the normal suite:
 # most of them compile a program per example.  JAXCNN_TEST_ALL_EXAMPLES=1 runs them all
-# (the scheduled long run sets it together with -m slow).
-_ALL_EXAMPLES_ENV = "JAXCNN_TEST_ALL_EXAMPLES"
-
-
+# (the scheduled long run sets it together with -m slow; tests/sweep.py reads it too).
 def pytest_collection_modifyitems(config, items):
-    if os.environ.get(_ALL_EXAMPLES_ENV) == "1":
+    if sweep.all_examples():
         return
     import hypothesis
     seen = set()

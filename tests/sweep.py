@@ -11,11 +11,16 @@ import os
 ALL_EXAMPLES_ENV = "JAXCNN_TEST_ALL_EXAMPLES"
 
 
+def all_examples() -> bool:
+    """Whether this run asks for every example and every candidate (the long run's setting)."""
+    return os.environ.get(ALL_EXAMPLES_ENV) == "1"
+
+
 def sample(candidates) -> list:
     """``candidates`` (a sequence) in full with ``JAXCNN_TEST_ALL_EXAMPLES=1``; else those at
     even positions, and the last."""
     candidates = list(candidates)
-    if os.environ.get(ALL_EXAMPLES_ENV) == "1" or len(candidates) <= 2:
+    if all_examples() or len(candidates) <= 2:
         return candidates
     picked = candidates[::2]
     return picked if picked[-1] is candidates[-1] else picked + candidates[-1:]

@@ -22,13 +22,18 @@ def directory():
     return path if path and path != "0" else None
 
 
+def jax_cache_vars(path) -> dict:
+    """JAX's environment variables that make a fresh process use the cache at ``path`` for every
+    program: it compiles each eager operation of its initialisation again (seconds for a
+    ResNet) unless an earlier process left them there."""
+    return dict(JAX_COMPILATION_CACHE_DIR=str(path), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+                JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+
+
 def subprocess_env(env=None) -> dict:
     """``env`` (default: this process's environment), with the suite's compilation cache."""
     env = dict(os.environ if env is None else env)
     path = directory()
     if path:
-        # every program: a fresh process compiles each eager operation of its initialisation
-        # again (seconds for a ResNet), unless an earlier subprocess left them here
-        env.update(JAX_COMPILATION_CACHE_DIR=path, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-                   JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+        env.update(jax_cache_vars(path))
     return env

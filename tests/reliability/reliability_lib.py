@@ -16,6 +16,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import xla_cache
+
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = str(ROOT / "configs" / "mnist_cnn.yaml")
 
@@ -61,8 +63,7 @@ def subprocess_env(cache_dir=None):
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
                PYTHONUNBUFFERED="1")
     if cache_dir is not None:
-        env.update(JAX_COMPILATION_CACHE_DIR=str(cache_dir), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-                   JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+        env.update(xla_cache.jax_cache_vars(cache_dir))
     return env
 
 
