@@ -47,6 +47,7 @@ import yaml
 from orbax.checkpoint import checkpoint_managers as ocp_managers
 
 from jaxcnn.errors import CheckpointCorruptError, CheckpointError, ConfigChangedError  # noqa: F401  (re-exported)
+from jaxcnn.train.config import config_changes, config_digest, other_model
 from jaxcnn.train.rundir import RunDir
 
 logger = logging.getLogger(__name__)
@@ -63,86 +64,6 @@ _MISMATCH_SUFFIX = ".mismatch"
 _LINK_SUFFIX = ".symlink"
 _RANK_KEY = "rank"
 _ENTRY_KEYS = {"path", "shape", "dtype", "sha256"}
-
-
-# -- which config keys change the training math --------------------------------------------------
-
-# Dotted keys (or sections, ending in ".") of a jaxcnn config that do NOT change what training
-# computes: how it is logged, checkpointed, evaluated, fed and laid out over devices. Changing
-# them between a run and its resumption is not a config change; every other key is.
-# (model.impl, model.batch_norm_grad and model.conv_bn pick kernels of the same function, equal
-# up to rounding;
-# mesh/parallel.strategy/fsdp/rules/spatial/pipeline split, balance, schedule, remat and engine place
-# the same computation (remat: recomputes it); parallel.sync_batch_norm does
-# change the math and is not listed.)
-NON_TRAINING_KEYS = (
-    "logging.", "checkpoint.", "distributed.", "mesh.",
-    "data.prefetch", "data.eval_batch_size", "train.eval_every",
-    # Worker count: the same batches for any. on_bad_image: a run stopped by a bad image
-    # (fail) may go on skipping it. eval_resize: evaluation only.
-    "data.workers", "data.on_bad_image", "data.eval_resize",
-    "model.impl", "model.batch_norm_grad", "model.conv_bn",
-    "parallel.strategy", "parallel.fsdp", "parallel.rules", "parallel.spatial.", "parallel.pipeline.split",
-    "parallel.pipeline.balance", "parallel.pipeline.schedule", "parallel.pipeline.remat",
-    "parallel.pipeline.engine",
-)
-
-
-def _flatten(tree: Mapping, prefix: str = "") -> dict:
-    out = {}
-    for key, value in tree.items():
-        if isinstance(value, Mapping) and value:
-            out.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
-
-
-def _counts(key: str) -> bool:
-    return not any(key == k or (k.endswith(".") and key.startswith(k)) or key.startswith(k + ".")
-                   for k in NON_TRAINING_KEYS)
-
-
-def training_config(config_dict: Mapping) -> dict:
-    """``{dotted key: value}`` of the keys of a resolved config that change the training math."""
-    return {k: v for k, v in _flatten(config_dict).items() if _counts(k)}
-
-
-def config_digest(config_dict: Mapping) -> str:
-    """sha256 of :func:`training_config` (canonical JSON): equal for configs that train alike."""
-    text = json.dumps(training_config(config_dict), sort_keys=True, default=str, separators=(",", ":"))
-    return hashlib.sha256(text.encode()).hexdigest()
-
-
-def config_changes(old: Mapping, new: Mapping) -> list[str]:
-    """``"key: old -> new"`` for each training-math key whose value differs, sorted by key.
-
-    A key the old config does not have (it was saved by a jaxcnn without it) is no change when
-    the new config leaves it at its default: a run resumes across a version that adds keys."""
-    from jaxcnn.train.config import schema_default
-    a, b = training_config(old), training_config(new)
-    missing = "(unset)"
-
-    def opened_up(k, x, y):  # `{}` on one side, its keys on the other: those keys say it all
-        return x.get(k, missing) == {} and k not in y and any(key.startswith(k + ".") for key in y)
-
-    return [f"{k}: {a.get(k, missing)!r} -> {b.get(k, missing)!r}"
-            for k in sorted(a.keys() | b.keys()) if a.get(k, missing) != b.get(k, missing)
-            and not (k not in a and _as_saved(schema_default(k)) == b[k])
-            and not opened_up(k, a, b) and not opened_up(k, b, a)]
-
-
-def _other_model(old: Mapping, new: Mapping) -> str | None:
-    """``"model 'lenet5', not 'mnist_cnn'"`` when two configs name different models, else None."""
-    a, b = training_config(old).get("model.name"), training_config(new).get("model.name")
-    return None if a == b else f"model {a!r}, not {b!r}"
-
-
-def _as_saved(value):
-    """A schema default as a resolved config holds it (lists for tuples, plain dicts)."""
-    if isinstance(value, tuple):
-        return list(value)
-    return value
 
 
 _CONFIG_WAYS_ON = ("start a new run with --workdir DIR, or continue this one under the new config "
@@ -1093,7 +1014,7 @@ def check_resume_config(workdir: str, config_dict: Mapping, *, resume: str = "au
     saved = _saved_run_config(path)
     changes = [saved] if isinstance(saved, str) else config_changes(saved, config_dict)
     if changes and on_change == "stop":
-        other = None if isinstance(saved, str) else _other_model(saved, config_dict)
+        other = None if isinstance(saved, str) else other_model(saved, config_dict)
         if other is not None:  # continuing under another model cannot restore its checkpoints
             raise ConfigChangedError(f"{workdir} holds the checkpoints of {other} as configured "
                                      f"({_summary(changes, 3)}); start a new run with --workdir DIR")

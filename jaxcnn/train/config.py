@@ -53,6 +53,8 @@ messages, YAML quirks and the printed key reference stay under our control.
 from __future__ import annotations
 
 import difflib
+import hashlib
+import json
 import math
 import os
 import re
@@ -75,6 +77,25 @@ class Field(NamedTuple):
     (string keys; values checked by ``item`` when given, else any YAML data).
     ``low``/``high`` bound numbers, durations (``low`` only, 0 or > 0) and the
     length of strings; ``extra`` lists values accepted outside the range.
+
+    The rest is what the trainer derives from the key, so that adding a key is writing its
+    ``Field`` and the line that reads it:
+
+    * ``trains``: changing the value changes what training computes. A resumed run whose
+      config changes such a key stops (``checkpoint.on_config_change``); the other keys
+      (logging, checkpointing, evaluation cadence, data feeding, kernel choice, device
+      layout) may change freely. A section's keys are marked by :func:`_not_training`.
+    * ``used_when``: ``(chooser key, values)``: the key is read only when the chooser holds
+      one of the values. ``--print-config`` marks it otherwise, and a run that sets it away
+      from its default says that it is not used.
+    * ``rules``: checks across keys, each ``rule(value, config) -> problem or None`` over the
+      resolved config (plain dicts); a problem is raised as a :class:`ConfigError` naming
+      this key. They run after every key has been checked alone, in schema order.
+    * ``path``: the value names a file or directory (a leading ``~`` is the home directory):
+      ``"input"``, read again when the run is resumed or exported, relative to the directory
+      it was started in, or ``"output"``.
+    * ``clears``: the dotted key of the other of an exactly-one pair; a layer (a file over
+      its base, an override) that sets this key clears that one.
     """
 
     type: str
@@ -90,6 +111,11 @@ class Field(NamedTuple):
     extra: tuple = ()
     item: "Field | None" = None
     length: int | None = None
+    trains: bool = True
+    used_when: tuple[str, tuple] | None = None
+    rules: tuple = ()
+    path: str | None = None
+    clears: str | None = None
 
 
 _f = Field  # short name keeps the schema table readable
@@ -107,6 +133,120 @@ _POS_FLOAT = dict(low=0.0, open_low=True)
 _UNIT = dict(low=0.0, high=1.0)          # [0, 1]
 _UNIT_OPEN_HIGH = dict(low=0.0, high=1.0, open_high=True)
 
+
+def _not_training(section: dict) -> dict:
+    """``section`` with every key marked ``trains=False``: settings that change how a run is
+    logged, checkpointed, fed or laid out over devices, never what it computes."""
+    return {k: _not_training(v) if isinstance(v, dict) else v._replace(trains=False)
+            for k, v in section.items()}
+
+
+# ------------------------------------------------------- rules across keys
+# Each takes (the key's value, the resolved config) and returns the problem, or None.
+
+def _one_run_length(steps, cfg):
+    epochs = cfg["train"]["epochs"]
+    if (steps is None) == (epochs is None):
+        return f"set exactly one of train.steps or train.epochs (got steps={steps!r}, epochs={epochs!r})"
+
+
+_DATA_PATHS = {"cifar10": "directory", "npz": ".npz file", "folder": "image folder",
+               "records": "directory written by jaxcnn-data convert"}
+
+
+def _path_given(path, cfg):
+    source = cfg["data"]["source"]
+    if source in _DATA_PATHS and path is None:
+        return f"data.source={source!r} needs data.path (a {_DATA_PATHS[source]}), got null"
+
+
+def _image_size_fits_source(size, cfg):
+    source = cfg["data"]["source"]
+    if size is None:
+        return None
+    if source in ("folder", "records"):
+        if len(size) not in (2, 3) or (len(size) == 3 and size[2] != 3):
+            return f"expected [H, W] (RGB crops of that size) for data.source={source!r}, got {size!r}"
+    elif len(size) != 3:
+        return f"expected a list of 3 items [H, W, C], got {size!r}"
+
+
+def _crop_fits(resize, cfg):
+    size = cfg["data"]["image_size"]
+    if resize is not None and size is not None and resize < max(size[:2]):
+        return (f"{resize} is smaller than the crop data.image_size={list(size[:2])}: the centre "
+                "crop would not fit")
+
+
+def _classes_fit_model(classes, cfg):
+    model_classes = cfg["model"]["num_classes"]
+    if classes is not None and model_classes is not None and classes > model_classes:
+        return f"{classes} label classes do not fit a model with model.num_classes={model_classes}"
+
+
+def _mix_probabilities(mixup_prob, cfg):
+    augment = cfg["data"]["augment"]
+    cutmix_prob = augment["cutmix"]["prob"]
+    if (augment["mixup"]["alpha"] > 0 and augment["cutmix"]["alpha"] > 0
+            and mixup_prob + cutmix_prob > 1 + 1e-9):
+        return (f"{mixup_prob:g} + data.augment.cutmix.prob {cutmix_prob:g} is more than 1 (a batch "
+                "gets one or the other); e.g. set both to 0.5")
+
+
+def _skip_has_source(skip, cfg):
+    if skip and cfg["model"]["init_from"] is None:
+        return f"{skip} re-initialises layers of model.init_from's parameters, but model.init_from is null"
+
+
+def _needed_by_schedule(name, what):
+    def rule(value, cfg):
+        if cfg["optim"]["schedule"]["name"] == name and not value:
+            return f"schedule {name!r} needs {what}"
+    return rule
+
+
+def _no_onecycle_warmup(warmup, cfg):
+    if cfg["optim"]["schedule"]["name"] == "onecycle" and warmup != 0:
+        return f"onecycle warms up by itself (pct_start); expected 0, got {warmup!r}"
+
+
+def _nesterov_has_momentum(nesterov, cfg):
+    if cfg["optim"]["name"] == "sgd" and nesterov and cfg["optim"]["momentum"] == 0:
+        return "Nesterov momentum needs optim.momentum > 0"
+
+
+def _one_micro_batch_count(accumulate, cfg):
+    micro = cfg["parallel"]["pipeline"]["microbatches"]
+    if micro is not None and accumulate not in (1, micro):
+        return (f"{accumulate}, but parallel.pipeline.microbatches={micro} (both are micro-batches "
+                "per step: set one)")
+
+
+def _scale_in_bounds(init, cfg):
+    prec = cfg["precision"]
+    if prec["loss_scale"] in ("static", "dynamic") and not prec["min_scale"] <= init <= prec["max_scale"]:
+        return (f"expected min_scale ({prec['min_scale']:g}) <= loss_scale_init <= max_scale "
+                f"({prec['max_scale']:g}), got {init:g}")
+
+
+def _process_in_range(process_id, cfg):
+    count = cfg["distributed"]["num_processes"]
+    if process_id is not None and count is not None and process_id >= count:
+        return f"expected < num_processes ({count}), got {process_id}"
+
+
+def _host_and_port(address, cfg):
+    if address is not None:
+        host, _, port = address.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            return f"expected 'host:port', got {address!r}"
+
+
+_IMAGE_FILES = ("folder", "records")
+_ARRAY_SOURCES = ("mnist", "cifar10", "npz", "synthetic")
+_SCHEDULED_WARMUP = ("constant", "step", "multistep", "cosine")
+_ADAM_FAMILY = ("adam", "adamw", "lamb")
+
 SCHEMA: dict[str, dict] = {
     "model": {
         "name": _f("str", None, "model registry name (jaxcnn.models.names())", required=True, low=1),
@@ -116,58 +256,68 @@ SCHEMA: dict[str, dict] = {
                         "file (params and state, as jaxcnn-train writes them), a PyTorch state dict saved as "
                         ".safetensors (torchvision/timm names: conv1.weight, fc.weight...) or a run directory; checked "
                         "against the model before any compute; null = random init from train.seed",
-                        nullable=True, low=1),
+                        nullable=True, low=1, path="input"),
         "init_from_skip": _f("list", [], "layers re-initialised from train.seed instead of loaded from "
                              "model.init_from (fine-tuning to another class count): layer paths such as fc "
                              "or layer4.1, the same in torchvision's and jaxcnn's naming, or full parameter "
                              "names as the file names them (fc.weight, fc.w)",
-                             item=_f("str", None, "layer path", low=1)),
+                             item=_f("str", None, "layer path", low=1), rules=(_skip_has_source,)),
         "impl": _f("str", "auto", "convolution/pooling kernels of the layers: auto (XLA, or a Pallas "
                    "kernel where the autotuner measured it faster on this GPU), xla, or pallas "
-                   "(see README, Pallas kernels)", choices=("auto", "xla", "pallas")),
+                   "(see README, Pallas kernels)", choices=("auto", "xla", "pallas"), trains=False),
         "batch_norm_grad": _f("str", "auto", "BatchNorm's training form: auto (explicit on the CPU, "
                               "autodiff on a GPU until measured there), explicit (the fewest passes "
                               "over the activation, a following ReLU folded in), autodiff, or "
                               "closed_form (see F.batch_norm_train)",
-                              choices=("auto", "explicit", "autodiff", "closed_form")),
+                              choices=("auto", "explicit", "autodiff", "closed_form"), trains=False),
         "conv_bn": _f("str", "auto", "Conv -> BatchNorm -> ReLU chains in training: auto (fused "
                       "into the Mosaic GPU convolution only where bench_mgpu.py --fused --tune "
                       "measured a win on this Hopper GPU), off, or mosaic (fused wherever the "
                       "kernels run the convolution; see README, Pallas kernels)",
-                      choices=("auto", "off", "mosaic")),
+                      choices=("auto", "off", "mosaic"), trains=False),
     },
     "data": {
         "source": _f("str", "mnist", "dataset: mnist, cifar10, npz, synthetic, folder (an image folder "
                      "PATH/{train,val}/<class>/<image>) or records (written by jaxcnn-data convert)",
                      choices=("mnist", "cifar10", "npz", "synthetic", "folder", "records")),
         "path": _f("str", None, "dataset file/directory (relative to the working directory); "
-                   "null = packaged MNIST sample for mnist", nullable=True, low=1),
+                   "null = packaged MNIST sample for mnist", nullable=True, low=1, path="input",
+                   used_when=("data.source", ("mnist", "cifar10", "npz", "folder", "records")),
+                   rules=(_path_given,)),
         "batch_size": _f("int", 128, "global training batch size (all devices together)", **_POS_INT),
-        "eval_batch_size": _f("int", None, "global evaluation batch size; null = batch_size", nullable=True, **_POS_INT),
+        "eval_batch_size": _f("int", None, "global evaluation batch size; null = batch_size", nullable=True,
+                              trains=False, **_POS_INT),
         "image_size": _f("list", None, "synthetic: image shape [H, W, C]; folder/records: the crop size [H, W] "
                          "both transforms produce; null = the model's default input shape",
-                         nullable=True, item=_f("int", None, "dimension", **_POS_INT)),
+                         nullable=True, item=_f("int", None, "dimension", **_POS_INT),
+                         used_when=("data.source", ("synthetic",) + _IMAGE_FILES), rules=(_image_size_fits_source,)),
         "workers": _f("int", 0, "folder/records: grain worker processes that read, decode and augment "
-                      "images (0 = in the training process's prefetch thread)", low=0),
+                      "images (0 = in the training process's prefetch thread); the same batches for "
+                      "any count", low=0, trains=False, used_when=("data.source", _IMAGE_FILES)),
         "on_bad_image": _f("str", "fail", "folder/records: a corrupt, truncated or unreadable image, or a "
                            "non-image file: skip it (counted in metrics.jsonl) or stop the run",
-                           choices=("skip", "fail")),
+                           choices=("skip", "fail"), used_when=("data.source", _IMAGE_FILES),
+                           trains=False),  # a run stopped by a bad image (fail) may go on skipping it
         "eval_resize": _f("int", None, "folder/records: resize the shorter side to this before the "
                           "evaluation centre crop; null = max(image_size) / 0.875 (224 -> 256)",
-                          nullable=True, **_POS_INT),
-        "num_train": _f("int", 1024, "synthetic: number of training images", **_POS_INT),
-        "num_eval": _f("int", 256, "synthetic: number of evaluation images", low=0),
+                          nullable=True, trains=False, used_when=("data.source", _IMAGE_FILES),
+                          rules=(_crop_fits,), **_POS_INT),
+        "num_train": _f("int", 1024, "synthetic: number of training images",
+                        used_when=("data.source", ("synthetic",)), **_POS_INT),
+        "num_eval": _f("int", 256, "synthetic: number of evaluation images", low=0,
+                       used_when=("data.source", ("synthetic",))),
         "num_classes": _f("int", None, "synthetic: number of label classes; null = model.num_classes or 10",
-                          nullable=True, low=2),
+                          nullable=True, low=2, used_when=("data.source", ("synthetic",)),
+                          rules=(_classes_fit_model,)),
         "augment": {
             "crop_padding": _f("int", 0, "random crop: pad each side by this many pixels, crop back at a random "
-                                 "offset (0 = off)", low=0),
-            "flip": _f("bool", False, "random horizontal flip"),
+                                 "offset (0 = off)", low=0, used_when=("data.source", _ARRAY_SOURCES)),
+            "flip": _f("bool", False, "random horizontal flip", used_when=("data.source", _ARRAY_SOURCES)),
             "mixup": {
                 "alpha": _f("float", 0.0, "mixup: Beta(alpha, alpha) weight of each image against "
                             "its partner (the batch reversed); 0 = off", low=0.0),
                 "prob": _f("float", 1.0, "mixup: probability that a batch is mixed (a batch gets "
-                           "cutmix or mixup, never both)", **_UNIT),
+                           "cutmix or mixup, never both)", rules=(_mix_probabilities,), **_UNIT),
             },
             "cutmix": {
                 "alpha": _f("float", 0.0, "cutmix: Beta(alpha, alpha) draws the area kept; 0 = off",
@@ -177,23 +327,30 @@ SCHEMA: dict[str, dict] = {
             },
         },
         "normalize": _f("bool", True, "subtract the per-channel mean and divide by the std of the dataset"),
-        "prefetch": _f("int", 2, "batches prepared ahead on a background thread (0 = none)", low=0),
+        "prefetch": _f("int", 2, "batches prepared ahead on a background thread (0 = none)", low=0,
+                       trains=False),
         "seed": _f("int", None, "seed of shuffling and augmentation; null = train.seed", nullable=True, low=0,
                    high=MAX_SEED),
     },
     "optim": {
         "name": _f("str", "adamw", "optimiser", choices=("sgd", "adam", "adamw", "lars", "lamb")),
         "lr": _f("float", 1e-3, "peak learning rate", **_POS_FLOAT),
-        "momentum": _f("float", 0.9, "sgd/lars momentum (0 = plain sgd)", **_UNIT_OPEN_HIGH),
-        "nesterov": _f("bool", False, "Nesterov momentum (sgd, lars)"),
-        "b1": _f("float", 0.9, "adam-family first-moment decay", **_UNIT_OPEN_HIGH),
-        "b2": _f("float", 0.999, "adam-family second-moment decay", **_UNIT_OPEN_HIGH),
-        "eps": _f("float", 1e-8, "adam-family denominator epsilon; lars trust-ratio epsilon", low=0.0),
+        "momentum": _f("float", 0.9, "sgd/lars momentum (0 = plain sgd)", used_when=("optim.name", ("sgd", "lars")),
+                       **_UNIT_OPEN_HIGH),
+        "nesterov": _f("bool", False, "Nesterov momentum (sgd, lars)", used_when=("optim.name", ("sgd", "lars")),
+                       rules=(_nesterov_has_momentum,)),
+        "b1": _f("float", 0.9, "adam-family first-moment decay", used_when=("optim.name", _ADAM_FAMILY),
+                 **_UNIT_OPEN_HIGH),
+        "b2": _f("float", 0.999, "adam-family second-moment decay", used_when=("optim.name", _ADAM_FAMILY),
+                 **_UNIT_OPEN_HIGH),
+        "eps": _f("float", 1e-8, "adam-family denominator epsilon; lars trust-ratio epsilon", low=0.0,
+                  used_when=("optim.name", _ADAM_FAMILY + ("lars",))),
         "weight_decay": _f("float", 0.0, "weight decay: L2 added to the gradient for sgd/adam/lars, "
                            "decoupled for adamw/lamb", low=0.0),
         "mask_weight_decay": _f("bool", True, "no weight decay (and no lars trust ratio) on parameters "
                                 "with ndim <= 1: biases and norm scales"),
-        "trust_coefficient": _f("float", 1e-3, "lars trust coefficient", **_POS_FLOAT),
+        "trust_coefficient": _f("float", 1e-3, "lars trust coefficient", used_when=("optim.name", ("lars",)),
+                                **_POS_FLOAT),
         "grad_clip_norm": _f("float", None, "clip gradients to this global norm first; null = no clipping",
                              nullable=True, **_POS_FLOAT),
         "mu_dtype": _f("str", None, "dtype of the first-moment/momentum buffer; null = parameter dtype",
@@ -202,29 +359,38 @@ SCHEMA: dict[str, dict] = {
         "schedule": {
             "name": _f("str", "constant", "learning-rate schedule",
                        choices=("constant", "step", "multistep", "cosine", "onecycle")),
-            "warmup": _f("duration", 0, "linear warm-up length (not for onecycle)", low=0),
-            "warmup_init_fraction": _f("float", 0.0, "warm-up starts at this fraction of lr", **_UNIT),
+            "warmup": _f("duration", 0, "linear warm-up length (not for onecycle)", low=0,
+                         used_when=("optim.schedule.name", _SCHEDULED_WARMUP), rules=(_no_onecycle_warmup,)),
+            "warmup_init_fraction": _f("float", 0.0, "warm-up starts at this fraction of lr",
+                                       used_when=("optim.schedule.name", _SCHEDULED_WARMUP), **_UNIT),
             "decay_rate": _f("float", 0.1, "step/multistep: factor applied at each decay", low=0.0, high=1.0,
-                             open_low=True),
+                             open_low=True, used_when=("optim.schedule.name", ("step", "multistep"))),
             "decay_every": _f("duration", None, "step: decay every this long (required for step)",
-                              nullable=True, low=0, open_low=True),
+                              nullable=True, low=0, open_low=True, used_when=("optim.schedule.name", ("step",)),
+                              rules=(_needed_by_schedule("step", "decay_every (a duration), got null"),)),
             "milestones": _f("list", [], "multistep: decay at these durations from the start (required)",
-                             item=_f("duration", None, "milestone", low=0, open_low=True)),
-            "final_lr_fraction": _f("float", 0.0, "cosine: final learning rate as a fraction of lr", **_UNIT),
+                             item=_f("duration", None, "milestone", low=0, open_low=True),
+                             used_when=("optim.schedule.name", ("multistep",)),
+                             rules=(_needed_by_schedule("multistep", "a non-empty list of milestones"),)),
+            "final_lr_fraction": _f("float", 0.0, "cosine: final learning rate as a fraction of lr",
+                                    used_when=("optim.schedule.name", ("cosine",)), **_UNIT),
             "pct_start": _f("float", 0.3, "onecycle: fraction of the run spent increasing the lr",
-                            low=0.0, high=1.0, open_low=True, open_high=True),
-            "div_factor": _f("float", 25.0, "onecycle: initial lr = lr / div_factor", low=1.0),
-            "final_div_factor": _f("float", 1e4, "onecycle: final lr = initial lr / final_div_factor", low=1.0),
+                            low=0.0, high=1.0, open_low=True, open_high=True,
+                            used_when=("optim.schedule.name", ("onecycle",))),
+            "div_factor": _f("float", 25.0, "onecycle: initial lr = lr / div_factor", low=1.0,
+                             used_when=("optim.schedule.name", ("onecycle",))),
+            "final_div_factor": _f("float", 1e4, "onecycle: final lr = initial lr / final_div_factor", low=1.0,
+                                   used_when=("optim.schedule.name", ("onecycle",))),
         },
     },
     "train": {
         "steps": _f("int", None, "run length in optimiser steps (set exactly one of steps/epochs)",
-                    nullable=True, **_POS_INT),
+                    nullable=True, clears="train.epochs", rules=(_one_run_length,), **_POS_INT),
         "epochs": _f("float", None, "run length in epochs, fractions allowed (exactly one of steps/epochs)",
-                     nullable=True, low=0.0, open_low=True, high=MAX_STEPS),
+                     nullable=True, low=0.0, open_low=True, high=MAX_STEPS, clears="train.steps"),
         "seed": _f("int", 0, "seed of parameter initialisation and dropout", low=0, high=MAX_SEED),
         "eval_every": _f("duration", "1ep", "evaluate this often; null = only at the end", nullable=True,
-                         low=0, open_low=True),
+                         low=0, open_low=True, trains=False),
         "nan_policy": _f("str", "stop", "non-finite loss: stop the run, or skip the update",
                          choices=("stop", "skip")),
         "ema_decay": _f("float", 0.0, "keep an exponential moving average of the parameters with this "
@@ -233,7 +399,7 @@ SCHEMA: dict[str, dict] = {
         "accumulate_steps": _f("int", 1, "split each step's batch into this many micro-batches whose "
                                "gradients are averaged into one update (data.batch_size stays the "
                                "batch of one update; BatchNorm normalises each micro-batch alone)",
-                               **_POS_INT),
+                               rules=(_one_micro_batch_count,), **_POS_INT),
         "early_stopping": {
             "patience": _f("int", None, "stop after this many evaluations without improvement of "
                            "the metric (then evaluate, checkpoint and export as at the end); "
@@ -252,7 +418,7 @@ SCHEMA: dict[str, dict] = {
         "structure": _f("str", "unstructured", "prune single weights, or whole output channels (never "
                         "those of the last layer)", choices=("unstructured", "channel")),
     },
-    "checkpoint": {
+    "checkpoint": _not_training({
         "enabled": _f("bool", True, "save train-state checkpoints"),
         "every": _f("duration", "1ep", "save this often (and at the end)", low=0, open_low=True),
         "keep": _f("int", 3, "number of recent checkpoints kept", **_POS_INT),
@@ -261,16 +427,18 @@ SCHEMA: dict[str, dict] = {
                      choices=("auto", "must", "never")),
         "on_error": _f("str", "stop", "a failed save stops the run or only warns", choices=("stop", "warn")),
         "on_config_change": _f("str", "stop", "resuming a run under settings that train differently "
-                               "(see checkpoint.NON_TRAINING_KEYS): stop (exit 2, naming the keys) or "
+                               "(a key other than logging, checkpointing, evaluation cadence, data feeding, "
+                               "kernel choice or device layout): stop (exit 2, naming the keys) or "
                                "continue (earlier configs kept in config_history/)",
                                choices=("stop", "continue")),
         "format": _f("str", "npz", "file format of the final parameters", choices=("npz", "safetensors")),
-    },
+    }),
     "precision": {
         "policy": _f("str", "fp32", "preset (fp32, bf16, bf16_params, fp16) or 'p=f32,c=bf16,o=f32'", low=1),
         "loss_scale": _f("str", "auto", "loss scaling; auto = what the policy needs (dynamic for fp16, "
                           "none otherwise)", choices=("auto", "none", "static", "dynamic")),
-        "loss_scale_init": _f("float", 2.0 ** 15, "initial (or static) loss scale", **_POS_FLOAT),
+        "loss_scale_init": _f("float", 2.0 ** 15, "initial (or static) loss scale", rules=(_scale_in_bounds,),
+                              **_POS_FLOAT),
         "growth_interval": _f("int", 2000, "dynamic: finite steps before the scale grows", **_POS_INT),
         "growth_factor": _f("float", 2.0, "dynamic: scale multiplier after growth_interval finite steps",
                             low=1.0, open_low=True),
@@ -283,7 +451,7 @@ SCHEMA: dict[str, dict] = {
         "overrides": _f("dict", {}, "per layer kind policy, e.g. {batch_norm: f32}",
                         item=_f("str", None, "policy", low=1)),
     },
-    "mesh": {
+    "mesh": _not_training({
         "data": _f("int", -1, "devices on the data axis; -1 = all devices left over", extra=(-1,), **_POS_INT),
         "model": _f("int", 1, "devices on the model axis", **_POS_INT),
         "pipe": _f("int", 1, "pipeline stages: devices on the pipe axis", **_POS_INT),
@@ -292,38 +460,42 @@ SCHEMA: dict[str, dict] = {
                     "fill them, outermost first, the rest following as data, pipe, spatial, model; "
                     "null = that order; [pipe] spreads pipeline stages over the processes",
                     nullable=True, item=_f("str", None, "mesh axis", choices=("data", "pipe", "spatial", "model"))),
-    },
+    }),
     "parallel": {
-        "strategy": _f("str", "shard_map", "how the step is distributed", choices=("shard_map", "pmap", "jit")),
+        # strategy, fsdp, rules and the pipeline's split, balance, schedule, remat and engine place
+        # the same computation on the devices (remat computes part of it again): not training keys.
+        "strategy": _f("str", "shard_map", "how the step is distributed", choices=("shard_map", "pmap", "jit"),
+                       trains=False),
         "sync_batch_norm": _f("bool", True, "BatchNorm statistics over the global batch, not per device"),
-        "fsdp": _f("bool", False, "shard parameters and optimiser state over the data axis"),
+        "fsdp": _f("bool", False, "shard parameters and optimiser state over the data axis", trains=False),
         "rules": _f("dict", {}, "logical parameter axis -> mesh axis (data, model) or null; "
                     "merged over the built-in rules",
-                    item=_f("str", None, "mesh axis", nullable=True, choices=("data", "model"))),
+                    item=_f("str", None, "mesh axis", nullable=True, choices=("data", "model")), trains=False),
         "pipeline": {
             "microbatches": _f("int", None, "micro-batches per step of each data shard: the GPipe "
                                "schedule's with mesh.pipe > 1 (required there), gradient accumulation "
                                "without; null = train.accumulate_steps", nullable=True, **_POS_INT),
             "split": _f("list", None, "mesh.pipe > 1: blocks per stage; null = balanced",
-                        nullable=True, item=_f("int", None, "blocks", **_POS_INT)),
+                        nullable=True, item=_f("int", None, "blocks", **_POS_INT), trains=False),
             "balance": _f("str", "macs", "mesh.pipe > 1: what a balanced split evens out (MACs: time; "
                           "activations: activation memory; memory: the estimated per-device bytes, "
                           "activations, parameters and the widest stage boundary together)",
-                          choices=("macs", "params", "activations", "memory")),
+                          choices=("macs", "params", "activations", "memory"), trains=False),
             "schedule": _f("str", "gpipe", "mesh.pipe > 1: gpipe (every forward, then every backward) or "
                            "1f1b (one forward, one backward: the same numbers, min(pipe, microbatches) "
-                           "stage inputs kept per device instead of microbatches)", choices=("gpipe", "1f1b")),
+                           "stage inputs kept per device instead of microbatches)", choices=("gpipe", "1f1b"),
+                           trains=False),
             "remat": _f("bool", False, "mesh.pipe > 1: the backward keeps only each unit's input of a "
                         "stage (a block, or a run of single-layer blocks such as ResNet's stem) and "
                         "recomputes the unit once more (less activation memory, one more forward of "
-                        "the stage)"),
+                        "the stage)", trains=False),
             "engine": _f("str", "spmd", "mesh.pipe > 1: spmd (one program every device runs: buffers "
                          "sized by the widest boundary and largest stage on every device; across "
                          "processes) or mpmd (one program per stage, driven from Python in the "
                          "schedule's order: each device holds its own stage's buffers only; one process)",
-                         choices=("spmd", "mpmd")),
+                         choices=("spmd", "mpmd"), trains=False),
         },
-        "spatial": {
+        "spatial": _not_training({
             "until": _f("str", "auto", "with mesh.spatial > 1: the last layer (a path such as layer3) whose "
                         "activations stay split along height; auto = as far as the model allows", low=1),
             "remat": _f("bool", False, "with mesh.spatial > 1: the backward keeps only each block's input "
@@ -334,31 +506,27 @@ SCHEMA: dict[str, dict] = {
                        "explicit (each split block in shard_map, rows by ppermute; also splits windows "
                        "taller than their input and composes with mesh.model)",
                        choices=("partitioner", "explicit")),
-        },
+        }),
     },
-    "distributed": {
+    "distributed": _not_training({
         "mode": _f("str", "auto", "jax.distributed.initialize: auto-detect, always, or never",
                    choices=("auto", "on", "off")),
         "coordinator_address": _f("str", None, "'host:port' of process 0; null = auto-detect",
-                                  nullable=True, low=1),
+                                  nullable=True, low=1, rules=(_host_and_port,)),
         "num_processes": _f("int", None, "number of processes; null = auto-detect", nullable=True, **_POS_INT),
-        "process_id": _f("int", None, "this process's index; null = auto-detect", nullable=True, low=0),
+        "process_id": _f("int", None, "this process's index; null = auto-detect", nullable=True, low=0,
+                         rules=(_process_in_range,)),
         "timeout_s": _f("float", 300.0, "seconds to wait for the other processes", **_POS_FLOAT),
-    },
-    "logging": {
+    }),
+    "logging": _not_training({
         "log_every": _f("duration", 50, "print and record training metrics this often", low=0, open_low=True),
         "progress": _f("str", "auto", "progress display: auto = bar on a terminal, lines otherwise",
                        choices=("auto", "bar", "lines", "none")),
         "tensorboard": _f("bool", False, "also write TensorBoard event files"),
         "workdir": _f("str", None, "run directory (config, metrics, checkpoints); null = the trainer picks one",
-                      nullable=True, low=1),
-    },
+                      nullable=True, low=1, path="output"),
+    }),
 }
-
-# Keys of which a config sets exactly one; setting one in a later layer
-# (a file over its base, an override) clears the other.
-_EXCLUSIVE = {("train", "steps"): "epochs", ("train", "epochs"): "steps"}
-
 
 # ------------------------------------------------------------------ Config
 
@@ -673,7 +841,8 @@ def _merge(lower: dict, upper: dict, sources: dict, source: str | None, prefix: 
     else replaces.  ``source`` (when not None) is recorded for upper's keys."""
     for key, value in upper.items():
         path = _join(prefix, str(key))
-        other = _EXCLUSIVE.get((prefix, key))
+        spec = schema_field(path)
+        other = spec.clears.rpartition(".")[2] if spec is not None and spec.clears else None
         if other is not None and value is not None and other not in upper:
             lower.pop(other, None)
         if source is not None:
@@ -768,21 +937,30 @@ def _validate(raw: dict, sources: dict, default_source: str) -> Config:
 
     resolved = _validate_section(raw, SCHEMA, "", source_of)
     _expand_home(resolved)
-    _cross_checks(resolved, source_of)
+    _check_rules(resolved, source_of)
     return Config(resolved)
 
 
-# Keys naming files or directories: a leading "~" is the home directory, as a shell would take
-# it (a config file's `path: ~/data/cifar-10-batches-bin` was "does not exist").
-PATH_KEYS = ("data.path", "model.init_from", "logging.workdir")
-
-
 def _expand_home(resolved: dict) -> None:
-    for key in PATH_KEYS:
-        section, name = key.split(".")
-        value = resolved[section][name]
-        if isinstance(value, str) and value.startswith("~"):
-            resolved[section][name] = os.path.expanduser(value)
+    """A leading ``~`` of a path key is the home directory, as a shell would take it (a config
+    file's ``path: ~/data/cifar-10-batches-bin`` was "does not exist")."""
+    for key in path_keys():
+        *sections, name = key.split(".")
+        node = resolved
+        for part in sections:
+            node = node[part]
+        if isinstance(node[name], str) and node[name].startswith("~"):
+            node[name] = os.path.expanduser(node[name])
+
+
+def _check_rules(resolved: dict, source_of) -> None:
+    """Each field's rules across keys, in schema order: the first problem is a ConfigError
+    naming the field's key."""
+    for key, spec in fields():
+        for rule in spec.rules:
+            problem = rule(_get(resolved, key), resolved)
+            if problem:
+                raise ConfigError(f"{key}: {problem}", path=key, source=source_of(key))
 
 
 def _validate_section(raw, schema: dict, prefix: str, source_of) -> dict:
@@ -958,104 +1136,21 @@ def _number(x) -> str:
     return str(x) if isinstance(x, int) else f"{x:g}"
 
 
-def _cross_checks(cfg: dict, source_of):
-    def fail(path, message):
-        raise ConfigError(f"{path}: {message}", path=path, source=source_of(path))
-
-    train, data, optim, model = cfg["train"], cfg["data"], cfg["optim"], cfg["model"]
-    if (train["steps"] is None) == (train["epochs"] is None):
-        fail("train.steps", "set exactly one of train.steps or train.epochs "
-             f"(got steps={train['steps']!r}, epochs={train['epochs']!r})")
-    if data["source"] in ("cifar10", "npz", "folder", "records") and data["path"] is None:
-        what = {"cifar10": "directory", "npz": ".npz file", "folder": "image folder",
-                "records": "directory written by jaxcnn-data convert"}[data["source"]]
-        fail("data.path", f"data.source={data['source']!r} needs data.path (a {what}), got null")
-    size = data["image_size"]
-    if size is not None:
-        if data["source"] in ("folder", "records"):
-            if len(size) not in (2, 3) or (len(size) == 3 and size[2] != 3):
-                fail("data.image_size", f"expected [H, W] (RGB crops of that size) for data.source="
-                     f"{data['source']!r}, got {size!r}")
-            if data["eval_resize"] is not None and data["eval_resize"] < max(size[:2]):
-                fail("data.eval_resize", f"{data['eval_resize']} is smaller than the crop "
-                     f"data.image_size={list(size[:2])}: the centre crop would not fit")
-        elif len(size) != 3:
-            fail("data.image_size", f"expected a list of 3 items [H, W, C], got {size!r}")
-    if (data["num_classes"] is not None and model["num_classes"] is not None
-            and data["num_classes"] > model["num_classes"]):
-        fail("data.num_classes", f"{data['num_classes']} label classes do not fit a model with "
-             f"model.num_classes={model['num_classes']}")
-    if model["init_from_skip"] and model["init_from"] is None:
-        fail("model.init_from_skip", f"{model['init_from_skip']} re-initialises layers of "
-             "model.init_from's parameters, but model.init_from is null")
-    sched = optim["schedule"]
-    if sched["name"] == "step" and sched["decay_every"] is None:
-        fail("optim.schedule.decay_every", "schedule 'step' needs decay_every (a duration), got null")
-    if sched["name"] == "multistep" and not sched["milestones"]:
-        fail("optim.schedule.milestones", "schedule 'multistep' needs a non-empty list of milestones")
-    if sched["name"] == "onecycle" and sched["warmup"] != 0:
-        fail("optim.schedule.warmup", f"onecycle warms up by itself (pct_start); expected 0, "
-             f"got {sched['warmup']!r}")
-    if optim["name"] == "sgd" and optim["nesterov"] and optim["momentum"] == 0:
-        fail("optim.nesterov", "Nesterov momentum needs optim.momentum > 0")
-    prec = cfg["precision"]
-    if prec["loss_scale"] in ("static", "dynamic") and not prec["min_scale"] <= prec["loss_scale_init"] <= prec["max_scale"]:
-        fail("precision.loss_scale_init", f"expected min_scale ({prec['min_scale']:g}) <= loss_scale_init "
-             f"<= max_scale ({prec['max_scale']:g}), got {prec['loss_scale_init']:g}")
-    dist = cfg["distributed"]
-    if (dist["process_id"] is not None and dist["num_processes"] is not None
-            and dist["process_id"] >= dist["num_processes"]):
-        fail("distributed.process_id", f"expected < num_processes ({dist['num_processes']}), "
-             f"got {dist['process_id']}")
-    address = dist["coordinator_address"]
-    if address is not None:
-        host, _, port = address.rpartition(":")
-        if not host or not port.isdigit() or not 0 < int(port) < 65536:
-            fail("distributed.coordinator_address", f"expected 'host:port', got {address!r}")
-
-
 # ------------------------------------------------------------ printing
 
-# Keys that only some choices use: key -> (the choosing key, the values that use it).
-_USED_ONLY_WITH = {
-    **{f"data.{k}": ("data.source", ("synthetic",)) for k in ("num_train", "num_eval", "num_classes")},
-    "data.image_size": ("data.source", ("synthetic", "folder", "records")),
-    **{f"data.{k}": ("data.source", ("folder", "records")) for k in ("workers", "on_bad_image", "eval_resize")},
-    **{f"data.augment.{k}": ("data.source", ("mnist", "cifar10", "npz", "synthetic"))
-       for k in ("crop_padding", "flip")},
-    "data.path": ("data.source", ("mnist", "cifar10", "npz", "folder", "records")),
-    "optim.momentum": ("optim.name", ("sgd", "lars")),
-    "optim.nesterov": ("optim.name", ("sgd", "lars")),
-    "optim.b1": ("optim.name", ("adam", "adamw", "lamb")),
-    "optim.b2": ("optim.name", ("adam", "adamw", "lamb")),
-    "optim.eps": ("optim.name", ("adam", "adamw", "lars", "lamb")),
-    "optim.trust_coefficient": ("optim.name", ("lars",)),
-    "optim.schedule.warmup": ("optim.schedule.name", ("constant", "step", "multistep", "cosine")),
-    "optim.schedule.warmup_init_fraction": ("optim.schedule.name", ("constant", "step", "multistep", "cosine")),
-    "optim.schedule.decay_rate": ("optim.schedule.name", ("step", "multistep")),
-    "optim.schedule.decay_every": ("optim.schedule.name", ("step",)),
-    "optim.schedule.milestones": ("optim.schedule.name", ("multistep",)),
-    "optim.schedule.final_lr_fraction": ("optim.schedule.name", ("cosine",)),
-    **{f"optim.schedule.{k}": ("optim.schedule.name", ("onecycle",))
-       for k in ("pct_start", "div_factor", "final_div_factor")},
-}
 _KEY_LINE = re.compile(r"^( *)([A-Za-z_][A-Za-z0-9_]*):(?: |$)")
 
 
 def unused_keys(cfg) -> dict[str, str]:
     """``{dotted key: why}`` for the keys of ``cfg`` that its other choices leave unused, e.g.
     ``{"data.num_train": "not used by data.source=mnist"}``."""
-    def get(dotted):
-        node = cfg
-        for part in dotted.split("."):
-            node = node[part]
-        return node
-
     out = {}
-    for key, (chooser, users) in _USED_ONLY_WITH.items():
-        choice = get(chooser)
-        if choice not in users:
-            out[key] = f"not used by {chooser}={choice}"
+    for key, spec in fields():
+        if spec.used_when is not None:
+            chooser, users = spec.used_when
+            choice = _get(cfg, chooser)
+            if choice not in users:
+                out[key] = f"not used by {chooser}={choice}"
     return out
 
 
@@ -1072,11 +1167,9 @@ def set_but_unused(cfg) -> list[str]:
 
     out = []
     for key, why in unused_keys(cfg).items():
-        node = cfg
-        for part in key.split("."):
-            node = node[part]
-        if plain(node) != plain(schema_default(key)):
-            out.append(f"{key}={plain(node)!r} ({why})")
+        value = plain(_get(cfg, key))
+        if value != plain(schema_default(key)):
+            out.append(f"{key}={value!r} ({why})")
     return out
 
 
@@ -1151,7 +1244,29 @@ def train_steps(train_cfg, steps_per_epoch: int | None) -> int:
     return resolve_duration(_epochs_text(float(train_cfg.epochs)), steps_per_epoch, key="train.epochs")
 
 
-# ----------------------------------------------------------------- helpers
+# ------------------------------------------------------------ the registry
+
+def fields(schema: dict | None = None, prefix: str = ""):
+    """``(dotted key, Field)`` for every key of the schema (default :data:`SCHEMA`), in order."""
+    for key, spec in (SCHEMA if schema is None else schema).items():
+        if isinstance(spec, dict):
+            yield from fields(spec, _join(prefix, key))
+        else:
+            yield _join(prefix, key), spec
+
+
+def schema_field(key: str) -> Field | None:
+    """The Field of dotted ``key``, or of the ``dict`` key it lies under (``model.options.x``
+    is ``model.options``); None for a section or a key the schema does not have."""
+    node = SCHEMA
+    for part in key.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return None
+        node = node[part]
+        if isinstance(node, Field):
+            return node
+    return None
+
 
 _NO_DEFAULT = object()
 
@@ -1165,6 +1280,82 @@ def schema_default(key: str):
             return _NO_DEFAULT
         node = node[part]
     return node.default if isinstance(node, Field) else _NO_DEFAULT
+
+
+def path_keys(kind: str | None = None) -> tuple[str, ...]:
+    """The keys whose values name files or directories (``Field.path``), or those of one kind
+    (``"input"``: read again when a run is resumed or exported)."""
+    return tuple(k for k, spec in fields() if spec.path and kind in (None, spec.path))
+
+
+def _get(cfg, key: str):
+    node = cfg
+    for part in key.split("."):
+        node = node[part]
+    return node
+
+
+# -------------------------------------------- which keys change the training
+
+def _flatten(tree: Mapping, prefix: str = "") -> dict:
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, Mapping) and value:
+            out.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def _trains(key: str) -> bool:
+    """Whether dotted ``key`` changes what training computes (a key the schema does not know,
+    say one a future version saved, counts)."""
+    spec = schema_field(key)
+    return spec is None or spec.trains
+
+
+def training_config(config_dict: Mapping) -> dict:
+    """``{dotted key: value}`` of the keys of a resolved config whose Field ``trains``."""
+    return {k: v for k, v in _flatten(config_dict).items() if _trains(k)}
+
+
+def config_digest(config_dict: Mapping) -> str:
+    """sha256 of :func:`training_config` (canonical JSON): equal for configs that train alike."""
+    text = json.dumps(training_config(config_dict), sort_keys=True, default=str, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def config_changes(old: Mapping, new: Mapping) -> list[str]:
+    """``"key: old -> new"`` for each training key whose value differs, sorted by key.
+
+    A key the old config does not have (it was saved by a jaxcnn without it) is no change when
+    the new config leaves it at its default: a run resumes across a version that adds keys."""
+    a, b = training_config(old), training_config(new)
+    missing = "(unset)"
+
+    def opened_up(k, x, y):  # `{}` on one side, its keys on the other: those keys say it all
+        return x.get(k, missing) == {} and k not in y and any(key.startswith(k + ".") for key in y)
+
+    return [f"{k}: {a.get(k, missing)!r} -> {b.get(k, missing)!r}"
+            for k in sorted(a.keys() | b.keys()) if a.get(k, missing) != b.get(k, missing)
+            and not (k not in a and _as_saved(schema_default(k)) == b[k])
+            and not opened_up(k, a, b) and not opened_up(k, b, a)]
+
+
+def other_model(old: Mapping, new: Mapping) -> str | None:
+    """``"model 'lenet5', not 'mnist_cnn'"`` when two configs name different models, else None."""
+    a, b = training_config(old).get("model.name"), training_config(new).get("model.name")
+    return None if a == b else f"model {a!r}, not {b!r}"
+
+
+def _as_saved(value):
+    """A schema default as a resolved config holds it (lists for tuples, plain dicts)."""
+    if isinstance(value, tuple):
+        return list(value)
+    return value
+
+
+# ----------------------------------------------------------------- helpers
 
 
 def _join(prefix: str, key: str) -> str:

@@ -28,12 +28,10 @@ import jax
 from jaxcnn import _host_memory
 from jaxcnn.data.preprocessing import PREPROCESSING_FILE
 from jaxcnn.errors import WorkdirError
+from jaxcnn.train.config import path_keys
 from jaxcnn.train.memory import fmt_bytes
 
 PARAM_FORMATS = ("npz", "safetensors")
-# The config keys that hold paths a run reads again when resumed or exported, relative to the
-# directory it was started in unless absolute.
-RELATIVE_PATH_KEYS = ("data.path", "model.init_from")
 
 
 def _dotted(config, key: str):
@@ -144,10 +142,11 @@ class RunDir:
 
     def explain_missing_path(self, message: str, values=None, *, moved_only: bool = False) -> str:
         """``message`` (a one-line error) with :meth:`moved_path_hint` added when it says that one
-        of `RELATIVE_PATH_KEYS` does not exist: every command that reads a saved run (eval,
+        of the input path keys (``config.path_keys("input")``: read again, relative to the directory
+        the run was started in) does not exist: every command that reads a saved run (eval,
         export, predict, a resumed training) says so the same way. ``values``: the keys' values
         (a config), else the run's ``config.resolved.yaml``."""
-        key = next((k for k in RELATIVE_PATH_KEYS if message.startswith(f"{k}: ")), None)
+        key = next((k for k in path_keys("input") if message.startswith(f"{k}: ")), None)
         if key is None or "does not exist" not in message or "relative to the current directory" in message:
             return message
         value = _dotted(values, key) if values is not None else _dotted(self._saved_config(), key)

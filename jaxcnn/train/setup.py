@@ -260,30 +260,18 @@ def _loss_scale(cfg, policy):
 
 
 def mix_spec(cfg) -> MixSpec | None:
-    """``data.augment.mixup``/``cutmix`` as a :class:`MixSpec`, or None when both are off.
-
-    Raises:
-        ConfigError: both on with probabilities adding up to more than 1.
-    """
+    """``data.augment.mixup``/``cutmix`` as a :class:`MixSpec`, or None when both are off
+    (the schema has checked that their probabilities add up to at most 1)."""
     mixup, cutmix = cfg.data.augment.mixup, cfg.data.augment.cutmix
     spec = MixSpec(mixup.alpha, mixup.prob, cutmix.alpha, cutmix.prob)
-    if not spec.enabled:
-        return None
-    if mixup.alpha > 0 and cutmix.alpha > 0 and mixup.prob + cutmix.prob > 1 + 1e-9:
-        raise ConfigError(f"data.augment.mixup.prob: {mixup.prob:g} + data.augment.cutmix.prob "
-                          f"{cutmix.prob:g} is more than 1 (a batch gets one or the other); e.g. "
-                          "set both to 0.5", path="data.augment.mixup.prob")
-    return spec
+    return spec if spec.enabled else None
 
 
 def micro_batches(cfg) -> int:
     """Micro-batches per step: ``parallel.pipeline.microbatches`` when set (the same split
     with or without pipeline stages, so a run resumes across layouts), else
-    ``train.accumulate_steps``."""
+    ``train.accumulate_steps`` (the schema has checked that they do not disagree)."""
     k, m = cfg.train.accumulate_steps, cfg.parallel.pipeline.microbatches
-    if m is not None and k not in (1, m):
-        raise ConfigError(f"train.accumulate_steps: {k}, but parallel.pipeline.microbatches={m} "
-                          "(both are micro-batches per step: set one)", path="train.accumulate_steps")
     return k if m is None else m
 
 
@@ -321,7 +309,6 @@ def build_run(cfg) -> Run:
     tx = prune.prune_optimizer(tx, cfg.prune.amount)  # pruned weights get no updates
     if cfg.train.ema_decay > 0:  # last: it averages the parameters the update produces
         tx = optax.chain(tx, ema(cfg.train.ema_decay))
-    mix_spec(cfg)  # probabilities checked before any compute
     if cfg.train.early_stopping.patience is not None and (
             cfg.train.eval_every is None or (data.dataset is None and data.images is None)):
         why = ("train.eval_every is null" if cfg.train.eval_every is None

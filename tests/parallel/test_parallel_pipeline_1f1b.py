@@ -200,7 +200,7 @@ def test_schedule_key_and_its_errors():
 def test_resume_under_the_other_schedule_is_not_a_config_change():
     """The schedule (and remat) change memory, not the training math: a run resumes under the
     other one."""
-    from jaxcnn.train.checkpoint import config_changes
+    from jaxcnn.train.config import config_changes
     old = {"parallel": {"pipeline": {"schedule": "gpipe", "microbatches": 4}}}
     new = {"parallel": {"pipeline": {"schedule": "1f1b", "microbatches": 4}}}
     assert config_changes(old, new) == []

@@ -431,7 +431,8 @@ def test_checkpoint_whose_name_or_state_disagrees_with_its_step_is_damaged(tmp_p
 
 
 def test_checkpoint_from_another_config_is_refused(tmp_path):
-    from jaxcnn.train.checkpoint import ConfigChangedError, config_changes, config_digest
+    from jaxcnn.train.checkpoint import ConfigChangedError
+    from jaxcnn.train.config import config_changes, config_digest
     cfg = {"optim": {"lr": 0.1, "name": "sgd"}, "train": {"seed": 0, "eval_every": 5},
            "logging": {"progress": "bar"}, "checkpoint": {"keep": 3, "resume": "auto"},
            "data": {"prefetch": 2, "batch_size": 8}}
@@ -463,7 +464,8 @@ def test_checkpoint_from_another_config_is_refused(tmp_path):
 def test_a_checkpoint_saved_before_a_key_existed_resumes_when_the_key_is_at_its_default(tmp_path):
     """A jaxcnn that adds config keys (train.ema_decay, ...) still resumes the checkpoints of one
     without them, unless the new key is set to something other than its default."""
-    from jaxcnn.train.checkpoint import ConfigChangedError, config_changes
+    from jaxcnn.train.checkpoint import ConfigChangedError
+    from jaxcnn.train.config import config_changes
     from jaxcnn.train.config import load_config, to_dict
     new = to_dict(load_config(str(pathlib.Path(__file__).parents[2] / "configs" / "mnist_cnn.yaml")))
     old = {**new, "train": {k: v for k, v in new["train"].items()
@@ -540,7 +542,8 @@ def test_checkpoints_of_another_model_are_named_so_not_offered_continue(tmp_path
     (three 600-character lines)."""
     import yaml
 
-    from jaxcnn.train.checkpoint import ConfigChangedError, check_resume_config, config_changes
+    from jaxcnn.train.checkpoint import ConfigChangedError, check_resume_config
+    from jaxcnn.train.config import config_changes
     assert config_changes({"model": {"name": "a", "options": {}}},
                           {"model": {"name": "a", "options": {"act": "relu"}}}) == [
         "model.options.act: '(unset)' -> 'relu'"]  # not also "model.options: {} -> '(unset)'"

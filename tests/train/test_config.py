@@ -526,6 +526,52 @@ def test_print_config_marks_keys_the_config_does_not_use(capsys):
     assert "  momentum: 0.9" in lines and "  b1: 0.9  # not used by optim.name=sgd" in lines
 
 
+def test_a_key_is_its_field_and_validation_resume_detection_and_print_config_follow_it(
+        tmp_path, monkeypatch, capsys):
+    """Adding a config key is writing its Field (and the line that reads it): validation, the
+    rules across keys, resume-change detection, --print-config's notes and the 'not applied'
+    warning all follow from the Field, with no other list to extend."""
+    from jaxcnn.errors import ConfigChangedError
+    from jaxcnn.train import config as C
+    from jaxcnn.train.checkpoint import check_resume_config
+    from jaxcnn.train.cli import train_main
+
+    def even(value, cfg):
+        return None if value % 2 == 0 else f"expected an even number of widgets, got {value}"
+
+    monkeypatch.setitem(SCHEMA["optim"], "widgets", C.Field(
+        "int", 2, "a new training key", low=0, used_when=("optim.name", ("sgd",)), rules=(even,)))
+    monkeypatch.setitem(SCHEMA["logging"], "colour", C.Field("bool", False, "a new display key",
+                                                             trains=False))
+    cfg = config_from_dict(MINIMAL, ["optim.widgets=4"])
+    assert cfg.optim.widgets == 4 and cfg.logging.colour is False
+    assert error_of(config_from_dict, MINIMAL, ["optim.widgets=3"]).path == "optim.widgets"
+    assert "optim.widgets: expected an even number of widgets, got 3" in str(
+        error_of(config_from_dict, MINIMAL, ["optim.widgets=3"]))
+    assert "did you mean 'optim.widgets'" in str(error_of(config_from_dict, MINIMAL, ["optim.widget=2"]))
+
+    # Resume: a run directory saved under widgets=2 (and an older one without the key at all).
+    workdir = tmp_path / "run"
+    (workdir / "checkpoints" / "1").mkdir(parents=True)
+    saved = to_dict(config_from_dict(MINIMAL))
+    (workdir / "config.resolved.yaml").write_text(yaml.safe_dump(saved))
+    with pytest.raises(ConfigChangedError, match=r"optim\.widgets: 2 -> 4"):
+        check_resume_config(str(workdir), to_dict(cfg))
+    recoloured = to_dict(config_from_dict(MINIMAL, ["logging.colour=true"]))
+    assert check_resume_config(str(workdir), recoloured) == []
+    del saved["optim"]["widgets"]
+    assert C.config_changes(saved, to_dict(config_from_dict(MINIMAL))) == []
+    assert C.config_changes(saved, to_dict(cfg)) == ["optim.widgets: '(unset)' -> 4"]
+
+    # --print-config and the start-up warning: not used by adamw, used by sgd.
+    config = write(tmp_path, "c.yaml", "model: {name: mnist_cnn}\ntrain: {steps: 10}\n")
+    assert train_main([config, "optim.widgets=4", "--print-config"]) == 0
+    assert "  widgets: 4  # not used by optim.name=adamw" in capsys.readouterr().out.splitlines()
+    assert C.set_but_unused(cfg) == ["optim.widgets=4 (not used by optim.name=adamw)"]
+    sgd = config_from_dict(MINIMAL, ["optim.name=sgd", "optim.widgets=4"])
+    assert C.set_but_unused(sgd) == [] and "  widgets: 4\n" in C.dump_config(sgd)
+
+
 TINY = ["model.name=mnist_cnn", "data.source=synthetic", "data.image_size=[12, 12, 1]", "data.num_train=16",
         "data.num_eval=8", "data.batch_size=8", "data.prefetch=0", "train.epochs=null", "train.steps=1",
         "train.eval_every=null"]
