@@ -43,7 +43,7 @@ def measure(model_name, policy_name, batch, size, classes, iters, warmup):
                                loss_scale=P.make_loss_scale(policy.default_loss_scale), policy=policy)
     host = synthetic_batch(SyntheticSpec((size, size, 3), classes), 0, seed=0, batch_size=batch)
     data = jax.device_put(host)
-    step = jax.jit(make_train_step(model, tx, policy=policy), donate_argnums=0)
+    step = jax.jit(make_train_step(model, tx, policy=policy).step, donate_argnums=0)
     compiled = step.lower(state, data).compile()
     analysis = compiled.memory_analysis()
     static_bytes = None

@@ -57,6 +57,7 @@ import optax
 
 from jaxcnn import _host_memory
 from jaxcnn import functional as F
+from jaxcnn import layers as L
 from jaxcnn.functional.conv_bn import FUSIONS
 from jaxcnn import models, summary
 from jaxcnn.summary import peak_flops
@@ -122,8 +123,8 @@ def bench_jaxcnn(case, args, bf16, impl="auto", bn_grad="auto", conv_bn="auto"):
     state = create_train_state(model, tx, jax.random.PRNGKey(0), (batch, *hwc),
                                loss_scale=P.make_loss_scale("none"), policy=policy)
     data = jax.device_put(host_batch(case, batch))
-    step = jax.jit(make_train_step(model, tx, policy=policy, impl=impl, batch_norm_grad=bn_grad,
-                                   conv_bn=conv_bn), donate_argnums=0)
+    choices = L.Choices(impl=impl, batch_norm_grad=bn_grad, conv_bn=conv_bn)
+    step = jax.jit(make_train_step(model, tx, policy=policy, choices=choices).step, donate_argnums=0)
     step = step.lower(state, data).compile()
     return median_jitted_step(step, state, data, args)
 

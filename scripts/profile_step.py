@@ -31,6 +31,7 @@ import jax  # noqa: E402
 import optax
 
 from jaxcnn import functional as F
+from jaxcnn import layers as L
 from jaxcnn import models
 from jaxcnn import precision as P
 from jaxcnn.data import SyntheticSpec, synthetic_batch
@@ -89,7 +90,8 @@ def main(argv=None) -> int:
                                loss_scale=P.make_loss_scale(policy.default_loss_scale), policy=policy)
     data = jax.device_put(synthetic_batch(SyntheticSpec(shape[1:], args.classes), 0, seed=0,
                                           batch_size=args.batch))
-    step = jax.jit(make_train_step(model, tx, policy=policy, batch_norm_grad=args.bn_grad),
+    step = jax.jit(make_train_step(model, tx, policy=policy,
+                                   choices=L.Choices(batch_norm_grad=args.bn_grad)).step,
                    donate_argnums=0)
     step = step.lower(state, data).compile()
     with open(f"{out}/step.hlo.txt", "w", encoding="utf-8") as f:

@@ -302,7 +302,7 @@ def evaluate_model(cfg, model, params, state) -> dict:
     from jaxcnn.train.step import make_eval_step
     run = _dataset(cfg)
     with matmul_precision(cfg):
-        return evaluate(run, jax.jit(make_eval_step(model)), params, state)
+        return evaluate(run, jax.jit(make_eval_step(model).step), params, state)
 
 
 def export(source, out, *, format: str, model: str | None = None, num_classes=None,

@@ -19,7 +19,6 @@ Typical use::
     from jaxcnn import functional as F
     y = F.relu(F.conv2d(x, w, b, padding=1))
 """
-from jaxcnn.functional._dispatch import default_impl  # removed: raises, naming the argument
 from jaxcnn.functional.activation import (
     elu, gelu, hardsigmoid, hardswish, leaky_relu, log_softmax, relu, relu6, sigmoid, silu,
     softmax, tanh)
@@ -28,8 +27,7 @@ from jaxcnn.functional.dropout import STOCHASTIC_DEPTH_MODES, dropout, stochasti
 from jaxcnn.functional.linear import linear
 from jaxcnn.functional.loss import cross_entropy, top_k_accuracy, top_k_correct
 from jaxcnn.functional.norm import (
-    BATCH_NORM_GRADS, batch_norm, batch_norm_train, default_batch_norm_grad,  # removed: raises
-    group_norm, layer_norm)
+    BATCH_NORM_GRADS, batch_norm, batch_norm_train, group_norm, layer_norm)
 from jaxcnn.functional.pool import (
     adaptive_avg_pool2d, adaptive_max_pool2d, avg_pool2d, global_avg_pool2d, max_pool2d)
 

@@ -33,18 +33,6 @@ def check_impl(op: str, impl: str) -> str:
     return impl
 
 
-def default_impl(impl: str):
-    """Removed: a scope read while tracing could not reach a cached ``jax.jit`` trace.
-
-    Pass the choice instead: ``impl=`` to the ops, or for a model
-    ``apply(..., choices=Choices(impl=))`` / ``make_train_step(..., impl=)``.
-    """
-    raise RuntimeError(
-        "F.default_impl was removed: a cached jax.jit trace ignored it. Pass the choice as an "
-        "argument: the ops' impl=..., model.apply(..., choices=jaxcnn.layers.Choices(impl=...)) "
-        "or make_train_step(..., impl=...)")
-
-
 def layer_impl(impl: str) -> str:
     """The ops' ``impl`` argument for a layer-level choice (``Choices.impl``).
 

@@ -77,20 +77,6 @@ def _scale_shift(centred, factor, scale, bias):
     return y if bias is None else y + channel_broadcast(bias.astype(centred.dtype), centred.shape)
 
 
-def default_batch_norm_grad(grad: str):
-    """Removed: a scope read while tracing could not reach a cached ``jax.jit`` trace.
-
-    Pass the form instead: ``batch_norm_train(..., grad=)``, or for a model
-    ``apply(..., choices=Choices(batch_norm_grad=))`` /
-    ``make_train_step(..., batch_norm_grad=)``.
-    """
-    raise RuntimeError(
-        "F.default_batch_norm_grad was removed: a cached jax.jit trace ignored it. Pass the form "
-        "as an argument: F.batch_norm_train(..., grad=...), model.apply(..., "
-        "choices=jaxcnn.layers.Choices(batch_norm_grad=...)) or make_train_step(..., "
-        "batch_norm_grad=...)")
-
-
 def check_batch_norm_grad(op: str, grad: str) -> str:
     """Returns ``grad`` after checking it is ``"auto"`` or one of :data:`BATCH_NORM_GRADS`."""
     if grad != "auto" and grad not in BATCH_NORM_GRADS:

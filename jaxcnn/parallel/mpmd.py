@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import collections
 import math
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -268,8 +269,7 @@ class MPMD:
                     x = _on(jax.eval_shape(programs[s], *args), self.rows[s + 1])
             return peak
 
-        run.memory = memory
-        return run
+        return _StagedEval(run, memory)
 
     # ----- the step ---------------------------------------------------------------------
 
@@ -298,6 +298,17 @@ class MPMD:
         return _Driver(self, head=head, prepare=prepare, policy=policy, choices=choices, init_opt=init_opt,
                        update=update, finish=finish, select_nonfinite=select_nonfinite,
                        sync_batch_norm=sync_batch_norm, donate=donate)
+
+
+class _StagedEval(NamedTuple):
+    """``evaluate(params, model_state, batch) -> sums`` stage by stage, and ``memory`` (the same
+    arguments, as shapes): its bytes on the busiest device."""
+
+    run: Callable
+    memory: Callable
+
+    def __call__(self, params, model_state, batch):
+        return self.run(params, model_state, batch)
 
 
 def _floating(x):

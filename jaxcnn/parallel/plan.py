@@ -234,25 +234,30 @@ class ParallelPlan:
         return global_batch(local_batch, self.batch_sharding())
 
     def wrap_step(self, train_step, *, donate: bool = True):
-        """``train_step`` (built with ``axis_name=self.step_axis_name``,
-        ``sync_batch_norm=self.sync_batch_norm`` and ``pipeline=self.pipeline``)
-        distributed over the mesh."""
-        if getattr(train_step, "pipeline", self.pipeline) is not self.pipeline:
+        """``train_step`` (a ``TrainStep`` built with ``axis_name=self.step_axis_name``,
+        ``sync_batch_norm=self.sync_batch_norm`` and ``pipeline=self.pipeline``, or a plain
+        ``(state, batch) -> (state, metrics)``) distributed over the mesh."""
+        pipeline = self.pipeline if callable(train_step) else train_step.pipeline
+        if pipeline is not self.pipeline:
             raise ValueError("parallel.pipeline: the train step was not built with this plan's pipeline; "
                              "build it with make_train_step(..., pipeline=plan.pipeline)")
         if self.mpmd is not None:
+            if callable(train_step) or train_step.stages is None:
+                raise ValueError("parallel.pipeline.engine: mpmd runs a step's stages as separate "
+                                 "programs; build it with make_train_step(..., pipeline=plan.pipeline)")
             S._check_batch_norm_axis(train_step, DATA if self.sync_batch_norm else None)
-            return self.mpmd.build_step(**train_step.mpmd, donate=donate)
+            return self.mpmd.build_step(**train_step.stages._asdict(), donate=donate)
         return S.wrap_train_step(train_step, self.strategy, self.mesh, self.state_shardings,
                                  sync_batch_norm=self.sync_batch_norm, donate=donate)
 
     def wrap_eval(self, eval_step):
-        """``eval_step(params, model_state, batch)`` jitted with the state's shardings
-        (a global program under every strategy; its sums come back replicated)."""
+        """``eval_step`` (an ``EvalStep``; a plain ``(params, model_state, batch) -> sums``
+        except under the mpmd engine) jitted with the state's shardings (a global program
+        under every strategy; its sums come back replicated)."""
         if self.mpmd is not None:
             return self.mpmd.build_eval(eval_step)
         sh = self.state_shardings
-        return jax.jit(eval_step, in_shardings=(sh.params, sh.state, self.batch_sharding()),
+        return jax.jit(S.step_fn(eval_step), in_shardings=(sh.params, sh.state, self.batch_sharding()),
                        out_shardings=self.replicated)
 
 

@@ -48,6 +48,12 @@ def step_axis_name(strategy: str) -> str | None:
     return None if strategy == "jit" else DATA
 
 
+def step_fn(train_step):
+    """The pure ``step(state, batch)`` of a :class:`jaxcnn.train.step.TrainStep`, or
+    ``train_step`` itself when it is a plain function (a step of the caller's own)."""
+    return getattr(train_step, "step", train_step)
+
+
 def per_device(train_step, *, axis_name: str = DATA, sync_batch_norm: bool = True):
     """The per-device program shared by ``shard_map`` and ``pmap``.
 
@@ -57,23 +63,25 @@ def per_device(train_step, *, axis_name: str = DATA, sync_batch_norm: bool = Tru
     are averaged over devices after the step, so the state stays replicated.
 
     Arguments:
-        train_step: ``(state, batch) -> (state, metrics)`` built with ``axis_name``
-            and the same ``sync_batch_norm`` (``make_train_step``'s arguments: the
-            step passes BatchNorm its axis, so a cached trace cannot miss it).
+        train_step: a ``TrainStep`` built with ``axis_name`` and the same
+            ``sync_batch_norm`` (``make_train_step``'s arguments: the step passes
+            BatchNorm its axis, so a cached trace cannot miss it), or a plain
+            ``(state, batch) -> (state, metrics)``.
         axis_name: the mapped data axis.
         sync_batch_norm: BatchNorm statistics over the global batch.
 
     Raises:
-        ValueError: when ``train_step`` says (``batch_norm_axis_name``, as
-            ``make_train_step``'s steps do) that BatchNorm syncs otherwise.
+        ValueError: when ``train_step`` says (its ``batch_norm_axis_name``) that
+            BatchNorm syncs otherwise.
     """
     _check_batch_norm_axis(train_step, axis_name if sync_batch_norm else None)
+    fn = step_fn(train_step)
 
     def step(state, batch):
         shared_rng = state.rng
         key = jax.random.fold_in(jax.random.wrap_key_data(shared_rng), jax.lax.axis_index(axis_name))
         state = state._replace(rng=jax.random.key_data(key))
-        new_state, metrics = train_step(state, batch)
+        new_state, metrics = fn(state, batch)
         if not sync_batch_norm:
             new_state = new_state._replace(state=jax.tree_util.tree_map(
                 lambda x: jax.lax.pmean(x, axis_name) if jnp.issubdtype(x.dtype, jnp.floating) else x,
@@ -84,7 +92,7 @@ def per_device(train_step, *, axis_name: str = DATA, sync_batch_norm: bool = Tru
 
 
 def _check_batch_norm_axis(train_step, expected) -> None:
-    if not hasattr(train_step, "batch_norm_axis_name"):
+    if callable(train_step):
         return  # a step not made by make_train_step: its BatchNorm axis is its own business
     got = train_step.batch_norm_axis_name
     if got != expected:
@@ -99,7 +107,8 @@ def wrap_train_step(train_step, strategy: str, mesh: Mesh, state_shardings, *,
     """Distribute ``train_step`` over ``mesh``.
 
     Arguments:
-        train_step: built with ``axis_name=step_axis_name(strategy)``.
+        train_step: a ``TrainStep`` built with ``axis_name=step_axis_name(strategy)``, or a
+            plain ``(state, batch) -> (state, metrics)``.
         strategy: ``"shard_map"``, ``"pmap"`` or ``"jit"``.
         mesh: the ``(data, model)`` mesh.
         state_shardings: a ``TrainState`` of ``NamedSharding`` (where the state lives).
@@ -113,7 +122,7 @@ def wrap_train_step(train_step, strategy: str, mesh: Mesh, state_shardings, *,
     step = _compile(train_step, strategy, mesh, state_shardings, sync_batch_norm, donate)
     devices = mesh.devices.reshape(-1)
     if devices.size > 1 and devices[0].platform == "cpu":
-        return _bounded(step, CPU_MAX_IN_FLIGHT)
+        return _Bounded(step, CPU_MAX_IN_FLIGHT)
     return step
 
 
@@ -122,16 +131,16 @@ def _compile(train_step, strategy, mesh, state_shardings, sync_batch_norm, donat
     donate_argnums = (0,) if donate else ()
     if strategy == "jit":
         _check_batch_norm_axis(train_step, None)
-        return jax.jit(train_step, in_shardings=(state_shardings, batch_sharding(mesh)),
+        return jax.jit(step_fn(train_step), in_shardings=(state_shardings, batch_sharding(mesh)),
                        out_shardings=(state_shardings, replicated), donate_argnums=donate_argnums)
-    if getattr(train_step, "pipeline", None) is not None:
+    if not callable(train_step) and train_step.pipeline is not None:
         # A pipelined step is a global program: only its stages' schedule is a shard_map
         # (manual over data and pipe, inside the step), so XLA partitions the optimiser
         # update over the parameters' pipe shards.
         if strategy != "shard_map":
             raise ValueError(f"parallel.strategy: pipeline parallelism runs under shard_map, got {strategy!r}")
         _check_batch_norm_axis(train_step, DATA if sync_batch_norm else None)
-        return jax.jit(train_step, in_shardings=(state_shardings, batch_sharding(mesh)),
+        return jax.jit(step_fn(train_step), in_shardings=(state_shardings, batch_sharding(mesh)),
                        out_shardings=(state_shardings, replicated), donate_argnums=donate_argnums)
     program = per_device(train_step, sync_batch_norm=sync_batch_norm)
     if strategy == "shard_map":
@@ -146,20 +155,21 @@ def _compile(train_step, strategy, mesh, state_shardings, sync_batch_norm, donat
     raise ValueError(f"unknown parallel strategy {strategy!r}; expected one of {STRATEGIES}")
 
 
-def _bounded(step, max_in_flight: int):
+class _Bounded:
     """``step`` that waits for the metrics of the step ``max_in_flight`` calls back
-    before returning, so no more than that many steps are ever queued."""
-    pending = collections.deque()
+    before returning, so no more than that many steps are ever queued; ``lower`` is the
+    step's (the trainer compiles it ahead)."""
 
-    def call(state, batch):
-        new_state, metrics = step(state, batch)
-        pending.append(metrics)
-        if len(pending) > max_in_flight:
-            jax.block_until_ready(pending.popleft())
+    def __init__(self, step, max_in_flight: int):
+        self.step, self.max_in_flight, self.pending = step, max_in_flight, collections.deque()
+        self.lower = step.lower
+
+    def __call__(self, state, batch):
+        new_state, metrics = self.step(state, batch)
+        self.pending.append(metrics)
+        if len(self.pending) > self.max_in_flight:
+            jax.block_until_ready(self.pending.popleft())
         return new_state, metrics
-
-    call.lower = step.lower  # the setup compiles it ahead (train.loop.prepare)
-    return call
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:

@@ -259,6 +259,7 @@ def eval_main(argv=None) -> int:
         from jaxcnn.train.loop import evaluate
         from jaxcnn.train.rundir import RunDir
         from jaxcnn.train.setup import abstract_state, build_run, matmul_precision
+        from jaxcnn.layers import Choices
         from jaxcnn.train.step import make_eval_step
 
         run_dir = RunDir(args.run_dir)
@@ -291,8 +292,8 @@ def eval_main(argv=None) -> int:
             manager.close()
             params, model_state = eval_params(state, run.policy), state.state  # the EMA if the run kept one
         with matmul_precision(cfg):
-            result = evaluate(run, jax.jit(make_eval_step(run.model, policy=run.policy,
-                                                          impl=cfg.model.impl)), params, model_state)
+            eval_step = make_eval_step(run.model, policy=run.policy, choices=Choices(impl=cfg.model.impl))
+            result = evaluate(run, jax.jit(eval_step.step), params, model_state)
         result["step"] = step
     except _bad_input_errors() as e:
         message = str(e)

@@ -27,6 +27,7 @@ from jaxcnn.data.synthetic import NOISE_MEAN, NOISE_STD
 from jaxcnn.errors import ConfigError, DataError
 from jaxcnn.data.mix import MixSpec
 from jaxcnn.interop.arrays import PARAMETER_FILE_TYPES, tree_items, unflatten, unknown_file_type
+from jaxcnn.layers import Choices
 from jaxcnn.train import prune
 from jaxcnn.train.ema import ema
 from jaxcnn.train.config import resolve_duration, train_steps
@@ -622,13 +623,14 @@ def prepare(cfg, check_run=None) -> Prepared:
         plan.step_model, run.tx, policy=run.policy, label_smoothing=cfg.optim.label_smoothing,
         schedule=run.schedule, skip_nonfinite=cfg.train.nan_policy == "skip",
         axis_name=plan.step_axis_name, sync_batch_norm=plan.sync_batch_norm,
-        image_norm=train_image_norm(run),
-        impl=cfg.model.impl, batch_norm_grad=cfg.model.batch_norm_grad, mix=mix_spec(cfg),
-        accumulate=micro_batches(cfg), conv_bn=cfg.model.conv_bn, pipeline=plan.pipeline,
+        image_norm=train_image_norm(run), choices=Choices(
+            impl=cfg.model.impl, batch_norm_grad=cfg.model.batch_norm_grad, conv_bn=cfg.model.conv_bn),
+        mix=mix_spec(cfg), accumulate=micro_batches(cfg), pipeline=plan.pipeline,
         # mpmd: each stage's tx sees its own gradients, so the step clips by the whole model's
         # norm first (tx's own clip_by_global_norm then finds every stage within it)
         clip_norm=cfg.optim.grad_clip_norm if plan.mpmd is not None else None))
-    eval_step = plan.wrap_eval(make_eval_step(plan.step_model, policy=run.policy, impl=cfg.model.impl))
+    eval_step = plan.wrap_eval(make_eval_step(plan.step_model, policy=run.policy,
+                                              choices=Choices(impl=cfg.model.impl)))
     eval_size = eval_batch_size(run)
     if plan.mpmd is not None:  # one program per stage: checked by its largest stage's peak
         with matmul_precision(cfg):

@@ -1,12 +1,16 @@
 """Pure train and eval steps.
 
-``train_step(state, batch) -> (state, metrics)`` is a pure function of a
-:class:`TrainState` and a batch ``{"image": (N, H, W, C), "label": (N,)}``;
-the ``parallel`` package wraps it for many devices, the loop only calls it.
+:func:`make_train_step` returns a :class:`TrainStep`: its ``step(state, batch) -> (state,
+metrics)`` is a pure function of a :class:`TrainState` and a batch ``{"image": (N, H, W, C),
+"label": (N,)}`` (jit it, or give the whole tuple to ``plan.wrap_step`` for a mesh), and its
+other fields are what the ``parallel`` package needs to run it: the BatchNorm axis, the
+pipeline, and the per-stage pieces of an MPMD pipeline. :func:`make_eval_step` returns an
+:class:`EvalStep` the same way.
 """
 from __future__ import annotations
 
-from typing import Callable
+import dataclasses
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +22,46 @@ from jaxcnn.data import mix as mixing
 from jaxcnn.layers.base import Choices
 from jaxcnn.parallel.mesh import DATA
 from jaxcnn.train.state import MasterCopyState, TrainState, init_opt_state
+
+
+class StageFns(NamedTuple):
+    """The pieces of a train step that :class:`jaxcnn.parallel.mpmd.MPMD` runs as one program
+    per pipeline stage (``parallel.pipeline.engine: mpmd``)."""
+
+    head: Callable          # (logits, labels, loss_scale) -> (scaled loss, (loss, top1))
+    prepare: Callable       # batch images -> the first stage's input (normalised on the device)
+    policy: Any
+    choices: Choices
+    init_opt: Callable      # params -> optimiser state (a stage's own)
+    update: Callable        # (params, opt_state, grads, global norm) -> (grads, params, opt_state)
+    finish: Callable        # see _finish
+    sync_batch_norm: bool
+    select_nonfinite: Callable  # state -> whether a non-finite step leaves the state unchanged
+
+
+class TrainStep(NamedTuple):
+    """A train step and what a mesh needs to run it.
+
+    ``step(state, batch) -> (state, metrics)``: the pure step, one program (None for an MPMD
+    pipeline, whose stages are separate programs: ``stages`` holds their pieces).
+    ``batch_norm_axis_name``: the axis BatchNorm syncs over, or None. ``pipeline``: the
+    :class:`jaxcnn.parallel.Pipeline` it was built for, or None. ``plan.wrap_step`` reads all four.
+    """
+
+    step: Callable | None
+    batch_norm_axis_name: str | None
+    pipeline: Any = None
+    stages: StageFns | None = None
+
+
+class EvalStep(NamedTuple):
+    """``step(params, model_state, batch) -> sums``, and the pieces an MPMD pipeline runs
+    stage by stage (``sums(logits, batch)``, the policy and the layers' choices)."""
+
+    step: Callable
+    sums: Callable
+    policy: Any
+    choices: Choices
 
 
 def _loss_policy(policy):
@@ -221,29 +265,22 @@ def _pipeline_gradients(pipeline, policy, choices, image_norm, label_smoothing, 
     return gradients
 
 
-def _mpmd_train_step(pipeline, tx, *, policy, choices, image_norm, label_smoothing, mix, accumulate,
-                     axis_name, sync_batch_norm, finish, skip_nonfinite, clip_norm):
+def _stage_fns(pipeline, tx, *, policy, choices, image_norm, label_smoothing, mix, accumulate,
+               axis_name, sync_batch_norm, finish, skip_nonfinite, clip_norm) -> StageFns:
     """The pieces of a train step that :class:`jaxcnn.parallel.mpmd.MPMD` runs one program per
-    stage (``plan.wrap_step`` builds it); called directly it raises."""
+    stage (``plan.wrap_step`` builds it)."""
     _check_pipelined(pipeline, accumulate, axis_name, mix)
-
-    def train_step(state, batch):
-        raise ValueError("parallel.pipeline.engine: an mpmd step is one program per stage; run it "
-                         "through plan.wrap_step(train_step)")
 
     def update(params, opt_state, grads, norm):  # norm: the whole model's gradients' global norm
         view = TrainState(None, params, None, opt_state, None, None, None)
         return apply_optimizer(tx, view, _clipped(grads, opt_state, policy, norm, clip_norm), policy)
 
-    train_step.mpmd = dict(
+    return StageFns(
         head=_head(policy=policy, label_smoothing=label_smoothing),
         prepare=lambda x: device_normalize(x, image_norm), policy=policy, choices=choices,
         init_opt=lambda params: init_opt_state(tx, params, policy), update=update, finish=finish,
         sync_batch_norm=sync_batch_norm,
         select_nonfinite=lambda state: skip_nonfinite or isinstance(state.loss_scale, P.DynamicLossScale))
-    train_step.batch_norm_axis_name = choices.axis_name
-    train_step.pipeline = pipeline
-    return train_step
 
 
 def _gradients(loss_fn, accumulate: int):
@@ -308,13 +345,13 @@ def _one_program_step(gradients, tx, *, policy, finish, axis_name, pipelined, sk
 
 
 def make_train_step(model, tx: optax.GradientTransformation, *, policy=None,
-                    label_smoothing: float = 0.0, schedule: Callable | None = None,
-                    skip_nonfinite: bool = False, axis_name: str | None = None,
-                    image_norm: tuple | None = None, impl: str = "auto",
-                    batch_norm_grad: str = "auto", sync_batch_norm: bool = True,
-                    mix: mixing.MixSpec | None = None, accumulate: int = 1, conv_bn="auto",
-                    pipeline=None, clip_norm: float | None = None):
-    """Build ``train_step(state, batch) -> (state, metrics)``.
+                    choices: Choices | None = None, label_smoothing: float = 0.0,
+                    schedule: Callable | None = None, skip_nonfinite: bool = False,
+                    axis_name: str | None = None, image_norm: tuple | None = None,
+                    sync_batch_norm: bool = True, mix: mixing.MixSpec | None = None,
+                    accumulate: int = 1, pipeline=None, clip_norm: float | None = None) -> TrainStep:
+    """Build a :class:`TrainStep`: ``step(state, batch) -> (state, metrics)`` and what a mesh
+    needs to run it.
 
     Arguments:
         model: the ``Layer`` to train.
@@ -332,9 +369,10 @@ def make_train_step(model, tx: optax.GradientTransformation, *, policy=None,
             ``uint8`` batch images are then normalised on the device,
             ``(x / 255 - mean) / std`` in float32, so the host moves bytes
             (4x less than float32).  Float images are used as given.
-        impl, batch_norm_grad, conv_bn: the layers' kernels, BatchNorm backward and
-            Conv -> BatchNorm fusion, passed to ``model.apply`` as ``choices``
-            (:class:`jaxcnn.layers.Choices`, which checks the names when the step is made).
+        choices: the layers' kernels, BatchNorm backward and Conv -> BatchNorm fusion
+            (:class:`jaxcnn.layers.Choices`; None: every default), passed to ``model.apply``.
+            Its ``axis_name`` is the step's to set: BatchNorm syncs over ``axis_name`` when
+            ``sync_batch_norm``; one set here that differs raises.
         sync_batch_norm: BatchNorm layers built without ``axis_name`` sync their
             statistics over ``axis_name`` (SyncBatchNorm); False keeps them per device
             (``parallel.per_device`` then averages the running statistics).
@@ -348,44 +386,55 @@ def make_train_step(model, tx: optax.GradientTransformation, *, policy=None,
         clip_norm: clip the gradients to this global norm before ``tx`` (as ``optax.clip_by_global_norm``
             first in ``tx``; under ``mpmd`` each stage's ``tx`` sees its own gradients only).
 
-    The returned function carries ``batch_norm_axis_name`` (the axis BatchNorm syncs over, or
-    None) and ``pipeline``, which :func:`jaxcnn.parallel.strategies.wrap_train_step` checks.
+    ``batch_norm_axis_name`` and ``pipeline`` of the result are checked by ``plan.wrap_step``
+    (:func:`jaxcnn.parallel.strategies.wrap_train_step`).
 
     Metrics: ``loss`` (unscaled, float32), ``top1`` (batch accuracy),
     ``grad_norm``, ``lr``, ``loss_scale``, ``finite`` (1.0 when the step was
     applied) and ``skipped`` (steps skipped so far)."""
     policy, bn_axis = P.as_policy(policy), axis_name if sync_batch_norm else None
-    choices = Choices(impl=impl, batch_norm_grad=batch_norm_grad, axis_name=bn_axis, conv_bn=conv_bn)
+    choices = _step_choices(choices, bn_axis)
     loss_fn = _loss_fn(model, policy=policy, choices=choices, label_smoothing=label_smoothing,
                        image_norm=image_norm, mix=mix)
     finish = _finish(schedule)
     if pipeline is not None and getattr(pipeline, "engine", "spmd") == "mpmd":
-        return _mpmd_train_step(pipeline, tx, policy=policy, choices=choices, image_norm=image_norm,
-                                label_smoothing=label_smoothing, mix=mix, accumulate=accumulate,
-                                axis_name=axis_name, sync_batch_norm=sync_batch_norm, finish=finish,
-                                skip_nonfinite=skip_nonfinite, clip_norm=clip_norm)
+        stages = _stage_fns(pipeline, tx, policy=policy, choices=choices, image_norm=image_norm,
+                            label_smoothing=label_smoothing, mix=mix, accumulate=accumulate,
+                            axis_name=axis_name, sync_batch_norm=sync_batch_norm, finish=finish,
+                            skip_nonfinite=skip_nonfinite, clip_norm=clip_norm)
+        return TrainStep(None, bn_axis, pipeline, stages)
     gradients = _gradients(loss_fn, accumulate) if pipeline is None else _pipeline_gradients(
         pipeline, policy, choices, image_norm, label_smoothing, mix, accumulate, axis_name, sync_batch_norm)
 
-    train_step = _one_program_step(gradients, tx, policy=policy, finish=finish, axis_name=axis_name,
-                                   pipelined=pipeline is not None, skip_nonfinite=skip_nonfinite,
-                                   clip_norm=clip_norm)
-    train_step.batch_norm_axis_name, train_step.pipeline = bn_axis, pipeline  # wrap_step checks both
-    return train_step
+    step = _one_program_step(gradients, tx, policy=policy, finish=finish, axis_name=axis_name,
+                             pipelined=pipeline is not None, skip_nonfinite=skip_nonfinite,
+                             clip_norm=clip_norm)
+    return TrainStep(step, bn_axis, pipeline)
 
 
-def make_eval_step(model, *, policy=None, impl: str = "auto"):
-    """Build ``eval_step(params, state, batch) -> sums``.
+def _step_choices(choices: Choices | None, bn_axis: str | None) -> Choices:
+    """``choices`` with the step's BatchNorm axis."""
+    choices = Choices() if choices is None else choices
+    if not isinstance(choices, Choices):
+        raise TypeError(f"choices: expected a jaxcnn.layers.Choices, got {type(choices).__name__}")
+    if choices.axis_name not in (None, bn_axis):
+        raise ValueError(f"choices.axis_name: {choices.axis_name!r}, but the step syncs BatchNorm over "
+                         f"{bn_axis!r} (set axis_name and sync_batch_norm of make_train_step instead)")
+    return dataclasses.replace(choices, axis_name=bn_axis)
+
+
+def make_eval_step(model, *, policy=None, choices: Choices | None = None) -> EvalStep:
+    """Build an :class:`EvalStep`: ``step(params, state, batch) -> sums``.
 
     ``batch`` may carry a boolean ``"mask"`` (padding of the last batch); the
     result holds sums over real examples only: ``loss_sum``, ``top1_sum``,
     ``top5_sum`` and ``count``, so any number of batches add up exactly.
-    ``impl``: the layers' kernels (``Choices.impl``, passed to ``model.apply``);
-    ``policy``: as for :func:`make_train_step`.
+    ``choices``: the layers' kernels (:class:`jaxcnn.layers.Choices`, passed to
+    ``model.apply``; None: every default); ``policy``: as for :func:`make_train_step`.
     """
     policy = P.as_policy(policy)
     loss_policy = _loss_policy(policy)
-    choices = Choices(impl=impl)  # a bad name fails here, not at trace time
+    choices = Choices() if choices is None else choices
 
     def sums(logits, batch):
         logits = P.cast_for(loss_policy, "loss", logits).astype(jnp.float32)
@@ -407,6 +456,4 @@ def make_eval_step(model, *, policy=None, impl: str = "auto"):
                                 policy=policy, choices=choices)
         return sums(logits, batch)
 
-    # the pieces an mpmd pipeline runs stage by stage (plan.wrap_eval)
-    eval_step.sums, eval_step.policy, eval_step.choices = sums, policy, choices
-    return eval_step
+    return EvalStep(eval_step, sums, policy, choices)

@@ -250,9 +250,6 @@ def test_batch_norm_grad_argument_picks_the_form():
     assert names(lambda x: F.batch_norm_train(x)[0]) == explicit
     with pytest.raises(ValueError, match=r"batch_norm_train: grad must be .*'fused'"):
         F.batch_norm_train(x, grad="fused")
-    # The scope is gone (a cached jit trace ignored it); calling it says what to pass instead.
-    with pytest.raises(RuntimeError, match=r"default_batch_norm_grad was removed.*grad="):
-        F.default_batch_norm_grad("closed_form")
 
 
 def test_layer_norm_axes_and_affine():

@@ -133,8 +133,6 @@ def test_functional_dispatch_runs_the_kernel():
     assert "pallas_call" not in layer_jaxpr("xla")
     with pytest.raises(ValueError, match="impl must be one of"):
         L.Choices(impl="cudnn")
-    with pytest.raises(RuntimeError, match="default_impl was removed"):
-        F.default_impl("pallas")
     assert_close(fast_run(lambda x, w: F.conv2d(x, w, **kw, impl="pallas"), x, w),
                  F.conv2d(x, w, **kw, impl="xla"), F32, "impl=pallas")
 

@@ -85,7 +85,7 @@ def run_single(model, tx, shape, data):
 
 
 def _run_single(model, tx, shape, data):
-    step = jax.jit(make_train_step(model, tx))
+    step = jax.jit(make_train_step(model, tx).step)
     state = init(model, tx, shape)
     losses = []
     for b in data:

@@ -45,7 +45,7 @@ def test_mnist_cnn_per_device_matches_the_mean_of_shard_steps(strategy):
     model, shape = model_and_shape("mnist_cnn")
     data = batches(shape, 2)
     n = jax.device_count()
-    one = jax.jit(make_train_step(model, SGD))
+    one = jax.jit(make_train_step(model, SGD).step)
     state = init(model, SGD, shape)
     ref_losses = []
     for b in data:
@@ -123,7 +123,7 @@ def test_bf16_params_average_bf16_gradients_over_devices(strategy):
                                                loss_scale=P.make_loss_scale("none"),
                                                policy=policy))
     data = batches(shape, 3)
-    single = jax.jit(make_train_step(model, SGD, policy=policy))
+    single = jax.jit(make_train_step(model, SGD, policy=policy).step)
     ref = state0
     for b in data:
         ref, _ = single(ref, b)

@@ -81,7 +81,7 @@ def _reference(model, tx, shape, data, accumulate):
 
 
 def _run_reference(model, tx, shape, data, accumulate):
-    step = jax.jit(make_train_step(model, tx, accumulate=accumulate))
+    step = jax.jit(make_train_step(model, tx, accumulate=accumulate).step)
     state = init(model, tx, shape)
     shared = state.rng
     folded = jax.random.key_data(jax.random.fold_in(jax.random.wrap_key_data(shared), 0))
@@ -542,7 +542,7 @@ def test_mixed_precision_pipelined_matches_one_device(policy):
     plan = ParallelPlan(make_mesh(2, 1, pipe=4), model, shape, _abstract(state), pipeline={"microbatches": 4})
     step = plan.wrap_step(make_train_step(model, tx, policy=pol, axis_name="data", pipeline=plan.pipeline),
                           donate=False)
-    ref_step = jax.jit(make_train_step(model, tx, policy=pol, accumulate=4))
+    ref_step = jax.jit(make_train_step(model, tx, policy=pol, accumulate=4).step)
     folded = jax.random.key_data(jax.random.fold_in(jax.random.wrap_key_data(state.rng), 0))
     got, ref = plan.shard_state(state), state
     for b in batches(shape, 2, seed=6):
@@ -612,7 +612,7 @@ def test_16_bit_policies_send_and_stash_activations_in_their_compute_dtype():
         assert sent == {dtype}, (policy, sent)
     got, m = step(plan.shard_state(state), plan.put_batch(batch))  # f16
     folded = jax.random.key_data(jax.random.fold_in(jax.random.wrap_key_data(state.rng), 0))
-    ref, r = jax.jit(make_train_step(model, tx, policy=pol, accumulate=4))(state._replace(rng=folded), batch)
+    ref, r = jax.jit(make_train_step(model, tx, policy=pol, accumulate=4).step)(state._replace(rng=folded), batch)
     np.testing.assert_allclose(m["loss"], r["loss"], rtol=1e-3)
     assert max_diff(got.params, ref.params) < 1e-3 and max_diff(got.state, ref.state) < 1e-3
 

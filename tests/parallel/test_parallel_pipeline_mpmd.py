@@ -59,7 +59,7 @@ def test_mpmd_state_lives_on_its_stages_devices_and_evaluates_stage_by_stage():
     data = dict(data, mask=np.arange(SHAPE[0]) < 13)
     got = plan.wrap_eval(make_eval_step(model))(state.params, state.state, plan.put_eval_batch(data))
     host = jax.device_get(init(model, tx, SHAPE))
-    want = jax.jit(make_eval_step(model))(host.params, host.state, data)
+    want = jax.jit(make_eval_step(model).step)(host.params, host.state, data)
     for k in want:
         np.testing.assert_allclose(np.asarray(got[k]), np.asarray(want[k]), rtol=1e-5, atol=1e-5)
 
@@ -160,15 +160,17 @@ def test_mpmd_mixed_precision_and_loss_scaling_give_the_spmd_engines_numbers(pol
 
 
 def test_mpmd_errors_name_the_key():
-    """An unknown engine, and an mpmd step called without its plan, are one-line errors naming
-    parallel.pipeline.engine."""
+    """An unknown engine, and an mpmd plan given a one-program step, are one-line errors naming
+    parallel.pipeline.engine. An mpmd TrainStep has no one-program step: its stages are the
+    programs."""
     model = _model("resnet18")
     with pytest.raises(ValueError, match="parallel.pipeline.engine: expected one of"):
         _plan(model, MOMENTUM, SHAPE, 1, 2, microbatches=2, engine="mimd")
     plan = _plan(model, MOMENTUM, SHAPE, 1, 2, microbatches=2, engine="mpmd")
-    step = make_train_step(model, MOMENTUM, axis_name=plan.step_axis_name, pipeline=plan.pipeline)
-    with pytest.raises(ValueError, match="parallel.pipeline.engine: an mpmd step is one program per stage"):
-        step(None, None)
+    parts = make_train_step(model, MOMENTUM, axis_name=plan.step_axis_name, pipeline=plan.pipeline)
+    assert parts.step is None and parts.stages is not None and parts.pipeline is plan.pipeline
+    with pytest.raises(ValueError, match="parallel.pipeline.engine: mpmd runs a step's stages as separate"):
+        plan.wrap_step(lambda state, batch: (state, {}))
 
 
 def test_clip_norm_is_clip_by_global_norm_first_in_the_chain():
@@ -180,7 +182,7 @@ def test_clip_norm_is_clip_by_global_norm_first_in_the_chain():
     runs = {}
     for name, tx, clip in (("chain", optax.chain(optax.clip_by_global_norm(0.01), MOMENTUM), None),
                            ("step", MOMENTUM, 0.01)):
-        step = jax.jit(make_train_step(model, tx, clip_norm=clip))
+        step = jax.jit(make_train_step(model, tx, clip_norm=clip).step)
         state, ms = init(model, tx, shape), []
         for b in data:
             state, m = step(state, b)

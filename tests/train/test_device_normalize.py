@@ -39,8 +39,8 @@ def test_train_step_on_bytes_matches_the_float_step():
                                loss_scale=P.make_loss_scale("none"))
     raw = synthetic_batch(spec, 0, seed=2, batch_size=6, image_dtype="uint8")
     host = synthetic_batch(spec, 0, seed=2, batch_size=6)
-    _, on_bytes = jax.jit(make_train_step(model, tx, image_norm=NORM))(state, raw)
-    _, on_floats = jax.jit(make_train_step(model, tx))(state, host)
+    _, on_bytes = jax.jit(make_train_step(model, tx, image_norm=NORM).step)(state, raw)
+    _, on_floats = jax.jit(make_train_step(model, tx).step)(state, host)
     np.testing.assert_allclose(on_bytes["loss"], on_floats["loss"], rtol=1e-5)
     np.testing.assert_allclose(on_bytes["grad_norm"], on_floats["grad_norm"], rtol=1e-4)
 

@@ -8,7 +8,6 @@ import numpy as np
 import optax
 import pytest
 
-from jaxcnn import functional as F
 from jaxcnn import layers as L
 from jaxcnn import precision as P
 from jaxcnn.train import loop, setup
@@ -38,7 +37,7 @@ def _jaxpr(fn, *args) -> str:
 
 def test_train_step_traces_the_chosen_kernels():
     tx, state, batch = _setup()
-    text = {(impl, bn): _jaxpr(make_train_step(NET, tx, impl=impl, batch_norm_grad=bn), state, batch)
+    text = {(impl, bn): _jaxpr(make_train_step(NET, tx, choices=L.Choices(impl=impl, batch_norm_grad=bn)).step, state, batch)
             for impl in ("auto", "xla", "pallas")
             for bn in ("auto", "explicit", "autodiff", "closed_form")}
     # Pallas kernels show as pallas_call. On the CPU "auto" is XLA and the explicit BatchNorm.
@@ -53,15 +52,15 @@ def test_train_step_traces_the_chosen_kernels():
 def test_eval_step_traces_the_chosen_kernels():
     _, state, batch = _setup()
     for impl in ("auto", "xla", "pallas"):
-        text = _jaxpr(make_eval_step(NET, impl=impl), state.params, state.state, batch)
+        text = _jaxpr(make_eval_step(NET, choices=L.Choices(impl=impl)).step, state.params, state.state, batch)
         assert ("pallas_call" in text) == (impl == "pallas")
 
 
 def test_same_losses_whichever_backward():
     tx, state, batch = _setup()
-    _, auto = jax.jit(make_train_step(NET, tx))(state, batch)
+    _, auto = jax.jit(make_train_step(NET, tx).step)(state, batch)
     for form in ("autodiff", "closed_form"):
-        _, other = jax.jit(make_train_step(NET, tx, batch_norm_grad=form))(state, batch)
+        _, other = jax.jit(make_train_step(NET, tx, choices=L.Choices(batch_norm_grad=form)).step)(state, batch)
         np.testing.assert_allclose(other["loss"], auto["loss"], rtol=1e-6)
         np.testing.assert_allclose(other["grad_norm"], auto["grad_norm"], rtol=1e-4)
 
@@ -94,13 +93,7 @@ def test_one_jitted_function_retraces_for_each_choice():
     assert bn["auto"] == bn["explicit"] != bn["closed_form"]
 
 
-def test_the_scopes_are_gone():
-    """The context managers a cached trace ignored now raise, naming the argument to pass."""
-    with pytest.raises(RuntimeError, match=r"default_impl was removed.*impl="):
-        F.default_impl("xla")
-    with pytest.raises(RuntimeError,
-                       match=r"default_batch_norm_grad was removed.*batch_norm_grad="):
-        F.default_batch_norm_grad("closed_form")
+def test_choices_are_a_choices_object():
     _, state, batch = _setup()
     with pytest.raises(TypeError,
                        match="choices must be a jaxcnn.layers.Choices or None, got dict"):
@@ -110,17 +103,17 @@ def test_the_scopes_are_gone():
 def test_bad_names_fail_when_the_step_is_made():
     tx, _, _ = _setup()
     with pytest.raises(ValueError, match="impl must be one of"):
-        make_train_step(NET, tx, impl="cudnn")
+        make_train_step(NET, tx, choices=L.Choices(impl="cudnn"))
     with pytest.raises(ValueError, match="grad must be 'auto' or one of"):
-        make_train_step(NET, tx, batch_norm_grad="fused")
+        make_train_step(NET, tx, choices=L.Choices(batch_norm_grad="fused"))
     with pytest.raises(ValueError, match="impl must be one of"):
-        make_eval_step(NET, impl="triton")
+        make_eval_step(NET, choices=L.Choices(impl="triton"))
     with pytest.raises(ValueError, match=r"Choices: grad must be 'auto' or one of"):
         L.Choices(batch_norm_grad="fused")
     with pytest.raises(ValueError, match=r"Choices: axis_name must be an axis name"):
         L.Choices(axis_name=["data"])
     with pytest.raises(ValueError, match=r"Choices: conv_bn must be one of"):
-        make_train_step(NET, tx, conv_bn="cudnn")
+        make_train_step(NET, tx, choices=L.Choices(conv_bn="cudnn"))
 
 
 def test_trainer_passes_the_config_choices(monkeypatch):
@@ -128,8 +121,8 @@ def test_trainer_passes_the_config_choices(monkeypatch):
     real = setup.make_train_step
 
     def spy(*args, **kwargs):
-        seen.update(impl=kwargs.get("impl"), bn=kwargs.get("batch_norm_grad"),
-                    conv_bn=kwargs.get("conv_bn"))
+        choices = kwargs["choices"]
+        seen.update(impl=choices.impl, bn=choices.batch_norm_grad, conv_bn=choices.conv_bn)
         return real(*args, **kwargs)
 
     monkeypatch.setattr(setup, "make_train_step", spy)

@@ -112,7 +112,7 @@ def test_train_step_dtypes(preset):
     if policy.needs_master_copy:
         assert isinstance(state.opt_state, MasterCopyState)
         assert all(leaf.dtype == jnp.float32 for leaf in jax.tree_util.tree_leaves(state.opt_state.master))
-    step = jax.jit(make_train_step(run.model, run.tx, policy=policy, schedule=run.schedule))
+    step = jax.jit(make_train_step(run.model, run.tx, policy=policy, schedule=run.schedule).step)
     batch = {"image": jnp.zeros((16, 28, 28, 1)) + 0.1, "label": jnp.arange(16) % 10}
     new, metrics = step(state, batch)
     for before, after in zip(jax.tree_util.tree_leaves(state.params), jax.tree_util.tree_leaves(new.params)):
@@ -129,22 +129,22 @@ def test_steps_take_a_policy_by_name():
     run = _tiny_run("bf16")
     state = init_state(run)
     batch = {"image": jnp.zeros((16, 28, 28, 1)) + 0.1, "label": jnp.arange(16) % 10}
-    by_name = jax.jit(make_train_step(run.model, run.tx, policy="bf16"))(state, batch)
-    by_object = jax.jit(make_train_step(run.model, run.tx, policy=run.policy))(state, batch)
+    by_name = jax.jit(make_train_step(run.model, run.tx, policy="bf16").step)(state, batch)
+    by_object = jax.jit(make_train_step(run.model, run.tx, policy=run.policy).step)(state, batch)
     assert jax.tree_util.tree_all(jax.tree_util.tree_map(
         lambda a, b: bool(jnp.array_equal(a, b)), by_name, by_object))
-    sums = [jax.jit(make_eval_step(run.model, policy=p))(state.params, state.state, batch)
+    sums = [jax.jit(make_eval_step(run.model, policy=p).step)(state.params, state.state, batch)
             for p in ("bf16", run.policy)]
     assert jax.tree_util.tree_all(jax.tree_util.tree_map(lambda a, b: bool(jnp.array_equal(a, b)), *sums))
     with pytest.raises(ValueError, match=r"^policy='bf17': "):
-        make_train_step(run.model, run.tx, policy="bf17")
+        make_train_step(run.model, run.tx, policy="bf17").step
 
 
 def test_master_copy_keeps_small_updates():
     """bf16 params updated directly would round a 1e-4 relative update away; the master keeps it."""
     run = _tiny_run("bf16_params", ["optim.name=sgd", "optim.lr=1e-4", "optim.momentum=0"])
     state = init_state(run)
-    step = jax.jit(make_train_step(run.model, run.tx, policy=run.policy))
+    step = jax.jit(make_train_step(run.model, run.tx, policy=run.policy).step)
     batch = {"image": jnp.ones((16, 28, 28, 1)), "label": jnp.arange(16) % 10}
     master0 = state.opt_state.master
     for _ in range(3):
@@ -160,7 +160,7 @@ def test_fp16_overflow_step_is_skipped_and_scale_round_trips(tmp_path):
     run = _tiny_run("fp16", ["precision.loss_scale_init=1024", "precision.growth_interval=1000"])
     assert isinstance(run.loss_scale, P.DynamicLossScale)
     state = init_state(run)
-    step = jax.jit(make_train_step(run.model, run.tx, policy=run.policy, schedule=run.schedule))
+    step = jax.jit(make_train_step(run.model, run.tx, policy=run.policy, schedule=run.schedule).step)
     rng = np.random.default_rng(0)
     images = rng.normal(size=(16, 28, 28, 1)).astype(np.float32)
     batch = {"image": images, "label": np.arange(16, dtype=np.int32) % 10}

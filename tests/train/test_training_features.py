@@ -52,8 +52,8 @@ def test_accumulated_micro_batches_equal_one_large_batch(k):
     model, tx = _small_model(), optax.sgd(0.1, momentum=0.9)
     batch = _batch(rng)
     state = _state(model, tx, batch["image"].shape)
-    big = jax.jit(make_train_step(model, tx))
-    micro = jax.jit(make_train_step(model, tx, accumulate=k))
+    big = jax.jit(make_train_step(model, tx).step)
+    micro = jax.jit(make_train_step(model, tx, accumulate=k).step)
     s1, s2 = state, state
     for _ in range(3):
         s1, m1 = big(s1, batch)
@@ -69,7 +69,7 @@ def test_accumulation_needs_a_divisible_batch():
     batch = _batch(np.random.default_rng(0), n=6)
     state = _state(model, tx, batch["image"].shape)
     with pytest.raises(ValueError, match="accumulate_steps: 4 does not divide the batch of 6"):
-        jax.jit(make_train_step(model, tx, accumulate=4))(state, batch)
+        jax.jit(make_train_step(model, tx, accumulate=4).step)(state, batch)
 
 
 def test_accumulation_runs_batch_norm_once_per_micro_batch():
@@ -80,7 +80,7 @@ def test_accumulation_runs_batch_norm_once_per_micro_batch():
     tx = optax.sgd(0.0)
     batch = _batch(rng, n=4, hw=2, c=1)
     state = _state(model, tx, batch["image"].shape)
-    new, _ = jax.jit(make_train_step(model, tx, accumulate=2))(state, batch)
+    new, _ = jax.jit(make_train_step(model, tx, accumulate=2).step)(state, batch)
     x = batch["image"][..., 0]
     mean = 0.0
     for part in (x[0::2], x[1::2]):  # example i in micro-batch i % 2
@@ -107,7 +107,7 @@ def test_ema_follows_the_numpy_recurrence():
     tx = optax.chain(optax.adam(0.05), ema(decay))
     batch = _batch(rng)
     state = _state(model, tx, batch["image"].shape)
-    step = jax.jit(make_train_step(model, tx))
+    step = jax.jit(make_train_step(model, tx).step)
     expect = [np.asarray(p, np.float64) for p in jax.tree_util.tree_leaves(state.params)]
     for _ in range(5):
         state, _ = step(state, batch)
@@ -130,7 +130,7 @@ def test_ema_under_a_master_copy_averages_the_float32_master():
     batch = _batch(np.random.default_rng(3))
     state = create_train_state(model, tx, jax.random.PRNGKey(0), batch["image"].shape,
                                loss_scale=P.make_loss_scale("none"), policy=policy)
-    state, _ = jax.jit(make_train_step(model, tx, policy=policy))(state, batch)
+    state, _ = jax.jit(make_train_step(model, tx, policy=policy).step)(state, batch)
     averaged = find_ema(state.opt_state)
     assert all(x.dtype == jnp.float32 for x in jax.tree_util.tree_leaves(averaged))
     out = eval_params(state, policy)
