@@ -25,6 +25,33 @@ class ConfigError(ValueError):
         super().__init__(message.replace("\n", " "))
 
 
+class SettingError(ValueError):
+    """A setting that a library function cannot run, naming its own argument.
+
+    ``str(e)`` is ``"<setting>: <problem>"``: ``setting`` is the argument's name, dotted into a
+    mapping argument (``pipeline.microbatches``) or an argument's part (``mesh.pipe``, the pipe
+    axis of the mesh given). ``mentions``: the other arguments ``problem`` names (as whole
+    words), so that a caller that knows where it took the arguments from (the trainer: config
+    keys) can catch the error at the call and name those instead (:meth:`phrase`).
+    """
+
+    def __init__(self, setting: str, problem: str, *, mentions: tuple = ()):
+        self.setting, self.problem, self.mentions = setting, problem, tuple(mentions)
+        super().__init__(f"{setting}: {problem}")
+
+    def under(self, name: str) -> "SettingError":
+        """The same problem, named as part of the caller's argument ``name``."""
+        return SettingError(f"{name}.{self.setting}", self.problem, mentions=self.mentions)
+
+    def phrase(self, name_of) -> str:
+        """``problem`` with each mentioned argument ``m`` named ``name_of(m)``."""
+        import re
+        text = self.problem
+        for m in self.mentions:
+            text = re.sub(rf"(?<![\w.]){re.escape(m)}(?![\w])", lambda _: name_of(m), text)
+        return text
+
+
 class DataError(ValueError):
     """A data file or array is malformed; the message names the file or array and the problem."""
 

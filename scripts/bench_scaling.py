@@ -257,7 +257,7 @@ def _pipeline_rows(args, counts, model, image, tx, policy) -> int:
     import numpy as np
 
     from jaxcnn import precision as P
-    from jaxcnn.parallel import ParallelPlan, make_mesh
+    from jaxcnn.parallel import ParallelPlan, SettingError, make_mesh
     from jaxcnn.parallel.pipeline import ENGINES, SCHEDULES
     from jaxcnn.train.state import create_train_state
     from jaxcnn.train.step import make_train_step
@@ -297,8 +297,9 @@ def _pipeline_rows(args, counts, model, image, tx, policy) -> int:
                                                                 "schedule": schedule, "remat": args.remat,
                                                                 "split": split if pipe > 1 else None,
                                                                 "engine": engine})
-        except ValueError as e:
-            print(f"bench_scaling: {e}", file=sys.stderr)
+        except SettingError as e:  # the plan's pipeline.<key> is this script's --<key>
+            flag = "--" + e.setting.partition(".")[2] if e.setting.startswith("pipeline.") else e.setting
+            print(f"bench_scaling: {flag}: {e.problem}", file=sys.stderr)
             return 2
         step = plan.wrap_step(make_train_step(model, tx, policy=policy, axis_name=plan.step_axis_name,
                                               accumulate=m, pipeline=plan.pipeline))

@@ -8,18 +8,21 @@
 * :mod:`~jaxcnn.parallel.pipeline`: pipeline stages over a ``pipe`` axis (GPipe).
 * :mod:`~jaxcnn.parallel.spatial`: images split along height over ``spatial``.
 * :mod:`~jaxcnn.parallel.distributed`: multi-process runs.
-* :mod:`~jaxcnn.parallel.plan`: :func:`setup`, all of it for the training loop.
+* :mod:`~jaxcnn.parallel.plan`: :class:`ParallelPlan`, all of it for the training loop.
+
+Every setting is an argument; none of this package reads a config. A setting it cannot run is
+a :class:`jaxcnn.errors.SettingError` naming the argument.
 """
-from jaxcnn.parallel.distributed import DistributedError, global_batch, initialize, to_host
-from jaxcnn.parallel.mesh import DATA, MODEL, PIPE, SPATIAL, axis_size, check_batch, make_mesh, mesh_from_config, mesh_shape
+from jaxcnn.errors import SettingError
+from jaxcnn.parallel.distributed import DistributedError, batch_share, global_batch, initialize, to_host
+from jaxcnn.parallel.mesh import DATA, MODEL, PIPE, SPATIAL, axis_size, check_batch, make_mesh, mesh_shape
 from jaxcnn.parallel.pipeline import Pipeline, pipeline_blocks
-from jaxcnn.parallel.plan import ParallelPlan, setup
+from jaxcnn.parallel.plan import ParallelPlan
 from jaxcnn.parallel.rules import DEFAULT_RULES, logical_axes, partition_spec
 from jaxcnn.parallel.spatial import SpatialLayout, spatial_layout
 from jaxcnn.parallel.strategies import STRATEGIES, per_device, wrap_train_step
 
-__all__ = ["DATA", "MODEL", "PIPE", "SPATIAL", "axis_size", "DEFAULT_RULES", "STRATEGIES", "DistributedError", "ParallelPlan", "Pipeline",
-           "check_batch", "global_batch", "initialize", "logical_axes", "make_mesh",
-           "mesh_from_config", "mesh_shape", "partition_spec", "per_device", "pipeline_blocks", "setup",
-           "SpatialLayout", "spatial_layout", "to_host",
-           "wrap_train_step"]
+__all__ = ["DATA", "MODEL", "PIPE", "SPATIAL", "axis_size", "DEFAULT_RULES", "STRATEGIES", "DistributedError",
+           "ParallelPlan", "Pipeline", "SettingError", "batch_share", "check_batch", "global_batch",
+           "initialize", "logical_axes", "make_mesh", "mesh_shape", "partition_spec", "per_device",
+           "pipeline_blocks", "SpatialLayout", "spatial_layout", "to_host", "wrap_train_step"]

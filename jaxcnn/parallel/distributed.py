@@ -9,11 +9,12 @@ makers as ``train_batch(..., process_index=index, process_count=count)``) and
 jax.process_count())``; when another mesh axis (``pipe``, ``model``, ``spatial``) spans
 processes, the processes that hold devices of the same data shards load the same rows.
 
-Settings come from the config's ``distributed`` section, or else from the
-environment: ``JAX_COORDINATOR_ADDRESS`` (``host:port`` of process 0),
-``JAX_NUM_PROCESSES`` and ``JAX_PROCESS_ID``.  ``mode: auto`` initialises when
-more than one process is asked for; ``on`` always (letting JAX detect SLURM,
-Open MPI or a TPU pod for whatever is unset); ``off`` never.
+:func:`initialize` takes its settings as arguments (the trainer passes its config's
+``distributed`` section), each one not given from the environment:
+``JAX_COORDINATOR_ADDRESS`` (``host:port`` of process 0), ``JAX_NUM_PROCESSES`` and
+``JAX_PROCESS_ID``.  ``mode="auto"`` initialises when more than one process is asked for;
+``"on"`` always (letting JAX detect SLURM, Open MPI or a TPU pod for whatever is unset);
+``"off"`` never.
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from jaxcnn.errors import DistributedError  # importable from here too, where it was defined before
+from jaxcnn.errors import DistributedError, SettingError  # DistributedError: importable from here too
 from jaxcnn.parallel.mesh import DATA
 
 # JAX is given this much longer than distributed.timeout_s for its first contact: when its
@@ -44,7 +45,7 @@ _PEER_LOST = re.compile(r"gloo|connection (?:closed|reset) by peer|broken pipe|h
 _PEER_ADDRESS = re.compile(r"\[[^\]]+\]:\d+")
 
 
-def _setting(value, env: str, cast=str):
+def _setting(name: str, value, env: str, cast=str):
     if value is not None:
         return value
     raw = os.environ.get(env)
@@ -53,50 +54,62 @@ def _setting(value, env: str, cast=str):
     try:
         return cast(raw)
     except ValueError:
-        raise ValueError(f"environment variable {env}={raw!r} is not a valid {cast.__name__}") from None
+        raise SettingError(name, f"unset, and the environment variable {env}={raw!r} is not a "
+                           f"valid {cast.__name__}") from None
 
 
-def settings(dist_cfg) -> dict:
-    """``coordinator_address``, ``num_processes``, ``process_id`` from the config or the environment."""
+def settings(coordinator_address: str | None = None, num_processes: int | None = None,
+             process_id: int | None = None) -> dict:
+    """``coordinator_address``, ``num_processes``, ``process_id`` as given, each one not given
+    (None) from the environment (``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES``,
+    ``JAX_PROCESS_ID``) or else None."""
     return {
-        "coordinator_address": _setting(dist_cfg.coordinator_address, "JAX_COORDINATOR_ADDRESS"),
-        "num_processes": _setting(dist_cfg.num_processes, "JAX_NUM_PROCESSES", int),
-        "process_id": _setting(dist_cfg.process_id, "JAX_PROCESS_ID", int),
+        "coordinator_address": _setting("coordinator_address", coordinator_address,
+                                        "JAX_COORDINATOR_ADDRESS"),
+        "num_processes": _setting("num_processes", num_processes, "JAX_NUM_PROCESSES", int),
+        "process_id": _setting("process_id", process_id, "JAX_PROCESS_ID", int),
     }
 
 
-def initialize(dist_cfg) -> bool:
-    """Connect this process to the others, as the ``distributed`` section says.
+def initialize(mode: str = "auto", *, coordinator_address: str | None = None,
+               num_processes: int | None = None, process_id: int | None = None,
+               timeout_s: float = 300.0) -> bool:
+    """Connect this process to the others.
 
     Must run before anything touches a JAX device.  On CPU, collectives
     between processes go through gloo.
 
     Arguments:
-        dist_cfg: the ``distributed`` section (``mode``, ``coordinator_address``,
-            ``num_processes``, ``process_id``, ``timeout_s``).
+        mode: ``"auto"`` (initialise when there is more than one process to join, or a
+            coordinator), ``"on"`` or ``"off"``.
+        coordinator_address, num_processes, process_id: ``"host:port"`` of process 0, the
+            number of processes and this one's index; None: from the environment
+            (:func:`settings`), else auto-detected by ``jax.distributed``.
+        timeout_s: seconds to wait for the coordinator and the other processes.
 
     Returns:
         True when ``jax.distributed`` was initialised (now or before), False for
         a single-process run.
 
     Raises:
-        ValueError: an inconsistent setting (``mode: on`` with nothing to go on).
+        SettingError: an inconsistent setting (``process_id`` outside ``num_processes``, an
+            unreadable environment variable), naming the argument.
         DistributedError: the coordinator could not be reached, or not every process
             joined, within ``timeout_s`` of this call (in the second case ``must_exit``
             is set: end the process after reporting it).
     """
-    if dist_cfg.mode == "off":
+    if mode == "off":
         return False
     if is_initialized():
         return True
-    opts = settings(dist_cfg)
+    opts = settings(coordinator_address, num_processes, process_id)
     wanted = (opts["num_processes"] or 1) > 1 or opts["coordinator_address"] is not None
-    if dist_cfg.mode == "auto" and not wanted:
+    if mode == "auto" and not wanted:
         return False
     n, pid = opts["num_processes"], opts["process_id"]
     if n is not None and pid is not None and not 0 <= pid < n:
-        raise ValueError(f"distributed.process_id: {pid} is not in [0, num_processes={n})")
-    timeout = max(1, int(round(dist_cfg.timeout_s)))
+        raise SettingError("process_id", f"{pid} is not in [0, num_processes={n})")
+    timeout = max(1, int(round(timeout_s)))
     deadline = time.monotonic() + timeout
     address = opts["coordinator_address"]
     if address is not None and pid not in (None, 0):
@@ -522,7 +535,7 @@ def batch_shares(mesh) -> dict[int, tuple[int, int]]:
         ``{process_index: (index, count)}`` for every process that holds a device of the mesh.
 
     Raises:
-        ValueError: ``"mesh.data: ..."`` (one line) when a process's data shards are not a
+        SettingError: ``"mesh.data: ..."`` (one line) when a process's data shards are not a
             contiguous block, or the processes hold blocks of different sizes or overlapping
             blocks; before any compute, since the trainer reads it when it builds its plan.
     """
@@ -539,8 +552,8 @@ def batch_shares(mesh) -> dict[int, tuple[int, int]]:
     for process, shards in sorted(held.items()):
         first, k = min(shards), len(shards)
         if sorted(shards) != list(range(first, first + k)):
-            raise ValueError(
-                f"mesh.data: process {process} holds devices of data shards {sorted(shards)} of the "
+            raise SettingError(
+                "mesh.data", f"process {process} holds devices of data shards {sorted(shards)} of the "
                 f"{layout} mesh, not a contiguous block; the trainer loads each process one "
                 "contiguous run of every batch's rows: lay the devices out (mesh.order, mesh.pipe, "
                 "mesh.data) so that each process's data shards are neighbours")
@@ -548,8 +561,8 @@ def batch_shares(mesh) -> dict[int, tuple[int, int]]:
             other = next((p for p in sorted(held) if p != process
                           and (sizes[p] != k or (held[p] & shards and held[p] != shards))), None)
             with_ = "" if other is None else f" while process {other} holds {_shards(held[other])}"
-            raise ValueError(
-                f"mesh.data: process {process} holds devices of {_shards(shards)} of "
+            raise SettingError(
+                "mesh.data", f"process {process} holds devices of {_shards(shards)} of "
                 f"the {layout} mesh{with_}; the trainer needs every process to hold the same number "
                 "of data shards, in blocks that are the same or do not overlap (lay the devices out "
                 "with mesh.order, or change mesh.data / mesh.pipe)")
@@ -573,14 +586,14 @@ def batch_share(mesh, process_index: int | None = None) -> tuple[int, int]:
     (``process_index=index, process_count=count``).  See :func:`batch_shares`.
 
     Raises:
-        ValueError: naming ``mesh.data``, for a layout :func:`batch_shares` refuses or a process
+        SettingError: naming ``mesh.data``, for a layout :func:`batch_shares` refuses or a process
             that holds no device of the mesh.
     """
     process = jax.process_index() if process_index is None else process_index
     shares = _shares_of(mesh)
     if process not in shares:
-        raise ValueError(f"mesh.data: process {process} holds no device of the mesh, so it has no "
-                         "rows of the batch to load")
+        raise SettingError("mesh.data", f"process {process} holds no device of the mesh, so it has no "
+                           "rows of the batch to load")
     return shares[process]
 
 

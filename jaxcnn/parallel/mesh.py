@@ -4,8 +4,7 @@ spatial shards.
 
 ``mesh: {data: -1, model: 1}`` in a config becomes a mesh over all devices
 (of every process) whose ``data`` axis takes whatever the other axes leave; every
-size problem is a ``ValueError`` whose message starts with the key (the trainer
-reports it as a config error; this package knows nothing of the config schema).
+size problem is a :class:`jaxcnn.errors.SettingError` naming the axis (``mesh.model``).
 
 Axis order, outermost first: ``data, pipe, spatial, model``.  ``pipe`` and
 ``spatial`` are present only when their size is above 1, so a plain data/model
@@ -28,6 +27,8 @@ from typing import Sequence
 import jax
 import numpy as np
 from jax.sharding import Mesh
+
+from jaxcnn.errors import SettingError
 
 DATA, MODEL = "data", "model"
 PIPE, SPATIAL = "pipe", "spatial"
@@ -57,27 +58,27 @@ def mesh_shape(data: int, model: int, device_count: int, *, allow_subset: bool =
         device_count`` (``<=`` with ``allow_subset``).
 
     Raises:
-        ValueError: naming ``mesh.model``, ``mesh.pipe``, ``mesh.spatial`` or
+        SettingError: naming ``mesh.model``, ``mesh.pipe``, ``mesh.spatial`` or
             ``mesh.data`` when the sizes do not fit.
     """
     others = 1
     for key, size in (("model", model), ("pipe", pipe), ("spatial", spatial)):
         if size < 1:
-            raise ValueError(f"mesh.{key}: expected a positive int, got {size}")
+            raise SettingError(f"mesh.{key}", f"expected a positive int, got {size}")
         others *= size
         if others > device_count or device_count % others:
-            raise ValueError(f"mesh.{key}: {size} does not divide the {device_count} available devices"
-                             + (f" (with the other axes: {others} devices)" if others != size else ""))
+            raise SettingError(f"mesh.{key}", f"{size} does not divide the {device_count} available devices"
+                               + (f" (with the other axes: {others} devices)" if others != size else ""))
     if data == -1:
         data = device_count // others
     fits = data * others <= device_count if allow_subset else data * others == device_count
     if data < 1 or not fits:
         shown = [(k, v) for k, v in (("data", data), ("pipe", pipe), ("spatial", spatial), ("model", model))
                  if k in AXES or v > 1]
-        raise ValueError(f"mesh.data: {' x '.join(k for k, _ in shown)} = {' x '.join(str(v) for _, v in shown)}"
-                         f" = {data * others} devices, but {device_count} "
-                         f"{'is' if device_count == 1 else 'are'} available "
-                         f"(use mesh.data=-1 to take the rest)")
+        raise SettingError("mesh.data", f"{' x '.join(k for k, _ in shown)} = "
+                           f"{' x '.join(str(v) for _, v in shown)} = {data * others} devices, but "
+                           f"{device_count} {'is' if device_count == 1 else 'are'} available "
+                           f"(use mesh.data=-1 to take the rest)")
     return data, model
 
 
@@ -86,14 +87,14 @@ def device_order(order: Sequence[str] | None) -> tuple[str, ...]:
     ``order`` names, then the others in the default order ``data, pipe, spatial, model``.
 
     Raises:
-        ValueError: ``"mesh.order: ..."`` for an unknown or repeated axis name.
+        SettingError: naming ``mesh.order`` for an unknown or repeated axis name.
     """
     order = tuple(order or ())
     for i, name in enumerate(order):
         if name not in ALL_AXES:
-            raise ValueError(f"mesh.order: unknown axis {name!r}; expected names from {list(ALL_AXES)}")
+            raise SettingError("mesh.order", f"unknown axis {name!r}; expected names from {list(ALL_AXES)}")
         if name in order[:i]:
-            raise ValueError(f"mesh.order: axis {name!r} is named twice in {list(order)}")
+            raise SettingError("mesh.order", f"axis {name!r} is named twice in {list(order)}")
     return order + tuple(a for a in ALL_AXES if a not in order)
 
 
@@ -150,29 +151,21 @@ def device_grid(devices: Sequence, sizes: dict, order: Sequence[str] | None = No
     return grid.transpose(tuple(filled.index(a) for a in names)), names
 
 
-def mesh_from_config(cfg, *, devices: Sequence | None = None) -> Mesh:
-    """:func:`make_mesh` from a config's ``mesh`` section (``data``, ``model``, ``pipe``, ``spatial``,
-    ``order``)."""
-    return make_mesh(cfg.mesh.data, cfg.mesh.model, devices=devices, pipe=cfg.mesh.pipe,
-                     spatial=cfg.mesh.spatial, order=getattr(cfg.mesh, "order", None))
-
-
-def check_batch(mesh: Mesh, batch_size: int, *, path: str = "data.batch_size") -> None:
+def check_batch(mesh: Mesh, batch_size: int) -> None:
     """Check that a global batch splits evenly over the data axis and the processes.
 
     Arguments:
         mesh: the mesh.
         batch_size: the global batch size.
-        path: the config key to name in the error.
 
     Raises:
-        ValueError: when ``batch_size`` is not a multiple of the data-axis size
+        SettingError: naming ``batch_size`` when it is not a multiple of the data-axis size
             or of the number of processes.
     """
     data = mesh.shape[DATA]
     if batch_size % data:
-        raise ValueError(f"{path}: global batch {batch_size} does not divide over the {data} devices "
-                         f"of the mesh's data axis (mesh.data={data}); use a multiple of {data}")
+        raise SettingError("batch_size", f"global batch {batch_size} does not divide over the {data} "
+                           f"devices of the mesh's data axis (mesh.data={data}); use a multiple of {data}")
     procs = jax.process_count()
     if batch_size % procs:
-        raise ValueError(f"{path}: global batch {batch_size} does not divide over {procs} processes")
+        raise SettingError("batch_size", f"global batch {batch_size} does not divide over {procs} processes")

@@ -54,6 +54,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from jaxcnn.errors import SettingError
 from jaxcnn.parallel.mesh import DATA
 from jaxcnn.parallel.pipeline import BACKWARD, FORWARD, Pipeline, _get, _set, one_f_one_b, stash_per_stage
 from jaxcnn.parallel.strategies import CPU_MAX_IN_FLIGHT
@@ -65,7 +66,7 @@ def stage_meshes(mesh: Mesh, axis: str) -> list[Mesh]:
     names = list(mesh.axis_names)
     devices = np.moveaxis(mesh.devices, [names.index(axis), names.index(DATA)], [0, 1])
     if devices[0].size != devices.shape[1]:
-        raise ValueError(f"parallel.pipeline.engine: mpmd runs on a data x pipe mesh, got {dict(mesh.shape)}")
+        raise SettingError("pipeline.engine", f"mpmd runs on a data x pipe mesh, got {dict(mesh.shape)}")
     return [Mesh(devices[s].reshape(-1), (DATA,)) for s in range(devices.shape[0])]
 
 
@@ -89,13 +90,13 @@ class MPMD:
             ``pipe`` index ``s``.
 
     Raises:
-        ValueError: naming ``parallel.pipeline.engine`` for several processes or another axis.
+        SettingError: naming ``pipeline.engine`` for several processes or another axis.
     """
 
     def __init__(self, pipeline: Pipeline, mesh: Mesh):
         if jax.process_count() > 1:
-            raise ValueError("parallel.pipeline.engine: mpmd runs in one process (a stage's output "
-                             "moves between devices by jax.device_put); use engine spmd across processes")
+            raise SettingError("pipeline.engine", "mpmd runs in one process (a stage's output moves "
+                               "between devices by jax.device_put); use engine spmd across processes")
         self.pipeline, self.mesh = pipeline, mesh
         self.meshes = stage_meshes(mesh, pipeline.axis_name)
         self.rep = [NamedSharding(m, P()) for m in self.meshes]
@@ -182,9 +183,9 @@ class MPMD:
         leaves = []
         for path, _ in paths:
             if path not in whole:
-                raise ValueError(f"parallel.pipeline.engine: the optimiser state of stage {s} has a leaf at "
-                                 f"{jax.tree_util.keystr(path)} that the whole model's has not; mpmd needs an "
-                                 f"optimiser whose state follows the parameters leaf by leaf")
+                raise SettingError("pipeline.engine", f"the optimiser state of stage {s} has a leaf at "
+                                   f"{jax.tree_util.keystr(path)} that the whole model's has not; mpmd "
+                                   f"needs an optimiser whose state follows the parameters leaf by leaf")
             x = whole[path]
             if self.opt_owner(path) != s:  # a count: a copy on this stage's devices
                 x = jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self.rep[s]) \

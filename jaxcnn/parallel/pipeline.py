@@ -112,6 +112,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxcnn._fence import stored
+from jaxcnn.errors import SettingError
 from jaxcnn.layers.base import Layer, split_rng
 from jaxcnn.parallel.mesh import PIPE
 
@@ -140,11 +141,11 @@ def pipeline_blocks(model: Layer) -> list[Block]:
     """The blocks of a serial model, in order (nested ``serial`` children opened up).
 
     Raises:
-        ValueError: naming ``parallel.pipeline`` when ``model`` is not a ``serial``.
+        SettingError: naming ``model`` when it is not a ``serial``.
     """
     if model.kind != "serial":
-        raise ValueError(f"parallel.pipeline: the model must be a serial stack of blocks to be split "
-                         f"into stages, got a layer of kind {model.kind!r}")
+        raise SettingError("model", f"the model must be a serial stack of blocks to be split into "
+                           f"stages, got a layer of kind {model.kind!r}")
     out = []
 
     def walk(layer, path, rng_path):
@@ -162,7 +163,7 @@ def block_costs(model: Layer, input_shape, blocks, balance: str) -> list[int]:
     """Each block's MACs (``"macs"``), parameters (``"params"``) or output elements of its
     layers (``"activations"``, what its backward keeps) at ``input_shape``."""
     if balance not in BALANCE[:3]:
-        raise ValueError(f"parallel.pipeline.balance: expected one of {BALANCE[:3]}, got {balance!r}")
+        raise SettingError("balance", f"expected one of {BALANCE[:3]}, got {balance!r}")
     from jaxcnn.summary import summary  # the whole model, abstractly (no memory)
     rows = summary(model, input_shape).rows
     cost = {"macs": lambda r: r.macs, "params": lambda r: r.params,
@@ -301,7 +302,7 @@ def memory_split(acts, params, widths, stages: int, microbatch: int, stash: int,
             if total < best_cost:
                 best_cost, best_sizes = total, sizes
     if best_sizes is None:
-        raise ValueError(f"parallel.pipeline.balance: no split of {n} blocks into {S} stages")
+        raise SettingError("balance", f"no split of {n} blocks into {S} stages")
     return best_sizes
 
 
@@ -328,7 +329,7 @@ def mpmd_memory_split(acts, params, widths, stages: int, microbatch: int, slots,
                               + wire[:, None], np.inf))
     found, sizes = _min_max_split(costs)
     if found is None:
-        raise ValueError(f"parallel.pipeline.balance: no split of {n} blocks into {S} stages")
+        raise SettingError("balance", f"no split of {n} blocks into {S} stages")
     return sizes
 
 
@@ -359,14 +360,14 @@ def check_split(split, stages: int, n_blocks: int) -> list[int]:
     """An explicit ``split`` (blocks per stage) checked against the stages and blocks."""
     if not isinstance(split, (list, tuple)) or not all(isinstance(v, int) and not isinstance(v, bool)
                                                        for v in split):
-        raise ValueError(f"parallel.pipeline.split: expected a list of block counts per stage, got {split!r}")
-    if len(split) != stages:
-        raise ValueError(f"parallel.pipeline.split: {len(split)} stages listed, but mesh.pipe={stages}")
+        raise SettingError("split", f"expected a list of block counts per stage, got {split!r}")
+    if len(split) != stages:  # the stages are the mesh's pipe axis
+        raise SettingError("split", f"{len(split)} stages listed, but mesh.pipe={stages}")
     if any(v < 1 for v in split):
-        raise ValueError(f"parallel.pipeline.split: every stage needs at least one block, got {list(split)}")
+        raise SettingError("split", f"every stage needs at least one block, got {list(split)}")
     if sum(split) != n_blocks:
-        raise ValueError(f"parallel.pipeline.split: {list(split)} adds up to {sum(split)} blocks, "
-                         f"but the model has {n_blocks}")
+        raise SettingError("split", f"{list(split)} adds up to {sum(split)} blocks, but the model has "
+                           f"{n_blocks}")
     return list(split)
 
 
@@ -542,32 +543,33 @@ class Pipeline:
             same numbers, each device holding its own stage's buffers only; one process).
 
     Raises:
-        ValueError: naming the ``parallel.pipeline`` key (or ``mesh.pipe``) when the
-            model cannot be split as asked: not a serial stack, more stages than
-            blocks, a bad split, ``microbatches`` below 1, an unknown schedule.
+        SettingError: naming the argument (``model``, ``stages``, ``split``, ``microbatches``,
+            ``balance``, ``schedule``, ``remat``, ``engine``) when the model cannot be split as
+            asked: not a serial stack, more stages than blocks, a bad split, ``microbatches``
+            below 1, an unknown schedule.
     """
 
     def __init__(self, model: Layer, input_shape, stages: int, microbatches: int, *,
                  balance: str = "macs", split=None, schedule: str = "gpipe", remat: bool = False,
                  axis_name: str = PIPE, engine: str = "spmd"):
         if engine not in ENGINES:
-            raise ValueError(f"parallel.pipeline.engine: expected one of {ENGINES}, got {engine!r}")
+            raise SettingError("engine", f"expected one of {ENGINES}, got {engine!r}")
         self.engine = engine
         if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
-            raise ValueError(f"parallel.pipeline.microbatches: expected an int >= 1, got {microbatches!r}")
+            raise SettingError("microbatches", f"expected an int >= 1, got {microbatches!r}")
         if balance not in BALANCE:
-            raise ValueError(f"parallel.pipeline.balance: expected one of {BALANCE}, got {balance!r}")
+            raise SettingError("balance", f"expected one of {BALANCE}, got {balance!r}")
         if schedule not in SCHEDULES:
-            raise ValueError(f"parallel.pipeline.schedule: expected one of {SCHEDULES}, got {schedule!r}")
+            raise SettingError("schedule", f"expected one of {SCHEDULES}, got {schedule!r}")
         if not isinstance(remat, bool):
-            raise ValueError(f"parallel.pipeline.remat: expected true or false, got {remat!r}")
+            raise SettingError("remat", f"expected true or false, got {remat!r}")
         self.remat = remat
         self.model, self.stages, self.microbatches, self.axis_name = model, stages, microbatches, axis_name
         self.mesh = self.split_dims = None  # where the parameters live at rest: see place()
         self.blocks = pipeline_blocks(model)
         if stages > len(self.blocks):
-            raise ValueError(f"mesh.pipe: {stages} stages but the model has only {len(self.blocks)} blocks "
-                             f"({', '.join(b.name for b in self.blocks)})")
+            raise SettingError("stages", f"{stages} stages but the model has only {len(self.blocks)} "
+                               f"blocks ({', '.join(b.name for b in self.blocks)})")
         if split is None and balance == "memory":
             self.costs = block_costs(model, input_shape, self.blocks, "activations")
             per_example = [c / input_shape[0] for c in self.costs]
@@ -618,11 +620,12 @@ class Pipeline:
             lines.append(f"stage {s}: {names}")
         return "\n".join(lines)
 
-    def check_batch(self, per_device_batch: int, *, path: str = "parallel.pipeline.microbatches") -> None:
-        """Check that the batch of each data shard splits into the micro-batches."""
+    def check_batch(self, per_device_batch: int) -> None:
+        """Check that the batch of each data shard splits into the micro-batches (a
+        :class:`SettingError` naming ``microbatches``)."""
         if per_device_batch % self.microbatches:
-            raise ValueError(f"{path}: {self.microbatches} micro-batches do not divide the batch of "
-                             f"{per_device_batch} examples of each data shard")
+            raise SettingError("microbatches", f"{self.microbatches} micro-batches do not divide the "
+                               f"batch of {per_device_batch} examples of each data shard")
 
     # ----- the schedule -----------------------------------------------------------------
 

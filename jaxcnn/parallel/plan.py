@@ -1,9 +1,9 @@
 """One object that knows how a run is spread over devices.
 
-``plan = setup(cfg, model, input_shape)`` reads the ``mesh`` and ``parallel``
-sections and gives the training loop all it needs::
+A :class:`ParallelPlan` is built from a mesh, the model, the global input shape and the
+state's shapes, with every setting an argument, and gives the training loop all it needs::
 
-    plan = setup(cfg, run.model, run.input_shape, abstract_state(run))
+    plan = ParallelPlan(make_mesh(-1, 1), model, input_shape, abstract_state, strategy="shard_map")
     train_step = plan.wrap_step(make_train_step(plan.step_model, ..., axis_name=plan.step_axis_name,
                                                 sync_batch_norm=plan.sync_batch_norm))
     state = plan.shard_state(init_state(run))    # or manager.restore(target=plan.abstract_state)
@@ -16,20 +16,27 @@ With several processes, ``plan.batch_share`` is read from the mesh: each process
 rows of the data shards its devices hold, so ``(jax.process_index(), jax.process_count())``
 when each data shard's devices are in one process, and the same rows on every process that
 holds devices of a data shard when ``pipe`` (``mesh.order: [pipe]``), ``model`` or
-``spatial`` spans processes.  :func:`setup` refuses, in one line naming ``mesh.data``, a
-layout in which a process's data shards are not one contiguous block.
+``spatial`` spans processes; :func:`jaxcnn.parallel.batch_share` refuses, in one line naming
+``mesh.data``, a layout in which a process's data shards are not one contiguous block.
+
+A setting the plan cannot run is a :class:`jaxcnn.errors.SettingError` naming the argument
+(``strategy``, ``pipeline.microbatches``, ``spatial_until``, or an axis of the mesh given:
+``mesh.pipe``); the trainer turns it into an error naming its config key.
 """
 from __future__ import annotations
+
+import contextlib
 
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from jaxcnn.errors import SettingError
 from jaxcnn.parallel import rules as R
 from jaxcnn.parallel import spatial as SP
 from jaxcnn.parallel import strategies as S
 from jaxcnn.parallel.distributed import batch_share, global_batch
-from jaxcnn.parallel.mesh import DATA, MODEL, PIPE, SPATIAL, axis_size, check_batch, make_mesh
+from jaxcnn.parallel.mesh import DATA, MODEL, PIPE, SPATIAL, axis_size, check_batch
 from jaxcnn.parallel.mpmd import MPMD
 from jaxcnn.parallel.pipeline import Pipeline
 
@@ -79,7 +86,7 @@ class ParallelPlan:
             a ``spatial`` axis.
 
     Raises:
-        ValueError: for a combination the strategy cannot run (naming the key).
+        SettingError: for a combination the strategy cannot run, naming the argument.
     """
 
     def __init__(self, mesh: Mesh, model, input_shape, abstract_state, *, strategy: str = "shard_map",
@@ -87,40 +94,43 @@ class ParallelPlan:
                  spatial_until: str = "auto", spatial_remat: bool = False,
                  spatial_halo: str = "partitioner", pipeline=None):
         if strategy not in S.STRATEGIES:
-            raise ValueError(f"parallel.strategy: expected one of {S.STRATEGIES}, got {strategy!r}")
+            raise SettingError("strategy", f"expected one of {S.STRATEGIES}, got {strategy!r}")
         if strategy == "pmap" and (mesh.shape[MODEL] > 1 or fsdp or jax.process_count() > 1):
-            raise ValueError("parallel.strategy: pmap runs single-process data parallelism only "
-                             f"(mesh.model={mesh.shape[MODEL]}, parallel.fsdp={fsdp}, "
-                             f"{jax.process_count()} processes); use shard_map or jit")
+            raise SettingError("strategy", "pmap runs single-process data parallelism only "
+                               f"(mesh.model={mesh.shape[MODEL]}, fsdp={fsdp}, "
+                               f"{jax.process_count()} processes); use shard_map or jit", mentions=("fsdp",))
         if strategy == "jit" and not sync_batch_norm:
-            raise ValueError("parallel.sync_batch_norm: false needs strategy shard_map or pmap; jit "
-                             "always normalises with the statistics of the global batch")
+            raise SettingError("sync_batch_norm", "false needs strategy shard_map or pmap; jit "
+                               "always normalises with the statistics of the global batch")
         check_batch(mesh, input_shape[0])
         if axis_size(mesh, PIPE) > 1 and axis_size(mesh, SPATIAL) > 1:
-            raise ValueError(f"mesh.{SPATIAL}: {axis_size(mesh, SPATIAL)} with mesh.{PIPE}={axis_size(mesh, PIPE)}: "
-                             "spatial partitioning and pipeline stages do not combine; use one of them")
+            raise SettingError(f"mesh.{SPATIAL}", f"{axis_size(mesh, SPATIAL)} with mesh.{PIPE}="
+                               f"{axis_size(mesh, PIPE)}: spatial partitioning and pipeline stages do "
+                               "not combine; use one of them")
         self.pipeline = _pipeline(mesh, model, input_shape, strategy, fsdp, pipeline or {})
         # one program per stage: each leaf of the state on its stage's devices (parallel.mpmd)
         self.mpmd = MPMD(self.pipeline, mesh) if self.pipeline is not None and self.pipeline.engine == "mpmd" \
             else None
         self.spatial, self.step_model = None, model
         if axis_size(mesh, SPATIAL) > 1:
-            SP.check_halo(spatial_halo)
+            with _named(shards=f"mesh.{SPATIAL}", until="spatial_until", halo="spatial_halo"):
+                SP.check_halo(spatial_halo)
             if mesh.shape[MODEL] > 1 and spatial_halo == "partitioner":
-                raise ValueError(f"mesh.model: {mesh.shape[MODEL]} with mesh.spatial="
-                                 f"{axis_size(mesh, SPATIAL)}: spatial partitioning composes with the "
-                                 f"data axis only (XLA's partitioner gave wrong gradients for "
-                                 f"spatial x model meshes); use mesh.model=1 or "
-                                 f"parallel.spatial.halo: explicit")
+                raise SettingError("mesh.model", f"{mesh.shape[MODEL]} with mesh.spatial="
+                                   f"{axis_size(mesh, SPATIAL)}: spatial partitioning composes with the "
+                                   f"data axis only (XLA's partitioner gave wrong gradients for "
+                                   f"spatial x model meshes); use mesh.model=1 or spatial_halo=explicit",
+                                   mentions=("spatial_halo",))
             if strategy != "jit":
-                raise ValueError(f"parallel.strategy: mesh.spatial={axis_size(mesh, SPATIAL)} needs strategy "
-                                 f"jit (one global program that XLA partitions), got {strategy!r}")
-            self.spatial = SP.spatial_layout(model, input_shape, axis_size(mesh, SPATIAL),
-                                             until=spatial_until, halo=spatial_halo)
+                raise SettingError("strategy", f"mesh.spatial={axis_size(mesh, SPATIAL)} needs strategy "
+                                   f"jit (one global program that XLA partitions), got {strategy!r}")
+            with _named(shards=f"mesh.{SPATIAL}", until="spatial_until", halo="spatial_halo"):
+                self.spatial = SP.spatial_layout(model, input_shape, axis_size(mesh, SPATIAL),
+                                                 until=spatial_until, halo=spatial_halo)
         self.mesh, self.strategy, self.fsdp, self.sync_batch_norm = mesh, strategy, fsdp, sync_batch_norm
         self.spatial_remat = bool(spatial_remat and self.spatial is not None)
         self.spatial_halo = spatial_halo if self.spatial is not None else None
-        self.rules = R.merge_rules(rules)
+        self.rules = R.merge_rules(rules)  # its errors name rules.<axis>, as the argument is
         self.params_axes, self.state_axes = R.logical_axes(model, input_shape)
         self.state_shardings = self._shardings(abstract_state)
         if self.spatial is not None:
@@ -239,12 +249,13 @@ class ParallelPlan:
         ``(state, batch) -> (state, metrics)``) distributed over the mesh."""
         pipeline = self.pipeline if callable(train_step) else train_step.pipeline
         if pipeline is not self.pipeline:
-            raise ValueError("parallel.pipeline: the train step was not built with this plan's pipeline; "
-                             "build it with make_train_step(..., pipeline=plan.pipeline)")
+            raise SettingError("train_step", "not built with this plan's pipeline; build it with "
+                               "make_train_step(..., pipeline=plan.pipeline)")
         if self.mpmd is not None:
             if callable(train_step) or train_step.stages is None:
-                raise ValueError("parallel.pipeline.engine: mpmd runs a step's stages as separate "
-                                 "programs; build it with make_train_step(..., pipeline=plan.pipeline)")
+                raise SettingError("train_step", "the plan's pipeline engine is mpmd, which runs a "
+                                   "step's stages as separate programs; build it with "
+                                   "make_train_step(..., pipeline=plan.pipeline)")
             S._check_batch_norm_axis(train_step, DATA if self.sync_batch_norm else None)
             return self.mpmd.build_step(**train_step.stages._asdict(), donate=donate)
         return S.wrap_train_step(train_step, self.strategy, self.mesh, self.state_shardings,
@@ -272,66 +283,39 @@ def _pipeline(mesh, model, input_shape, strategy, fsdp, spec) -> Pipeline | None
     stages = axis_size(mesh, PIPE)
     unknown = set(spec) - {"microbatches", "split", "balance", "schedule", "remat", "engine"}
     if unknown:
-        raise ValueError(f"parallel.pipeline: unknown key(s) {sorted(unknown)}; expected microbatches, "
-                         "split, balance, schedule, remat, engine")
+        raise SettingError("pipeline", f"unknown key(s) {sorted(unknown)}; expected microbatches, "
+                           "split, balance, schedule, remat, engine")
     if stages == 1:
         return None
     if strategy != "shard_map":
-        raise ValueError(f"parallel.strategy: pipeline parallelism (mesh.pipe={stages}) runs under "
-                         f"shard_map, got {strategy!r}")
+        raise SettingError("strategy", f"pipeline parallelism (mesh.pipe={stages}) runs under "
+                           f"shard_map, got {strategy!r}")
     if mesh.shape[MODEL] > 1:
-        raise ValueError(f"mesh.model: {mesh.shape[MODEL]} with mesh.pipe={stages}; pipeline stages "
-                         "combine with the data axis only")
+        raise SettingError("mesh.model", f"{mesh.shape[MODEL]} with mesh.pipe={stages}; pipeline "
+                           "stages combine with the data axis only")
     if fsdp:
-        raise ValueError(f"parallel.fsdp: not with pipeline parallelism (mesh.pipe={stages})")
+        raise SettingError("fsdp", f"not with pipeline parallelism (mesh.pipe={stages})")
     microbatches = spec.get("microbatches")
     shard = (input_shape[0] // mesh.shape[DATA],) + tuple(input_shape[1:])  # balance="memory" weighs it
-    pipe = Pipeline(model, shard, stages, 2 * stages if microbatches is None else microbatches,
-                    balance=spec.get("balance") or "macs", split=spec.get("split"),
-                    schedule=spec.get("schedule") or "gpipe", remat=spec.get("remat", False),
-                    engine=spec.get("engine") or "spmd")
-    pipe.check_batch(input_shape[0] // mesh.shape[DATA])
+    # Pipeline's arguments are this plan's pipeline.<key>; its stages are the mesh's pipe axis
+    with _named(stages=f"mesh.{PIPE}", model="pipeline", prefix="pipeline"):
+        pipe = Pipeline(model, shard, stages, 2 * stages if microbatches is None else microbatches,
+                        balance=spec.get("balance") or "macs", split=spec.get("split"),
+                        schedule=spec.get("schedule") or "gpipe", remat=spec.get("remat", False),
+                        engine=spec.get("engine") or "spmd")
+        pipe.check_batch(input_shape[0] // mesh.shape[DATA])
     return pipe
 
 
-def setup(cfg, model, input_shape, abstract_state, *, devices=None) -> ParallelPlan:
-    """The :class:`ParallelPlan` of a validated config.
-
-    Arguments:
-        cfg: the config (``mesh``, ``parallel`` and ``data`` sections are read).
-        model: the model Layer.
-        input_shape: the global input shape ``(B, H, W, C)``.
-        abstract_state: the ``TrainState`` as ``ShapeDtypeStruct``s.
-        devices: restrict the mesh to these devices (default: all).
-
-    Raises:
-        ValueError: mesh sizes that do not fit the devices, a batch that does
-            not divide over the data axis, a strategy that cannot run the config, or
-            (several processes) a device layout whose processes do not each hold a
-            contiguous block of data shards (:attr:`ParallelPlan.batch_share`).  A layout
-            whose ``pipe`` (or ``model``, ``spatial``) axis spans processes is fine: the
-            processes holding devices of the same data shards load the same rows.
-    """
-    mesh = make_mesh(cfg.mesh.data, cfg.mesh.model, devices=devices, pipe=cfg.mesh.pipe,
-                     spatial=cfg.mesh.spatial, order=getattr(cfg.mesh, "order", None))
-    batch_share(mesh)  # the rows each process loads: a layout the trainer cannot feed fails here
-    return ParallelPlan(mesh, model, input_shape, abstract_state, strategy=cfg.parallel.strategy,
-                        rules=dict(cfg.parallel.rules), fsdp=cfg.parallel.fsdp,
-                        sync_batch_norm=cfg.parallel.sync_batch_norm,
-                        spatial_until=cfg.parallel.spatial.until,
-                        spatial_remat=cfg.parallel.spatial.remat,
-                        spatial_halo=cfg.parallel.spatial.halo,
-                        pipeline=_pipeline_config(cfg))
-
-
-def _pipeline_config(cfg) -> dict:
-    """``parallel.pipeline`` as ``ParallelPlan(pipeline=...)`` takes it; the micro-batches are
-    ``train.accumulate_steps`` when ``parallel.pipeline.microbatches`` is unset."""
-    spec = {k: getattr(cfg.parallel.pipeline, k)
-            for k in ("microbatches", "split", "balance", "schedule", "remat", "engine")}
-    if spec["microbatches"] is None and cfg.train.accumulate_steps > 1:
-        spec["microbatches"] = cfg.train.accumulate_steps
-    if cfg.mesh.pipe > 1 and spec["microbatches"] is None:
-        raise ValueError(f"parallel.pipeline.microbatches: required with mesh.pipe={cfg.mesh.pipe} "
-                         f"(e.g. {2 * cfg.mesh.pipe}; or train.accumulate_steps)")
-    return spec
+@contextlib.contextmanager
+def _named(prefix: str | None = None, **names):
+    """A :class:`SettingError` raised inside, named as the plan's own argument: ``names`` maps
+    a callee's argument to the plan's, and the others go under ``prefix`` (when given)."""
+    try:
+        yield
+    except SettingError as e:
+        if e.setting in names:
+            raise SettingError(names[e.setting], e.problem, mentions=e.mentions) from None
+        if prefix is not None:
+            raise e.under(prefix) from None
+        raise

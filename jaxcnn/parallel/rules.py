@@ -34,6 +34,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from jaxcnn.errors import SettingError
 from jaxcnn.layers.base import record_layers
 from jaxcnn.parallel.mesh import DATA, MODEL
 DEFAULT_RULES: dict[str, str | None] = {"kh": None, "kw": None, "in": None, "out": "model"}
@@ -88,15 +89,16 @@ def merge_rules(overrides: Mapping[str, str | None] | None = None) -> dict[str, 
     """:data:`DEFAULT_RULES` with ``overrides`` (the config's ``parallel.rules``) on top.
 
     Raises:
-        ValueError: an override names an unknown logical axis or mesh axis.
+        SettingError: naming ``rules.<axis>`` when an override names an unknown logical axis or
+            mesh axis.
     """
     rules = dict(DEFAULT_RULES)
     for name, target in dict(overrides or {}).items():
         if name not in DEFAULT_RULES:
-            raise ValueError(f"parallel.rules.{name}: unknown logical axis {name!r}; expected one of "
-                             f"{sorted(DEFAULT_RULES)}")
+            raise SettingError(f"rules.{name}", f"unknown logical axis {name!r}; expected one of "
+                               f"{sorted(DEFAULT_RULES)}")
         if target not in (None, DATA, MODEL):
-            raise ValueError(f"parallel.rules.{name}: expected 'data', 'model' or null, got {target!r}")
+            raise SettingError(f"rules.{name}", f"expected 'data', 'model' or null, got {target!r}")
         rules[name] = target
     return rules
 

@@ -92,13 +92,13 @@ from jaxcnn.functional._halo import window_halo
 from jaxcnn.layers import combinators as C
 from jaxcnn.layers._tree import child_path, get_path, leaves
 from jaxcnn.layers.base import Choices, Layer, choices_or_default, record_layers
+from jaxcnn.errors import SettingError
 from jaxcnn.parallel.mesh import DATA, SPATIAL
 
 WINDOW_KINDS = frozenset({"conv2d", "max_pool2d", "avg_pool2d"})
 ROW_KINDS = frozenset({
     "relu", "relu6", "leaky_relu", "elu", "gelu", "silu", "hardswish", "hardsigmoid", "sigmoid",
     "tanh", "batch_norm", "group_norm", "dropout", "stochastic_depth", "identity", "layer_scale"})
-UNTIL_KEY = "parallel.spatial.until"
 HALOS = ("partitioner", "explicit")
 RANDOM_KINDS = frozenset({"dropout", "stochastic_depth"})
 
@@ -194,7 +194,7 @@ def _leaf_problem(record, shards: int, halos: dict, halo: str) -> str | None:
         return f"{name} ({record.kind}) is not computed row by row"
     if halo == "explicit" and record.kind in RANDOM_KINDS and _draws(record):
         return (f"{name} ({record.kind}) draws random numbers per example or position, which one "
-                f"device's block would not draw as the whole batch does (parallel.spatial.halo: explicit)")
+                f"device's block would not draw as the whole batch does (explicit halos)")
     if len(record.input_shape) != 4 or len(record.output_shape) != 4:
         return f"{name} ({record.kind}) has input {record.input_shape}, not an (N, H, W, C) image"
     height, out_height = record.input_shape[1], record.output_shape[1]
@@ -239,17 +239,17 @@ def spatial_layout(model: Layer, input_shape, shards: int, *, until: str = "auto
         A :class:`SpatialLayout`.
 
     Raises:
-        ValueError: naming ``mesh.spatial`` when the input height does not divide or the
-            first unit cannot be split, or :data:`UNTIL_KEY` when ``until`` names no unit or
-            a leaf up to it cannot be split (which leaf and why: height, halo or kind).
+        SettingError: naming ``shards`` when the input height does not divide or the first
+            unit cannot be split, ``until`` when it names no unit or a leaf up to it cannot be
+            split (which leaf and why: height, halo or kind), or ``halo``.
     """
     input_shape = tuple(int(d) for d in input_shape)
     check_halo(halo)
     if len(input_shape) != 4:
-        raise ValueError(f"mesh.spatial: splits images (N, H, W, C); the model input is {input_shape}")
+        raise SettingError("shards", f"splits images (N, H, W, C); the model input is {input_shape}")
     if input_shape[1] % shards:
-        raise ValueError(f"mesh.spatial: the input height {input_shape[1]} (input shape {input_shape}) "
-                         f"does not divide into {shards} spatial shards")
+        raise SettingError("shards", f"the input height {input_shape[1]} (input shape {input_shape}) "
+                           f"does not divide into {shards} spatial shards")
     with record_layers() as records:
         jax.eval_shape(lambda k: model.init(k, input_shape)[:2], jax.random.PRNGKey(0))
     by_path = {r.path: r for r in records}
@@ -257,13 +257,13 @@ def spatial_layout(model: Layer, input_shape, shards: int, *, until: str = "auto
     paths = tuple(p for p, _ in units)
     if until != "auto":
         if not isinstance(until, str) or not any(_in(p, until) for p in paths):
-            raise ValueError(f"{UNTIL_KEY}: {until!r} names no layer of the model's sequence; "
-                             f"expected 'auto' or one of {list(paths)}")
+            raise SettingError("until", f"{until!r} names no layer of the model's sequence; "
+                               f"expected 'auto' or one of {list(paths)}")
         last = max(i for i, p in enumerate(paths) if _in(p, until))
     split, halos, stop = [], {}, ""
     for i, (path, unit) in enumerate(units):
         if until != "auto" and i > last:
-            stop = f"{UNTIL_KEY} is {until!r}"
+            stop = f"until is {until!r}"
             break
         problem, gated = None, _gated(unit, path) if halo == "partitioner" else set()
         for leaf_path, _ in leaves(unit, path):
@@ -276,11 +276,11 @@ def spatial_layout(model: Layer, input_shape, shards: int, *, until: str = "auto
                 break
         if problem:
             if until != "auto":
-                raise ValueError(f"{UNTIL_KEY}: cannot split up to {until!r} over {shards} spatial "
-                                 f"shards: {problem}")
+                raise SettingError("until", f"cannot split up to {until!r} over {shards} spatial "
+                                   f"shards: {problem}")
             if not split:
-                raise ValueError(f"mesh.spatial: {shards} spatial shards cannot split even the first "
-                                 f"layer: {problem}")
+                raise SettingError("shards", f"{shards} spatial shards cannot split even the first "
+                                   f"layer: {problem}")
             stop = problem
             break
         split.append(path)
@@ -289,7 +289,7 @@ def spatial_layout(model: Layer, input_shape, shards: int, *, until: str = "auto
 
 def check_halo(halo) -> None:
     if halo not in HALOS:
-        raise ValueError(f"parallel.spatial.halo: expected one of {HALOS}, got {halo!r}")
+        raise SettingError("halo", f"expected one of {HALOS}, got {halo!r}")
 
 
 def activation_sharding(mesh: Mesh) -> NamedSharding:

@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from jaxcnn.errors import SettingError
 from jaxcnn.parallel.mesh import DATA
 
 STRATEGIES = ("shard_map", "pmap", "jit")
@@ -71,7 +72,7 @@ def per_device(train_step, *, axis_name: str = DATA, sync_batch_norm: bool = Tru
         sync_batch_norm: BatchNorm statistics over the global batch.
 
     Raises:
-        ValueError: when ``train_step`` says (its ``batch_norm_axis_name``) that
+        SettingError: naming ``train_step`` when its ``batch_norm_axis_name`` says that
             BatchNorm syncs otherwise.
     """
     _check_batch_norm_axis(train_step, axis_name if sync_batch_norm else None)
@@ -96,8 +97,8 @@ def _check_batch_norm_axis(train_step, expected) -> None:
         return  # a step not made by make_train_step: its BatchNorm axis is its own business
     got = train_step.batch_norm_axis_name
     if got != expected:
-        raise ValueError(
-            f"parallel: the train step syncs BatchNorm over {got!r} but the strategy expects "
+        raise SettingError(
+            "train_step", f"syncs BatchNorm over {got!r} but the strategy expects "
             f"{expected!r}; build it with make_train_step(..., axis_name=plan.step_axis_name, "
             f"sync_batch_norm=plan.sync_batch_norm)")
 
@@ -138,7 +139,7 @@ def _compile(train_step, strategy, mesh, state_shardings, sync_batch_norm, donat
         # (manual over data and pipe, inside the step), so XLA partitions the optimiser
         # update over the parameters' pipe shards.
         if strategy != "shard_map":
-            raise ValueError(f"parallel.strategy: pipeline parallelism runs under shard_map, got {strategy!r}")
+            raise SettingError("strategy", f"pipeline parallelism runs under shard_map, got {strategy!r}")
         _check_batch_norm_axis(train_step, DATA if sync_batch_norm else None)
         return jax.jit(step_fn(train_step), in_shardings=(state_shardings, batch_sharding(mesh)),
                        out_shardings=(state_shardings, replicated), donate_argnums=donate_argnums)
@@ -152,7 +153,7 @@ def _compile(train_step, strategy, mesh, state_shardings, sync_batch_norm, donat
         devices = list(mesh.devices.reshape(-1))
         return jax.pmap(program, axis_name=DATA, in_axes=(None, 0), out_axes=(None, None),
                         devices=devices)
-    raise ValueError(f"unknown parallel strategy {strategy!r}; expected one of {STRATEGIES}")
+    raise SettingError("strategy", f"expected one of {STRATEGIES}, got {strategy!r}")
 
 
 class _Bounded:

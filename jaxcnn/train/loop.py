@@ -167,7 +167,9 @@ def start(cfg, run_dir: RunDir, *, argv=None, config_path=None) -> tuple[Prepare
         ``(prepared, config_changes, seconds prepare took)``.
     """
     with parallel_config_errors():
-        parallel.initialize(cfg.distributed)  # before anything touches a device
+        d = cfg.distributed  # before anything touches a device
+        parallel.initialize(d.mode, coordinator_address=d.coordinator_address, num_processes=d.num_processes,
+                            process_id=d.process_id, timeout_s=d.timeout_s)
     if not cfg.checkpoint.enabled or cfg.checkpoint.resume == "never":  # a new run: it must replace nothing
         check_fresh_start(run_dir.path, to_dict(cfg), why="checkpoint.enabled=false" if not cfg.checkpoint.enabled
                           else "checkpoint.resume=never")

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 from typing import Any, NamedTuple
 
 import jax
@@ -24,7 +23,7 @@ from jaxcnn.data import (SyntheticSpec, load_dataset, steps_per_epoch, synthetic
                          synthetic_dataset, train_batch)
 from jaxcnn.data.files import check_regular_file
 from jaxcnn.data.synthetic import NOISE_MEAN, NOISE_STD
-from jaxcnn.errors import ConfigError, DataError
+from jaxcnn.errors import ConfigError, DataError, SettingError
 from jaxcnn.data.mix import MixSpec
 from jaxcnn.interop.arrays import PARAMETER_FILE_TYPES, tree_items, unflatten, unknown_file_type
 from jaxcnn.layers import Choices
@@ -44,35 +43,80 @@ from jaxcnn.train.step import make_eval_step, make_train_step
 _SYNTHETIC_IN_MEMORY_BYTES = 256 * 2**20
 
 
-_CONFIG_KEY = re.compile(r"[a-z_][a-z0-9_]*(\.[A-Za-z0-9_]+)+")
+# The config key of each argument the trainer gives jaxcnn.parallel (make_mesh's axes are
+# named mesh.<axis>, as their keys are; a mapping argument's keys follow it: pipeline.split).
+_PARALLEL_KEYS = {
+    "strategy": "parallel.strategy", "fsdp": "parallel.fsdp", "rules": "parallel.rules",
+    "sync_batch_norm": "parallel.sync_batch_norm", "pipeline": "parallel.pipeline",
+    "spatial_until": "parallel.spatial.until", "spatial_remat": "parallel.spatial.remat",
+    "spatial_halo": "parallel.spatial.halo", "batch_size": "data.batch_size",
+    **{k: f"distributed.{k}" for k in ("mode", "coordinator_address", "num_processes", "process_id",
+                                        "timeout_s")},
+}
 
 
-def _raised_in_parallel(error: BaseException) -> bool:
-    tb = error.__traceback__
-    while tb is not None and tb.tb_next is not None:
-        tb = tb.tb_next
-    return tb is not None and tb.tb_frame.f_globals.get("__name__", "").startswith("jaxcnn.parallel")
+def _config_key(setting: str) -> str:
+    """The config key the trainer took a :class:`SettingError`'s argument from ("" if none)."""
+    head, _, rest = setting.partition(".")
+    if head == "mesh":
+        return setting
+    if setting in _PARALLEL_KEYS:
+        return _PARALLEL_KEYS[setting]
+    return f"{_PARALLEL_KEYS[head]}.{rest}" if head in _PARALLEL_KEYS and rest else ""
 
 
 @contextlib.contextmanager
 def parallel_config_errors():
-    """Around the trainer's calls into :mod:`jaxcnn.parallel`: its ``ValueError``s become
-    :class:`ConfigError`s.
-
-    ``jaxcnn.parallel`` knows nothing of configs; a setting it cannot run is a plain
-    ``ValueError`` raised there, whose message starts with the config key at fault
-    (``"mesh.model: 3 does not divide the 8 available devices"``). Here it becomes a
-    :class:`ConfigError` with that message and ``path`` (so ``jaxcnn-train`` prints one line
-    and exits 2); any other error, a ``ValueError`` from deeper down included, passes as it is.
-    """
+    """Around the trainer's calls into :mod:`jaxcnn.parallel`, which takes every setting as an
+    argument: a :class:`SettingError` naming an argument becomes a :class:`ConfigError`
+    naming the config key the trainer passed there (so ``jaxcnn-train`` prints one line and
+    exits 2). Any other error passes as it is."""
     try:
         yield
-    except ValueError as e:
-        if isinstance(e, ConfigError) or not _raised_in_parallel(e):
-            raise
-        message = str(e)
-        key = message.split(":", 1)[0]
-        raise ConfigError(message, path=key if _CONFIG_KEY.fullmatch(key) else "") from None
+    except SettingError as e:
+        key = _config_key(e.setting)
+        problem = e.phrase(lambda setting: _config_key(setting) or setting)
+        raise ConfigError(f"{key or e.setting}: {problem}", path=key) from None
+
+
+def config_mesh(cfg, *, devices=None):
+    """``parallel.make_mesh`` of the config's ``mesh`` section."""
+    return parallel.make_mesh(cfg.mesh.data, cfg.mesh.model, devices=devices, pipe=cfg.mesh.pipe,
+                              spatial=cfg.mesh.spatial, order=cfg.mesh.order)
+
+
+def make_plan(cfg, model, input_shape, abstract_state, *, devices=None) -> parallel.ParallelPlan:
+    """The :class:`jaxcnn.parallel.ParallelPlan` of a validated config (its ``mesh`` and
+    ``parallel`` sections; the micro-batches from ``train.accumulate_steps`` when
+    ``parallel.pipeline.microbatches`` is unset).
+
+    Raises:
+        ConfigError: naming the key (called inside :func:`parallel_config_errors`): mesh sizes
+            that do not fit the devices, a batch that does not divide over the data axis, a
+            strategy that cannot run the config, or (several processes) a device layout whose
+            processes do not each hold a contiguous block of data shards.
+    """
+    mesh = config_mesh(cfg, devices=devices)
+    parallel.batch_share(mesh)  # the rows each process loads: a layout the trainer cannot feed fails here
+    return parallel.ParallelPlan(
+        mesh, model, input_shape, abstract_state, strategy=cfg.parallel.strategy,
+        rules=dict(cfg.parallel.rules), fsdp=cfg.parallel.fsdp, sync_batch_norm=cfg.parallel.sync_batch_norm,
+        spatial_until=cfg.parallel.spatial.until, spatial_remat=cfg.parallel.spatial.remat,
+        spatial_halo=cfg.parallel.spatial.halo, pipeline=pipeline_spec(cfg))
+
+
+def pipeline_spec(cfg) -> dict:
+    """``parallel.pipeline`` as ``ParallelPlan(pipeline=...)`` takes it; the micro-batches are
+    ``train.accumulate_steps`` when ``parallel.pipeline.microbatches`` is unset."""
+    spec = {k: getattr(cfg.parallel.pipeline, k)
+            for k in ("microbatches", "split", "balance", "schedule", "remat", "engine")}
+    if spec["microbatches"] is None and cfg.train.accumulate_steps > 1:
+        spec["microbatches"] = cfg.train.accumulate_steps
+    if cfg.mesh.pipe > 1 and spec["microbatches"] is None:
+        raise ConfigError(f"parallel.pipeline.microbatches: required with mesh.pipe={cfg.mesh.pipe} "
+                          f"(e.g. {2 * cfg.mesh.pipe}; or train.accumulate_steps)",
+                          path="parallel.pipeline.microbatches")
+    return spec
 
 
 class Run(NamedTuple):
@@ -605,7 +649,7 @@ def prepare(cfg, check_run=None) -> Prepared:
     (the trainer's check that a resumed run's data did not change).
 
     Raises:
-        ConfigError / DataError: as :func:`build_run` and ``parallel.setup``; a state or step
+        ConfigError / DataError: as :func:`build_run` and :func:`make_plan`; a state or step
             that cannot fit in memory names the keys that size it.
     """
     run = build_run(cfg)
@@ -613,7 +657,7 @@ def prepare(cfg, check_run=None) -> Prepared:
         check_run(run)
     loaded = load_init_from(run) if cfg.model.init_from else None
     with parallel_config_errors():
-        plan = parallel.setup(cfg, run.model, run.input_shape, abstract_state(run))
+        plan = make_plan(cfg, run.model, run.input_shape, abstract_state(run))
     _check_accumulate(cfg, plan)
     available = available_memory(local_devices(plan))
     memory = {"available": available[0] if available else None, "train_step": None, "eval_step": None}

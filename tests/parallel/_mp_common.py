@@ -7,7 +7,6 @@ Imported first by a worker: it sets this process to 4 CPU devices before JAX is 
 import json
 import os
 import sys
-import types
 
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
 os.environ["JAX_PLATFORMS"] = "cpu"
@@ -22,8 +21,8 @@ from jaxcnn.interop import save_npz  # noqa: E402
 
 def start(port: int, pid: int, timeout_s: float) -> None:
     """Join the two-process run whose coordinator is 127.0.0.1:``port``."""
-    parallel.initialize(types.SimpleNamespace(mode="on", coordinator_address=f"127.0.0.1:{port}",
-                                              num_processes=2, process_id=pid, timeout_s=timeout_s))
+    parallel.initialize("on", coordinator_address=f"127.0.0.1:{port}", num_processes=2, process_id=pid,
+                        timeout_s=timeout_s)
     assert jax.process_count() == 2 and jax.device_count() == 8 and jax.local_device_count() == 4
 
 

@@ -8,7 +8,6 @@ import jax
 import numpy as np
 import pytest
 
-from jaxcnn import parallel
 from jaxcnn.parallel.distributed import batch_share, batch_shares
 from jaxcnn.parallel.mesh import device_grid, make_mesh
 
@@ -168,7 +167,7 @@ def test_make_mesh_order_fills_the_axes_in_that_order():
 
 def test_setup_reads_mesh_order_from_the_config():
     from jaxcnn.train.config import load_config
-    from jaxcnn.train.setup import abstract_state, build_run
+    from jaxcnn.train.setup import abstract_state, build_run, make_plan
     import os
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     cfg = load_config(os.path.join(root, "configs", "lenet5_mnist.yaml"),
@@ -176,7 +175,7 @@ def test_setup_reads_mesh_order_from_the_config():
                        "data.num_eval=8", "data.batch_size=16", "mesh.data=2", "mesh.pipe=4",
                        "mesh.order=[pipe]", "parallel.pipeline.microbatches=2"])
     run = build_run(cfg)
-    plan = parallel.setup(cfg, run.model, run.input_shape, abstract_state(run))
+    plan = make_plan(cfg, run.model, run.input_shape, abstract_state(run))
     devices = jax.devices()
     assert [[plan.mesh.devices[d, s, 0] for s in range(4)] for d in range(2)] == \
         [[devices[2 * s + d] for s in range(4)] for d in range(2)]

@@ -5,7 +5,6 @@ import socket
 import subprocess
 import sys
 import time
-import types
 
 import numpy as np
 import pytest
@@ -104,10 +103,9 @@ def test_killing_one_process_stops_the_other_within_the_timeout(tmp_path):
 
 def test_unreachable_coordinator_is_a_clear_error():
     port = _free_port()  # nobody listens there
-    code = ("import types, sys; from jaxcnn import parallel\n"
-            "cfg = types.SimpleNamespace(mode='on', coordinator_address='127.0.0.1:%d',"
-            " num_processes=2, process_id=1, timeout_s=3)\n"
-            "try:\n    parallel.initialize(cfg)\n"
+    code = ("import sys; from jaxcnn import parallel\n"
+            "try:\n    parallel.initialize('on', coordinator_address='127.0.0.1:%d', num_processes=2,"
+            " process_id=1, timeout_s=3)\n"
             "except parallel.DistributedError as e:\n    print(e); sys.exit(3)\n" % port)
     t0 = time.monotonic()
     p = subprocess.run([sys.executable, "-c", code], env=_env(), capture_output=True, text=True,
@@ -119,35 +117,34 @@ def test_unreachable_coordinator_is_a_clear_error():
 
 
 def test_modes_and_settings(monkeypatch):
-    off = types.SimpleNamespace(mode="off", coordinator_address="127.0.0.1:1", num_processes=2,
-                                process_id=0, timeout_s=1)
-    assert parallel.initialize(off) is False
-    auto = types.SimpleNamespace(mode="auto", coordinator_address=None, num_processes=None,
-                                 process_id=None, timeout_s=1)
+    assert parallel.initialize("off", coordinator_address="127.0.0.1:1", num_processes=2, process_id=0,
+                               timeout_s=1) is False
+    auto = dict(mode="auto", timeout_s=1)
     for var in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
         monkeypatch.delenv(var, raising=False)
-    assert parallel.initialize(auto) is False  # one process: nothing to do
+    assert parallel.initialize(**auto) is False  # one process: nothing to do
     monkeypatch.setenv("JAX_NUM_PROCESSES", "4")
     monkeypatch.setenv("JAX_PROCESS_ID", "2")
     monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "10.0.0.1:1234")
     from jaxcnn.parallel.distributed import settings
-    assert settings(auto) == {"coordinator_address": "10.0.0.1:1234", "num_processes": 4, "process_id": 2}
+    assert settings() == {"coordinator_address": "10.0.0.1:1234", "num_processes": 4, "process_id": 2}
+    assert settings(num_processes=3)["num_processes"] == 3  # an argument over the environment
     monkeypatch.setenv("JAX_NUM_PROCESSES", "four")
     with pytest.raises(ValueError, match="JAX_NUM_PROCESSES='four' is not a valid int"):
-        settings(auto)
+        settings()
     monkeypatch.setenv("JAX_NUM_PROCESSES", "2")
     monkeypatch.setenv("JAX_PROCESS_ID", "5")
-    with pytest.raises(ValueError, match=r"distributed.process_id: 5 is not in \[0, num_processes=2\)"):
-        parallel.initialize(auto)
+    with pytest.raises(ValueError, match=r"^process_id: 5 is not in \[0, num_processes=2\)"):
+        parallel.initialize(**auto)
     from jaxcnn.train.setup import parallel_config_errors  # the trainer's calls: ConfigErrors
     with pytest.raises(ConfigError, match=r"distributed.process_id: 5 is not") as err, parallel_config_errors():
-        parallel.initialize(auto)
+        parallel.initialize(**auto)
     assert err.value.path == "distributed.process_id"
     monkeypatch.setenv("JAX_NUM_PROCESSES", "four")
     with pytest.raises(ConfigError, match="JAX_NUM_PROCESSES='four' is not a valid int") as err, \
             parallel_config_errors():
-        parallel.initialize(auto)
-    assert err.value.path == ""
+        parallel.initialize(**auto)
+    assert err.value.path == "distributed.num_processes"
 
 
 def test_lost_peer_only_in_a_multi_process_run():

@@ -40,10 +40,22 @@ def test_sizes_that_do_not_fit_name_the_key(data, model, key, words):
     assert "\n" not in str(err.value)
 
 
-def test_only_errors_raised_in_parallel_become_config_errors():
+def test_only_setting_errors_become_config_errors():
+    """By type, not by where they were raised or what their text says: a ValueError whose text
+    looks like a key passes as it is; a SettingError from anywhere is named by its key."""
+    from jaxcnn.errors import SettingError
     with pytest.raises(ValueError, match="mesh.model: elsewhere") as err, parallel_config_errors():
         raise ValueError("mesh.model: elsewhere")
     assert not isinstance(err.value, ConfigError)
+    with pytest.raises(ConfigError, match=r"^parallel\.pipeline\.split: bad$") as err, parallel_config_errors():
+        raise SettingError("pipeline.split", "bad")
+    assert err.value.path == "parallel.pipeline.split"
+    # the other arguments a message names are named by their keys too, whole words only
+    error = SettingError("strategy", "not with fsdp=True (fsdp_x, mesh.fsdp)", mentions=("fsdp",))
+    assert str(error) == "strategy: not with fsdp=True (fsdp_x, mesh.fsdp)"
+    with pytest.raises(ConfigError) as err, parallel_config_errors():
+        raise error
+    assert str(err.value) == "parallel.strategy: not with parallel.fsdp=True (fsdp_x, mesh.fsdp)"
 
 
 def test_explicit_sizes_may_use_the_first_devices():
@@ -56,15 +68,20 @@ def test_explicit_sizes_may_use_the_first_devices():
 def test_global_batch_must_divide_over_data():
     mesh = parallel.make_mesh(-1, 2)
     parallel.check_batch(mesh, 12)
-    with pytest.raises(ValueError, match=r"data.batch_size: global batch 10 does not divide over the 4 "):
+    with pytest.raises(ValueError, match=r"^batch_size: global batch 10 does not divide over the 4 "):
         parallel.check_batch(mesh, 10)
+    with pytest.raises(ConfigError, match=r"^data.batch_size: global batch 10 does not divide") as err, \
+            parallel_config_errors():
+        parallel.check_batch(mesh, 10)
+    assert err.value.path == "data.batch_size"
 
 
 def test_mesh_from_config_and_default_strategy():
     cfg = config_from_dict({"model": {"name": "mnist_cnn"}, "train": {"steps": 1},
                             "data": {"source": "synthetic"}}, ["mesh.model=2"])
     assert cfg.parallel.strategy == "shard_map"
-    assert dict(parallel.mesh_from_config(cfg).shape) == {"data": 4, "model": 2}
+    from jaxcnn.train.setup import config_mesh
+    assert dict(config_mesh(cfg).shape) == {"data": 4, "model": 2}
 
 
 def test_pipe_and_spatial_axes_appear_only_when_asked_for():

@@ -327,12 +327,12 @@ def test_memory_balance_config_key_and_its_error():
     naming the key."""
     import os
 
-    from jaxcnn.parallel.plan import _pipeline_config
+    from jaxcnn.train.setup import pipeline_spec
     from jaxcnn.train.config import load_config
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     config = os.path.join(root, "configs", "mnist_cnn.yaml")
     cfg = load_config(config, ["mesh.pipe=4", "parallel.pipeline.microbatches=4", "parallel.pipeline.balance=memory"])
-    assert _pipeline_config(cfg)["balance"] == "memory"
+    assert pipeline_spec(cfg)["balance"] == "memory"
     with pytest.raises(ValueError, match="parallel.pipeline.balance") as err:
         load_config(config, ["parallel.pipeline.balance=bytes"])
     assert "\n" not in str(err.value) and "memory" in str(err.value)
@@ -369,18 +369,18 @@ def _tiny():
 
 @pytest.mark.parametrize("kw,key,words", [
     (dict(model="tiny", pipe=8), "mesh.pipe", "8 stages but the model has only 4 blocks"),
-    (dict(split=[2, 2]), "parallel.pipeline.split", "2 stages listed, but mesh.pipe=4"),
-    (dict(split=[3, 3, 3, 4]), "parallel.pipeline.split", "adds up to 13 blocks, but the model has 14"),
-    (dict(split=[0, 4, 4, 6]), "parallel.pipeline.split", "at least one block"),
-    (dict(microbatches=3), "parallel.pipeline.microbatches", "3 micro-batches do not divide the batch of 8"),
-    (dict(microbatches=0), "parallel.pipeline.microbatches", "expected an int >= 1"),
-    (dict(balance="flops"), "parallel.pipeline.balance", "expected one of"),
-    (dict(remat="yes"), "parallel.pipeline.remat", "expected true or false"),
-    (dict(bogus=1), "parallel.pipeline", "unknown key(s) ['bogus']"),
-    (dict(strategy="jit"), "parallel.strategy", "runs under shard_map"),
+    (dict(split=[2, 2]), "pipeline.split", "2 stages listed, but mesh.pipe=4"),
+    (dict(split=[3, 3, 3, 4]), "pipeline.split", "adds up to 13 blocks, but the model has 14"),
+    (dict(split=[0, 4, 4, 6]), "pipeline.split", "at least one block"),
+    (dict(microbatches=3), "pipeline.microbatches", "3 micro-batches do not divide the batch of 8"),
+    (dict(microbatches=0), "pipeline.microbatches", "expected an int >= 1"),
+    (dict(balance="flops"), "pipeline.balance", "expected one of"),
+    (dict(remat="yes"), "pipeline.remat", "expected true or false"),
+    (dict(bogus=1), "pipeline", "unknown key(s) ['bogus']"),
+    (dict(strategy="jit"), "strategy", "runs under shard_map"),
     (dict(model_axis=2), "mesh.model", "combine with the data axis only"),
-    (dict(fsdp=True), "parallel.fsdp", "not with pipeline parallelism"),
-    (dict(model="conv"), "parallel.pipeline", "must be a serial stack"),
+    (dict(fsdp=True), "fsdp", "not with pipeline parallelism"),
+    (dict(model="conv"), "pipeline", "must be a serial stack"),
 ])
 def test_a_model_that_cannot_be_split_as_asked_is_one_line_before_any_compute(kw, key, words):
     kw = dict(kw)
@@ -406,7 +406,7 @@ def test_a_step_built_without_the_plans_pipeline_is_refused():
     model, tx = _model("bn_net"), MOMENTUM
     plan = _plan(model, tx, SHAPE, 2, 4)
     assert plan.pipeline.microbatches == 8  # twice the stages by default
-    with pytest.raises(ValueError, match="^parallel.pipeline: the train step was not built"):
+    with pytest.raises(ValueError, match="^train_step: not built with this plan's pipeline"):
         plan.wrap_step(make_train_step(model, tx, axis_name="data"))
 
 
@@ -841,7 +841,7 @@ def test_bench_scaling_pipe_reports_args_temporaries_and_total(capsys):
         out = capsys.readouterr().out
         (row,) = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
         assert row["split"] == split and "precision bf16" in out
-        for bad, words in ((["--split", "1,x"], "--split"), (["--split", "1,1,1"], "parallel.pipeline.split"),
+        for bad, words in ((["--split", "1,x"], "--split"), (["--split", "1,1,1"], "--split: 3 stages listed"),
                            (["--precision", "f12"], "--precision")):
             assert bench.main(["--model", "lenet5", "--pipe", "2", "--steps", "0"] + bad) == 2
             err = capsys.readouterr().err
@@ -936,12 +936,12 @@ def test_remat_recomputes_each_block_and_matches_one_device():
 
     import os
 
-    from jaxcnn.parallel.plan import _pipeline_config
+    from jaxcnn.train.setup import pipeline_spec
     from jaxcnn.train.config import load_config
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     config = os.path.join(root, "configs", "mnist_cnn.yaml")
     cfg = load_config(config, ["mesh.pipe=4", "parallel.pipeline.microbatches=4", "parallel.pipeline.remat=true"])
-    assert _pipeline_config(cfg)["remat"] is True
+    assert pipeline_spec(cfg)["remat"] is True
     with pytest.raises(ValueError, match="parallel.pipeline.remat") as err:
         load_config(config, ["parallel.pipeline.remat=sometimes"])
     assert "\n" not in str(err.value)

@@ -172,17 +172,17 @@ def test_schedule_key_and_its_errors():
     """Python: Pipeline(schedule=...) and ParallelPlan(pipeline={"schedule": ...}); config:
     parallel.pipeline.schedule with gpipe the default; a bad value is one line naming the key."""
     from jaxcnn.parallel import make_mesh
-    from jaxcnn.parallel.plan import _pipeline_config
+    from jaxcnn.train.setup import pipeline_spec
     from jaxcnn.train.config import load_config
     model = _model("resnet18")
     assert Pipeline(model, SHAPE, 4, 8).schedule == "gpipe"
     pipe = Pipeline(model, SHAPE, 4, 8, schedule="1f1b")
     assert pipe.stash_slots == 4 and Pipeline(model, SHAPE, 4, 8).stash_slots == 8
     assert pipe.bubble_fraction == pytest.approx(3 / 11)
-    with pytest.raises(ValueError, match=r"^parallel.pipeline.schedule: expected one of \('gpipe', '1f1b'\), "
+    with pytest.raises(ValueError, match=r"^schedule: expected one of \('gpipe', '1f1b'\), "
                                          r"got 'pipedream'$"):
         Pipeline(model, SHAPE, 4, 8, schedule="pipedream")
-    with pytest.raises(ValueError, match="^parallel.pipeline.schedule: "):
+    with pytest.raises(ValueError, match="^pipeline.schedule: "):
         _plan(_model("bn_net"), MOMENTUM, SHAPE, 2, 4, schedule="1F1B")
     import os
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -190,7 +190,7 @@ def test_schedule_key_and_its_errors():
     cfg = load_config(config, ["mesh.pipe=4", "parallel.pipeline.microbatches=8"])
     assert cfg.parallel.pipeline.schedule == "gpipe"
     cfg = load_config(config, ["mesh.pipe=4", "parallel.pipeline.microbatches=8", "parallel.pipeline.schedule=1f1b"])
-    assert _pipeline_config(cfg)["schedule"] == "1f1b"
+    assert pipeline_spec(cfg)["schedule"] == "1f1b"
     with pytest.raises(ValueError, match="parallel.pipeline.schedule") as err:
         load_config(config, ["parallel.pipeline.schedule=interleaved"])
     assert "\n" not in str(err.value)

@@ -160,16 +160,16 @@ def test_mpmd_mixed_precision_and_loss_scaling_give_the_spmd_engines_numbers(pol
 
 
 def test_mpmd_errors_name_the_key():
-    """An unknown engine, and an mpmd plan given a one-program step, are one-line errors naming
-    parallel.pipeline.engine. An mpmd TrainStep has no one-program step: its stages are the
+    """An unknown engine is one line naming pipeline.engine, and an mpmd plan given a one-program
+    step one naming train_step. An mpmd TrainStep has no one-program step: its stages are the
     programs."""
     model = _model("resnet18")
-    with pytest.raises(ValueError, match="parallel.pipeline.engine: expected one of"):
+    with pytest.raises(ValueError, match="^pipeline.engine: expected one of"):
         _plan(model, MOMENTUM, SHAPE, 1, 2, microbatches=2, engine="mimd")
     plan = _plan(model, MOMENTUM, SHAPE, 1, 2, microbatches=2, engine="mpmd")
     parts = make_train_step(model, MOMENTUM, axis_name=plan.step_axis_name, pipeline=plan.pipeline)
     assert parts.step is None and parts.stages is not None and parts.pipeline is plan.pipeline
-    with pytest.raises(ValueError, match="parallel.pipeline.engine: mpmd runs a step's stages as separate"):
+    with pytest.raises(ValueError, match="^train_step: the plan's pipeline engine is mpmd, which runs a step's stages"):
         plan.wrap_step(lambda state, batch: (state, {}))
 
 

@@ -319,7 +319,7 @@ def test_explicit_halos_end_the_split_at_random_layers():
     assert spatial_layout(model, shape, 2).gather_after == "2"
     layout = spatial_layout(model, shape, 2, halo="explicit")
     assert layout.split == ("0",) and "1 (dropout) draws random numbers per example or position" in layout.stop
-    with pytest.raises(ValueError, match=r"^parallel.spatial.halo: expected one of \('partitioner', "
+    with pytest.raises(ValueError, match=r"^halo: expected one of \('partitioner', "
                                          r"'explicit'\), got 'ppermute'"):
         spatial_layout(model, shape, 2, halo="ppermute")
 
@@ -397,36 +397,35 @@ def test_halo_rows_against_the_convolution_jacobian():
 def test_refused_before_compute():
     model, _ = _model("resnet18")
     # Height not divisible by the spatial shards.
-    with pytest.raises(ValueError, match=r"^mesh.spatial: the input height 30 .* does not divide into 4"):
+    with pytest.raises(ValueError, match=r"^shards: the input height 30 .* does not divide into 4"):
         spatial_layout(model, (4, 30, 32, 3), 4)
     # A window whose halo is more than a shard holds: 7x7 stride-2 stem on 2-row shards.
-    with pytest.raises(ValueError, match=r"^mesh.spatial: .*conv1 \(conv2d 7x7, stride 2, padding "
+    with pytest.raises(ValueError, match=r"^shards: .*conv1 \(conv2d 7x7, stride 2, padding "
                                          r"\(3, 3\)\) needs 3 halo rows .* holds 2"):
         spatial_layout(model, (4, 8, 32, 3), 4)
     # until= asks for more than the model allows (layer3.0's output height 2 over 4 shards).
-    with pytest.raises(ValueError, match=r"^parallel.spatial.until: cannot split up to 'layer3' .*"
+    with pytest.raises(ValueError, match=r"^until: cannot split up to 'layer3' .*"
                                          r"layer3.0.conv1 .* output height 2 does not divide into 4"):
         spatial_layout(model, (4, 32, 32, 3), 4, until="layer3")
-    with pytest.raises(ValueError, match=r"^parallel.spatial.until: 'layer9' names no layer"):
+    with pytest.raises(ValueError, match=r"^until: 'layer9' names no layer"):
         spatial_layout(model, (4, 32, 32, 3), 4, until="layer9")
-    with pytest.raises(ValueError, match=r"^parallel.spatial.until: .*avgpool \(global_avg_pool2d\) "
+    with pytest.raises(ValueError, match=r"^until: .*avgpool \(global_avg_pool2d\) "
                                          r"is not computed row by row"):
         spatial_layout(model, (4, 128, 128, 3), 2, until="avgpool")
     # A window taller than its whole input (layer3.0.conv2: 3x3 on 2 rows) is never split: XLA's
     # partitioner gets its input gradient wrong (O(1) errors with data 2 x spatial 2).
     assert "layer3.0.conv2 (conv2d 3x3" in spatial_layout(model, (4, 32, 32, 3), 2).stop
-    with pytest.raises(ValueError, match=r"^parallel.spatial.until: .*layer3.0.conv2 .* taller than"):
+    with pytest.raises(ValueError, match=r"^until: .*layer3.0.conv2 .* taller than"):
         spatial_layout(model, (4, 32, 32, 3), 2, until="layer3")
     # Only the jit strategy partitions a global program.
     shape = (4, 32, 32, 3)
     abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype),
                                       init(model, LR1, shape))
-    with pytest.raises(ValueError, match=r"^parallel.strategy: mesh.spatial=4 needs strategy jit"):
+    with pytest.raises(ValueError, match=r"^strategy: mesh.spatial=4 needs strategy jit"):
         ParallelPlan(make_mesh(2, 1, spatial=4), model, shape, abstract, strategy="shard_map")
     # Not with a model axis: XLA's partitioner got spatial x model wrong (0.02-0.2 off).
     with pytest.raises(ValueError, match=r"^mesh.model: 2 with mesh.spatial=2: spatial partitioning "
-                                         r"composes with the data axis only .* or parallel.spatial.halo: "
-                                         r"explicit"):
+                                         r"composes with the data axis only .* or spatial_halo=explicit"):
         ParallelPlan(make_mesh(2, 2, spatial=2), model, shape, abstract, strategy="jit")
 
 
@@ -434,7 +433,7 @@ def test_until_stops_the_split_where_asked():
     model, shape = _model("resnet18")
     layout = spatial_layout(model, shape, 4, until="layer1")
     assert layout.split == ("conv1", "bn1", "relu", "maxpool", "layer1.0", "layer1.1")
-    assert layout.stop == "parallel.spatial.until is 'layer1'"
+    assert layout.stop == "until is 'layer1'"
     assert layout.halos["conv1"] == 3 and layout.halos["maxpool"] == 1
     auto = spatial_layout(model, shape, 4)
     assert auto.split[-1] == "layer2.1" and auto.split[:len(layout.split)] == layout.split
@@ -535,7 +534,7 @@ def test_train_cli_takes_explicit_halos_with_a_model_axis(tmp_path, capsys):
     data = _tiny16(tmp_path / "tiny16.npz")
     mesh = ["mesh.data=1", "mesh.spatial=4", "mesh.model=2", "parallel.strategy=jit"]
     assert train_main(_cli_args(data, tmp_path / "a", *mesh, "--dry-run")) == 2
-    assert "use mesh.model=1 or parallel.spatial.halo: explicit" in capsys.readouterr().err
+    assert "use mesh.model=1 or parallel.spatial.halo=explicit" in capsys.readouterr().err
     assert train_main(_cli_args(data, tmp_path / "b", *mesh, "parallel.spatial.halo=explicit",
                                 "--dry-run")) == 0
     assert "spatial 4 (images split along height through pool1, explicit halos)" in capsys.readouterr().out

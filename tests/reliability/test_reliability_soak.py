@@ -105,14 +105,13 @@ def test_checkpoint_save_compiles_nothing_and_restores_onto_the_shardings(tmp_pa
     """A save writes host copies of the arrays: nothing is compiled (orbax's device path compiled
     a slice program per leaf and device, 56 of them holding 87 MB for this state on 8 devices), and
     restoring puts every array back bit for bit on the sharding it had."""
-    from jaxcnn import parallel
     from jaxcnn.train.checkpoint import CheckpointManager
     from jaxcnn.train.config import load_config
 
     args = tiny_args(tiny_npz(tmp_path / "d.npz"))
     cfg = load_config(args[0], args[1:])
     run = setup.build_run(cfg)
-    plan = parallel.setup(cfg, run.model, run.input_shape, setup.abstract_state(run))
+    plan = setup.make_plan(cfg, run.model, run.input_shape, setup.abstract_state(run))
     state = jax.jit(lambda: setup.init_state(run), out_shardings=plan.state_shardings)()
     assert len(state.params["fc1"]["w"].sharding.device_set) == 8
     compiles = []

@@ -92,8 +92,7 @@ def test_abstract_batch_is_what_the_loop_feeds(tiny, strategy, source):
         overrides += ["data.num_train=4000000"]
     cfg = load_config(tiny, overrides)
     run = setup.build_run(cfg)
-    from jaxcnn import parallel
-    plan = parallel.setup(cfg, run.model, run.input_shape, setup.abstract_state(run))
+    plan = setup.make_plan(cfg, run.model, run.input_shape, setup.abstract_state(run))
     real = plan.put_batch(setup.batch_fn(run)(0))
     abstract = setup.abstract_batch(run, plan)
 
