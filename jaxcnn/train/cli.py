@@ -156,7 +156,7 @@ def train_main(argv=None) -> int:
             dry_run(cfg)
             return 0
         from jaxcnn.parallel.distributed import report_errors_as
-        from jaxcnn.train.checkpoint import quiet_abandoned_orbax_coroutines
+        from jaxcnn.train._orbax_noise import quiet_abandoned_orbax_coroutines
         from jaxcnn.train.loop import TrainingStopped, train
         from jaxcnn.train.rundir import RunDir, check_workdir
         report_errors_as("jaxcnn-train")  # a lost peer ends the process with our line, on any thread
@@ -235,7 +235,7 @@ def _warn_of_other_data(run_dir, run) -> None:
     one that stops a resume (`check_resume_data`)."""
     if run.images is None:
         return
-    from jaxcnn.train.checkpoint import recorded_data_changes
+    from jaxcnn.train.resume import recorded_data_changes
     fingerprint = run.images.fingerprint()
     changes = recorded_data_changes(run_dir.path, fingerprint)
     if changes:
@@ -251,8 +251,8 @@ def eval_main(argv=None) -> int:
     try:
         import jax
 
-        from jaxcnn.train.checkpoint import (CheckpointError, CheckpointManager,
-                                             quiet_abandoned_orbax_coroutines)
+        from jaxcnn.train._orbax_noise import quiet_abandoned_orbax_coroutines
+        from jaxcnn.train.checkpoint import CheckpointError, CheckpointManager
         quiet_abandoned_orbax_coroutines()  # read-only: the one line per checkpoint is the report
         from jaxcnn.train.config import load_config
         from jaxcnn.train.ema import eval_params

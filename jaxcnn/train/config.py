@@ -1342,6 +1342,12 @@ def config_changes(old: Mapping, new: Mapping) -> list[str]:
             and not opened_up(k, a, b) and not opened_up(k, b, a)]
 
 
+def change_summary(changes: list[str], limit: int = 6) -> str:
+    """The first ``limit`` of :func:`config_changes`' lines, joined, and how many more."""
+    more = f" (and {len(changes) - limit} more)" if len(changes) > limit else ""
+    return ", ".join(changes[:limit]) + more
+
+
 def other_model(old: Mapping, new: Mapping) -> str | None:
     """``"model 'lenet5', not 'mnist_cnn'"`` when two configs name different models, else None."""
     a, b = training_config(old).get("model.name"), training_config(new).get("model.name")

@@ -29,8 +29,9 @@ from jaxcnn import interop, parallel
 from jaxcnn.data import Prefetcher, eval_batches
 from jaxcnn.errors import TrainingStopped, WorkdirError
 from jaxcnn.train import prune
-from jaxcnn.train.checkpoint import (CheckpointManager, check_fresh_start, check_resume_config,
-                                     check_resume_data, record_run_config, restore_for_resume)
+from jaxcnn.train.checkpoint import CheckpointManager
+from jaxcnn.train.resume import (check_fresh_start, check_resume_config, check_resume_data, record_run_config,
+                                 restore_for_resume)
 from jaxcnn.train.config import resolve_duration, set_but_unused, to_dict
 from jaxcnn.train.ema import eval_params
 from jaxcnn.train.image_input import TrainInput, eval_image_batches

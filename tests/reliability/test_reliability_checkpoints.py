@@ -202,6 +202,7 @@ def test_a_truncated_data_file_is_found_before_orbax_reads(reference, tmp_path, 
     every value of the checkpoint, in every process, before orbax read them again."""
     import tensorstore as ts
 
+    from jaxcnn.train import _checkpoint_files as files
     from jaxcnn.train import checkpoint as C
 
     data, ref = reference
@@ -209,12 +210,12 @@ def test_a_truncated_data_file_is_found_before_orbax_reads(reference, tmp_path, 
     shutil.copytree(ref / "checkpoints", work)
     with monkeypatch.context() as no_reads:  # no value read: only the index
         no_reads.setattr(ts.KvStore, "read", lambda *a, **k: pytest.fail("a value was read"))
-        assert C._unreadable_value(work / "12" / "state") is None
+        assert files.unreadable_value(work / "12" / "state") is None
         truncate_array_file(work / "12")
-        key, error = C._unreadable_value(work / "12" / "state")
+        key, error = files.unreadable_value(work / "12" / "state")
     assert key.endswith(("/0", "/0.0", "/0.0.0.0")) and "(truncated)" in str(error), (key, error)
-    assert isinstance(error, C.DataFileError) and f"{work / '12' / 'state'}/" in str(error), error
-    by_reading = C._unreadable_by_reading(work / "12" / "state")  # what orbax would meet
+    assert isinstance(error, files.DataFileError) and f"{work / '12' / 'state'}/" in str(error), error
+    by_reading = files.unreadable_by_reading(work / "12" / "state")  # what orbax would meet
     assert by_reading is not None and "OUT_OF_RANGE" in str(by_reading[1]), by_reading
     cfg = load_config(tiny_args(data)[0], tiny_args(data)[1:])
     target = abstract_state(build_run(cfg))

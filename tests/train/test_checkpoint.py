@@ -14,8 +14,8 @@ import optax
 import pytest
 from orbax.checkpoint._src.path import async_path
 
-from jaxcnn.train.checkpoint import (CheckpointCorruptError, CheckpointError, CheckpointManager,
-                                     restore_for_resume)
+from jaxcnn.train.checkpoint import CheckpointCorruptError, CheckpointError, CheckpointManager
+from jaxcnn.train.resume import restore_for_resume
 
 LOGGER = "jaxcnn.train.checkpoint"
 
@@ -487,7 +487,7 @@ def test_cli_hook_sends_abandoned_orbax_coroutines_to_the_log(tmp_path, monkeypa
     goes to the log, any other unraisable exception to the previous hook."""
     import types
 
-    from jaxcnn.train.checkpoint import quiet_abandoned_orbax_coroutines
+    from jaxcnn.train._orbax_noise import quiet_abandoned_orbax_coroutines
 
     seen = []
     monkeypatch.setattr(sys, "unraisablehook", seen.append)
@@ -515,7 +515,7 @@ def test_cli_hook_sends_late_orbax_future_reports_to_the_log(tmp_path, monkeypat
     that record to the log; other asyncio records still reach the handlers."""
     import logging
 
-    from jaxcnn.train.checkpoint import _LateOrbaxFutures, quiet_abandoned_orbax_coroutines
+    from jaxcnn.train._orbax_noise import LateOrbaxFutures, quiet_abandoned_orbax_coroutines
 
     monkeypatch.setattr(sys, "unraisablehook", sys.unraisablehook)
     asyncio_log = logging.getLogger("asyncio")
@@ -523,7 +523,7 @@ def test_cli_hook_sends_late_orbax_future_reports_to_the_log(tmp_path, monkeypat
     try:
         quiet_abandoned_orbax_coroutines(str(log))
         quiet_abandoned_orbax_coroutines(str(log))  # idempotent: one filter
-        assert sum(isinstance(f, _LateOrbaxFutures) for f in asyncio_log.filters) == 1
+        assert sum(isinstance(f, LateOrbaxFutures) for f in asyncio_log.filters) == 1
         with caplog.at_level(logging.ERROR, logger="asyncio"):
             asyncio_log.error("Future exception was never retrieved\nfuture: <Future finished "
                               "exception=ValueError('OUT_OF_RANGE: Error reading \"a/0.0\" in OCDBT "
@@ -532,7 +532,7 @@ def test_cli_hook_sends_late_orbax_future_reports_to_the_log(tmp_path, monkeypat
         assert [r.getMessage().splitlines()[-1] for r in caplog.records] == ["future: <Future mine>"]
         assert "OCDBT database" in log.read_text()
     finally:
-        for f in [f for f in asyncio_log.filters if isinstance(f, _LateOrbaxFutures)]:
+        for f in [f for f in asyncio_log.filters if isinstance(f, LateOrbaxFutures)]:
             asyncio_log.removeFilter(f)
 
 
@@ -542,7 +542,8 @@ def test_checkpoints_of_another_model_are_named_so_not_offered_continue(tmp_path
     (three 600-character lines)."""
     import yaml
 
-    from jaxcnn.train.checkpoint import ConfigChangedError, check_resume_config
+    from jaxcnn.train.checkpoint import ConfigChangedError
+    from jaxcnn.train.resume import check_resume_config
     from jaxcnn.train.config import config_changes
     assert config_changes({"model": {"name": "a", "options": {}}},
                           {"model": {"name": "a", "options": {"act": "relu"}}}) == [

@@ -533,7 +533,7 @@ def test_a_key_is_its_field_and_validation_resume_detection_and_print_config_fol
     warning all follow from the Field, with no other list to extend."""
     from jaxcnn.errors import ConfigChangedError
     from jaxcnn.train import config as C
-    from jaxcnn.train.checkpoint import check_resume_config
+    from jaxcnn.train.resume import check_resume_config
     from jaxcnn.train.cli import train_main
 
     def even(value, cfg):
