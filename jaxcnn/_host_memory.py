@@ -1,50 +1,18 @@
 """glibc ``malloc`` settings that keep XLA:CPU's per-step buffers mapped.
 
-Why: XLA:CPU allocates the temporary buffer of an executable (every intermediate
-of a training step in one block: 94 MB for mnist_cnn at batch 128, 633 MB for a
-CIFAR ResNet-18) with the C allocator on every run and frees it after.  glibc
-serves blocks that large with ``mmap`` and gives them back with ``munmap``, so
-each step writes into pages the kernel has to fault in and zero again: 22,874
-minor faults per mnist_cnn step, 39 ms of system time on 2 cores, and a
-74 ms step that takes 53 ms without them (docs/BENCHMARKS.md, session 6).
+XLA:CPU allocates every intermediate of a step in one large block on each run and frees it
+after; glibc maps and unmaps blocks that large, so every step faults its pages in again.
+:func:`configure_malloc` asks glibc (``mallopt``) to keep that memory: one arena
+(``M_ARENA_MAX = 1``), large blocks from the heap (``M_MMAP_MAX = 0``) and trimming only
+beyond ``2 GiB - 1``. The price is a caching allocator's, for every host allocation in the
+process: its peak heap stays resident.
 
-:func:`configure_malloc` asks glibc (``mallopt``) to keep that memory:
-
-- ``M_ARENA_MAX = 1``: threads that have no arena yet (XLA's, which start with
-  the backend) allocate from the main arena.  The XLA client threads that
-  allocate the buffer would otherwise get arenas of their own, whose heaps
-  (64 MB at most) cannot hold it and are unmapped when empty.
-- ``M_MMAP_MAX = 0``: large blocks come from the heap instead of ``mmap``
-  (glibc still falls back to ``mmap`` if the heap cannot grow).
-- ``M_TRIM_THRESHOLD = 2 GiB - 1``: free memory at the top of the heap goes
-  back to the system only beyond that.
-
-The price is the usual one for a caching allocator, and it covers every host
-allocation in the process (numpy, data pipelines, PyTorch), not only XLA's: the
-process keeps its peak heap instead of returning freed memory (resident memory
-+170 MB for mnist_cnn, +1.1 GB for the ResNet-18 step), and all threads share
-one arena.  ``ctypes.CDLL(None).malloc_trim(0)`` gives free memory back on
-demand.  Where transparent huge pages are ``always`` on, glibc's defaults fault
-2 MB at a time and the gain is smaller.
-
-It acts only where it is meant to help: Linux with glibc; JAX on the CPU only
-(``JAX_PLATFORMS`` unset or exactly ``cpu``, and no accelerator plugin installed
-unless ``JAX_PLATFORMS=cpu``); before any JAX backend exists (set
-later it makes things worse: threads that already own arenas keep them, and
-blocks that went to ``mmap`` then land in those arenas' heaps, which are
-unmapped whenever they empty); and not when the environment already tunes
-malloc (``MALLOC_ARENA_MAX``, ``MALLOC_MMAP_MAX_``, ``MALLOC_TRIM_THRESHOLD_``,
-``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TOP_PAD_`` or ``glibc.malloc`` tunables in
-``GLIBC_TUNABLES``), or ``LD_PRELOAD`` brings another allocator.
-``JAXCNN_CPU_MALLOC=0`` turns it off.  Nothing calls it at import:
-:func:`jaxcnn.cpu.configure` does, when asked (``jaxcnn-train``, ``jaxcnn-eval``,
-``jaxcnn-export`` and the benchmark scripts ask).
-
-This is the one malloc policy of jaxcnn.  (``jaxcnn-train`` used to cap glibc's arenas at 2
-where these settings did not apply, against fragmentation by the short-lived checkpoint
-threads; one arena, which every thread shares, answers that too: a 3,000-step soak kept its
-resident memory flat with it.  Where it does not apply, ``MALLOC_ARENA_MAX=2`` in the
-environment does the same; docs/RELIABILITY.md, "Known limitations".)
+It acts only where it helps: Linux with glibc, JAX on the CPU only, before any JAX backend
+exists, and not when the environment already tunes malloc (``MALLOC_*``, ``GLIBC_TUNABLES``,
+``LD_PRELOAD``) or sets ``JAXCNN_CPU_MALLOC=0``. Nothing calls it at import:
+:func:`jaxcnn.cpu.configure` does, when asked (the command-line tools and benchmark scripts
+ask). This is the one malloc policy of jaxcnn. Why each setting, and when it backfires:
+``docs/design/host_memory.md``; what it saves: ``docs/BENCHMARKS.md``.
 """
 from __future__ import annotations
 

@@ -1,120 +1,28 @@
 """Dense convolution for Hopper (sm_90a) in Pallas **Mosaic GPU**: TMA, wgmma, mbarriers.
 
-The Triton kernels of :mod:`pallas_kernels.conv` cannot reach the Hopper
-Tensor Memory Accelerator (TMA) or issue asynchronous ``wgmma``; this module
-is the same implicit GEMM written for Pallas's Mosaic GPU backend (jax >= 0.11),
-used on H100/H200 for the shapes it supports and tested on the CPU in GPU
-interpret mode.  Nothing here has been timed on a GPU yet (docs/BENCHMARKS.md).
+The same implicit GEMM as the Triton kernels of :mod:`pallas_kernels.conv`, written for the
+Mosaic GPU backend (jax >= 0.11), used on H100/H200 for the shapes it supports and tested on
+the CPU in GPU interpret mode.
 
-Design of :func:`conv_forward` (any stride, dilation and padding, NHWC x HWIO,
-bfloat16/float16 in, float32 accumulation):
+* :func:`conv_forward`: NHWC x HWIO, any stride, dilation and padding, bfloat16/float16 in,
+  float32 accumulation; optional bias, residual and ReLU in the epilogue, and the BatchNorm
+  fusions (per-tile statistics of the output, ``stats=True``, merged by
+  :func:`combine_tile_stats`; a ``relu(x * scale + shift)`` prologue on the input) that
+  :mod:`pallas_kernels.mgpu_fused` differentiates.
+* :func:`conv_dgrad` (input gradient, by the forward kernel on ``dy``) and
+  :func:`conv_wgrad` (weight gradient, a deterministic split-K without atomics).
+* Tiles per call and device kind come from :class:`MgpuConfig` verdicts
+  (:func:`tuning_calls`, :class:`DenseCall`); :func:`smem_bytes` and
+  :func:`wgrad_smem_bytes` count the shared memory, and a configuration over
+  :data:`MAX_SMEM` is refused in one line before lowering.
+* What it cannot run (stride > 4, groups > 1, float32, channel counts that are not a
+  multiple of 8, negative padding) raises :class:`~jaxcnn.errors.KernelUnsupported`, which
+  the dispatcher turns into the Triton/XLA path.
 
-- **Tiles.**  One CTA (one computing warpgroup, 128 threads) owns ``64`` output pixels x
-  ``block_n`` output channels.  The 64 pixels are a ``tile_h x tile_w``
-  rectangle of one image's output (``tile_w`` a power of two <= the output
-  width, ``tile_h = 64 // tile_w``), so every output row of the tile is a
-  contiguous run of pixels in NHWC memory.  The grid is
-  ``(N * ceil(OH / tile_h) * ceil(OW / tile_w), ceil(C_out / block_n))``.
-  Every TMA copy into shared memory must move a multiple of 128 bytes
-  (:data:`COPY_BYTES`, Mosaic's rule), so a tile row whose copies would be
-  smaller (8-32 channel chunks on 1- or 2-pixel rows) is widened past the
-  output (:func:`fit_tile_w`: at most 4 pixels; its extra columns read zeros or
-  unneeded input and are never stored), and the bias slot is padded to a whole
-  copy (:func:`bias_rows`).
-- **Stride** by phase decomposition: above 1, the input is first split into
-  its ``sh * sw`` phases (``x[:, a::sh, b::sw]``, one XLA copy), and tap
-  ``(i, j)`` reads phase ``((i*dh) % sh, (j*dw) % sw)`` at offset
-  ``((i*dh) // sh, (j*dw) // sw)``: a stride-1 window again.  Below, stride 1.
-- **K loop.**  The reduction runs over ``taps x ceil(C_in / block_k)`` steps
-  (``taps = KH * KW``).  For step (tap ``(i, j)``, channel chunk ``c0``) the
-  input operand is the output tile shifted by the tap: ``tile_h`` TMA copies,
-  one per output row ``r``, of the window ``x[n, oh0 + r + i*dh, ow0 + j*dw :
-  + tile_w, c0 : c0 + block_k]`` into rows ``r*tile_w ...`` of a
-  ``(64, block_k)`` shared-memory slot; the weight operand is one TMA copy
-  of ``w[tap, c0 : + block_k, co0 : + block_n]`` into a 128-byte-swizzled
-  slot (``TilingTransform((8, swizzle_elems))`` + ``SwizzleTransform``), the
-  layout ``wgmma`` reads from shared memory.  All copies of a step arrive on
-  that slot's mbarrier (``tile_h + 1`` arrivals with their byte counts).
-- **Why the input operand is restaged.**  A tap shifts the window by one
-  pixel, so the window's row start is not a multiple of 8; Mosaic's swizzled
-  (tiled) TMA requires tile-aligned coordinates on the tiled dimensions, and
-  the shift cannot be moved to an untiled dimension in NHWC.  The input slot
-  is therefore unswizzled, and each step loads it into registers in
-  ``wgmma``'s fragment layout (``plgpu.load(..., layout=plgpu.Layout.WGMMA)``,
-  ``ldmatrix``) and stores it into a swizzled slot (``stmatrix``) that
-  ``wgmma`` reads with the weights.  (``wgmma`` could take its left operand
-  straight from registers, and the lowering accepts that, but GPU interpret
-  mode cannot simulate it, so the tested path restages.  The registers are
-  also where the BatchNorm + ReLU prologue goes, below.)  The cost is one
-  shared-memory round trip per step, with bank conflicts on the unswizzled
-  reads; unmeasured.
-- **Pipeline.**  ``stages`` slots (default 3) of both operands; the prologue
-  issues the first ``stages`` steps; step ``s`` waits on its slot's barrier,
-  issues its ``wgmma``, waits until at most one ``wgmma`` is in flight
-  (``wgmma_wait(1)``: the one of step ``s - 1`` has finished reading its
-  slot) and refills that slot with step ``s - 1 + stages``.  The loop is
-  unrolled by ``stages`` so every slot index is static.  With
-  ``MgpuConfig(warp_specialized=True)`` a second warpgroup only issues the
-  TMA copies (``setmaxnreg`` moves registers to the computing warpgroup),
-  waiting on per-slot "consumed" mbarriers the computing warpgroup arrives
-  on once a slot's ``wgmma`` has finished; off by default until a GPU says
-  which is faster.
-- **Zero padding.**  The bottom/right padding (and every read past the image,
-  channel or weight tails) is TMA's out-of-bounds zero fill on the
-  multi-dimensional window, which every copy requests explicitly (:func:`tma_load`).
-  The top/left padding is explicit: the input is padded by ``(pad_top, pad_left)``
-  with ``jnp.pad`` before the kernel (one extra pass over the input), because a TMA
-  window starting at a negative coordinate cannot be checked offline (GPU interpret
-  mode cannot simulate it) and so is not relied on.
-- **Epilogue.**  The float32 accumulator gets the bias (read in the
-  accumulator's column layout), the residual (both TMA-loaded, the residual
-  per output row, while the main loop runs) and the ReLU, each optional; it
-  is cast, stored to a shared-memory tile (``commit_smem``), and written
-  with one TMA store per output row,
-  skipped (``pl.when``) for rows past the image.  The last column tile of a
-  row stores only its valid columns, as a few power-of-two windows (5 = 4 + 1),
-  never relying on clipping there: Mosaic sends a store whose window is
-  contiguous in memory (``block_n == C_out``) through the non-tensor bulk
-  copy, which is clamped to the whole array only, so a window overhanging
-  the row would write into the next row.  (Overlapping the last tile instead
-  would write some pixels twice, a race the interpreter's detector reports.)
-  Channel tails are clipped by the tensor TMA.
-- **BatchNorm fusions** (:mod:`pallas_kernels.mgpu_fused` is the differentiable op).
-  ``stats=True``: after the epilogue, each CTA also reduces its stored (rounded)
-  tile, masked to the pixels inside the output, to a per-channel sum and a sum of
-  squares about the tile's own mean, written to a ``(tiles, 2, C_out)`` float32
-  buffer; :func:`combine_tile_stats` merges them by Chan's formula in a fixed
-  pairwise order (deterministic, no atomics, no ``E[y^2] - E[y]^2`` cancellation)
-  into BatchNorm's batch mean and biased variance.  ``input_scale``/``input_shift``:
-  a prologue applies ``relu(x * scale + shift)`` in float32 to each input tile in
-  registers, between its load and its restaging for ``wgmma`` (the step's channel
-  chunk of scale and shift arrives by TMA with the step's other copies), and zeroes
-  the positions that are padding (outside the image, found from the tile's pixel
-  coordinates), so padding is of the normalised activation as in
-  ``conv(relu(bn(x)))``.  The fused forwards are named ``..._fwd_bnrelu``,
-  ``..._fwd_stats`` and ``..._fwd_bnrelu_stats``.
-- **Shared memory**: :func:`smem_bytes` is the scratch Mosaic counts; a configuration
-  over :data:`MAX_SMEM` (227 KiB) is refused in one line before lowering
-  (:func:`wgrad_smem_bytes` counts the weight gradient's).
-- **Tiles per shape**: each kernel looks its :class:`MgpuConfig` up per call and device kind
-  (:func:`tuning_calls`, :class:`DenseCall`: the forward keyed by its fused form, the input
-  and weight gradients), which ``autotune.tune_op(..., backend="mosaic")`` (``scripts/
-  bench_mgpu.py --tune``) chooses among :meth:`DenseCall.candidates`; defaults otherwise.
-- **Not supported** (:class:`~jaxcnn.errors.KernelUnsupported`, which the
-  dispatcher turns into the Triton/XLA path): stride > 4, groups > 1,
-  float32, channel counts that are not a multiple of 8 (TMA needs 16-byte
-  strides: 1- and 3-channel stems), negative padding.
-
-:func:`conv_dgrad` (input gradient) is the forward kernel on ``dy`` with
-the flipped, transposed weights; strided, by phase decomposition of the
-input gradient (one forward-kernel call per stride phase with that phase's
-taps, interleaved by XLA).  :func:`conv_wgrad` (weight
-gradient) is a split-K over ``N * OH * OW`` without atomics: every CTA owns a
-tap x ``64`` input channels x ``block_n`` output channels x one split,
-accumulates ``x_tap^T @ dy`` over its share of output tiles with ``wgmma``
-(both operands restaged into swizzled shared memory, the input one read
-transposed), and writes its float32 partial; the splits are summed by XLA in
-a fixed order, so the result is deterministic.
+The kernel bodies (:func:`_implicit_gemm`'s ``body``, :func:`conv_wgrad`'s) are the stated
+exception to the 80-line rule. How the kernels work (tiles, the K loop and why the input
+operand is restaged, the pipeline, zero padding, the epilogue): ``docs/design/mgpu_conv.md``.
+Measurements: ``docs/BENCHMARKS.md``.
 """
 from __future__ import annotations
 

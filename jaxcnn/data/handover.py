@@ -2,9 +2,9 @@
 
 grain sends a worker's outputs through a pipe (pickled: the worker's feeder thread pickles
 while the worker decodes, and the two share one interpreter) or through a fresh
-``/dev/shm`` block per array. On this project's machines a fresh 9.6 MB block cost 11-14 ms
-to fill (the first touch of each of its 2,352 pages) against 0.35 ms for a block written
-before, and the pickling slowed a worker's decoding by about 20% (``docs/BENCHMARKS.md``).
+``/dev/shm`` block per array. A fresh block costs the first touch of every page, many times
+what a block written before costs, and the pickling slows a worker's decoding
+(``docs/BENCHMARKS.md`` has both).
 So each worker keeps a small ring of blocks it creates once and reuses: it writes a batch's
 large arrays into the next block of its ring and sends through grain only a `Slot` (the
 block's name, shape and dtype); the reading process copies them out and counts the batch as

@@ -43,7 +43,7 @@ def steps_per_epoch(num_examples: int, batch_size: int, *, drop_last: bool = Tru
 
 @functools.lru_cache(maxsize=4)
 def _epoch_permutation(num_examples: int, seed: int, epoch: int) -> np.ndarray:
-    # Cached because every step of an epoch needs it and a 1.3M-entry permutation costs ~30 ms.
+    # Cached because every step of an epoch needs it, and an ImageNet-sized permutation is slow.
     order = np.random.default_rng([seed, epoch]).permutation(num_examples)
     order.flags.writeable = False
     return order

@@ -1,45 +1,20 @@
-"""CPU lowerings behind ``impl="auto"``: convolution weight gradients, 2x2-style
-max pooling, per-channel reductions, and the XLA flag that keeps convolutions
-off YNNPACK.  Each is a rewrite of what JAX would emit into a form XLA:CPU
-runs faster, with the same values; each keeps forward- and reverse-mode
-differentiation (``jax.custom_jvp`` or plain JAX ops, never ``custom_vjp``).
+"""CPU lowerings behind ``impl="auto"``: convolution weight gradients, 2x2-style max pooling,
+per-channel reductions, and the XLA flag that keeps convolutions off YNNPACK.
 
-Why (measured on a 2-core AMD EPYC, jaxlib 0.10.2 and 0.11.2, float32, batch
-128; docs/BENCHMARKS.md, "What made jaxcnn fast here", has the numbers): XLA:CPU
-gives some convolutions to YNNPACK (``__ynn_fusion``) and the rest to Eigen.
-For the weight gradient YNNPACK is 3-8x slower than building the im2col
-patches and multiplying (Eigen is faster still), while its forward and
-input-gradient convolutions are on par with the alternatives (the patch matrix costs a full write of ``KH*KW`` times the
-input, which is what a forward im2col would pay too).  So the forward and the
-input gradient stay ``lax.conv_general_dilated``, and only the weight
-gradient is rewritten, and only for shapes where XLA's own choice for it is
-YNNPACK: with ``--xla_cpu_experimental_ynn_fusion_type=individual_dot`` in
-the ``XLA_FLAGS`` XLA read, every convolution stays XLA's.  That choice is a
-pure lookup (:func:`xla_wgrad_uses_ynnpack`), never a compilation: it runs
-while the user's function is traced, where compiling a program of our own
-is a side effect that fails under ``pmap`` (its abstract mesh) and costs a
-compile per shape.
+Each is a rewrite of what JAX would emit into a form XLA:CPU runs faster, with the same
+values, and each keeps forward- and reverse-mode differentiation (``jax.custom_jvp`` or
+plain JAX ops, never ``custom_vjp``):
 
-:func:`jaxcnn.cpu.configure` adds that flag to ``XLA_FLAGS`` when asked
-(importing this module changes nothing; not when ``XLA_FLAGS`` already sets
-``xla_cpu_experimental_ynn_fusion_type``, the environment sets
-``JAXCNN_CPU_XLA_FLAGS=0``, or the jaxlib is not one where the flag was checked
-to exist: an unknown flag aborts XLA).  It takes effect only if no JAX
-computation has run yet in the process (XLA reads its flags once); without it,
-the per-shape weight-gradient rewrite below applies.
+* the weight gradient as im2col patches times the output gradient, only where XLA's own
+  choice for it is YNNPACK (:func:`xla_wgrad_uses_ynnpack`, a pure lookup: nothing is
+  compiled while the user's function is traced);
+* max pooling that keeps the index of each window's winning tap (int8), so its gradient is
+  elementwise selects instead of select-and-scatter;
+* :func:`jaxcnn.cpu.configure` adds ``--xla_cpu_experimental_ynn_fusion_type=individual_dot``
+  to ``XLA_FLAGS`` when asked (importing this module changes nothing).
 
-The rewrite is a ``jax.custom_jvp`` whose tangent is linear in the tangents
-``conv(dx, w) + patches(x) @ dw``; transposing it for the gradient gives
-XLA's own input-gradient convolution and ``patches(x)^T @ dy`` for ``w``, so
-forward mode, reverse mode and higher derivatives all work.  Where XLA's own
-weight gradient is kept, it reads a fenced copy of the input (see
-``_conv_stored_input``) instead of recomputing the layers before it.
-
-Max pooling keeps the index of the tap each window's gradient goes to (int8), so
-that its gradient is elementwise selects, not XLA's select-and-scatter.  (The
-per-channel reductions that fold rows into the minor axis are
-:mod:`jaxcnn.functional._channels`.)  Which of these runs for a call is decided
-by :mod:`jaxcnn.functional._dispatch`.
+Which of these runs for a call is decided by :mod:`jaxcnn.functional._dispatch`. Why, and
+the cases left alone: ``docs/design/cpu_lowering.md``; measurements: ``docs/BENCHMARKS.md``.
 """
 from __future__ import annotations
 
@@ -303,14 +278,10 @@ def max_pool2d_rewrite(x, kernel, stride, dilation, run_pads, out_hw):
     - overlapping windows (kernel > stride on an axis) or padding, no dilation: the
       ``kh * kw`` strided taps of the input padded with the lowest value, the gradient's
       tap chosen exactly as XLA's select-and-scatter chooses it, ties, -inf, NaN and
-      padding included (:func:`_strided_max_pool`).  Measured (2-core EPYC, jaxlib
-      0.10.2, ms forward+backward, XLA / rewrite, same run; docs/BENCHMARKS.md CPU
-      item 3): float32 16x112x112x64 3x3/2 pad 1 (ResNet's stem) 319 / 46,
-      128x24x24x64 3x3/2 pad 1 127 / 16, 32x28x28x64 3x3/1 pad 1 107 / 12, 2x2/1 no pad
-      62 / 1.8; bfloat16 346 / 166, 134 / 52, 123 / 65, 68 / 16.  Forward alone the taps
-      win too (5.4 / 2.6, 6.1 / 1.0 ms; bfloat16 stem 71 / 28) except for float32 inputs
-      over :data:`POOL_TAPS_MAX_ELEMENTS` (the stem at batch 16: 27 / 43, 64x56x56x64:
-      27 / 48), where the undifferentiated value stays ``reduce_window``.  Windows over 9
+      padding included (:func:`_strided_max_pool`).  It was measured faster than XLA's,
+      forward and backward, in float32 and bfloat16 (docs/BENCHMARKS.md, CPU item 3), and
+      forward alone too except for float32 inputs over :data:`POOL_TAPS_MAX_ELEMENTS`,
+      where the undifferentiated value stays ``reduce_window``.  Windows over 9
       taps, float16, and strides above the window without padding (gaps, no
       overlap) were not measured and keep XLA.
 
@@ -432,7 +403,7 @@ def _strided_max_pool_jvp(kernel, stride, run_pads, out_hw, primals, tangents):
     rounds once, where XLA's select-and-scatter rounds after each add), and its tap
     index is fenced (stored, not recomputed in the backward): XLA:CPU runs bfloat16
     elementwise chains several times slower, and without both the bfloat16 gradient
-    measured 3-4x slower than XLA's (with both, 2-2.6x faster: docs/BENCHMARKS.md).
+    measured slower than XLA's (with both, faster: docs/BENCHMARKS.md).
     """
     (x,), (dx,) = primals, tangents
     wide = x.dtype != jnp.float32
@@ -465,11 +436,10 @@ def _fence_tangent(t, index):
     Without it XLA:CPU fuses the gradient's sum of ``kh * kw`` interior-padded taps into
     every consumer of the input's gradient (a BatchNorm backward has three: its two
     channel sums and the input gradient) and stores each padded tap whole for them:
-    nine ``(N, H + 2, W + 2, C)`` buffers for ResNet's stem pool (457 MiB at a micro-batch
-    of 16: the pipelined ResNet-50 step's regression in docs/BENCHMARKS.md).  Stored, the
-    gradient is one fused pass into one buffer plus the conditional's copy (BatchNorm +
-    ReLU + the stem pool, forward and backward at 16x112x112x64: temporaries 508 -> 98 MiB,
-    166 -> 108 ms; the pool alone unchanged).
+    nine ``(N, H + 2, W + 2, C)`` buffers for ResNet's stem pool (the pipelined ResNet-50
+    step's regression in docs/BENCHMARKS.md).  Stored, the gradient is one fused pass into
+    one buffer plus the conditional's copy, which took less memory and time in the same
+    benchmark.
     """
     return stored(t, after=index, other=lambda v: v * jnp.asarray(2, v.dtype))
 

@@ -1,47 +1,21 @@
-"""Pipeline stages as one program per stage (MPMD): ``parallel.pipeline.engine: mpmd``.
+"""Pipeline stages as one program per stage (MPMD): ``engine="mpmd"`` of a :class:`Pipeline`.
 
-The default engine (:mod:`jaxcnn.parallel.pipeline`) runs the schedule as one SPMD program:
-every device runs the same code, so every device holds buffers sized by the widest stage
-boundary and the largest stage, and the per-device memory of ResNet-50 falls little from 2
-to 4 stages (docs/BENCHMARKS.md).  Here each stage has its own devices (the mesh's devices
-at its ``pipe`` index: a one-axis ``data`` mesh) and its own compiled programs, which a
-Python driver dispatches in the schedule's order (GPipe or 1F1B, :func:`one_f_one_b`):
+:class:`MPMD` gives each stage its own devices (the mesh's devices at its ``pipe`` index)
+and its own compiled programs (forward, recomputing backward, update), which a Python
+driver dispatches in the schedule's order (GPipe or 1F1B). Promises:
 
-* ``forward`` of stage ``s`` on micro-batch ``m``: the stage's blocks on its input (the
-  images for stage 0), its output moved to stage ``s + 1``'s devices (``jax.device_put``
-  between devices holding the same rows: a device-to-device copy); the last stage computes
-  the loss.  The BatchNorm statistics are threaded through the micro-batches in order;
-* ``backward``: the stage's forward recomputed from the input it stashed (as the SPMD
-  engine does, so a device keeps its stage inputs across ticks and one micro-batch's
-  activations of its own stage), its ``jax.vjp`` added to the stage's gradient accumulator
-  (donated), the input cotangent moved to stage ``s - 1``;
-* the update: each stage averages its accumulator over ``data``, unscales it, and sends the
-  sum of squares and finiteness of its gradients (two scalars) to every stage, so global-norm
-  clipping, the finiteness check, loss scaling and skipping non-finite steps see the whole
-  model's gradients; then each stage runs the optimiser on its own leaves.  The optimiser
-  must therefore treat leaves separately apart from the global norm, which the engine gives
-  it (``make_train_step(clip_norm=)``): SGD, Adam(W), LARS and LAMB (per-leaf trust ratios)
-  all do, and so do counts, which every stage keeps alike; a scalar state that depends on the
-  gradients (``optax.apply_if_finite``'s, ``reduce_on_plateau``'s) would be stage 0's.  An
-  ``optax.clip_by_global_norm`` inside ``tx`` alone would clip each stage by its own norm;
-  the trainer passes ``optim.grad_clip_norm`` as ``clip_norm`` too, after which every
-  stage's norm is within the bound and ``tx``'s own clip leaves it as it is.
+* the numbers of the SPMD engine (:mod:`jaxcnn.parallel.pipeline`) up to the order of
+  float sums: every program is a ``shard_map`` over its stage's ``data`` axis with the same
+  per-device semantics;
+* a device holds only its own stage's parameters, optimiser state, gradient accumulator and
+  stash: no buffer is padded to another stage's size;
+* the state is the canonical ``TrainState`` (each leaf placed on its stage's devices), so
+  checkpoints resume across layouts and engines;
+* global-norm clipping, the finiteness check and loss scaling see the whole model's
+  gradients (``make_train_step(clip_norm=)``); the optimiser must otherwise treat leaves
+  separately.
 
-Every program is a ``shard_map`` over its stage's ``data`` axis with the SPMD engine's
-per-device semantics (each data shard's dropout key, BatchNorm statistics synced over
-``data``), so both engines compute the same numbers up to the order of float sums.
-
-What lives where: each parameter, its optimiser moments and BatchNorm statistics on its
-stage's devices (replicated over ``data``), the scalars (step, loss scale, key, the
-optimiser's counts) on every device; the images on stage 0 and the labels on the last
-stage.  The state is the same canonical ``TrainState`` as every other layout's (each leaf
-just placed on its stage's devices), so checkpoints resume across layouts and engines.
-
-A device then holds only its own stage's parameters, optimiser state and gradient
-accumulator, its stage's stash (1F1B: ``min(S - s + 1, M)`` inputs of its own width on stage ``s > 0``, GPipe:
-``M``) and its stage's backward: no buffer is padded to another stage's size.  One process
-only: moving a stage's output to devices of another process needs a collective both run
-(use the SPMD engine across processes).
+One process only. What runs where and when: ``docs/design/mpmd.md``.
 """
 from __future__ import annotations
 

@@ -1,106 +1,27 @@
 """Pipeline parallelism: a serial model's blocks split into stages over the ``pipe`` axis.
 
-A model that is a ``serial`` stack (every zoo model) is read as a list of
-*blocks*: its children, with nested ``serial`` children opened up (so
-ResNet-18's ``layer1`` gives ``layer1.0`` and ``layer1.1``, VGG's ``features``
-gives its convolutions one by one).  :class:`Pipeline` assigns contiguous runs
-of blocks to ``stages`` devices (balanced by parameter, MAC or activation count from
-:func:`jaxcnn.summary`, by the estimated per-device memory, or an explicit ``split``) and
-runs a training step's forward and backward on them with a GPipe schedule (or 1F1B, below):
+:class:`Pipeline` reads a ``serial`` model (every zoo model) as a list of blocks
+(:func:`pipeline_blocks`: its children, nested ``serial`` children opened up), assigns
+contiguous runs of them to ``stages`` devices (balanced by MACs, parameters, activations or
+estimated memory, or an explicit ``split``) and, through :meth:`Pipeline.gradients`, runs a
+training step's forward and backward over them with a GPipe or 1F1B schedule
+(:func:`one_f_one_b`) inside one ``shard_map`` over ``data`` and ``pipe``.
 
-* the per-device batch is cut into ``microbatches`` micro-batches, example
-  ``i`` in micro-batch ``i % microbatches`` (the split of
-  ``make_train_step(accumulate=...)``, so that step on one device is the
-  reference of a pipelined one);
-* forward: a ``lax.scan`` over ``M + S - 1`` ticks; at tick ``t`` stage ``s``
-  runs micro-batch ``t - s`` (``lax.switch`` on ``axis_index("pipe")``) and
-  sends its output to stage ``s + 1`` with ``lax.ppermute``.  Activations
-  travel as buffers ``(micro-batch, width)`` padded to the widest stage
-  boundary, in the boundaries' dtype (bfloat16 under a bfloat16 compute policy;
-  float32 when they differ, which holds bfloat16 and float16 exactly);
-* backward: a second scan of ``M + S - 1`` ticks in the other direction; each
-  stage recomputes its forward from the input it stashed (``M`` buffers per
-  device) inside its own ``lax.switch`` branch and takes its ``jax.vjp`` there,
-  so a device holds the intermediate activations of its own stage and of one
-  micro-batch only; cotangents go back with the reverse ``ppermute``.  The
-  recomputation costs one more forward of each stage (as ``jax.checkpoint``
-  would); it uses the model state from before the step, which is exact for
-  BatchNorm in training mode (it normalises with the micro-batch's own
-  statistics) and for dropout (the key of micro-batch ``m`` is a pure function
-  of ``m``);
-* the bubble: every device is idle (computes on padding) ``S - 1`` of its
-  ``M + S - 1`` ticks each way, a fraction ``(S - 1) / (M + S - 1)``.
+Promises:
 
-``schedule="1f1b"`` (``parallel.pipeline.schedule: 1f1b``; PipeDream-flush) runs the same
-stage programs in another order: stage ``s`` runs ``S - 1 - s`` warm-up forwards, then
-alternates one forward and one backward, then the cool-down backwards, so it holds at
-most ``S - s`` micro-batches between their forward and backward and a device stashes
-``min(S, M)`` stage inputs instead of ``M``.  The timetable (:func:`one_f_one_b`) is built
-in Python by simulating the dependencies; one ``lax.scan`` over its ``2 (M + S - 1)``
-ticks runs, on each device, the idle, forward or backward branch of its stage for that
-tick (``lax.switch`` over ``2 S + 1`` branches; an idle tick computes nothing) and sends
-the branch's one output buffer both ways (two ``ppermute``s a tick: twice GPipe's bytes on
-the wire, half of them dropped); the receiver keeps the activation or the cotangent the
-timetable says arrives (never both at once).  The bubble is GPipe's, and so are the
-numbers: each stage's forwards (and BatchNorm updates) and its gradient sums run in
-micro-batch order, from the same model state and keys.  What it saves is the stash only,
-``M - min(S, M)`` buffers of one micro-batch at the widest stage boundary (the
-recomputing backward keeps no other activation across ticks): for ResNet-50 at 224x224,
-batch 64 on 4 stages, 5% of the per-device memory at ``M = 8``, 12% at ``M = 16`` (the MACs split), nothing
-at ``M = 4`` (docs/BENCHMARKS.md).  GPipe stays the default.
+* the same numbers as the step on one device with ``make_train_step(accumulate=M)``: the
+  batch of each data shard is cut into ``microbatches`` micro-batches the same way, and
+  BatchNorm normalises and updates its statistics per micro-batch, in order;
+* parameters and optimiser state rest split over ``pipe`` ("ZeRO over pipe", placed by
+  :class:`~jaxcnn.parallel.ParallelPlan`), so the optimiser that follows is the one-device
+  optimiser partitioned by XLA, and checkpoints hold the canonical ``TrainState``;
+* a model that cannot be split as asked is a :class:`~jaxcnn.errors.SettingError` naming
+  the argument, before any compute.
 
-BatchNorm normalises with the statistics of each micro-batch and updates its
-running statistics once per micro-batch, in micro-batch order, as PyTorch's
-pipeline implementations (GPipe in torchgpipe / ``torch.distributed.pipelining``)
-do; with a ``data`` axis the statistics of a micro-batch are synced over it
-(``sync_batch_norm``), so they are those of the global micro-batch.
-
-What lives where ("ZeRO over pipe", set up by :class:`~jaxcnn.parallel.ParallelPlan`,
-which calls :meth:`Pipeline.place`):
-
-* at rest, every parameter of at least ``rules.FSDP_MIN_SIZE`` elements is split
-  over ``pipe`` along its largest dimension that the stages divide (as ``fsdp``
-  splits over ``data``), and its optimiser moments (and float32 master copy)
-  follow it; smaller leaves and the model state (BatchNorm statistics) stay
-  whole on every device;
-* the train step is one global ``jit`` program.  Only the schedule above is a
-  ``shard_map`` (manual over ``data`` and ``pipe``, built by
-  ``jaxcnn.train.step``): the parameters enter it as their ``pipe`` blocks, and
-  each device gathers only its own stage's parameters, transiently, in one
-  ``all_to_all`` of packed blocks per dtype (``_Packing``: row ``s`` of what a
-  device sends holds its blocks of stage ``s``'s leaves, so device ``s``
-  receives every block of its own leaves and nothing else); the gradients
-  leave it already split as the parameters are: each stage packs its own
-  gradients with row ``k`` the blocks device ``k`` keeps, and one ``all_to_all``
-  of that accumulator hands every device its blocks of every stage's leaves
-  (one ``psum`` for the small whole leaves, zero on the other stages: exact);
-  they are averaged over ``data``; the new BatchNorm statistics of each block
-  come from its stage (``psum`` likewise);
-* the optimiser update, loss scaling, the finiteness check and the metrics run
-  outside the ``shard_map`` on the split leaves, so XLA partitions them and every
-  optimiser is exactly the one-device one (global-norm clipping, per-leaf trust
-  ratios, masks and skipping non-finite steps need no code here);
-* checkpoints hold the same canonical ``TrainState`` as every other layout (its
-  arrays just split differently), so a run resumes onto any other layout.
-
-Per device the step then holds a ``1/S`` share of the parameters and optimiser
-state at rest, its stage's activations of one micro-batch (under ``remat``: its
-units' inputs and one unit's internals, each unit recomputed by :func:`_recomputed`,
-as jax 0.10.2's XLA:CPU undoes ``jax.checkpoint``), the ``M`` stashed stage inputs (in the
-compute dtype under a 16-bit policy), and transiently its own stage's parameters
-and their packed gradients (both as large as the largest stage's parameters, as
-SPMD pads them); ``docs/BENCHMARKS.md`` has the measured split for ResNet-50
-(4 stages, batch 64: 0.35x of one device's memory in float32 with ``remat`` and
-``balance: memory``, 0.51x without; 0.25x under bfloat16).
-
-``engine="mpmd"`` (``parallel.pipeline.engine: mpmd``) runs the same stages and schedule as one
-program per stage instead, each on its own devices with its own leaves whole, driven from
-Python (:mod:`jaxcnn.parallel.mpmd`): the same numbers, and no device holds buffers sized by
-another stage (ResNet-50, 224x224, batch 64: 0.25x of one device on 2 stages against this
-engine's 0.40x; one process only).
-
-This module knows nothing of losses and optimisers: ``jaxcnn.train.step``
-gives :meth:`Pipeline.gradients` the loss head and the input preparation.
+This module knows nothing of losses and optimisers: ``jaxcnn.train.step`` gives
+:meth:`Pipeline.gradients` the loss head and the input preparation. The schedules, what
+lives where and what a device holds: ``docs/design/pipeline.md``; ``engine="mpmd"``:
+:mod:`jaxcnn.parallel.mpmd`.
 """
 from __future__ import annotations
 
@@ -235,8 +156,8 @@ def remat_stage_acts(acts, inputs, single) -> np.ndarray:
 # parameters, the gradient accumulator and the switch's gradient output, which XLA keeps
 # live through the whole branch); and the micro-batch buffers at the widest stage boundary
 # besides the stash (MEMORY_WIRE_BUFFERS: the cotangent into the switch and the one out).
-# Counting a stage's weights once picked ResNet-50's best measured 2-stage split at batch 8
-# (482 MiB against 516 without it); twice picked a 4-stage split 146 MiB worse at batch 64.
+# Counting a stage's weights once picked ResNet-50's best measured 2-stage split; twice
+# picked a worse 4-stage split (docs/BENCHMARKS.md).
 MEMORY_OWN_PARAM_BUFFERS = 1
 MEMORY_PARAM_BUFFERS = 3
 MEMORY_WIRE_BUFFERS = 2
@@ -523,7 +444,7 @@ class Pipeline:
             at its backward's peak instead of all its activations: its units' inputs plus
             its largest unit's internals (:func:`remat_stage_acts`).  (``activations`` stays
             the sum: measured on ResNet-50, its remat-aware split ignored the parameters and
-            held more in all, 1,112 against 1,085 MiB at batch 64 on 4 stages.)
+            held more in all.)
         split: blocks per stage (a list of ``stages`` positive ints adding up to
             the number of blocks), or None for the balanced split.
         schedule: ``"gpipe"`` (default: every forward, then every backward) or ``"1f1b"``
@@ -1081,8 +1002,8 @@ def _recomputed(apply):
     subexpression elimination) by an ``optimization_barrier``, which jax 0.10.2's XLA:CPU
     drops (0.11.2's keeps it; this is at least as small there): the
     forward's values of the recomputed layers then stay live until the backward reads
-    them (ResNet-50, 4 stages, batch 64: three of ``layer1``'s 49 MiB convolution
-    outputs and the stem's at the first stage's peak).  Here the recomputation starts from
+    them (on ResNet-50's first stage, three of ``layer1``'s convolution outputs and the
+    stem's at its peak).  Here the recomputation starts from
     a conditional's output (:func:`jaxcnn._fence.stored`), which XLA cannot merge with the forward's
     input; the cotangents of ``states`` and ``keys`` are zero (the stage's vjp seeds only
     ``y``)."""

@@ -1,81 +1,23 @@
 """Spatial partitioning: each image's height split over the mesh's ``spatial`` axis.
 
-Under the ``jit`` strategy the step is one global program, so splitting
-activations along height changes where the numbers are computed, never what
-they are: XLA's SPMD partitioner gives every height-sharded convolution and
-pooling window the rows it needs from the neighbouring shards (halo
-exchanges, ``collective-permute`` in the compiled HLO: no whole activation is
-gathered for them), and BatchNorm's mean over ``(N, H, W)`` becomes an
-all-reduce over ``data`` and ``spatial`` together.  (On the CPU backend the
-per-channel sums of :mod:`jaxcnn.functional._channels` fold an activation's
-width into its channels, never its batch or height, so the partitioner reshapes
-a height-split activation where it lies.)
-What this module decides is *how far* the split goes and that it is sound:
+Under the ``jit`` strategy the step is one global program, so splitting activations along
+height changes where the numbers are computed, never what they are. This module decides how
+far the split goes and that it is sound:
 
-* The model is read as a sequence of **units**: the children of its top-level
-  ``serial``, with nested ``serial``\\ s opened (ResNet's ``layer1`` gives
-  ``layer1.0``, ``layer1.1``...; VGG's ``features`` gives ``features.0``...).
-  A residual block, a ``parallel`` or a ``gate`` is one unit.
-* A unit can be split when each of its leaves computes row by row (activations,
-  BatchNorm/GroupNorm, a LayerNorm or linear layer over channels, dropout, identity,
-  layer scale) or is a convolution /
-  max or average pooling window, every leaf's input and output height divides
-  into the shards, every window needs at most one shard's worth of rows from
-  each neighbour (its *halo*), and (with the partitioner's halos) no window is taller than the
-  whole image
-  (for such a window, e.g. a 3x3 convolution on a 2-row image split in two,
-  XLA's SPMD partitioner computes a wrong input gradient when ``data`` is above
-  1: seen with jax 0.10.2 and 0.11.2 on CPU; the forward pass is right).
-  Global or adaptive pooling, flatten, linear layers on flat features, transposed convolutions
-  and anything unknown end the split; inside a ``gate`` (squeeze-and-excitation), a global
-  average pooling and the layers on its ``(N, 1, 1, C)`` output do not (with the
-  partitioner's halos: they reduce over the split rows and broadcast back).
-* ``until="auto"`` (default) splits the longest run of units from the input on
-  that can be split; ``until="<path>"`` (a unit or a nested ``serial`` such as
-  ``"layer3"``) splits exactly up to and including it and raises, before any
-  compute, naming the first leaf that cannot be split.
-* :func:`constrain` returns the same model (same ``init``, parameter names and
-  rng streams) whose ``apply`` pins the activation to ``P(data, spatial)`` at
-  the input and after every split unit, then to ``P(data)`` (the spatial axis
-  gathered) after the last one, so global pooling, flatten and the classifier
-  see whole images.  The split units run XLA's own convolutions and pooling
-  (``Choices(impl="xla", conv_bn="off")``: a Pallas or Mosaic kernel is a custom
-  call the partitioner cannot split along height); the rest keeps the caller's
-  choices.
-* The ``spatial`` axis composes with ``data`` only: with a ``model`` axis too
-  (data 2 x spatial 2 x model 2, or 1 x 2 x 2) XLA's partitioner returned wrong
-  gradients and BatchNorm statistics (0.02-0.2 off, the loss right) with the
-  channels either left to it or pinned whole, so the plan refuses it (with the
-  partitioner's halos).
+* :func:`spatial_layout` reads the model as a sequence of units (the children of its
+  ``serial``, nested ``serial`` layers opened) and splits the longest run from the input that
+  can be split (``until="auto"``), or exactly up to ``until``, refusing before any compute,
+  in one :class:`~jaxcnn.errors.SettingError` naming the first leaf that cannot be split;
+* :func:`constrain` returns the same model (same ``init``, parameter names and rng streams)
+  whose ``apply`` pins the activations height-sharded through the split units and gathers
+  them after, gathering each unit's parameters as it runs (they rest split over
+  ``spatial``);
+* halos come from XLA's SPMD partitioner (``halo="partitioner"``, the default) or from
+  ``ppermute`` inside ``shard_map`` (``halo="explicit"``, which also splits windows taller
+  than their input and composes with a ``model`` axis).
 
-**Explicit halos** (``halo="explicit"``, ``parallel.spatial.halo: explicit``) are the
-alternative for both of the partitioner's faults: every split unit runs inside ``shard_map``
-over the whole mesh on its device's block of rows (:func:`_explicit`), its convolutions and
-pooling bring the rows their windows need from the neighbouring blocks with ``ppermute``
-(``Choices.height_axis``; the ops in :mod:`jaxcnn.functional._halo`), BatchNorm reduces over
-``data`` and ``spatial`` and GroupNorm over ``spatial``.  Nothing is left for the
-partitioner to get wrong, so a window taller than its whole input is split and a ``model``
-axis is allowed (the split units are then computed whole on each of its devices; the layers
-after the gather keep their tensor-parallel sharding).  A layer drawing random numbers
-(dropout, stochastic depth, at a rate above 0) ends the split: one block's draw is not the
-whole batch's (so ConvNeXt-T, whose stochastic depth starts at its second block, splits only
-through ``features.1.0``), and so does a squeeze-and-excitation gate (its global pooling).  The partitioner stays the default: as fast, and 5-33% less memory
-on ResNet-50 at 2 and 4 shards
-(docs/BENCHMARKS.md, "Explicit halos against the partitioner's").
-
-Batches arrive as under data parallelism (``P(data)``: each spatial shard's
-device holds its data shard's whole images); the first constraint slices them
-locally, without communication.
-
-Parameters and optimiser moments rest split over ``spatial`` (the plan splits
-every leaf of at least ``rules.FSDP_MIN_SIZE`` elements as ``fsdp`` splits over
-``data``), so no device keeps a whole copy of the model's state between steps.
-Each unit gathers its own parameters whole as it runs, forward and again in the
-backward, and reduce-scatters its gradient before the units below it run their
-backward (FSDP's schedule, :func:`_gathering`): one unit's whole parameters and
-gradient are live at a time.  Gathering them whole also keeps XLA's partitioner
-from splitting a convolution by its channels next to the height split of its
-activation (the layout it got wrong for a ``model`` axis, above).
+Which layers split, the partitioner's faults this works around, and the parameter schedule:
+``docs/design/spatial.md``.
 """
 from __future__ import annotations
 
@@ -357,8 +299,8 @@ def _gathering(layer: Layer, shardings, remat: bool = False) -> Layer:
     order comes from conditionals (:func:`jaxcnn._fence.stored`), not ``jax.checkpoint`` or
     ``optimization_barrier``: XLA:CPU drops the barriers, then merges a recomputed gather
     with the forward's, schedules every gather at the start of the program and combines
-    every gradient's reduction into one all-reduce at its end (ResNet-50 at 224x224 on 4
-    shards: 388 -> 357 MB per device with this; docs/BENCHMARKS.md).
+    every gradient's reduction into one all-reduce at its end (this order takes less memory
+    per device: docs/BENCHMARKS.md).
 
     ``remat``: the forward keeps only the unit's input (and its parameters' split), and the
     backward computes the unit again from a stored copy of it made once the output's

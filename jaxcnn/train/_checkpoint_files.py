@@ -161,8 +161,8 @@ def to_host(arrays: list) -> list:
 
     Writing host copies rather than `jax.Array`s keeps orbax off its device path, which
     splits each replicated array into one slice per device with a jitted slice program:
-    for the 29-leaf train state of the test run on 8 CPU devices, the first save compiled
-    56 programs that then held 87 MB of host memory for the life of the process.
+    the first save compiled a program per leaf and device, which then held host memory for
+    the life of the process.
     """
     whole = [i for i, x in enumerate(arrays) if isinstance(x, jax.Array) and x.is_fully_addressable]
     out = list(arrays)

@@ -1,54 +1,25 @@
 """Run configuration: a YAML file, its ``base:`` includes and dotted overrides.
 
-A run is described by one YAML file (``configs/*.yaml``) plus command-line
-overrides such as ``train.steps=100`` or ``optim.schedule.name=cosine``.
-Loading goes:
+A run is described by one YAML file (``configs/*.yaml``) plus command-line overrides such as
+``train.steps=100`` or ``optim.schedule.name=cosine``. :func:`load_config` reads the file with
+``yaml.safe_load`` (its ``base:`` files first, deep-merged under it), applies the overrides
+in order (each value parsed as YAML) and checks everything against :data:`SCHEMA` before any
+compute: an unknown key, a wrong type, an out-of-range value or a missing required key is a
+:class:`ConfigError` whose one-line message names the dotted key, the bad value, what was
+expected and which file or override it came from. The result is an immutable
+:class:`Config` with attribute access; :func:`to_dict` gives it back as plain data, which
+loads to an equal config.
 
-1. read the file with ``yaml.safe_load``; if it has ``base: other.yaml`` (or a
-   list of files), load those first (paths relative to the including file,
-   nested bases allowed, cycles rejected) and deep-merge this file over them;
-2. apply the overrides in order, each value parsed with ``yaml.safe_load``
-   (so ``mesh.data=-1`` is an int, ``optim.schedule.milestones=[30,60]`` a list
-   and ``data.path=`` is null);
-3. check everything against :data:`SCHEMA` before any compute: unknown keys,
-   wrong types, out-of-range values and missing required keys raise
-   :class:`ConfigError`, whose one-line message names the dotted key, the bad
-   value, what was expected and which file or override it came from.
+The schema is the registry of keys: each :class:`Field` says everything about its key (type,
+default, choices, doc, whether it changes training, when it is used, its rules across keys),
+and resume-change detection (:func:`config_changes`), ``--print-config``'s notes
+(:func:`dump_config`) and validation all derive from it. Adding a key is writing its
+``Field`` and the line that reads it.
 
-The result is an immutable :class:`Config` with attribute access
-(``cfg.optim.schedule.name``); :func:`to_dict` turns it back into plain dicts
-and lists for ``yaml.safe_dump``, and loading that dump gives an equal config.
-
-Durations (``optim.schedule.warmup``, ``train.eval_every``, ``checkpoint.every``,
-``logging.log_every``, milestones) are an int number of steps or a string with
-a unit: ``"500st"``/``"500 steps"`` or ``"3ep"``/``"0.5 epochs"``.  They are
-stored as an int (steps) or the canonical ``"<N>ep"`` and turned into steps by
-:func:`resolve_duration` once the data pipeline knows the epoch length.  The
-run length itself is ``train.steps`` or ``train.epochs`` (exactly one); a layer
-that sets one of them (a file over its base, or an override) clears the other.
-
-YAML quirks, decided here: files and override values are read with a
-``yaml.SafeLoader`` subclass (same tags, same safety) that
-
-* keeps unquoted ``yes``/``no``/``on``/``off`` (any case) as the word typed:
-  a string key sees the word (``distributed.mode: on`` is ``"on"``;
-  ``checkpoint.resume: yes`` is refused, listing the valid words, never
-  accepted as some choice), while bool keys and free-form data
-  (``model.options``) get YAML 1.1's boolean; ``true``/``false`` are
-  booleans, which no string key accepts;
-* refuses a mapping that names a key twice (PyYAML keeps the last one),
-  naming the key and both lines; ``<<`` merge keys are not duplicates.
-
-Ranges: every int key and step duration is at most :data:`MAX_INT`
-(``2**31 - 1``: the step counter and the schedules' step arithmetic are
-int32) unless its schema says less; seeds are at most :data:`MAX_SEED`
-(``2**32 - 1``, what ``jax.random.PRNGKey`` keeps). A duration in epochs
-that comes to more than :data:`MAX_STEPS` steps is refused once the epoch
-length is known, naming its key. Only a regular file is read as a config
-(a FIFO would block forever).
-
-The schema is hand-written rather than pydantic/dataclass-based so that error
-messages, YAML quirks and the printed key reference stay under our control.
+Durations are an int number of steps or ``"<N>st"``/``"<N>ep"``, turned into steps by
+:func:`resolve_duration` once the epoch length is known. YAML's quirks as decided here
+(``yes``/``no`` kept as words, duplicate keys refused), the ranges and why the schema is
+hand-written: ``docs/design/config.md``.
 """
 from __future__ import annotations
 
