@@ -80,19 +80,13 @@ def conv2d(x, w, b=None, *, stride=1, padding=0, dilation=1, groups=1, residual=
         raise ValueError(f"{op}: backward must be one of {BACKWARDS}, got {backward!r}")
     if (input_scale is None) != (input_shift is None):
         raise ValueError(f"{op}: give both input_scale and input_shift, or neither")
-    c, co = x_shape[3], w_shape[3]
-    if groups == 1 and w_shape[2] == c:
-        kind = "dense"
-    elif groups == c and co == c and w_shape[2] == 1:
-        kind = "depthwise"
-    else:
-        raise NotImplementedError(
-            f"{op}: only groups=1 and depthwise (groups == C_in == C_out) have kernels; got "
-            f"groups={groups!r}, x shape {x_shape}, w shape {w_shape}")
+    kind = _kind(op, x_shape, w_shape, groups)
+    co = w_shape[3]
     stride, dilation, pads, out_hw = geo.conv_geometry(op, x_shape, w_shape, stride, padding,
                                                        dilation)
     for name, v, shape in (("b", b, (co,)), ("residual", residual, (x_shape[0], *out_hw, co)),
-                           ("input_scale", input_scale, (c,)), ("input_shift", input_shift, (c,))):
+                           ("input_scale", input_scale, (x_shape[3],)),
+                           ("input_shift", input_shift, (x_shape[3],))):
         if v is not None and tuple(jnp.shape(v)) != shape:
             raise ValueError(f"{op}: {name} must have shape {shape}, got {tuple(jnp.shape(v))}")
     interpret = cm.interpret_default(interpret)
@@ -103,22 +97,49 @@ def conv2d(x, w, b=None, *, stride=1, padding=0, dilation=1, groups=1, residual=
                                  input_scale is not None, precision, config, interpret,
                                  has_residual=residual is not None)
     if backend == "mosaic":
-        if input_scale is not None or precision is not None or (
-                kind == "depthwise" and residual is not None):
-            raise KernelUnsupported(
-                f"{op}: the Mosaic GPU kernels run convolutions without the fused input "
-                "BatchNorm or a precision override (depthwise: without a residual)")
-        if kind == "depthwise":
-            mgpu_depthwise.check_supported(x_shape, w_shape, x.dtype, stride=stride, pads=pads)
-            return mgpu_depthwise.conv2d(
-                x, w, b, stride=stride, padding=pads, dilation=dilation, relu=relu,
-                backward="mosaic" if backward == "pallas" else "xla", config=config,
-                interpret=interpret)
-        mgpu_conv.check_supported(x_shape, w_shape, x.dtype, stride=stride, pads=pads)
-        return mgpu_conv.conv2d(x, w, b, stride=stride, padding=pads, dilation=dilation,
-                                residual=residual,
-                                relu=relu, backward="mosaic" if backward == "pallas" else "xla",
-                                config=config, interpret=interpret)
+        if input_scale is not None or precision is not None:
+            raise KernelUnsupported(f"{op}: the Mosaic GPU kernels run convolutions without the "
+                                    "fused input BatchNorm or a precision override")
+        return _mosaic(op, kind, x, w, b, residual, stride=stride, pads=pads, dilation=dilation,
+                       relu=relu, backward=backward, config=config, interpret=interpret)
+    _check_triton_call(op, x.dtype, config, backend)
+    g = cm.geometry(x_shape, w_shape[:2], stride, dilation, pads, out_hw)
+    cfgs = _configs(kind, g, co, x.dtype, config, interpret)
+    static = (kind, g, pads, cfgs, bool(relu), backward, interpret, precision)
+    return _conv(static, x, w, b, residual, input_scale, input_shift)
+
+
+def _kind(op: str, x_shape, w_shape, groups) -> str:
+    """``"dense"`` (groups 1) or ``"depthwise"`` (groups == C_in == C_out); no other grouping
+    has kernels."""
+    c, co = x_shape[3], w_shape[3]
+    if groups == 1 and w_shape[2] == c:
+        return "dense"
+    if groups == c and co == c and w_shape[2] == 1:
+        return "depthwise"
+    raise NotImplementedError(
+        f"{op}: only groups=1 and depthwise (groups == C_in == C_out) have kernels; got "
+        f"groups={groups!r}, x shape {x_shape}, w shape {w_shape}")
+
+
+def _mosaic(op, kind, x, w, b, residual, *, stride, pads, dilation, relu, backward, config, interpret):
+    """:func:`conv2d` on the Mosaic GPU kernels (dense or depthwise)."""
+    x_shape, w_shape = tuple(jnp.shape(x)), tuple(jnp.shape(w))
+    kernels = "mosaic" if backward == "pallas" else "xla"
+    if kind == "depthwise":
+        if residual is not None:
+            raise KernelUnsupported(f"{op}: the Mosaic GPU depthwise kernels run convolutions "
+                                    "without a residual")
+        mgpu_depthwise.check_supported(x_shape, w_shape, x.dtype, stride=stride, pads=pads)
+        return mgpu_depthwise.conv2d(x, w, b, stride=stride, padding=pads, dilation=dilation,
+                                     relu=relu, backward=kernels, config=config, interpret=interpret)
+    mgpu_conv.check_supported(x_shape, w_shape, x.dtype, stride=stride, pads=pads)
+    return mgpu_conv.conv2d(x, w, b, stride=stride, padding=pads, dilation=dilation, residual=residual,
+                            relu=relu, backward=kernels, config=config, interpret=interpret)
+
+
+def _check_triton_call(op: str, dtype, config, backend) -> None:
+    """What the Triton kernels cannot take: a Mosaic configuration, or float16."""
     given = list(config.values()) if isinstance(config, dict) else [config]
     mosaic = [type(v).__name__ for v in given
               if isinstance(v, (mgpu_conv.MgpuConfig, mgpu_window.WindowConfig))]
@@ -126,14 +147,10 @@ def conv2d(x, w, b=None, *, stride=1, padding=0, dilation=1, groups=1, residual=
         raise ValueError(f"{op}: config holds an {mosaic[0]}, but this call runs the Triton "
                          f"kernels (backend={backend!r}); pass backend='mosaic' or a "
                          "BlockConfig")
-    if x.dtype == jnp.float16:
+    if dtype == jnp.float16:
         raise ValueError(f"{op}: float16 runs on the Mosaic GPU kernels only (a Hopper GPU, or "
                          f"backend='mosaic'); the Triton kernels take float32 or bfloat16 "
                          f"(backend={backend!r})")
-    g = cm.geometry(x_shape, w_shape[:2], stride, dilation, pads, out_hw)
-    cfgs = _configs(kind, g, co, x.dtype, config, interpret)
-    static = (kind, g, pads, cfgs, bool(relu), backward, interpret, precision)
-    return _conv(static, x, w, b, residual, input_scale, input_shift)
 
 
 def select_backend(dtype, kind, stride, x_shape, w_shape, pads, has_input_bn, precision, config,

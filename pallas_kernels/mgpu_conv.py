@@ -331,6 +331,27 @@ def smem_store(plgpu, ref, value, *, swizzled: bool) -> None:
         ref[...] = value
 
 
+def _scratch_types(plgpu, cfg: MgpuConfig, dtype, bk: int, bn: int, th: int, transforms, *,
+                   has_pro: bool, stats: bool, has_bias: bool, residual_dtype) -> list:
+    """The forward kernel's shared memory and barriers, in the order its ``body`` takes them:
+    the unswizzled and swizzled input slots, the weight slots, the output tile, the slots'
+    barriers; then the prologue's scale/shift slots, the statistics, the "consumed"
+    barriers (warp specialisation), the bias and residual and their barrier, each when used."""
+    stages, has_res = cfg.stages, residual_dtype is not None
+    return [
+        plgpu.SMEM((stages, TILE_M, bk), dtype),
+        plgpu.SMEM((stages, TILE_M, bk), dtype, transforms=transforms),
+        plgpu.SMEM((stages, bk, bn), dtype, transforms=transforms),
+        plgpu.SMEM((TILE_M, bn), dtype),
+        plgpu.Barrier(num_arrivals=th + 1 + int(has_pro), num_barriers=stages),
+    ] + ([plgpu.SMEM((stages, 2, bk), F32)] if has_pro else []) \
+      + ([plgpu.SMEM((2, bn), F32)] if stats else []) \
+      + ([plgpu.Barrier(num_arrivals=1, num_barriers=stages)] if cfg.warp_specialized else []) \
+      + ([plgpu.SMEM((bias_rows(bn),), F32)] if has_bias else []) \
+      + ([plgpu.SMEM((TILE_M, bn), residual_dtype)] if has_res else []) \
+      + ([plgpu.Barrier(num_arrivals=int(has_bias) + th * int(has_res))] if has_bias or has_res else [])
+
+
 def _implicit_gemm(x, w3, bias, residual, gm: _Geom, cfg: MgpuConfig, *, relu, interpret,
                    detect_races, name, in_ss=None, stats=False):
     """``y[n, oh, ow, :] = sum_{tap, c} x[n, oh + i*dh, ow + j*dw, c] * w3[tap, c, :gm.co]``,
@@ -365,7 +386,6 @@ def _implicit_gemm(x, w3, bias, residual, gm: _Geom, cfg: MgpuConfig, *, relu, i
     # wgmma wants both operands in the same swizzle: the widest that both tiles' rows fill.
     swz = min(_swizzle(plgpu, bn, itemsize), _swizzle(plgpu, bk, itemsize))
     w_transforms = (plgpu.TilingTransform((8, swz // itemsize)), plgpu.SwizzleTransform(swz))
-    a_transforms = w_transforms
     from jax.experimental import pallas as pl
 
     has_bias, has_res, has_pro = bias is not None, residual is not None, in_ss is not None
@@ -582,20 +602,9 @@ def _implicit_gemm(x, w3, bias, residual, gm: _Geom, cfg: MgpuConfig, *, relu, i
         out_type=out_type,
         grid=(tiles_m, pl_cdiv(gm.co, bn)),
         grid_names=("m", "n"),
-        scratch_types=[
-            plgpu.SMEM((stages, TILE_M, bk), dtype),
-            plgpu.SMEM((stages, TILE_M, bk), dtype, transforms=a_transforms),
-            plgpu.SMEM((stages, bk, bn), dtype, transforms=w_transforms),
-            plgpu.SMEM((TILE_M, bn), dtype),
-            plgpu.Barrier(num_arrivals=th + 1 + int(has_pro), num_barriers=stages),
-        ] + ([plgpu.SMEM((stages, 2, bk), F32)] if has_pro else [])
-          + ([plgpu.SMEM((2, bn), F32)] if stats else [])
-          + ([plgpu.Barrier(num_arrivals=1, num_barriers=stages)]
-             if cfg.warp_specialized else [])
-          + ([plgpu.SMEM((bias_rows(bn),), F32)] if has_bias else [])
-          + ([plgpu.SMEM((TILE_M, bn), residual.dtype)] if has_res else [])
-          + ([plgpu.Barrier(num_arrivals=int(has_bias) + th * int(has_res))]
-             if has_bias or has_res else []),
+        scratch_types=_scratch_types(plgpu, cfg, dtype, bk, bn, th, w_transforms, has_pro=has_pro,
+                                     stats=stats, has_bias=has_bias,
+                                     residual_dtype=residual.dtype if has_res else None),
         compiler_params=_lane_params(plgpu),
         interpret=_interpret_params(plgpu, interpret, detect_races),
         kernel_name=name,
@@ -696,6 +705,16 @@ def wgrad_tile_loop(issue, step, *, first, count, stages: int, per_split: int) -
     lax.fori_loop(0, pl_cdiv(per_split, stages), group, None)
 
 
+def _prologue_operand(input_scale, input_shift, c: int, cfg: MgpuConfig):
+    """The prologue's ``(2, K)`` float32 scale and shift, zeros past ``C_in`` up to whole
+    channel chunks (``relu(0 * 0 + 0) = 0``)."""
+    for nm, v in (("input_scale", input_scale), ("input_shift", input_shift)):
+        if tuple(v.shape) != (c,):
+            raise ValueError(f"Mosaic GPU conv: {nm} shape {tuple(v.shape)} != ({c},)")
+    kp = pl_cdiv(c, _block_k(c, cfg)) * _block_k(c, cfg)
+    return jnp.pad(jnp.stack([input_scale.astype(F32), input_shift.astype(F32)]), ((0, 0), (0, kp - c)))
+
+
 def conv_forward(x, w, b=None, residual=None, *, relu=False, stride=(1, 1),
                  pads=((0, 0), (0, 0)), dilation=(1, 1), config: MgpuConfig | None = None,
                  interpret: bool = False, detect_races: bool = False,
@@ -750,14 +769,7 @@ def conv_forward(x, w, b=None, residual=None, *, relu=False, stride=(1, 1),
                dw=dilation[1], oh=oh, ow=ow, co=co, h=h, w=wd, pt=pads[0][0],
                pleft=pads[1][0])
     cfg = config or DEFAULT
-    in_ss = None
-    if input_scale is not None:
-        for nm, v in (("input_scale", input_scale), ("input_shift", input_shift)):
-            if tuple(v.shape) != (c,):
-                raise ValueError(f"Mosaic GPU conv: {nm} shape {tuple(v.shape)} != ({c},)")
-        kp = pl_cdiv(c, _block_k(c, cfg)) * _block_k(c, cfg)
-        in_ss = jnp.pad(jnp.stack([input_scale.astype(F32), input_shift.astype(F32)]),
-                        ((0, 0), (0, kp - c)))  # zeros past C_in: relu(0 * 0 + 0) = 0
+    in_ss = None if input_scale is None else _prologue_operand(input_scale, input_shift, c, cfg)
     w3 = w.reshape(kh * kw, c, co)
     bn = _block_n(co, cfg)
     cop = pl_cdiv(co, bn) * bn

@@ -484,8 +484,15 @@ def export_onnx(model, params, state, image_shape, *, path=None, batch="dynamic"
         [onnx.helper.make_tensor_value_info("input", in_type, in_shape)],
         [onnx.helper.make_tensor_value_info("output", onnx.TensorProto.FLOAT, out_shape)],
         initializer=g.initializers)
+    proto = _model_proto(onnx, graph, opset, layout, in_shape, preprocessing, metadata)
+    return _checked_and_saved(onnx, proto, path, external_data, sum(t.ByteSize() for t in g.initializers))
+
+
+def _model_proto(onnx, graph, opset: int, layout: str, in_shape, preprocessing, metadata):
+    """The ``ModelProto`` of ``graph``: the oldest IR version that carries ``opset`` (so that
+    older runtimes load the file), and a description of its input in its doc string and
+    ``metadata_props``."""
     opsets = [onnx.helper.make_opsetid("", opset)]
-    # The oldest IR version that carries this opset, so that older runtimes load the file.
     proto = onnx.helper.make_model(graph, opset_imports=opsets, producer_name="jaxcnn",
                                    ir_version=onnx.helper.find_min_ir_version_for(opsets))
     in_desc = "float32 (normalised)" if preprocessing is None else (
@@ -495,7 +502,13 @@ def export_onnx(model, params, state, image_shape, *, path=None, batch="dynamic"
                         f"{in_shape}, output 'output'")
     onnx.helper.set_model_props(proto, {"input_layout": layout.upper(),
                                         **{str(k): str(v) for k, v in (metadata or {}).items()}})
-    size = sum(t.ByteSize() for t in g.initializers)
+    return proto
+
+
+def _checked_and_saved(onnx, proto, path, external_data, size: int):
+    """``proto`` checked by ``onnx.checker`` and written to ``path`` (when given); the weights
+    in ``<path>.data`` with ``external_data`` (None: when ``size`` bytes are too many for one
+    protobuf)."""
     if external_data is None:
         external_data = size > _EXTERNAL_DATA_BYTES
     if external_data and path is None:

@@ -135,15 +135,7 @@ def load_source(source, *, model: str | None = None, num_classes: int | None = N
             raise ExportError(f"{cfg_path} does not exist: not a jaxcnn run directory")
         from jaxcnn.train.config import load_config
         cfg = load_config(cfg_path)
-        params_path = RunDir(source).find_params()
-        if params_path is None:
-            ckpt = RunDir(source).checkpoints
-            steps = sorted(int(n) for n in os.listdir(ckpt) if n.isdigit()) if os.path.isdir(ckpt) else []
-            why = (f"it stopped at a checkpoint (step {steps[-1]}): run its jaxcnn-train command again to "
-                   f"finish it (jaxcnn-eval evaluates the checkpoint as it is)" if steps else
-                   "has training finished?")
-            raise ExportError(f"{source}: run directory has no parameters "
-                              f"({' or '.join(RunDir.PARAM_FILES)}); {why}")
+        params_path = _run_params(source)
         if model is not None and model != cfg.model.name:
             raise ExportError(f"{arg('model', repr(model))} does not match the run's model "
                               f"{cfg.model.name!r}")
@@ -305,6 +297,21 @@ def evaluate_model(cfg, model, params, state) -> dict:
         return evaluate(run, jax.jit(make_eval_step(model).step), params, state)
 
 
+def _run_params(source: str) -> str:
+    """The final parameter file of a run directory; an ExportError saying why there is none."""
+    from jaxcnn.train.rundir import RunDir
+    params_path = RunDir(source).find_params()
+    if params_path is None:
+        ckpt = RunDir(source).checkpoints
+        steps = sorted(int(n) for n in os.listdir(ckpt) if n.isdigit()) if os.path.isdir(ckpt) else []
+        why = (f"it stopped at a checkpoint (step {steps[-1]}): run its jaxcnn-train command again to "
+               f"finish it (jaxcnn-eval evaluates the checkpoint as it is)" if steps else
+               "has training finished?")
+        raise ExportError(f"{source}: run directory has no parameters "
+                          f"({' or '.join(RunDir.PARAM_FILES)}); {why}")
+    return params_path
+
+
 def export(source, out, *, format: str, model: str | None = None, num_classes=None,
            model_options=None, image_shape=None, batch="dynamic", layout: str = "nhwc",
            fold_bn: bool = False, quantize: str | None = None, calibration_count: int = 4,
@@ -355,6 +362,63 @@ def export(source, out, *, format: str, model: str | None = None, num_classes=No
         (``--model 'x'``) instead.
     """
     say = log or (lambda _: None)
+    out = _checked_out(source, out, format, quantize, calibration_count)
+    src = load_source(source, model=model, num_classes=num_classes, model_options=model_options,
+                      image_shape=image_shape,
+                      preprocessing=preprocessing and format in ("onnx", "stablehlo"))
+    net, params, state, cfg = src.model, src.params, src.state, src.cfg
+    _check_run_needs(cfg, quantize=quantize, fine_tune_steps=fine_tune_steps, prune=prune,
+                     model_options=model_options, num_classes=num_classes, image_shape=image_shape)
+    report = {"out": out, "format": format, "model": src.name,
+              "image_shape": list(src.image_shape), "accuracy": {}}
+    prep, in_graph, report["preprocessing"] = _preprocessing_meta(src, preprocessing, format, layout)
+    fine = dict(steps=fine_tune_steps, lr=fine_tune_lr, workdir=fine_tune_dir, stream=train_stream)
+    net, params, state = _transformed(source, src, out, report, say, prune=prune, prune_scope=prune_scope,
+                                      prune_structure=prune_structure, fine_tune=fine, fold_bn=fold_bn,
+                                      quantize=quantize, calibration_count=calibration_count)
+    _write(format, out, net, params, state, src, report, batch=batch, layout=layout, opset=opset,
+           built_in=prep if in_graph else None)
+    say(f"wrote {format} to {out}")
+    say(_input_line(format, layout, src.image_shape, prep, in_graph, report, cfg is not None, batch))
+    return report
+
+
+def _transformed(source, src, out, report, say, *, prune, prune_scope, prune_structure, fine_tune: dict,
+                 fold_bn, quantize, calibration_count):
+    """``src``'s ``(model, params, state)`` pruned (and fine-tuned from ``source``, a run
+    directory), folded or quantised as asked, each stage's top-1 accuracy recorded in ``report`` where the run has test data."""
+    net, params, state, cfg = src.model, src.params, src.state, src.cfg
+    has_data = cfg is not None and cfg.data.source != "synthetic"
+
+    def accuracy(label, m, p, s):
+        if has_data:
+            report["accuracy"][label] = evaluate_model(cfg, m, p, s)["top1"]
+            say(f"top-1 {label}: {report['accuracy'][label]:.4f}")
+
+    if prune or quantize or fold_bn:
+        accuracy("original", net, params, state)
+    if prune:
+        params, _ = magnitude_prune(net, params, prune, scope=prune_scope, structure=prune_structure)
+        accuracy("pruned", net, params, state)
+        if fine_tune["steps"]:
+            net, params, state = _fine_tuned(source, out, report, say, has_data, sparsity=prune,
+                                             scope=prune_scope, structure=prune_structure, **fine_tune)
+        report["sparsity"] = sparsity_report(net, params)
+        say(f"sparsity: {report['sparsity']['prunable_sparsity']:.4f} of conv/linear weights, "
+            f"{report['sparsity']['total_sparsity']:.4f} of all parameters")
+    if fold_bn and not quantize:
+        net, params, state = fold_batch_norm(net, params, state)
+        accuracy("folded", net, params, state)
+    if quantize:
+        net, params, state = quantize_int8(net, params, state, calibration_batches(cfg, calibration_count))
+        accuracy("int8", net, params, state)
+    return net, params, state
+
+
+def _checked_out(source, out, format, quantize, calibration_count) -> str:
+    """``out`` as the file that will be written (``.npz`` added where NumPy adds it), after
+    checking the arguments that need no model: the format, the quantisation, and that the
+    output's directory exists, is writable and the output would not replace the source."""
     if format not in FORMATS:
         raise ExportError(f"format must be one of {FORMATS}, got {format!r}")
     if quantize not in (None, "int8"):
@@ -375,10 +439,12 @@ def export(source, out, *, format: str, model: str | None = None, num_classes=No
     if format == "npz" and not out.endswith(".npz"):
         out += ".npz"  # what np.savez writes
     _check_out_spares_source(source, out)
-    src = load_source(source, model=model, num_classes=num_classes, model_options=model_options,
-                      image_shape=image_shape,
-                      preprocessing=preprocessing and format in ("onnx", "stablehlo"))
-    net, params, state, cfg = src.model, src.params, src.state, src.cfg
+    return out
+
+
+def _check_run_needs(cfg, *, quantize, fine_tune_steps, prune, model_options, num_classes, image_shape):
+    """Quantisation and fine-tuning need a run directory (its data); fine-tuning needs pruning
+    and the run's own model."""
     needs_run = [arg(name) for name, on in (("quantize", quantize), ("fine_tune_steps",
                                                                      fine_tune_steps)) if on]
     if needs_run and cfg is None:
@@ -391,8 +457,11 @@ def export(source, out, *, format: str, model: str | None = None, num_classes=No
     if fine_tune_steps and (model_options or num_classes or image_shape):
         raise ExportError(f"{arg('fine_tune_steps')} trains the run's own model on its own data; leave "
                           f"out {arg('model_options')}, {arg('num_classes')} and {arg('image_shape')}")
-    report = {"out": out, "format": format, "model": src.name,
-              "image_shape": list(src.image_shape), "accuracy": {}}
+
+
+def _preprocessing_meta(src, preprocessing: bool, format: str, layout: str):
+    """``(prep, in_graph, meta)``: the run's preprocessing at the export's image shape, whether
+    it is built into the exported graph, and the record of it the export carries."""
     prep = src.preprocessing
     if prep is not None and tuple(prep.image_shape) != tuple(src.image_shape):
         if prep.image_shape[-1] != src.image_shape[-1] and preprocessing:
@@ -407,47 +476,32 @@ def export(source, out, *, format: str, model: str | None = None, num_classes=No
         if format in ("onnx", "stablehlo"):
             meta.update(input_layout=layout.upper(),
                         input_dtype=prep.pixel_dtype if in_graph else "float32")
-    report["preprocessing"] = meta
-    has_data = cfg is not None and cfg.data.source != "synthetic"
+    return prep, in_graph, meta
 
-    def accuracy(label, m, p, s):
-        if has_data:
-            report["accuracy"][label] = evaluate_model(cfg, m, p, s)["top1"]
-            say(f"top-1 {label}: {report['accuracy'][label]:.4f}")
 
-    if prune or quantize or fold_bn:
-        accuracy("original", net, params, state)
-    if prune:
-        params, _ = magnitude_prune(net, params, prune, scope=prune_scope,
-                                    structure=prune_structure)
-        accuracy("pruned", net, params, state)
-        if fine_tune_steps:
-            workdir = os.fspath(fine_tune_dir or os.path.splitext(os.fspath(out))[0] + "_finetune")
-            say(f"fine-tuning for {fine_tune_steps} steps in {workdir}")
-            result = fine_tune(source, workdir, sparsity=prune, steps=fine_tune_steps,
-                               scope=prune_scope, structure=prune_structure, lr=fine_tune_lr,
-                               stream=train_stream)
-            if "stopped_by" in result:  # Ctrl-C or SIGTERM: the trainer saved a checkpoint
-                from jaxcnn.errors import TrainingStopped
-                raise TrainingStopped(f"fine-tuning in {workdir} stopped by {result['stopped_by']} at step "
-                                      f"{result['step']} (checkpoint saved); the same command resumes it")
-            tuned = load_source(workdir)
-            net, params, state = tuned.model, tuned.params, tuned.state
-            report["fine_tune"] = {"workdir": workdir, "steps": fine_tune_steps}
-            if has_data and "top1" in result:
-                report["accuracy"]["fine_tuned"] = result["top1"]
-                say(f"top-1 fine_tuned: {result['top1']:.4f}")
-        report["sparsity"] = sparsity_report(net, params)
-        say(f"sparsity: {report['sparsity']['prunable_sparsity']:.4f} of conv/linear weights, "
-            f"{report['sparsity']['total_sparsity']:.4f} of all parameters")
-    if fold_bn and not quantize:
-        net, params, state = fold_batch_norm(net, params, state)
-        accuracy("folded", net, params, state)
-    if quantize:
-        batches = calibration_batches(cfg, calibration_count)
-        net, params, state = quantize_int8(net, params, state, batches)
-        accuracy("int8", net, params, state)
-    built_in = prep if in_graph else None
+def _fine_tuned(source, out, report, say, has_data, *, sparsity, steps, scope, structure, lr,
+                workdir, stream):
+    """The pruned run fine-tuned through the trainer, in ``workdir`` (default: next to
+    ``out``): its ``(model, params, state)``, recorded in ``report``."""
+    workdir = os.fspath(workdir or os.path.splitext(os.fspath(out))[0] + "_finetune")
+    say(f"fine-tuning for {steps} steps in {workdir}")
+    result = fine_tune(source, workdir, sparsity=sparsity, steps=steps, scope=scope,
+                       structure=structure, lr=lr, stream=stream)
+    if "stopped_by" in result:  # Ctrl-C or SIGTERM: the trainer saved a checkpoint
+        from jaxcnn.errors import TrainingStopped
+        raise TrainingStopped(f"fine-tuning in {workdir} stopped by {result['stopped_by']} at step "
+                              f"{result['step']} (checkpoint saved); the same command resumes it")
+    tuned = load_source(workdir)
+    report["fine_tune"] = {"workdir": workdir, "steps": steps}
+    if has_data and "top1" in result:
+        report["accuracy"]["fine_tuned"] = result["top1"]
+        say(f"top-1 fine_tuned: {result['top1']:.4f}")
+    return tuned.model, tuned.params, tuned.state
+
+
+def _write(format, out, net, params, state, src, report, *, batch, layout, opset, built_in):
+    """The model in ``format`` to ``out`` (StableHLO's preprocessing record beside it)."""
+    meta = report["preprocessing"]
     if format == "stablehlo":
         export_stablehlo(net, params, state, src.image_shape, batch=batch, layout=layout, path=out,
                          preprocessing=built_in)
@@ -462,9 +516,6 @@ def export(source, out, *, format: str, model: str | None = None, num_classes=No
     else:
         host = jax.device_get((params, state))
         (interop.save_npz if format == "npz" else interop.save_safetensors)(out, *host)
-    say(f"wrote {format} to {out}")
-    say(_input_line(format, layout, src.image_shape, prep, in_graph, report, cfg is not None, batch))
-    return report
 
 
 def _input_line(format, layout, image_shape, prep, in_graph, report, from_run, batch="dynamic") -> str:

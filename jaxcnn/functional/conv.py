@@ -84,6 +84,44 @@ def conv2d(x, w, b=None, *, stride=1, padding=0, dilation=1, groups=1, impl="aut
     return _channels.add_bias(y, b)
 
 
+def _transpose_geometry(x, w, b, stride, padding, output_padding, dilation, groups):
+    """:func:`conv_transpose2d`'s arguments checked (one-line ValueErrors naming them) and
+    normalised: ``(stride, dilation, output_padding, pads, dilated window)``."""
+    op = "conv_transpose2d"
+    x_shape, w_shape = tuple(jnp.shape(x)), tuple(jnp.shape(w))
+    geo.check_rank(op, "x", x_shape, 4, "(N, H, W, C)")
+    geo.check_rank(op, "w", w_shape, 4, "(KH, KW, C_in, C_out // groups)")
+    stride = geo.pair(stride, "stride", op)
+    dilation = geo.pair(dilation, "dilation", op)
+    output_padding = geo.pair(output_padding, "output_padding", op, minimum=0)
+    pads = geo.padding_spec(padding, op, allow_strings=False)
+    if not geo.is_int(groups) or groups < 1:
+        raise ValueError(f"{op}: groups must be a positive int, got {groups!r}")
+    c_in = x_shape[3]
+    if w_shape[2] != c_in:
+        raise ValueError(
+            f"{op}: channel mismatch: x has {c_in} channels but w expects {w_shape[2]} "
+            f"(x shape {x_shape}, w shape {w_shape})")
+    if c_in % groups:
+        raise ValueError(
+            f"{op}: groups={groups} must divide input channels {c_in} "
+            f"(x shape {x_shape}, w shape {w_shape})")
+    _check_bias(op, b, w_shape[3] * groups, w_shape)
+    for op_, s, d in zip(output_padding, stride, dilation):
+        if op_ >= max(s, d):
+            raise ValueError(
+                f"{op}: output_padding {output_padding} must be smaller than stride {stride} "
+                f"or dilation {dilation} on each axis")
+    window = geo.dilated(w_shape[:2], dilation)
+    out_hw = tuple((n - 1) * s - lo - hi + k + o for n, s, (lo, hi), k, o
+                   in zip(x_shape[1:3], stride, pads, window, output_padding))
+    if min(out_hw) < 1:
+        raise ValueError(
+            f"{op}: output size {out_hw} is empty (x shape {x_shape}, w shape {w_shape}, "
+            f"stride {stride}, padding {pads}, dilation {dilation})")
+    return stride, dilation, output_padding, pads, window
+
+
 def conv_transpose2d(x, w, b=None, *, stride=1, padding=0, output_padding=0, dilation=1,
                      groups=1):
     """Transposed 2-D convolution with PyTorch ``ConvTranspose2d`` semantics, NHWC.
@@ -114,39 +152,10 @@ def conv_transpose2d(x, w, b=None, *, stride=1, padding=0, output_padding=0, dil
         ValueError: on wrong ranks, channel/group mismatches, an empty output,
             or malformed arguments.
     """
-    op = "conv_transpose2d"
+    stride, dilation, output_padding, pads, window = _transpose_geometry(
+        x, w, b, stride, padding, output_padding, dilation, groups)
     x_shape, w_shape = tuple(jnp.shape(x)), tuple(jnp.shape(w))
-    geo.check_rank(op, "x", x_shape, 4, "(N, H, W, C)")
-    geo.check_rank(op, "w", w_shape, 4, "(KH, KW, C_in, C_out // groups)")
-    stride = geo.pair(stride, "stride", op)
-    dilation = geo.pair(dilation, "dilation", op)
-    output_padding = geo.pair(output_padding, "output_padding", op, minimum=0)
-    pads = geo.padding_spec(padding, op, allow_strings=False)
-    if not geo.is_int(groups) or groups < 1:
-        raise ValueError(f"{op}: groups must be a positive int, got {groups!r}")
     c_in = x_shape[3]
-    if w_shape[2] != c_in:
-        raise ValueError(
-            f"{op}: channel mismatch: x has {c_in} channels but w expects {w_shape[2]} "
-            f"(x shape {x_shape}, w shape {w_shape})")
-    if c_in % groups:
-        raise ValueError(
-            f"{op}: groups={groups} must divide input channels {c_in} "
-            f"(x shape {x_shape}, w shape {w_shape})")
-    c_out = w_shape[3] * groups
-    _check_bias(op, b, c_out, w_shape)
-    for op_, s, d in zip(output_padding, stride, dilation):
-        if op_ >= max(s, d):
-            raise ValueError(
-                f"{op}: output_padding {output_padding} must be smaller than stride {stride} "
-                f"or dilation {dilation} on each axis")
-    window = geo.dilated(w_shape[:2], dilation)
-    out_hw = tuple((n - 1) * s - lo - hi + k + o for n, s, (lo, hi), k, o
-                   in zip(x_shape[1:3], stride, pads, window, output_padding))
-    if min(out_hw) < 1:
-        raise ValueError(
-            f"{op}: output size {out_hw} is empty (x shape {x_shape}, w shape {w_shape}, "
-            f"stride {stride}, padding {pads}, dilation {dilation})")
 
     # As a forward convolution: dilate the input by the stride, pad each border
     # by the window extent minus one less the crop (negative pads crop), and

@@ -613,206 +613,111 @@ class Pipeline:
         model state after every micro-batch
         (loss, accuracy and model state replicated over ``pipe``).
         """
-        S, M, axis = self.stages, self.microbatches, self.axis_name
-        run = lambda s, p, st, x, r: self._run_stage(s, p, st, x, r, policy=policy, choices=choices)
-
         def gradients(blocks, model_state, batch, rng, loss_scale):
-            images, labels = batch["image"], batch["label"]
-            n = images.shape[0]
-            self.check_batch(n)
-            mb = n // M
-            # micro-batch m is examples m, m + M, ...: read in place from (mb, M, ...) views of
-            # the batch (a transposed copy of the whole batch would be one more batch-sized
-            # buffer in the step's temporaries)
-            images_r, labels_r = (x.reshape((mb, M) + x.shape[1:]) for x in (images, labels))
-            image_of = lambda m: jax.lax.dynamic_index_in_dim(images_r, m, 1, keepdims=False)  # noqa: E731
-            label_of = lambda m: jax.lax.dynamic_index_in_dim(labels_r, m, 1, keepdims=False)  # noqa: E731
-
-            def key_of(m):  # micro-batch m's key, as make_train_step(accumulate=M) draws it
-                return None if rng is None else jax.random.fold_in(rng, m)
-
-            # ----- this stage's parameters, one all_to_all per dtype ----------------------------
-            packing = _Packing(self, blocks, split_dims)
-            mine_of = packing.gather(blocks)  # mine_of(s): stage s's {block path: params}
-
-            # boundary shapes (abstractly, per micro-batch)
-            structs = []
-            x = jax.ShapeDtypeStruct((mb,) + images.shape[1:], images.dtype)
-            x = jax.eval_shape(prepare, x)
-            abstract = lambda t: jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), t)
-            for s in range(S):
-                structs.append(x)
-                x = jax.eval_shape(lambda p, st, v, s=s: self._run_stage(s, p, st, v, key_of(0), policy=policy,
-                                                                          choices=None)[0],
-                                   packing.whole_shapes, abstract(model_state), x)
-            width = max([math.prod(st.shape[1:]) for st in structs[1:]] + [1])
-            # the stash, wire and cotangent buffers: the boundaries' own dtype when they share
-            # one (bfloat16 under a bfloat16 compute policy: half of float32's bytes), else
-            # one that holds each exactly
-            wire = jnp.result_type(*[st.dtype for st in structs[1:]]) if S > 1 else jnp.dtype(jnp.float32)
-
-            def to_buf(y):
-                f = y.astype(wire).reshape(y.shape[0], -1)
-                return jnp.pad(f, ((0, 0), (0, width - f.shape[1])))
-
-            def from_buf(buf, st):
-                k = math.prod(st.shape[1:])
-                return buf[:, :k].reshape(st.shape).astype(st.dtype)
-
-            def with_own(s, tree, parts):
-                for path, v in parts.items():
-                    if v:
-                        tree = _set(tree, path, v)
-                return tree
-
-            # ----- one stage's forward and backward (both schedules) -------------------------
-            # Stage s reads its parameters from the buffers the all_to_all gave this device
-            # (each branch unpacks them in its own stage's layout), and its gradients leave
-            # the branch packed in that layout too: a (stages, length) buffer of the largest
-            # stage's split parameters, row k the blocks device k keeps, plus one short vector
-            # of every whole leaf (zero where another stage owns it).
-            run_own = lambda s, mine, st, x, r: run(s, with_own(s, {}, mine), st, x, r)
-
-            def fwd_branch(s):
-                def f(stash, k, m, model_state):  # the input from stash slot k (see bwd_branch)
-                    x = prepare(image_of(m)) if s == 0 else from_buf(stash[k], structs[s])
-                    y, new = run_own(s, mine_of(s), model_state, x, key_of(m))
-                    model_state = with_own(s, model_state, new)
-                    if s == S - 1:
-                        _, (loss, top1) = head(y, label_of(m), loss_scale)
-                        return jnp.zeros((mb, width), wire), model_state, \
-                            loss.astype(jnp.float32), top1.astype(jnp.float32)
-                    return to_buf(y), model_state, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32)
-                return f
-
-            def bwd_branch(s):
-                # The branch takes the whole stash and reads its slot itself: a slot sliced
-                # outside would be one more micro-batch buffer at the widest boundary, copied
-                # for the conditional.  Stage 0 reads the images and has no input cotangent.
-                def f(stash, k, ct, m):
-                    def g(mine, x):
-                        y, _ = run_own(s, mine, model_state, x, key_of(m))
-                        if s == S - 1:
-                            return head(y, label_of(m), loss_scale)[0]
-                        return to_buf(y)
-
-                    seed = (lambda out: jnp.ones_like(out)) if s == S - 1 else (lambda out: ct)
-                    if s == 0:
-                        out, vjp = jax.vjp(lambda mine: g(mine, prepare(image_of(m))), mine_of(s))
-                        (d_mine,) = vjp(seed(out))
-                        return packing.pack_grads(s, d_mine), jnp.zeros((mb, width), wire)
-                    out, vjp = jax.vjp(g, mine_of(s), from_buf(stash[k], structs[s]))
-                    d_mine, d_x = vjp(seed(out))
-                    return packing.pack_grads(s, d_mine), to_buf(d_x)
-                return f
-
-            stage = jax.lax.axis_index(axis)
-            fwd = [fwd_branch(s) for s in range(S)]
-            bwd = [bwd_branch(s) for s in range(S)]
-            forward_perm = [(i, i + 1) for i in range(S - 1)]
-            backward_perm = [(i + 1, i) for i in range(S - 1)]
-            send = lambda x: jax.lax.ppermute(x, axis, forward_perm) if S > 1 else x
-            send_back = lambda x: jax.lax.ppermute(x, axis, backward_perm) if S > 1 else x
-            zero_buf = jnp.zeros((mb, width), wire)
-            zero_grads = packing.zero_grads()
-            zero = jnp.zeros((), jnp.float32)
-
-            def gpipe():
-                """Every forward (a scan of M + S - 1 ticks, stage s on micro-batch t - s, its
-                input stashed in slot m), then every backward (the same, in reverse)."""
-                def fwd_tick(carry, t):
-                    recv, st, stash, loss_sum, top1_sum = carry
-                    m = t - stage
-                    valid = (m >= 0) & (m < M)
-                    mc = jnp.clip(m, 0, M - 1)
-                    stash = stash.at[mc].set(jnp.where(valid, recv, stash[mc]))
-                    out, new_st, loss, top1 = jax.lax.switch(stage, fwd, stash, mc, mc, st)
-                    st = jax.tree_util.tree_map(lambda a, b: jnp.where(valid, a, b), new_st, st)
-                    loss_sum = loss_sum + jnp.where(valid, loss, 0.0)
-                    top1_sum = top1_sum + jnp.where(valid, top1, 0.0)
-                    return (send(out), st, stash, loss_sum, top1_sum), None
-
-                carry = (zero_buf, model_state, jnp.zeros((M, mb, width), wire), zero, zero)
-                (_, new_state, stash, loss_sum, top1_sum), _ = jax.lax.scan(fwd_tick, carry,
-                                                                            jnp.arange(M + S - 1))
-
-                def bwd_tick(carry, t):
-                    ct, total = carry
-                    m = t - (S - 1 - stage)
-                    valid = (m >= 0) & (m < M)
-                    mc = jnp.clip(m, 0, M - 1)
-                    grads, d_buf = jax.lax.switch(stage, bwd, stash, mc, ct, mc)
-                    total = jax.tree_util.tree_map(lambda a, g: a + jnp.where(valid, g, 0), total, grads)
-                    return (send_back(d_buf), total), None
-
-                (_, total), _ = jax.lax.scan(bwd_tick, (zero_buf, zero_grads), jnp.arange(M + S - 1))
-                return new_state, total, loss_sum, top1_sum
-
-            def one_f_one_b_scan():
-                """One scan over the 1F1B timetable: each tick a device stores the activation
-                that arrived into its stash slot, runs its forward, backward or nothing
-                (lax.switch over 2S + 1 branches), and sends both ways."""
-                table = one_f_one_b(S, M)
-                branch = np.where(table.op == FORWARD, 1 + np.arange(S), 0)
-                branch = np.where(table.op == BACKWARD, 1 + S + np.arange(S), branch)
-                # An activation (from s - 1) and a cotangent (from s + 1) never reach a stage at the
-                # same tick, so one receive buffer (the inbox) carries whichever comes: the
-                # activation where the next tick stores one in the stash, else the cotangent.
-                arrives = table.store >= 0
-                act_next = np.concatenate([arrives[1:], np.zeros((1, S), bool)]).astype(np.int32)
-                rows = jnp.asarray(np.stack([branch, table.micro, table.slot, table.store, act_next], -1))
-                slots = max(table.slots, 1)
-
-                # Every branch returns one buffer (the outbox: a forward's activation or a
-                # backward's cotangent; one conditional output, not two live through the
-                # branch) and zeros made inside it (captured from outside, they would be loop
-                # operands live through the scan).
-                def idle(stash, k, ct, m, st, total):
-                    z = jnp.zeros((), jnp.float32)
-                    return jnp.zeros((mb, width), wire), total, st, z, z
-
-                def forward(s):
-                    def f(stash, k, ct, m, st, total):
-                        out, st, loss, top1 = fwd[s](stash, k, m, st)
-                        return out, total, st, loss, top1
-                    return f
-
-                def backward(s):
-                    def f(stash, k, ct, m, st, total):
-                        grads, d_buf = bwd[s](stash, k, ct, m)
-                        z = jnp.zeros((), jnp.float32)
-                        return d_buf, jax.tree_util.tree_map(jnp.add, total, grads), st, z, z
-                    return f
-
-                branches = [idle] + [forward(s) for s in range(S)] + [backward(s) for s in range(S)]
-
-                def tick(carry, row):
-                    inbox, stash, st, total, loss_sum, top1_sum = carry
-                    b, m, k, store, act_next = [row[stage, i] for i in range(5)]
-                    kc = jnp.maximum(store, 0)
-                    stash = stash.at[kc].set(jnp.where(store >= 0, inbox, stash[kc]))
-                    outbox, total, st, loss, top1 = jax.lax.switch(b, branches, stash, k, inbox, m, st, total)
-                    # the same sums in the same order as gpipe's (zeros where a tick adds nothing)
-                    loss_sum = loss_sum + loss
-                    top1_sum = top1_sum + top1
-                    # the outbox goes both ways; the receiver keeps the one the table says comes
-                    inbox = jnp.where(act_next > 0, send(outbox), send_back(outbox))
-                    return (inbox, stash, st, total, loss_sum, top1_sum), None
-
-                carry = (zero_buf, jnp.zeros((slots, mb, width), wire), model_state, zero_grads, zero, zero)
-                (_, _, new_state, total, loss_sum, top1_sum), _ = jax.lax.scan(tick, carry, rows)
-                return new_state, total, loss_sum, top1_sum
-
-            new_state, total, loss_sum, top1_sum = gpipe() if self.schedule == "gpipe" else one_f_one_b_scan()
-
-            # ----- every stage's part to the devices that keep it ---------------------------
-            grads = packing.scatter_grads(total)
-            new_state = self._gather_state(new_state, model_state, stage)
-            loss = jax.lax.psum(loss_sum, axis) / M
-            top1 = jax.lax.psum(top1_sum, axis) / M
-            return grads, loss, top1, new_state
+            return self._schedule_gradients(head, prepare, policy, choices, split_dims, blocks, model_state,
+                                            batch, rng, loss_scale)
 
         return gradients
+
+    def _schedule_gradients(self, head, prepare, policy, choices, split_dims, blocks, model_state, batch,
+                            rng, loss_scale):
+        """:meth:`gradients`' function: the stages' buffers and branches, the schedule, and
+        every stage's part to the devices that keep it."""
+        S, M, axis = self.stages, self.microbatches, self.axis_name
+        images = batch["image"]
+        self.check_batch(images.shape[0])
+        mb = images.shape[0] // M
+        feed = _MicroBatches.of(batch, M, rng)
+        # ----- this stage's parameters, one all_to_all per dtype ----------------------------
+        packing = _Packing(self, blocks, split_dims)
+        mine_of = packing.gather(blocks)  # mine_of(s): stage s's {block path: params}
+        wire = self._wire(prepare, packing, model_state, (mb,) + images.shape[1:], images.dtype, feed, policy)
+        fwd, bwd = self._branches(head, prepare, policy, choices, feed, wire, mine_of, packing,
+                                  model_state, loss_scale, mb)
+        stage = jax.lax.axis_index(axis)
+        ticks = _Ticks(stage, fwd, bwd, S, M, axis, jnp.zeros((mb, wire.width), wire.dtype),
+                       packing.zero_grads(), jnp.zeros((), jnp.float32))
+        schedule = _gpipe if self.schedule == "gpipe" else _one_f_one_b_scan
+        new_state, total, loss_sum, top1_sum = schedule(ticks, model_state)
+        # ----- every stage's part to the devices that keep it ---------------------------
+        grads = packing.scatter_grads(total)
+        new_state = self._gather_state(new_state, model_state, stage)
+        loss = jax.lax.psum(loss_sum, axis) / M
+        top1 = jax.lax.psum(top1_sum, axis) / M
+        return grads, loss, top1, new_state
+
+    def _wire(self, prepare, packing, model_state, micro_shape, dtype, feed, policy) -> "_Wire":
+        """The stage boundaries' shapes (abstractly, per micro-batch) and the buffers they
+        travel in: the stash, wire and cotangent buffers are ``(micro-batch, width)`` at the
+        widest boundary, in the boundaries' own dtype when they share one (bfloat16 under a
+        bfloat16 compute policy: half of float32's bytes), else one that holds each exactly."""
+        S = self.stages
+        structs = []
+        x = jax.eval_shape(prepare, jax.ShapeDtypeStruct(micro_shape, dtype))
+        abstract = lambda t: jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), t)
+        for s in range(S):
+            structs.append(x)
+            x = jax.eval_shape(lambda p, st, v, s=s: self._run_stage(s, p, st, v, feed.key_of(0), policy=policy,
+                                                                      choices=None)[0],
+                               packing.whole_shapes, abstract(model_state), x)
+        width = max([math.prod(st.shape[1:]) for st in structs[1:]] + [1])
+        wire = jnp.result_type(*[st.dtype for st in structs[1:]]) if S > 1 else jnp.dtype(jnp.float32)
+        return _Wire(structs, width, wire)
+
+    def _branches(self, head, prepare, policy, choices, feed, wire, mine_of, packing, model_state,
+                  loss_scale, mb):
+        """Each stage's forward and backward branch (both schedules).
+
+        Stage s reads its parameters from the buffers the all_to_all gave this device (each
+        branch unpacks them in its own stage's layout), and its gradients leave the branch
+        packed in that layout too: a (stages, length) buffer of the largest stage's split
+        parameters, row k the blocks device k keeps, plus one short vector of every whole leaf
+        (zero where another stage owns it)."""
+        S = self.stages
+        run = lambda s, p, st, x, r: self._run_stage(s, p, st, x, r, policy=policy, choices=choices)
+
+        def with_own(s, tree, parts):
+            for path, v in parts.items():
+                if v:
+                    tree = _set(tree, path, v)
+            return tree
+
+        run_own = lambda s, mine, st, x, r: run(s, with_own(s, {}, mine), st, x, r)
+
+        def fwd_branch(s):
+            def f(stash, k, m, model_state):  # the input from stash slot k (see bwd_branch)
+                x = prepare(feed.image_of(m)) if s == 0 else wire.unpack(stash[k], s)
+                y, new = run_own(s, mine_of(s), model_state, x, feed.key_of(m))
+                model_state = with_own(s, model_state, new)
+                if s == S - 1:
+                    _, (loss, top1) = head(y, feed.label_of(m), loss_scale)
+                    return jnp.zeros((mb, wire.width), wire.dtype), model_state, \
+                        loss.astype(jnp.float32), top1.astype(jnp.float32)
+                return wire.pack(y), model_state, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32)
+            return f
+
+        def bwd_branch(s):
+            # The branch takes the whole stash and reads its slot itself: a slot sliced
+            # outside would be one more micro-batch buffer at the widest boundary, copied
+            # for the conditional.  Stage 0 reads the images and has no input cotangent.
+            def f(stash, k, ct, m):
+                def g(mine, x):
+                    y, _ = run_own(s, mine, model_state, x, feed.key_of(m))
+                    if s == S - 1:
+                        return head(y, feed.label_of(m), loss_scale)[0]
+                    return wire.pack(y)
+
+                seed = (lambda out: jnp.ones_like(out)) if s == S - 1 else (lambda out: ct)
+                if s == 0:
+                    out, vjp = jax.vjp(lambda mine: g(mine, prepare(feed.image_of(m))), mine_of(s))
+                    (d_mine,) = vjp(seed(out))
+                    return packing.pack_grads(s, d_mine), jnp.zeros((mb, wire.width), wire.dtype)
+                out, vjp = jax.vjp(g, mine_of(s), wire.unpack(stash[k], s))
+                d_mine, d_x = vjp(seed(out))
+                return packing.pack_grads(s, d_mine), wire.pack(d_x)
+            return f
+
+        return [fwd_branch(s) for s in range(S)], [bwd_branch(s) for s in range(S)]
 
     def place(self, mesh, split_dims) -> None:
         """Where the parameters live at rest: ``mesh`` (with this pipeline's axis) and, per
@@ -829,6 +734,168 @@ class Pipeline:
                 lambda x, s=s: jnp.where(stage == s, x, jnp.zeros_like(x)), _get(new_state, path))
             new_state = _set(new_state, path, _psum_f32(part, self.axis_name))
         return new_state
+
+
+class _MicroBatches(NamedTuple):
+    """Micro-batch ``m`` of a batch (examples ``m, m + M, ...``) and its key, as
+    ``make_train_step(accumulate=M)`` draws them."""
+
+    images: jax.Array  # (mb, M, ...) views of the batch: read in place, never a transposed copy
+    labels: jax.Array
+    rng: jax.Array | None
+
+    @staticmethod
+    def of(batch, microbatches: int, rng) -> "_MicroBatches":
+        images, labels = batch["image"], batch["label"]
+        mb = images.shape[0] // microbatches
+        return _MicroBatches(*(x.reshape((mb, microbatches) + x.shape[1:]) for x in (images, labels)), rng)
+
+    def image_of(self, m):
+        return jax.lax.dynamic_index_in_dim(self.images, m, 1, keepdims=False)
+
+    def label_of(self, m):
+        return jax.lax.dynamic_index_in_dim(self.labels, m, 1, keepdims=False)
+
+    def key_of(self, m):
+        return None if self.rng is None else jax.random.fold_in(self.rng, m)
+
+
+class _Wire(NamedTuple):
+    """The stage boundaries (``structs[s]``: stage ``s``'s input per micro-batch) and the
+    ``(micro-batch, width)`` buffers of ``dtype`` that carry them."""
+
+    structs: list
+    width: int
+    dtype: jnp.dtype
+
+    def pack(self, y):
+        f = y.astype(self.dtype).reshape(y.shape[0], -1)
+        return jnp.pad(f, ((0, 0), (0, self.width - f.shape[1])))
+
+    def unpack(self, buf, s: int):
+        st = self.structs[s]
+        k = math.prod(st.shape[1:])
+        return buf[:, :k].reshape(st.shape).astype(st.dtype)
+
+
+class _Ticks(NamedTuple):
+    """What both schedules run: this device's stage index, every stage's forward and backward
+    branch, and the zeros they start from."""
+
+    stage: jax.Array
+    fwd: list
+    bwd: list
+    stages: int
+    microbatches: int
+    axis: str
+    zero_buf: jax.Array
+    zero_grads: object
+    zero: jax.Array
+
+    def send(self, x):
+        S = self.stages
+        return jax.lax.ppermute(x, self.axis, [(i, i + 1) for i in range(S - 1)]) if S > 1 else x
+
+    def send_back(self, x):
+        S = self.stages
+        return jax.lax.ppermute(x, self.axis, [(i + 1, i) for i in range(S - 1)]) if S > 1 else x
+
+
+def _gpipe(t: _Ticks, model_state):
+    """Every forward (a scan of M + S - 1 ticks, stage s on micro-batch t - s, its input
+    stashed in slot m), then every backward (the same, in reverse)."""
+    S, M, stage, wire_buf = t.stages, t.microbatches, t.stage, t.zero_buf
+
+    def fwd_tick(carry, tick):
+        recv, st, stash, loss_sum, top1_sum = carry
+        m = tick - stage
+        valid = (m >= 0) & (m < M)
+        mc = jnp.clip(m, 0, M - 1)
+        stash = stash.at[mc].set(jnp.where(valid, recv, stash[mc]))
+        out, new_st, loss, top1 = jax.lax.switch(stage, t.fwd, stash, mc, mc, st)
+        st = jax.tree_util.tree_map(lambda a, b: jnp.where(valid, a, b), new_st, st)
+        loss_sum = loss_sum + jnp.where(valid, loss, 0.0)
+        top1_sum = top1_sum + jnp.where(valid, top1, 0.0)
+        return (t.send(out), st, stash, loss_sum, top1_sum), None
+
+    carry = (wire_buf, model_state, jnp.zeros((M,) + wire_buf.shape, wire_buf.dtype), t.zero, t.zero)
+    (_, new_state, stash, loss_sum, top1_sum), _ = jax.lax.scan(fwd_tick, carry, jnp.arange(M + S - 1))
+
+    def bwd_tick(carry, tick):
+        ct, total = carry
+        m = tick - (S - 1 - stage)
+        valid = (m >= 0) & (m < M)
+        mc = jnp.clip(m, 0, M - 1)
+        grads, d_buf = jax.lax.switch(stage, t.bwd, stash, mc, ct, mc)
+        total = jax.tree_util.tree_map(lambda a, g: a + jnp.where(valid, g, 0), total, grads)
+        return (t.send_back(d_buf), total), None
+
+    (_, total), _ = jax.lax.scan(bwd_tick, (wire_buf, t.zero_grads), jnp.arange(M + S - 1))
+    return new_state, total, loss_sum, top1_sum
+
+
+def _one_f_one_b_branches(t: _Ticks) -> list:
+    """The 2S + 1 branches of a 1F1B tick: idle, each stage's forward, each stage's backward.
+
+    Every branch returns one buffer (the outbox: a forward's activation or a backward's
+    cotangent; one conditional output, not two live through the branch) and zeros made
+    inside it (captured from outside, they would be loop operands live through the scan)."""
+    shape, dtype = t.zero_buf.shape, t.zero_buf.dtype
+
+    def idle(stash, k, ct, m, st, total):
+        z = jnp.zeros((), jnp.float32)
+        return jnp.zeros(shape, dtype), total, st, z, z
+
+    def forward(s):
+        def f(stash, k, ct, m, st, total):
+            out, st, loss, top1 = t.fwd[s](stash, k, m, st)
+            return out, total, st, loss, top1
+        return f
+
+    def backward(s):
+        def f(stash, k, ct, m, st, total):
+            grads, d_buf = t.bwd[s](stash, k, ct, m)
+            z = jnp.zeros((), jnp.float32)
+            return d_buf, jax.tree_util.tree_map(jnp.add, total, grads), st, z, z
+        return f
+
+    return [idle] + [forward(s) for s in range(t.stages)] + [backward(s) for s in range(t.stages)]
+
+
+def _one_f_one_b_scan(t: _Ticks, model_state):
+    """One scan over the 1F1B timetable: each tick a device stores the activation that arrived
+    into its stash slot, runs its forward, backward or nothing (lax.switch over 2S + 1
+    branches), and sends both ways."""
+    S, M = t.stages, t.microbatches
+    table = one_f_one_b(S, M)
+    branch = np.where(table.op == FORWARD, 1 + np.arange(S), 0)
+    branch = np.where(table.op == BACKWARD, 1 + S + np.arange(S), branch)
+    # An activation (from s - 1) and a cotangent (from s + 1) never reach a stage at the
+    # same tick, so one receive buffer (the inbox) carries whichever comes: the
+    # activation where the next tick stores one in the stash, else the cotangent.
+    arrives = table.store >= 0
+    act_next = np.concatenate([arrives[1:], np.zeros((1, S), bool)]).astype(np.int32)
+    rows = jnp.asarray(np.stack([branch, table.micro, table.slot, table.store, act_next], -1))
+    slots = max(table.slots, 1)
+    branches = _one_f_one_b_branches(t)
+
+    def tick(carry, row):
+        inbox, stash, st, total, loss_sum, top1_sum = carry
+        b, m, k, store, act_next = [row[t.stage, i] for i in range(5)]
+        kc = jnp.maximum(store, 0)
+        stash = stash.at[kc].set(jnp.where(store >= 0, inbox, stash[kc]))
+        outbox, total, st, loss, top1 = jax.lax.switch(b, branches, stash, k, inbox, m, st, total)
+        # the same sums in the same order as gpipe's (zeros where a tick adds nothing)
+        loss_sum = loss_sum + loss
+        top1_sum = top1_sum + top1
+        # the outbox goes both ways; the receiver keeps the one the table says comes
+        inbox = jnp.where(act_next > 0, t.send(outbox), t.send_back(outbox))
+        return (inbox, stash, st, total, loss_sum, top1_sum), None
+
+    carry = (t.zero_buf, jnp.zeros((slots,) + t.zero_buf.shape, t.zero_buf.dtype), model_state,
+             t.zero_grads, t.zero, t.zero)
+    (_, _, new_state, total, loss_sum, top1_sum), _ = jax.lax.scan(tick, carry, rows)
+    return new_state, total, loss_sum, top1_sum
 
 
 class _Packing:
