@@ -559,6 +559,14 @@ def verdict(op: str, arrays, static: dict) -> tuple[bool, bool] | None:
     return bool(entry.get("fwd_faster", False)), bool(entry.get("grad_faster", False))
 
 
+def any_win(op: str) -> bool:
+    """Whether this device kind's cache holds a forward + backward win of any call of ``op``:
+    a cheap check before looking calls up one by one (a pure lookup, safe inside any trace)."""
+    prefix = op + "|"
+    return any(k.startswith(prefix) and entry.get("grad_faster", False)
+               for k, entry in _entries().get("ops", {}).items())
+
+
 def supported(op: str, arrays, static: dict) -> bool:
     """Whether a kernel exists for this call (e.g. not for grouped, non-depthwise convs)."""
     import pallas_kernels

@@ -121,6 +121,7 @@ def serial(*layers) -> Layer:
     children = _named(layers, "serial")
     _check_unique(children, "serial")
     n = len(children)
+    chains = fusion.has_chain(children)
 
     def init(key, input_shape):
         params, state, shape = {}, {}, tuple(int(d) for d in input_shape)
@@ -129,7 +130,7 @@ def serial(*layers) -> Layer:
         return params, state, shape
 
     def apply(params, state, x, *, train=False, rng=None, policy=None, choices=None):
-        if fusion.active(choices, train):  # Conv -> BatchNorm [-> ReLU] chains, when chosen
+        if chains and fusion.active(choices, train):  # Conv -> BatchNorm [-> ReLU] chains
             new_state = {}
             x = fusion.apply_chain(children, split_rng(rng, n), params, state, x, train=train,
                                    policy=policy, choices=choices, new_state=new_state,
@@ -163,6 +164,7 @@ def residual(*layers, shortcut: Layer | None = None, shortcut_name: str = "short
         two branches' output shapes differ.
     """
     main = _named(layers, "residual")
+    chains = fusion.has_chain(main)
     if not main:
         raise ValueError("residual: needs at least one main-branch layer")
     extra = []
@@ -194,7 +196,7 @@ def residual(*layers, shortcut: Layer | None = None, shortcut_name: str = "short
     def apply(params, state, x, *, train=False, rng=None, policy=None, choices=None):
         new_state, rngs = {}, split_rng(rng, n)
         y = x
-        if fusion.active(choices, train):  # Conv -> BatchNorm [-> ReLU] chains, when chosen
+        if chains and fusion.active(choices, train):  # Conv -> BatchNorm [-> ReLU] chains
             y = fusion.apply_chain(main, rngs[:len(main)], params, state, x, train=train,
                                    policy=policy, choices=choices, new_state=new_state,
                                    apply_child=_apply_child)

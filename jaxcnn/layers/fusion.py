@@ -45,12 +45,27 @@ class _Pending(NamedTuple):
     relu: bool
 
 
+def has_chain(children) -> bool:
+    """Whether ``children`` (``(name, Layer)`` pairs) hold a ``Conv -> BatchNorm`` chain, the
+    only place a fusion can start: combinators check it once, when they are built."""
+    return any(a.kind == "conv2d" and b.kind == "batch_norm"
+               for (_, a), (_, b) in zip(children, children[1:]))
+
+
 def active(choices, train: bool) -> bool:
-    """Whether a combinator should walk its children through :func:`apply_chain`."""
+    """Whether a combinator with a chain (:func:`has_chain`) should walk its children through
+    :func:`apply_chain`: in training, with ``conv_bn="mosaic"``, or with ``"auto"`` on a GPU
+    whose autotune cache holds a measured win of a fused call (none: the walk is skipped)."""
     fusion = choices_or_default(choices).conv_bn
     if not train or fusion == "off":
         return False
-    return fusion == "mosaic" or _dispatch._platform() == "gpu"
+    if fusion == "mosaic":
+        return True
+    if _dispatch._platform() != "gpu":
+        return False
+    from jaxcnn.functional.conv_bn import TUNED_OP
+    from pallas_kernels import autotune
+    return autotune.any_win(TUNED_OP)
 
 
 def apply_chain(children, rngs, params, state, x, *, train, policy, choices, new_state,

@@ -130,7 +130,8 @@ def test_a_resnet_bottleneck_runs_its_chains_fused():
 def test_auto_fuses_only_where_a_measured_win_is_cached(monkeypatch):
     """``conv_bn="auto"``: never off a GPU (the chain walk is not even entered), and on a
     Hopper GPU only for a call whose cached verdict says the fused op wins forward and
-    backward; "off" never fuses, "mosaic" wherever the kernels run the call."""
+    backward (the walk only where some call won, over a Conv -> BatchNorm pair); "off" never
+    fuses, "mosaic" wherever the kernels run the call."""
     from pallas_kernels import autotune
     x = jax.ShapeDtypeStruct((8, 14, 14, 64), jnp.bfloat16)
     w = jax.ShapeDtypeStruct((3, 3, 64, 64), jnp.bfloat16)
@@ -152,7 +153,16 @@ def test_auto_fuses_only_where_a_measured_win_is_cached(monkeypatch):
         assert fcb.use_fusion("auto", x, w, **kw) is (want and REASON is None)
     assert seen[-1] == ("conv_bn", dict(stride=(1, 1), padding=((1, 1), (1, 1)),
                                         dilation=(1, 1), prologue=True, stats=True))
+    # The chain walk itself: only where this device kind's cache holds a win of a fused call
+    # (the shipped table holds none for the H100), and only over a Conv -> BatchNorm pair.
+    assert not fusion.active(L.Choices(), train=True)
+    monkeypatch.setattr(autotune, "_entries", lambda: {"kernels": {}, "ops": {
+        "conv_bn|bfloat16[8, 14, 14, 64]|stats=True": {"fwd_faster": True, "grad_faster": True}}})
     assert fusion.active(L.Choices(), train=True)
+    pairs = lambda *kinds: [(str(i), L.Conv2D(4, 3) if k == "c" else L.BatchNorm() if k == "b" else L.Relu())
+                            for i, k in enumerate(kinds)]
+    assert fusion.has_chain(pairs("c", "b", "r")) and fusion.has_chain(pairs("r", "c", "b"))
+    assert not fusion.has_chain(pairs("c", "r", "b")) and not fusion.has_chain(pairs("b", "c"))
     assert not fcb.use_fusion("off", x, w, **kw)
     assert fcb.use_fusion("mosaic", x, w, **kw) is (REASON is None)
     assert not fcb.use_fusion("mosaic", jax.ShapeDtypeStruct((8, 14, 14, 64), F32),
