@@ -25,6 +25,7 @@ lives where and what a device holds: ``docs/design/pipeline.md``; ``engine="mpmd
 """
 from __future__ import annotations
 
+import copy
 import math
 from typing import Callable, NamedTuple
 
@@ -462,6 +463,9 @@ class Pipeline:
         engine: ``"spmd"`` (default: the schedule as one program every device runs, this
             module) or ``"mpmd"`` (one program per stage, :mod:`jaxcnn.parallel.mpmd`: the
             same numbers, each device holding its own stage's buffers only; one process).
+        mesh, split_dims: where the parameters live at rest (see :meth:`placed`; a
+            :class:`~jaxcnn.parallel.ParallelPlan`'s pipeline has them), or None: a pipeline
+            that splits and balances but cannot run a train step yet.
 
     Raises:
         SettingError: naming the argument (``model``, ``stages``, ``split``, ``microbatches``,
@@ -472,7 +476,7 @@ class Pipeline:
 
     def __init__(self, model: Layer, input_shape, stages: int, microbatches: int, *,
                  balance: str = "macs", split=None, schedule: str = "gpipe", remat: bool = False,
-                 axis_name: str = PIPE, engine: str = "spmd"):
+                 axis_name: str = PIPE, engine: str = "spmd", mesh=None, split_dims=None):
         if engine not in ENGINES:
             raise SettingError("engine", f"expected one of {ENGINES}, got {engine!r}")
         self.engine = engine
@@ -486,7 +490,7 @@ class Pipeline:
             raise SettingError("remat", f"expected true or false, got {remat!r}")
         self.remat = remat
         self.model, self.stages, self.microbatches, self.axis_name = model, stages, microbatches, axis_name
-        self.mesh = self.split_dims = None  # where the parameters live at rest: see place()
+        self.mesh, self.split_dims = mesh, split_dims  # where the parameters live at rest
         self.blocks = pipeline_blocks(model)
         if stages > len(self.blocks):
             raise SettingError("stages", f"{stages} stages but the model has only {len(self.blocks)} "
@@ -719,12 +723,15 @@ class Pipeline:
 
         return [fwd_branch(s) for s in range(S)], [bwd_branch(s) for s in range(S)]
 
-    def place(self, mesh, split_dims) -> None:
-        """Where the parameters live at rest: ``mesh`` (with this pipeline's axis) and, per
-        leaf, the dimension split over ``pipe`` or None (a tree shaped like the params).
-        :class:`~jaxcnn.parallel.ParallelPlan` calls it; the train step then gets its
+    def placed(self, mesh, split_dims) -> "Pipeline":
+        """The same pipeline with where its parameters live at rest: ``mesh`` (with this
+        pipeline's axis) and, per leaf, the dimension split over ``pipe`` or None (a tree
+        shaped like the params). A new object: this one is left as it is.
+        :class:`~jaxcnn.parallel.ParallelPlan` holds the placed one; the train step then gets its
         gradients already split that way (:meth:`gradients`' ``split_dims``)."""
-        self.mesh, self.split_dims = mesh, split_dims
+        out = copy.copy(self)
+        out.mesh, out.split_dims = mesh, split_dims
+        return out
 
     def _gather_state(self, new_state, old_state, stage):
         """Each leaf of the model state from the stage that owns its block."""

@@ -165,7 +165,7 @@ class ParallelPlan:
                                   fsdp=self.fsdp or piped or spread,
                                   fsdp_axis=PIPE if piped else SPATIAL if spread else DATA)
         if piped:
-            self.pipeline.place(self.mesh, jax.tree_util.tree_map(_pipe_dim, params))
+            self.pipeline = self.pipeline.placed(self.mesh, jax.tree_util.tree_map(_pipe_dim, params))
         state = R.tree_shardings(self.state_axes, abstract_state.state, self.mesh, self.rules,
                                  fsdp=self.fsdp)
         opt = R.follow_params(abstract_state.opt_state, abstract_state.params, params, self.mesh)
