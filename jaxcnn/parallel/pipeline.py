@@ -608,8 +608,8 @@ class Pipeline:
             prepare: the first stage's input from a micro-batch's images (normalisation).
             policy, choices: passed to every block's ``apply``.
             split_dims: a tree shaped like the params of ints or None: the dimension of each
-                leaf that is split over ``pipe`` at rest (:attr:`split_dims` once
-                :meth:`place` has run); None for every leaf whole.
+                leaf that is split over ``pipe`` at rest (:attr:`split_dims` of a placed
+                pipeline, :meth:`placed`); None for every leaf whole.
 
         Returns the gradients of the scaled loss averaged over micro-batches (in the
         parameters' dtypes; a leaf with a split dimension as this device's block of it

@@ -144,6 +144,8 @@ def _image_size_fits_source(size, cfg):
 
 def _crop_fits(resize, cfg):
     size = cfg["data"]["image_size"]
+    if cfg["data"]["source"] not in _IMAGE_FILES:  # the key is not used there
+        return None
     if resize is not None and size is not None and resize < max(size[:2]):
         return (f"{resize} is smaller than the crop data.image_size={list(size[:2])}: the centre "
                 "crop would not fit")
@@ -1279,10 +1281,20 @@ def _flatten(tree: Mapping, prefix: str = "") -> dict:
 
 
 def _trains(key: str) -> bool:
-    """Whether dotted ``key`` changes what training computes (a key the schema does not know,
-    say one a future version saved, counts)."""
+    """Whether dotted ``key`` changes what training computes. A key the schema does not know
+    (one another version saved) counts, unless it lies in a section none of whose keys does
+    (``logging.``, ``mesh.``...)."""
     spec = schema_field(key)
-    return spec is None or spec.trains
+    if spec is not None:
+        return spec.trains
+    node, parts = SCHEMA, key.split(".")[:-1]
+    for part in parts:
+        if not isinstance(node, dict) or part not in node:
+            break
+        node = node[part]
+        if isinstance(node, dict) and not any(f.trains for _, f in fields(node)):
+            return False
+    return True
 
 
 def training_config(config_dict: Mapping) -> dict:

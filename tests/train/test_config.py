@@ -572,6 +572,29 @@ def test_a_key_is_its_field_and_validation_resume_detection_and_print_config_fol
     assert C.set_but_unused(sgd) == [] and "  widgets: 4\n" in C.dump_config(sgd)
 
 
+def test_keys_an_older_or_newer_version_saved_count_by_their_section():
+    """A key the schema does not know changes training unless its section holds only keys that
+    do not (a removed logging or mesh setting in a saved config is no change on resume)."""
+    from jaxcnn.train.config import config_changes
+    old = {"optim": {"lr": 0.1}, "logging": {"colour": True}, "mesh": {"rows": 2},
+           "parallel": {"spatial": {"ring": 1}}}
+    assert config_changes(old, {"optim": {"lr": 0.1}}) == []
+    assert config_changes({"optim": {"lr": 0.1, "gone": 1}}, {"optim": {"lr": 0.1}}) == [
+        "optim.gone: 1 -> '(unset)'"]
+    assert config_changes({"parallel": {"gone": 1}}, {}) == ["parallel.gone: 1 -> '(unset)'"]
+
+
+def test_a_rule_of_a_key_the_source_does_not_use_does_not_apply():
+    """data.eval_resize is read by image folders and records only: a synthetic run that sets it
+    is told it is not applied, never refused for it."""
+    from jaxcnn.train.config import set_but_unused
+    args = ["data.source=synthetic", "data.image_size=[64, 64, 3]", "data.eval_resize=32"]
+    cfg = config_from_dict(MINIMAL, args)
+    assert set_but_unused(cfg) == ["data.eval_resize=32 (not used by data.source=synthetic)"]
+    folder = ["data.source=folder", "data.path=x", "data.image_size=[64, 64]", "data.eval_resize=32"]
+    assert error_of(config_from_dict, MINIMAL, folder).path == "data.eval_resize"
+
+
 TINY = ["model.name=mnist_cnn", "data.source=synthetic", "data.image_size=[12, 12, 1]", "data.num_train=16",
         "data.num_eval=8", "data.batch_size=8", "data.prefetch=0", "train.epochs=null", "train.steps=1",
         "train.eval_every=null"]
