@@ -64,18 +64,6 @@ def _configure_cpu() -> None:
     cpu.configure()
 
 
-def default_workdir(config_path: str) -> str:
-    """``runs/<config file stem>`` under the current directory; for a run directory's own
-    ``config.resolved.yaml``, that run directory (it trained a new run in
-    ``runs/config.resolved`` instead of resuming the run)."""
-    from jaxcnn.train.rundir import RunDir
-    folder = os.path.dirname(config_path) or "."
-    if os.path.basename(config_path) == RunDir.CONFIG and os.path.isfile(RunDir(folder).meta):
-        return folder
-    stem = os.path.splitext(os.path.basename(config_path))[0]
-    return os.path.join("runs", stem)
-
-
 def _run_directory_as_config(path: str) -> str | None:
     """The error for a run directory given where a config file goes, or None."""
     from jaxcnn.train.rundir import RunDir
@@ -158,7 +146,7 @@ def train_main(argv=None) -> int:
         from jaxcnn.parallel.distributed import report_errors_as
         from jaxcnn.train._orbax_noise import quiet_abandoned_orbax_coroutines
         from jaxcnn.train.loop import TrainingStopped, train
-        from jaxcnn.train.rundir import RunDir, check_workdir
+        from jaxcnn.train.rundir import RunDir, check_workdir, default_workdir
         report_errors_as("jaxcnn-train")  # a lost peer ends the process with our line, on any thread
         workdir = args.workdir or cfg.logging.workdir or default_workdir(args.config)
         run_dir = RunDir(workdir)

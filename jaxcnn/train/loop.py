@@ -544,6 +544,45 @@ class Training:
             self.metrics.close()
 
 
+def run(config, *, overrides=(), workdir=None, stream=None) -> dict:
+    """Train as ``config`` says, from Python: what ``jaxcnn-train`` runs.
+
+    Arguments:
+        config: a YAML file's path, a mapping of the config's sections (``{"model": {"name":
+            "lenet5"}, "train": {"steps": 100}}``, validated as a file is), or a loaded
+            :class:`~jaxcnn.train.config.Config`.
+        overrides: dotted ``key=value`` strings over it, as on the command line.
+        workdir: the run directory; default ``logging.workdir``, else for a file
+            ``runs/<its name>``. A run resumes from the checkpoints it finds there.
+        stream: where progress is printed (default ``sys.stdout``).
+
+    Returns:
+        As :func:`train`: the final evaluation metrics and ``step``.
+
+    Raises:
+        ConfigError naming the key (a mapping with neither ``workdir`` nor
+        ``logging.workdir`` names ``logging.workdir``), and what :func:`train` raises.
+        Unlike the command line, it sets nothing process-wide first (XLA flags, malloc:
+        :func:`jaxcnn.cpu.configure` is the caller's to call).
+    """
+    from jaxcnn.errors import ConfigError
+    from jaxcnn.train.config import Config, config_from_dict, load_config, with_overrides
+    from jaxcnn.train.rundir import check_workdir, default_workdir
+    path = os.fspath(config) if isinstance(config, (str, os.PathLike)) else None
+    if path is not None:
+        cfg = load_config(path, overrides)
+    elif isinstance(config, Config):
+        cfg = with_overrides(config, overrides)
+    else:
+        cfg = config_from_dict(config, overrides, source="run(config)")
+    workdir = workdir or cfg.logging.workdir or (default_workdir(path) if path else None)
+    if workdir is None:
+        raise ConfigError("logging.workdir: a config given as a mapping needs a run directory: "
+                          "set logging.workdir, or pass workdir=", path="logging.workdir")
+    check_workdir(os.fspath(workdir), "workdir" if cfg.logging.workdir is None else "logging.workdir")
+    return train(cfg, os.fspath(workdir), config_path=path, stream=stream)
+
+
 def train(cfg, workdir: str, *, argv=None, config_path=None, stream=None) -> dict:
     """Run training as ``cfg`` says, writing everything under ``workdir``.
 

@@ -265,6 +265,17 @@ def run_metadata(argv, config_path) -> dict:
         "git_commit": commit,
     }
 
+def default_workdir(config_path: str) -> str:
+    """``runs/<config file stem>`` under the current directory; for a run directory's own
+    ``config.resolved.yaml``, that run directory (it trained a new run in
+    ``runs/config.resolved`` instead of resuming the run)."""
+    folder = os.path.dirname(config_path) or "."
+    if os.path.basename(config_path) == RunDir.CONFIG and os.path.isfile(RunDir(folder).meta):
+        return folder
+    stem = os.path.splitext(os.path.basename(config_path))[0]
+    return os.path.join("runs", stem)
+
+
 def check_workdir(workdir: str, what: str = "workdir") -> None:
     """Check, before any compute, that the run can write to ``workdir``; nothing is left behind
     (a missing ``workdir`` is created by the run itself once its config has passed every check).

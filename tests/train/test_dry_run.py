@@ -248,3 +248,21 @@ def test_init_from_must_be_a_regular_file(tiny, tmp_path, kind):
     line = one_line(*cli([tiny, f"model.init_from={path}", "--dry-run"])[::2])
     assert line.startswith(f"jaxcnn-train: error: model.init_from: {str(path)!r} is ")
     assert "not a regular file" in line
+
+
+def test_python_runs_the_trainer_from_a_mapping_a_file_or_a_config(tiny, tmp_path):
+    """``jaxcnn.train.run``: the run ``jaxcnn-train`` makes, from Python, given a mapping (with a
+    run directory), a YAML file or a loaded config; run again on its directory, it resumes."""
+    import io
+
+    import jaxcnn.train as T
+    from jaxcnn.errors import ConfigError
+    with pytest.raises(ConfigError, match="^logging.workdir: a config given as a mapping needs"):
+        T.run(TINY)
+    a = T.run(TINY, workdir=tmp_path / "a", stream=io.StringIO())
+    assert a["step"] == 2 and os.path.isfile(tmp_path / "a" / "config.resolved.yaml")
+    b = T.run(tiny, overrides=[f"logging.workdir={tmp_path / 'b'}"], stream=io.StringIO())
+    assert b["step"] == 2 and b["loss"] == a["loss"]  # the same config trains the same
+    out = io.StringIO()
+    again = T.run(T.load_config(tiny), workdir=tmp_path / "a", stream=out)
+    assert again["step"] == 2 and "resum" in out.getvalue().lower(), out.getvalue()
