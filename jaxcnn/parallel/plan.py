@@ -113,18 +113,18 @@ class ParallelPlan:
             else None
         self.spatial, self.step_model = None, model
         if axis_size(mesh, SPATIAL) > 1:
+            # spatial_layout's arguments are this plan's spatial_<name>; its shards the spatial axis
             with _named(shards=f"mesh.{SPATIAL}", until="spatial_until", halo="spatial_halo"):
                 SP.check_halo(spatial_halo)
-            if mesh.shape[MODEL] > 1 and spatial_halo == "partitioner":
-                raise SettingError("mesh.model", f"{mesh.shape[MODEL]} with mesh.spatial="
-                                   f"{axis_size(mesh, SPATIAL)}: spatial partitioning composes with the "
-                                   f"data axis only (XLA's partitioner gave wrong gradients for "
-                                   f"spatial x model meshes); use mesh.model=1 or spatial_halo=explicit",
-                                   mentions=("spatial_halo",))
-            if strategy != "jit":
-                raise SettingError("strategy", f"mesh.spatial={axis_size(mesh, SPATIAL)} needs strategy "
-                                   f"jit (one global program that XLA partitions), got {strategy!r}")
-            with _named(shards=f"mesh.{SPATIAL}", until="spatial_until", halo="spatial_halo"):
+                if mesh.shape[MODEL] > 1 and spatial_halo == "partitioner":
+                    raise SettingError("mesh.model", f"{mesh.shape[MODEL]} with mesh.spatial="
+                                       f"{axis_size(mesh, SPATIAL)}: spatial partitioning composes with the "
+                                       f"data axis only (XLA's partitioner gave wrong gradients for "
+                                       f"spatial x model meshes); use mesh.model=1 or spatial_halo=explicit",
+                                       mentions=("spatial_halo",))
+                if strategy != "jit":
+                    raise SettingError("strategy", f"mesh.spatial={axis_size(mesh, SPATIAL)} needs strategy "
+                                       f"jit (one global program that XLA partitions), got {strategy!r}")
                 self.spatial = SP.spatial_layout(model, input_shape, axis_size(mesh, SPATIAL),
                                                  until=spatial_until, halo=spatial_halo)
         self.mesh, self.strategy, self.fsdp, self.sync_batch_norm = mesh, strategy, fsdp, sync_batch_norm

@@ -27,17 +27,18 @@ import numpy as np
 
 from jaxcnn import interop, parallel
 from jaxcnn.data import Prefetcher, eval_batches
-from jaxcnn.errors import TrainingStopped, WorkdirError
+from jaxcnn.errors import ConfigError, TrainingStopped, WorkdirError
 from jaxcnn.train import prune
 from jaxcnn.train.checkpoint import CheckpointManager
 from jaxcnn.train.resume import (check_fresh_start, check_resume_config, check_resume_data, record_run_config,
                                  restore_for_resume)
-from jaxcnn.train.config import resolve_duration, set_but_unused, to_dict
+from jaxcnn.train.config import (Config, config_from_dict, load_config, resolve_duration, set_but_unused,
+                                 to_dict, with_overrides)
 from jaxcnn.train.ema import eval_params
 from jaxcnn.train.image_input import TrainInput, eval_image_batches
 from jaxcnn.train.metrics import (MetricsWriter, Progress, describe_devices, describe_precision,
                                   read_metrics)
-from jaxcnn.train.rundir import RunDir
+from jaxcnn.train.rundir import RunDir, check_workdir, default_workdir
 from jaxcnn.train.setup import (Prepared, Run, batch_fn, eval_batch_size, init_state, initial_params,
                                 eval_set_size, matmul_precision, parallel_config_errors, prepare,
                                 process_share)
@@ -565,9 +566,6 @@ def run(config, *, overrides=(), workdir=None, stream=None) -> dict:
         Unlike the command line, it sets nothing process-wide first (XLA flags, malloc:
         :func:`jaxcnn.cpu.configure` is the caller's to call).
     """
-    from jaxcnn.errors import ConfigError
-    from jaxcnn.train.config import Config, config_from_dict, load_config, with_overrides
-    from jaxcnn.train.rundir import check_workdir, default_workdir
     path = os.fspath(config) if isinstance(config, (str, os.PathLike)) else None
     if path is not None:
         cfg = load_config(path, overrides)
@@ -575,11 +573,12 @@ def run(config, *, overrides=(), workdir=None, stream=None) -> dict:
         cfg = with_overrides(config, overrides)
     else:
         cfg = config_from_dict(config, overrides, source="run(config)")
+    what = "workdir" if workdir is not None or cfg.logging.workdir is None else "logging.workdir"
     workdir = workdir or cfg.logging.workdir or (default_workdir(path) if path else None)
     if workdir is None:
         raise ConfigError("logging.workdir: a config given as a mapping needs a run directory: "
                           "set logging.workdir, or pass workdir=", path="logging.workdir")
-    check_workdir(os.fspath(workdir), "workdir" if cfg.logging.workdir is None else "logging.workdir")
+    check_workdir(os.fspath(workdir), what)
     return train(cfg, os.fspath(workdir), config_path=path, stream=stream)
 
 
