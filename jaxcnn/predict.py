@@ -12,15 +12,16 @@ StableHLO export with its ``.preprocessing.json`` sidecar (run with ``jax.export
 image gets the run's own preprocessing, read from the run's ``preprocessing.json`` or the
 export's record of it, so nobody has to know the training mean and std:
 
-1. decode with Pillow (EXIF orientation applied), convert to the model's channels (``L``
-   for one channel, ``RGB`` for three; an alpha channel is dropped);
-2. resize to the model's ``H x W`` with bilinear filtering (antialiased when shrinking),
-   unless the preprocessing record holds ``"resize": {"shorter_side": S}``: then the shorter
-   side goes to ``S`` (aspect ratio kept) and the centre ``H x W`` is cropped, as
-   torchvision's ``Resize(S)`` + ``CenterCrop``. Runs on an image folder or record files
-   record their evaluation transform so (``data.eval_resize``); other runs' data come at the
-   model's size, so their records leave ``resize`` out; an image already ``H x W`` is not
-   resampled either way;
+1. decode as training decodes (:func:`jaxcnn.data.folder.decode_image`: Pillow, EXIF
+   orientation applied, 16/32-bit grey scaled to 8 bits, alpha dropped), then convert to the
+   model's channels (``L`` for one channel, ``RGB`` for three);
+2. if the preprocessing record holds ``"resize": {"shorter_side": S}``, evaluation's own
+   transform (:func:`jaxcnn.data.transforms.eval_transform`): the shorter side goes to ``S``
+   (aspect ratio kept, torchvision's rounding) and the centre ``H x W`` is cropped, as
+   torchvision's ``Resize(S)`` + ``CenterCrop``, for every image. Runs on an image folder or
+   record files record their evaluation transform so (``data.eval_resize``). Other runs'
+   data come at the model's size, so their records leave ``resize`` out, and an image of
+   another size is resized to ``H x W`` (bilinear, antialiased when shrinking);
 3. ``uint8`` pixels, normalised as the trainer did (``(x / 255 - mean) / std``; float
    datasets: ``x / 255`` first, as on their unit scale). Exports that build the
    normalisation in take the raw pixels, as the exporter recorded.
@@ -37,7 +38,6 @@ import json
 import os
 import stat
 import sys
-import warnings
 from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import numpy as np
@@ -160,18 +160,28 @@ def softmax(logits) -> np.ndarray:
 
 
 def decode_image(image, name: str = "image"):
-    """A Pillow image, fully decoded, from a file path, a Pillow image or a ``(H, W)`` /
-    ``(H, W, C)`` ``uint8`` array; a missing, unreadable or corrupt file is a
-    :class:`PredictError` naming it."""
-    from PIL import Image, ImageOps
-    if isinstance(image, Image.Image):
-        return image
+    """An upright 8-bit RGB Pillow image, fully decoded, from a file path, a Pillow image or a
+    ``(H, W)`` / ``(H, W, C)`` ``uint8`` array; a missing, unreadable or corrupt file is a
+    :class:`PredictError` naming it.
+
+    A file is read and decoded as training reads its images
+    (:func:`jaxcnn.data.folder.decode_image`: EXIF orientation, 16/32-bit grey scaled to 8 bits,
+    palette, alpha and CMYK alike); a Pillow image or an array gets the same orientation and
+    conversion."""
+    from PIL import Image
+
+    from jaxcnn.data import folder
+    from jaxcnn.errors import BadImageError
     if isinstance(image, np.ndarray):
         if image.dtype != np.uint8 or image.ndim not in (2, 3) or (
                 image.ndim == 3 and image.shape[-1] not in (1, 3, 4)):
             raise PredictError(f"{name}: an image array must be uint8 (H, W) or (H, W, C) with "
                                f"C in 1, 3, 4, got {image.dtype} {image.shape}")
-        return Image.fromarray(image[..., 0] if image.ndim == 3 and image.shape[-1] == 1 else image)
+        image = Image.fromarray(image[..., 0] if image.ndim == 3 and image.shape[-1] == 1 else image)
+    if isinstance(image, Image.Image):
+        if 0 in image.size:
+            raise PredictError(f"{name}: an empty ({image.width}x{image.height}) image")
+        return folder.as_upright_rgb(image)
     path = os.fspath(image)
     if os.path.isdir(path):
         raise PredictError(f"{path}: is a directory, not an image")
@@ -181,44 +191,32 @@ def decode_image(image, name: str = "image"):
     if not stat.S_ISREG(mode):  # before opening: a FIFO blocked Pillow's open for good
         raise PredictError(f"{path}: is {file_kind(mode)}, not an image file")
     try:
-        with warnings.catch_warnings():   # a decompression bomb is refused, not warned about
-            warnings.simplefilter("error", Image.DecompressionBombWarning)
-            with Image.open(path) as opened:
-                opened.load()
-                img = ImageOps.exif_transpose(opened)
-                img.load()
-    except (OSError, ValueError, SyntaxError, EOFError, Image.DecompressionBombWarning,
-            Image.DecompressionBombError) as e:
-        kind = "not an image Pillow can read" if isinstance(e, Image.UnidentifiedImageError) \
-            else "a corrupt or unreadable image"
-        detail = " ".join(str(e).split())[:160]
-        raise PredictError(f"{path}: {kind} ({type(e).__name__}: {detail})") from None
-    return img
+        return folder.decode_image(folder.read_file(path), path)
+    except BadImageError as e:
+        raise PredictError(str(e)) from None
 
 
 def to_pixels(img, image_shape: tuple, resize: Resize = Resize()) -> np.ndarray:
-    """``(H, W, C)`` ``uint8`` pixels of a Pillow image: channels converted, resized (and
-    centre-cropped) as :class:`Resize` says."""
+    """``(H, W, C)`` ``uint8`` pixels of a Pillow image: channels converted, then resized as
+    :class:`Resize` says. With a shorter side it is evaluation's own transform
+    (:func:`jaxcnn.data.transforms.eval_transform`: torchvision's ``Resize(S)`` +
+    ``CenterCrop``), for every image, one already ``H x W`` included."""
     from PIL import Image
+
+    from jaxcnn.data.transforms import eval_transform
     h, w, c = (int(d) for d in image_shape)
     if c not in (1, 3):
         raise PredictError(f"the model takes {c}-channel images; image files give 1 (L) or 3 (RGB)")
     img = img.convert("L" if c == 1 else "RGB")
-    if resize.shorter_side is not None and img.size != (w, h):
-        s = resize.shorter_side
-        iw, ih = img.size
-        size = (s, max(1, round(ih * s / iw))) if iw <= ih else (max(1, round(iw * s / ih)), s)
-        if size != img.size:
-            img = img.resize(size, Image.BILINEAR)
-        iw, ih = img.size
-        if iw < w or ih < h:
-            raise PredictError(f"resize.shorter_side {s} gives {iw}x{ih} images, smaller than the "
-                               f"model's {w}x{h}")
-        left, top = int(round((iw - w) / 2.0)), int(round((ih - h) / 2.0))
-        img = img.crop((left, top, left + w, top + h))
-    elif img.size != (w, h):
-        img = img.resize((w, h), Image.BILINEAR)
-    pixels = np.asarray(img, np.uint8)
+    side = resize.shorter_side
+    if side is not None:
+        if side < max(h, w):
+            raise PredictError(f"resize.shorter_side {side} is smaller than the model's {w}x{h} "
+                               "images: the centre crop would not fit")
+        pixels = eval_transform(img, (h, w), side)
+    else:
+        pixels = np.asarray(img if img.size == (w, h) else img.resize((w, h), Image.BILINEAR),
+                            np.uint8)
     return pixels.reshape(h, w, c)
 
 

@@ -169,10 +169,10 @@ def test_bad_input_is_one_line(run_dir, digits, tmp_path, capsys):
     text = tmp_path / "notes.png"
     text.write_text("not an image at all")
     line = _one_line(capsys, main([run_dir, str(text)]))
-    assert f"{text}: not an image Pillow can read" in line
+    assert f"{text}: not an image (Pillow cannot identify it)" in line
     corrupt = tmp_path / "corrupt.png"
     corrupt.write_bytes(open(paths[0], "rb").read()[:60])   # the header, then nothing
-    assert f"{corrupt}: a corrupt or unreadable image" in _one_line(capsys, main([run_dir, str(corrupt)]))
+    assert f"{corrupt}: corrupt or truncated image" in _one_line(capsys, main([run_dir, str(corrupt)]))
     (tmp_path / "empty").mkdir()
     (tmp_path / "empty" / "Thumbs.db").write_text("x")
     line = _one_line(capsys, main([run_dir, str(tmp_path / "empty")]))

@@ -8,9 +8,11 @@ one (unreadable, not an image, corrupt or truncated) raises :class:`BadImageErro
 file, which the loader counts and skips or stops on (``data.on_bad_image``).
 
 Decoding is Pillow's, fully (``Image.load()``, so a truncated JPEG fails here rather than
-decoding into grey rows), and every mode Pillow reads (grey, grey+alpha, palette, CMYK,
+decoding into grey rows), turned upright as its EXIF orientation says (a phone's photo is
+seen as its owner sees it), and every mode Pillow reads (grey, grey+alpha, palette, CMYK,
 RGBA, 16-bit) is converted to 8-bit RGB; alpha is dropped, as ``ImageFolder``'s default
-loader does.
+loader does. :func:`decode_image` is the one decode of training, evaluation, record
+conversion and ``jaxcnn-predict``.
 """
 from __future__ import annotations
 
@@ -208,7 +210,7 @@ def read_file(path: str) -> bytes:
 
 
 def decode_image(data: bytes, name: str):
-    """Decodes encoded image bytes to an 8-bit RGB ``PIL.Image`` (fully loaded).
+    """Decodes encoded image bytes to an upright 8-bit RGB ``PIL.Image`` (fully loaded).
 
     Arguments:
         data: the file's bytes.
@@ -223,12 +225,13 @@ def decode_image(data: bytes, name: str):
             warnings.simplefilter("error", Image.DecompressionBombWarning)
             image = Image.open(io.BytesIO(data))
             width, height = image.size
+            if width * height == 0:
+                raise BadImageError(f"{name}: an empty ({width}x{height}) image")
             if width * height > MAX_PIXELS:
                 raise BadImageError(f"{name}: {width}x{height} pixels is more than the "
                                     f"{MAX_PIXELS}-pixel limit")
             image.load()  # decode everything now: a truncated file fails here
-            if image.mode != "RGB":
-                image = _to_rgb(image)
+            image = as_upright_rgb(image)
     except BadImageError:
         raise
     except Image.UnidentifiedImageError:
@@ -249,6 +252,21 @@ def _pil():
 
         _PIL_IMAGE = Image
     return _PIL_IMAGE
+
+
+# The EXIF tag that says how the camera was held (1: as stored; 2-8: mirrored and/or turned).
+_ORIENTATION = 0x0112
+
+
+def as_upright_rgb(image):
+    """An 8-bit RGB ``PIL.Image`` of a decoded ``image``: turned as its EXIF orientation says
+    (the tag is then removed, so a second call turns nothing) and converted by
+    :func:`_to_rgb`. ``image`` itself when it is upright RGB already."""
+    if image.getexif().get(_ORIENTATION, 1) in range(2, 9):
+        from PIL import ImageOps
+
+        image = ImageOps.exif_transpose(image)
+    return image if image.mode == "RGB" else _to_rgb(image)
 
 
 def _to_rgb(image):
