@@ -62,6 +62,8 @@ def _parser():
                          help="a file that does not decode: leave it out (skip) or stop (fail)")
     convert.add_argument("--workers", type=_count, default=0,
                          help="processes that read and check images (default 0: this one)")
+    convert.add_argument("--outside-links", action="store_true",
+                         help="follow links that lead outside ROOT (default: such a link is an error)")
     convert.add_argument("--no-progress", action="store_true", help="no progress bar")
     shapes = sub.add_parser("shapes", help="write a small image folder of coloured shapes (an example)",
                             description="Write a small image folder of coloured shapes (4 classes) that "
@@ -86,9 +88,9 @@ def _progress_bar(total, desc, enabled):
 
 
 def convert(root, out, *, splits=("train", "val"), on_bad_image="skip", workers=0, progress=True,
-            say=print) -> dict:
+            say=print, outside_links=False) -> dict:
     """Writes ``splits`` of the image folder ``root`` to ``out``; returns the sidecar's ``splits``."""
-    from jaxcnn.data.folder import FolderSource, scan_split
+    from jaxcnn.data.folder import FolderSource, scan_folder
     from jaxcnn.data.records import record_file, write_sidecar, write_split
 
     if workers < 0:
@@ -97,10 +99,9 @@ def convert(root, out, *, splits=("train", "val"), on_bad_image="skip", workers=
     if workers > most:
         raise ValueError(f"--workers {workers} is more than {most} processes (4 per core of this "
                          f"machine's {os.cpu_count()}, at least 16)")
-    indexes, names = {}, None
-    for split in splits:  # every split is scanned before anything is written
-        indexes[split] = scan_split(root, split, names, on_bad_image=on_bad_image)
-        names = indexes[split].class_names
+    # every split is scanned before anything is written
+    indexes = scan_folder(root, splits, on_bad_image=on_bad_image, outside_links=outside_links)
+    names = indexes[splits[0]].class_names
     info = _kept_splits(out, names, set(indexes))
     os.makedirs(out, exist_ok=True)
     for split, index in indexes.items():
@@ -111,7 +112,7 @@ def convert(root, out, *, splits=("train", "val"), on_bad_image="skip", workers=
         finally:
             if bar is not None:
                 bar.close()
-        bad = list(index.skipped) + bad
+        bad = list(index.unlisted) + list(index.skipped) + bad
         for message in bad[:20]:
             say(f"[jaxcnn-data] skipped {message}")
         if len(bad) > 20:
@@ -185,10 +186,11 @@ def main(argv=None) -> int:
             raise ValueError(f"jaxcnn-data convert needs {', '.join(missing)}, not installed: "
                              "pip install -e \".[data]\" (or pip install 'jaxcnn[data]')")
         _check_out_outside_root(args.root, args.out)
-        splits = tuple(s for s in args.splits.split(",") if s)
+        splits = tuple(dict.fromkeys(s for s in args.splits.split(",") if s))
         if not splits:
             raise ValueError("--splits names no split")
         convert(args.root, args.out, splits=splits, on_bad_image=args.on_bad_image, workers=args.workers,
+                outside_links=args.outside_links,
                 progress=not args.no_progress)
     except (DataError, ValueError, OSError) as err:
         if isinstance(err, OSError) and err.filename and err.strerror:  # not "[Errno 13] ...: 'x'"

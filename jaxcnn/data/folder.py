@@ -51,6 +51,8 @@ class FolderIndex(NamedTuple):
         labels: class index of each file.
         class_names: the sorted class folder names.
         skipped: files left out because their names are not images' (``on_bad_image="skip"``).
+        unlisted: ``"<folder>: cannot list (<why>)"`` for each folder left out because it could
+            not be listed (``on_bad_image="skip"``).
     """
 
     root: str
@@ -58,6 +60,7 @@ class FolderIndex(NamedTuple):
     labels: tuple
     class_names: tuple
     skipped: tuple = ()
+    unlisted: tuple = ()
 
     def __len__(self):
         return len(self.paths)
@@ -105,7 +108,8 @@ def _holds_images(folder: str) -> bool:
         return False
 
 
-def scan_split(root, split: str, class_names=None, *, on_bad_image: str = "fail") -> FolderIndex:
+def scan_split(root, split: str, class_names=None, *, on_bad_image: str = "fail",
+               outside_links: bool = False, listing: "Listing | None" = None) -> FolderIndex:
     """Lists the images of ``ROOT/<split>``.
 
     Arguments:
@@ -113,8 +117,12 @@ def scan_split(root, split: str, class_names=None, *, on_bad_image: str = "fail"
         split: ``"train"`` or ``"val"`` (any sub-folder name).
         class_names: the classes to expect (the training split's); None takes this split's
             folders. A validation split must have the same class folders as the training split.
-        on_bad_image: ``"fail"``: a file whose name is not an image's is an error; ``"skip"``:
-            it is left out and listed in ``skipped``.
+        on_bad_image: ``"fail"``: a file whose name is not an image's, or a folder that cannot
+            be listed, is an error; ``"skip"``: it is left out and named in ``skipped``.
+        outside_links: follow links (to folders or files) that lead outside ``root``; without
+            it such a link is an error naming it.
+        listing: what earlier splits of the same scan listed (:func:`scan_folder` passes one),
+            so that no file lands in both splits.
 
     Returns:
         A `FolderIndex`.
@@ -124,9 +132,25 @@ def scan_split(root, split: str, class_names=None, *, on_bad_image: str = "fail"
         with no images, a file that is not an image by its extension (with ``on_bad_image="fail"``;
         hidden files such as ``.DS_Store`` and the other names of `OS_METADATA_FILES` and
         `OS_METADATA_DIRS`, e.g. ``Thumbs.db``, ``desktop.ini``, ``__MACOSX/``, are ignored),
-        class folders that differ from ``train``'s.
+        class folders that differ from ``train``'s, a folder that cannot be listed, a link out
+        of ``root``, a file or folder reached in two classes or in both splits.
     """
     path = split_dir(root, split)
+    classes = _class_folders(path, class_names)
+    if on_bad_image not in ("skip", "fail"):
+        raise ValueError(f"on_bad_image must be 'skip' or 'fail', got {on_bad_image!r}")
+    listing = Listing(root, outside_links) if listing is None else listing
+    listing.claim_dir(path, os.path.realpath(path), (split, None), os.path.islink(path))
+    paths, labels, skipped, unlisted = [], [], [], []
+    for label, name in enumerate(classes):
+        files = _class_files(path, name, (split, name), listing, on_bad_image, (skipped, unlisted))
+        paths.extend(sorted(files))
+        labels.extend([label] * len(files))
+    return FolderIndex(path, tuple(paths), tuple(labels), tuple(classes), tuple(skipped), tuple(unlisted))
+
+
+def _class_folders(path: str, class_names) -> list:
+    """The class folder names of the split folder ``path``, checked against ``class_names``."""
     try:
         entries = sorted(os.listdir(path))
     except OSError as err:
@@ -144,47 +168,107 @@ def scan_split(root, split: str, class_names=None, *, on_bad_image: str = "fail"
         extra = sorted(set(classes) - set(class_names))
         raise DataError(f"{path}: class folders differ from the training split's "
                         f"(missing {missing[:5]}, extra {extra[:5]})")
-    if on_bad_image not in ("skip", "fail"):
-        raise ValueError(f"on_bad_image must be 'skip' or 'fail', got {on_bad_image!r}")
-    paths, labels, skipped = [], [], []
-    for label, name in enumerate(classes):
-        folder = os.path.join(path, name)
-        files, seen = [], {os.path.realpath(folder)}
-        for dirpath, dirnames, filenames in os.walk(folder, followlinks=True):
-            # Linked folders are followed (as ImageFolder does), each real folder once: a link
-            # back to a parent made the walk endless.
-            keep = []
-            for d in sorted(dirnames):
-                real = os.path.realpath(os.path.join(dirpath, d))
-                if not is_os_metadata(d, folder=True) and real not in seen:
-                    seen.add(real)
-                    keep.append(d)
-            dirnames[:] = keep
-            rel = os.path.relpath(dirpath, path)
-            for fname in sorted(filenames):
-                if is_os_metadata(fname, folder=False):
+    return classes
+
+
+class Listing:
+    """What one scan of an image folder has listed, by real path, and for which split and class:
+    every folder and file once. Links are followed (as ``ImageFolder`` does), but a link that
+    leads back into what the scan listed for another class or split (a loop up to the split
+    folder pulled every class into one, and ``val`` into ``train``) is an error, one into the
+    same class is left out (its files are listed already), and one that leads outside the
+    image folder is an error unless ``outside_links`` (a class folder linked to ``/`` walked
+    the whole file system)."""
+
+    def __init__(self, root, outside_links: bool = False):
+        self.root = os.path.realpath(os.fspath(root))
+        self.outside_links = bool(outside_links)
+        self._owner = {}  # real path -> (split, class or None), (shown path)
+
+    def _where(self, owner) -> str:
+        split, name = owner
+        return f"split {split!r}" if name is None else f"class {name!r} of split {split!r}"
+
+    def _claim(self, shown: str, real: str, owner, kind: str, linked: bool) -> bool:
+        if not self.outside_links and os.path.commonpath([self.root, real]) != self.root:
+            raise DataError(f"{shown}: a link to {real}, outside the image folder {self.root} "
+                            f"(set data.outside_links: true, or jaxcnn-data convert --outside-links, "
+                            f"to follow it)")
+        earlier = self._owner.get(real)
+        if earlier is None:
+            self._owner[real] = (owner, shown, linked)
+            return True
+        if earlier[0] == owner:
+            return False  # a second way into this class's own files: listed once
+        # name the link first, whichever way the scan came to it first
+        first, second = (earlier[1], shown) if earlier[2] and not linked else (shown, earlier[1])
+        raise DataError(f"{first}: the same {kind} as {second} ({real}): its images would be in "
+                        f"{self._where(earlier[0])} and in {self._where(owner)}")
+
+    def claim_dir(self, shown: str, real: str, owner, linked: bool) -> bool:
+        """Whether to walk the folder ``shown`` (real path ``real``, reached through a link or
+        not) for ``owner``."""
+        return self._claim(shown, real, owner, "folder", linked)
+
+    def claim_file(self, shown: str, real: str, owner, linked: bool) -> bool:
+        """Whether to list the file ``shown`` for ``owner``."""
+        return self._claim(shown, real, owner, "file", linked)
+
+
+def _class_files(path, name, owner, listing: Listing, on_bad_image: str, left_out) -> list:
+    """The image files under the class folder ``path/name``, relative to ``path``. Under
+    ``on_bad_image="skip"`` the non-image files and the folders that cannot be listed are
+    appended to ``left_out = (skipped, unlisted)``."""
+    skipped, unlisted = left_out
+    folder = os.path.join(path, name)
+    files, stack = [], [folder]
+    listing.claim_dir(folder, os.path.realpath(folder), owner, os.path.islink(folder))
+    while stack:
+        directory = stack.pop()
+        real_dir = os.path.realpath(directory)
+        try:
+            with os.scandir(directory) as it:
+                entries = sorted(it, key=lambda e: e.name)
+        except OSError as err:
+            problem = f"{directory}: cannot list ({err.strerror or err})"
+            if on_bad_image == "skip" and directory != folder:  # a class's own folder: always
+                unlisted.append(problem)
+                continue
+            raise DataError(problem + "; fix its permissions, or set data.on_bad_image: skip") from None
+        subdirs = []
+        for entry in entries:
+            shown = os.path.join(directory, entry.name)
+            if entry.is_dir():
+                real = os.path.realpath(shown) if entry.is_symlink() else os.path.join(real_dir, entry.name)
+                if not is_os_metadata(entry.name, folder=True) and listing.claim_dir(
+                        shown, real, owner, entry.is_symlink()):
+                    subdirs.append(shown)
+                continue
+            if is_os_metadata(entry.name, folder=False):
+                continue
+            if not is_image_name(entry.name):
+                if on_bad_image == "skip":
+                    skipped.append(shown)
                     continue
-                if not is_image_name(fname):
-                    if on_bad_image == "skip":
-                        skipped.append(os.path.join(dirpath, fname))
-                        continue
-                    raise DataError(f"{os.path.join(dirpath, fname)}: not an image file (extensions "
-                                    f"{', '.join(IMAGE_EXTENSIONS)}); remove it, or set "
-                                    f"data.on_bad_image: skip")
-                files.append(os.path.join(rel, fname))
-        if not files:
-            raise DataError(f"{folder}: empty class folder (no images)")
-        paths.extend(sorted(files))
-        labels.extend([label] * len(files))
-    return FolderIndex(path, tuple(paths), tuple(labels), tuple(classes), tuple(skipped))
+                raise DataError(f"{shown}: not an image file (extensions {', '.join(IMAGE_EXTENSIONS)}); "
+                                f"remove it, or set data.on_bad_image: skip")
+            real = os.path.realpath(shown) if entry.is_symlink() else os.path.join(real_dir, entry.name)
+            if listing.claim_file(shown, real, owner, entry.is_symlink()):
+                files.append(os.path.relpath(shown, path))
+        stack.extend(reversed(subdirs))
+    if not files:
+        raise DataError(f"{folder}: empty class folder (no images)")
+    return files
 
 
-def scan_folder(root, splits=SPLITS, *, on_bad_image: str = "fail") -> dict:
-    """``{split: FolderIndex}`` for ``splits`` of an image folder, the classes taken from the first."""
+def scan_folder(root, splits=SPLITS, *, on_bad_image: str = "fail", outside_links: bool = False) -> dict:
+    """``{split: FolderIndex}`` for ``splits`` of an image folder, the classes taken from the first;
+    no file or folder is listed in two classes or in two splits (see :class:`Listing`)."""
     out = {}
     names = None
+    listing = Listing(root, outside_links)
     for split in splits:
-        out[split] = scan_split(root, split, names, on_bad_image=on_bad_image)
+        out[split] = scan_split(root, split, names, on_bad_image=on_bad_image, listing=listing)
         names = out[split].class_names
     return out
 

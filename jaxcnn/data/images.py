@@ -48,16 +48,19 @@ class ImageData:
         on_bad_image: ``"skip"`` (count and go on) or ``"fail"``.
         eval_resize: the shorter side before the evaluation centre crop; None:
             `default_eval_resize` (224 -> 256).
+        outside_links: a folder: follow links that lead outside it (`jaxcnn.data.folder.Listing`).
 
     Raises:
         DataError naming the folder or file (missing split, empty class folder, ...).
 
     Attributes:
         train, val: the splits' sources; class_names; ``skipped_at_open``: images left out
-        before training (non-image files of a folder, or the converter's skipped images).
+        before training (non-image files of a folder, or the converter's skipped images; a
+        folder's sub-folders that cannot be listed are named by `skipped_note` too).
     """
 
-    def __init__(self, source: str, path, *, image_size, on_bad_image: str = "fail", eval_resize=None):
+    def __init__(self, source: str, path, *, image_size, on_bad_image: str = "fail", eval_resize=None,
+                 outside_links: bool = False):
         if source not in SOURCES:
             raise ValueError(f"image source must be one of {list(SOURCES)}, got {source!r}")
         path = os.fspath(path)
@@ -70,16 +73,17 @@ class ImageData:
         if source == "folder":
             from jaxcnn.data.folder import FolderSource, scan_folder
 
-            index = scan_folder(path, on_bad_image=on_bad_image)
+            index = scan_folder(path, on_bad_image=on_bad_image, outside_links=outside_links)
             self.train, self.val = FolderSource(index["train"]), FolderSource(index["val"])
             self.skipped_at_open = len(index["train"].skipped) + len(index["val"].skipped)
             self._skipped_names = index["train"].skipped + index["val"].skipped
+            self._unlisted = index["train"].unlisted + index["val"].unlisted
         else:
             from jaxcnn.data.records import RecordSource
 
             self.train, self.val = RecordSource(path, "train"), RecordSource(path, "val")
             self.skipped_at_open = self.train.skipped + self.val.skipped
-            self._skipped_names = ()  # named by jaxcnn-data convert when it ran
+            self._skipped_names = self._unlisted = ()  # named by jaxcnn-data convert when it ran
             if self.train.class_names != self.val.class_names:
                 raise DataError(f"{path}: train and val records name different classes")
         self.class_names = tuple(self.train.class_names)
@@ -87,15 +91,22 @@ class ImageData:
 
     def skipped_note(self) -> str | None:
         """One line on the ``skipped_at_open`` images (None when there are none)."""
-        n = self.skipped_at_open
-        if not n:
+        n, folders = self.skipped_at_open, len(self._unlisted)
+        if not n and not folders:
             return None
         files = f"{n} file{'s' if n != 1 else ''}"
         if self.source == "records":
             return (f"{files} left out of {self.path} by jaxcnn-data convert (not images, or bad ones; "
                     "it named them)")
-        shown = ", ".join(self._skipped_names[:3]) + (", ..." if n > 3 else "")
-        return f"{files} left out of {self.path} (not images by their names: {shown}; data.on_bad_image is skip)"
+        what, why = [], []
+        if n:
+            what.append(files)
+            why.append("not images by their names: " + ", ".join(self._skipped_names[:3])
+                       + (", ..." if n > 3 else ""))
+        if folders:
+            what.append(f"{folders} folder{'s' if folders != 1 else ''}")
+            why.append("cannot be listed: " + "; ".join(self._unlisted[:3]) + ("; ..." if folders > 3 else ""))
+        return f"{' and '.join(what)} left out of {self.path} ({'; '.join(why)}; data.on_bad_image is skip)"
 
     def fingerprint(self) -> dict:
         """What identifies the data a run trains and evaluates on, cheaply (no image read):

@@ -271,6 +271,9 @@ SCHEMA: dict[str, dict] = {
                            "non-image file: skip it (counted in metrics.jsonl) or stop the run",
                            choices=("skip", "fail"), used_when=("data.source", _IMAGE_FILES),
                            trains=False),  # a run stopped by a bad image (fail) may go on skipping it
+        "outside_links": _f("bool", False, "folder: follow links (to class folders, sub-folders or "
+                            "images) that lead outside data.path; false = such a link is an error "
+                            "naming it", used_when=("data.source", ("folder",)), trains=False),
         "eval_resize": _f("int", None, "folder/records: resize the shorter side to this before the "
                           "evaluation centre crop; null = max(image_size) / 0.875 (224 -> 256)",
                           nullable=True, trains=False, used_when=("data.source", _IMAGE_FILES),

@@ -47,7 +47,7 @@ def open_images(cfg, default_hw) -> ImageData:
                           f"{max(size)} (data.image_size={list(size)}) to {MAX_RESIZE_FACTOR} times it",
                           path="data.eval_resize")
     return ImageData(data.source, data.path, image_size=size, on_bad_image=data.on_bad_image,
-                     eval_resize=data.eval_resize)
+                     eval_resize=data.eval_resize, outside_links=data.outside_links)
 
 
 def image_norm(cfg):

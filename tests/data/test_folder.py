@@ -166,16 +166,88 @@ def test_shapes_folder_has_mixed_modes_and_sizes(tmp_path):
     assert index["train"].class_names == ("green", "red")
 
 
-def test_linked_folders_are_followed_once(tmp_path):
-    """A link back to a parent folder made the walk endless; a linked folder of images is read."""
-    rng = np.random.default_rng(3)
+def _image(path, seed=3):
+    return _save(str(path), np.random.default_rng(seed).integers(0, 255, (8, 8, 3), dtype=np.uint8))
+
+
+def _two_classes(root):
     for split in ("train", "val"):
-        _save(str(tmp_path / split / "a" / "x.png"), rng.integers(0, 255, (8, 8, 3), dtype=np.uint8))
-    _save(str(tmp_path / "elsewhere" / "y.png"), rng.integers(0, 255, (8, 8, 3), dtype=np.uint8))
-    os.symlink(tmp_path / "train", tmp_path / "train" / "a" / "loop")
+        for cls in ("a", "b"):
+            _image(root / split / cls / "x.png")
+
+
+def test_linked_folders_inside_the_folder_are_followed_once(tmp_path):
+    """A link back to a parent folder made the walk endless; a linked folder of images inside
+    the image folder is read, and a link back into the same class is left out (listed once)."""
+    _two_classes(tmp_path)
+    _image(tmp_path / "elsewhere" / "y.png")
     os.symlink(tmp_path / "elsewhere", tmp_path / "train" / "a" / "more")
+    os.makedirs(tmp_path / "train" / "a" / "sub")
+    os.symlink(tmp_path / "train" / "a", tmp_path / "train" / "a" / "sub" / "up")
+    os.symlink(tmp_path / "train" / "a" / "x.png", tmp_path / "train" / "a" / "sub" / "again.png")
     index = scan_folder(tmp_path)
-    assert index["train"].paths == ("a/more/y.png", "a/x.png")
+    assert index["train"].paths == ("a/more/y.png", "a/x.png", "b/x.png")
+
+
+@pytest.mark.parametrize("link,target,says", [
+    ("train/a/loop_up", "train", "its images would be in split 'train' and in class 'a' of split 'train'"),
+    ("train/a/b_too", "train/b", "in class 'a' of split 'train' and in class 'b' of split 'train'"),
+    ("val/a/seen_in_training", "train/a", "in class 'a' of split 'train' and in class 'a' of split 'val'"),
+    ("val/b/copy.png", "train/b/x.png", "in class 'b' of split 'train' and in class 'b' of split 'val'"),
+])
+def test_a_link_into_another_class_or_split_is_an_error(tmp_path, link, target, says):
+    """A loop up to the split folder pulled every class into one (107 images listed for 51
+    files) and val/ into train/; a link into another class or split mixed them silently."""
+    _two_classes(tmp_path)
+    os.symlink(tmp_path / target, tmp_path / link)
+    with pytest.raises(DataError, match="the same (folder|file) as ") as err:
+        scan_folder(tmp_path)
+    assert str(err.value).startswith(str(tmp_path / link) + ": ") and says in str(err.value)
+
+
+def test_a_link_out_of_the_image_folder_is_an_error_unless_asked(tmp_path):
+    """A class folder linked to / walked the whole file system (421,414 files)."""
+    root = tmp_path / "data"
+    _two_classes(root)
+    _image(tmp_path / "outside" / "far.png")
+    os.symlink(tmp_path / "outside", root / "train" / "b" / "far")
+    with pytest.raises(DataError, match=r"a link to .*outside, outside the image folder .*data \(set "
+                                        r"data.outside_links: true"):
+        scan_folder(root)
+    index = scan_folder(root, outside_links=True)
+    assert index["train"].paths == ("a/x.png", "b/far/far.png", "b/x.png")
+    os.symlink(root, tmp_path / "via_link")  # the image folder given through a link is inside
+    assert scan_folder(tmp_path / "via_link", outside_links=True)["train"].paths == index["train"].paths
+
+
+def test_a_folder_that_cannot_be_listed_is_an_error_or_skipped_and_named(tmp_path, monkeypatch):
+    """An unreadable sub-folder (16 images) was left out without a word, even under
+    data.on_bad_image=fail, and an unreadable class folder was called empty. (The suite may run
+    as root, whom permissions do not stop: os.scandir is made to refuse instead.)"""
+    _two_classes(tmp_path)
+    _image(tmp_path / "train" / "a" / "locked" / "z.png")
+    scandir = os.scandir
+
+    def refusing(path):
+        if os.path.basename(path) == "locked" or path == str(tmp_path / "val" / "b"):
+            raise PermissionError(13, "Permission denied", path)
+        return scandir(path)
+    monkeypatch.setattr(os, "scandir", refusing)
+    locked = tmp_path / "train" / "a" / "locked"
+    with pytest.raises(DataError, match=f"{locked}: cannot list \\(Permission denied\\); fix its "
+                                        "permissions, or set data.on_bad_image: skip"):
+        scan_split(tmp_path, "train")
+    index = scan_split(tmp_path, "train", on_bad_image="skip")
+    assert index.paths == ("a/x.png", "b/x.png")
+    assert index.unlisted == (f"{locked}: cannot list (Permission denied)",)
+    with pytest.raises(DataError, match=f"{tmp_path / 'val' / 'b'}: cannot list"):
+        scan_split(tmp_path, "val", on_bad_image="skip")  # a whole class: never skipped
+    from jaxcnn.data.images import ImageData
+    monkeypatch.setattr(os, "scandir", lambda path: refusing(path) if "val" not in str(path)
+                        else scandir(path))
+    note = ImageData("folder", tmp_path, image_size=(8, 8), on_bad_image="skip").skipped_note()
+    assert note == (f"1 folder left out of {tmp_path} (cannot be listed: {locked}: cannot list "
+                    "(Permission denied); data.on_bad_image is skip)")
 
 
 def test_a_folder_of_class_folders_or_a_split_given_as_the_root_is_named_so(tmp_path):
