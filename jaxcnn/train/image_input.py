@@ -17,8 +17,8 @@ import numpy as np
 
 from jaxcnn.data.dataset import normalize
 from jaxcnn.data.images import IMAGENET_MEAN, IMAGENET_STD, ImageData, missing_packages
-from jaxcnn.data.loader import Loader, split_info
-from jaxcnn.errors import ConfigError
+from jaxcnn.data.loader import Loader, check_open_files, split_info
+from jaxcnn.errors import ConfigError, DataError
 
 # data.workers is bounded by this many per core (and at least MAX_WORKERS_FLOOR in all).
 WORKERS_PER_CORE = 4
@@ -41,6 +41,11 @@ def open_images(cfg, default_hw) -> ImageData:
     if data.workers > most:  # each is a process: 2**31-1 of them would never start
         raise ConfigError(f"data.workers: {data.workers} worker processes is more than {most} "
                           f"({WORKERS_PER_CORE} per core of this machine's {os.cpu_count()})", path="data.workers")
+    if data.workers:
+        try:  # before training: the evaluation loader's workers would start after it
+            check_open_files(data.workers, loaders=2)
+        except DataError as err:
+            raise ConfigError(f"data.workers: {err}", path="data.workers") from None
     size = tuple(data.image_size[:2]) if data.image_size else tuple(default_hw)
     if data.eval_resize is not None and not max(size) <= data.eval_resize <= MAX_RESIZE_FACTOR * max(size):
         raise ConfigError(f"data.eval_resize: {data.eval_resize} must be from the crop's longer side "

@@ -35,28 +35,120 @@ def available_memory(devices):
                 return None
             free.append(int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0)))
         return min(free), "per device"
-    candidates = []
+    free = host_available()
+    return (free, "host") if free is not None else None
+
+
+# cgroup files: (limit, usage) per version; a v1 limit this large is "no limit".
+_CGROUP_FILES = {"cgroup2": ("memory.max", "memory.current"),
+                 "cgroup": ("memory.limit_in_bytes", "memory.usage_in_bytes")}
+_NO_LIMIT = 1 << 60
+
+
+def host_available(root: str = "/") -> int | None:
+    """Bytes this process can still allocate on the host: the least of ``MemAvailable`` (or the
+    physical memory), the room left under each memory limit of its own cgroup and the cgroups
+    above it (cgroup v2 ``memory.max``, v1 ``memory.limit_in_bytes``; a container's limit sits
+    on the process's cgroup, not on the root, which is all the check read before), and the
+    address space ``ulimit -v`` (``RLIMIT_AS``) leaves. None where none can be read. ``root``
+    is where ``/proc`` and ``/sys`` are looked for (tests point it at a made-up tree)."""
+    candidates = [_meminfo_available(root)] + _cgroup_room(root)
+    if root == "/":
+        candidates.append(_address_space_room())
+    candidates = [c for c in candidates if c is not None]
+    return max(0, min(candidates)) if candidates else None
+
+
+def _read(root: str, path: str) -> str | None:
     try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    candidates.append(int(line.split()[1]) * 1024)
-    except (OSError, ValueError, IndexError):
-        pass
-    if not candidates:
+        with open(os.path.join(root, path.lstrip("/")), encoding="utf-8") as f:
+            return f.read()
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
+def _meminfo_available(root: str) -> int | None:
+    for line in (_read(root, "/proc/meminfo") or "").splitlines():
+        if line.startswith("MemAvailable:"):
+            try:
+                return int(line.split()[1]) * 1024
+            except (IndexError, ValueError):
+                return None
+    if root != "/":
+        return None
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def _cgroup_room(root: str) -> list:
+    """``limit - usage`` of every memory-limited cgroup from this process's own up to its
+    hierarchy's mount (v1 and v2 alike)."""
+    own = {}  # "cgroup2" / "cgroup" (v1 memory) -> this process's cgroup path
+    for line in (_read(root, "/proc/self/cgroup") or "").splitlines():
+        parts = line.split(":", 2)
+        if len(parts) == 3 and parts[0] == "0" and parts[1] == "":
+            own["cgroup2"] = parts[2]
+        elif len(parts) == 3 and "memory" in parts[1].split(","):
+            own["cgroup"] = parts[2]
+    room = []
+    for mount_root, mount_point, kind in _cgroup_mounts(root):
+        if kind not in own:
+            continue
+        relative = os.path.relpath(own[kind], mount_root) if own[kind].startswith(mount_root) else "."
+        directory = os.path.normpath(os.path.join(mount_point, relative))
+        if _read(root, os.path.join(directory, _CGROUP_FILES[kind][1])) is None:
+            directory = mount_point  # a namespaced mount shows this process's cgroup as its root
+        room += _limits_up_to(root, directory, mount_point, kind)
+    return room
+
+
+def _cgroup_mounts(root: str) -> list:
+    """``(cgroup path of the mount's root, mount point, "cgroup2" | "cgroup")`` of the cgroup v2
+    mounts and the v1 memory mounts, from ``/proc/self/mountinfo``."""
+    mounts = []
+    for line in (_read(root, "/proc/self/mountinfo") or "").splitlines():
+        fields, _, tail = line.partition(" - ")
+        fields, tail = fields.split(), tail.split()  # ... root mount-point ... - type source options
+        if len(fields) < 5 or not tail:
+            continue
+        options = tail[2].split(",") if len(tail) > 2 else []
+        if tail[0] == "cgroup2" or (tail[0] == "cgroup" and "memory" in options):
+            mounts.append((fields[3], fields[4], tail[0]))
+    return mounts
+
+
+def _limits_up_to(root: str, directory: str, mount_point: str, kind: str) -> list:
+    limit_file, usage_file = _CGROUP_FILES[kind]
+    room = []
+    while True:
+        limit, usage = (_read(root, os.path.join(directory, f)) for f in (limit_file, usage_file))
         try:
-            candidates.append(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
-        except (OSError, ValueError, AttributeError):
+            if limit is not None and limit.strip() != "max" and int(limit) < _NO_LIMIT:
+                room.append(int(limit) - int(usage or 0))
+        except ValueError:
             pass
-    try:  # cgroup v2: a container's limit
-        with open("/sys/fs/cgroup/memory.max", encoding="ascii") as f:
-            limit = f.read().strip()
-        if limit != "max":
-            with open("/sys/fs/cgroup/memory.current", encoding="ascii") as f:
-                candidates.append(int(limit) - int(f.read().strip()))
-    except (OSError, ValueError):
-        pass
-    return (min(candidates), "host") if candidates else None
+        if os.path.normpath(directory) == os.path.normpath(mount_point) or directory in ("/", ""):
+            return room
+        directory = os.path.dirname(directory)
+
+
+def _address_space_room() -> int | None:
+    """What ``ulimit -v`` leaves of this process's address space (None: no limit)."""
+    try:
+        import resource
+
+        soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    except (ImportError, OSError, ValueError):
+        return None
+    if soft == resource.RLIM_INFINITY:
+        return None
+    for line in (_read("/", "/proc/self/status") or "").splitlines():
+        if line.startswith("VmSize:"):
+            return soft - int(line.split()[1]) * 1024
+    return soft
+
 
 def local_devices(plan) -> list:
     """This process's devices of the mesh: the memory it checks (its host's, or theirs)."""

@@ -3,6 +3,8 @@
 compiled from abstract inputs), sizes against the data and memory, and the workdir."""
 import errno
 import os
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -237,6 +239,60 @@ def test_available_memory_on_an_accelerator_is_the_least_free_device():
     assert memory.available_memory([Device(None)]) is None
     free, scope = memory.available_memory(jax.devices("cpu")[:1])
     assert scope == "host" and 0 < free
+
+
+def _fake_host(root, cgroup, mountinfo, files, meminfo_kb=16_000_000):
+    """A made-up /proc and /sys under ``root`` for :func:`memory.host_available`."""
+    (root / "proc" / "self").mkdir(parents=True)
+    (root / "proc" / "meminfo").write_text(f"MemTotal: 32000000 kB\nMemAvailable: {meminfo_kb} kB\n")
+    (root / "proc" / "self" / "cgroup").write_text(cgroup)
+    (root / "proc" / "self" / "mountinfo").write_text(mountinfo)
+    for path, text in files.items():
+        (root / path).parent.mkdir(parents=True, exist_ok=True)
+        (root / path).write_text(text)
+    return str(root)
+
+
+GB = 10**9
+
+
+def test_host_memory_reads_the_processs_own_cgroup_v1_and_v2_limits(tmp_path):
+    """Inside a 1.2 GB cgroup-v1 limit the dry run said "21 GB available" (it read only cgroup
+    v2's root file) and the run was OOM-killed at step 1. The process's own cgroup and those
+    above it count, in either version; the tightest room wins."""
+    v1 = _fake_host(tmp_path / "v1", "5:memory:/jobs/job7\n4:cpu:/\n0::/\n",
+                    "35 31 0:32 / /sys/fs/cgroup/memory rw - cgroup cgroup rw,memory\n"
+                    "32 31 0:29 / /sys/fs/cgroup/cpu rw - cgroup cgroup rw,cpu\n",
+                    {"sys/fs/cgroup/memory/memory.limit_in_bytes": "9223372036854771712\n",
+                     "sys/fs/cgroup/memory/memory.usage_in_bytes": "9000000000\n",
+                     "sys/fs/cgroup/memory/jobs/job7/memory.limit_in_bytes": f"{int(1.2 * GB)}\n",
+                     "sys/fs/cgroup/memory/jobs/job7/memory.usage_in_bytes": f"{int(0.2 * GB)}\n"})
+    assert memory.host_available(v1) == 1 * GB
+    v2 = _fake_host(tmp_path / "v2", "0::/user.slice/run-1.scope\n",
+                    "30 23 0:26 / /sys/fs/cgroup rw - cgroup2 cgroup2 rw\n",
+                    {"sys/fs/cgroup/memory.current": "1\n",
+                     "sys/fs/cgroup/user.slice/memory.max": f"{3 * GB}\n",
+                     "sys/fs/cgroup/user.slice/memory.current": f"{1 * GB}\n",
+                     "sys/fs/cgroup/user.slice/run-1.scope/memory.max": "max\n",
+                     "sys/fs/cgroup/user.slice/run-1.scope/memory.current": f"{GB // 2}\n"})
+    assert memory.host_available(v2) == 2 * GB  # the slice's limit, above the process's own cgroup
+    # a namespaced mount shows the process's cgroup as its root: the mount point's files count
+    ns = _fake_host(tmp_path / "ns", "0::/kubepods/pod1\n",
+                    "30 23 0:26 /kubepods/pod1 /sys/fs/cgroup rw - cgroup2 cgroup2 rw\n",
+                    {"sys/fs/cgroup/memory.max": f"{4 * GB}\n", "sys/fs/cgroup/memory.current": "0\n"})
+    assert memory.host_available(ns) == 4 * GB
+    free = _fake_host(tmp_path / "free", "0::/\n", "", {}, meminfo_kb=7_000_000)
+    assert memory.host_available(free) == 7_000_000 * 1024
+
+
+def test_host_memory_counts_what_ulimit_v_leaves():
+    """``ulimit -v`` ended in SIGABRT (std::bad_alloc) or a RESOURCE_EXHAUSTED traceback; the
+    address space it leaves is now part of what the size check reads."""
+    code = ("import resource; resource.setrlimit(resource.RLIMIT_AS, (8 << 30, 8 << 30)); "
+            "from jaxcnn.train import memory; print(memory.host_available())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         check=True).stdout
+    assert 0 < int(out) < 8 << 30
 
 
 @pytest.mark.parametrize("kind", ["fifo", "link-to-dev-zero"])

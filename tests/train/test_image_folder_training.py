@@ -288,3 +288,34 @@ def test_eval_on_changed_or_other_data_warns_and_goes_on(tmp_path, capsys):
     err = evaluated(f"data.path={other}")
     assert err.count("\n") == 1 and err.startswith(f"jaxcnn-eval: warning: {other} does not hold the data "), err
     assert "(train: 10 images, the run's had 8" in err and err.endswith("evaluating on them as they are now\n"), err
+
+
+def test_too_few_open_files_for_the_workers_is_one_line(tmp_path):
+    """``ulimit -n 32`` with 2 data workers ended in a 116-line traceback from grain's start-up
+    (os.pipe: Too many open files); the trainer now refuses before it trains, naming the limit,
+    and a loader asked for workers the limit cannot hold refuses likewise."""
+    import resource
+    import subprocess
+    import sys
+
+    folder = tmp_path / "shapes"
+    write_shapes_folder(folder, per_class=(4, 2), classes=CLASSES, size_range=(16, 20))
+    code = ("import sys; from jaxcnn.train.cli import train_main; sys.exit(train_main(sys.argv[1:]))")
+
+    def low_limit():
+        resource.setrlimit(resource.RLIMIT_NOFILE, (32, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+    run = subprocess.run([sys.executable, "-c", code, *_args(folder, tmp_path / "run", "data.workers=2"),
+                          "--dry-run"], capture_output=True, text=True, timeout=300, preexec_fn=low_limit)
+    lines = run.stderr.strip().splitlines()
+    assert run.returncode == 2 and len(lines) == 1, run.stderr
+    assert lines[0].startswith("jaxcnn-train: error: data.workers: 2 data worker processes for each of "
+                               "training and evaluation need about ") and "ulimit -n allows 32" in lines[0]
+    from jaxcnn.data.loader import Loader
+    from jaxcnn.errors import DataError
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 8, hard))
+    try:
+        with pytest.raises(DataError, match=r"4 data worker processes need about \d+ open files"):
+            Loader(lambda step: {"x": np.zeros(1)}, 0, 4, workers=4)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
