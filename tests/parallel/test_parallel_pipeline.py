@@ -128,12 +128,30 @@ def _assert_grads_close(got, ref):
         assert np.max(np.abs(g - r)) <= GRAD_RTOL * scale, (np.max(np.abs(g - r)), scale)
 
 
+_RUNS = {}
+
+
+def pipelined_run(name, data_axis, pipe, microbatches, steps=1, **pipeline):
+    """``(plan, (metrics, final state))`` of ``steps`` momentum steps of ``name`` on data x pipe
+    from the same batches as :func:`_compare`'s reference, ``schedule`` gpipe when not given.
+    GPipe's runs are cached (host arrays) per configuration: the GPipe leg of the 1F1B test is
+    the GPipe test's run."""
+    pipeline.setdefault("schedule", "gpipe")
+    key = (name, data_axis, pipe, microbatches, steps, tuple(sorted(pipeline.items())))
+    if key in _RUNS:
+        return _RUNS[key]
+    model, tx, shape = _model(name), MOMENTUM, shape_of(name)
+    plan = _plan(model, tx, shape, data_axis, pipe, microbatches=microbatches, **pipeline)
+    run = plan, _pipelined(plan, model, tx, shape, batches(shape, steps, seed=1))
+    if pipeline["schedule"] == "gpipe":
+        _RUNS[key] = run
+    return run
+
+
 def _compare(name, data_axis, pipe, microbatches, steps=1, **pipeline):
     model, tx, shape = _model(name), MOMENTUM, shape_of(name)
-    data = batches(shape, steps, seed=1)
-    plan = _plan(model, tx, shape, data_axis, pipe, microbatches=microbatches, **pipeline)
-    got_m, got = _pipelined(plan, model, tx, shape, data)
-    ref_m, ref = _reference(model, tx, shape, data, microbatches)
+    plan, (got_m, got) = pipelined_run(name, data_axis, pipe, microbatches, steps, **pipeline)
+    ref_m, ref = _reference(model, tx, shape, batches(shape, steps, seed=1), microbatches)
     _assert_run_matches(got_m, got, ref_m, ref, steps)
     return plan, got, ref
 
@@ -151,9 +169,10 @@ def _assert_run_matches(got_m, got, ref_m, ref, steps):
     assert int(got.step) == steps and np.array_equal(got.rng, ref.rng)
 
 
-# data 1: the GPipe leg of test_parallel_pipeline_1f1b.py::test_resnet18_1f1b_matches_gpipe_and_one_device
-# is this same run (ResNet-18, 4 stages, 2 micro-batches, one data shard), checked against the same
-# one-device run with the same assertions.
+# data 2 is also the GPipe leg of test_parallel_pipeline_1f1b.py::test_resnet18_1f1b_matches_gpipe_and_one_device
+# (pipelined_run: the same run, cached).  data 1 runs with the slow tests: ResNet-18 on 4 stages, 2
+# micro-batches and one data shard is test_remat_recomputes_each_block_and_matches_one_device's layout
+# (GPipe with each unit recomputed, checked against the same one-device run with the same assertions).
 @pytest.mark.parametrize("data_axis", [pytest.param(1, marks=pytest.mark.slow), 2])
 def test_resnet18_pipelined_matches_one_device_on_the_same_micro_batches(data_axis):
     """ResNet-18 on 4 stages (x 2 data shards): loss, accuracy, gradients, BatchNorm
@@ -162,7 +181,10 @@ def test_resnet18_pipelined_matches_one_device_on_the_same_micro_batches(data_ax
     assert plan.pipeline.stages == 4 and sum(plan.pipeline.split) == 14
 
 
-@pytest.mark.parametrize("name,data_axis", [("vgg11", 1), ("vgg11_nodrop", 2)])
+# VGG-11 without dropout on 2 data shards runs with the slow tests: 2 data shards x 4 stages against
+# one device is ResNet-18's case above; VGG-11 (with dropout) on 2 data shards x 4 stages is
+# test_parallel_pipeline_mpmd.py::test_mpmd_gives_the_spmd_engines_numbers_with_dropout_on_data_shards.
+@pytest.mark.parametrize("name,data_axis", [("vgg11", 1), pytest.param("vgg11_nodrop", 2, marks=pytest.mark.slow)])
 def test_vgg11_pipelined_matches_one_device_on_the_same_micro_batches(name, data_axis):
     """VGG-11 on 4 stages; with dropout (p=0.5) on one data shard, whose masks are the
     reference's: each block draws the key ``serial`` would give it for its micro-batch."""
@@ -437,16 +459,25 @@ def _final(workdir):
     return params, [losses[s] for s in sorted(losses)]
 
 
-def test_trainer_runs_pipelined_and_resumes_onto_other_layouts(tmp_path):
+@pytest.fixture(scope="module")
+def one_device_trainer_run(tmp_path_factory):
+    """jaxcnn-train on one device with 4 micro-batches as accumulation (lenet5, 4 steps,
+    checkpoints at steps 2 and 4): ``(workdir, final params, train losses)``.  Run once for the
+    trainer tests below, which compare with it and copy its directory before resuming from it."""
+    work = tmp_path_factory.mktemp("one_device") / "ref"
+    code, out, err = _train(["mesh.data=1", "parallel.pipeline.microbatches=4"], work)
+    assert code == 0, err
+    return (work, *_final(work))
+
+
+def test_trainer_runs_pipelined_and_resumes_onto_other_layouts(tmp_path, one_device_trainer_run):
     """jaxcnn-train with mesh.data=2 mesh.pipe=4 trains as one device with the same 4
     micro-batches; its step-2 checkpoint resumes on data 1 x pipe 2 and on 8 data-parallel
     devices (micro-batches as accumulation), each ending where the one-device run does."""
     import shutil
 
     micro = "parallel.pipeline.microbatches=4"
-    code, out, err = _train(["mesh.data=1", micro], tmp_path / "ref")
-    assert code == 0, err
-    ref_params, ref_losses = _final(tmp_path / "ref")
+    _, ref_params, ref_losses = one_device_trainer_run
     code, out, err = _train(["mesh.data=2", "mesh.pipe=4", micro], tmp_path / "pipe")
     assert code == 0, err
     assert "pipeline over 4 stages (4 micro-batches, bubble 43%" in out
@@ -725,7 +756,7 @@ def test_global_optimisers_on_parameters_split_over_pipe(monkeypatch, name):
 
 
 
-def test_trainer_resumes_a_data_parallel_checkpoint_onto_split_stages(tmp_path):
+def test_trainer_resumes_a_data_parallel_checkpoint_onto_split_stages(tmp_path, one_device_trainer_run):
     """The other way round from the test above: the one-device run's step-2 checkpoint (whole
     parameters, micro-batches as accumulation) resumed on data 2 x pipe 4, where lenet5's
     largest leaves (fc1 400 x 120, ...) live split over the stages, ends where the one-device
@@ -738,11 +769,9 @@ def test_trainer_resumes_a_data_parallel_checkpoint_onto_split_stages(tmp_path):
     dims = _pipe_dims(plan.abstract_state.params)
     assert sum(d is not None for d in dims) == 1, dims  # fc1; the rest are below FSDP_MIN_SIZE
     micro = "parallel.pipeline.microbatches=4"
-    code, out, err = _train(["mesh.data=1", micro], tmp_path / "ref")
-    assert code == 0, err
-    ref_params, ref_losses = _final(tmp_path / "ref")
+    ref_dir, ref_params, ref_losses = one_device_trainer_run
     work = tmp_path / "moved"
-    shutil.copytree(tmp_path / "ref", work)
+    shutil.copytree(ref_dir, work)
     shutil.rmtree(work / "checkpoints" / "4")
     (work / "params.npz").unlink()
     code, out, err = _train(["mesh.data=2", "mesh.pipe=4", micro, "checkpoint.resume=must"], work)
@@ -908,6 +937,20 @@ def test_packing_gives_each_stage_its_parameters_and_each_device_its_gradient_bl
                                       np.asarray((r / M).astype(p.dtype), np.float32))
 
 
+def _remat_step_jaxpr_counts(model, tx, data, remat):
+    """ResNet-18's pipelined step (data 1 x pipe 4, 2 micro-batches) traced on the first batch:
+    ``((custom VJPs named run, conds) in its jaxpr, (plan, the jax.stages.Traced))``.  The
+    recomputed units are the custom VJPs named ``run`` (BatchNorm has its own)."""
+    plan = _plan(model, tx, SHAPE, 1, 4, microbatches=2, remat=remat)
+    step = plan.wrap_step(make_train_step(model, tx, axis_name=plan.step_axis_name, pipeline=plan.pipeline),
+                          donate=False)
+    step = getattr(step, "step", step)  # the jitted step under CPU's bounded dispatch (strategies._Bounded)
+    traced = step.trace(plan.abstract_state, plan.put_batch(data[0]))
+    jaxpr = str(traced.jaxpr)
+    return ((len(re.findall(r"custom_vjp_call\[\s*name=run\b", jaxpr)), len(re.findall(r"\bcond\[", jaxpr))),
+            (plan, traced))
+
+
 def test_remat_recomputes_each_block_and_matches_one_device():
     """parallel.pipeline.remat: every unit of a stage (a block with inner layers, or a run
     of consecutive single-layer blocks: ResNet's stem is one) is recomputed in the backward
@@ -915,23 +958,17 @@ def test_remat_recomputes_each_block_and_matches_one_device():
     conditional per unit, the recomputation's stored input, none without remat), and
     ResNet-18 on 4 stages still gives one device's loss, gradients, BatchNorm statistics and
     parameters; the config key reaches the plan, a bad value is one line."""
-    plan, _, _ = _compare("resnet18", 1, 4, 2, remat=True)
+    model, tx = _model("resnet18"), MOMENTUM
+    data = batches(SHAPE, 1, seed=1)
+    (calls, conds), _ = _remat_step_jaxpr_counts(model, tx, data, remat=False)
+    (calls_remat, conds_remat), (plan, traced) = _remat_step_jaxpr_counts(model, tx, data, remat=True)
+    # the step run is the one traced for the counts: one trace of ResNet-18's pipelined step
+    state, m = traced.lower().compile()(plan.shard_state(init(model, tx, SHAPE)), plan.put_batch(data[0]))
+    _assert_run_matches([jax.device_get(m)], jax.device_get(state), *_reference(model, tx, SHAPE, data, 2), 1)
     assert plan.pipeline.remat
     units = [[b.name for b in u] for s in range(4) for u in plan.pipeline.remat_units(s)]
     assert units[0] == ["conv1", "bn1", "relu", "maxpool"] and ["layer1.0"] in units
     assert units[-1] == ["avgpool", "fc"] and sum(map(len, units)) == sum(plan.pipeline.split)
-
-    def checkpoints(remat):
-        model, tx = _model("resnet18"), MOMENTUM
-        plan = _plan(model, tx, SHAPE, 1, 4, microbatches=2, remat=remat)
-        step = make_train_step(model, tx, axis_name=plan.step_axis_name, pipeline=plan.pipeline)
-        jaxpr = str(jax.make_jaxpr(plan.wrap_step(step, donate=False))(
-            plan.abstract_state, plan.put_batch(batches(SHAPE, 1, seed=1)[0])))
-        # The recomputed units are the custom VJPs named ``run`` (BatchNorm has its own).
-        return (len(re.findall(r"custom_vjp_call\[\s*name=run\b", jaxpr)),
-                len(re.findall(r"\bcond\[", jaxpr)))
-
-    (calls, conds), (calls_remat, conds_remat) = checkpoints(False), checkpoints(True)
     assert calls == 0 and calls_remat == len(units) and conds_remat == conds + len(units)
 
     import os

@@ -56,11 +56,12 @@ def _rel(a, b):
     return max_diff(a, b) / scale
 
 
-# vgg11 on data 2 x spatial 4 runs with the slow tests: the data x spatial layout is checked on
-# resnet18 (its strided blocks, BatchNorm statistics over both axes) and vgg11's layers (2x2 pools,
-# the dropout classifier) on spatial 4, by the other three cases.
+# The data 2 x spatial 4 cases run with the slow tests: the data x spatial layout is checked on
+# resnet18 (its strided blocks, BatchNorm statistics over both axes) and vgg11 (2x2 pools, the
+# dropout classifier) by test_remat_matches_one_device, the same layout and assertions with each unit
+# recomputed; the two other cases check both models on spatial 4 without recomputation.
 @pytest.mark.parametrize("name,data,spatial", [
-    ("resnet18", 1, 4), ("resnet18", 2, 4), ("vgg11", 1, 4),
+    ("resnet18", 1, 4), pytest.param("resnet18", 2, 4, marks=pytest.mark.slow), ("vgg11", 1, 4),
     pytest.param("vgg11", 2, 4, marks=pytest.mark.slow)],
     ids=["resnet18-spatial4", "resnet18-data2_spatial4", "vgg11-spatial4", "vgg11-data2_spatial4"])
 def test_same_loss_gradients_and_statistics_as_one_device(name, data, spatial):
@@ -246,8 +247,11 @@ def test_explicit_halo_ops_accept_every_window_the_plan_accepts():
     np.testing.assert_allclose(jax.jit(blocks)(x), want, atol=1e-5 * np.abs(want).max())
 
 
-@pytest.mark.parametrize("data,spatial,model_axis,remat", [(2, 2, 1, False), (2, 2, 2, False), (2, 2, 1, True)],
-                         ids=["data2_spatial2", "data2_spatial2_model2", "data2_spatial2_remat"])
+# data2_spatial2 alone runs with the slow tests: its halo exchange is the other two cases' (the same
+# layout with a model axis besides, and with each unit recomputed), with the same assertions.
+@pytest.mark.parametrize("data,spatial,model_axis,remat", [
+    pytest.param(2, 2, 1, False, marks=pytest.mark.slow), (2, 2, 2, False), (2, 2, 1, True)],
+    ids=["data2_spatial2", "data2_spatial2_model2", "data2_spatial2_remat"])
 def test_explicit_halos_match_one_device_where_the_partitioner_is_wrong(data, spatial, model_axis, remat):
     """ResNet-18 with ``parallel.spatial.halo: explicit`` in the two layouts XLA's partitioner gets
     wrong: a 3x3 window on 2-row images (layer3, split here; the partitioner stops before it) with
