@@ -15,6 +15,13 @@ def _load(name):
     return module
 
 
+def _tiny_mnist(monkeypatch, module, rows):
+    """``module``'s ``mnist`` group as ``rows``: the same ops and channels on a few pixels (an
+    interpreted kernel runs each tile in Python, so the real MNIST sizes take most of a test's
+    time and exercise nothing more of the script)."""
+    monkeypatch.setattr(module, "SHAPES", [r for r in module.SHAPES if r[0] != "mnist"] + rows)
+
+
 def test_bench_kernels_work_counts():
     bk = _load("bench_kernels")
     # ResNet-50's 56x56x64 3x3 layer at batch 2: 2 * N * H * W * C_out * 9 * C_in FLOPs.
@@ -28,14 +35,17 @@ def test_bench_kernels_work_counts():
     assert flops == 0 and nbytes == 2 * (112 * 112 * 64 + 56 * 56 * 64)
 
 
-def test_bench_kernels_runs_in_the_interpreter(tmp_path, capsys):
+def test_bench_kernels_runs_in_the_interpreter(tmp_path, capsys, monkeypatch):
     bk = _load("bench_kernels")
+    _tiny_mnist(monkeypatch, bk, [
+        ("mnist", "conv1 8x8", "conv2d", (8, 8, 1), {}, (3, 3, 1, 32), 128),
+        ("mnist", "conv2 6x6", "conv2d", (6, 6, 32), {}, (3, 3, 32, 64), 128)])
     assert bk.main([]) == 0 and "not a benchmark" in capsys.readouterr().out  # CPU: refuses
     out = tmp_path / "k.json"
     assert bk.main(["--force", "--batch", "1", "--groups", "mnist", "--repeats", "1",
                     "--bandwidth-mib", "4", "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
-    assert [r["name"] for r in rows] == ["mnist conv1", "mnist conv2"]
+    assert [r["name"] for r in rows] == ["conv1 8x8", "conv2 6x6"]
     for r in rows:
         assert "error" not in r and r["pallas_ms"] > 0 and r["xla_ms"] > 0
         assert r["pallas_grad_ms"] > 0 and 0 < r["roofline"]
@@ -43,10 +53,14 @@ def test_bench_kernels_runs_in_the_interpreter(tmp_path, capsys):
         bk.main(["--force", "--groups", "nope"])
 
 
-def test_bench_mgpu_runs_in_interpret_mode(tmp_path, capsys):
+MGPU_TINY = [("mnist", "conv2 6x6", (6, 6, 32), {}, (3, 3, 32, 64), 128)]
+
+
+def test_bench_mgpu_runs_in_interpret_mode(tmp_path, capsys, monkeypatch):
     """The Mosaic GPU benchmark refuses the CPU, or runs its kernels in interpret mode with
     --force and records how far the Mosaic forward is from XLA's (a bfloat16 rounding)."""
     bm = _load("bench_mgpu")
+    _tiny_mnist(monkeypatch, bm, MGPU_TINY)
     reason = bm.mc.unavailable_reason()
     if reason is not None:  # jax < 0.11: one line, exit 2
         assert bm.main([]) == 2 and reason in capsys.readouterr().err
@@ -76,6 +90,7 @@ def test_bench_mgpu_fused_stores_the_verdicts_conv_bn_auto_reads(tmp_path, monke
     from jaxcnn.functional import _dispatch
     from jaxcnn.functional import conv_bn as fcb
     from pallas_kernels import autotune
+    _tiny_mnist(monkeypatch, bm, MGPU_TINY)
     monkeypatch.setenv("JAXCNN_AUTOTUNE_CACHE", str(tmp_path / "cache.json"))
     monkeypatch.setattr(bm, "_time_fused",
                         lambda fn, args, repeats, grad: 1.0 if fn.__name__ == "fused" else 2.0)
@@ -88,12 +103,12 @@ def test_bench_mgpu_fused_stores_the_verdicts_conv_bn_auto_reads(tmp_path, monke
         assert "error" not in r and r["max_rel_err"] <= 2.0 ** -7, r
     monkeypatch.setattr(_dispatch, "_platform", lambda: "gpu")
     monkeypatch.setattr(bm.mc, "device_capability", lambda: "9.0")
-    x = jax.ShapeDtypeStruct((1, 26, 26, 32), jnp.bfloat16)
+    x = jax.ShapeDtypeStruct((1, 6, 6, 32), jnp.bfloat16)
     w = jax.ShapeDtypeStruct((3, 3, 32, 64), jnp.bfloat16)
     kw = dict(stride=1, padding=0, dilation=1, groups=1, stats=True)
     assert fcb.use_fusion("auto", x, w, prologue=False, **kw)
     assert fcb.use_fusion("auto", x, w, prologue=True, **kw)
-    other = jax.ShapeDtypeStruct((2, 26, 26, 32), jnp.bfloat16)  # never measured
+    other = jax.ShapeDtypeStruct((2, 6, 6, 32), jnp.bfloat16)  # never measured
     assert not fcb.use_fusion("auto", other, w, prologue=True, **kw)
     assert autotune.device_kind() in autotune.load_cache()
     with pytest.raises(SystemExit):

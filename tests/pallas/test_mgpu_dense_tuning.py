@@ -372,7 +372,7 @@ def test_bench_mgpu_tunes_then_times_with_the_tuned_tiles(tmp_path, monkeypatch,
     monkeypatch.setattr(autotune, "tune_op", fake_tune)
     assert not bm.tiles_tunable()  # the CPU: tiles are tuned on a GPU only, unless told
     monkeypatch.setattr(bm, "tiles_tunable", lambda: True)
-    monkeypatch.setattr(bm, "SHAPES", [("mnist", "tiny", (6, 6, 16), dict(padding=1),
+    monkeypatch.setattr(bm, "SHAPES", [("mnist", "tiny", (4, 4, 16), dict(padding=1),
                                         (3, 3, 16, 16), 1)])
     out = tmp_path / "m.json"
     argv = ["--force", "--groups", "mnist", "--repeats", "1", "--no-grad", "--json", str(out)]
@@ -382,7 +382,7 @@ def test_bench_mgpu_tunes_then_times_with_the_tuned_tiles(tmp_path, monkeypatch,
     assert list(row["tiles"]) == list(mc.PARTS)
     assert {t["stages"] for t in row["tiles"].values()} == {2}  # the tuned tiles ran
     assert "fwd w4n16k16s2 dgrad w4n16k16s2 wgrad w4n16k64s2" in capsys.readouterr().out
-    x, w = jnp.zeros((1, 6, 6, 16), BF16), jnp.zeros((3, 3, 16, 16), BF16)
+    x, w = jnp.zeros((1, 4, 4, 16), BF16), jnp.zeros((3, 3, 16, 16), BF16)
     assert not bm.tune(x, w, dict(padding=1)) and tuned == ["conv2d"]  # resumed: cached
     assert bm.tune(x, w, dict(padding=1), retune=True) and tuned == ["conv2d"] * 2
     # --fused --tune: each form's kernels tuned, then timed with those tiles (for time,

@@ -200,28 +200,38 @@ def _fused_chain(x, w1, gamma, beta, w2, b2, res, backward):
     return y2.astype(F32), m2, v2
 
 
+def _out_and_grads(chain, args, cts):
+    """``chain``'s outputs and the VJP of ``cts`` at ``args``: one compilation of both."""
+    def run(*a):
+        out, vjp = jax.vjp(chain, *a)
+        return out, vjp(cts)
+    return fast_run(run, *args)
+
+
+@pytest.fixture(scope="module")
+def unfused_chain():
+    """``(args, cotangents, outputs, gradients)`` of the unfused chain in bfloat16, computed
+    once for both backward options."""
+    dtype = jnp.bfloat16
+    rng = np.random.default_rng(14)
+    x, w1 = normal(rng, (1, 4, 6, 16), dtype), normal(rng, (3, 3, 16, 16), dtype)
+    gamma, beta = normal(rng, (16,), F32), normal(rng, (16,), F32)
+    w2, b2 = normal(rng, (1, 1, 16, 24), dtype), normal(rng, (24,), dtype)
+    res = normal(rng, (1, 2, 3, 24), dtype)
+    args = (x, w1, gamma, beta, w2, b2, res)
+    cts = (normal(rng, (1, 2, 3, 24), F32), normal(rng, (24,), F32), normal(rng, (24,), F32))
+    return (args, cts, *_out_and_grads(lambda *a: _unfused_chain(*a, dtype), args, cts))
+
+
 @pytest.mark.parametrize("backward", ["mosaic", "xla"])
-def test_fused_chain_has_the_unfused_chains_values_and_gradients(backward):
+def test_fused_chain_has_the_unfused_chains_values_and_gradients(backward, unfused_chain):
     """conv_bn_stats -> fold -> prologue conv with bias, residual, ReLU and statistics,
     against the same chain unfused: outputs, statistics, and the gradients of a loss of all
     three with respect to the input, both weights, BatchNorm's affine parameters, the bias
     and the residual (through the batch statistics too)."""
     dtype = jnp.bfloat16
-    rng = np.random.default_rng(14)
-    x, w1 = normal(rng, (2, 4, 6, 16), dtype), normal(rng, (3, 3, 16, 16), dtype)
-    gamma, beta = normal(rng, (16,), F32), normal(rng, (16,), F32)
-    w2, b2 = normal(rng, (1, 1, 16, 24), dtype), normal(rng, (24,), dtype)
-    res = normal(rng, (2, 2, 3, 24), dtype)
-    args = (x, w1, gamma, beta, w2, b2, res)
-    cts = (normal(rng, (2, 2, 3, 24), F32), normal(rng, (24,), F32), normal(rng, (24,), F32))
-
-    def out_and_grads(chain):
-        def run(*a):
-            out, vjp = jax.vjp(chain, *a)
-            return out, vjp(cts)
-        return fast_run(run, *args)  # one compilation of forward and backward
-    got_out, got_grads = out_and_grads(lambda *a: _fused_chain(*a, backward))
-    want_out, want_grads = out_and_grads(lambda *a: _unfused_chain(*a, dtype))
+    args, cts, want_out, want_grads = unfused_chain
+    got_out, got_grads = _out_and_grads(lambda *a: _fused_chain(*a, backward), args, cts)
     for name, g, r in zip(("y", "mean", "var"), got_out, want_out):
         assert_close(g, r, dtype, name)
     names = ("dx", "dw1", "dgamma", "dbeta", "dw2", "db2", "dresidual")
