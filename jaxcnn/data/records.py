@@ -14,6 +14,7 @@ plain JSON.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -206,20 +207,36 @@ def write_split(index, path, *, on_bad_image: str = "skip", workers: int = 0, pr
                     raise BadImageError(error)
                 bad.append(error)
             else:
-                writer.write(encode_record(payload, label))
+                with _writing(partial, path):
+                    writer.write(encode_record(payload, label))
                 written += 1
             if progress is not None:
                 progress(1)
-        writer.close()
+        with _writing(partial, path):
+            writer.close()
         writer = None
         os.replace(partial, path)
     finally:
         if pool is not None:
             pool.terminate()
-        if writer is not None:
-            writer.close()
-            os.unlink(partial)
+        if writer is not None:  # failed before the rename: nothing partial is left behind
+            with contextlib.suppress(Exception):
+                writer.close()
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(partial)
     return written, bad
+
+
+@contextlib.contextmanager
+def _writing(partial: str, path):
+    """The ArrayRecord writer's failures (a full disk: a ``RuntimeError`` holding the C++
+    status, at a write or at close) as one :class:`DataError` line naming ``path``."""
+    try:
+        yield
+    except RuntimeError as err:
+        text = _first_line(err).replace(partial, os.fspath(path))
+        raise DataError(f"{os.fspath(path)}: cannot write the records ({text}); the partial file "
+                        f"is removed") from None
 
 
 def _verified(item):

@@ -346,6 +346,36 @@ def test_convert_cli_errors_are_one_line(tmp_path, capsys):
         RecordSource(tmp_path / "out", "train")
 
 
+def test_a_full_disk_while_converting_is_one_line_and_leaves_no_partial_file(folder, tmp_path, capsys,
+                                                                           monkeypatch):
+    """jaxcnn-data convert on a full disk ended in a traceback (the ArrayRecord writer's
+    RuntimeError, at close) and left its .partial file, so the disk stayed full."""
+    from array_record.python import array_record_module
+
+    real = array_record_module.ArrayRecordWriter
+
+    class FullDisk:
+        def __init__(self, path, options):
+            self.path, self.writer = path, real(path, options)
+
+        def write(self, record):
+            self.writer.write(record)
+
+        def close(self):
+            self.writer.close()
+            raise RuntimeError(f"write() failed: No space left on device; writing {self.path}; at "
+                               f"byte 307200; Failed to close chunk_writer")
+    monkeypatch.setattr(array_record_module, "ArrayRecordWriter", FullDisk)
+    out = tmp_path / "out"
+    assert data_main(["convert", str(folder), str(out), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(
+        f"jaxcnn-data: error: {out / 'train.array_record'}: cannot write the records (write() failed: "
+        f"No space left on device; writing {out / 'train.array_record'};"), err
+    assert err.rstrip().endswith("; the partial file is removed")
+    assert os.listdir(out) == []
+
+
 def test_convert_workers_are_bounded(tmp_path, capsys):
     """``--workers 100000`` started a pool of 100,000 processes; the trainer's data.workers had a bound."""
     write_shapes_folder(tmp_path / "f", per_class=(1, 1), classes=["red"], size_range=(16, 18))
