@@ -490,13 +490,14 @@ class Training:
                               f"on {self.stopper.best:.4f} for {es.patience} evaluations")
 
     def open_outputs(self, start: int) -> None:
-        """metrics.jsonl (truncated after ``start`` on resume), progress output and the cadences."""
+        """metrics.jsonl (truncated after ``start``: a resumed run, or a fresh one over a run
+        killed before its first checkpoint), progress output and the cadences."""
         cfg = self.cfg
         self.log_every = self.every("logging.log_every")
         self.eval_every = self.every("train.eval_every")
         self.ckpt_every = self.every("checkpoint.every")
         self.metrics = MetricsWriter(self.run_dir.path, tensorboard=cfg.logging.tensorboard,
-                                     enabled=self.is_main, resumed_at=start if start > 0 else None)
+                                     enabled=self.is_main, resumed_at=start)
         self.progress = Progress(self.run.total_steps, start, mode=cfg.logging.progress,
                                  enabled=self.is_main, stream=self.stream)
         es = cfg.train.early_stopping

@@ -10,6 +10,7 @@ from typing import Mapping
 
 import jax
 
+from jaxcnn.errors import WorkdirError
 from jaxcnn.train.rundir import RunDir
 
 
@@ -37,9 +38,10 @@ class MetricsWriter:
             workdir: the run directory.
             tensorboard: also write TensorBoard events.
             enabled: False on the processes that do not write.
-            resumed_at: the step a resumed run restarts from: records of later steps
-                (written by the run that was killed before its next checkpoint, and
-                about to be written again) and a torn last line are dropped first.
+            resumed_at: the step a run restarts from (0 for a fresh start over the file of a
+                run killed before its first checkpoint): records of later steps (written by
+                the run that was killed before its next checkpoint, and about to be written
+                again) and a torn last line are dropped first.
         """
         self.enabled = enabled
         self._tb = None
@@ -47,7 +49,7 @@ class MetricsWriter:
         self._at_resume: set[tuple[int, str]] = set()  # (step, kind) already recorded at resumed_at
         if not enabled:
             return
-        path = RunDir(workdir).metrics
+        path = self._path = RunDir(workdir).metrics
         if resumed_at is not None and os.path.exists(path):
             self._at_resume = _truncate_after(path, resumed_at)
         self._file = open(path, "a", encoding="utf-8")
@@ -70,13 +72,32 @@ class MetricsWriter:
             return
         record = {"step": int(step), "kind": kind, "time": round(time.time(), 3)}
         record.update({k: _plain(v) for k, v in values.items()})
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
+        self._append(json.dumps(record) + "\n", step)
         if self._tb is not None:
             for k, v in values.items():
                 v = _plain(v)
                 if isinstance(v, (int, float)):
                     self._tb.add_scalar(f"{kind}/{k}", v, int(step))
+
+    def _append(self, line: str, step: int) -> None:
+        """Writes one whole line or none: a failed write (a full disk) is cut off where the
+        file ended, and the run stops with one :class:`WorkdirError` line."""
+        end = os.fstat(self._file.fileno()).st_size  # every write is flushed: the file's end
+        try:
+            self._file.write(line)
+            self._file.flush()
+        except OSError as e:
+            file, self._file = self._file, None
+            try:
+                file.close()  # flushes what it still holds, or fails to again
+            except OSError:
+                pass
+            try:
+                os.truncate(self._path, end)
+            except OSError:
+                pass  # a resumed run drops a torn last line
+            raise WorkdirError(f"cannot write {self._path} ({e.strerror or e}) at step {step}; its "
+                               f"earlier records and the checkpoints are kept") from None
 
     def close(self):
         if self._file is not None:

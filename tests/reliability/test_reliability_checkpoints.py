@@ -19,6 +19,7 @@ from orbax.checkpoint._src.path import async_path
 from jaxcnn.train.checkpoint import CheckpointManager
 from jaxcnn.train.cli import train_main
 from jaxcnn.train.config import load_config
+from jaxcnn.train.metrics import read_metrics
 from jaxcnn.train.setup import abstract_state, build_run, init_state
 from reliability_lib import (CHECKPOINTED_STEPS, ORBAX_LEFTOVER_WARNINGS, assert_params_bitwise_equal,
                              checkpointed_args, step_dirs, tiny_args, tiny_npz)
@@ -172,6 +173,33 @@ def test_disk_full_on_error_warn_reports_and_continues(reference, tmp_path, monk
         assert f"saving checkpoint step {step} to {ckpt} failed: ENOSPC (errno 28)" in caplog.text
     assert step_dirs(ckpt) == ([2, 8, 10, 12], [])
     assert_params_bitwise_equal(work / "params.npz", ref / "params.npz")  # a failed save changes nothing
+    gc.collect()
+
+
+def test_disk_full_writing_metrics_is_one_line_and_the_rerun_repairs_the_file(reference, tmp_path, monkeypatch,
+                                                                              capsys):
+    """A disk filling between checkpoints: a 44-line traceback and a torn line in metrics.jsonl for
+    good. Now one line, exit 2, the file cut back to its last whole record; the re-run resumes
+    and ends bitwise equal to an uninterrupted run, each record once."""
+    import builtins
+
+    from jaxcnn.train import metrics
+    from full_disk import FullDisk
+    data, ref = reference
+    work = tmp_path / "w"
+    with monkeypatch.context() as patch:  # the second record (step 8 at log_every=4) fills the disk
+        patch.setattr(metrics, "open", lambda path, mode="r", **k: FullDisk(builtins.open(path, mode, **k), 2)
+                      if mode == "a" else builtins.open(path, mode, **k), raising=False)
+        code = train_main(run_args(data, work))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert err[0] == (f"jaxcnn-train: error: cannot write {work / 'metrics.jsonl'} (No space left on device) "
+                      "at step 8; its earlier records and the checkpoints are kept")
+    assert (work / "metrics.jsonl").read_text().endswith("\n")
+    assert train_main(run_args(data, work)) == 0
+    assert_params_bitwise_equal(work / "params.npz", ref / "params.npz")
+    records = [(r["step"], r["kind"]) for r in read_metrics(str(work))]
+    assert records == [(r["step"], r["kind"]) for r in read_metrics(str(ref))] and len(set(records)) == len(records)
     gc.collect()
 
 

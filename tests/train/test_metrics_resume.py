@@ -1,9 +1,14 @@
-"""A resumed run's metrics.jsonl: records after the resume step, and a torn line, are dropped."""
+"""A resumed run's metrics.jsonl: records after the resume step, and a torn line, are dropped;
+a full disk never tears a line."""
 import json
+import os
 
 import pytest
 
+from jaxcnn.errors import WorkdirError
+from jaxcnn.train import metrics
 from jaxcnn.train.metrics import MetricsWriter, read_metrics
+from full_disk import FullDisk
 
 
 def _write(path, steps, torn=False):
@@ -32,6 +37,34 @@ def test_fresh_writer_appends_and_keeps_everything(tmp_path):
     writer.write(2, "train", {"loss": 0.1})
     writer.close()
     assert [r["step"] for r in read_metrics(str(tmp_path))] == [2, 4, 2]
+
+
+def test_a_fresh_start_over_a_run_killed_before_its_first_checkpoint_drops_its_records(tmp_path):
+    """A kill before the first checkpoint left the re-run's first steps twice in metrics.jsonl:
+    the trainer starts its writer at step 0, which drops every later record of the killed run."""
+    _write(tmp_path / "metrics.jsonl", [(1, "train"), (2, "train")], torn=True)
+    writer = MetricsWriter(str(tmp_path), resumed_at=0)
+    writer.write(1, "train", {"loss": 0.25})
+    writer.close()
+    assert [(r["step"], r["loss"]) for r in read_metrics(str(tmp_path))] == [(1, 0.25)]
+
+
+def test_a_full_disk_never_tears_a_line(tmp_path, monkeypatch):
+    """A disk filling between checkpoints gave a 44-line traceback and left a torn line in
+    metrics.jsonl for good: the write is cut back to the last whole line and the run stops
+    with one WorkdirError line."""
+    _write(tmp_path / "metrics.jsonl", [(1, "train")])
+    monkeypatch.setattr(metrics, "open", lambda path, mode="r", **k: FullDisk(open(path, mode, **k), 2)
+                        if mode == "a" else open(path, mode, **k), raising=False)
+    writer = MetricsWriter(str(tmp_path), resumed_at=1)
+    writer.write(2, "train", {"loss": 0.5})
+    with pytest.raises(WorkdirError, match=r"cannot write .*metrics.jsonl \(No space left on device\) at "
+                                           r"step 3; its earlier records and the checkpoints are kept"):
+        writer.write(3, "train", {"loss": 0.25})
+    writer.close()
+    text = (tmp_path / "metrics.jsonl").read_text()
+    assert text.endswith("\n") and [r["step"] for r in read_metrics(str(tmp_path))] == [1, 2]
+    assert os.listdir(tmp_path) == ["metrics.jsonl"]
 
 
 def test_resumed_writer_knows_what_is_recorded_at_its_step(tmp_path):
