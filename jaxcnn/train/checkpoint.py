@@ -86,6 +86,11 @@ def _brief(exc: BaseException, limit: int = 300) -> str:
     return f"{type(inner).__name__}: {text}"
 
 
+# How often a read-only restore lists the checkpoints again when the ones it was reading were
+# removed under it (a training run's retention, checkpoint.keep=1, while jaxcnn-eval reads).
+_RELISTS = 5
+
+
 class CheckpointManager:
     """Keeps the last `keep` train-state checkpoints in `directory` (plus the best one).
 
@@ -423,21 +428,30 @@ class CheckpointManager:
             self._check_config(int(step), config)
             return int(step), state
         failures = []
-        # orbax's own listing, so that half-written directories are reported and moved aside too.
-        for candidate in self.listed_steps():
-            try:
-                state = self._load(candidate, target)
-            except CheckpointError as e:
-                failures.append((candidate, e))
-                continue
-            self._check_config(candidate, config)
-            # Said only now that an older one is used: when none is, the one error below names
-            # them all (a warning each before it made N + 1 lines).
-            for _, e in failures:
-                logger.warning("%s; using checkpoint %d instead", e, candidate)
-            if not self.read_only:
-                self._quarantine([s for s, e in failures if isinstance(e, CheckpointCorruptError)])
-            return candidate, state
+        for _ in range(_RELISTS):
+            # orbax's own listing, so that half-written directories are reported and moved aside too.
+            vanished = False
+            for candidate in self.listed_steps():
+                try:
+                    state = self._load(candidate, target)
+                except CheckpointError as e:
+                    if self.read_only and not self._step_path(candidate).exists():
+                        vanished = True  # the training run's retention removed it while it was read
+                        continue
+                    failures.append((candidate, e))
+                    continue
+                self._check_config(candidate, config)
+                # Said only now that an older one is used: when none is, the one error below names
+                # them all (a warning each before it made N + 1 lines).
+                for _, e in failures:
+                    logger.warning("%s; using checkpoint %d instead", e, candidate)
+                if not self.read_only:
+                    self._quarantine([s for s, e in failures if isinstance(e, CheckpointCorruptError)])
+                return candidate, state
+            if not vanished:
+                break
+            self._mgr.reload()  # the newer checkpoints the training run saved meanwhile
+            failures = []
         if not failures:
             raise CheckpointError(f"no checkpoint to restore in {self.directory}")
         mismatches = [getattr(e, "problems", None) for _, e in failures]

@@ -391,6 +391,30 @@ def test_read_only_manager_reports_damage_and_changes_nothing(tmp_path, caplog):
     gc.collect()
 
 
+def test_a_read_only_restore_takes_the_newer_checkpoint_when_its_own_is_removed_under_it(tmp_path, monkeypatch):
+    """jaxcnn-eval during training with checkpoint.keep=1 failed 4 times in 11 with "no usable
+    checkpoint": the training run removed the checkpoint being read as it saved the next. The
+    read-only manager lists the checkpoints again and restores the newer one."""
+    mgr, states = saved_manager(tmp_path, steps=(4,), keep=1)
+    ckpt = tmp_path / "ckpt"
+    load = CheckpointManager._load
+    raced = []
+
+    def racing_load(self, step, target):  # training saves 6 (keep=1 removes 4) during the read
+        if not raced:
+            raced.append(step)
+            assert mgr.save(6, states[4], force=True)
+            assert not (ckpt / "4").exists()
+        return load(self, step, target)
+    monkeypatch.setattr(CheckpointManager, "_load", racing_load)
+    with CheckpointManager(ckpt, read_only=True) as ro:
+        step, restored = ro.restore(target=abstract(states[4]))
+    mgr.close()
+    assert raced == [4] and step == 6
+    assert_bitwise_equal(states[4], restored)
+    gc.collect()
+
+
 @tolerates_orbax_leftovers
 def test_damage_detail_goes_to_the_log_file(tmp_path, caplog):
     mgr, states = saved_manager(tmp_path, steps=(1, 2))
