@@ -305,7 +305,8 @@ def decode_image(data: bytes, name: str):
     """
     Image = _pil()
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")  # kept, and said once per file below
             warnings.simplefilter("error", Image.DecompressionBombWarning)
             image = Image.open(io.BytesIO(data))
             width, height = image.size
@@ -323,7 +324,23 @@ def decode_image(data: bytes, name: str):
     except (OSError, ValueError, SyntaxError, EOFError, Image.DecompressionBombError,
             Image.DecompressionBombWarning, MemoryError) as err:
         raise BadImageError(f"{name}: corrupt or truncated image ({type(err).__name__}: {err})") from None
+    _warn_once(name, caught)
     return image
+
+
+_WARNED = set()
+
+
+def _warn_once(name: str, caught) -> None:
+    """Pillow's warnings about an image (corrupt EXIF data, ...), each said once per file and
+    process, naming the file: the filters that make a decompression bomb an error are set per
+    call, and each such call made Python forget the warnings it had shown, so a run said the
+    same warning at every epoch."""
+    for w in caught:
+        key = (name, str(w.message))
+        if key not in _WARNED:
+            _WARNED.add(key)
+            warnings.warn(f"{name}: {w.message}", w.category, stacklevel=3)
 
 
 _PIL_IMAGE = None

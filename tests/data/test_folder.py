@@ -270,3 +270,21 @@ def test_a_folder_of_class_folders_or_a_split_given_as_the_root_is_named_so(tmp_
     with pytest.raises(DataError) as err:  # not every folder holds images: no guess
         scan_folder(flat)
     assert str(err.value).endswith("found folders ['blue', 'red'])")
+
+
+def test_pillows_warning_about_an_image_is_said_once_per_file():
+    """A JPEG with corrupt EXIF data printed Pillow's warning at every decode (every epoch): the
+    decode's own warning filters made Python forget the warnings it had shown."""
+    import io
+    import warnings
+
+    buffer = io.BytesIO()
+    Image.fromarray(np.zeros((8, 8, 3), np.uint8)).save(
+        buffer, "JPEG", exif=b"Exif\x00\x00MM\x00*\x00\x00\x00\x08\x00\x05\x01\x12\x00\x03\x00\x00\x00\x01\x00\x06bad")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")
+        for name in ("a.jpg", "b.jpg", "a.jpg", "b.jpg", "a.jpg"):
+            decode_image(buffer.getvalue(), f"/data/{name}")
+    said = [str(w.message) for w in caught]
+    assert len(said) == 2 and said[0].startswith("/data/a.jpg: Corrupt EXIF data") and \
+        said[1].startswith("/data/b.jpg: "), said
