@@ -118,6 +118,23 @@ class ImageData:
                                  "val": self.val.fingerprint()}
         return dict(self._fingerprint)
 
+    def changes_since_opened(self) -> list[str]:
+        """How a record directory's records differ now from when it was opened (`data_changes`
+        phrases; empty: the same): ``jaxcnn-data convert`` run into it again under a running
+        trainer changed its validation data silently. A folder is not scanned again (its
+        listing costs a scan) and gives ``[]``."""
+        if self.source != "records":
+            return []
+        from jaxcnn.data.records import RecordSource
+
+        try:
+            train, val = RecordSource(self.path, "train"), RecordSource(self.path, "val")
+        except DataError as err:
+            return [str(err)]
+        now = dict(self.fingerprint(), classes=len(train.class_names), train=train.fingerprint(),
+                   val=val.fingerprint())
+        return data_changes(self.fingerprint(), now)
+
     @property
     def num_classes(self) -> int:
         return len(self.class_names)

@@ -27,7 +27,7 @@ import numpy as np
 
 from jaxcnn import interop, parallel
 from jaxcnn.data import Prefetcher, eval_batches
-from jaxcnn.errors import ConfigError, TrainingStopped, WorkdirError
+from jaxcnn.errors import ConfigError, DataError, TrainingStopped, WorkdirError
 from jaxcnn.train import prune
 from jaxcnn.train.checkpoint import CheckpointManager
 from jaxcnn.train.resume import (check_fresh_start, check_resume_config, check_resume_data, record_run_config,
@@ -455,7 +455,12 @@ class Training:
 
     def evaluate(self, state) -> dict:
         """The eval metrics of the parameters the run exports (their moving average with
-        ``train.ema_decay``)."""
+        ``train.ema_decay``). Record files converted again under the run stop it first,
+        naming the change, rather than changing its validation data silently."""
+        images = self.run.images
+        if images is not None and (changes := images.changes_since_opened()):
+            raise DataError(f"{images.path}: the data changed while the run trained ({'; '.join(changes)}); "
+                            f"stopped before evaluating on them; the checkpoints are kept")
         step, plan = self.prepared.eval_step, self.plan
         return evaluate(self.run, lambda p, s, batch: step(p, s, plan.put_eval_batch(batch)),
                         eval_params(state, self.run.policy), state.state, share=plan.batch_share)

@@ -3,6 +3,7 @@ records are caught by their checksum, any number of workers gives the same batch
 at a step gives the batches of a run that went through, bad images are skipped and counted or
 stop the loader with the file's name, and processes share each epoch exactly once."""
 import os
+import shutil
 import time
 
 import numpy as np
@@ -374,6 +375,27 @@ def test_a_full_disk_while_converting_is_one_line_and_leaves_no_partial_file(fol
         f"No space left on device; writing {out / 'train.array_record'};"), err
     assert err.rstrip().endswith("; the partial file is removed")
     assert os.listdir(out) == []
+
+
+def test_records_converted_again_under_a_run_are_a_change_it_sees(folder, tmp_path):
+    """Converting records again under a running trainer changed its validation data silently:
+    the opened records now tell what changed since they were opened (the trainer asks before
+    each evaluation and stops, naming it)."""
+    from jaxcnn.data.images import ImageData
+    src = tmp_path / "src"
+    shutil.copytree(folder, src)
+    out = tmp_path / "out"
+    assert data_main(["convert", str(src), str(out), "--no-progress"]) == 0
+    opened = ImageData("records", out, image_size=(16, 16))
+    assert opened.changes_since_opened() == []
+    extra = src / "val" / "red" / "zz_extra.png"
+    shutil.copy(next((src / "val" / "red").iterdir()), extra)
+    assert data_main(["convert", str(src), str(out), "--splits", "val", "--no-progress"]) == 0
+    assert opened.changes_since_opened() == ["val: 10 images, the run's had 9"]
+    extra.rename(src / "val" / "red" / "zz_renamed.png")
+    assert data_main(["convert", str(src), str(out), "--splits", "val", "--no-progress"]) == 0
+    assert opened.changes_since_opened() == ["val: 10 images, the run's had 9"]
+    assert ImageData("folder", src, image_size=(16, 16)).changes_since_opened() == []  # not scanned again
 
 
 def test_convert_workers_are_bounded(tmp_path, capsys):

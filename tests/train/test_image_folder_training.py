@@ -319,3 +319,27 @@ def test_too_few_open_files_for_the_workers_is_one_line(tmp_path):
             Loader(lambda step: {"x": np.zeros(1)}, 0, 4, workers=4)
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_records_converted_again_mid_run_stop_it_at_its_next_evaluation(tmp_path, capsys, monkeypatch):
+    """jaxcnn-data convert into a running trainer's record directory changed its validation data
+    silently; the trainer now asks before each evaluation and stops with one line naming the
+    change (the records themselves: tests/data/test_image_loader.py)."""
+    from jaxcnn.data.images import ImageData
+    folder, records = tmp_path / "f", tmp_path / "rec"
+    write_shapes_folder(folder, per_class=(6, 2), classes=CLASSES[:2], size_range=(16, 20))
+    assert data_main(["convert", str(folder), str(records), "--no-progress"]) == 0
+    asked = []
+
+    def changed_at_the_second_evaluation(self):
+        asked.append(1)
+        return ["val: 5 images, the run's had 4"] if len(asked) > 1 else []
+    monkeypatch.setattr(ImageData, "changes_since_opened", changed_at_the_second_evaluation)
+    args = _args(records, tmp_path / "w", "data.source=records", "train.steps=4", "train.eval_every=2",
+                 "optim.schedule.warmup=0", "checkpoint.every=2", "data.batch_size=4", "data.eval_batch_size=4")
+    capsys.readouterr()
+    assert train_main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"jaxcnn-train: error: {records}: the data changed while the run trained (val: 5 images, "
+                   "the run's had 4); stopped before evaluating on them; the checkpoints are kept"]
+    assert "2" in os.listdir(tmp_path / "w" / "checkpoints")
