@@ -1,8 +1,9 @@
-"""Checks on the files a run reads: only regular files are data.
+"""Checks on the files a run reads (only regular files are data), and writing a file whole.
 
 ``/dev/zero`` given as an ``.npz`` dataset was read until the process was killed for memory
 (15 GB), and a FIFO blocked the run forever: a loader must refuse anything that is not a
-regular file (after following symlinks) before opening it.
+regular file (after following symlinks) before opening it. A file written over a full disk
+must leave the one it replaces as it was: :func:`write_whole`.
 """
 import os
 import stat
@@ -48,3 +49,21 @@ def check_regular_file(path, what=None) -> str:
     if not stat.S_ISREG(mode):
         raise DataError(f"{where} is {file_kind(mode)}, not a regular file")
     return path
+
+
+def write_whole(path, write) -> None:
+    """Writes ``path`` whole or not at all: ``write(partial)`` writes ``path + ".partial"``, which
+    is then renamed to ``path``. When ``write`` or the rename fails (a full disk: ``OSError``),
+    the partial file is removed, a file already at ``path`` is left as it was, and the error is
+    raised again."""
+    path = os.fspath(path)
+    partial = path + ".partial"
+    try:
+        write(partial)
+        os.replace(partial, path)
+    except BaseException:
+        try:
+            os.remove(partial)
+        except OSError:
+            pass
+        raise

@@ -32,6 +32,7 @@ import os
 
 import numpy as np
 
+from jaxcnn.data.files import write_whole
 from jaxcnn.errors import ExportError
 from jaxcnn.layers._tree import child_path, get_path, residual_parts, show
 from jaxcnn.layers.base import record_layers
@@ -516,7 +517,7 @@ def _checked_and_saved(onnx, proto, path, external_data, size: int):
     if not external_data:
         onnx.checker.check_model(proto, full_check=True)
         if path is not None:
-            onnx.save_model(proto, os.fspath(path))
+            write_whole(path, lambda partial: onnx.save_model(proto, partial))
         return proto
     path = os.fspath(path)
     onnx.save_model(proto, path, save_as_external_data=True, all_tensors_to_one_file=True,
