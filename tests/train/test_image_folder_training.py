@@ -300,12 +300,10 @@ def test_too_few_open_files_for_the_workers_is_one_line(tmp_path):
 
     folder = tmp_path / "shapes"
     write_shapes_folder(folder, per_class=(4, 2), classes=CLASSES, size_range=(16, 20))
-    code = ("import sys; from jaxcnn.train.cli import train_main; sys.exit(train_main(sys.argv[1:]))")
-
-    def low_limit():
-        resource.setrlimit(resource.RLIMIT_NOFILE, (32, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+    code = ("import resource, sys; resource.setrlimit(resource.RLIMIT_NOFILE, (32, resource.getrlimit("
+            "resource.RLIMIT_NOFILE)[1])); from jaxcnn.train.cli import train_main; sys.exit(train_main(sys.argv[1:]))")
     run = subprocess.run([sys.executable, "-c", code, *_args(folder, tmp_path / "run", "data.workers=2"),
-                          "--dry-run"], capture_output=True, text=True, timeout=300, preexec_fn=low_limit)
+                          "--dry-run"], capture_output=True, text=True, timeout=300)
     lines = run.stderr.strip().splitlines()
     assert run.returncode == 2 and len(lines) == 1, run.stderr
     assert lines[0].startswith("jaxcnn-train: error: data.workers: 2 data worker processes for each of "
