@@ -120,7 +120,7 @@ def scan_split(root, split: str, class_names=None, *, on_bad_image: str = "fail"
         on_bad_image: ``"fail"``: a file whose name is not an image's, or a folder that cannot
             be listed, is an error; ``"skip"``: it is left out and named in ``skipped``.
         outside_links: follow links (to folders or files) that lead outside ``root``; without
-            it such a link is an error naming it.
+            it such a link is an error naming it (a ``listing`` given keeps its own setting).
         listing: what earlier splits of the same scan listed (:func:`scan_folder` passes one),
             so that no file lands in both splits.
 
@@ -183,7 +183,7 @@ class Listing:
     def __init__(self, root, outside_links: bool = False):
         self.root = os.path.realpath(os.fspath(root))
         self.outside_links = bool(outside_links)
-        self._owner = {}  # real path -> (split, class or None), (shown path)
+        self._owner = {}  # real path -> ((split, class or None), path as shown, reached by a link)
 
     def _where(self, owner) -> str:
         split, name = owner
