@@ -22,7 +22,7 @@ def fmt_bytes(n: float) -> str:
 def available_memory(devices):
     """Memory a run can use: ``(bytes, scope)`` where scope is ``"per device"`` (accelerators:
     the device's limit less what is in use) or ``"host"`` (CPU devices share the host's memory:
-    MemAvailable, the cgroup's limit if lower); None where it cannot be told."""
+    :func:`host_available`); None where it cannot be told."""
     devices = list(devices)
     if devices[0].platform != "cpu":
         free = []
