@@ -221,11 +221,11 @@ def _class_files(path, name, owner, listing: Listing, on_bad_image: str, left_ou
     appended to ``left_out = (skipped, unlisted)``."""
     skipped, unlisted = left_out
     folder = os.path.join(path, name)
-    files, stack = [], [folder]
-    listing.claim_dir(folder, os.path.realpath(folder), owner, os.path.islink(folder))
+    real_folder = os.path.realpath(folder)
+    files, stack = [], [(folder, real_folder)]
+    listing.claim_dir(folder, real_folder, owner, os.path.islink(folder))
     while stack:
-        directory = stack.pop()
-        real_dir = os.path.realpath(directory)
+        directory, real_dir = stack.pop()  # its real path as claimed: not resolved again
         try:
             with os.scandir(directory) as it:
                 entries = sorted(it, key=lambda e: e.name)
@@ -242,7 +242,7 @@ def _class_files(path, name, owner, listing: Listing, on_bad_image: str, left_ou
                 real = os.path.realpath(shown) if entry.is_symlink() else os.path.join(real_dir, entry.name)
                 if not is_os_metadata(entry.name, folder=True) and listing.claim_dir(
                         shown, real, owner, entry.is_symlink()):
-                    subdirs.append(shown)
+                    subdirs.append((shown, real))
                 continue
             if is_os_metadata(entry.name, folder=False):
                 continue
