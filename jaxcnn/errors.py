@@ -3,7 +3,7 @@
 Each is re-exported where it was first defined (``jaxcnn.train.config.ConfigError``,
 ``jaxcnn.data.dataset.DataError``, ``jaxcnn.train.checkpoint.CheckpointError``,
 ``jaxcnn.export.ExportError``, ``jaxcnn.predict.PredictError``, ``jaxcnn.train.loop.WorkdirError`` and ``TrainingStopped``,
-``jaxcnn.parallel.distributed.DistributedError``), so any layer can raise them without
+``jaxcnn.parallel.distributed.DistributedError``, ``jaxcnn.data.loader.DataWorkerDied``), so any layer can raise them without
 importing the layer that reports them.
 """
 from __future__ import annotations
@@ -105,6 +105,12 @@ class DistributedError(RuntimeError):
     def __init__(self, message: str, *, must_exit: bool = False):
         super().__init__(message)
         self.must_exit = must_exit
+
+
+class DataWorkerDied(RuntimeError):
+    """A data loader's worker process died (killed by a signal, the out-of-memory killer's
+    SIGKILL most often, or ended with a nonzero exit code) before it made the batches it owed:
+    the message names the worker, its pid and how it ended."""
 
 
 class TrainingStopped(RuntimeError):

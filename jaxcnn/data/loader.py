@@ -13,7 +13,8 @@ worker ``w`` the batches ``w, w + workers, ...`` and interleaves their outputs b
 so the batches are the same for any number of workers (0: in this process), and resuming at
 step ``s`` is just starting the range at ``s``. An exception in a worker (a bad image with
 ``on_bad_image: fail``) is re-raised by the ``next`` that would have returned its batch; a
-worker that dies is reported by grain as a ``RuntimeError`` rather than waited for.
+worker that dies (killed by any signal, at any point: mid-send of a large batch too) is a
+:class:`DataWorkerDied` naming it, raised within about a second (`jaxcnn.data.workers`).
 Workers hand their images over through a ring of shared-memory blocks each reuses
 (`jaxcnn.data.handover`), not pickled through grain's pipes.
 
@@ -24,12 +25,9 @@ on the seed and the step; in evaluation its row is masked out.
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
-import signal
 import threading
-import time
 
 import numpy as np
 
@@ -37,15 +35,17 @@ from jaxcnn.data.folder import decode_image
 from jaxcnn.data.handover import RingReader
 from jaxcnn.data.pipeline import batch_indices, process_share, steps_per_epoch
 from jaxcnn.data.transforms import eval_transform, example_rng, train_transform
-from jaxcnn.errors import BadImageError, DataError
+from jaxcnn.data.workers import Fetcher, Roster, dead_worker_error, held_signals, start_worker
+from jaxcnn.errors import BadImageError, DataError, DataWorkerDied
 
 ON_BAD_IMAGE = ("skip", "fail")
 # A run of this many bad images in a row is not bad luck but a broken dataset.
 MAX_CONSECUTIVE_BAD = 64
-# How often a worker checks that the process that started it is still there.
-_PARENT_POLL_S = 0.5
 # The keys of a batch that are bookkeeping, not arrays for the device.
 INFO_KEYS = ("bad_images", "bad_files", "index")
+# How long a loader whose worker died waits for grain's clean-up before it leaves it running:
+# after a half-sent batch grain's clean-up waits for good on its thread reading that batch.
+_CLOSE_S = 0.5
 
 
 def _check_common(source, batch_size, image_size, on_bad_image, process_index, process_count):
@@ -168,69 +168,6 @@ class EvalBatches:
                 "bad_files": tuple(bad)}
 
 
-def _exit_with_parent(parent: int, worker_index: int = 0, worker_count: int = 1) -> None:
-    """In a worker: a daemon thread that ends this process once the process that started it is
-    gone. A trainer killed with SIGKILL runs no clean-up, and its grain workers, blocked on a
-    full queue, were left behind for good (re-parented to init).
-
-    The worker also ignores SIGINT and SIGTERM from here on: a terminal's Ctrl-C (a scheduler's
-    SIGTERM) reaches every process of the job, and a worker that died of it stopped the trainer
-    on grain's "Worker process was terminated unexpectedly" instead of the checkpoint the trainer
-    saves for them; the trainer stops its workers itself. (A signal that comes while the worker
-    is still importing, before this runs, is held back until here: see `held_signals`.)"""
-    for sig in _HELD_SIGNALS:
-        signal.signal(sig, signal.SIG_IGN)  # discards one that came while starting (held back)
-    if hasattr(signal, "pthread_sigmask"):
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, _HELD_SIGNALS)
-
-    def watch():
-        while os.getppid() == parent:
-            time.sleep(_PARENT_POLL_S)
-        os._exit(1)
-
-    threading.Thread(target=watch, name="jaxcnn-loader-parent-watch", daemon=True).start()
-
-
-# Held back from a worker process until its start-up function ignores them (see `held_signals`).
-_HELD_SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-
-@contextlib.contextmanager
-def held_signals(active: bool, signals=_HELD_SIGNALS):
-    """Blocks SIGINT and SIGTERM in the calling thread while grain may start worker processes.
-
-    grain starts its workers (``spawn``) from threads it creates inside ``iter`` and the first
-    ``next``; a thread inherits the mask of the thread that creates it, and a process that of
-    the thread that starts it, across ``exec``. So a worker begins with both signals blocked: a
-    Ctrl-C that reaches the process group while it still imports stays pending instead of
-    killing it with its own ``KeyboardInterrupt`` traceback, and is discarded when
-    `_exit_with_parent` sets them to be ignored. This process is not deaf meanwhile: its other
-    threads take the signal (the handler runs on the main thread as usual), and a signal pending
-    for this thread is delivered when the mask is restored. (``jaxcnn-data convert``'s pool holds
-    back SIGINT alone: ``Pool.terminate`` stops its workers with SIGTERM.)"""
-    if not active or not hasattr(signal, "pthread_sigmask"):
-        yield
-        return
-    # multiprocessing starts its resource tracker with the first semaphore (grain's queues, a
-    # Pool's locks) and then *unblocks* SIGINT and SIGTERM in the thread that did, whatever its
-    # mask was: started first, here, it leaves the mask alone.
-    from multiprocessing import resource_tracker
-    resource_tracker.ensure_running()
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, signals)
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
-
-
-def ignore_interrupts() -> None:
-    """In a worker process started under ``held_signals(True, [SIGINT])``: ignore SIGINT from
-    now on (one that came while starting is dropped) and unblock it."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    if hasattr(signal, "pthread_sigmask"):
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])
-
-
 def _absl_flags_parsed():
     """grain reads one of its absl flags when it starts worker processes, which fails with
     ``UnparsedFlagAccessError`` outside an absl app (where nothing ever parses flags). Marking
@@ -268,29 +205,37 @@ class Loader:
             check_open_files(workers, margin=0)
         import grain
 
-        self._ring = None
+        self._ring = self._roster = self._fetcher = None
         if workers > 0 and shared_memory:
             # Blocks for the batches a worker may hold: its buffer, the one it makes, the one read.
             self._ring = RingReader(start=start, workers=workers, ring=max(1, int(buffer)) + 2)
             make = self._ring.writer(make)
+        try:
+            self._iter = self._grain_iterator(grain, make, start, stop, workers, buffer)
+        except BaseException:
+            self._release()
+            raise
+        if workers > 0:
+            self._fetcher = Fetcher(self._iter)
+        self._next_batch, self._closed = int(start), False
+
+    def _grain_iterator(self, grain, make, start, stop, workers, buffer):
         ds = grain.MapDataset.range(int(start), int(stop)).map(make)
         ds = ds.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
         if workers > 0:
             _absl_flags_parsed()
+            self._roster = Roster(workers)
             # grain's own shared memory takes a fresh block per array (slow to fill): pipes for
             # whatever the ring does not carry.
             ds = grain.experimental.WithOptionsIterDataset(
                 ds, grain.experimental.DatasetOptions(min_shm_size=1 << 62))
             ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=int(workers),
                                                              per_worker_buffer_size=max(1, int(buffer))),
-                                worker_init_fn=functools.partial(_exit_with_parent, os.getpid()))
-        # Only grain's `iter` and first `next` start threads and processes: the signals are held
-        # back for those two calls alone (each hold costs the resource tracker's check and two
-        # sigmask calls, once per batch before).
-        self._held = workers > 0
-        with held_signals(self._held):
-            self._iter = iter(ds)
-        self._closed = False
+                                worker_init_fn=functools.partial(start_worker, os.getpid(), self._roster.name))
+        # grain's `iter` and first `next` start threads and processes: `iter` here with the
+        # signals held back, every `next` on the fetcher's thread, which holds them for its life.
+        with held_signals(workers > 0):
+            return iter(ds)
 
     def __iter__(self):
         return self
@@ -299,31 +244,60 @@ class Loader:
         if self._closed:
             raise StopIteration
         try:
-            if self._held:
-                with held_signals(True):
-                    batch = next(self._iter)
-                self._held = False
-            else:
+            if self._fetcher is None:
                 batch = next(self._iter)
+            else:
+                batch = self._fetcher.next(lambda: dead_worker_error(self._roster, self._next_batch),
+                                           lambda: self._closed)
+                self._roster.track()
+            self._next_batch += 1
             return self._ring.take(batch) if self._ring is not None else batch
-        except StopIteration:
-            self.close()
+        except DataWorkerDied:
+            self._abandon()
             raise
         except BaseException:
             self.close()
             raise
 
+    def _abandon(self):
+        """After a worker died: the others are killed, this loader's shared memory is unlinked,
+        and grain's clean-up gets `_CLOSE_S` on a daemon thread. When the worker died mid-send,
+        grain's thread reading its half-sent batch never returns and neither does its clean-up:
+        both are left behind as daemon threads (the process can still exit; the dead workers
+        are reaped by the next process this one starts, or at its exit)."""
+        self._closed = True
+        self._roster.kill()
+        self._stop_fetcher()
+        closer = threading.Thread(target=self._close_grain, name="jaxcnn-loader-close", daemon=True)
+        closer.start()
+        closer.join(_CLOSE_S)
+        self._release()
+
     def close(self):
         """Stops the worker processes; idempotent."""
-        if not self._closed:
-            self._closed = True
-            if self._ring is not None:
-                self._ring.stop()
-            close = getattr(self._iter, "close", None)
-            if close is not None:
-                close()
-            if self._ring is not None:
-                self._ring.close()
+        if self._closed:
+            return
+        self._closed = True
+        if self._ring is not None:
+            self._ring.stop()
+        self._stop_fetcher()
+        self._close_grain()
+        self._release()
+
+    def _stop_fetcher(self):
+        if self._fetcher is not None and not self._fetcher.busy:
+            self._fetcher.stop()
+
+    def _close_grain(self):
+        close = getattr(self._iter, "close", None)
+        if close is not None:
+            close()
+
+    def _release(self):
+        """Unlinks this loader's shared memory (once its workers have stopped)."""
+        for shared in (self._ring, self._roster):
+            if shared is not None:
+                shared.close()
 
     def __enter__(self):
         return self

@@ -192,7 +192,7 @@ def write_split(index, path, *, on_bad_image: str = "skip", workers: int = 0, pr
             import multiprocessing
             import signal
 
-            from jaxcnn.data.loader import held_signals, ignore_interrupts
+            from jaxcnn.data.workers import held_signals, ignore_interrupts
             # A terminal's Ctrl-C reaches the workers too: while one still imported, it died of it
             # with its own traceback. They start with SIGINT held back, then ignore it; this
             # process stops them (terminate) when it takes the interrupt.

@@ -10,7 +10,8 @@ import json
 import os
 import sys
 
-# Exit codes: 0 success, 1 training stopped (non-finite loss, a lost peer process), 2 bad input,
+# Exit codes: 0 success, 1 training stopped (non-finite loss, a lost peer process, a data worker
+# process that died), 2 bad input,
 # 128 + signal number when SIGTERM/SIGINT stopped the run after a checkpoint.
 from jaxcnn._cli import EXIT_BAD_INPUT, OneLineParser, path_arg
 
@@ -145,6 +146,7 @@ def train_main(argv=None) -> int:
             return 0
         from jaxcnn.parallel.distributed import report_errors_as
         from jaxcnn.train._orbax_noise import quiet_abandoned_orbax_coroutines
+        from jaxcnn.errors import DataWorkerDied
         from jaxcnn.train.loop import TrainingStopped, train
         from jaxcnn.train.rundir import RunDir, check_workdir, default_workdir
         report_errors_as("jaxcnn-train")  # a lost peer ends the process with our line, on any thread
@@ -159,6 +161,9 @@ def train_main(argv=None) -> int:
                            config_path=os.path.abspath(args.config))
         except TrainingStopped as e:
             print(f"jaxcnn-train: stopped: {e}", file=sys.stderr)
+            return 1
+        except DataWorkerDied as e:  # a machine's fault, not bad input: one line, exit 1
+            print(f"jaxcnn-train: error: {e}", file=sys.stderr)
             return 1
         except (RuntimeError, ValueError) as e:  # JaxRuntimeError, or ValueError from a fetch
             from jaxcnn.parallel.distributed import lost_peer

@@ -27,7 +27,7 @@ import numpy as np
 
 from jaxcnn import interop, parallel
 from jaxcnn.data import Prefetcher, eval_batches
-from jaxcnn.errors import ConfigError, DataError, TrainingStopped, WorkdirError
+from jaxcnn.errors import ConfigError, DataError, DataWorkerDied, TrainingStopped, WorkdirError
 from jaxcnn.train import prune
 from jaxcnn.train.checkpoint import CheckpointManager
 from jaxcnn.train.resume import (check_fresh_start, check_resume_config, check_resume_data, record_run_config,
@@ -357,8 +357,9 @@ class Training:
                 for step in range(start, self.run.total_steps):
                     try:
                         batch = next(batches)
-                    except RuntimeError:
+                    except RuntimeError as err:
                         if stop.signum is None:
+                            self.stop_for_dead_worker(err, state, step)
                             raise
                         return state, self.stop_for_signal(state, step, stop.signum)  # see after_step
                     state = self._one_step(state, batch)
@@ -395,13 +396,14 @@ class Training:
         if self.eval_every and done % self.eval_every == 0 and done != last:
             try:
                 eval_metrics, evaluated = self.evaluate_and_record(state, done), True
-            except RuntimeError:
+            except RuntimeError as err:
                 # A terminal's Ctrl-C (a scheduler's SIGTERM) also reaches the data loader's worker
-                # processes. They hold both back while starting (jaxcnn.data.loader.held_signals);
+                # processes. They hold both back while starting (jaxcnn.data.workers.held_signals);
                 # one that dies of another stop signal anyway is reported by grain as a
                 # RuntimeError. With the signal received, that is the stop it asked for.
                 received = self._stop.signum if self._stop is not None else None
                 if received is None:
+                    self.stop_for_dead_worker(err, state, done)
                     raise
                 return self.stop_for_signal(state, done, received)
             if self.stopper is not None and eval_metrics and self.stopper.update(eval_metrics):
@@ -416,6 +418,15 @@ class Training:
         if evaluated or saving:  # eval/save time is not step time: the interval restarts after it
             self._timer = [time.perf_counter(), 0]
         return None
+
+    def stop_for_dead_worker(self, err: RuntimeError, state, done: int) -> None:
+        """For a data worker that died (`DataWorkerDied`): saves the state after step ``done``
+        and raises the error again, saying so and at which step; any other error is left as is."""
+        if isinstance(err, DataWorkerDied):
+            self.save(state, done)
+            saved = (f"checkpoint saved at step {done}" if self.manager is not None
+                     else f"stopped after step {done}, no checkpoint (checkpoint.enabled: false)")
+            raise DataWorkerDied(f"{err}; {saved}") from None
 
     def stop_for_signal(self, state, done: int, signum: int) -> str:
         """Saves the state after step ``done`` and says so; returns the signal's name."""

@@ -4,6 +4,7 @@ chance, the corrupt file is skipped and counted in metrics.jsonl, the class name
 preprocessing.json, and records train bit for bit like the folder (with grain workers). Kill -9
 and resume: tests/reliability/test_reliability_image_folder.py."""
 import json
+import re
 import os
 import shutil
 
@@ -341,3 +342,43 @@ def test_records_converted_again_mid_run_stop_it_at_its_next_evaluation(tmp_path
     assert err == [f"jaxcnn-train: error: {records}: the data changed while the run trained (val: 5 images, "
                    "the run's had 4); stopped before evaluating on them; the checkpoints are kept"]
     assert "2" in os.listdir(tmp_path / "w" / "checkpoints")
+
+
+class _KilledAtStep:
+    """A training batch maker whose worker process is killed with SIGKILL (as the out-of-memory
+    killer does) while it makes the batch for ``step``."""
+
+    def __init__(self, maker, step):
+        self.maker, self.step, self.parent = maker, step, os.getpid()
+
+    def __len__(self):
+        return len(self.maker)
+
+    def __call__(self, step):
+        if step == self.step and os.getpid() != self.parent:
+            import signal
+            os.kill(os.getpid(), signal.SIGKILL)
+        return self.maker(step)
+
+
+def test_a_data_worker_killed_mid_run_is_one_line_and_a_checkpoint(shapes, tmp_path, capsys, monkeypatch):
+    """A grain worker killed by the OOM killer left jaxcnn-train asleep at 0% CPU, deaf to
+    SIGTERM, in 3 runs of 3. Now: one line naming the worker, its signal and the step, exit 1,
+    the state saved; the resumed run ends bitwise where an uninterrupted run ends."""
+    from jaxcnn.data.images import ImageData
+    folder, ref, _ = shapes
+    made = ImageData.train_batches
+    monkeypatch.setattr(ImageData, "train_batches", lambda self, **kw: _KilledAtStep(made(self, **kw), 13))
+    args = _args(folder, tmp_path / "w", "data.on_bad_image=skip", "data.workers=2")
+    assert train_main(args) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    step = int(err.rsplit("checkpoint saved at step ", 1)[1])
+    assert 1 <= step <= 13, err
+    assert re.fullmatch(r"jaxcnn-train: error: data worker [12] of 2 \(pid \d+\) was killed by SIGKILL \(.*\) "
+                        r"while the loader waited for batch 1[0-9]; checkpoint saved at step \d+\n", err), err
+    assert str(step) in os.listdir(tmp_path / "w" / "checkpoints")
+    monkeypatch.undo()
+    assert train_main(_args(folder, tmp_path / "w", "data.on_bad_image=skip")) == 0
+    assert f"resumed from step {step}" in capsys.readouterr().out
+    _assert_same_params(ref, tmp_path / "w")
