@@ -56,6 +56,16 @@ def interrupted(prog: str, own_process: bool) -> int:
     return 130
 
 
+def _quiet_resource_tracker() -> None:
+    """For ``multiprocessing``'s resource tracker, started later by the data loader: no warning
+    about the semaphores it cleans up. A process that ends itself at once after its error line
+    (a data worker that died, `_exit_now`) leaves grain's queues to the tracker, which unlinks
+    them and used to add 3 lines of "leaked semaphore objects" after the line. The tracker
+    takes its warning options from ``sys.warnoptions`` when it starts; this process's own
+    warning filters are left as they are."""
+    sys.warnoptions.append("ignore:resource_tracker:UserWarning")
+
+
 def _configure_cpu() -> None:
     """``jaxcnn.cpu.configure()``: jaxcnn's XLA:CPU flag and glibc malloc policy for this
     process (each only where it helps; see ``jaxcnn.cpu``). It must run before JAX creates
@@ -150,6 +160,8 @@ def train_main(argv=None) -> int:
         from jaxcnn.train.loop import TrainingStopped, train
         from jaxcnn.train.rundir import RunDir, check_workdir, default_workdir
         report_errors_as("jaxcnn-train")  # a lost peer ends the process with our line, on any thread
+        if argv is None:
+            _quiet_resource_tracker()
         workdir = args.workdir or cfg.logging.workdir or default_workdir(args.config)
         run_dir = RunDir(workdir)
         quiet_abandoned_orbax_coroutines(run_dir.checkpoints_log)

@@ -3,6 +3,7 @@ run's parameters are bitwise equal to an uninterrupted run's (the batch for a st
 only on the seed and the step, so the resumed run reads the same images in the same order),
 and the killed run's workers do not outlive it."""
 import os
+import re
 
 import pytest
 
@@ -75,3 +76,38 @@ def test_kill_minus_9_with_workers_then_resume_is_bitwise(tmp_path, capsys):
     assert train_main(_args(folder, work, "data.workers=1")) == 0
     assert resumed_step(capsys.readouterr().out) >= 6
     assert_params_bitwise_equal(tmp_path / "ref" / "params.npz", work / "params.npz")
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs /proc")
+def test_a_worker_killed_mid_send_ends_jaxcnn_train_with_one_line(tmp_path):
+    """SIGKILL (the OOM killer) to one of jaxcnn-train's 2 grain workers while its 400 KB
+    batches go through grain's pipe left the trainer asleep at 0% CPU, deaf to SIGTERM (3 runs
+    in 3). Now it exits 1 within seconds: one line naming the worker and its signal, and a
+    checkpoint of the steps done."""
+    import signal
+    import time
+    folder = tmp_path / "shapes"
+    write_shapes_folder(folder, per_class=(12, 2), classes=["blue", "green", "red"], size_range=(64, 80))
+    work = tmp_path / "w"
+    proc = Killable(_args(folder, work, "data.workers=2", "data.image_size=[64,64]", "data.batch_size=32",
+                          "train.steps=1000", "checkpoint.every=1000", "logging.log_every=1"),
+                    cache_dir=xla_cache.directory())
+    try:
+        assert wait_for(lambda: proc.saw("step 3/"), proc), proc.output
+        workers = [p for p in _children(proc.proc.pid) if _running(p)
+                   and b"resource_tracker import" not in open(f"/proc/{p}/cmdline", "rb").read()]
+        assert len(workers) == 2, workers
+        os.kill(workers[1], signal.SIGKILL)
+        killed = time.monotonic()
+        proc.finish(timeout=60)
+    finally:
+        if proc.alive():
+            proc.kill()
+    assert time.monotonic() - killed < 15
+    assert proc.proc.returncode == 1, proc.output
+    errors = [line for line in proc.lines if not line.startswith("[jaxcnn]") and not line.startswith("step ")]
+    assert len(errors) == 1, errors
+    assert re.match(rf"jaxcnn-train: error: data worker [12] of 2 \(pid {workers[1]}\) was killed by SIGKILL ",
+                    errors[0]), errors
+    step = int(errors[0].rsplit("checkpoint saved at step ", 1)[1])
+    assert step >= 3 and str(step) in os.listdir(work / "checkpoints")
