@@ -108,9 +108,9 @@ class DistributedError(RuntimeError):
 
 
 class DataWorkerDied(RuntimeError):
-    """A data loader's worker process died (killed by a signal, the out-of-memory killer's
-    SIGKILL most often, or ended with a nonzero exit code) before it made the batches it owed:
-    the message names the worker, its pid and how it ended."""
+    """A data loader's worker process died while the loader ran (killed by a signal, the
+    out-of-memory killer's SIGKILL most often, or ended with a nonzero exit code): the message
+    names the worker, its pid and how it ended."""
 
 
 class TrainingStopped(RuntimeError):

@@ -247,8 +247,9 @@ class Loader:
             if self._fetcher is None:
                 batch = next(self._iter)
             else:
-                batch = self._fetcher.next(lambda: dead_worker_error(self._roster, self._next_batch),
-                                           lambda: self._closed)
+                batch = self._fetcher.next(
+                    lambda cause=None: dead_worker_error(self._roster, self._next_batch, cause),
+                    lambda: self._closed)
                 self._roster.track()
             self._next_batch += 1
             return self._ring.take(batch) if self._ring is not None else batch
@@ -266,8 +267,11 @@ class Loader:
         as daemon threads, and the other workers run on until the process ends (see
         `jaxcnn.data.workers`; ``jaxcnn-train`` then ends its process at once)."""
         self._closed = True
-        self._stop_fetcher()
-        closer = threading.Thread(target=self._close_grain, name="jaxcnn-loader-close", daemon=True)
+        if self._ring is not None:
+            self._ring.stop()  # no worker waits for a block the reader will never free
+        self._fetcher.stop()
+        closer = threading.Thread(target=self._close_grain, args=(True,), name="jaxcnn-loader-close",
+                                  daemon=True)
         closer.start()
         closer.join(_CLOSE_S)
         self._release()
@@ -279,18 +283,23 @@ class Loader:
         self._closed = True
         if self._ring is not None:
             self._ring.stop()
-        self._stop_fetcher()
+        if self._fetcher is not None:
+            self._fetcher.stop()
         self._close_grain()
         self._release()
 
-    def _stop_fetcher(self):
-        if self._fetcher is not None and not self._fetcher.busy:
-            self._fetcher.stop()
-
-    def _close_grain(self):
+    def _close_grain(self, abandoned: bool = False):
         close = getattr(self._iter, "close", None)
-        if close is not None:
+        if close is None:
+            return
+        try:
             close()
+        except Exception:  # noqa: BLE001
+            # After a worker died, grain's clean-up can race its own reading thread on the dead
+            # worker's iterator (an AttributeError on a process it has just cleared): nothing is
+            # left to clean, and a traceback on a thread would break the trainer's one line.
+            if not abandoned:
+                raise
 
     def _release(self):
         """Unlinks this loader's shared memory (once its workers have stopped)."""

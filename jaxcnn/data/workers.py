@@ -113,7 +113,10 @@ def start_worker(parent: int, roster: str | None, worker_index: int = 0, worker_
 def _describe_end(code: int) -> str:
     if code >= 0:
         return f"exited with code {code}"
-    name = signal.Signals(-code).name
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:  # a real-time signal without a name
+        name = f"signal {-code}"
     if -code == signal.SIGKILL:
         return (f"was killed by {name} (what the out-of-memory killer sends: give the run more "
                 f"memory or fewer data.workers)")
@@ -205,8 +208,9 @@ class Fetcher:
 
     `next` waits for the answer in slices of `WATCH_S`; between slices it calls ``check()``,
     which returns an error to raise (a dead worker) or None, and stops waiting once
-    ``closed()`` is true. An exception from ``next(iterator)`` is re-raised (through ``check()``
-    first, which may explain it: grain's "terminated unexpectedly" is a dead worker).
+    ``closed()`` is true. A ``RuntimeError`` from ``next(iterator)`` goes through
+    ``check(error)`` first, which may explain it (grain's "terminated unexpectedly" is a dead
+    worker); any exception is re-raised.
     """
 
     def __init__(self, iterator):
@@ -223,11 +227,6 @@ class Fetcher:
                     self._answers.put((True, next(self._iterator)))
                 except BaseException as err:  # noqa: BLE001 - handed to the caller, who re-raises it
                     self._answers.put((False, err))
-
-    @property
-    def busy(self) -> bool:
-        """A call is under way in the thread (a caller gave up waiting for it, or waits now)."""
-        return self._busy
 
     def next(self, check, closed):
         if not self._busy:
@@ -247,19 +246,23 @@ class Fetcher:
         if ok:
             return value
         if isinstance(value, RuntimeError) and not isinstance(value, DataWorkerDied):
-            error = check()
+            error = check(value)
             if error is not None:
                 raise error from value
         raise value
 
     def stop(self) -> None:
-        """Ends the thread once it has no call under way."""
+        """Ends the thread after the call under way, if any (requests are served in order)."""
         self._requests.put(False)
 
 
-def dead_worker_error(roster: Roster, batch: int):
-    """The `DataWorkerDied` to raise for ``roster``'s first dead worker, or None."""
+def dead_worker_error(roster: Roster, batch: int, cause: BaseException | None = None):
+    """The `DataWorkerDied` to raise for ``roster``'s first dead worker, or None. ``cause``:
+    an error grain raised; its "terminated unexpectedly" is a dead worker even when the roster
+    never saw that worker (one reaped by another part of this process before it was found)."""
     dead = roster.dead()
+    if dead is None and cause is not None and "terminated unexpectedly" in str(cause):
+        dead = f"a data worker {str(cause).split('. ')[0].replace('Worker process was ', 'was ')}"
     if dead is None:
         return None
     return DataWorkerDied(f"{dead} while the loader waited for batch {batch}")

@@ -421,12 +421,20 @@ class Training:
 
     def stop_for_dead_worker(self, err: RuntimeError, state, done: int) -> None:
         """For a data worker that died (`DataWorkerDied`): saves the state after step ``done``
-        and raises the error again, saying so and at which step; any other error is left as is."""
-        if isinstance(err, DataWorkerDied):
+        and raises the error again, saying so and at which step; any other error is left as is.
+        In a multi-process run nothing is saved: the save waits for every process at a barrier,
+        and the others wait in the next step's collective (they see this process lost)."""
+        if not isinstance(err, DataWorkerDied):
+            return
+        if jax.process_count() > 1:
+            saved = (f"stopped after step {done} in process {jax.process_index()} of "
+                     f"{jax.process_count()}, no checkpoint (the other processes cannot join its save)")
+        elif self.manager is None:
+            saved = f"stopped after step {done}, no checkpoint (checkpoint.enabled: false)"
+        else:
             self.save(state, done)
-            saved = (f"checkpoint saved at step {done}" if self.manager is not None
-                     else f"stopped after step {done}, no checkpoint (checkpoint.enabled: false)")
-            raise DataWorkerDied(f"{err}; {saved}") from None
+            saved = f"checkpoint saved at step {done}"
+        raise DataWorkerDied(f"{err}; {saved}") from None
 
     def stop_for_signal(self, state, done: int, signum: int) -> str:
         """Saves the state after step ``done`` and says so; returns the signal's name."""

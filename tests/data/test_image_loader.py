@@ -152,9 +152,45 @@ def _grain_workers(before=frozenset()):
     return [p for p in multiprocessing.active_children() if p.name.startswith("grain") and p.pid not in before]
 
 
+def _wait_until_writing_a_pipe(pid, timeout=10):
+    """Until a thread of process ``pid`` blocks writing a pipe (its queue's feeder thread,
+    mid-send), as /proc's wchan shows; gives up after ``timeout`` s (wchan may read 0)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for task in os.listdir(f"/proc/{pid}/task"):
+            try:
+                with open(f"/proc/{pid}/task/{task}/wchan") as f:
+                    if "pipe_write" in f.read():
+                        return
+            except OSError:
+                pass
+        time.sleep(0.02)
+
+
 def _pids():
     import multiprocessing
     return frozenset(p.pid for p in multiprocessing.active_children())
+
+
+def test_a_dead_worker_the_roster_never_saw_is_still_named_from_grains_error():
+    """A worker reaped elsewhere in this process before the roster found it: grain's
+    "terminated unexpectedly" is then the only word of it, and is still a DataWorkerDied."""
+    from jaxcnn.data.workers import Roster, _describe_end, dead_worker_error
+    roster = Roster(2)
+    try:
+        assert dead_worker_error(roster, 7) is None
+        grain_says = RuntimeError("Worker process was terminated unexpectedly with exit code -9. Search the "
+                                  "logs above for the source of the crash.")
+        err = dead_worker_error(roster, 7, grain_says)
+        assert isinstance(err, DataWorkerDied)
+        assert str(err) == "a data worker was terminated unexpectedly with exit code -9 while the loader waited " \
+                           "for batch 7"
+        assert dead_worker_error(roster, 7, RuntimeError("something else")) is None
+    finally:
+        roster.close()
+    assert _describe_end(3) == "exited with code 3"
+    assert _describe_end(-15) == "was killed by SIGTERM"
+    assert _describe_end(-40) == "was killed by signal 40"  # a real-time signal has no name
 
 
 class _LargeBatches:
@@ -189,8 +225,10 @@ def test_a_worker_killed_while_it_sends_a_large_batch_is_an_error_within_seconds
             while len(workers) < 2 and time.monotonic() < deadline:
                 workers = _grain_workers(before)
                 time.sleep(0.01)
-            time.sleep(0.5)  # each worker's next batch made and waiting in its pipe
             victim = workers[0]  # its batch is next, or the one after
+            if not shared_memory:  # its next batch made and waiting half-sent in its pipe
+                _wait_until_writing_a_pipe(victim.pid)
+            time.sleep(0.2)
             os.kill(victim.pid, signal.SIGKILL)
             reader = threading.Thread(target=read, daemon=True)
             started = time.monotonic()

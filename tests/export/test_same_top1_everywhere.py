@@ -8,6 +8,7 @@ white in predict (10/20)."""
 import contextlib
 import io
 import json
+import os
 
 import numpy as np
 import pytest
@@ -17,7 +18,9 @@ from jaxcnn.export.cli import main as export_main
 from jaxcnn.predict import image_files, load_predictor
 from jaxcnn.train.cli import eval_main, train_main
 
-CONFIG = "configs/shapes_folder.yaml"
+pytest.importorskip("onnxruntime")
+CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs",
+                      "shapes_folder.yaml")
 _ORIENTATION = 0x0112
 
 

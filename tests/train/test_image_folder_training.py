@@ -376,7 +376,7 @@ def test_a_data_worker_killed_mid_run_is_one_line_and_a_checkpoint(shapes, tmp_p
     step = int(err.rsplit("checkpoint saved at step ", 1)[1])
     assert 1 <= step <= 13, err
     assert re.fullmatch(r"jaxcnn-train: error: data worker [12] of 2 \(pid \d+\) was killed by SIGKILL \(.*\) "
-                        r"while the loader waited for batch 1[0-9]; checkpoint saved at step \d+\n", err), err
+                        r"while the loader waited for batch \d+; checkpoint saved at step \d+\n", err), err
     assert str(step) in os.listdir(tmp_path / "w" / "checkpoints")
     monkeypatch.undo()
     assert train_main(_args(folder, tmp_path / "w", "data.on_bad_image=skip")) == 0
