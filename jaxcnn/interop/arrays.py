@@ -23,6 +23,7 @@ import numpy as np
 import safetensors
 import safetensors.numpy
 
+from jaxcnn.data.files import write_whole
 from jaxcnn.data.npz import npz_headers
 
 COLLECTIONS = ("params", "state")
@@ -201,16 +202,30 @@ def _check_exists(path):
         raise FileNotFoundError(f"{path}: no such file")
 
 
-def save_npz(path, params, state=None) -> None:
-    """Write ``params`` and ``state`` to an uncompressed ``.npz`` file.
+def save_npz(path, params, state=None) -> str:
+    """Write ``params`` and ``state`` to an uncompressed ``.npz`` file, whole or not at all.
 
     Arguments:
-        path: file to write (NumPy adds ``.npz`` if the name lacks it).
+        path: file to write (``.npz`` is added if the name lacks it, as NumPy does).
         params: nested dict of arrays (e.g. a model's parameters).
         state: nested dict of arrays (BatchNorm statistics), or None for ``{}``.
+
+    Returns:
+        The path written.
+
+    Raises:
+        OSError (a full disk): a file already at the path is left as it was and no partial
+        file is left behind (`jaxcnn.data.files.write_whole`).
     """
+    path = os.fspath(path)
+    path = path if path.endswith(".npz") else path + ".npz"
     arrays, meta = _encode(params, state)
-    np.savez(path, **arrays, **{_META_KEY: np.array(json.dumps(meta))})
+
+    def write(partial):
+        with open(partial, "wb") as f:  # a file object: NumPy adds no suffix to the partial name
+            np.savez(f, **arrays, **{_META_KEY: np.array(json.dumps(meta))})
+    write_whole(path, write)
+    return path
 
 
 def load_npz(path, *, like=None, skip=()):
@@ -244,16 +259,25 @@ def load_npz(path, *, like=None, skip=()):
                    skip)
 
 
-def save_safetensors(path, params, state=None) -> None:
-    """Write ``params`` and ``state`` to a ``.safetensors`` file.
+def save_safetensors(path, params, state=None) -> str:
+    """Write ``params`` and ``state`` to a ``.safetensors`` file, whole or not at all.
 
     Arguments:
         path: file to write.
         params: nested dict of arrays.
         state: nested dict of arrays, or None for ``{}``.
+
+    Returns:
+        The path written.
+
+    Raises:
+        OSError: as :func:`save_npz`.
     """
+    path = os.fspath(path)
     arrays, meta = _encode(params, state)
-    safetensors.numpy.save_file(arrays, os.fspath(path), metadata={_META_KEY: json.dumps(meta)})
+    write_whole(path, lambda partial: safetensors.numpy.save_file(
+        arrays, partial, metadata={_META_KEY: json.dumps(meta)}))
+    return path
 
 
 def load_safetensors(path, *, like=None, skip=()):

@@ -10,6 +10,7 @@ from typing import Mapping
 
 import jax
 
+from jaxcnn.data.files import write_whole
 from jaxcnn.errors import WorkdirError
 from jaxcnn.train.rundir import RunDir
 
@@ -109,7 +110,7 @@ class MetricsWriter:
 
 
 def _truncate_after(path: str, step: int) -> set[tuple[int, str]]:
-    """Rewrites ``path`` (atomically) keeping the records of steps up to ``step``; returns the
+    """Rewrites ``path`` (whole or not at all: `write_whole`) keeping the records of steps up to ``step``; returns the
     ``(step, kind)`` of the records kept at ``step`` itself."""
     with open(path, encoding="utf-8") as f:
         lines = f.readlines()
@@ -125,12 +126,12 @@ def _truncate_after(path: str, step: int) -> set[tuple[int, str]]:
                 at_step.add((step, str(record.get("kind"))))
     if len(kept) == len(lines):
         return at_step
-    tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.writelines(kept)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    def write(partial):
+        with open(partial, "w", encoding="utf-8") as f:
+            f.writelines(kept)
+            f.flush()
+            os.fsync(f.fileno())
+    write_whole(path, write)
     return at_step
 
 

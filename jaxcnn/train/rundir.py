@@ -26,6 +26,7 @@ import time
 import jax
 
 from jaxcnn import _host_memory
+from jaxcnn.data.files import write_whole
 from jaxcnn.data.preprocessing import PREPROCESSING_FILE
 from jaxcnn.errors import WorkdirError
 from jaxcnn.train.config import path_keys
@@ -199,8 +200,11 @@ class RunDir:
         meta = run_metadata(argv, config_path)
         if data is not None:
             meta["data"] = data
-        with open(self.meta, "w", encoding="utf-8") as f:
-            json.dump(meta, f, indent=2)
+
+        def write(partial):
+            with open(partial, "w", encoding="utf-8") as f:
+                json.dump(meta, f, indent=2)
+        write_whole(self.meta, write)  # a full disk leaves the one an earlier start wrote
 
     def read_meta(self) -> dict:
         """``run_meta.json`` as written (``{}`` when missing, unreadable or not an object)."""
@@ -212,23 +216,18 @@ class RunDir:
         return meta if isinstance(meta, dict) else {}
 
     def save_params(self, fmt: str, trees, save) -> str | None:
-        """Write ``params.<fmt>`` with ``save(path, *trees)`` through a partial file renamed into
-        place, so an old parameter file is never half overwritten.
+        """Write ``params.<fmt>`` with ``save(path, *trees)``, a writer that writes whole or not
+        at all (`jaxcnn.interop.save_npz`, `~jaxcnn.interop.save_safetensors`), so an old
+        parameter file is never half overwritten.
 
         Returns:
             None, or the one-line reason it could not be written (a full disk): the partial
             file is removed and everything else is kept.
         """
         path = self.params(fmt)
-        partial = self._join(f"params.partial.{fmt}")
         try:
-            save(partial, *trees)
-            os.replace(partial, path)
+            save(path, *trees)
         except OSError as e:
-            try:
-                os.remove(partial)
-            except OSError:
-                pass
             return f"cannot write {path} ({e.strerror or e}); the partial file was removed"
         return None
 

@@ -170,17 +170,17 @@ def test_out_is_the_file_written(params_file, tmp_path, capsys):
     assert json.loads(capsys.readouterr().out)["out"] == out + ".npz"
 
 
-@pytest.mark.parametrize("fmt", ["stablehlo", "onnx"])
+@pytest.mark.parametrize("fmt", ["stablehlo", "onnx", "npz", "safetensors"])
 def test_a_full_disk_keeps_the_earlier_export_and_leaves_no_partial_file(params_file, tmp_path, capsys,
                                                                           monkeypatch, fmt):
     """An export over a full disk: one line, the file an earlier export wrote at --out left as it
-    was, and no half-written file (the model was written in place)."""
+    was, and no half-written file (the model, or a parameter file, was written in place)."""
     import errno
 
     from jaxcnn.data import files
     if fmt == "onnx":
         pytest.importorskip("onnx")
-    out = tmp_path / f"model.{'onnx' if fmt == 'onnx' else 'stablehlo'}"
+    out = tmp_path / f"model.{fmt}"
     out.write_bytes(b"the earlier export")
     whole = files.write_whole
 
@@ -191,7 +191,7 @@ def test_a_full_disk_keeps_the_earlier_export_and_leaves_no_partial_file(params_
                 f.truncate(os.path.getsize(partial) // 2)
             raise OSError(errno.ENOSPC, "No space left on device", partial)
         return whole(path, half_then_enospc)
-    for module in ("jaxcnn.export.stablehlo", "jaxcnn.export.onnx_export"):
+    for module in ("jaxcnn.export.stablehlo", "jaxcnn.export.onnx_export", "jaxcnn.interop.arrays"):
         monkeypatch.setattr(f"{module}.write_whole", full_disk)
     assert main([params_file, "--model", "mnist_cnn", "--format", fmt, "--out", str(out)]) == 2
     err = _one_line_error(capsys, "jaxcnn-export")

@@ -203,21 +203,20 @@ def test_full_disk_while_writing_params_keeps_checkpoints_and_removes_the_partia
                                                                                      monkeypatch):
     """ENOSPC while params.npz is written: one line, exit 2; the partial file is removed, the
     previous params.npz is untouched and the checkpoints are kept."""
-    from jaxcnn import interop
+    import numpy as np
     workdir = tmp_path / "w"
     workdir.mkdir()
     (workdir / "params.npz").write_bytes(b"the previous file")
 
-    def full_disk(path, *a, **k):
-        with open(path, "wb") as f:
-            f.write(b"half")
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
-    monkeypatch.setattr(interop, "save_npz", full_disk)
+    def full_disk(file, *a, **k):  # NumPy's writer, half way through the file
+        file.write(b"half")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), file.name)
+    monkeypatch.setattr(np, "savez", full_disk)
     line = one_line(*cli([tiny, "checkpoint.enabled=true", "--workdir", workdir])[::2])
     assert f"cannot write {workdir / 'params.npz'} (No space left on device)" in line
     assert "partial file was removed" in line and "checkpoints in" in line and "are kept" in line
-    assert not (workdir / "params.partial.npz").exists()
     assert (workdir / "params.npz").read_bytes() == b"the previous file"
+    assert not [n for n in os.listdir(workdir) if "partial" in n], os.listdir(workdir)
     assert "2" in os.listdir(workdir / "checkpoints")
 
 
