@@ -10,7 +10,9 @@ coloured shapes (`jaxcnn.data.shapes`).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import secrets
 import sys
 
 from jaxcnn._cli import OneLineParser, path_arg
@@ -56,7 +58,7 @@ def _parser():
     convert.add_argument("root", type=path_arg,
                          help="image folder: ROOT/train/<class>/<image>, ROOT/val/<class>/<image>")
     convert.add_argument("out", type=path_arg,
-                         help="directory for <split>.array_record and dataset.json (created; not inside ROOT)")
+                         help="directory for <split>-<token>.array_record and dataset.json (created; not inside ROOT)")
     convert.add_argument("--splits", default="train,val", help="comma-separated splits (default train,val)")
     convert.add_argument("--on-bad-image", choices=("skip", "fail"), default="skip",
                          help="a file that does not decode: leave it out (skip) or stop (fail)")
@@ -89,7 +91,12 @@ def _progress_bar(total, desc, enabled):
 
 def convert(root, out, *, splits=("train", "val"), on_bad_image="skip", workers=0, progress=True,
             say=print, outside_links=False) -> dict:
-    """Writes ``splits`` of the image folder ``root`` to ``out``; returns the sidecar's ``splits``."""
+    """Writes ``splits`` of the image folder ``root`` to ``out``; returns the sidecar's ``splits``.
+
+    The records go to files of new names (`jaxcnn.data.records.record_file`); ``dataset.json``,
+    renamed into place last, switches readers to them, and the files it named before for these
+    splits are then removed. A conversion that fails removes the files it wrote and leaves
+    ``out`` as it was."""
     from jaxcnn.data.folder import FolderSource, scan_folder
     from jaxcnn.data.records import record_file, write_sidecar, write_split
 
@@ -102,48 +109,85 @@ def convert(root, out, *, splits=("train", "val"), on_bad_image="skip", workers=
     # every split is scanned before anything is written
     indexes = scan_folder(root, splits, on_bad_image=on_bad_image, outside_links=outside_links)
     names = indexes[splits[0]].class_names
-    info = _kept_splits(out, names, set(indexes))
+    previous = _previous_sidecar(out)
+    info = _kept_splits(out, previous, names, set(indexes))
     os.makedirs(out, exist_ok=True)
-    for split, index in indexes.items():
-        bar = _progress_bar(len(index), split, progress)
-        try:
-            written, bad = write_split(index, os.path.join(out, record_file(split)), on_bad_image=on_bad_image,
-                                       workers=workers, progress=None if bar is None else bar.update)
-        finally:
-            if bar is not None:
-                bar.close()
-        bad = list(index.unlisted) + list(index.skipped) + bad
-        for message in bad[:20]:
-            say(f"[jaxcnn-data] skipped {message}")
-        if len(bad) > 20:
-            say(f"[jaxcnn-data] ... and {len(bad) - 20} more")
-        # The folder's listing (jaxcnn.data.folder.FolderSource.fingerprint): a run on the records
-        # tells one conversion from another by it (a changed folder converted again).
-        info[split] = {"file": record_file(split), "count": written, "skipped": len(bad),
-                       "sha256": FolderSource(index).fingerprint()["sha256"]}
-        say(f"[jaxcnn-data] {split}: {written} images in {len(names)} classes -> "
-            f"{os.path.join(out, record_file(split))} ({len(bad)} skipped)")
-    write_sidecar(out, names, info)
+    token, written_files = secrets.token_hex(4), []
+    try:
+        for split, index in indexes.items():
+            path = os.path.join(out, record_file(split, token))
+            written_files.append(path)
+            bar = _progress_bar(len(index), split, progress)
+            try:
+                written, bad = write_split(index, path, on_bad_image=on_bad_image, workers=workers,
+                                           progress=None if bar is None else bar.update)
+            finally:
+                if bar is not None:
+                    bar.close()
+            bad = list(index.unlisted) + list(index.skipped) + bad
+            for message in bad[:20]:
+                say(f"[jaxcnn-data] skipped {message}")
+            if len(bad) > 20:
+                say(f"[jaxcnn-data] ... and {len(bad) - 20} more")
+            # The folder's listing (jaxcnn.data.folder.FolderSource.fingerprint): a run on the
+            # records tells one conversion from another by it (a changed folder converted again).
+            info[split] = {"file": os.path.basename(path), "count": written, "skipped": len(bad),
+                           "sha256": FolderSource(index).fingerprint()["sha256"]}
+            say(f"[jaxcnn-data] {split}: {written} images in {len(names)} classes -> {path} "
+                f"({len(bad)} skipped)")
+        write_sidecar(out, names, info)
+    except BaseException:
+        for path in written_files:  # not named by any dataset.json: nothing reads them
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(path)
+        raise
+    _remove_replaced(out, previous, info, say)
     return info
 
 
-def _kept_splits(out: str, class_names, converting: set) -> dict:
-    """The sidecar entries of the splits an earlier ``convert`` wrote to ``out`` that this one
-    leaves alone (``--splits val`` after a whole conversion): kept, so their records stay
-    listed (the new sidecar listed only ``val``, and the ``train`` records were lost to the
-    reader). Splits of other classes than ``class_names`` cannot be kept: a ValueError."""
+def _previous_sidecar(out: str):
+    """The ``dataset.json`` an earlier ``convert`` wrote to ``out`` (None: none, or one this
+    version does not read, which is replaced)."""
     from jaxcnn.data.records import SIDECAR, read_sidecar
     if not os.path.isfile(os.path.join(out, SIDECAR)):
-        return {}
+        return None
     try:
-        meta = read_sidecar(out)
-    except DataError:  # not a sidecar this version reads: replaced, as before
+        return read_sidecar(out)
+    except DataError:
+        return None
+
+
+def _remove_replaced(out: str, previous, info: dict, say) -> None:
+    """Removes the record files ``previous`` named that the new sidecar (``info``) does not. A
+    trainer that still reads them keeps its open files (POSIX), and stops at its next evaluation
+    when it sees that ``dataset.json`` changed (`jaxcnn.data.ImageData.changes_since_opened`)."""
+    if previous is None:
+        return
+    named = {entry["file"] for entry in info.values()}
+    for entry in previous["splits"].values():
+        if entry["file"] not in named:
+            path = os.path.join(out, entry["file"])
+            try:
+                os.remove(path)
+            except FileNotFoundError:
+                pass
+            except OSError as err:
+                say(f"[jaxcnn-data] could not remove the replaced {path} ({err.strerror or err})")
+
+
+def _kept_splits(out: str, previous, class_names, converting: set) -> dict:
+    """The sidecar entries of the splits an earlier ``convert`` wrote to ``out`` (``previous``,
+    its sidecar) that this one leaves alone (``--splits val`` after a whole conversion): kept,
+    so their records stay listed (the new sidecar listed only ``val``, and the ``train``
+    records were lost to the reader). Splits of other classes than ``class_names`` cannot be
+    kept: a ValueError."""
+    if previous is None:
         return {}
-    kept = {split: entry for split, entry in meta["splits"].items()
+    kept = {split: entry for split, entry in previous["splits"].items()
             if split not in converting and os.path.isfile(os.path.join(out, entry["file"]))}
-    if kept and list(meta["class_names"]) != list(class_names):
+    if kept and list(previous["class_names"]) != list(class_names):
         raise ValueError(f"{out} holds the {', '.join(sorted(kept))} records of other classes "
-                         f"({len(meta['class_names'])}: {meta['class_names'][:5]}...; now {len(class_names)}: "
+                         f"({len(previous['class_names'])}: {previous['class_names'][:5]}...; now {len(class_names)}: "
                          f"{list(class_names)[:5]}...): convert those splits too (--splits), or give a new OUT")
     return kept
 

@@ -73,6 +73,7 @@ class ImageData:
         if source == "folder":
             from jaxcnn.data.folder import FolderSource, scan_folder
 
+            self._outside_links = outside_links
             index = scan_folder(path, on_bad_image=on_bad_image, outside_links=outside_links)
             self.train, self.val = FolderSource(index["train"]), FolderSource(index["val"])
             self.skipped_at_open = len(index["train"].skipped) + len(index["val"].skipped)
@@ -119,20 +120,41 @@ class ImageData:
         return dict(self._fingerprint)
 
     def changes_since_opened(self) -> list[str]:
-        """How a record directory's records differ now from when it was opened (`data_changes`
-        phrases; empty: the same): ``jaxcnn-data convert`` run into it again under a running
-        trainer changed its validation data silently. A folder is not scanned again (its
-        listing costs a scan) and gives ``[]``."""
-        if self.source != "records":
-            return []
-        from jaxcnn.data.records import RecordSource
+        """How the data differ now from when they were opened (`data_changes` phrases, or the
+        one-line error that opening them now gives; empty: the same). The trainer asks before
+        each evaluation: ``jaxcnn-data convert`` run into a record directory again, or images
+        added to, removed from or renamed in an image folder's ``val`` split, changed what a
+        running trainer evaluated on, silently.
 
+        A record directory is compared as a whole (``dataset.json``; the same folder converted
+        again is a change too, as its files were replaced). Of an image folder only
+        ``val`` is listed again, which costs less than the evaluation that reads every file of
+        it: the training split's file list is fixed when it is opened, and listing it again
+        would cost in proportion to it at every evaluation (a file removed from it is a bad
+        image when its turn comes). Names are compared, not contents: a file rewritten in
+        place under the same name is not seen."""
         try:
-            train, val = RecordSource(self.path, "train"), RecordSource(self.path, "val")
+            if self.source == "records":
+                from jaxcnn.data.records import RecordSource
+
+                train, val = RecordSource(self.path, "train"), RecordSource(self.path, "val")
+                now = dict(self.fingerprint(), classes=len(train.class_names), train=train.fingerprint(),
+                           val=val.fingerprint())
+                # The same folder converted again: the same examples, in files that replaced the
+                # run's (removed; a worker started now could not open them). A resume takes them.
+                rewritten = [f"{split}: converted again ({os.path.basename(new.path)} replaced "
+                             f"{os.path.basename(old.path)})"
+                             for split, old, new in (("train", self.train, train), ("val", self.val, val))
+                             if new.path != old.path]
+                return data_changes(self.fingerprint(), now) or rewritten
+            else:
+                from jaxcnn.data.folder import FolderSource, scan_split
+
+                val = FolderSource(scan_split(self.path, "val", self.class_names, on_bad_image=self.on_bad_image,
+                                              outside_links=self._outside_links))
+                now = dict(self.fingerprint(), val=val.fingerprint())
         except DataError as err:
             return [str(err)]
-        now = dict(self.fingerprint(), classes=len(train.class_names), train=train.fingerprint(),
-                   val=val.fingerprint())
         return data_changes(self.fingerprint(), now)
 
     @property

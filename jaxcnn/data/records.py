@@ -1,8 +1,10 @@
 """Image folders as ArrayRecord files, read by index through grain's ``ArrayRecordDataSource``.
 
-``jaxcnn-data convert ROOT OUT`` writes ``OUT/train.array_record`` and ``OUT/val.array_record``
-(one record per image, in the image folder's order) and ``OUT/dataset.json``, which names the
-classes and counts the records. A record is a fixed header followed by the image file's
+``jaxcnn-data convert ROOT OUT`` writes ``OUT/train-<token>.array_record`` and
+``OUT/val-<token>.array_record`` (one record per image, in the image folder's order, new names
+for each conversion) and then ``OUT/dataset.json``, which names the classes, the files and their
+record counts: its rename switches readers from one conversion to the next, so a reader that
+opens the directory never sees half of one and half of another. A record is a fixed header followed by the image file's
 bytes, exactly as they were on disk::
 
     b"JXIR" | version (1 byte) | label (uint32, little-endian) | sha256(label bytes + image bytes) | image bytes
@@ -20,6 +22,7 @@ import json
 import os
 import struct
 
+from jaxcnn.data.files import write_whole
 from jaxcnn.data.folder import class_names_digest
 from jaxcnn.errors import BadImageError, DataError
 
@@ -34,9 +37,11 @@ SIDECAR_MAX_BYTES = 64 << 20
 WRITER_OPTIONS = "group_size:1"
 
 
-def record_file(split: str) -> str:
-    """The file name of a split's records."""
-    return f"{split}.array_record"
+def record_file(split: str, token: str) -> str:
+    """The file name of one conversion's records of a split, ``train-<token>.array_record``:
+    each conversion writes files of new names and switches a reader to them in one step, the
+    rename of ``dataset.json`` (`write_sidecar`); a record file is never rewritten."""
+    return f"{split}-{token}.array_record"
 
 
 def _first_line(err) -> str:
@@ -145,6 +150,9 @@ class RecordSource:
         try:
             record = self._records[i]
         except Exception as err:  # noqa: BLE001 - a damaged chunk fails in the reader
+            if not os.path.exists(self.path):  # a reader opened anew (a worker) after a conversion
+                raise DataError(f"{self.path}: record file removed while the run read it (jaxcnn-data "
+                                f"convert wrote {os.path.dirname(self.path)} again)") from None
             raise BadImageError(f"{name}: damaged record ({type(err).__name__}: {_first_line(err)})") from None
         payload, label = decode_record(record, name)
         if label >= len(self.class_names):
@@ -253,11 +261,11 @@ def _verified(item):
 
 
 def write_sidecar(out_dir, class_names, splits: dict) -> None:
-    """Writes ``dataset.json`` atomically: ``splits = {split: {"file", "count", "skipped"}}``."""
-    path = os.path.join(os.fspath(out_dir), SIDECAR)
-    partial = path + ".partial"
-    with open(partial, "w", encoding="utf-8") as f:
-        json.dump({"format": FORMAT, "version": VERSION, "class_names": list(class_names), "splits": splits},
-                  f, indent=2)
-        f.write("\n")
-    os.replace(partial, path)
+    """Writes ``dataset.json`` whole or not at all (`write_whole`):
+    ``splits = {split: {"file", "count", "skipped", "sha256"}}``."""
+    def write(partial):
+        with open(partial, "w", encoding="utf-8") as f:
+            json.dump({"format": FORMAT, "version": VERSION, "class_names": list(class_names), "splits": splits},
+                      f, indent=2)
+            f.write("\n")
+    write_whole(os.path.join(os.fspath(out_dir), SIDECAR), write)

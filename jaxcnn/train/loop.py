@@ -474,8 +474,9 @@ class Training:
 
     def evaluate(self, state) -> dict:
         """The eval metrics of the parameters the run exports (their moving average with
-        ``train.ema_decay``). Record files converted again under the run stop it first,
-        naming the change, rather than changing its validation data silently."""
+        ``train.ema_decay``). Data changed under the run (records converted again, images of
+        a folder's ``val`` split added, removed or renamed: `ImageData.changes_since_opened`)
+        stop it first, naming the change, rather than changing its validation data silently."""
         images = self.run.images
         if images is not None and (changes := images.changes_since_opened()):
             raise DataError(f"{images.path}: the data changed while the run trained ({'; '.join(changes)}); "

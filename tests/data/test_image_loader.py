@@ -3,6 +3,7 @@ records are caught by their checksum, any number of workers gives the same batch
 at a step gives the batches of a run that went through, bad images are skipped and counted or
 stop the loader with the file's name, and processes share each epoch exactly once."""
 import os
+import re
 import shutil
 import time
 
@@ -76,7 +77,7 @@ def test_records_give_the_folder_batches_bit_for_bit(folder, records):
 def test_damaged_record_is_a_bad_image(folder, tmp_path):
     out = tmp_path / "rec"
     assert data_main(["convert", str(folder), str(out), "--splits", "train", "--no-progress"]) == 0
-    path = out / "train.array_record"
+    path = out / read_sidecar(out)["splits"]["train"]["file"]
     data = bytearray(path.read_bytes())
     # Flip one byte inside a stored image: ArrayRecord's own chunk check or our SHA-256 must see it.
     first = RecordSource(out, "train")[0][0]
@@ -85,7 +86,7 @@ def test_damaged_record_is_a_bad_image(folder, tmp_path):
     data[at + 5] ^= 0x20
     path.write_bytes(bytes(data))
     source = RecordSource(out, "train")
-    with pytest.raises(BadImageError, match=r"train.array_record\[0\]: damaged record"):
+    with pytest.raises(BadImageError, match=r"train-[0-9a-f]{8}\.array_record\[0\]: damaged record"):
         source[0]
     assert source[1][1] == 0  # the others still read
     batches = _batches(source, 5, on_bad_image="skip")
@@ -426,7 +427,8 @@ def test_convert_cli_errors_are_one_line(tmp_path, capsys):
     assert "skipped" in out and str(bad) in out
     meta = read_sidecar(tmp_path / "out")
     sha = meta["splits"]["train"].pop("sha256")  # the folder's listing: a resume compares it
-    assert meta["splits"]["train"] == {"file": "train.array_record", "count": 1, "skipped": 1}
+    assert re.fullmatch(r"train-[0-9a-f]{8}\.array_record", meta["splits"]["train"].pop("file"))
+    assert meta["splits"]["train"] == {"count": 1, "skipped": 1}
     assert len(sha) == 64 and sha != meta["splits"]["val"]["sha256"]
     # The trainer's start-up line on them: a corrupt image is no "file that is not an image",
     # nor left out of the record directory (it said both), and a folder names its strays.
@@ -470,17 +472,56 @@ def test_a_full_disk_while_converting_is_one_line_and_leaves_no_partial_file(fol
     out = tmp_path / "out"
     assert data_main(["convert", str(folder), str(out), "--no-progress"]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith(
-        f"jaxcnn-data: error: {out / 'train.array_record'}: cannot write the records (write() failed: "
-        f"No space left on device; writing {out / 'train.array_record'};"), err
+    train = re.escape(str(out / "train-")) + r"[0-9a-f]{8}\.array_record"
+    assert err.count("\n") == 1 and re.match(
+        f"jaxcnn-data: error: {train}: cannot write the records \\(write\\(\\) failed: "
+        f"No space left on device; writing {train};", err), err
     assert err.rstrip().endswith("; the partial file is removed")
     assert os.listdir(out) == []
 
 
-def test_records_converted_again_under_a_run_are_a_change_it_sees(folder, tmp_path):
-    """Converting records again under a running trainer changed its validation data silently:
-    the opened records now tell what changed since they were opened (the trainer asks before
-    each evaluation and stops, naming it)."""
+def test_converting_again_writes_new_files_and_switches_readers_with_dataset_json(folder, tmp_path, monkeypatch,
+                                                                                  capsys):
+    """Converting again rewrote train.array_record and val.array_record in place, one after the
+    other, under a running trainer: each conversion now writes files of new names and switches
+    to them by renaming dataset.json; the old files go after the switch (an open reader keeps
+    reading them, one opened anew is told why it cannot), and a conversion that fails half way
+    leaves the directory as it was."""
+    import pickle
+
+    from jaxcnn.data import records
+    out = tmp_path / "out"
+    assert data_main(["convert", str(folder), str(out), "--no-progress"]) == 0
+    before, sidecar = sorted(os.listdir(out)), (out / "dataset.json").read_text()
+    opened = RecordSource(out, "val")
+    labels = [opened[i][1] for i in range(len(opened))]
+    write_split = records.write_split
+
+    def val_on_a_full_disk(index, path, **kw):
+        if os.path.basename(path).startswith("val-"):
+            raise DataError(f"{path}: cannot write the records (No space left on device)")
+        return write_split(index, path, **kw)
+    monkeypatch.setattr(records, "write_split", val_on_a_full_disk)
+    assert data_main(["convert", str(folder), str(out), "--no-progress"]) == 2
+    assert "No space left on device" in capsys.readouterr().err
+    assert sorted(os.listdir(out)) == before and (out / "dataset.json").read_text() == sidecar
+    monkeypatch.setattr(records, "write_split", write_split)
+    assert data_main(["convert", str(folder), str(out), "--no-progress"]) == 0
+    after = sorted(os.listdir(out))
+    assert len(after) == 3 and not set(after) & (set(before) - {"dataset.json"}), (before, after)
+    assert {e["file"] for e in read_sidecar(out)["splits"].values()} == set(after) - {"dataset.json"}
+    assert [opened[i][1] for i in range(len(opened))] == labels  # its file is open
+    with pytest.raises(DataError, match=r"val-[0-9a-f]{8}\.array_record: record file removed while the run "
+                                        r"read it \(jaxcnn-data convert wrote .* again\)"):
+        pickle.loads(pickle.dumps(opened))[0]  # as a worker process opens it
+    assert [RecordSource(out, "val")[i][1] for i in range(len(opened))] == labels
+
+
+def test_data_changed_under_a_run_are_a_change_it_sees(folder, tmp_path):
+    """Converting records again, or adding, removing or renaming images of an image folder's
+    val split, under a running trainer changed its validation data silently: the opened data
+    now tell what changed since they were opened (the trainer asks before each evaluation and
+    stops, naming it)."""
     from jaxcnn.data.images import ImageData
     src = tmp_path / "src"
     shutil.copytree(folder, src)
@@ -488,14 +529,32 @@ def test_records_converted_again_under_a_run_are_a_change_it_sees(folder, tmp_pa
     assert data_main(["convert", str(src), str(out), "--no-progress"]) == 0
     opened = ImageData("records", out, image_size=(16, 16))
     assert opened.changes_since_opened() == []
+    old_val = os.path.basename(opened.val.path)
+    assert data_main(["convert", str(src), str(out), "--splits", "val", "--no-progress"]) == 0
+    changes = opened.changes_since_opened()  # the same images, in a file that replaced the run's
+    assert len(changes) == 1 and re.fullmatch(
+        rf"val: converted again \(val-[0-9a-f]{{8}}\.array_record replaced {re.escape(old_val)}\)",
+        changes[0]), changes
     extra = src / "val" / "red" / "zz_extra.png"
     shutil.copy(next((src / "val" / "red").iterdir()), extra)
     assert data_main(["convert", str(src), str(out), "--splits", "val", "--no-progress"]) == 0
     assert opened.changes_since_opened() == ["val: 10 images, the run's had 9"]
-    extra.rename(src / "val" / "red" / "zz_renamed.png")
-    assert data_main(["convert", str(src), str(out), "--splits", "val", "--no-progress"]) == 0
+    extra.unlink()
+    # An image folder: its val split is listed again.
+    opened = ImageData("folder", src, image_size=(16, 16))
+    assert opened.changes_since_opened() == []
+    shutil.copy(next((src / "train" / "red").iterdir()), src / "train" / "red" / "zz_extra.png")
+    assert opened.changes_since_opened() == []  # the training split's list is fixed when opened
+    shutil.copy(next((src / "val" / "red").iterdir()), extra)
     assert opened.changes_since_opened() == ["val: 10 images, the run's had 9"]
-    assert ImageData("folder", src, image_size=(16, 16)).changes_since_opened() == []  # not scanned again
+    extra.unlink()
+    assert opened.changes_since_opened() == []
+    first = next((src / "val" / "red").iterdir())
+    first.rename(first.with_name("zz_" + first.name))
+    assert opened.changes_since_opened() == ["val: 9 images as before, but other file names"]
+    (src / "val" / "purple").mkdir()
+    changes = opened.changes_since_opened()
+    assert len(changes) == 1 and "class folders differ from the training split's" in changes[0], changes
 
 
 def test_convert_workers_are_bounded(tmp_path, capsys):
@@ -530,7 +589,12 @@ def test_converting_one_split_keeps_the_others(tmp_path, capsys):
     assert data_main(["convert", str(tmp_path / "f"), str(out), "--no-progress"]) == 0
     before = read_sidecar(out)["splits"]
     assert data_main(["convert", str(tmp_path / "f"), str(out), "--splits", "val", "--no-progress"]) == 0
-    assert read_sidecar(out)["splits"] == before and len(RecordSource(out, "train")) == 4
+    after = read_sidecar(out)["splits"]
+    assert after["train"] == before["train"] and len(RecordSource(out, "train")) == 4
+    assert after["val"]["file"] != before["val"]["file"]  # a new file; the same records
+    assert {k: v for k, v in after["val"].items() if k != "file"} == {
+        k: v for k, v in before["val"].items() if k != "file"}
+    before = after
     for split in ("train", "val"):
         os.rename(tmp_path / "f" / split / "red", tmp_path / f"red-{split}")
     capsys.readouterr()
