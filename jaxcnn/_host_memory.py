@@ -125,6 +125,27 @@ def configure_malloc(environ=os.environ, mallopt=None) -> bool:
     return ok
 
 
+def give_back_free_memory() -> bool:
+    """Returns the heap's free pages to the system (glibc ``malloc_trim(0)``) when
+    :func:`configure_malloc` changed this process's malloc; otherwise does nothing (glibc's
+    defaults give large blocks back by themselves).
+
+    For work that interleaves large short-lived allocations with XLA's runs: between two
+    forward passes ``jaxcnn-predict`` decodes photos of tens of MB each, which land in the
+    holes XLA's freed buffer left, so the next buffer grows the heap; nothing above is ever
+    trimmed, and 1,000 12-megapixel photos took 1.26 GB where 10 took 0.52 GB. Called after
+    each batch, it keeps the resident memory where 10 photos put it, at no measurable cost
+    (``docs/design/host_memory.md``).
+
+    Returns:
+        Whether it trimmed.
+    """
+    if not _configured:
+        return False
+    _glibc().malloc_trim(0)
+    return True
+
+
 def apply(environ=os.environ) -> str:
     """:func:`configure_malloc` for :func:`jaxcnn.cpu.configure`: ``"jaxcnn"`` when the
     settings were applied (now or before), else why not."""

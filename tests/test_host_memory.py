@@ -103,6 +103,22 @@ def _faults(env, before="", runs=40):
 
 
 @pytest.mark.skipif(H._glibc() is None, reason="glibc malloc settings: Linux with glibc only")
+def test_free_memory_is_given_back_only_under_the_policy(monkeypatch):
+    """give_back_free_memory trims the heap (malloc_trim(0)) only where jaxcnn's policy keeps it;
+    with glibc's defaults it leaves malloc alone."""
+    trims = []
+
+    class Glibc:
+        def malloc_trim(self, pad):
+            trims.append(pad)
+            return 1
+    monkeypatch.setattr(H, "_glibc", lambda: Glibc())
+    monkeypatch.setattr(H, "_configured", False)
+    assert H.give_back_free_memory() is False and trims == []
+    monkeypatch.setattr(H, "_configured", True)
+    assert H.give_back_free_memory() is True and trims == [0]
+
+
 def test_temporary_buffer_stays_mapped_between_runs():
     on, _, temp, faults_on = _faults(_cpu_env())
     off, reason, _, faults_off = _faults(_cpu_env(JAXCNN_CPU_MALLOC="0"))
