@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import fcntl
 import os
+import re
 import secrets
 import sys
 
@@ -94,11 +96,11 @@ def convert(root, out, *, splits=("train", "val"), on_bad_image="skip", workers=
     """Writes ``splits`` of the image folder ``root`` to ``out``; returns the sidecar's ``splits``.
 
     The records go to files of new names (`jaxcnn.data.records.record_file`); ``dataset.json``,
-    renamed into place last, switches readers to them, and the files it named before for these
-    splits are then removed. A conversion that fails removes the files it wrote and leaves
-    ``out`` as it was."""
-    from jaxcnn.data.folder import FolderSource, scan_folder
-    from jaxcnn.data.records import record_file, write_sidecar, write_split
+    renamed into place last, switches readers to them, and the record files it no longer names
+    are then removed (`_remove_replaced`). A conversion that fails removes the files it wrote
+    and leaves ``out`` as it was; one conversion at a time writes into ``out`` (a ``flock`` on
+    it)."""
+    from jaxcnn.data.folder import scan_folder
 
     if workers < 0:
         raise ValueError(f"--workers must be non-negative, got {workers}")
@@ -109,9 +111,18 @@ def convert(root, out, *, splits=("train", "val"), on_bad_image="skip", workers=
     # every split is scanned before anything is written
     indexes = scan_folder(root, splits, on_bad_image=on_bad_image, outside_links=outside_links)
     names = indexes[splits[0]].class_names
+    os.makedirs(out, exist_ok=True)
+    with _only_conversion(out):
+        return _convert(indexes, out, names, on_bad_image, workers, progress, say)
+
+
+def _convert(indexes, out, names, on_bad_image, workers, progress, say) -> dict:
+    """:func:`convert`'s writing, with the scans done and ``out`` locked."""
+    from jaxcnn.data.folder import FolderSource
+    from jaxcnn.data.records import record_file, write_sidecar, write_split
+
     previous = _previous_sidecar(out)
     info = _kept_splits(out, previous, names, set(indexes))
-    os.makedirs(out, exist_ok=True)
     token, written_files = secrets.token_hex(4), []
     try:
         for split, index in indexes.items():
@@ -145,6 +156,25 @@ def convert(root, out, *, splits=("train", "val"), on_bad_image="skip", workers=
     return info
 
 
+@contextlib.contextmanager
+def _only_conversion(out: str):
+    """Holds an exclusive ``flock`` on the directory ``out`` while a conversion writes into it:
+    a second ``convert`` into the same ``OUT`` is a ValueError (each would remove the other's
+    files). On a file system without locks nothing is guarded."""
+    fd = os.open(out, os.O_RDONLY)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise ValueError(f"{out}: another jaxcnn-data convert is writing into it; wait for it to "
+                             "end, or give another OUT") from None
+        except OSError:
+            pass
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
 def _previous_sidecar(out: str):
     """The ``dataset.json`` an earlier ``convert`` wrote to ``out`` (None: none, or one this
     version does not read, which is replaced)."""
@@ -157,22 +187,29 @@ def _previous_sidecar(out: str):
         return None
 
 
+# The files a conversion writes (jaxcnn.data.records.record_file), and their partial files.
+_RECORD_FILE = re.compile(r".+-[0-9a-f]{8}\.array_record(\.partial)?")
+
+
 def _remove_replaced(out: str, previous, info: dict, say) -> None:
-    """Removes the record files ``previous`` named that the new sidecar (``info``) does not. A
-    trainer that still reads them keeps its open files (POSIX), and stops at its next evaluation
-    when it sees that ``dataset.json`` changed (`jaxcnn.data.ImageData.changes_since_opened`)."""
-    if previous is None:
-        return
+    """Removes the record files of ``out`` that the new sidecar (``info``) does not name: the
+    ones the ``previous`` sidecar named (``<split>.array_record`` before conversions had
+    tokens, too), and any of a conversion's names (`_RECORD_FILE`) that one killed before its
+    switch left. A trainer that still reads them keeps its open files (POSIX), and stops at
+    its next evaluation when it sees that ``dataset.json`` changed
+    (`jaxcnn.data.ImageData.changes_since_opened`)."""
+    earlier = set() if previous is None else {entry["file"] for entry in previous["splits"].values()}
     named = {entry["file"] for entry in info.values()}
-    for entry in previous["splits"].values():
-        if entry["file"] not in named:
-            path = os.path.join(out, entry["file"])
-            try:
-                os.remove(path)
-            except FileNotFoundError:
-                pass
-            except OSError as err:
-                say(f"[jaxcnn-data] could not remove the replaced {path} ({err.strerror or err})")
+    for name in sorted(os.listdir(out)):
+        if name in named or not (name in earlier or _RECORD_FILE.fullmatch(name)):
+            continue
+        path = os.path.join(out, name)
+        try:
+            os.remove(path)
+        except FileNotFoundError:
+            pass
+        except OSError as err:
+            say(f"[jaxcnn-data] could not remove the replaced {path} ({err.strerror or err})")
 
 
 def _kept_splits(out: str, previous, class_names, converting: set) -> dict:

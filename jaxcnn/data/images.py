@@ -80,9 +80,10 @@ class ImageData:
             self._skipped_names = index["train"].skipped + index["val"].skipped
             self._unlisted = index["train"].unlisted + index["val"].unlisted
         else:
-            from jaxcnn.data.records import RecordSource
+            from jaxcnn.data.records import RecordSource, read_sidecar
 
-            self.train, self.val = RecordSource(path, "train"), RecordSource(path, "val")
+            meta = read_sidecar(path)  # once: both splits of one conversion
+            self.train, self.val = RecordSource(path, "train", meta), RecordSource(path, "val", meta)
             self.skipped_at_open = self.train.skipped + self.val.skipped
             self._skipped_names = self._unlisted = ()  # named by jaxcnn-data convert when it ran
             if self.train.class_names != self.val.class_names:
@@ -135,9 +136,10 @@ class ImageData:
         place under the same name is not seen."""
         try:
             if self.source == "records":
-                from jaxcnn.data.records import RecordSource
+                from jaxcnn.data.records import RecordSource, read_sidecar
 
-                train, val = RecordSource(self.path, "train"), RecordSource(self.path, "val")
+                meta = read_sidecar(self.path)
+                train, val = RecordSource(self.path, "train", meta), RecordSource(self.path, "val", meta)
                 now = dict(self.fingerprint(), classes=len(train.class_names), train=train.fingerprint(),
                            val=val.fingerprint())
                 # The same folder converted again: the same examples, in files that replaced the

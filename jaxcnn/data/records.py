@@ -113,14 +113,17 @@ class RecordSource:
     Arguments:
         out_dir: the directory ``jaxcnn-data convert`` wrote.
         split: ``"train"`` or ``"val"``.
+        meta: its ``dataset.json`` as :func:`read_sidecar` read it (None: read now). The splits
+            of one reader come from one reading: a conversion that switched between two
+            readings gave one split of each.
 
     Raises:
         DataError naming the file: missing sidecar or split, a record count that differs from
         the sidecar's, a file grain cannot open.
     """
 
-    def __init__(self, out_dir, split: str):
-        meta = read_sidecar(out_dir)
+    def __init__(self, out_dir, split: str, meta: dict | None = None):
+        meta = read_sidecar(out_dir) if meta is None else meta
         self.class_names = tuple(meta["class_names"])
         info = meta["splits"].get(split)
         if info is None:

@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
+import tempfile
 
 import numpy as np
 
@@ -519,8 +521,19 @@ def _checked_and_saved(onnx, proto, path, external_data, size: int):
         if path is not None:
             write_whole(path, lambda partial: onnx.save_model(proto, partial))
         return proto
+    # Both files are written in a directory of their own beside ``path`` and renamed into place
+    # once checked, the weights first: written in place, a full disk tore the model an earlier
+    # export left, and onnx appends to an existing weights file (each export grew it).
     path = os.fspath(path)
-    onnx.save_model(proto, path, save_as_external_data=True, all_tensors_to_one_file=True,
-                    location=os.path.basename(path) + ".data", size_threshold=1024)
-    onnx.checker.check_model(path, full_check=True)
+    data = os.path.basename(path) + ".data"
+    staging = tempfile.mkdtemp(prefix=".jaxcnn-onnx-", dir=os.path.dirname(os.path.abspath(path)))
+    try:
+        staged = os.path.join(staging, os.path.basename(path))
+        onnx.save_model(proto, staged, save_as_external_data=True, all_tensors_to_one_file=True,
+                        location=data, size_threshold=1024)
+        onnx.checker.check_model(staged, full_check=True)
+        os.replace(os.path.join(staging, data), path + ".data")
+        os.replace(staged, path)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     return proto

@@ -275,8 +275,14 @@ def save_safetensors(path, params, state=None) -> str:
     """
     path = os.fspath(path)
     arrays, meta = _encode(params, state)
-    write_whole(path, lambda partial: safetensors.numpy.save_file(
-        arrays, partial, metadata={_META_KEY: json.dumps(meta)}))
+    # The bytes, then a plain write: safetensors' own file writer reports a full disk as a
+    # SafetensorError, not the OSError every caller handles.
+    data = safetensors.numpy.save(arrays, metadata={_META_KEY: json.dumps(meta)})
+
+    def write(partial):
+        with open(partial, "wb") as f:
+            f.write(data)
+    write_whole(path, write)
     return path
 
 

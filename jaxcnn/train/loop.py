@@ -83,6 +83,20 @@ def evaluate(run: Run, eval_step, params, model_state, *, share=None) -> dict:
     return result
 
 
+def changes_on_any_process(changes: list[str]) -> list[str]:
+    """``changes`` (this process's view of its data, `ImageData.changes_since_opened`), or when
+    only another process of a multi-process run saw a change, a phrase naming it: every
+    process stops before the evaluation's collectives, where one alone would leave the others
+    waiting until they took it for a lost peer. A collective: every process calls it."""
+    if jax.process_count() == 1:
+        return changes
+    from jax.experimental import multihost_utils
+    seen = np.asarray(multihost_utils.process_allgather(np.int32(bool(changes)))).reshape(-1)
+    if changes or not seen.any():
+        return changes
+    return [f"process {int(np.argmax(seen))} of {seen.size} saw them change"]
+
+
 class _StopSignal:
     """Turns SIGTERM/SIGINT into a flag read at the next step boundary."""
 
@@ -478,7 +492,7 @@ class Training:
         a folder's ``val`` split added, removed or renamed: `ImageData.changes_since_opened`)
         stop it first, naming the change, rather than changing its validation data silently."""
         images = self.run.images
-        if images is not None and (changes := images.changes_since_opened()):
+        if images is not None and (changes := changes_on_any_process(images.changes_since_opened())):
             raise DataError(f"{images.path}: the data changed while the run trained ({'; '.join(changes)}); "
                             f"stopped before evaluating on them; the checkpoints are kept")
         step, plan = self.prepared.eval_step, self.plan

@@ -196,7 +196,7 @@ def record_run_config(workdir: str, config_dict: Mapping, step: int, changes: li
         history = run_dir.config_history
         os.makedirs(history, exist_ok=True)
         if not any(n.startswith("from_step_") for n in os.listdir(history)):
-            shutil.copyfile(path, os.path.join(history, "from_step_0.yaml"))
+            write_whole(os.path.join(history, "from_step_0.yaml"), lambda partial: shutil.copyfile(path, partial))
         _write_yaml(os.path.join(history, f"from_step_{int(step)}.yaml"), config_dict)
     _write_yaml(path, config_dict)
 

@@ -515,6 +515,29 @@ def test_converting_again_writes_new_files_and_switches_readers_with_dataset_jso
                                         r"read it \(jaxcnn-data convert wrote .* again\)"):
         pickle.loads(pickle.dumps(opened))[0]  # as a worker process opens it
     assert [RecordSource(out, "val")[i][1] for i in range(len(opened))] == labels
+    from jaxcnn.data.images import ImageData
+    reads, read = [], records.read_sidecar
+    monkeypatch.setattr(records, "read_sidecar", lambda d: reads.append(d) or read(d))
+    ImageData("records", out, image_size=(16, 16))
+    assert len(reads) == 1  # both splits from one reading: never one of each of two conversions
+    # What a conversion killed before its switch left is removed by the next; other files stay.
+    left = ["train-0123abcd.array_record", "val-0123abcd.array_record.partial"]
+    for name in left + ["notes.txt", "mine.array_record"]:
+        (out / name).write_bytes(b"x")
+    assert data_main(["convert", str(folder), str(out), "--no-progress"]) == 0
+    assert not set(left) & set(os.listdir(out)) and {"notes.txt", "mine.array_record"} < set(os.listdir(out))
+    # One conversion at a time: each would remove the other's files.
+    import fcntl
+    fd = os.open(out, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        capsys.readouterr()
+        assert data_main(["convert", str(folder), str(out), "--no-progress"]) == 2
+        err = capsys.readouterr().err
+        assert err == f"jaxcnn-data: error: {out}: another jaxcnn-data convert is writing into it; wait for it to " \
+                      "end, or give another OUT\n", err
+    finally:
+        os.close(fd)
 
 
 def test_data_changed_under_a_run_are_a_change_it_sees(folder, tmp_path):

@@ -4,6 +4,8 @@ onnxruntime (CPU) against jaxcnn's eval-mode output.
 Tolerance: float32, max |onnx - jax| <= 1e-4 * max |jax| (relative to the
 output's scale; different summation orders in conv/matmul).
 """
+import os
+
 import numpy as np
 import pytest
 
@@ -147,6 +149,13 @@ def test_external_data_round_trip(tmp_path):
     loaded = onnx.load(str(path))     # loads the side file too
     x = np.random.default_rng(0).normal(size=(2, 8, 8, 2)).astype(np.float32)
     assert_close(onnx_run(loaded, x), eval_logits(model, params, state, x))
+    # Exported again over it: the same two files, the weights not appended to the old ones
+    # (onnx appends to an existing file), nothing else left beside them.
+    size = (tmp_path / "m.onnx.data").stat().st_size
+    export_onnx(model, params, state, (8, 8, 2), path=path, external_data=True)
+    assert (tmp_path / "m.onnx.data").stat().st_size == size
+    assert sorted(os.listdir(tmp_path)) == ["m.onnx", "m.onnx.data"]
+    assert_close(onnx_run(onnx.load(str(path)), x), eval_logits(model, params, state, x))
 
 
 def test_bad_arguments():

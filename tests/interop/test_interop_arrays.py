@@ -55,6 +55,26 @@ def test_round_trip_is_exact(tmp_path, save, load, ext):
 
 
 @pytest.mark.parametrize("save, load, ext", FORMATS, ids=IDS)
+def test_a_full_disk_is_an_os_error_and_keeps_the_earlier_file(tmp_path, save, load, ext):
+    """A real write error (the partial file is a link to /dev/full, whose every write is ENOSPC):
+    an OSError, as every caller expects (safetensors' own file writer raised a SafetensorError,
+    a traceback in jaxcnn-train and jaxcnn-export), the file saved before kept, no partial file."""
+    import errno
+    import os
+    if not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full")
+    params, state = _variables()
+    path = tmp_path / f"vars.{ext}"
+    save(path, params, state)
+    before = path.read_bytes()
+    os.symlink("/dev/full", f"{path}.partial")
+    with pytest.raises(OSError) as err:
+        save(path, {"other": np.zeros(3, np.float32)}, state)
+    assert err.value.errno == errno.ENOSPC
+    assert path.read_bytes() == before and os.listdir(tmp_path) == [path.name]
+
+
+@pytest.mark.parametrize("save, load, ext", FORMATS, ids=IDS)
 def test_model_round_trip_checked_against_template(tmp_path, save, load, ext):
     model = models.get("resnet18", num_classes=10, cifar_stem=True)
     template = jax.eval_shape(lambda k: model.init(k, (1, 32, 32, 3))[:2], jax.random.PRNGKey(0))

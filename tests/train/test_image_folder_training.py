@@ -344,6 +344,29 @@ def test_records_converted_again_mid_run_stop_it_at_its_next_evaluation(tmp_path
     assert "2" in os.listdir(tmp_path / "w" / "checkpoints")
 
 
+def test_a_data_change_one_process_saw_stops_every_process(monkeypatch):
+    """In a multi-process run a process that saw its data change stopped alone, and the others
+    waited in the evaluation's collectives until they took it for a lost peer: each process
+    now learns whether any saw a change (an allgather of one flag)."""
+    import jax
+    from jax.experimental import multihost_utils
+
+    from jaxcnn.train.loop import changes_on_any_process
+    assert changes_on_any_process(["val: 5 images, the run's had 4"]) == ["val: 5 images, the run's had 4"]
+    assert changes_on_any_process([]) == []  # one process: no collective
+    gathered = []
+
+    def allgather(flag):
+        gathered.append(int(flag))
+        return np.array([0, 0, 1, 0], np.int32)
+    monkeypatch.setattr(jax, "process_count", lambda: 4)
+    monkeypatch.setattr(multihost_utils, "process_allgather", allgather)
+    assert changes_on_any_process([]) == ["process 2 of 4 saw them change"]
+    assert changes_on_any_process(["val: 5 images, the run's had 4"]) == ["val: 5 images, the run's had 4"]
+    monkeypatch.setattr(multihost_utils, "process_allgather", lambda flag: np.zeros(4, np.int32))
+    assert changes_on_any_process([]) == [] and gathered == [0, 1]
+
+
 class _KilledAtStep:
     """A training batch maker whose worker process is killed with SIGKILL (as the out-of-memory
     killer does) while it makes the batch for ``step``."""
