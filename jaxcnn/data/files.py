@@ -53,13 +53,19 @@ def check_regular_file(path, what=None) -> str:
 
 def write_whole(path, write) -> None:
     """Writes ``path`` whole or not at all: ``write(partial)`` writes ``path + ".partial"``, which
-    is then renamed to ``path``. When ``write`` or the rename fails (a full disk: ``OSError``),
-    the partial file is removed, a file already at ``path`` is left as it was, and the error is
-    raised again."""
+    is flushed to the disk (``fsync``: renamed unflushed, a power cut can leave an empty file
+    under the name) and then renamed to ``path``. When ``write``, the flush or the rename fails
+    (a full disk: ``OSError``), the partial file is removed, a file already at ``path`` is left
+    as it was, and the error is raised again."""
     path = os.fspath(path)
     partial = path + ".partial"
     try:
         write(partial)
+        fd = os.open(partial, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
         os.replace(partial, path)
     except BaseException:
         try:

@@ -129,8 +129,6 @@ def _truncate_after(path: str, step: int) -> set[tuple[int, str]]:
     def write(partial):
         with open(partial, "w", encoding="utf-8") as f:
             f.writelines(kept)
-            f.flush()
-            os.fsync(f.fileno())
     write_whole(path, write)
     return at_step
 
