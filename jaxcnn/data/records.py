@@ -102,8 +102,10 @@ def read_sidecar(out_dir) -> dict:
         raise DataError(f"{path}: key 'splits' must be an object")
     for split, info in splits.items():
         if (not isinstance(info, dict) or not isinstance(info.get("count"), int) or info["count"] < 0
-                or not isinstance(info.get("file"), str) or os.path.basename(info["file"]) != info["file"]):
-            raise DataError(f"{path}: key 'splits.{split}' must be {{'file': a file name, 'count': an int}}")
+                or not isinstance(info.get("file"), str) or os.path.basename(info["file"]) != info["file"]
+                or not info["file"].endswith(".array_record")):
+            raise DataError(f"{path}: key 'splits.{split}' must be {{'file': the name of an .array_record "
+                            f"file beside it, 'count': an int}}")
     return meta
 
 

@@ -2,6 +2,7 @@
 records are caught by their checksum, any number of workers gives the same batches, resuming
 at a step gives the batches of a run that went through, bad images are skipped and counted or
 stop the loader with the file's name, and processes share each epoch exactly once."""
+import json
 import os
 import re
 import shutil
@@ -444,6 +445,13 @@ def test_convert_cli_errors_are_one_line(tmp_path, capsys):
     for name in ("labels.csv", "notes.txt"):
         (val / name).unlink()
     assert ImageData("folder", tmp_path / "f", image_size=(16, 16)).skipped_note() is None
+    # A sidecar that names a file which is no record file (a conversion removes the files the
+    # one it replaces named: dataset.json itself, here) is refused.
+    meta = read_sidecar(tmp_path / "out")
+    meta["splits"]["val"]["file"] = "dataset.json"
+    (tmp_path / "out" / "dataset.json").write_text(json.dumps(meta))
+    with pytest.raises(DataError, match=r"key 'splits.val' must be \{'file': the name of an .array_record file"):
+        RecordSource(tmp_path / "out", "train")
     (tmp_path / "out" / "dataset.json").write_text("{not json")
     with pytest.raises(DataError, match="not valid JSON"):
         RecordSource(tmp_path / "out", "train")
