@@ -73,3 +73,11 @@ def write_whole(path, write) -> None:
         except OSError:
             pass
         raise
+
+
+def write_bytes_whole(path, data: bytes) -> None:
+    """:func:`write_whole` of ``data``, the file's whole content."""
+    def write(partial):
+        with open(partial, "wb") as f:
+            f.write(data)
+    write_whole(path, write)

@@ -80,10 +80,7 @@ class ImageData:
             self._skipped_names = index["train"].skipped + index["val"].skipped
             self._unlisted = index["train"].unlisted + index["val"].unlisted
         else:
-            from jaxcnn.data.records import RecordSource, read_sidecar
-
-            meta = read_sidecar(path)  # once: both splits of one conversion
-            self.train, self.val = RecordSource(path, "train", meta), RecordSource(path, "val", meta)
+            self.train, self.val = _open_records(path)
             self.skipped_at_open = self.train.skipped + self.val.skipped
             self._skipped_names = self._unlisted = ()  # named by jaxcnn-data convert when it ran
             if self.train.class_names != self.val.class_names:
@@ -136,10 +133,7 @@ class ImageData:
         place under the same name is not seen."""
         try:
             if self.source == "records":
-                from jaxcnn.data.records import RecordSource, read_sidecar
-
-                meta = read_sidecar(self.path)
-                train, val = RecordSource(self.path, "train", meta), RecordSource(self.path, "val", meta)
+                train, val = _open_records(self.path)
                 now = dict(self.fingerprint(), classes=len(train.class_names), train=train.fingerprint(),
                            val=val.fingerprint())
                 # The same folder converted again: the same examples, in files that replaced the
@@ -184,6 +178,15 @@ class ImageData:
         return EvalBatches(self.val, batch_size=batch_size, image_size=self.image_size, resize=self.eval_resize,
                            on_bad_image=self.on_bad_image, process_index=process_index,
                            process_count=process_count)
+
+
+def _open_records(path):
+    """The ``train`` and ``val`` `RecordSource` of a record directory, from one reading of its
+    ``dataset.json``: both splits of one conversion."""
+    from jaxcnn.data.records import RecordSource, read_sidecar
+
+    meta = read_sidecar(path)
+    return RecordSource(path, "train", meta), RecordSource(path, "val", meta)
 
 
 def data_changes(saved: dict, now: dict) -> list[str]:

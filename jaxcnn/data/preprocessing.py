@@ -31,7 +31,7 @@ from typing import NamedTuple, Optional
 import numpy as np
 
 from jaxcnn.data.dataset import DataError, normalize
-from jaxcnn.data.files import write_whole
+from jaxcnn.data.files import write_bytes_whole
 
 PREPROCESSING_FILE = "preprocessing.json"
 FORMAT_VERSION = 1
@@ -215,12 +215,8 @@ def read_preprocessing(path) -> Preprocessing:
 
 
 def write_preprocessing(path, prep: Preprocessing, **extra) -> None:
-    """Write ``prep`` (plus ``extra`` entries) as JSON, whole or not at all (`write_whole`)."""
-    def write(partial):
-        with open(partial, "w", encoding="utf-8") as f:
-            json.dump({**prep.to_dict(), **extra}, f, indent=2)
-            f.write("\n")
-    write_whole(path, write)
+    """Write ``prep`` (plus ``extra`` entries) as JSON, whole or not at all (`write_bytes_whole`)."""
+    write_bytes_whole(path, (json.dumps({**prep.to_dict(), **extra}, indent=2) + "\n").encode())
 
 
 def run_preprocessing(run_dir, *, run=None, make_run=None) -> Preprocessing:

@@ -22,7 +22,7 @@ import json
 import os
 import struct
 
-from jaxcnn.data.files import write_whole
+from jaxcnn.data.files import write_bytes_whole
 from jaxcnn.data.folder import class_names_digest
 from jaxcnn.errors import BadImageError, DataError
 
@@ -266,11 +266,7 @@ def _verified(item):
 
 
 def write_sidecar(out_dir, class_names, splits: dict) -> None:
-    """Writes ``dataset.json`` whole or not at all (`write_whole`):
+    """Writes ``dataset.json`` whole or not at all (`write_bytes_whole`):
     ``splits = {split: {"file", "count", "skipped", "sha256"}}``."""
-    def write(partial):
-        with open(partial, "w", encoding="utf-8") as f:
-            json.dump({"format": FORMAT, "version": VERSION, "class_names": list(class_names), "splits": splits},
-                      f, indent=2)
-            f.write("\n")
-    write_whole(os.path.join(os.fspath(out_dir), SIDECAR), write)
+    meta = {"format": FORMAT, "version": VERSION, "class_names": list(class_names), "splits": splits}
+    write_bytes_whole(os.path.join(os.fspath(out_dir), SIDECAR), (json.dumps(meta, indent=2) + "\n").encode())

@@ -17,7 +17,7 @@ from typing import Any, Callable, NamedTuple
 import jax
 
 from jaxcnn import interop, models
-from jaxcnn.data.files import write_whole
+from jaxcnn.data.files import write_bytes_whole
 from jaxcnn.data.preprocessing import PREPROCESSING_FILE, run_preprocessing
 from jaxcnn.errors import ExportError
 from jaxcnn.export._args import arg
@@ -500,11 +500,6 @@ def _fine_tuned(source, out, report, say, has_data, *, sparsity, steps, scope, s
     return tuned.model, tuned.params, tuned.state
 
 
-def _write_json(path: str, value) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(value, f, indent=2)
-
-
 def _write(format, out, net, params, state, src, report, *, batch, layout, opset, built_in):
     """The model in ``format`` to ``out`` (StableHLO's preprocessing record beside it)."""
     meta = report["preprocessing"]
@@ -513,7 +508,7 @@ def _write(format, out, net, params, state, src, report, *, batch, layout, opset
                          preprocessing=built_in)
         if meta is not None:
             report["preprocessing_file"] = out + ".preprocessing.json"
-            write_whole(report["preprocessing_file"], lambda partial: _write_json(partial, meta))
+            write_bytes_whole(report["preprocessing_file"], json.dumps(meta, indent=2).encode())
     elif format == "onnx":
         export_onnx(net, params, state, src.image_shape, path=out, batch=batch, layout=layout,
                     opset=opset, model_name=src.name, preprocessing=built_in,

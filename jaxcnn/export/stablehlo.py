@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from jax import export as jax_export
 
-from jaxcnn.data.files import write_whole
+from jaxcnn.data.files import write_bytes_whole
 from jaxcnn.errors import ExportError
 
 
@@ -68,13 +68,8 @@ def export_stablehlo(model, params, state, image_shape, *, batch="dynamic", layo
         jax.ShapeDtypeStruct(shape, dtype))
     data = bytes(exported.serialize())
     if path is not None:
-        write_whole(path, lambda partial: _write_bytes(partial, data))
+        write_bytes_whole(path, data)
     return data
-
-
-def _write_bytes(path: str, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
 
 
 def load_stablehlo(source):

@@ -23,7 +23,7 @@ import numpy as np
 import safetensors
 import safetensors.numpy
 
-from jaxcnn.data.files import write_whole
+from jaxcnn.data.files import write_bytes_whole, write_whole
 from jaxcnn.data.npz import npz_headers
 
 COLLECTIONS = ("params", "state")
@@ -277,12 +277,7 @@ def save_safetensors(path, params, state=None) -> str:
     arrays, meta = _encode(params, state)
     # The bytes, then a plain write: safetensors' own file writer reports a full disk as a
     # SafetensorError, not the OSError every caller handles.
-    data = safetensors.numpy.save(arrays, metadata={_META_KEY: json.dumps(meta)})
-
-    def write(partial):
-        with open(partial, "wb") as f:
-            f.write(data)
-    write_whole(path, write)
+    write_bytes_whole(path, safetensors.numpy.save(arrays, metadata={_META_KEY: json.dumps(meta)}))
     return path
 
 

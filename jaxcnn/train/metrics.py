@@ -10,7 +10,7 @@ from typing import Mapping
 
 import jax
 
-from jaxcnn.data.files import write_whole
+from jaxcnn.data.files import write_bytes_whole
 from jaxcnn.errors import WorkdirError
 from jaxcnn.train.rundir import RunDir
 
@@ -110,7 +110,7 @@ class MetricsWriter:
 
 
 def _truncate_after(path: str, step: int) -> set[tuple[int, str]]:
-    """Rewrites ``path`` (whole or not at all: `write_whole`) keeping the records of steps up to ``step``; returns the
+    """Rewrites ``path`` (whole or not at all: `write_bytes_whole`) keeping the records of steps up to ``step``; returns the
     ``(step, kind)`` of the records kept at ``step`` itself."""
     with open(path, encoding="utf-8") as f:
         lines = f.readlines()
@@ -126,10 +126,7 @@ def _truncate_after(path: str, step: int) -> set[tuple[int, str]]:
                 at_step.add((step, str(record.get("kind"))))
     if len(kept) == len(lines):
         return at_step
-    def write(partial):
-        with open(partial, "w", encoding="utf-8") as f:
-            f.writelines(kept)
-    write_whole(path, write)
+    write_bytes_whole(path, "".join(kept).encode())
     return at_step
 
 

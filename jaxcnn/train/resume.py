@@ -16,7 +16,7 @@ from typing import Mapping
 
 import yaml
 
-from jaxcnn.data.files import write_whole
+from jaxcnn.data.files import write_bytes_whole, write_whole
 from jaxcnn.errors import CheckpointError, ConfigChangedError
 from jaxcnn.train.checkpoint import CONFIG_WAYS_ON, CheckpointManager
 from jaxcnn.train.config import change_summary, config_changes, other_model
@@ -202,7 +202,4 @@ def record_run_config(workdir: str, config_dict: Mapping, step: int, changes: li
 
 
 def _write_yaml(path: str, data: Mapping) -> None:
-    def write(partial):
-        with open(partial, "w", encoding="utf-8") as f:
-            yaml.safe_dump(dict(data), f, sort_keys=False)
-    write_whole(path, write)
+    write_bytes_whole(path, yaml.safe_dump(dict(data), sort_keys=False).encode())

@@ -26,7 +26,7 @@ import time
 import jax
 
 from jaxcnn import _host_memory
-from jaxcnn.data.files import write_whole
+from jaxcnn.data.files import write_bytes_whole
 from jaxcnn.data.preprocessing import PREPROCESSING_FILE
 from jaxcnn.errors import WorkdirError
 from jaxcnn.train.config import path_keys
@@ -200,11 +200,8 @@ class RunDir:
         meta = run_metadata(argv, config_path)
         if data is not None:
             meta["data"] = data
-
-        def write(partial):
-            with open(partial, "w", encoding="utf-8") as f:
-                json.dump(meta, f, indent=2)
-        write_whole(self.meta, write)  # a full disk leaves the one an earlier start wrote
+        # a full disk leaves the one an earlier start wrote
+        write_bytes_whole(self.meta, json.dumps(meta, indent=2).encode())
 
     def read_meta(self) -> dict:
         """``run_meta.json`` as written (``{}`` when missing, unreadable or not an object)."""

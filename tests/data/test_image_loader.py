@@ -495,7 +495,7 @@ def test_converting_again_writes_new_files_and_switches_readers_with_dataset_jso
     to them by renaming dataset.json; the old files go after the switch (an open reader keeps
     reading them, one opened anew is told why it cannot), and a conversion that fails half way
     leaves the directory as it was."""
-    import pickle
+    import copy
 
     from jaxcnn.data import records
     out = tmp_path / "out"
@@ -521,7 +521,7 @@ def test_converting_again_writes_new_files_and_switches_readers_with_dataset_jso
     assert [opened[i][1] for i in range(len(opened))] == labels  # its file is open
     with pytest.raises(DataError, match=r"val-[0-9a-f]{8}\.array_record: record file removed while the run "
                                         r"read it \(jaxcnn-data convert wrote .* again\)"):
-        pickle.loads(pickle.dumps(opened))[0]  # as a worker process opens it
+        copy.deepcopy(opened)[0]  # opened anew, as a worker process opens it (grain's reader reopens its path)
     assert [RecordSource(out, "val")[i][1] for i in range(len(opened))] == labels
     from jaxcnn.data.images import ImageData
     reads, read = [], records.read_sidecar

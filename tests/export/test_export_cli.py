@@ -191,7 +191,7 @@ def test_a_full_disk_keeps_the_earlier_export_and_leaves_no_partial_file(params_
                 f.truncate(os.path.getsize(partial) // 2)
             raise OSError(errno.ENOSPC, "No space left on device", partial)
         return whole(path, half_then_enospc)
-    for module in ("jaxcnn.export.stablehlo", "jaxcnn.export.onnx_export", "jaxcnn.interop.arrays"):
+    for module in ("jaxcnn.data.files", "jaxcnn.export.onnx_export", "jaxcnn.interop.arrays"):
         monkeypatch.setattr(f"{module}.write_whole", full_disk)
     assert main([params_file, "--model", "mnist_cnn", "--format", fmt, "--out", str(out)]) == 2
     err = _one_line_error(capsys, "jaxcnn-export")
