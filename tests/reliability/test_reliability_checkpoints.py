@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from orbax.checkpoint._src.path import async_path
 
+from checkpoint_damage import chunk_files, flip_bits, truncate
 from jaxcnn.train.checkpoint import CheckpointManager
 from jaxcnn.train.cli import train_main
 from jaxcnn.train.config import load_config
@@ -42,23 +43,12 @@ def reference(tmp_path_factory):
     return data, base / "ref"
 
 
-def data_files(step_dir):
-    """tensorstore chunk files of one checkpoint, largest first (the largest holds the fc1 weights)."""
-    files = [p for p in (step_dir / "state").rglob("*") if p.is_file() and p.parent.name == "d"]
-    assert files, step_dir
-    return sorted(files, key=lambda p: p.stat().st_size, reverse=True)
-
-
 def truncate_array_file(step_dir):
-    f = data_files(step_dir)[0]
-    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    truncate(chunk_files(step_dir)[0])
 
 
 def flip_bytes(step_dir):
-    f = data_files(step_dir)[0]
-    data = bytearray(f.read_bytes())
-    data[len(data) // 2] ^= 0x10
-    f.write_bytes(bytes(data))
+    flip_bits(chunk_files(step_dir)[0])
 
 
 def delete_metadata(step_dir):

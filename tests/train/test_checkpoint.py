@@ -14,6 +14,7 @@ import optax
 import pytest
 from orbax.checkpoint._src.path import async_path
 
+from checkpoint_damage import chunk_files, flip_bits, truncate
 from jaxcnn.train.checkpoint import CheckpointCorruptError, CheckpointError, CheckpointManager
 from jaxcnn.train.resume import restore_for_resume
 
@@ -56,13 +57,6 @@ def assert_bitwise_equal(a, b):
         assert type(x) is type(y) or (isinstance(x, jax.Array) and isinstance(y, jax.Array)), path
         assert x.dtype == y.dtype and x.shape == y.shape, path
         assert np.asarray(x).tobytes() == np.asarray(y).tobytes(), path
-
-
-def data_files(step_dir):
-    """The tensorstore chunk files holding the array bytes of one checkpoint."""
-    files = [p for p in (step_dir / "state").rglob("*") if p.is_file() and p.parent.name == "d"]
-    assert files, f"no data files under {step_dir}"
-    return files
 
 
 def saved_manager(tmp_path, steps=(1, 2), **kwargs):
@@ -176,16 +170,14 @@ def test_half_written_step_dir_is_ignored(tmp_path, caplog):
     mgr.close()
 
 
-def truncate(step_dir):
-    for f in data_files(step_dir):
-        f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+def truncate_all(step_dir):
+    for f in chunk_files(step_dir):
+        truncate(f)
 
 
 def flip_bytes(step_dir):
-    for f in data_files(step_dir):
-        data = bytearray(f.read_bytes())
-        data[len(data) // 2] ^= 0xFF
-        f.write_bytes(bytes(data))
+    for f in chunk_files(step_dir):
+        flip_bits(f)
 
 
 def delete_manifest(step_dir):
@@ -220,7 +212,7 @@ def tolerates_orbax_leftovers(test):
 
 
 @tolerates_orbax_leftovers
-@pytest.mark.parametrize("damage, expected", [(truncate, "could not be read|sha256"),
+@pytest.mark.parametrize("damage, expected", [(truncate_all, "could not be read|sha256"),
                                               (flip_bytes, "could not be read|sha256"),
                                               (swap_values, "fails its sha256 check"),
                                               (delete_orbax_metadata, "could not be read"),
@@ -370,7 +362,7 @@ def test_read_only_manager_reports_damage_and_changes_nothing(tmp_path, caplog):
     mgr, states = saved_manager(tmp_path, steps=(1, 2, 3))
     mgr.close()
     ckpt = tmp_path / "ckpt"
-    truncate(ckpt / "3")
+    truncate_all(ckpt / "3")
     (ckpt / "2.orbax-checkpoint-tmp-5").mkdir()  # an interrupted save: a writable manager removes it
     (ckpt / "9").symlink_to(ckpt / "1")          # a link: a writable manager moves it aside
     before = _tree(ckpt)
@@ -419,7 +411,7 @@ def test_a_read_only_restore_takes_the_newer_checkpoint_when_its_own_is_removed_
 def test_damage_detail_goes_to_the_log_file(tmp_path, caplog):
     mgr, states = saved_manager(tmp_path, steps=(1, 2))
     mgr.close()
-    truncate(tmp_path / "ckpt" / "2")
+    truncate_all(tmp_path / "ckpt" / "2")
     log = tmp_path / "checkpoints.log"
     with caplog.at_level(logging.WARNING, logger=LOGGER), CheckpointManager(tmp_path / "ckpt", log_path=log) as m:
         assert m.restore(target=abstract(states[1]))[0] == 1
