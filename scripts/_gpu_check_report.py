@@ -10,6 +10,9 @@ Each line of ``gpu_check.jsonl`` is one JSON record with ``stage``, ``kind`` and
 - ``env``, ``correct``, ``step``, ``conv``, ``fused``, ``window``, ``bandwidth``: figures;
 - ``skip``: a unit not run, and why.
 
+A figure or finished unit carried over from an earlier check (``--resume``) has
+``carried``: that check's date.
+
 :func:`summary` turns them into ``gpu_check.md``, a section ready for ``docs/BENCHMARKS.md``.
 """
 from __future__ import annotations
@@ -20,6 +23,31 @@ import os
 
 JSONL = "gpu_check.jsonl"
 RELAUNCH = 3  # a stage's exit status asking the parent to start it again
+
+
+FIGURES = ("correct", "step", "conv", "fused", "window", "bandwidth")
+# What must be equal for an earlier check's figures to stand for this one's.
+SAME_RUN = ("device_kind", "compute_capability", "jax", "jaxlib", "triton", "torch")
+
+
+def env_of(records) -> dict:
+    """The ``env`` records merged: the device and versions the check ran on."""
+    env = {}
+    for r in records:
+        if r.get("kind") == "env":
+            env.update(r)
+    return env
+
+
+def carries(record: dict) -> bool:
+    """Whether ``--resume`` carries ``record`` over: a figure, or a unit that finished."""
+    kind = record.get("kind")
+    return kind in FIGURES or (kind == "unit" and record.get("status") == "done")
+
+
+def _label(record: dict, text: str) -> str:
+    """``text``, with the date of the check it was carried over from."""
+    return f"{text} ({record['carried']})" if record.get("carried") else text
 
 
 def read_records(path: str) -> list:
@@ -62,9 +90,7 @@ def _of(records, kind) -> list:
 
 
 def _env_lines(records) -> list:
-    env = {}
-    for r in _of(records, "env"):
-        env.update(r)
+    env = env_of(records)
     run = (_of(records, "run") or [{}])[0]
     smi = env.get("nvidia_smi", "not run")
     return [
@@ -76,7 +102,10 @@ def _env_lines(records) -> list:
         f"{env.get('jaxlib')}, Triton {env.get('triton')}, torch {env.get('torch')} "
         f"(CUDA {env.get('torch_cuda')}, cuDNN {env.get('torch_cudnn')}), flax "
         f"{env.get('flax')}, optax {env.get('optax')}; Mosaic GPU: {env.get('mosaic')}.",
-        "", f"    {run.get('command', 'python scripts/gpu_check.py')}", ""]
+        "", f"    {run.get('command', 'python scripts/gpu_check.py')}", ""] + (
+        ["Rows with a date in brackets were measured by the check of that date on the same "
+         "device and versions, carried over (`--resume`), not measured again.", ""]
+        if any(r.get("carried") for r in records) else [])
 
 
 def _stage_lines(records) -> list:
@@ -86,7 +115,7 @@ def _stage_lines(records) -> list:
 
 
 def _correct_lines(records) -> list:
-    rows = [(r["family"], "ok" if r.get("ok") else "**WRONG**", _f(r.get("fwd_err"), ".1e"),
+    rows = [(_label(r, r["family"]), "ok" if r.get("ok") else "**WRONG**", _f(r.get("fwd_err"), ".1e"),
              ", ".join(_f(e, ".1e") for e in r.get("grad_errs", [])) or r.get("error", "")[:80])
             for r in _of(records, "correct")]
     return _table(("family", "verdict", "forward error", "gradient errors"), rows)
@@ -99,7 +128,7 @@ def _step_lines(records) -> list:
     for r in steps:
         name = r["framework"] if r["framework"] != "jaxcnn" else (
             f"jaxcnn impl={r['impl']} bn_grad={r['bn_grad']} conv_bn={r['conv_bn']}")
-        rows.append((name, _f(r["step_ms"]), _f(r["img_s"], ",.0f"),
+        rows.append((_label(r, name), _f(r["step_ms"]), _f(r["img_s"], ",.0f"),
                      "n/a" if r.get("mfu") is None else f"{100 * r['mfu']:.1f}%",
                      _f(r["step_ms"] / base) if base else "n/a"))
     title = f"{steps[0]['model']}, batch {steps[0]['batch']}, bfloat16" if steps else ""
@@ -109,7 +138,7 @@ def _step_lines(records) -> list:
 def _race_lines(records, kind) -> list:
     rows = []
     for r in _of(records, kind):
-        label = " ".join(str(r[k]) for k in ("name", "form") if k in r)
+        label = _label(r, " ".join(str(r[k]) for k in ("name", "form") if k in r))
         extra = (f"{_f(r.get('mosaic_tflops'), '.0f')} / {_f(r.get('mosaic_grad_tflops'), '.0f')}"
                  if kind == "conv" else
                  _f(r.get("mosaic_bandwidth_fraction")) if kind == "window" else "")
@@ -138,9 +167,7 @@ def _problem_lines(records) -> list:
 
 def summary(records, date: str | None = None) -> str:
     """``gpu_check.md``: a dated section for ``docs/BENCHMARKS.md`` made from the records."""
-    env = {}
-    for r in _of(records, "env"):
-        env.update(r)
+    env = env_of(records)
     date = date or datetime.date.today().isoformat()
     parts = [f"## {env.get('device_kind', 'unknown device')} (scripts/gpu_check.py, {date})", ""]
     parts += _env_lines(records)

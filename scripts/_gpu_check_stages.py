@@ -88,9 +88,11 @@ class Context:
 
 
 def run_units(ctx: Context, units) -> int:
-    """Runs ``units`` (``[(name, fn)]``) not yet recorded in this stage; returns 0, or
-    :data:`RELAUNCH` after the first unit that raised (recorded with its error)."""
-    status = {r["unit"]: r["status"] for r in ctx.records("unit") if r["stage"] == ctx.stage}
+    """Runs ``units`` (``[(name, fn)]``) not yet recorded in this stage (nor finished by a
+    check carried over with ``--resume``); returns 0, or :data:`RELAUNCH` after the first
+    unit that raised (recorded with its error)."""
+    status = {r["unit"]: r["status"] for r in ctx.records("unit")
+              if r["stage"] == ctx.stage or r.get("carried")}
     for name, fn in units:
         if status.get(name) == "started":
             ctx.emit("unit", unit=name, status="crashed")
@@ -309,8 +311,9 @@ def _variant_name(impl, bn_grad, conv_bn) -> str:
 
 
 def stage_resnet50(ctx: Context) -> int:
-    variant = dict(impl="xla", bn_grad="autodiff", conv_bn="off")
-    return run_units(ctx, [(_variant_name(**variant), _step_unit(ctx, "jaxcnn", **variant))])
+    """XLA's convolutions with the explicit BatchNorm (the default), then with autodiff's."""
+    variants = [dict(impl="xla", bn_grad=g, conv_bn="off") for g in ("explicit", "autodiff")]
+    return run_units(ctx, [(_variant_name(**v), _step_unit(ctx, "jaxcnn", **v)) for v in variants])
 
 
 def stage_torch(ctx: Context) -> int:
@@ -323,20 +326,20 @@ def stage_torch(ctx: Context) -> int:
 
 
 def stage_resnet50_more(ctx: Context) -> int:
-    """The other BatchNorm forms (the explicit one first: the candidate default) and the fused
-    Conv-BatchNorm kernels (where ``correct`` passed them)."""
-    variants = [dict(impl="xla", bn_grad=g, conv_bn="off") for g in ("explicit", "closed_form")]
+    """The closed-form BatchNorm and the fused Conv-BatchNorm kernels (where ``correct``
+    passed them)."""
+    variants = [dict(impl="xla", bn_grad="closed_form", conv_bn="off")]
     if ctx.family_failed("mosaic_fused_stats") or ctx.family_failed("mosaic_fused_bnrelu+stats"):
         ctx.emit("skip", unit="conv_bn=mosaic", reason="a fused family failed `correct`")
     elif mc.unavailable_reason() is None and not ctx.dry:  # a dry run interprets each conv
-        variants.append(dict(impl="xla", bn_grad="autodiff", conv_bn="mosaic"))
+        variants.append(dict(impl="xla", bn_grad="explicit", conv_bn="mosaic"))
     return run_units(ctx, [(_variant_name(**v), _step_unit(ctx, "jaxcnn", **v))
                            for v in variants])
 
 
 def stage_resnet50_auto(ctx: Context) -> int:
     """``impl="auto"`` and ``conv_bn="auto"``: the kernels chosen by this run's verdicts."""
-    variant = dict(impl="auto", bn_grad="autodiff", conv_bn="auto")
+    variant = dict(impl="auto", bn_grad="explicit", conv_bn="auto")
     return run_units(ctx, [(_variant_name(**variant), _step_unit(ctx, "jaxcnn", **variant))])
 
 

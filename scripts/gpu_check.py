@@ -21,7 +21,12 @@ Everything goes to ``--out`` (default ``$OUT``, else ``gpu_check_out``):
   Triton and torch versions, the command, every table, every failure), written at the end;
 - ``autotune.json``: the tiles and verdicts ``impl="auto"`` and ``conv_bn="auto"`` read, in
   ``pallas_kernels/tuned.json``'s format (``--merge`` puts them there);
-- ``gpu_check_<stage>.log``: each stage's output.
+- ``gpu_check.log``: every stage's output, a header line before each process.
+
+``--resume EARLIER.jsonl`` carries over what an earlier check on the same device kind and
+versions finished (its figures, marked with its date), so a check cut short is finished by
+the next lent session instead of measured again from the start; the repository keeps each
+run's records in ``docs/gpu_check/``.
 
 No tile sweeps: each Mosaic kernel launch is timed with at most three tile configurations,
 chosen on the CPU and kept in ``scripts/gpu_check_tiles.json`` (``_gpu_check_tiles.py``).
@@ -45,11 +50,15 @@ try:
 finally:
     sys.path.pop(0)
 
-# Priority order: (name, share of the budget in seconds at the default budget).
-STAGES = (("env", 15), ("correct", 55), ("resnet50", 85), ("torch", 85), ("dense", 75),
-          ("resnet50_more", 75), ("fused", 30), ("window", 25), ("resnet50_auto", 35))
+# Priority order: (name, share of the budget in seconds at the default budget).  Sized from
+# the H200 run of 2026-11-29 (docs/BENCHMARKS.md): compiling is most of every unit (a
+# ResNet-50 step 15-40 s, one dense shape's three kernels with three tiles each 75 s), and
+# torch.compile's first ResNet-50 step took more than 95 s.
+STAGES = (("env", 15), ("correct", 50), ("resnet50", 70), ("torch", 130), ("dense", 70),
+          ("resnet50_more", 45), ("fused", 30), ("window", 30), ("resnet50_auto", 40))
 DEFAULT_BUDGET = 480.0
 RESERVE = 3.0  # seconds kept for the summary at the end
+LOG = "gpu_check.log"
 MIN_RELAUNCH = 10.0  # no new process for a stage with less than this left
 # The torch stage starts JAX too (the device check): JAX must not take 75% of the GPU first.
 STAGE_ENV = {"torch": {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}}
@@ -75,6 +84,7 @@ def _run_once(argv, env, log_path, timeout):
 
 
 def _tail(path: str, lines: int = 15) -> str:
+    """The last ``lines`` lines of the log (the stage that just ended wrote them)."""
     try:
         with open(path, encoding="utf-8", errors="replace") as f:
             return "\n".join(f.read().splitlines()[-lines:])
@@ -84,12 +94,16 @@ def _tail(path: str, lines: int = 15) -> str:
 
 def run_stage(name, command, env, out, limit) -> dict:
     """Runs one stage (``command``: its argv) within ``limit`` seconds, starting it again
-    while it exits ``report.RELAUNCH`` and time allows; returns its ``stage`` record."""
-    log = os.path.join(out, f"gpu_check_{name}.log")
+    while it exits ``report.RELAUNCH`` and time allows; returns its ``stage`` record.  Its
+    output goes to ``gpu_check.log``, under a header line per process (one log for every
+    stage: a lent machine sends back only a few files)."""
+    log = os.path.join(out, LOG)
     t0 = time.monotonic()
     launches = 0
     while True:
         launches += 1
+        with open(log, "a", encoding="utf-8") as f:
+            f.write(f"=== stage {name}, process {launches}, {time.strftime('%H:%M:%S')}\n")
         rc = _run_once(command, env, log, limit - (time.monotonic() - t0))
         left = limit - (time.monotonic() - t0)
         if rc == report.RELAUNCH and left >= MIN_RELAUNCH:
@@ -106,10 +120,12 @@ def run_stage(name, command, env, out, limit) -> dict:
     return record
 
 
-def run_stages(out: str, stages, budget: float, command_for, env_for=lambda name: None):
+def run_stages(out: str, stages, budget: float, command_for, env_for=lambda name: None,
+               after=lambda name: None):
     """Runs ``stages`` (``[(name, share)]``) in order within ``budget`` seconds, appending each
     stage's record to ``gpu_check.jsonl``; ``command_for(name)`` is a stage's argv,
-    ``env_for(name)`` its environment (None: this process's)."""
+    ``env_for(name)`` its environment (None: this process's); ``after(name)`` is called
+    after each stage that ran."""
     path = os.path.join(out, report.JSONL)
     deadline = time.monotonic() + budget - RESERVE
     for i, (name, share) in enumerate(stages):
@@ -122,6 +138,7 @@ def run_stages(out: str, stages, budget: float, command_for, env_for=lambda name
             continue
         report.append_record(path, run_stage(name, command_for(name), env_for(name), out,
                                              limit))
+        after(name)
 
 
 def _child_env(out: str, name: str) -> dict:
@@ -155,7 +172,11 @@ def check(opts) -> int:
     def command_for(name):
         return [sys.executable, os.path.abspath(__file__), "--stage", name, "--out", out] + (
             ["--dry-run"] if opts.dry_run else [])
-    run_stages(out, chosen, opts.budget, command_for, lambda name: _child_env(out, name))
+
+    def after(name):
+        if name == "env" and opts.resume:
+            carry_over(out, opts.resume)
+    run_stages(out, chosen, opts.budget, command_for, lambda name: _child_env(out, name), after)
     records = report.read_records(os.path.join(out, report.JSONL))
     with open(os.path.join(out, "gpu_check.md"), "w", encoding="utf-8") as f:
         f.write(report.summary(records))
@@ -164,6 +185,31 @@ def check(opts) -> int:
     print(f"gpu_check: {len(chosen) - len(bad)} of {len(chosen)} stages ok"
           + (f"; not ok: {bad}" if bad else "") + f"; results in {out}")
     return 0
+
+
+def carry_over(out: str, earlier: str) -> int:
+    """Copies into this check's records what the ``earlier`` check (its ``gpu_check.jsonl``)
+    measured, when both ran on the same device kind and software (:data:`report.SAME_RUN`):
+    every figure and every unit it finished, each marked ``carried`` with that run's date,
+    so the stages skip those units and give their time to the rest.  Units it started but
+    did not finish run again.  Returns how many records were carried (0, with a ``skip``
+    record saying why, when the runs differ)."""
+    path = os.path.join(out, report.JSONL)
+    mine, theirs = report.env_of(report.read_records(path)), report.read_records(earlier)
+    differ = {k: (report.env_of(theirs).get(k), mine.get(k)) for k in report.SAME_RUN
+              if report.env_of(theirs).get(k) != mine.get(k)}
+    if not theirs or differ:
+        why = ("it holds no records" if not theirs else "; ".join(
+            f"{k} {a} there, {b} here" for k, (a, b) in differ.items()))
+        report.append_record(path, {"stage": "run", "kind": "skip", "unit": "resume",
+                                    "reason": f"nothing carried from {earlier}: {why}",
+                                    "time": round(time.time(), 3)})
+        return 0
+    when = time.strftime("%Y-%m-%d", time.gmtime(theirs[0].get("time", 0)))
+    carried = [{**r, "carried": r.get("carried", when)} for r in theirs if report.carries(r)]
+    for r in carried:
+        report.append_record(path, r)
+    return len(carried)
 
 
 def _stage_main(opts) -> int:
@@ -211,6 +257,10 @@ def main(argv=None) -> int:
     parser.add_argument("--stages", help=f"comma-separated subset of {[s[0] for s in STAGES]}")
     parser.add_argument("--dry-run", action="store_true",
                         help="run every stage on tiny shapes (the CPU: interpret mode)")
+    parser.add_argument("--resume", metavar="GPU_CHECK_JSONL",
+                        help="an earlier check's records (e.g. docs/gpu_check/*.jsonl): on the "
+                             "same device and versions, what it finished is carried over, not "
+                             "measured again")
     parser.add_argument("--stage", choices=[s[0] for s in STAGES], help=argparse.SUPPRESS)
     parser.add_argument("--plan-tiles", action="store_true",
                         help="write scripts/gpu_check_tiles.json from the tile model")

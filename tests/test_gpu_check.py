@@ -122,6 +122,51 @@ def test_a_torn_last_line_is_left_out_and_the_summary_shows_every_kind(tmp_path)
     assert "- resnet50_more / x: failed: XlaRuntimeError: out of memory" in md
 
 
+def _write(path, rows):
+    with open(path, "w") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in rows))
+
+
+H200 = {"stage": "env", "kind": "env", "device_kind": "NVIDIA H200", "compute_capability": "9.0",
+        "jax": "0.11.2", "jaxlib": "0.11.2", "triton": "3.6.0", "torch": "2.11.0"}
+
+
+def test_resume_carries_what_an_earlier_check_finished_and_runs_the_rest(tmp_path):
+    earlier = tmp_path / "earlier.jsonl"
+    step = {"stage": "resnet50", "kind": "step", "model": "resnet50", "framework": "jaxcnn",
+            "batch": 256, "step_ms": 40.0, "img_s": 6400.0, "mfu": 0.16, "impl": "xla",
+            "bn_grad": "explicit", "conv_bn": "off"}
+    _write(earlier, [
+        {"stage": "run", "kind": "run", "command": "python scripts/gpu_check.py",
+         "time": 1795993545.0},  # 2026-11-29
+        H200,
+        {"stage": "resnet50", "kind": "unit", "unit": "finished", "status": "started"}, step,
+        {"stage": "resnet50", "kind": "unit", "unit": "finished", "status": "done"},
+        {"stage": "resnet50", "kind": "unit", "unit": "cut short", "status": "started"},
+        {"stage": "resnet50", "kind": "stage", "status": "timeout", "seconds": 70}])
+    out = tmp_path / "now"
+    out.mkdir()
+    _write(out / report.JSONL, [{"stage": "run", "kind": "run", "command": "c"}, H200])
+    assert gc.carry_over(str(out), str(earlier)) == 2
+    # The stage runs only the unit the earlier check did not finish.
+    stages = _load("_gpu_check_stages")
+    ran = []
+    ctx = stages.Context("resnet50", str(out), dry=True)
+    assert stages.run_units(ctx, [(u, lambda u=u: ran.append(u))
+                                  for u in ("finished", "cut short")]) == 0
+    assert ran == ["cut short"]
+    md = report.summary(report.read_records(str(out / report.JSONL)), date="2026-12-01")
+    assert "| jaxcnn impl=xla bn_grad=explicit conv_bn=off (2026-11-29) | 40.00 | 6,400 |" in md
+    assert "carried over (`--resume`)" in md
+    # Another jax: nothing is carried, and the record says why.
+    other = tmp_path / "other"
+    other.mkdir()
+    _write(other / report.JSONL, [{**H200, "jax": "0.12.0.1"}])
+    assert gc.carry_over(str(other), str(earlier)) == 0
+    [skip] = _records(str(other), "skip")
+    assert "jax 0.11.2 there, 0.12.0.1 here" in skip["reason"]
+
+
 def test_unknown_stage_is_a_usage_error(tmp_path, capsys):
     assert gc.main(["--stages", "env,warp", "--out", str(tmp_path)]) == 2
     assert "unknown stage(s) ['warp']" in capsys.readouterr().err
@@ -192,3 +237,7 @@ def test_dry_run_goes_through_every_stage(tmp_path):
     assert bool(devices) == mosaic
     md = open(os.path.join(out, "gpu_check.md")).read()
     assert "### Training step" in md and "--dry-run" in md
+    # A lent machine sends back at most 8 files: every stage logs into one.
+    assert sorted(os.listdir(out)) == ["autotune.json", "gpu_check.jsonl", "gpu_check.log",
+                                       "gpu_check.md"]
+    assert "=== stage resnet50_auto, process 1" in open(os.path.join(out, "gpu_check.log")).read()
