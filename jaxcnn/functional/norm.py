@@ -85,13 +85,14 @@ def check_batch_norm_grad(op: str, grad: str) -> str:
 
 
 def resolve_batch_norm_grad(grad: str) -> str:
-    """The form ``grad`` names: ``"auto"`` is ``"explicit"`` on the CPU, where it was
-    measured faster (``docs/BENCHMARKS.md``), and ``"autodiff"`` elsewhere until the GPU
-    check (``scripts/gpu_check.py``) has measured it there."""
+    """The form ``grad`` names: ``"auto"`` is ``"explicit"`` on the CPU and on a GPU, where
+    it was measured faster (``docs/BENCHMARKS.md``: the 2-core CPU; an H200's ResNet-50 step
+    in ``scripts/gpu_check.py``), and ``"autodiff"`` on other backends, which no one has
+    measured."""
     check_batch_norm_grad("batch_norm_train", grad)
     if grad != "auto":
         return grad
-    return "explicit" if jax.default_backend() == "cpu" else "autodiff"
+    return "explicit" if jax.default_backend() in ("cpu", "gpu") else "autodiff"
 
 
 def batch_norm_train(x, scale=None, bias=None, *, eps=1e-5, axis_name=None, grad="auto",
@@ -123,7 +124,7 @@ def batch_norm_train(x, scale=None, bias=None, *, eps=1e-5, axis_name=None, grad
     * ``"closed_form"``: the one-pass statistics with their closed-form VJP, the
       rest differentiated by JAX.
 
-    ``"auto"`` is ``"explicit"`` on the CPU and ``"autodiff"`` elsewhere
+    ``"auto"`` is ``"explicit"`` on the CPU and GPUs and ``"autodiff"`` elsewhere
     (:func:`resolve_batch_norm_grad`).  The older two forms stay selectable for one
     release.
 

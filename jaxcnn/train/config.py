@@ -238,8 +238,8 @@ SCHEMA: dict[str, dict] = {
         "impl": _f("str", "auto", "convolution/pooling kernels of the layers: auto (XLA, or a Pallas "
                    "kernel where the autotuner measured it faster on this GPU), xla, or pallas "
                    "(see README, Pallas kernels)", choices=("auto", "xla", "pallas"), trains=False),
-        "batch_norm_grad": _f("str", "auto", "BatchNorm's training form: auto (explicit on the CPU, "
-                              "autodiff on a GPU until measured there), explicit (the fewest passes "
+        "batch_norm_grad": _f("str", "auto", "BatchNorm's training form: auto (explicit on the CPU "
+                              "and GPUs, where it was measured faster), explicit (the fewest passes "
                               "over the activation, a following ReLU folded in), autodiff, or "
                               "closed_form (see F.batch_norm_train)",
                               choices=("auto", "explicit", "autodiff", "closed_form"), trains=False),
