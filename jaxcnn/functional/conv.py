@@ -63,10 +63,13 @@ def conv2d(x, w, b=None, *, stride=1, padding=0, dilation=1, groups=1, impl="aut
             f"{op}: groups={groups} must divide both input channels {c_in} and output "
             f"channels {c_out} (x shape {x_shape}, w shape {w_shape})")
     if w_shape[2] * groups != c_in:
+        nchw = ("; jaxcnn takes NHWC images and x looks like NCHW (N, C, H, W): "
+                "x.transpose(0, 2, 3, 1)" if x_shape[1] == w_shape[2] * groups else "")
         raise ValueError(
             f"{op}: channel mismatch: x has {c_in} channels but w expects "
             f"{w_shape[2]} * groups={groups} = {w_shape[2] * groups} "
-            f"(x shape {x_shape}, w shape {w_shape})")
+            f"(x shape {x_shape}, w shape {w_shape}){nchw}")
+    _check_floating(op, x, w)
     _check_bias(op, b, c_out, w_shape)
     if height_axis is not None:
         return _halo.conv2d(x, w, b, stride=stride, padding=padding, dilation=dilation, groups=groups,
@@ -82,6 +85,15 @@ def conv2d(x, w, b=None, *, stride=1, padding=0, dilation=1, groups=1, impl="aut
         x, w, window_strides=stride, padding=pads, rhs_dilation=dilation,
         dimension_numbers=geo.DIMS, feature_group_count=groups)
     return _channels.add_bias(y, b)
+
+
+def _check_floating(op: str, x, w) -> None:
+    """Integer images (uint8 pixels) are refused in one line: scaling and normalising them
+    is the caller's (as the model was trained), not a silent cast's."""
+    if not jnp.issubdtype(jnp.result_type(x), jnp.floating):
+        raise TypeError(f"{op}: x is {jnp.result_type(x)}, w {jnp.result_type(w)}: convert "
+                        "images to floating point first, scaled and normalised as the model "
+                        "was trained (e.g. x.astype(jnp.float32) / 255, then the mean and std)")
 
 
 def _transpose_geometry(x, w, b, stride, padding, output_padding, dilation, groups):

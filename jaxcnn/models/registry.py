@@ -7,6 +7,7 @@ function of keyword-only options (``num_classes`` among them) returning a
 """
 from __future__ import annotations
 
+import difflib
 import inspect
 from typing import Callable, NamedTuple
 
@@ -63,14 +64,24 @@ def get(name: str, *, num_classes: int | None = None, **options) -> Layer:
     accepted = inspect.signature(builder).parameters
     unknown = sorted(set(options) - set(accepted))
     if unknown:
-        known = sorted(p for p in accepted if p != "num_classes")
-        raise ValueError(f"model {name!r} got unknown option(s) {unknown}; it accepts {known}")
+        raise ValueError(_unknown_options(name, unknown, sorted(accepted)))
     if num_classes is not None:
         if not isinstance(num_classes, int) or isinstance(num_classes, bool) or num_classes < 1:
             raise ValueError(f"model {name!r}: num_classes must be a positive int, "
                              f"got {num_classes!r}")
         options["num_classes"] = num_classes
     return whole_model(builder(**options))
+
+
+def _unknown_options(name: str, unknown: list, known: list) -> str:
+    """The one line for options ``name`` does not take: a close spelling, and where weights
+    come from for ``pretrained`` (no weights ship with jaxcnn, none are downloaded)."""
+    line = f"model {name!r} got unknown option(s) {unknown}; it accepts {known}"
+    if "pretrained" in unknown:
+        return (line + "; jaxcnn downloads no weights: load a torchvision state_dict with "
+                "jaxcnn.interop.from_torch_state_dict (or a config's model.init_from)")
+    close = difflib.get_close_matches(unknown[0], known, n=1, cutoff=0.6)
+    return line + (f"; did you mean {close[0]!r}?" if close else "")
 
 
 def names() -> list[str]:

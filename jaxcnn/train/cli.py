@@ -264,6 +264,7 @@ def eval_main(argv=None) -> int:
         from jaxcnn.train.config import load_config
         from jaxcnn.train.ema import eval_params
         from jaxcnn.train.loop import evaluate
+        from jaxcnn.train.metrics import eval_line
         from jaxcnn.train.rundir import RunDir
         from jaxcnn.train.setup import abstract_state, build_run, matmul_precision
         from jaxcnn.layers import Choices
@@ -312,8 +313,7 @@ def eval_main(argv=None) -> int:
     if args.json:
         print(json.dumps(result))
     else:
-        print(f"step {step}: loss {result['loss']:.4f}  top-1 {result['top1']:.4f}  "
-              f"top-5 {result['top5']:.4f}  ({result['count']} images)")
+        print(f"step {step}: {eval_line(result, run.num_classes)}")
     return 0
 
 

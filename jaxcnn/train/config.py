@@ -67,6 +67,10 @@ class Field(NamedTuple):
       it was started in, or ``"output"``.
     * ``clears``: the dotted key of the other of an exactly-one pair; a layer (a file over
       its base, an override) that sets this key clears that one.
+    * ``aliases``: what other libraries (PyTorch, timm, Keras) call the key; an unknown key
+      of such a name, in any section, is answered with this one.
+    * ``example``: a value of the key's form, shown when a value of another type is given
+      (a list key's default hint is the value given, in brackets).
     """
 
     type: str
@@ -87,6 +91,8 @@ class Field(NamedTuple):
     rules: tuple = ()
     path: str | None = None
     clears: str | None = None
+    aliases: tuple = ()
+    example: str | None = None
 
 
 _f = Field  # short name keeps the schema table readable
@@ -229,7 +235,7 @@ SCHEMA: dict[str, dict] = {
                         "file (params and state, as jaxcnn-train writes them), a PyTorch state dict saved as "
                         ".safetensors (torchvision/timm names: conv1.weight, fc.weight...) or a run directory; checked "
                         "against the model before any compute; null = random init from train.seed",
-                        nullable=True, low=1, path="input"),
+                        nullable=True, low=1, path="input", aliases=("pretrained", "weights")),
         "init_from_skip": _f("list", [], "layers re-initialised from train.seed instead of loaded from "
                              "model.init_from (fine-tuning to another class count): layer paths such as fc "
                              "or layer4.1, the same in torchvision's and jaxcnn's naming, or full parameter "
@@ -263,7 +269,8 @@ SCHEMA: dict[str, dict] = {
         "image_size": _f("list", None, "synthetic: image shape [H, W, C]; folder/records: the crop size [H, W] "
                          "both transforms produce; null = the model's default input shape",
                          nullable=True, item=_f("int", None, "dimension", **_POS_INT),
-                         used_when=("data.source", ("synthetic",) + _IMAGE_FILES), rules=(_image_size_fits_source,)),
+                         used_when=("data.source", ("synthetic",) + _IMAGE_FILES), rules=(_image_size_fits_source,),
+                         example="[224, 224] (folder, records) or [32, 32, 3] (synthetic)"),
         "workers": _f("int", 0, "folder/records: grain worker processes that read, decode and augment "
                       "images (0 = in the training process's prefetch thread); the same batches for "
                       "any count", low=0, trains=False, used_when=("data.source", _IMAGE_FILES)),
@@ -310,7 +317,7 @@ SCHEMA: dict[str, dict] = {
     },
     "optim": {
         "name": _f("str", "adamw", "optimiser", choices=("sgd", "adam", "adamw", "lars", "lamb")),
-        "lr": _f("float", 1e-3, "peak learning rate", **_POS_FLOAT),
+        "lr": _f("float", 1e-3, "peak learning rate", aliases=("learning_rate",), **_POS_FLOAT),
         "momentum": _f("float", 0.9, "sgd/lars momentum (0 = plain sgd)", used_when=("optim.name", ("sgd", "lars")),
                        **_UNIT_OPEN_HIGH),
         "nesterov": _f("bool", False, "Nesterov momentum (sgd, lars)", used_when=("optim.name", ("sgd", "lars")),
@@ -322,7 +329,7 @@ SCHEMA: dict[str, dict] = {
         "eps": _f("float", 1e-8, "adam-family denominator epsilon; lars trust-ratio epsilon", low=0.0,
                   used_when=("optim.name", _ADAM_FAMILY + ("lars",))),
         "weight_decay": _f("float", 0.0, "weight decay: L2 added to the gradient for sgd/adam/lars, "
-                           "decoupled for adamw/lamb", low=0.0),
+                           "decoupled for adamw/lamb", low=0.0, aliases=("wd",)),
         "mask_weight_decay": _f("bool", True, "no weight decay (and no lars trust ratio) on parameters "
                                 "with ndim <= 1: biases and norm scales"),
         "trust_coefficient": _f("float", 1e-3, "lars trust coefficient", used_when=("optim.name", ("lars",)),
@@ -363,7 +370,8 @@ SCHEMA: dict[str, dict] = {
         "steps": _f("int", None, "run length in optimiser steps (set exactly one of steps/epochs)",
                     nullable=True, clears="train.epochs", rules=(_one_run_length,), **_POS_INT),
         "epochs": _f("float", None, "run length in epochs, fractions allowed (exactly one of steps/epochs)",
-                     nullable=True, low=0.0, open_low=True, high=MAX_STEPS, clears="train.steps"),
+                     nullable=True, low=0.0, open_low=True, high=MAX_STEPS, clears="train.steps",
+                     aliases=("num_epochs", "max_epochs")),
         "seed": _f("int", 0, "seed of parameter initialisation and dropout", low=0, high=MAX_SEED),
         "eval_every": _f("duration", "1ep", "evaluate this often; null = only at the end", nullable=True,
                          low=0, open_low=True, trains=False),
@@ -1014,7 +1022,10 @@ def _check(spec: Field, value, path: str, source_of):
         value = _parse_duration(value, fail)
     elif kind == "list":
         if not isinstance(value, (list, tuple)):
-            fail()
+            scalar = isinstance(value, (str, int, float)) and not isinstance(value, bool)
+            hint = spec.example or (f"{path}=[{value}]" if scalar else None)
+            fail(f"expected {_expected(spec)}, got {_short(value)}"
+                 + (f"; write it in brackets, e.g. {hint}" if hint else ""))
         if spec.length is not None and len(value) != spec.length:
             fail(f"expected a list of {spec.length} items, got {_short(value)}")
         return [_check(spec.item, v, f"{path}[{i}]", source_of) for i, v in enumerate(value)]
@@ -1365,20 +1376,23 @@ def _suggest(word: str, candidates: list[str]) -> str:
 
 
 def _suggest_path(key: str, prefix: str) -> str:
-    """The same key in another section (it was put in the wrong place), else
-    a close spelling in this section."""
-    elsewhere = []
+    """The key another library's name (a field's ``aliases``) stands for, else the same key
+    in another section (it was put in the wrong place), else a close spelling in this
+    section."""
+    aliased, elsewhere = [], []
 
     def walk(schema, path):
         for k, spec in schema.items():
+            if isinstance(spec, Field) and key in spec.aliases:
+                aliased.append(_join(path, k))
             if k == key and path != prefix:
                 elsewhere.append(_join(path, k))
             if isinstance(spec, dict):
                 walk(spec, _join(path, k))
 
     walk(SCHEMA, "")
-    if elsewhere:
-        return f"; did you mean {elsewhere[0]!r}?"
+    if aliased or elsewhere:
+        return f"; did you mean {(aliased or elsewhere)[0]!r}?"
     node = SCHEMA
     for part in prefix.split(".") if prefix else ():
         node = node[part]

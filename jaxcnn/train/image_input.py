@@ -36,7 +36,12 @@ def open_images(cfg, default_hw) -> ImageData:
                           f"{'is' if len(missing) == 1 else 'are'} not installed: pip install -e \".[data]\" "
                           "(or pip install 'jaxcnn[data]')", path="data.source")
     if data.path is None or not os.path.exists(data.path):
-        raise ConfigError(f"data.path: {data.path!r} does not exist", path="data.path")
+        make = ("an image folder (PATH/train/<class>/<image>, PATH/val/<class>/<image>); "
+                f"jaxcnn-data shapes {data.path or 'PATH'} writes an example one"
+                if data.source == "folder" else
+                f"jaxcnn-data convert IMAGE_FOLDER {data.path or 'PATH'} writes records")
+        raise ConfigError(f"data.path: {data.path!r} does not exist; it should be {make}",
+                          path="data.path")
     most = max(MAX_WORKERS_FLOOR, WORKERS_PER_CORE * (os.cpu_count() or 1))
     if data.workers > most:  # each is a process: 2**31-1 of them would never start
         raise ConfigError(f"data.workers: {data.workers} worker processes is more than {most} "

@@ -37,7 +37,7 @@ from jaxcnn.train.config import (Config, config_from_dict, load_config, resolve_
 from jaxcnn.train.ema import eval_params
 from jaxcnn.train.image_input import TrainInput, eval_image_batches
 from jaxcnn.train.metrics import (MetricsWriter, Progress, describe_devices, describe_precision,
-                                  read_metrics)
+                                  eval_line, read_metrics)
 from jaxcnn.train.rundir import RunDir, check_workdir, default_workdir
 from jaxcnn.train.setup import (Prepared, Run, batch_fn, eval_batch_size, init_state, initial_params,
                                 eval_set_size, matmul_precision, parallel_config_errors, prepare,
@@ -482,8 +482,8 @@ class Training:
         self.last_eval = (done, result)
         if result:
             self.metrics.write(done, "eval", result)
-            self.progress.message(f"[jaxcnn] eval at step {done}: loss {result['loss']:.4f}  "
-                                  f"top-1 {result['top1']:.4f}  top-5 {result['top5']:.4f}")
+            self.progress.message(f"[jaxcnn] eval at step {done}: "
+                                  f"{eval_line(result, self.run.num_classes)}")
         return result
 
     def evaluate(self, state) -> dict:
@@ -573,8 +573,7 @@ class Training:
             if error is not None and self.manager is not None:
                 error += f"; checkpoints in {self.manager.directory} are kept"
         if final:
-            self.say(f"final eval at step {step}: loss {final['loss']:.4f}  top-1 {final['top1']:.4f}  "
-                     f"top-5 {final['top5']:.4f}  ({final['count']} images)")
+            self.say(f"final eval at step {step}: {eval_line(final, self.run.num_classes)}")
         return final, error
 
     def close(self) -> None:

@@ -206,12 +206,12 @@ class Progress:
             self._bar.n = step
             extra = {"scale": f"{values['loss_scale']:g}", "skipped": values["skipped"]} \
                 if _scale_note(values) else {}
-            self._bar.set_postfix(loss=f"{values['loss']:.4f}", acc=f"{values['top1']:.3f}",
+            self._bar.set_postfix(loss=f"{values['loss']:.4f}", train_acc=f"{values['top1']:.3f}",
                                   img_s=f"{img_per_s:,.0f}", refresh=False, **extra)
             self._bar.refresh()
         elif self.mode == "lines":
             print(f"step {step}/{self.total}  epoch {epoch:.2f}  loss {values['loss']:.4f}  "
-                  f"acc {values['top1']:.4f}  lr {values['lr']:.3g}  img/s {img_per_s:,.0f}  "
+                  f"train_acc {values['top1']:.4f}  lr {values['lr']:.3g}  img/s {img_per_s:,.0f}  "
                   f"step {step_time * 1000:.1f} ms  eta {format_eta(eta_s)}{_scale_note(values)}",
                   file=self.stream, flush=True)
 
@@ -254,13 +254,22 @@ def describe_precision(cfg, run) -> str:
     return text
 
 
+def eval_line(result: dict, num_classes: int) -> str:
+    """An evaluation's console text: loss, top-1, top-5 where it says something (more than
+    5 classes; with 5 or fewer it is always 1) and the image count."""
+    text = f"loss {result['loss']:.4f}  top-1 {result['top1']:.4f}"
+    if num_classes > 5:
+        text += f"  top-5 {result['top5']:.4f}"
+    return text + f"  ({result['count']} images)"
+
+
 def describe_devices(plan) -> str:
-    """The ``devices ...`` start-up line: data parallelism always; the model axis, pipeline
+    """The ``devices ...`` start-up line: data parallelism (or one device); the model axis, pipeline
     stages, the spatial split, fsdp and the process count only where used, and with several processes, when a data shard's devices span
     processes (``mesh.order: [pipe]``), how many and which share of every batch each loads."""
     n_data, n_model = plan.mesh.shape["data"], plan.mesh.shape["model"]
-    text = (f"devices {jax.device_count()} ({jax.default_backend()}): data parallel over {n_data} "
-            f"({plan.strategy})")
+    text = f"devices {jax.device_count()} ({jax.default_backend()}): " + (
+        "one device" if jax.device_count() == 1 else f"data parallel over {n_data} ({plan.strategy})")
     if n_model > 1:
         text += f", model parallel over {n_model}"
     pipe = getattr(plan, "pipeline", None)

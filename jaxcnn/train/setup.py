@@ -492,6 +492,7 @@ def _read_init_from(run: Run, path: str, like, skip: tuple, fail):
         return load(path, like=like, skip=skip)
     except (ValueError, OSError) as e:
         message = str(e).replace(f"{path}: {run.model.kind}: ", f"{path}: {run.cfg.model.name}: ", 1)
+        message = message.replace(":\n  ", ": ", 1).replace("\n  ", "; ")  # the listed problems, on one line
         if torch_named and " names no layer " in message:
             fail(message, "model.init_from_skip")
         if "has shape" in message and not skip:

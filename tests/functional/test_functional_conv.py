@@ -231,6 +231,18 @@ def test_bad_arguments_raise(call, match):
         call()
 
 
+def test_images_as_nchw_or_uint8_are_named_as_such():
+    with pytest.raises(ValueError, match=r"x has 5 channels .*; jaxcnn takes NHWC images and x "
+                                         r"looks like NCHW \(N, C, H, W\): x.transpose\(0, 2, 3, 1\)"):
+        F.conv2d(np.zeros((2, 3, 5, 5), np.float32), np.zeros((3, 3, 3, 2), np.float32))
+    with pytest.raises(ValueError, match=r"expects 3 \* groups=1 = 3 \(x shape \(2, 5, 5, 4\), "
+                                         r"w shape \(3, 3, 3, 2\)\)$"):  # not NCHW: no hint
+        F.conv2d(X4, np.zeros((3, 3, 3, 2), np.float32))
+    with pytest.raises(TypeError, match=r"conv2d: x is uint8, w float32: convert images to "
+                                        r"floating point first"):
+        F.conv2d(X4.astype(np.uint8), np.zeros((3, 3, 4, 2), np.float32))
+
+
 def test_errors_fire_at_trace_time():
     with pytest.raises(ValueError, match="conv2d: channel mismatch"):
         jax.eval_shape(lambda x: F.conv2d(x, jnp.zeros((3, 3, 3, 2))), jax.ShapeDtypeStruct(X4.shape, jnp.float32))

@@ -126,6 +126,12 @@ def test_registry_errors_name_the_problem():
         models.get("resnet9")
     with pytest.raises(ValueError, match="unknown option.*'cifar'.*cifar_stem"):
         models.get("resnet18", cifar=True)
+    with pytest.raises(ValueError, match=r"\['num_clases'\]; it accepts \['cifar_stem', "
+                                         r"'num_classes'\]; did you mean 'num_classes'\?"):
+        models.get("resnet18", num_clases=3)
+    with pytest.raises(ValueError, match=r"downloads no weights: .*from_torch_state_dict .*"
+                                         r"model\.init_from"):
+        models.get("resnet18", pretrained=True)
     with pytest.raises(ValueError, match="num_classes must be a positive int"):
         models.get("vgg11", num_classes=0)
     with pytest.raises(ValueError, match="unknown model"):

@@ -190,6 +190,26 @@ def test_unknown_key_in_another_section_is_pointed_at():
     assert "unknown key 'train.log_every'" in str(err) and "did you mean 'logging.log_every'?" in str(err)
 
 
+@pytest.mark.parametrize("section, key, meant", [
+    ("optim", "learning_rate", "optim.lr"), ("optim", "wd", "optim.weight_decay"),
+    ("train", "num_epochs", "train.epochs"), ("model", "pretrained", "model.init_from"),
+    ("train", "learning_rate", "optim.lr")])  # another library's name, in any section
+def test_other_libraries_names_are_answered_with_ours(section, key, meant):
+    raw = {**MINIMAL, section: {**MINIMAL.get(section, {}), key: 1}}
+    err = error_of(config_from_dict, raw)
+    assert f"unknown key '{section}.{key}'; did you mean '{meant}'?" in str(err)
+
+
+@pytest.mark.parametrize("key, value, hint", [
+    ("model.init_from_skip", "fc", "write it in brackets, e.g. model.init_from_skip=[fc]"),
+    ("data.image_size", 32, "write it in brackets, e.g. [224, 224] (folder, records) or "
+                            "[32, 32, 3] (synthetic)")])
+def test_a_list_key_given_one_value_shows_the_list(key, value, hint):
+    section, name = key.split(".")
+    err = error_of(config_from_dict, {**MINIMAL, section: {**MINIMAL.get(section, {}), name: value}})
+    assert f"{key}: expected a list of any number of" in str(err) and f"; {hint} [from" in str(err)
+
+
 def test_unknown_section():
     err = error_of(config_from_dict, {**MINIMAL, "optimizer": {"lr": 0.1}})
     assert "unknown section 'optimizer'" in str(err) and "did you mean 'optim'?" in str(err)
@@ -639,6 +659,19 @@ def test_startup_output_mentions_fsdp_and_the_model_axis_only_when_used():
         "data parallel over 2 (jit), images split along height over 4 (through layer2.3, remat)")
     explicit = SimpleNamespace(**{**vars(split), "spatial_remat": False, "spatial_halo": "explicit"})
     assert describe_devices(explicit).endswith("over 4 (through layer2.3, explicit halos)")
+
+
+def test_startup_output_on_one_device_says_so(monkeypatch):
+    """It said "data parallel over 1 (shard_map)"."""
+    from types import SimpleNamespace
+
+    import jax
+
+    from jaxcnn.train.metrics import describe_devices
+    monkeypatch.setattr(jax, "device_count", lambda: 1)
+    one = SimpleNamespace(mesh=SimpleNamespace(shape={"data": 1, "model": 1}), strategy="shard_map",
+                          fsdp=False)
+    assert describe_devices(one) == f"devices 1 ({jax.default_backend()}): one device"
 
 
 

@@ -129,3 +129,11 @@ def test_plot_cli_reads_a_torn_file_and_bad_input_is_one_line_exit_2(tmp_path, c
     code, out = _plot([str(run), "--out", str(tmp_path / "c.svg")], capsys)
     assert code == 0 and out.out.strip() == str(tmp_path / "c.svg"), out.err
     assert (tmp_path / "c.svg").stat().st_size > 1000
+
+
+@pytest.mark.parametrize("classes, text", [
+    (10, "loss 0.5000  top-1 0.7500  top-5 0.9500  (40 images)"),
+    (5, "loss 0.5000  top-1 0.7500  (40 images)")])  # top-5 of 5 classes is always 1
+def test_eval_line_shows_top5_only_where_it_says_something(classes, text):
+    result = {"loss": 0.5, "top1": 0.75, "top5": 0.95, "count": 40}
+    assert metrics.eval_line(result, classes) == text

@@ -58,7 +58,8 @@ def test_same_seed_same_losses_and_loss_falls(tmp_path, capsys):
     assert len(a) == 24 and a == b
     assert np.mean(a[-4:]) < np.mean(a[:4]) - 0.25  # from ~2.30 (chance) after 24 small steps
     out = capsys.readouterr().out
-    assert "final eval at step 24" in out and "img/s" in out
+    assert "final eval at step 24" in out and "img/s" in out and "  train_acc 0." in out
+    assert "top-5" in out  # 10 classes
     # Start-up lines in the config's words, not internals (they said 'loss scale NoOpLossScale').
     assert "[jaxcnn] precision fp32  loss scaling off  optimiser " in out and "[jaxcnn] devices " in out
     assert not any(word in out for word in ("NoOpLossScale", "p=f32", "fsdp", "False")), out
@@ -291,6 +292,19 @@ def test_missing_cifar_data_says_what_to_fetch(tmp_path, capsys):
     assert err.count("\n") == 1 and f"data.path: '{tmp_path / 'cifar'}' does not exist; CIFAR-10's binary " \
         "version (data_batch_1.bin ... test_batch.bin) is cifar-10-binary.tar.gz from " \
         "https://www.cs.toronto.edu/~kriz/cifar.html, extracted" in err, err
+
+
+@pytest.mark.parametrize("source, make", [
+    ("folder", "an image folder (PATH/train/<class>/<image>, PATH/val/<class>/<image>); "
+               "jaxcnn-data shapes data/shapes writes an example one"),
+    ("records", "jaxcnn-data convert IMAGE_FOLDER data/shapes writes records")])
+def test_a_missing_image_folder_says_how_to_make_one(tmp_path, monkeypatch, capsys, source, make):
+    """configs/shapes_folder.yaml before `jaxcnn-data shapes data/shapes` said only "does not exist"."""
+    monkeypatch.chdir(tmp_path)
+    assert train_main([os.path.join(CONFIGS, "shapes_folder.yaml"), f"data.source={source}",
+                       "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert err == f"jaxcnn-train: error: data.path: 'data/shapes' does not exist; it should be {make}\n"
 
 
 @pytest.mark.parametrize("override, needle", [
