@@ -213,6 +213,9 @@ def _eval_parser() -> argparse.ArgumentParser:
     p.add_argument("--step", type=int, default=None,
                    help="checkpoint step to evaluate (default: the latest good one)")
     p.add_argument("--json", action="store_true", help="print the metrics as one JSON object")
+    p.add_argument("--other-classes", action="store_true",
+                   help="evaluate on image data that name other classes than the run was "
+                        "trained on (refused by default: the labels would not be the model's)")
     return p
 
 
@@ -233,6 +236,30 @@ def _final_params(run, run_dir, path):
     records = read_metrics(run_dir.path) if os.path.isfile(run_dir.metrics) else []
     steps = [r["step"] for r in records if isinstance(r.get("step"), int)]
     return (max(steps) if steps else None), params, model_state
+
+
+def _trained_image_classes(run_dir):
+    """The class names an image-folder or record run was trained on (its
+    ``preprocessing.json``), else None: its model has one output per class, whatever the
+    data evaluated on hold."""
+    from jaxcnn.data.preprocessing import read_preprocessing
+    if not os.path.exists(run_dir.preprocessing):
+        return None
+    prep = read_preprocessing(run_dir.preprocessing)
+    return prep.class_names if prep.dataset in ("folder", "records") else None
+
+
+def _check_same_classes(run_dir, run, trained_on) -> None:
+    """A ``DataError`` when the image data name other classes than the run was trained on
+    (``preprocessing.json``): label ``i`` would be another class than the model's output
+    ``i``, and the accuracy a comparison of unrelated labels. ``--other-classes`` skips it."""
+    from jaxcnn.errors import DataError
+    if run.images is None or trained_on is None:
+        return
+    now = list(run.images.class_names)
+    if now != list(trained_on):
+        raise DataError(f"data.path: {run.images.path} names the classes {now}, but {run_dir.path} "
+                        f"was trained on {list(trained_on)}; --other-classes evaluates anyway")
 
 
 def _warn_of_other_data(run_dir, run) -> None:
@@ -275,10 +302,17 @@ def eval_main(argv=None) -> int:
         if (problem := run_dir.problem()) is not None:
             return _fail("jaxcnn-eval", problem)
         cfg = load_config(cfg_path, args.overrides)
+        trained = _trained_image_classes(run_dir)
+        if trained is not None and cfg.model.num_classes is None:  # the head the run trained
+            cfg = load_config(cfg_path, [f"model.num_classes={len(trained)}", "model.extra_outputs=true",
+                                         *args.overrides])
         run = build_run(cfg)
         # Normalise as in training (the run's preprocessing.json), as jaxcnn-export does.
         from jaxcnn.data.preprocessing import run_preprocessing, with_preprocessing
-        run = with_preprocessing(run, run_preprocessing(args.run_dir, run=run))
+        prep = run_preprocessing(args.run_dir, run=run)
+        if not args.other_classes:
+            _check_same_classes(run_dir, run, prep.class_names)
+        run = with_preprocessing(run, prep)
         _warn_of_other_data(run_dir, run)
         ckpt_dir = run_dir.checkpoints
         final = run_dir.find_params()

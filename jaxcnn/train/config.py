@@ -230,6 +230,9 @@ SCHEMA: dict[str, dict] = {
     "model": {
         "name": _f("str", None, "model registry name (jaxcnn.models.names())", required=True, low=1),
         "num_classes": _f("int", None, "classifier outputs; null = the model's default", nullable=True, **_POS_INT),
+        "extra_outputs": _f("bool", False, "folder/records: a model.num_classes above the data's classes is on "
+                            "purpose (outputs no image is labelled with); refused otherwise",
+                            used_when=("data.source", _IMAGE_FILES), trains=False),
         "options": _f("dict", {}, "extra keyword arguments for the model constructor, e.g. {cifar_stem: true}"),
         "init_from": _f("str", None, "start from these parameters instead of a random init: a .npz/.safetensors "
                         "file (params and state, as jaxcnn-train writes them), a PyTorch state dict saved as "

@@ -196,6 +196,12 @@ def _image_data(cfg) -> DataSetup:
     if cfg.model.num_classes is not None and cfg.model.num_classes < images.num_classes:
         raise ConfigError(f"model.num_classes: {cfg.model.num_classes} is smaller than the "
                           f"{images.num_classes} classes of {cfg.data.path}", path="model.num_classes")
+    if (cfg.model.num_classes or images.num_classes) > images.num_classes and not cfg.model.extra_outputs:
+        raise ConfigError(f"model.num_classes: {cfg.model.num_classes} is more than the {images.num_classes} "
+                          f"classes of {cfg.data.path} ({list(images.class_names)}): outputs "
+                          f"{images.num_classes}-{cfg.model.num_classes - 1} would be classes no image has, "
+                          "which predictions could name; leave it null (the data's count), or set "
+                          "model.extra_outputs=true if the larger head is on purpose", path="model.num_classes")
     if len(images.train) < cfg.data.batch_size:
         raise ConfigError(f"data.batch_size: {cfg.data.batch_size} is larger than the training set "
                           f"({len(images.train)} images)", path="data.batch_size")

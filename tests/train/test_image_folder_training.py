@@ -291,6 +291,37 @@ def test_eval_on_changed_or_other_data_warns_and_goes_on(tmp_path, capsys):
     assert "(train: 10 images, the run's had 8" in err and err.endswith("evaluating on them as they are now\n"), err
 
 
+def test_a_head_larger_than_the_folders_classes_is_refused_unless_on_purpose(shapes, tmp_path, capsys):
+    """model.num_classes=10 on a 3-class folder trained without a word, and predictions then
+    named phantom classes."""
+    folder = shapes[0]
+    assert train_main(_args(folder, tmp_path / "w", "model.num_classes=10", "--dry-run")) == 2
+    assert capsys.readouterr().err == (
+        f"jaxcnn-train: error: model.num_classes: 10 is more than the 3 classes of {folder} "
+        "(['blue', 'green', 'red']): outputs 3-9 would be classes no image has, which predictions "
+        "could name; leave it null (the data's count), or set model.extra_outputs=true if the larger "
+        "head is on purpose\n")
+    assert train_main(_args(folder, tmp_path / "w", "model.num_classes=10", "model.extra_outputs=true",
+                            "--dry-run")) == 0
+
+
+def test_eval_on_other_classes_is_refused_naming_both_unless_asked(shapes, tmp_path, capsys):
+    """jaxcnn-eval on a folder of other classes only warned of "other file names", then scored
+    the model's outputs against labels of other classes."""
+    from jaxcnn.train.cli import eval_main
+    _, ref, _ = shapes
+    other = tmp_path / "g"
+    write_shapes_folder(other, per_class=(6, 2), classes=CLASSES[:2], size_range=(16, 20))
+    capsys.readouterr()
+    assert eval_main([str(ref), f"data.path={other}"]) == 2
+    assert capsys.readouterr().err == (
+        f"jaxcnn-eval: error: data.path: {other} names the classes ['blue', 'green'], but {ref} was "
+        "trained on ['blue', 'green', 'red']; --other-classes evaluates anyway\n")
+    assert eval_main([str(ref), f"data.path={other}", "--other-classes", "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["count"] == 4 and err.startswith("jaxcnn-eval: warning: "), err
+
+
 def test_too_few_open_files_for_the_workers_is_one_line(tmp_path):
     """``ulimit -n 32`` with 2 data workers ended in a 116-line traceback from grain's start-up
     (os.pipe: Too many open files); the trainer now refuses before it trains, naming the limit,
