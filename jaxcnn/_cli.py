@@ -6,6 +6,7 @@ below the trainer) parses its command line as ``jaxcnn-train`` does.
 from __future__ import annotations
 
 import argparse
+import os
 
 EXIT_BAD_INPUT = 2
 
@@ -32,3 +33,18 @@ def path_arg(value: str) -> str:
     if not value.strip():
         raise argparse.ArgumentTypeError(f"expected a path, got {value!r}")
     return value
+
+
+def use_compilation_cache(directory) -> bool:
+    """Points JAX's persistent compilation cache at ``directory`` (a config's
+    ``train.compilation_cache``, ``~`` the home directory; None: off), so that a run repeated with the same programs
+    loads them instead of compiling them again.  A cache already chosen (JAX's
+    ``JAX_COMPILATION_CACHE_DIR``, or a caller's ``jax.config``) is left as it is.  It must
+    run before the process compiles anything: JAX opens its cache once.  Returns whether
+    this call set it.  The console scripts call it; the library never does."""
+    import jax
+
+    if directory is None or jax.config.jax_compilation_cache_dir:
+        return False
+    jax.config.update("jax_compilation_cache_dir", os.path.expanduser(str(directory)))
+    return True

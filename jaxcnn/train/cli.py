@@ -13,7 +13,7 @@ import sys
 # Exit codes: 0 success, 1 training stopped (non-finite loss, a lost peer process, a data worker
 # process that died), 2 bad input,
 # 128 + signal number when SIGTERM/SIGINT stopped the run after a checkpoint.
-from jaxcnn._cli import EXIT_BAD_INPUT, OneLineParser, path_arg
+from jaxcnn._cli import EXIT_BAD_INPUT, OneLineParser, path_arg, use_compilation_cache
 
 
 def _bad_input_errors():
@@ -151,6 +151,7 @@ def train_main(argv=None) -> int:
         if args.print_config:  # valid YAML: keys unused by this config's choices get a comment
             sys.stdout.write(dump_config(cfg))
             return 0
+        use_compilation_cache(cfg.train.compilation_cache)
         if args.dry_run:
             dry_run(cfg)
             return 0
@@ -302,6 +303,7 @@ def eval_main(argv=None) -> int:
         if (problem := run_dir.problem()) is not None:
             return _fail("jaxcnn-eval", problem)
         cfg = load_config(cfg_path, args.overrides)
+        use_compilation_cache(cfg.train.compilation_cache)
         trained = _trained_image_classes(run_dir)
         if trained is not None and cfg.model.num_classes is None:  # the head the run trained
             cfg = load_config(cfg_path, [f"model.num_classes={len(trained)}", "model.extra_outputs=true",

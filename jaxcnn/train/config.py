@@ -376,6 +376,10 @@ SCHEMA: dict[str, dict] = {
                      nullable=True, low=0.0, open_low=True, high=MAX_STEPS, clears="train.steps",
                      aliases=("num_epochs", "max_epochs")),
         "seed": _f("int", 0, "seed of parameter initialisation and dropout", low=0, high=MAX_SEED),
+        "compilation_cache": _f("str", "~/.cache/jaxcnn/xla", "jaxcnn-train/-eval: JAX's persistent compilation "
+                                "cache, so a repeated run loads its compiled programs (unless "
+                                "JAX_COMPILATION_CACHE_DIR chose one); null = off", nullable=True, low=1,
+                                trains=False),
         "eval_every": _f("duration", "1ep", "evaluate this often; null = only at the end", nullable=True,
                          low=0, open_low=True, trains=False),
         "nan_policy": _f("str", "stop", "non-finite loss: stop the run, or skip the update",

@@ -400,6 +400,27 @@ def test_every_shipped_config_dry_runs(config, cifar_dir, image_folder, capsys, 
     assert "dry run ok" in out and "Total MACs" in out
 
 
+def test_the_cli_keeps_its_compiled_programs_in_a_cache_by_default(tmp_path):
+    """A repeated jaxcnn-train compiled every program again (no persistent cache was set)."""
+    data = _tiny_npz(tmp_path / "d.npz", np.random.default_rng(0))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_COMPILATION_CACHE")}
+    env.update(PYTHONPATH=ROOT, HOME=str(tmp_path / "home"), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+    cache = tmp_path / "home" / ".cache" / "jaxcnn" / "xla"  # train.compilation_cache's default
+
+    def run(name, *extra):
+        done = subprocess.run(
+            [sys.executable, "-m", "jaxcnn.train.cli", os.path.join(CONFIGS, "mnist_cnn.yaml"), *FAST,
+             "model.name=mnist_cnn", "data.source=npz", f"data.path={data}", "train.steps=1",
+             "checkpoint.enabled=false", "data.batch_size=8", *extra, "--workdir", str(tmp_path / name)],
+            env=env, capture_output=True, text=True, timeout=300, check=False)
+        assert done.returncode == 0, done.stderr
+
+    run("off", "train.compilation_cache=null")
+    assert not cache.exists()
+    run("default")
+    assert len(os.listdir(cache)) >= 2  # the train and the eval step, at least
+
+
 def _tiny_npz(path, rng):
     labels = rng.integers(0, 4, 96)
     x = (rng.random((96, 10, 10)) * 60 + labels[:, None, None] * 50).astype(np.uint8)
