@@ -214,6 +214,9 @@ def _eval_parser() -> argparse.ArgumentParser:
     p.add_argument("--step", type=int, default=None,
                    help="checkpoint step to evaluate (default: the latest good one)")
     p.add_argument("--json", action="store_true", help="print the metrics as one JSON object")
+    p.add_argument("--per-class", action="store_true",
+                   help="also each class's images, recall (its accuracy) and precision, and the "
+                        "confusion matrix (printed up to 20 classes; always in --json)")
     p.add_argument("--other-classes", action="store_true",
                    help="evaluate on image data that name other classes than the run was "
                         "trained on (refused by default: the labels would not be the model's)")
@@ -292,7 +295,7 @@ def eval_main(argv=None) -> int:
         from jaxcnn.train.config import load_config
         from jaxcnn.train.ema import eval_params
         from jaxcnn.train.loop import evaluate
-        from jaxcnn.train.metrics import eval_line
+        from jaxcnn.train.metrics import eval_line, per_class_lines
         from jaxcnn.train.rundir import RunDir
         from jaxcnn.train.setup import abstract_state, build_run, matmul_precision
         from jaxcnn.layers import Choices
@@ -337,7 +340,8 @@ def eval_main(argv=None) -> int:
             params, model_state = eval_params(state, run.policy), state.state  # the EMA if the run kept one
         with matmul_precision(cfg):
             eval_step = make_eval_step(run.model, policy=run.policy, choices=Choices(impl=cfg.model.impl))
-            result = evaluate(run, jax.jit(eval_step.step), params, model_state)
+            result = evaluate(run, jax.jit(eval_step.step), params, model_state,
+                              per_class=args.per_class)
         result["step"] = step
     except _bad_input_errors() as e:
         message = str(e)
@@ -350,6 +354,8 @@ def eval_main(argv=None) -> int:
         print(json.dumps(result))
     else:
         print(f"step {step}: {eval_line(result, run.num_classes)}")
+        if "per_class" in result:
+            print("\n".join(per_class_lines(result["per_class"])))
     return 0
 
 

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxcnn import interop, parallel
-from jaxcnn.data import Prefetcher, eval_batches
+from jaxcnn.data import Prefetcher, eval_batches, preprocessing
 from jaxcnn.errors import ConfigError, DataError, DataWorkerDied, TrainingStopped, WorkdirError
 from jaxcnn.train import prune
 from jaxcnn.train.checkpoint import CheckpointManager
@@ -37,7 +37,7 @@ from jaxcnn.train.config import (Config, config_from_dict, load_config, resolve_
 from jaxcnn.train.ema import eval_params
 from jaxcnn.train.image_input import TrainInput, eval_image_batches
 from jaxcnn.train.metrics import (MetricsWriter, Progress, describe_devices, describe_precision,
-                                  eval_line, read_metrics)
+                                  eval_line, per_class as per_class_report, read_metrics)
 from jaxcnn.train.rundir import RunDir, check_workdir, default_workdir
 from jaxcnn.train.setup import (Prepared, Run, batch_fn, eval_batch_size, init_state, initial_params,
                                 eval_set_size, matmul_precision, parallel_config_errors, prepare,
@@ -62,10 +62,19 @@ def _eval_inputs(run: Run, bad: list, share=None):
                             **share)
 
 
-def evaluate(run: Run, eval_step, params, model_state, *, share=None) -> dict:
+def class_names(run: Run) -> list[str]:
+    """A name per model output: the data's (an image folder's class folders, MNIST's digits,
+    CIFAR-10's words), else the output's index."""
+    names = preprocessing.from_run(run).class_names or ()
+    return [str(names[i]) if i < len(names) else str(i) for i in range(run.num_classes)]
+
+
+def evaluate(run: Run, eval_step, params, model_state, *, share=None, per_class=False) -> dict:
     """Loss, top-1 and top-5 over the whole test set (nothing dropped; for an image source,
     ``bad_images`` counts the validation images skipped). ``eval_step`` gets this process's rows
-    of each batch: ``share`` (``plan.batch_share``), by default this process's of all."""
+    of each batch: ``share`` (``plan.batch_share``), by default this process's of all. With
+    ``per_class`` (and a step that counts the confusion matrix) also ``per_class``:
+    :func:`jaxcnn.train.metrics.per_class` with the run's class names."""
     if eval_set_size(run) is None:
         return {}
     totals, bad = None, []
@@ -80,6 +89,8 @@ def evaluate(run: Run, eval_step, params, model_state, *, share=None) -> dict:
               "top5": float(totals["top5_sum"]) / count, "count": int(totals["count"])}
     if run.images is not None:
         result["bad_images"] = len(bad)
+    if per_class and "confusion" in totals:
+        result["per_class"] = per_class_report(totals["confusion"], class_names(run))
     return result
 
 
@@ -228,7 +239,6 @@ def record_start(cfg, run_dir: RunDir, prepared: Prepared, first: int, changes, 
     record_run_config(run_dir.path, to_dict(cfg), first, changes)
     run = prepared.run
     run_dir.write_meta(argv, config_path, data=None if run.images is None else run.images.fingerprint())
-    from jaxcnn.data import preprocessing
     preprocessing.write_preprocessing(run_dir.preprocessing, preprocessing.from_run(prepared.run))
 
 
@@ -481,7 +491,7 @@ class Training:
         result = self.evaluate(state)
         self.last_eval = (done, result)
         if result:
-            self.metrics.write(done, "eval", result)
+            self.metrics.write(done, "eval", {k: v for k, v in result.items() if k != "per_class"})
             self.progress.message(f"[jaxcnn] eval at step {done}: "
                                   f"{eval_line(result, self.run.num_classes)}")
         return result
@@ -497,7 +507,8 @@ class Training:
                             f"stopped before evaluating on them; the checkpoints are kept")
         step, plan = self.prepared.eval_step, self.plan
         return evaluate(self.run, lambda p, s, batch: step(p, s, plan.put_eval_batch(batch)),
-                        eval_params(state, self.run.policy), state.state, share=plan.batch_share)
+                        eval_params(state, self.run.policy), state.state, share=plan.batch_share,
+                        per_class=True)
 
     def check_finite(self, done: int) -> None:
         """Stops (``nan_policy: stop``) at the first non-finite loss among the steps since the
@@ -556,13 +567,17 @@ class Training:
             ``(final metrics, None or the reason the parameter file could not be written)``.
         """
         step = int(state.step)
-        if self.last_eval[0] == step:  # early stopping has just evaluated this state
-            final = self.last_eval[1]
+        if self.last_eval[0] == step:  # early stopping has just evaluated (and recorded) this state
+            final = dict(self.last_eval[1])
+            report = final.pop("per_class", None)
         else:
             with matmul_precision(self.cfg):
                 final = self.evaluate(state)
+            report = final.pop("per_class", None)
             if final and not self.metrics.recorded(step, "eval"):
                 self.metrics.write(step, "eval", final)
+        if report is not None and not self.metrics.recorded(step, "per_class"):
+            self.metrics.write(step, "per_class", report)
         self.save(state, step, final or None)
         trees = parallel.to_host((eval_params(state, self.run.policy), state.state))  # all processes
         error = None

@@ -9,6 +9,7 @@ import time
 from typing import Mapping
 
 import jax
+import numpy as np
 
 from jaxcnn.data.files import write_bytes_whole
 from jaxcnn.errors import WorkdirError
@@ -252,6 +253,42 @@ def describe_precision(cfg, run) -> str:
     text += {"none": "  loss scaling off", "static": f"  loss scaling static ({scale})",
              "dynamic": f"  loss scaling dynamic (from {scale})"}[kind]
     return text
+
+
+def per_class(confusion, names) -> dict:
+    """The per-class record of a confusion matrix (rows: true class, columns: top-1
+    prediction): each class's ``images``, ``recall`` (its accuracy: the share of its images
+    predicted as it) and ``precision`` (the share of the images predicted as it that are it;
+    None where no image is), the ``classes`` (``names``) and the ``confusion`` counts."""
+    counts = np.rint(np.asarray(confusion, np.float64)).astype(np.int64)
+    images, predicted, correct = counts.sum(1), counts.sum(0), np.diag(counts)
+
+    def share(num, den):
+        return [None if d == 0 else float(n / d) for n, d in zip(num, den)]
+    return {"classes": list(names), "images": images.tolist(), "recall": share(correct, images),
+            "precision": share(correct, predicted), "confusion": counts.tolist()}
+
+
+# Classes up to which the console prints the confusion matrix (the record holds it always).
+PRINTED_CONFUSION = 20
+
+
+def per_class_lines(report: dict) -> list[str]:
+    """The console table of :func:`per_class`, and its confusion matrix for a few classes."""
+    names = report["classes"]
+    width = max(len("class"), *(len(n) for n in names))
+
+    def f(v):
+        return "     n/a" if v is None else f"{v:8.4f}"
+    lines = [f"{'class':<{width}}  {'images':>7}  {'recall':>8}  {'precision':>9}"]
+    lines += [f"{n:<{width}}  {i:>7,}  {f(r)}  {f(p):>9}" for n, i, r, p in
+              zip(names, report["images"], report["recall"], report["precision"])]
+    if len(names) <= PRINTED_CONFUSION:
+        cell = max(5, *(len(f"{c:,}") for row in report["confusion"] for c in row))
+        lines.append("confusion (rows: true class, columns: predicted, in the order above)")
+        lines += [f"{n:<{width}}  " + " ".join(f"{c:>{cell},}" for c in row)
+                  for n, row in zip(names, report["confusion"])]
+    return lines
 
 
 def eval_line(result: dict, num_classes: int) -> str:

@@ -423,12 +423,18 @@ def _step_choices(choices: Choices | None, bn_axis: str | None) -> Choices:
     return dataclasses.replace(choices, axis_name=bn_axis)
 
 
+# Classes up to which an evaluation counts its confusion matrix (ImageNet-1k's 1,000: 4 MB).
+MAX_CONFUSION_CLASSES = 1000
+
+
 def make_eval_step(model, *, policy=None, choices: Choices | None = None) -> EvalStep:
     """Build an :class:`EvalStep`: ``step(params, state, batch) -> sums``.
 
     ``batch`` may carry a boolean ``"mask"`` (padding of the last batch); the
     result holds sums over real examples only: ``loss_sum``, ``top1_sum``,
-    ``top5_sum`` and ``count``, so any number of batches add up exactly.
+    ``top5_sum`` and ``count``, so any number of batches add up exactly; with at
+    most :data:`MAX_CONFUSION_CLASSES` classes also ``confusion``, the
+    ``(classes, classes)`` counts of true class (row) by top-1 prediction (column).
     ``choices``: the layers' kernels (:class:`jaxcnn.layers.Choices`, passed to
     ``model.apply``; None: every default); ``policy``: as for :func:`make_train_step`.
     """
@@ -443,13 +449,18 @@ def make_eval_step(model, *, policy=None, choices: Choices | None = None) -> Eva
         if mask is None:
             mask = jnp.ones(labels.shape, bool)
         loss = F.cross_entropy(logits, labels, reduction="none")
-        k5 = min(5, logits.shape[-1])
-        return {
+        classes = logits.shape[-1]
+        k5 = min(5, classes)
+        out = {
             "loss_sum": jnp.sum(jnp.where(mask, loss, 0.0)),
             "top1_sum": jnp.sum(mask & F.top_k_correct(logits, labels, k=1)).astype(jnp.float32),
             "top5_sum": jnp.sum(mask & F.top_k_correct(logits, labels, k=k5)).astype(jnp.float32),
             "count": jnp.sum(mask).astype(jnp.float32),
         }
+        if classes <= MAX_CONFUSION_CLASSES:
+            out["confusion"] = jnp.zeros((classes, classes), jnp.float32).at[
+                labels.reshape(-1), jnp.argmax(logits, -1).reshape(-1)].add(mask.reshape(-1).astype(jnp.float32))
+        return out
 
     def eval_step(params, model_state, batch):
         logits, _ = model.apply(params, model_state, batch["image"], train=False,

@@ -322,6 +322,32 @@ def test_eval_on_other_classes_is_refused_naming_both_unless_asked(shapes, tmp_p
     assert json.loads(out)["count"] == 4 and err.startswith("jaxcnn-eval: warning: "), err
 
 
+def test_per_class_results_of_the_final_eval_jaxcnn_eval_and_the_plot(shapes, tmp_path, capsys):
+    """Evaluation gave top-1 and top-5 only: no per-class accuracy, no confusion matrix."""
+    from jaxcnn.train.cli import eval_main
+    from jaxcnn.train.plot import main as plot_main
+    _, ref, _ = shapes
+    records = read_metrics(ref)
+    [final] = [r for r in records if r["kind"] == "eval"]
+    [report] = [r for r in records if r["kind"] == "per_class"]
+    assert report["step"] == final["step"] == STEPS and report["classes"] == CLASSES
+    confusion = np.asarray(report["confusion"])
+    assert confusion.sum() == final["count"] == 12 and report["images"] == [4, 4, 4]
+    assert np.trace(confusion) / 12 == pytest.approx(final["top1"])
+    assert report["recall"] == [confusion[i, i] / 4 for i in range(3)]
+    capsys.readouterr()
+    assert eval_main([str(ref), "--per-class"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[1].split() == ["class", "images", "recall", "precision"]
+    assert [line.split()[:2] for line in out[2:5]] == [[c, "4"] for c in CLASSES]
+    assert out[5].startswith("confusion (rows: true class") and len(out) == 9
+    assert "top-5" not in out[0]  # 3 classes: top-5 is always 1
+    assert eval_main([str(ref), "--per-class", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["per_class"]["confusion"] == report["confusion"]
+    assert plot_main([str(ref), "--out", str(tmp_path / "c.png")]) == 0
+    assert (tmp_path / "c.png").stat().st_size > 0
+
+
 def test_too_few_open_files_for_the_workers_is_one_line(tmp_path):
     """``ulimit -n 32`` with 2 data workers ended in a 116-line traceback from grain's start-up
     (os.pipe: Too many open files); the trainer now refuses before it trains, naming the limit,
