@@ -537,10 +537,22 @@ def _input_line(format, layout, image_shape, prep, in_graph, report, from_run, b
                 f"{list(prep.mean)}, std {list(prep.std)} (the run's preprocessing.json)")
     lo, hi = prep.pixel_range
     if in_graph:
-        return (f"input: raw {prep.pixel_dtype} pixels in [{lo}, {hi}], {layout.upper()} {dims}; "
-                f"the model normalises them ({prep.formula}, mean {list(prep.mean)}, std "
-                f"{list(prep.std)}); recorded in {where}; {arg('preprocessing=False')} leaves it out")
+        return (f"input: raw {prep.pixel_dtype} pixels in [{lo}, {hi}], {layout.upper()} {dims}"
+                f"{_resize_note(prep, h, w)}; the model normalises them ({prep.formula}, mean "
+                f"{list(prep.mean)}, std {list(prep.std)}); recorded in {where}; "
+                f"{arg('preprocessing=False')} leaves it out")
     return (f"input: float32 {layout.upper()} {dims}, already normalised: {prep.formula} of "
-            f"{prep.pixel_dtype} pixels in [{lo}, {hi}], mean {list(prep.mean)}, std "
-            f"{list(prep.std)} ({arg('preprocessing=False')}; recorded in {where})")
+            f"{prep.pixel_dtype} pixels in [{lo}, {hi}]{_resize_note(prep, h, w)}, mean "
+            f"{list(prep.mean)}, std {list(prep.std)} ({arg('preprocessing=False')}; recorded in {where})")
+
+
+def _resize_note(prep, h: int, w: int) -> str:
+    """How an image becomes the input's pixels, where the run's evaluation resized and cropped
+    (an image folder or records): a model fed images resized straight to the crop sees other
+    pixels than it was measured on."""
+    if not prep.resize_shorter_side:
+        return ""
+    return (f", each image first resized (bilinear) so that its shorter side is "
+            f"{prep.resize_shorter_side} px and centre-cropped to {h}x{w}, as evaluation does "
+            "(jaxcnn-predict does it)")
 

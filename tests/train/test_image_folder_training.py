@@ -140,6 +140,12 @@ def test_export_measures_and_calibrates_on_the_image_folder(shapes, tmp_path, ca
     report = json.loads(capsys.readouterr().out)
     final = [r for r in read_metrics(ref) if r["kind"] == "eval"][-1]
     assert report["accuracy"]["original"] == pytest.approx(final["top1"])  # the val split, as in training
+    assert export_main([str(ref), "--format", "onnx", "--out", str(tmp_path / "m.onnx")]) == 0
+    # The resize and crop were only in the file's metadata: images resized straight to the
+    # crop shifted probabilities by up to 0.21.
+    assert ("input: raw uint8 pixels in [0, 255], NHWC (N, 16, 16, 3), each image first resized "
+            "(bilinear) so that its shorter side is 18 px and centre-cropped to 16x16, as "
+            "evaluation does (jaxcnn-predict does it); the model normalises") in capsys.readouterr().out
     assert 0.0 <= report["accuracy"]["int8"] <= 1.0 and out.exists()
     picked, load_rgb = [], loader.load_rgb
     monkeypatch.setattr(loader, "load_rgb", lambda source, index: picked.append(index) or load_rgb(source, index))
