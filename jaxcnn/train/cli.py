@@ -163,7 +163,7 @@ def train_main(argv=None) -> int:
         report_errors_as("jaxcnn-train")  # a lost peer ends the process with our line, on any thread
         if argv is None:
             _quiet_resource_tracker()
-        workdir = args.workdir or cfg.logging.workdir or default_workdir(args.config)
+        workdir = args.workdir or cfg.logging.workdir or default_workdir(args.config, args.overrides)
         run_dir = RunDir(workdir)
         quiet_abandoned_orbax_coroutines(run_dir.checkpoints_log)
         check_workdir(  # before any compute: a file, read-only, full

@@ -608,7 +608,8 @@ def run(config, *, overrides=(), workdir=None, stream=None) -> dict:
             :class:`~jaxcnn.train.config.Config`.
         overrides: dotted ``key=value`` strings over it, as on the command line.
         workdir: the run directory; default ``logging.workdir``, else for a file
-            ``runs/<its name>``. A run resumes from the checkpoints it finds there.
+            ``runs/<its name>`` (``runs/<its name>-<data folder>`` with a ``data.path``
+            override). A run resumes from the checkpoints it finds there.
         stream: where progress is printed (default ``sys.stdout``).
 
     Returns:
@@ -628,7 +629,7 @@ def run(config, *, overrides=(), workdir=None, stream=None) -> dict:
     else:
         cfg = config_from_dict(config, overrides, source="run(config)")
     what = "workdir" if workdir is not None or cfg.logging.workdir is None else "logging.workdir"
-    workdir = workdir or cfg.logging.workdir or (default_workdir(path) if path else None)
+    workdir = workdir or cfg.logging.workdir or (default_workdir(path, overrides) if path else None)
     if workdir is None:
         raise ConfigError("logging.workdir: a config given as a mapping needs a run directory: "
                           "set logging.workdir, or pass workdir=", path="logging.workdir")

@@ -261,15 +261,20 @@ def run_metadata(argv, config_path) -> dict:
         "git_commit": commit,
     }
 
-def default_workdir(config_path: str) -> str:
-    """``runs/<config file stem>`` under the current directory; for a run directory's own
-    ``config.resolved.yaml``, that run directory (it trained a new run in
-    ``runs/config.resolved`` instead of resuming the run)."""
+def default_workdir(config_path: str, overrides=()) -> str:
+    """``runs/<config file stem>`` under the current directory, ``runs/<stem>-<data folder
+    name>`` when ``overrides`` give ``data.path`` (one config on other data is another run:
+    the shapes example and your own photos, both from ``configs/shapes_folder.yaml``, shared
+    ``runs/shapes_folder``); for a run directory's own ``config.resolved.yaml``, that run
+    directory (it trained a new run in ``runs/config.resolved`` instead of resuming the run).
+    The same command names the same directory, so running it again resumes."""
     folder = os.path.dirname(config_path) or "."
     if os.path.basename(config_path) == RunDir.CONFIG and os.path.isfile(RunDir(folder).meta):
         return folder
     stem = os.path.splitext(os.path.basename(config_path))[0]
-    return os.path.join("runs", stem)
+    data = [o.partition("=")[2] for o in overrides if o.partition("=")[0].strip() == "data.path"]
+    name = os.path.splitext(os.path.basename(os.path.normpath(os.path.expanduser(data[-1]))))[0] if data else ""
+    return os.path.join("runs", f"{stem}-{name}" if name and name not in (".", "..") else stem)
 
 
 def check_workdir(workdir: str, what: str = "workdir") -> None:

@@ -421,6 +421,18 @@ def test_the_cli_keeps_its_compiled_programs_in_a_cache_by_default(tmp_path):
     assert len(os.listdir(cache)) >= 2  # the train and the eval step, at least
 
 
+@pytest.mark.parametrize("overrides, workdir", [
+    ((), "runs/shapes_folder"),
+    (("data.path=/home/me/photos",), "runs/shapes_folder-photos"),
+    (("data.path=data/shapes/", "data.path=~/pics"), "runs/shapes_folder-pics"),  # the last one counts
+    (("data.path=d.npz", "train.steps=3"), "runs/shapes_folder-d")])
+def test_the_default_run_directory_names_data_given_on_the_command_line(overrides, workdir):
+    """The README's shapes demo and "your own photos" (the same config, data.path=...) both
+    trained in runs/shapes_folder: the second resumed the first's checkpoints."""
+    from jaxcnn.train.rundir import default_workdir
+    assert default_workdir(os.path.join(CONFIGS, "shapes_folder.yaml"), overrides) == workdir
+
+
 def _tiny_npz(path, rng):
     labels = rng.integers(0, 4, 96)
     x = (rng.random((96, 10, 10)) * 60 + labels[:, None, None] * 50).astype(np.uint8)
