@@ -35,6 +35,15 @@ def path_arg(value: str) -> str:
     return value
 
 
+def name_list(names, shown: int = 10) -> str:
+    """``names`` as a list for an error line: the first ``shown`` and how many more (a folder
+    of ImageNet's 1,000 classes named one by one made a line of 12 KB)."""
+    names = [str(n) for n in names]
+    if len(names) <= shown:
+        return str(names)
+    return str(names[:shown])[:-1] + f", ... and {len(names) - shown} more]"
+
+
 def use_compilation_cache(directory) -> bool:
     """Points JAX's persistent compilation cache at ``directory`` (a config's
     ``train.compilation_cache``, ``~`` the home directory; None: off), so that a run repeated with the same programs

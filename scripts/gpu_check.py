@@ -164,6 +164,10 @@ def check(opts) -> int:
         print(f"gpu_check: unknown stage(s) {sorted(unknown)}; choose from "
               f"{[s[0] for s in STAGES]}", file=sys.stderr)
         return 2
+    if opts.resume and not any(name == "env" for name, _ in chosen):
+        print("gpu_check: --resume needs the env stage (it compares this device and these versions "
+              "with the earlier check's)", file=sys.stderr)
+        return 2
     command = "python scripts/gpu_check.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     report.append_record(os.path.join(out, report.JSONL), {
         "stage": "run", "kind": "run", "command": command.strip(), "budget_s": opts.budget,

@@ -170,6 +170,8 @@ def test_resume_carries_what_an_earlier_check_finished_and_runs_the_rest(tmp_pat
 def test_unknown_stage_is_a_usage_error(tmp_path, capsys):
     assert gc.main(["--stages", "env,warp", "--out", str(tmp_path)]) == 2
     assert "unknown stage(s) ['warp']" in capsys.readouterr().err
+    assert gc.main(["--stages", "dense", "--resume", "x.jsonl", "--out", str(tmp_path)]) == 2
+    assert "--resume needs the env stage" in capsys.readouterr().err
 
 
 def _mosaic_reason():

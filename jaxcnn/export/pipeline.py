@@ -135,7 +135,7 @@ def load_source(source, *, model: str | None = None, num_classes: int | None = N
         if not os.path.isfile(cfg_path):
             raise ExportError(f"{cfg_path} does not exist: not a jaxcnn run directory")
         from jaxcnn.train.config import load_config
-        cfg = load_config(cfg_path)
+        cfg = load_config(cfg_path, ["model.extra_outputs=true"])  # the head the run trained
         params_path = _run_params(source)
         if model is not None and model != cfg.model.name:
             raise ExportError(f"{arg('model', repr(model))} does not match the run's model "

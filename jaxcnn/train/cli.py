@@ -13,7 +13,7 @@ import sys
 # Exit codes: 0 success, 1 training stopped (non-finite loss, a lost peer process, a data worker
 # process that died), 2 bad input,
 # 128 + signal number when SIGTERM/SIGINT stopped the run after a checkpoint.
-from jaxcnn._cli import EXIT_BAD_INPUT, OneLineParser, path_arg, use_compilation_cache
+from jaxcnn._cli import EXIT_BAD_INPUT, OneLineParser, name_list, path_arg, use_compilation_cache
 
 
 def _bad_input_errors():
@@ -262,8 +262,9 @@ def _check_same_classes(run_dir, run, trained_on) -> None:
         return
     now = list(run.images.class_names)
     if now != list(trained_on):
-        raise DataError(f"data.path: {run.images.path} names the classes {now}, but {run_dir.path} "
-                        f"was trained on {list(trained_on)}; --other-classes evaluates anyway")
+        raise DataError(f"data.path: {run.images.path} names the classes {name_list(now)}, but "
+                        f"{run_dir.path} was trained on {name_list(trained_on)}; --other-classes "
+                        "evaluates anyway")
 
 
 def _warn_of_other_data(run_dir, run) -> None:
@@ -299,19 +300,33 @@ def eval_main(argv=None) -> int:
         from jaxcnn.train.rundir import RunDir
         from jaxcnn.train.setup import abstract_state, build_run, matmul_precision
         from jaxcnn.layers import Choices
-        from jaxcnn.train.step import make_eval_step
+        from jaxcnn.train.step import MAX_CONFUSION_CLASSES, make_eval_step
+        from jaxcnn.train.config import ConfigError
+        from jaxcnn.errors import DataError
 
         run_dir = RunDir(args.run_dir)
         cfg_path = run_dir.config
         if (problem := run_dir.problem()) is not None:
             return _fail("jaxcnn-eval", problem)
-        cfg = load_config(cfg_path, args.overrides)
-        use_compilation_cache(cfg.train.compilation_cache)
+        if args.per_class and args.other_classes:
+            raise ConfigError("--per-class with --other-classes: the confusion matrix's rows would be "
+                              "the data's classes and its columns the run's")
+        # The head is the one the run trained (its recorded config, or the trained class
+        # count), whatever classes the data evaluated on hold.
         trained = _trained_image_classes(run_dir)
-        if trained is not None and cfg.model.num_classes is None:  # the head the run trained
-            cfg = load_config(cfg_path, [f"model.num_classes={len(trained)}", "model.extra_outputs=true",
-                                         *args.overrides])
-        run = build_run(cfg)
+        head = ["model.extra_outputs=true"]
+        cfg = load_config(cfg_path, head + list(args.overrides))
+        use_compilation_cache(cfg.train.compilation_cache)
+        if trained is not None and cfg.model.num_classes is None:
+            cfg = load_config(cfg_path, head + [f"model.num_classes={len(trained)}", *args.overrides])
+        try:
+            run = build_run(cfg)
+        except ConfigError as e:
+            if trained is None or e.path != "model.num_classes":
+                raise
+            raise DataError(f"data.path: {cfg.data.path} holds more classes than the {len(trained)} "
+                            f"{run_dir.path} was trained on ({name_list(trained)}): the labels past "
+                            "them have no output to score") from None
         # Normalise as in training (the run's preprocessing.json), as jaxcnn-export does.
         from jaxcnn.data.preprocessing import run_preprocessing, with_preprocessing
         prep = run_preprocessing(args.run_dir, run=run)
@@ -356,6 +371,9 @@ def eval_main(argv=None) -> int:
         print(f"step {step}: {eval_line(result, run.num_classes)}")
         if "per_class" in result:
             print("\n".join(per_class_lines(result["per_class"])))
+        elif args.per_class:
+            print(f"(no per-class results: they are counted up to {MAX_CONFUSION_CLASSES:,} classes, "
+                  f"and the model has {run.num_classes:,})")
     return 0
 
 

@@ -39,7 +39,7 @@ def open_images(cfg, default_hw) -> ImageData:
         make = ("an image folder (PATH/train/<class>/<image>, PATH/val/<class>/<image>); "
                 f"jaxcnn-data shapes {data.path or 'PATH'} writes an example one"
                 if data.source == "folder" else
-                f"jaxcnn-data convert IMAGE_FOLDER {data.path or 'PATH'} writes records")
+                f"a record directory; jaxcnn-data convert IMAGE_FOLDER {data.path or 'PATH'} writes one")
         raise ConfigError(f"data.path: {data.path!r} does not exist; it should be {make}",
                           path="data.path")
     most = max(MAX_WORKERS_FLOOR, WORKERS_PER_CORE * (os.cpu_count() or 1))

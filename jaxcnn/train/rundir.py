@@ -272,9 +272,13 @@ def default_workdir(config_path: str, overrides=()) -> str:
     if os.path.basename(config_path) == RunDir.CONFIG and os.path.isfile(RunDir(folder).meta):
         return folder
     stem = os.path.splitext(os.path.basename(config_path))[0]
-    data = [o.partition("=")[2] for o in overrides if o.partition("=")[0].strip() == "data.path"]
-    name = os.path.splitext(os.path.basename(os.path.normpath(os.path.expanduser(data[-1]))))[0] if data else ""
-    return os.path.join("runs", f"{stem}-{name}" if name and name not in (".", "..") else stem)
+    data = [o.partition("=")[2].strip() for o in overrides if o.partition("=")[0].strip() == "data.path"]
+    if not data or data[-1] in ("", "null", "~"):
+        return os.path.join("runs", stem)
+    name = os.path.basename(os.path.normpath(os.path.expanduser(data[-1])))
+    if os.path.splitext(name)[1].lower() == ".npz":  # a data file: its name without the extension
+        name = os.path.splitext(name)[0]
+    return os.path.join("runs", f"{stem}-{name}" if name not in ("", ".", "..") else stem)
 
 
 def check_workdir(workdir: str, what: str = "workdir") -> None:

@@ -18,6 +18,7 @@ import numpy as np
 import optax
 
 from jaxcnn import interop, models, parallel
+from jaxcnn._cli import name_list
 from jaxcnn import precision as P
 from jaxcnn.data import (SyntheticSpec, load_dataset, steps_per_epoch, synthetic_batch,
                          synthetic_dataset, train_batch)
@@ -198,7 +199,7 @@ def _image_data(cfg) -> DataSetup:
                           f"{images.num_classes} classes of {cfg.data.path}", path="model.num_classes")
     if (cfg.model.num_classes or images.num_classes) > images.num_classes and not cfg.model.extra_outputs:
         raise ConfigError(f"model.num_classes: {cfg.model.num_classes} is more than the {images.num_classes} "
-                          f"classes of {cfg.data.path} ({list(images.class_names)}): outputs "
+                          f"classes of {cfg.data.path} ({name_list(images.class_names)}): outputs "
                           f"{images.num_classes}-{cfg.model.num_classes - 1} would be classes no image has, "
                           "which predictions could name; leave it null (the data's count), or set "
                           "model.extra_outputs=true if the larger head is on purpose", path="model.num_classes")

@@ -326,6 +326,14 @@ def test_eval_on_other_classes_is_refused_naming_both_unless_asked(shapes, tmp_p
     assert eval_main([str(ref), f"data.path={other}", "--other-classes", "--json"]) == 0
     out, err = capsys.readouterr()
     assert json.loads(out)["count"] == 4 and err.startswith("jaxcnn-eval: warning: "), err
+    assert eval_main([str(ref), f"data.path={other}", "--other-classes", "--per-class"]) == 2
+    assert "--per-class with --other-classes: the confusion matrix's rows" in capsys.readouterr().err
+    more = tmp_path / "more"  # a class the model has no output for: refused even when asked
+    write_shapes_folder(more, per_class=(4, 1), classes=CLASSES + ["yellow"], size_range=(16, 20))
+    assert eval_main([str(ref), f"data.path={more}", "--other-classes"]) == 2
+    assert capsys.readouterr().err == (
+        f"jaxcnn-eval: error: data.path: {more} holds more classes than the 3 {ref} was trained on "
+        "(['blue', 'green', 'red']): the labels past them have no output to score\n")
 
 
 def test_per_class_results_of_the_final_eval_jaxcnn_eval_and_the_plot(shapes, tmp_path, capsys):

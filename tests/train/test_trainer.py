@@ -297,7 +297,7 @@ def test_missing_cifar_data_says_what_to_fetch(tmp_path, capsys):
 @pytest.mark.parametrize("source, make", [
     ("folder", "an image folder (PATH/train/<class>/<image>, PATH/val/<class>/<image>); "
                "jaxcnn-data shapes data/shapes writes an example one"),
-    ("records", "jaxcnn-data convert IMAGE_FOLDER data/shapes writes records")])
+    ("records", "a record directory; jaxcnn-data convert IMAGE_FOLDER data/shapes writes one")])
 def test_a_missing_image_folder_says_how_to_make_one(tmp_path, monkeypatch, capsys, source, make):
     """configs/shapes_folder.yaml before `jaxcnn-data shapes data/shapes` said only "does not exist"."""
     monkeypatch.chdir(tmp_path)
@@ -425,7 +425,9 @@ def test_the_cli_keeps_its_compiled_programs_in_a_cache_by_default(tmp_path):
     ((), "runs/shapes_folder"),
     (("data.path=/home/me/photos",), "runs/shapes_folder-photos"),
     (("data.path=data/shapes/", "data.path=~/pics"), "runs/shapes_folder-pics"),  # the last one counts
-    (("data.path=d.npz", "train.steps=3"), "runs/shapes_folder-d")])
+    (("data.path=d.npz", "train.steps=3"), "runs/shapes_folder-d"),
+    (("data.path=~/photos.v2",), "runs/shapes_folder-photos.v2"),  # a folder keeps its dots
+    (("data.path=null",), "runs/shapes_folder")])
 def test_the_default_run_directory_names_data_given_on_the_command_line(overrides, workdir):
     """The README's shapes demo and "your own photos" (the same config, data.path=...) both
     trained in runs/shapes_folder: the second resumed the first's checkpoints."""
