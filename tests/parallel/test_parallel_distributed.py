@@ -185,8 +185,9 @@ def test_trainer_cli_two_processes_match_one(tmp_path):
     assert "2 processes" in results[0][1] and "[jaxcnn]" not in results[1][1]  # only process 0 prints
     from jaxcnn.train.metrics import read_metrics
     a, b = read_metrics(str(tmp_path / "two")), read_metrics(str(tmp_path / "one"))
-    assert [r["kind"] for r in a] == [r["kind"] for r in b] == ["train"] * 3 + ["eval"]
-    for ra, rb in zip(a, b):
+    assert [r["kind"] for r in a] == [r["kind"] for r in b] == ["train"] * 3 + ["eval", "per_class"]
+    assert a[-1]["confusion"] == b[-1]["confusion"]
+    for ra, rb in zip(a[:-1], b[:-1]):
         for key in ("loss", "top1"):
             assert abs(ra[key] - rb[key]) < 2e-5, (ra, rb)
     assert sorted(os.listdir(tmp_path / "two" / "checkpoints")) == ["3"]
@@ -304,7 +305,9 @@ def test_trainer_with_the_pipe_axis_across_two_processes_matches_one_and_resumes
     assert "processes" not in one_out.getvalue()
     a, b = read_metrics(str(tmp_path / "two")), read_metrics(str(tmp_path / "one"))
     assert [(r["kind"], r["step"]) for r in a] == [(r["kind"], r["step"]) for r in b] == \
-        [("train", 1), ("train", 2), ("eval", 2), ("train", 3), ("train", 4), ("eval", 4)]
+        [("train", 1), ("train", 2), ("eval", 2), ("train", 3), ("train", 4), ("eval", 4), ("per_class", 4)]
+    assert a[-1]["confusion"] == b[-1]["confusion"] and sum(a[-1]["images"]) == 40
+    a, b = a[:-1], b[:-1]
     for ra, rb in zip(a, b):
         for key in ("loss", "top1"):
             assert abs(ra[key] - rb[key]) < 2e-5, (ra, rb)
@@ -322,6 +325,7 @@ def test_trainer_with_the_pipe_axis_across_two_processes_matches_one_and_resumes
     pr, _ = load_npz(resumed / "params.npz")
     assert max_diff(pr, pb) < 2e-5
     c = read_metrics(str(resumed))
-    assert [(r["kind"], r["step"]) for r in c] == [(r["kind"], r["step"]) for r in b]
-    for rc_, rb in zip(c, b):
+    assert [(r["kind"], r["step"]) for r in c[:-1]] == [(r["kind"], r["step"]) for r in b]
+    assert c[-1]["kind"] == "per_class"
+    for rc_, rb in zip(c[:-1], b):
         assert abs(rc_["loss"] - rb["loss"]) < 2e-5, (rc_, rb)
