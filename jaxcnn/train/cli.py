@@ -293,47 +293,22 @@ def eval_main(argv=None) -> int:
         from jaxcnn.train._orbax_noise import quiet_abandoned_orbax_coroutines
         from jaxcnn.train.checkpoint import CheckpointError, CheckpointManager
         quiet_abandoned_orbax_coroutines()  # read-only: the one line per checkpoint is the report
-        from jaxcnn.train.config import load_config
+        from jaxcnn.train.config import ConfigError
         from jaxcnn.train.ema import eval_params
         from jaxcnn.train.loop import evaluate
-        from jaxcnn.train.metrics import eval_line, per_class_lines
         from jaxcnn.train.rundir import RunDir
-        from jaxcnn.train.setup import abstract_state, build_run, matmul_precision
+        from jaxcnn.train.setup import abstract_state, matmul_precision
         from jaxcnn.layers import Choices
-        from jaxcnn.train.step import MAX_CONFUSION_CLASSES, make_eval_step
-        from jaxcnn.train.config import ConfigError
-        from jaxcnn.errors import DataError
+        from jaxcnn.train.step import make_eval_step
 
         run_dir = RunDir(args.run_dir)
-        cfg_path = run_dir.config
         if (problem := run_dir.problem()) is not None:
             return _fail("jaxcnn-eval", problem)
         if args.per_class and args.other_classes:
             raise ConfigError("--per-class with --other-classes: the confusion matrix's rows would be "
                               "the data's classes and its columns the run's")
-        # The head is the one the run trained (its recorded config, or the trained class
-        # count), whatever classes the data evaluated on hold.
-        trained = _trained_image_classes(run_dir)
-        head = ["model.extra_outputs=true"]
-        cfg = load_config(cfg_path, head + list(args.overrides))
-        use_compilation_cache(cfg.train.compilation_cache)
-        if trained is not None and cfg.model.num_classes is None:
-            cfg = load_config(cfg_path, head + [f"model.num_classes={len(trained)}", *args.overrides])
-        try:
-            run = build_run(cfg)
-        except ConfigError as e:
-            if trained is None or e.path != "model.num_classes":
-                raise
-            raise DataError(f"data.path: {cfg.data.path} holds more classes than the {len(trained)} "
-                            f"{run_dir.path} was trained on ({name_list(trained)}): the labels past "
-                            "them have no output to score") from None
-        # Normalise as in training (the run's preprocessing.json), as jaxcnn-export does.
-        from jaxcnn.data.preprocessing import run_preprocessing, with_preprocessing
-        prep = run_preprocessing(args.run_dir, run=run)
-        if not args.other_classes:
-            _check_same_classes(run_dir, run, prep.class_names)
-        run = with_preprocessing(run, prep)
-        _warn_of_other_data(run_dir, run)
+        cfg, trained = _eval_config(run_dir, args.overrides)
+        run = _eval_run(run_dir, cfg, trained, check_classes=not args.other_classes)
         ckpt_dir = run_dir.checkpoints
         final = run_dir.find_params()
         if args.step is None and final is not None and not _holds_checkpoints(ckpt_dir):
@@ -368,13 +343,57 @@ def eval_main(argv=None) -> int:
     if args.json:
         print(json.dumps(result))
     else:
-        print(f"step {step}: {eval_line(result, run.num_classes)}")
-        if "per_class" in result:
-            print("\n".join(per_class_lines(result["per_class"])))
-        elif args.per_class:
-            print(f"(no per-class results: they are counted up to {MAX_CONFUSION_CLASSES:,} classes, "
-                  f"and the model has {run.num_classes:,})")
+        _print_eval(result, run.num_classes, args.per_class)
     return 0
+
+
+def _eval_config(run_dir, overrides):
+    """``(config, trained class names or None)`` of the run directory for ``jaxcnn-eval``:
+    the head is the one the run trained (its recorded config counts as
+    ``model.extra_outputs=true``; a null ``model.num_classes`` is the trained class count),
+    whatever classes the data evaluated on hold."""
+    from jaxcnn.train.config import load_config
+    trained = _trained_image_classes(run_dir)
+    head = ["model.extra_outputs=true"]
+    cfg = load_config(run_dir.config, head + list(overrides))
+    use_compilation_cache(cfg.train.compilation_cache)
+    if trained is not None and cfg.model.num_classes is None:
+        cfg = load_config(run_dir.config, head + [f"model.num_classes={len(trained)}", *overrides])
+    return cfg, trained
+
+
+def _eval_run(run_dir, cfg, trained, *, check_classes: bool):
+    """The ``Run`` that ``jaxcnn-eval`` evaluates: normalised as in training (the run's
+    ``preprocessing.json``, as ``jaxcnn-export`` does), its image data's classes checked
+    against the trained ones (``check_classes``) and compared with what the run recorded."""
+    from jaxcnn.data.preprocessing import run_preprocessing, with_preprocessing
+    from jaxcnn.errors import ConfigError, DataError
+    from jaxcnn.train.setup import build_run
+    try:
+        run = build_run(cfg)
+    except ConfigError as e:
+        if trained is None or e.path != "model.num_classes":
+            raise
+        raise DataError(f"data.path: {cfg.data.path} holds more classes than the {len(trained)} "
+                        f"{run_dir.path} was trained on ({name_list(trained)}): the labels past "
+                        "them have no output to score") from None
+    prep = run_preprocessing(run_dir.path, run=run)
+    if check_classes:
+        _check_same_classes(run_dir, run, prep.class_names)
+    run = with_preprocessing(run, prep)
+    _warn_of_other_data(run_dir, run)
+    return run
+
+
+def _print_eval(result: dict, num_classes: int, per_class: bool) -> None:
+    from jaxcnn.train.metrics import eval_line, per_class_lines
+    from jaxcnn.train.step import MAX_CONFUSION_CLASSES
+    print(f"step {result['step']}: {eval_line(result, num_classes)}")
+    if "per_class" in result:
+        print("\n".join(per_class_lines(result["per_class"])))
+    elif per_class:
+        print(f"(no per-class results: they are counted up to {MAX_CONFUSION_CLASSES:,} classes, "
+              f"and the model has {num_classes:,})")
 
 
 if __name__ == "__main__":
