@@ -488,7 +488,9 @@ class Training:
         self._timer = [time.perf_counter(), 0]
 
     def evaluate_and_record(self, state, done: int) -> dict:
-        result = self.evaluate(state)
+        # Early stopping may end the run here, and finish() then records this evaluation's
+        # per-class report; otherwise the host need not build it.
+        result = self.evaluate(state, per_class=self.stopper is not None)
         self.last_eval = (done, result)
         if result:
             self.metrics.write(done, "eval", {k: v for k, v in result.items() if k != "per_class"})
@@ -496,9 +498,9 @@ class Training:
                                   f"{eval_line(result, self.run.num_classes)}")
         return result
 
-    def evaluate(self, state) -> dict:
+    def evaluate(self, state, per_class: bool = False) -> dict:
         """The eval metrics of the parameters the run exports (their moving average with
-        ``train.ema_decay``). Data changed under the run (records converted again, images of
+        ``train.ema_decay``), with ``per_class`` also the per-class report. Data changed under the run (records converted again, images of
         a folder's ``val`` split added, removed or renamed: `ImageData.changes_since_opened`)
         stop it first, naming the change, rather than changing its validation data silently."""
         images = self.run.images
@@ -508,7 +510,7 @@ class Training:
         step, plan = self.prepared.eval_step, self.plan
         return evaluate(self.run, lambda p, s, batch: step(p, s, plan.put_eval_batch(batch)),
                         eval_params(state, self.run.policy), state.state, share=plan.batch_share,
-                        per_class=True)
+                        per_class=per_class)
 
     def check_finite(self, done: int) -> None:
         """Stops (``nan_policy: stop``) at the first non-finite loss among the steps since the
@@ -567,15 +569,15 @@ class Training:
             ``(final metrics, None or the reason the parameter file could not be written)``.
         """
         step = int(state.step)
-        if self.last_eval[0] == step:  # early stopping has just evaluated (and recorded) this state
+        recorded = self.last_eval[0] == step  # early stopping has just evaluated and recorded this state
+        if recorded:
             final = dict(self.last_eval[1])
-            report = final.pop("per_class", None)
         else:
             with matmul_precision(self.cfg):
-                final = self.evaluate(state)
-            report = final.pop("per_class", None)
-            if final and not self.metrics.recorded(step, "eval"):
-                self.metrics.write(step, "eval", final)
+                final = self.evaluate(state, per_class=True)
+        report = final.pop("per_class", None)
+        if final and not recorded and not self.metrics.recorded(step, "eval"):
+            self.metrics.write(step, "eval", final)
         if report is not None and not self.metrics.recorded(step, "per_class"):
             self.metrics.write(step, "per_class", report)
         self.save(state, step, final or None)

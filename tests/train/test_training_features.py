@@ -278,6 +278,8 @@ def test_a_resumed_run_ends_bitwise_equal(data, tmp_path, capsys, name):
         assert "early stopping at step 6" in out and "early stopping at step 6" in resumed
         assert [s for s, _ in evals] == [2, 4, 6]
         assert "final eval at step 6" in resumed
+        # the early-stopping evaluation is the final one, and its per-class report is recorded
+        assert [r["step"] for r in read_metrics(str(ref)) if r["kind"] == "per_class"] == [6]
     else:  # the exported parameters are the moving average
         from jaxcnn.interop import load_npz
         from jaxcnn.train.checkpoint import CheckpointManager
