@@ -291,11 +291,11 @@ def _image_calibration_batches(run, cfg, count: int, batch_size: int):
 def evaluate_model(cfg, model, params, state) -> dict:
     """Loss, top-1 and top-5 of ``model`` on the run's test set (eval mode)."""
     from jaxcnn.train.loop import evaluate
-    from jaxcnn.train.setup import matmul_precision
+    from jaxcnn.train.setup import matmul_precision, train_image_norm
     from jaxcnn.train.step import make_eval_step
     run = _dataset(cfg)
     with matmul_precision(cfg):
-        return evaluate(run, jax.jit(make_eval_step(model).step), params, state)
+        return evaluate(run, jax.jit(make_eval_step(model, image_norm=train_image_norm(run)).step), params, state)
 
 
 def _run_params(source: str) -> str:

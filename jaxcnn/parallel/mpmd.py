@@ -205,11 +205,13 @@ class MPMD:
     def build_eval(self, eval_step):
         """``evaluate(params, model_state, batch) -> sums`` stage by stage (each stage's blocks in
         inference mode on its devices, the sums on the last), from ``make_eval_step``'s step
-        (its ``sums``, ``policy`` and ``choices``)."""
+        (its ``prepare`` on the first, ``sums``, ``policy`` and ``choices``)."""
         S, blocks = self.pipeline.stages, self.pipeline.stage_blocks
 
         def program(s):
             def f(params, mstate, x, rest):
+                if s == 0:
+                    x = eval_step.prepare(x)
                 for b in blocks[s]:
                     x, _ = b.layer.apply(_get(params, b.path), _get(mstate, b.path), x, train=False,
                                          policy=eval_step.policy, choices=eval_step.choices)

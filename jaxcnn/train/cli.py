@@ -297,7 +297,7 @@ def eval_main(argv=None) -> int:
         from jaxcnn.train.ema import eval_params
         from jaxcnn.train.loop import evaluate
         from jaxcnn.train.rundir import RunDir
-        from jaxcnn.train.setup import abstract_state, matmul_precision
+        from jaxcnn.train.setup import abstract_state, matmul_precision, train_image_norm
         from jaxcnn.layers import Choices
         from jaxcnn.train.step import make_eval_step
 
@@ -329,7 +329,8 @@ def eval_main(argv=None) -> int:
             manager.close()
             params, model_state = eval_params(state, run.policy), state.state  # the EMA if the run kept one
         with matmul_precision(cfg):
-            eval_step = make_eval_step(run.model, policy=run.policy, choices=Choices(impl=cfg.model.impl))
+            eval_step = make_eval_step(run.model, policy=run.policy, choices=Choices(impl=cfg.model.impl),
+                                       image_norm=train_image_norm(run))
             result = evaluate(run, jax.jit(eval_step.step), params, model_state,
                               per_class=args.per_class)
         result["step"] = step

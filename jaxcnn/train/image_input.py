@@ -6,8 +6,8 @@ naming the key. `TrainInput` is the stream of training batches from a step on: g
 (`jaxcnn.data.TrainBatches`: the batch for step ``s`` depends only on the data seed and ``s``,
 so a resumed run starts the stream at its step), each batch with the messages of the bad images
 skipped in it (``data.on_bad_image: skip``), which the loop counts into ``metrics.jsonl``.
-`eval_image_batches` gives the validation split once, normalised on the host like the
-in-memory test sets.
+`eval_image_batches` gives the validation split once, as ``uint8`` images the eval step
+normalises on the device (`image_norm`), as the train step does.
 """
 from __future__ import annotations
 
@@ -15,7 +15,6 @@ import os
 
 import numpy as np
 
-from jaxcnn.data.dataset import normalize
 from jaxcnn.data.images import IMAGENET_MEAN, IMAGENET_STD, ImageData, missing_packages
 from jaxcnn.data.loader import Loader, check_open_files, split_info
 from jaxcnn.errors import ConfigError, DataError
@@ -92,15 +91,13 @@ class TrainInput:
         self._loader.close()
 
 
-def eval_image_batches(images: ImageData, cfg, batch_size: int, *, workers: int, process_index: int = 0,
+def eval_image_batches(images: ImageData, batch_size: int, *, workers: int, process_index: int = 0,
                        process_count: int = 1):
-    """Yields ``(arrays, bad)`` for the validation split: ``arrays = {"image": float32 normalised
-    on the host as the in-memory test sets are, "label", "mask"}`` (a skipped image's row is
-    masked out) and ``bad`` the messages of the images skipped in the batch."""
+    """Yields ``(arrays, bad)`` for the validation split: ``arrays = {"image": uint8 (normalised
+    on the device by an eval step given `image_norm`), "label", "mask"}`` (a skipped image's row
+    is masked out) and ``bad`` the messages of the images skipped in the batch."""
     maker = images.eval_batches(batch_size=batch_size, process_index=process_index, process_count=process_count)
-    mean, std = image_norm(cfg)
     with Loader(maker, 0, len(maker), workers=workers) as loader:
         for batch in loader:
             arrays, _, files = split_info(batch)
-            arrays["image"] = normalize(arrays["image"], mean, std)
             yield arrays, files

@@ -52,7 +52,7 @@ def _eval_inputs(run: Run, bad: list, share=None):
     rows masked out) are appended to ``bad``."""
     cfg, share = run.cfg, process_share(share)
     if run.images is not None:
-        for batch, files in eval_image_batches(run.images, cfg, eval_batch_size(run), workers=cfg.data.workers,
+        for batch, files in eval_image_batches(run.images, eval_batch_size(run), workers=cfg.data.workers,
                                                **share):
             bad.extend(files)
             yield batch

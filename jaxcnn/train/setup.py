@@ -624,7 +624,8 @@ def abstract_eval_batch(run: Run, plan, batch_size: int):
     """An evaluation batch as ``plan.put_eval_batch`` gives it to the eval step, as shapes."""
     rows = plan.eval_rows(batch_size)
     sharding = plan.batch_sharding()
-    return {"image": jax.ShapeDtypeStruct((rows,) + tuple(run.input_shape[1:]), np.float32,
+    image = np.uint8 if run.images is not None else np.float32  # an image source's: normalised on the device
+    return {"image": jax.ShapeDtypeStruct((rows,) + tuple(run.input_shape[1:]), image,
                                           sharding=sharding),
             "label": jax.ShapeDtypeStruct((rows,), np.int32, sharding=sharding),
             "mask": jax.ShapeDtypeStruct((rows,), np.bool_, sharding=sharding)}
@@ -682,7 +683,8 @@ def prepare(cfg, check_run=None) -> Prepared:
         # norm first (tx's own clip_by_global_norm then finds every stage within it)
         clip_norm=cfg.optim.grad_clip_norm if plan.mpmd is not None else None))
     eval_step = plan.wrap_eval(make_eval_step(plan.step_model, policy=run.policy,
-                                              choices=Choices(impl=cfg.model.impl)))
+                                              choices=Choices(impl=cfg.model.impl),
+                                              image_norm=train_image_norm(run)))
     eval_size = eval_batch_size(run)
     if plan.mpmd is not None:  # one program per stage: checked by its largest stage's peak
         with matmul_precision(cfg):

@@ -56,12 +56,14 @@ class TrainStep(NamedTuple):
 
 class EvalStep(NamedTuple):
     """``step(params, model_state, batch) -> sums``, and the pieces an MPMD pipeline runs
-    stage by stage (``sums(logits, batch)``, the policy and the layers' choices)."""
+    stage by stage (``prepare(images)``, the model's input; ``sums(logits, batch)``, the
+    policy and the layers' choices)."""
 
     step: Callable
     sums: Callable
     policy: Any
     choices: Choices
+    prepare: Callable
 
 
 def _loss_policy(policy):
@@ -427,7 +429,8 @@ def _step_choices(choices: Choices | None, bn_axis: str | None) -> Choices:
 MAX_CONFUSION_CLASSES = 1000
 
 
-def make_eval_step(model, *, policy=None, choices: Choices | None = None) -> EvalStep:
+def make_eval_step(model, *, policy=None, choices: Choices | None = None,
+                   image_norm: tuple | None = None) -> EvalStep:
     """Build an :class:`EvalStep`: ``step(params, state, batch) -> sums``.
 
     ``batch`` may carry a boolean ``"mask"`` (padding of the last batch); the
@@ -436,7 +439,8 @@ def make_eval_step(model, *, policy=None, choices: Choices | None = None) -> Eva
     most :data:`MAX_CONFUSION_CLASSES` classes also ``confusion``, the
     ``(classes, classes)`` counts of true class (row) by top-1 prediction (column).
     ``choices``: the layers' kernels (:class:`jaxcnn.layers.Choices`, passed to
-    ``model.apply``; None: every default); ``policy``: as for :func:`make_train_step`.
+    ``model.apply``; None: every default); ``policy`` and ``image_norm`` (``uint8`` batch
+    images normalised on the device): as for :func:`make_train_step`.
     """
     policy = P.as_policy(policy)
     loss_policy = _loss_policy(policy)
@@ -462,9 +466,12 @@ def make_eval_step(model, *, policy=None, choices: Choices | None = None) -> Eva
                 labels.reshape(-1), jnp.argmax(logits, -1).reshape(-1)].add(mask.reshape(-1).astype(jnp.float32))
         return out
 
+    def prepare(images):
+        return device_normalize(images, image_norm)
+
     def eval_step(params, model_state, batch):
-        logits, _ = model.apply(params, model_state, batch["image"], train=False,
+        logits, _ = model.apply(params, model_state, prepare(batch["image"]), train=False,
                                 policy=policy, choices=choices)
         return sums(logits, batch)
 
-    return EvalStep(eval_step, sums, policy, choices)
+    return EvalStep(eval_step, sums, policy, choices, prepare)

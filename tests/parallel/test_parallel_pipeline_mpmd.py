@@ -6,6 +6,7 @@ import numpy as np
 import optax
 import pytest
 
+from jaxcnn.data.dataset import normalize
 from jaxcnn.parallel import ParallelPlan, make_mesh
 from jaxcnn.train.step import make_eval_step, make_train_step
 
@@ -46,7 +47,8 @@ def test_mpmd_gives_the_spmd_engines_numbers_with_dropout_on_data_shards():
 
 def test_mpmd_state_lives_on_its_stages_devices_and_evaluates_stage_by_stage():
     """Every parameter, optimiser moment and BatchNorm statistic on its own stage's devices (the
-    step and key on every device); the evaluation sums are one device's."""
+    step and key on every device); the evaluation sums are one device's, of ``uint8`` images
+    normalised on the first stage's devices as one device normalises them."""
     model, tx = _model("resnet18"), MOMENTUM
     plan = _plan(model, tx, SHAPE, 2, 4, microbatches=2, engine="mpmd")
     state = plan.shard_state(init(model, tx, SHAPE))
@@ -62,10 +64,14 @@ def test_mpmd_state_lives_on_its_stages_devices_and_evaluates_stage_by_stage():
                                                       for p in jax.tree_util.tree_leaves(state.params)]
     assert state.step.sharding.device_set == set(plan.mesh.devices.flat)
     data = batches(SHAPE, 1, seed=3)[0]
-    data = dict(data, mask=np.arange(SHAPE[0]) < 13)
-    got = plan.wrap_eval(make_eval_step(model))(state.params, state.state, plan.put_eval_batch(data))
+    pixels = np.random.default_rng(3).integers(0, 256, SHAPE, np.uint8)
+    data = dict(data, image=pixels, mask=np.arange(SHAPE[0]) < 13)
+    norm = ((0.5, 0.4, 0.3), (0.2, 0.25, 0.3))
+    got = plan.wrap_eval(make_eval_step(model, image_norm=norm))(state.params, state.state,
+                                                                 plan.put_eval_batch(data))
     host = jax.device_get(init(model, tx, SHAPE))
-    want = jax.jit(make_eval_step(model).step)(host.params, host.state, data)
+    normalized = dict(data, image=normalize(pixels, *norm))
+    want = jax.jit(make_eval_step(model).step)(host.params, host.state, normalized)
     for k in want:
         np.testing.assert_allclose(np.asarray(got[k]), np.asarray(want[k]), rtol=1e-5, atol=1e-5)
 

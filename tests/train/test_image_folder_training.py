@@ -362,6 +362,30 @@ def test_per_class_results_of_the_final_eval_jaxcnn_eval_and_the_plot(shapes, tm
     assert (tmp_path / "c.png").stat().st_size > 0
 
 
+def test_evaluation_normalises_uint8_batches_on_the_device_as_predict_does_on_the_host(shapes, capsys):
+    """Evaluation batches reach the eval step as ``uint8`` (they were normalised on the host, in
+    the trainer's process); ``jaxcnn-eval``'s loss and top-1 are those of ``jaxcnn-predict``'s
+    probabilities, which decodes and normalises each image on the host."""
+    from jaxcnn.data.images import ImageData
+    from jaxcnn.predict import predict
+    from jaxcnn.train.cli import eval_main
+    from jaxcnn.train.image_input import eval_image_batches
+    folder, ref, _ = shapes
+    images = ImageData("folder", str(folder), image_size=(16, 16))
+    (batch, _), *_ = list(eval_image_batches(images, 8, workers=0))
+    assert batch["image"].dtype == np.uint8
+    capsys.readouterr()
+    assert eval_main([str(ref), "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    val = sorted((folder / "val").glob("*/*"))
+    found = predict(str(ref), [str(p) for p in val], top_k=1)
+    labels = [CLASSES.index(p.parent.name) for p in val]
+    loss = np.mean([-np.log(f.probabilities[y]) for f, y in zip(found, labels)])
+    top1 = np.mean([np.argmax(f.probabilities) == y for f, y in zip(found, labels)])
+    assert result["count"] == len(val) == 12
+    assert result["top1"] == top1 and result["loss"] == pytest.approx(loss, rel=1e-4, abs=1e-7)
+
+
 def test_too_few_open_files_for_the_workers_is_one_line(tmp_path):
     """``ulimit -n 32`` with 2 data workers ended in a 116-line traceback from grain's start-up
     (os.pipe: Too many open files); the trainer now refuses before it trains, naming the limit,

@@ -1,5 +1,5 @@
-"""Per-class evaluation: the eval step's confusion counts against numpy, the per-class record
-(recall, precision) against its definition, and the console table."""
+"""The eval step: its confusion counts against numpy, its uint8 input normalised on the device;
+the per-class record (recall, precision) against its definition, and the console table."""
 from types import SimpleNamespace
 
 import jax.numpy as jnp
@@ -43,3 +43,21 @@ def test_per_class_recall_and_precision_and_the_table():
         "a          3     1     0",
         "bb         0     2     0",
         "c          1     0     0"]
+
+
+def test_the_eval_step_normalises_uint8_images_as_the_host_did():
+    """``make_eval_step(image_norm=)`` takes ``uint8`` batches (an image folder's evaluation, sent
+    as bytes like training's) and gives the sums of the float32 batch the host used to normalise."""
+    import jax
+    from jaxcnn.data.dataset import normalize
+    from jaxcnn.models import get
+    model = get("mnist_cnn", num_classes=7)
+    params, state, _ = model.init(jax.random.PRNGKey(0), (4, 28, 28, 3))
+    pixels = np.random.default_rng(1).integers(0, 256, (4, 28, 28, 3), np.uint8)
+    labels = np.arange(4) % 7
+    norm = ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
+    got = jax.jit(make_eval_step(model, image_norm=norm).step)(params, state, {"image": pixels, "label": labels})
+    want = jax.jit(make_eval_step(model).step)(params, state, {"image": normalize(pixels, *norm), "label": labels})
+    for key in want:
+        np.testing.assert_allclose(np.asarray(got[key]), np.asarray(want[key]), rtol=1e-5, atol=1e-6, err_msg=key)
+    assert float(want["loss_sum"]) > 1.0  # an untrained head: the loss is far from 0
