@@ -8,6 +8,10 @@ images are NCHW, ONNX's native layout for Conv and pooling:
   jaxcnn's and a ``Transpose`` to NCHW follows it;
 * ``layout="nchw"``: the graph input is ``(N, C, H, W)`` (PyTorch's layout).
 
+With ``raw_image=True`` the input is one ``uint8`` image ``(H_in, W_in, C)`` of any size,
+resized (Pillow's antialiased bilinear, as ``Resize`` with ``antialias``) and centre-cropped
+inside exactly as the run's evaluation does before the normalisation; see :func:`_raw_image`.
+
 Stochastic depth emits no node (it is the identity in eval mode), a ``gate``
 (squeeze-excitation) is its body followed by a ``Mul``, a LayerScale a ``Mul``
 by a constant, and LayerNorm over the channel axis a ``LayerNormalization`` on
@@ -49,6 +53,12 @@ SUPPORTED_KINDS = (
     "identity", "dropout", "relu", "relu6", "leaky_relu", "elu", "gelu", "silu", "hardswish",
     "sigmoid", "tanh", "softmax", "log_softmax",
     "hardsigmoid", "stochastic_depth", "layer_scale", "layer_norm")
+# Pillow's BILINEAR resize as ONNX Resize (opset 18) spells it; see _raw_image.
+_PILLOW_BILINEAR = dict(mode="linear", antialias=1, exclude_outside=1,
+                        coordinate_transformation_mode="half_pixel")
+RAW_IMAGE_OPSET = 18
+# The raw-image graph's resized (H', W', C) and centre-cropped (H, W, C) uint8 image tensors.
+RESIZED, CROPPED = "image_resized", "image_cropped"
 # Above this many bytes of weights the protobuf (2 GiB limit) keeps them in a side file.
 _EXTERNAL_DATA_BYTES = 1536 * 2**20
 
@@ -416,8 +426,9 @@ def _records(model, image_shape):
 
 
 def export_onnx(model, params, state, image_shape, *, path=None, batch="dynamic",
-                layout: str = "nhwc", opset: int = MIN_OPSET, external_data=None,
-                model_name: str = "jaxcnn", preprocessing=None, metadata=None):
+                layout: str = "nhwc", opset: int | None = None, external_data=None,
+                model_name: str = "jaxcnn", preprocessing=None, metadata=None,
+                raw_image: bool = False):
     """Write ``model`` (eval mode) as an ONNX graph and check it with ``onnx.checker``.
 
     Arguments:
@@ -429,7 +440,8 @@ def export_onnx(model, params, state, image_shape, *, path=None, batch="dynamic"
         batch: an int for a fixed batch size, or ``"dynamic"`` (a symbolic ``N``).
         layout: ``"nhwc"`` (input ``(N, H, W, C)``, transposed inside) or
             ``"nchw"`` (input ``(N, C, H, W)``).
-        opset: ONNX opset of the default domain, at least 17.
+        opset: ONNX opset of the default domain, at least 17 (18 with ``raw_image``);
+            None: the least.
         external_data: store the weights in ``<path>.data`` beside the model;
             None decides by size (above 1.5 GiB, under the 2 GiB protobuf limit).
         model_name: the graph's name.
@@ -439,6 +451,12 @@ def export_onnx(model, params, state, image_shape, *, path=None, batch="dynamic"
             (``x * scale - offset``, the same float32 arithmetic as the trainer's);
             None: the input is the network's own, already normalised, float32.
         metadata: extra ``metadata_props`` entries (strings).
+        raw_image: the input is one raw ``uint8`` image ``(H_in, W_in, C)`` of any size
+            (as decoded, no batch axis; the output is still ``(1, classes)``), resized and
+            centre-cropped inside as the run's evaluation does
+            (:func:`jaxcnn.data.transforms.eval_transform`, ``preprocessing.resize_shorter_side``),
+            then normalised; needs such a ``preprocessing``, ``layout="nhwc"``, ``batch``
+            ``"dynamic"`` or 1, and opset 18.
 
     Returns:
         The ``onnx.ModelProto`` (weights inline unless written externally).
@@ -448,33 +466,19 @@ def export_onnx(model, params, state, image_shape, *, path=None, batch="dynamic"
     onnx = _onnx()
     if layout not in ("nhwc", "nchw"):
         raise ExportError(f"layout must be 'nhwc' or 'nchw', got {layout!r}")
-    if opset < MIN_OPSET:
+    if opset is not None and opset < MIN_OPSET:
         raise ExportError(f"opset must be at least {MIN_OPSET}, got {opset}")
     if batch != "dynamic" and not (isinstance(batch, int) and batch >= 1):
         raise ExportError(f"batch must be a positive int or 'dynamic', got {batch!r}")
+    opset = (RAW_IMAGE_OPSET if raw_image else MIN_OPSET) if opset is None else opset
     h, w, c = (int(d) for d in image_shape)
+    if raw_image:
+        _check_raw_image(preprocessing, layout, batch, opset, (h, w))
     records, out_shape = _records(model, (h, w, c))
     exporter = _Exporter(records, params, state)
     g = exporter.g
-    n = "N" if batch == "dynamic" else int(batch)
-    in_shape = [n, h, w, c] if layout == "nhwc" else [n, c, h, w]
-    x = "input"
-    g._used.add(x)
-    in_type = onnx.TensorProto.FLOAT
-    if preprocessing is not None:
-        if tuple(preprocessing.image_shape)[-1] != c:
-            raise ExportError(f"preprocessing has {len(preprocessing.mean)} channels but the "
-                              f"input has {c}")
-        if preprocessing.pixel_dtype == "uint8":
-            in_type = onnx.TensorProto.UINT8
-            x = g.node("Cast", [x], "input_float", to=onnx.TensorProto.FLOAT)
-    if layout == "nhwc":
-        x = g.node("Transpose", [x], "input_nchw", perm=list(_NCHW))
-    if preprocessing is not None:
-        scale, offset = preprocessing.scale_offset()
-        x = g.node("Mul", [x, g.const("norm_scale", scale.reshape(1, c, 1, 1))], "input_scaled")
-        x = g.node("Sub", [x, g.const("norm_offset", offset.reshape(1, c, 1, 1))],
-                   "input_normalized")
+    n = 1 if raw_image else "N" if batch == "dynamic" else int(batch)
+    x, in_type, in_shape = _graph_input(g, preprocessing, layout, (n, h, w, c), raw_image)
     y, rank = exporter.emit(model, "", x, 4)
     if rank == 4 and layout == "nhwc":
         y = g.node("Transpose", [y], "output_nhwc", perm=list(_NHWC))
@@ -487,8 +491,99 @@ def export_onnx(model, params, state, image_shape, *, path=None, batch="dynamic"
         [onnx.helper.make_tensor_value_info("input", in_type, in_shape)],
         [onnx.helper.make_tensor_value_info("output", onnx.TensorProto.FLOAT, out_shape)],
         initializer=g.initializers)
-    proto = _model_proto(onnx, graph, opset, layout, in_shape, preprocessing, metadata)
+    proto = _model_proto(onnx, graph, opset, "hwc" if raw_image else layout, in_shape, preprocessing,
+                         metadata)
     return _checked_and_saved(onnx, proto, path, external_data, sum(t.ByteSize() for t in g.initializers))
+
+
+def _graph_input(g, preprocessing, layout: str, nhwc, raw_image: bool):
+    """The graph's input: ``(x, in_type, in_shape)``, ``x`` the NCHW float32 tensor the network
+    takes, built from the input ``"input"`` (normalised inside when ``preprocessing`` is given;
+    for a raw image also resized and cropped, :func:`_raw_image`)."""
+    onnx = g.onnx
+    n, h, w, c = nhwc
+    in_shape = [n, h, w, c] if layout == "nhwc" else [n, c, h, w]
+    x = "input"
+    g._used.add(x)
+    in_type = onnx.TensorProto.FLOAT
+    if preprocessing is not None:
+        if tuple(preprocessing.image_shape)[-1] != c:
+            raise ExportError(f"preprocessing has {len(preprocessing.mean)} channels but the "
+                              f"input has {c}")
+        if raw_image:
+            in_shape = ["H_in", "W_in", c]
+            x = _raw_image(g, x, preprocessing.resize_shorter_side, h, w, c)
+        if preprocessing.pixel_dtype == "uint8":
+            in_type = onnx.TensorProto.UINT8
+            x = g.node("Cast", [x], "input_float", to=onnx.TensorProto.FLOAT)
+    if layout == "nhwc":
+        x = g.node("Transpose", [x], "input_nchw", perm=list(_NCHW))
+    if preprocessing is not None:
+        scale, offset = preprocessing.scale_offset()
+        x = g.node("Mul", [x, g.const("norm_scale", scale.reshape(1, c, 1, 1))], "input_scaled")
+        x = g.node("Sub", [x, g.const("norm_offset", offset.reshape(1, c, 1, 1))],
+                   "input_normalized")
+    return x, in_type, in_shape
+
+
+def _check_raw_image(preprocessing, layout: str, batch, opset: int, crop) -> None:
+    """An :class:`ExportError` where a raw-image graph cannot be built: it needs the run's
+    resize (``preprocessing.resize_shorter_side``, at least the ``crop``'s longer side) of
+    ``uint8`` pixels, takes one ``(H, W, C)`` image and needs opset 18 (``Resize``'s
+    ``antialias``)."""
+    if preprocessing is None or preprocessing.resize_shorter_side is None:
+        raise ExportError("raw_image=True builds the run's evaluation resize and crop into the graph, but "
+                          + ("there is no preprocessing" if preprocessing is None else
+                             "its preprocessing has none (its images come at the model's size)"))
+    if preprocessing.pixel_dtype != "uint8":
+        raise ExportError(f"raw_image=True takes uint8 images, but the preprocessing's pixels are "
+                          f"{preprocessing.pixel_dtype}")
+    if layout != "nhwc":
+        raise ExportError(f"raw_image=True takes one image (H, W, C) as decoded; layout={layout!r} does not apply")
+    if batch not in ("dynamic", 1):
+        raise ExportError(f"raw_image=True takes one image; batch={batch!r} does not apply")
+    if opset < RAW_IMAGE_OPSET:
+        raise ExportError(f"raw_image=True needs opset {RAW_IMAGE_OPSET} or later (Resize with "
+                          f"antialias), got {opset}")
+    if preprocessing.resize_shorter_side < max(crop):
+        raise ExportError(f"raw_image=True: the resize's shorter side {preprocessing.resize_shorter_side} "
+                          f"is smaller than the {crop[0]}x{crop[1]} crop")
+
+
+def _raw_image(g, x: str, side: int, h: int, w: int, c: int) -> str:
+    """``x``, one ``(H_in, W_in, C)`` ``uint8`` image of any size, as the ``(1, h, w, C)``
+    ``uint8`` batch :func:`jaxcnn.data.transforms.eval_transform` makes of it.
+
+    The resized shape is :func:`~jaxcnn.data.transforms.resized_shape`'s: ``side * (H_in, W_in)
+    // min(H_in, W_in)`` in int64 is its ``int(side * H_in / W_in)`` (the float quotient never
+    rounds up to the next integer while ``side * H_in < 2**52``). The resize is Pillow's
+    ``BILINEAR`` as ONNX ``Resize`` spells it: the triangle filter widened by the scale when
+    shrinking (``antialias=1``), pixel centres at half-integers (``half_pixel``), weights
+    renormalised at the borders (``exclude_outside=1``), and, as Pillow does, the width first, then
+    the height, each pass rounded to ``uint8`` (onnxruntime's ``uint8`` ``Resize`` is Pillow's
+    fixed-point arithmetic). The crop starts at ``round((new - crop) / 2)`` with ``Round``'s
+    half-to-even, Python's ``round`` in ``center_crop_box``."""
+    onnx = g.onnx
+
+    def i64(hint, value):
+        return g.const(hint, np.asarray(value, np.int64))
+
+    hw = g.node("Shape", [x], "input_hw", start=0, end=2)
+    shorter = g.node("ReduceMin", [hw], "input_shorter_side", keepdims=1)
+    scaled = g.node("Mul", [hw, i64("resize_shorter_side", side)], "input_hw_scaled")
+    sizes = g.node("Div", [scaled, shorter], "resized_hw")
+    for axis, hint in ((1, "resized_w"), (0, RESIZED)):
+        size = g.node("Gather", [sizes, i64(f"{hint}_axis", [axis])], f"{hint}_size")
+        x = g.node("Resize", [x, "", "", size], hint, axes=[axis], **_PILLOW_BILINEAR)
+    crop = i64("crop_hw", [h, w])
+    margin = g.node("Cast", [g.node("Sub", [sizes, crop], "crop_margin")], "crop_margin_float",
+                    to=onnx.TensorProto.FLOAT)
+    half = g.node("Mul", [margin, g.const("half", _f32(0.5))], "crop_start_float")
+    starts = g.node("Cast", [g.node("Round", [half], "crop_start_rounded")], "crop_start",
+                    to=onnx.TensorProto.INT64)
+    ends = g.node("Add", [starts, crop], "crop_end")
+    x = g.node("Slice", [x, starts, ends, i64("crop_axes", [0, 1])], CROPPED)
+    return g.node("Reshape", [x, i64("image_batch_shape", [1, h, w, c])], "image_batch")
 
 
 def _model_proto(onnx, graph, opset: int, layout: str, in_shape, preprocessing, metadata):
@@ -500,7 +595,9 @@ def _model_proto(onnx, graph, opset: int, layout: str, in_shape, preprocessing, 
                                    ir_version=onnx.helper.find_min_ir_version_for(opsets))
     in_desc = "float32 (normalised)" if preprocessing is None else (
         f"raw {preprocessing.pixel_dtype} pixels in {list(preprocessing.pixel_range)}, "
-        f"normalised inside as {preprocessing.formula}")
+        + (f"one image of any size, resized (shorter side {preprocessing.resize_shorter_side}, "
+           "bilinear antialiased), centre-cropped and " if layout == "hwc" else "")
+        + f"normalised inside as {preprocessing.formula}")
     proto.doc_string = (f"jaxcnn export; input 'input' is {layout.upper()} {in_desc} "
                         f"{in_shape}, output 'output'")
     onnx.helper.set_model_props(proto, {"input_layout": layout.upper(),
