@@ -21,7 +21,9 @@ export's record of it, so nobody has to know the training mean and std:
    torchvision's ``Resize(S)`` + ``CenterCrop``, for every image. Runs on an image folder or
    record files record their evaluation transform so (``data.eval_resize``). Other runs'
    data come at the model's size, so their records leave ``resize`` out, and an image of
-   another size is resized to ``H x W`` (bilinear, antialiased when shrinking);
+   another size is resized to ``H x W`` (bilinear, antialiased when shrinking). An ONNX export
+   made with ``--raw-image`` (its record says ``"raw_image": true``) does this step itself: each
+   decoded image is fed at its own size, one per run;
 3. ``uint8`` pixels, normalised as the trainer did (``(x / 255 - mean) / std``; float
    datasets: ``x / 255`` first, as on their unit scale). Exports that build the
    normalisation in take the raw pixels, as the exporter recorded.
@@ -78,9 +80,12 @@ class Prediction(NamedTuple):
 
 
 class Resize(NamedTuple):
-    """How an image of any size becomes ``H x W`` (see the module's docstring)."""
+    """How an image of any size becomes ``H x W`` (see the module's docstring); ``in_model``:
+    the model does it itself (an ONNX export with ``--raw-image``), so each image is fed
+    decoded, at its own size, one per run."""
 
     shorter_side: Optional[int] = None   # None: resize to H x W directly
+    in_model: bool = False
 
 
 def resize_rule(record: dict, where: str) -> Resize:
@@ -98,7 +103,8 @@ def resize_rule(record: dict, where: str) -> Resize:
 
 class Predictor(NamedTuple):
     """A loaded model: ``logits(images)`` maps preprocessed ``(N, H, W, C)`` images to
-    ``(N, num_classes)`` float32 logits."""
+    ``(N, num_classes)`` float32 logits (with ``resize.in_model``: a list of ``N`` decoded
+    images of their own sizes)."""
 
     source: str
     kind: str                    # "run", "onnx" or "stablehlo"
@@ -127,8 +133,10 @@ class Predictor(NamedTuple):
         for start in range(0, len(images), _CHUNK):
             chunk = images[start:start + _CHUNK]
             names = [_name(im, start + i) for i, im in enumerate(chunk)]
-            pixels = np.stack([to_pixels(decode_image(im, name), self.image_shape, self.resize)
-                               for im, name in zip(chunk, names)])
+            pixels = [to_pixels(decode_image(im, name), self.image_shape, self.resize)
+                      for im, name in zip(chunk, names)]
+            if not self.resize.in_model:
+                pixels = np.stack(pixels)
             scores = self._scores(pixels, names, top_k)
             # Under jaxcnn.cpu.configure's malloc policy (a kept heap) decoded photos fragment it
             # between forward passes; a no-op otherwise.
@@ -222,7 +230,8 @@ def to_pixels(img, image_shape: tuple, resize: Resize = Resize()) -> np.ndarray:
     """``(H, W, C)`` ``uint8`` pixels of a Pillow image: channels converted, then resized as
     :class:`Resize` says. With a shorter side it is evaluation's own transform
     (:func:`jaxcnn.data.transforms.eval_transform`: torchvision's ``Resize(S)`` +
-    ``CenterCrop``), for every image, one already ``H x W`` included."""
+    ``CenterCrop``), for every image, one already ``H x W`` included; with ``in_model``, the
+    image's own pixels at its own size (the model resizes them)."""
     from PIL import Image
 
     from jaxcnn.data.transforms import eval_transform
@@ -230,6 +239,8 @@ def to_pixels(img, image_shape: tuple, resize: Resize = Resize()) -> np.ndarray:
     if c not in (1, 3):
         raise PredictError(f"the model takes {c}-channel images; image files give 1 (L) or 3 (RGB)")
     img = img.convert("L" if c == 1 else "RGB")
+    if resize.in_model:
+        return np.asarray(img, np.uint8).reshape(img.height, img.width, c)
     side = resize.shorter_side
     if side is not None:
         if side < max(h, w):
@@ -294,14 +305,20 @@ def _read_record(path: str) -> dict:
 
 
 def _export_record(record, where: str):
-    """``(Preprocessing, Resize, in_graph, layout)`` of an export's preprocessing record."""
+    """``(Preprocessing, Resize, in_graph, layout)`` of an export's preprocessing record; a
+    raw-image export (``"raw_image": true``, layout ``HWC``) resizes in the model."""
     if not isinstance(record, dict):
         raise PredictError(f"{where}: the preprocessing record is not a JSON object")
     prep = from_dict(record, where)
     layout = str(record.get("input_layout", "NHWC")).upper()
-    if layout not in ("NHWC", "NCHW"):
-        raise PredictError(f"{where}: input_layout must be NHWC or NCHW, got {layout!r}")
-    return prep, resize_rule(record, where), bool(record.get("in_graph", True)), layout
+    raw = record.get("raw_image", False) is True
+    if layout not in (("HWC",) if raw else ("NHWC", "NCHW")):
+        raise PredictError(f"{where}: input_layout must be " + (
+            "HWC with raw_image" if raw else "NHWC or NCHW") + f", got {layout!r}")
+    resize = resize_rule(record, where)
+    if raw and (resize.shorter_side is None or not record.get("in_graph", True)):
+        raise PredictError(f"{where}: raw_image needs a 'resize' and in_graph: true")
+    return prep, resize._replace(in_model=raw), bool(record.get("in_graph", True)), layout
 
 
 def _feed(prep: Preprocessing, in_graph: bool, layout: str):
@@ -352,8 +369,11 @@ def _onnx_predictor(path: str) -> Predictor:
     except json.JSONDecodeError as e:
         raise PredictError(f"{where}: not valid JSON ({e})") from None
     prep, resize, in_graph, layout = _export_record(record, where)
-    feed = _feed(prep, in_graph, layout)
     inp = session.get_inputs()[0]
+    if resize.in_model:  # one decoded image per run: (H, W, C) of its own size
+        return Predictor(path, "onnx", prep, resize, lambda images: np.concatenate(
+            [session.run(None, {inp.name: image})[0] for image in images]))
+    feed = _feed(prep, in_graph, layout)
     fixed = inp.shape[0] if isinstance(inp.shape[0], int) else None
 
     return Predictor(path, "onnx", prep, resize, _batched(

@@ -255,6 +255,25 @@ def test_resize_rules():
     want = (r * 19595 + g * 38470 + b * 7471 + 0x8000) >> 16
     assert np.abs(grey - want).max() <= 1
     np.testing.assert_array_equal(to_pixels(Image.fromarray(rgb), (28, 28, 3)), rgb)
+    # A raw-image export resizes in the model: the image's own pixels at its own size.
+    raw = to_pixels(Image.fromarray(_bars(30, 60)), (28, 28, 3), Resize(28, in_model=True))
+    np.testing.assert_array_equal(raw, np.repeat(_bars(30, 60)[..., None], 3, -1))
+
+
+def test_a_raw_image_record_is_read_only_whole():
+    """An export record with ``"raw_image": true`` is HWC with a resize, normalised in the graph;
+    anything else is refused naming the record."""
+    from jaxcnn.predict import _export_record
+    base = {"image_shape": [16, 16, 3], "pixel_dtype": "uint8", "mean": [0.5] * 3, "std": [0.25] * 3,
+            "resize": {"shorter_side": 18}, "in_graph": True, "input_layout": "HWC", "raw_image": True}
+    prep, resize, in_graph, layout = _export_record(base, "m.onnx")
+    assert (resize, in_graph, layout) == (Resize(18, in_model=True), True, "HWC")
+    for change, said in [({"input_layout": "NHWC"}, "input_layout must be HWC with raw_image"),
+                         ({"raw_image": False}, "input_layout must be NHWC or NCHW, got 'HWC'"),
+                         ({"resize": None}, "raw_image needs a 'resize' and in_graph: true"),
+                         ({"in_graph": False}, "raw_image needs a 'resize' and in_graph: true")]:
+        with pytest.raises(PredictError, match=said):
+            _export_record({**base, **change}, "m.onnx")
 
 
 def test_predict_decodes_a_chunk_at_a_time_in_bounded_memory(run_dir, tmp_path):

@@ -7,12 +7,14 @@ from __future__ import annotations
 import contextlib
 import contextvars
 
-# Python argument -> jaxcnn-export flag.  "preprocessing=False" is one flag's whole meaning.
+# Python argument -> jaxcnn-export flag.  "preprocessing=False" and "raw_image=True" are one
+# flag's whole meaning.
 FLAGS = {
     "model": "--model", "out": "--out", "format": "--format", "image_shape": "--input-shape",
     "num_classes": "--num-classes", "model_options": "--model-option", "quantize": "--quantize",
     "prune": "--prune", "fine_tune_steps": "--fine-tune-steps", "fine_tune_dir": "--fine-tune-dir",
-    "preprocessing=False": "--no-preprocessing",
+    "preprocessing=False": "--no-preprocessing", "raw_image=True": "--raw-image", "layout": "--layout",
+    "batch": "--batch", "opset": "--opset",
 }
 
 _CLI = contextvars.ContextVar("jaxcnn_export_cli_flags", default=False)

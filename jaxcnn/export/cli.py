@@ -13,6 +13,9 @@ them, float32 0-1 for float datasets) and normalise them inside as the trainer d
 run's ``preprocessing.json``); ``--no-preprocessing`` exports the bare network, which takes
 normalised float32 input. The normalisation is recorded either way (ONNX metadata_props
 ``jaxcnn.preprocessing``; StableHLO: ``OUT.preprocessing.json``) and printed.
+``--raw-image`` (ONNX, a run on an image folder or records): the model takes one raw
+``uint8`` image ``(H, W, 3)`` of any size and resizes and centre-crops it inside too, as
+the run's evaluation does.
 
 Bad input (a run directory without parameters, a corrupt parameter file, a
 layer ONNX export does not support) ends with exit code 2 and one line on
@@ -147,7 +150,12 @@ def parser() -> argparse.ArgumentParser:
                         "it then takes normalised float32 inputs instead of raw pixels (uint8 "
                         "0-255, or float 0-1 for float datasets); the normalisation is still "
                         "recorded in its metadata")
-    p.add_argument("--opset", type=int, default=17, help="ONNX opset (>= 17)")
+    p.add_argument("--raw-image", action="store_true",
+                   help="ONNX of a run on an image folder or records: the model takes one raw uint8 "
+                        "image (H, W, 3) of any size and resizes, centre-crops and normalises it "
+                        "inside as the run's evaluation does (opset 18)")
+    p.add_argument("--opset", type=int, default=None,
+                   help="ONNX opset (>= 17; default 17, 18 with --raw-image)")
     p.add_argument("--json", action="store_true", help="print the report as one JSON object")
     return p
 
@@ -173,7 +181,7 @@ def main(argv=None) -> int:
                 prune_scope=args.prune_scope, prune_structure=args.prune_structure,
                 fine_tune_steps=args.fine_tune_steps, fine_tune_lr=args.fine_tune_lr,
                 fine_tune_dir=args.fine_tune_dir, opset=args.opset,
-                preprocessing=args.preprocessing, log=log,
+                preprocessing=args.preprocessing, raw_image=args.raw_image, log=log,
                 train_stream=sys.stderr if args.json else sys.stdout)
     except (ValueError, OSError, CheckpointError) as e:  # ExportError, ConfigError, DataError, files
         message = " ".join(str(e).split())  # one line, even for multi-line messages

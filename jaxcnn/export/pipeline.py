@@ -22,7 +22,7 @@ from jaxcnn.data.preprocessing import PREPROCESSING_FILE, run_preprocessing
 from jaxcnn.errors import ExportError
 from jaxcnn.export._args import arg
 from jaxcnn.export.fold import fold_batch_norm
-from jaxcnn.export.onnx_export import MIN_OPSET, export_onnx
+from jaxcnn.export.onnx_export import RAW_IMAGE_OPSET, export_onnx
 from jaxcnn.export.prune import fine_tune, magnitude_prune, sparsity_report
 from jaxcnn.export.quantize import quantize_int8
 from jaxcnn.export.stablehlo import export_stablehlo
@@ -318,9 +318,9 @@ def export(source, out, *, format: str, model: str | None = None, num_classes=No
            fold_bn: bool = False, quantize: str | None = None, calibration_count: int = 4,
            prune: float | None = None, prune_scope: str = "global",
            prune_structure: str = "unstructured", fine_tune_steps: int = 0,
-           fine_tune_lr: float | None = None, fine_tune_dir=None, opset: int = MIN_OPSET,
-           preprocessing: bool = True, log: Callable[[str], None] | None = None,
-           train_stream=None) -> dict:
+           fine_tune_lr: float | None = None, fine_tune_dir=None, opset: int | None = None,
+           preprocessing: bool = True, raw_image: bool = False,
+           log: Callable[[str], None] | None = None, train_stream=None) -> dict:
     """Load, optionally prune / fold / quantise, and write one export format.
 
     Arguments:
@@ -341,7 +341,7 @@ def export(source, out, *, format: str, model: str | None = None, num_classes=No
             fine_tune_lr: its peak learning rate (default: the run's / 10);
             fine_tune_dir: its run directory (default: ``out`` without its
             extension, plus ``_finetune``); what is exported is its result.
-        opset: ONNX opset.
+        opset: ONNX opset (None: 17, or 18 with ``raw_image``).
         preprocessing: build the run's input preprocessing (``preprocessing.json``:
             per-channel normalisation of raw pixels) into a StableHLO or ONNX export,
             so that it takes raw pixels as the data loaders give them (``uint8`` in
@@ -350,6 +350,10 @@ def export(source, out, *, format: str, model: str | None = None, num_classes=No
             Either way the preprocessing is recorded: ONNX ``metadata_props``
             ``jaxcnn.preprocessing``, a StableHLO file's sidecar
             ``<out>.preprocessing.json``, and the report's ``preprocessing``.
+        raw_image: an ONNX export of a run on an image folder or records takes one raw
+            ``uint8`` image ``(H, W, 3)`` of any size and resizes, centre-crops and
+            normalises it inside as the run's evaluation does (``export_onnx``'s
+            ``raw_image``); its record says ``"raw_image": true, "input_layout": "HWC"``.
         log: called with progress lines (None: silent).
         train_stream: where the fine-tune's trainer prints (default ``sys.stdout``).
 
@@ -364,6 +368,8 @@ def export(source, out, *, format: str, model: str | None = None, num_classes=No
     """
     say = log or (lambda _: None)
     out = _checked_out(source, out, format, quantize, calibration_count)
+    if raw_image:
+        _check_raw_image_args(format, preprocessing, layout, batch, opset)
     src = load_source(source, model=model, num_classes=num_classes, model_options=model_options,
                       image_shape=image_shape,
                       preprocessing=preprocessing and format in ("onnx", "stablehlo"))
@@ -372,15 +378,17 @@ def export(source, out, *, format: str, model: str | None = None, num_classes=No
                      model_options=model_options, num_classes=num_classes, image_shape=image_shape)
     report = {"out": out, "format": format, "model": src.name,
               "image_shape": list(src.image_shape), "accuracy": {}}
-    prep, in_graph, report["preprocessing"] = _preprocessing_meta(src, preprocessing, format, layout)
+    prep, in_graph, report["preprocessing"] = _preprocessing_meta(src, preprocessing, format, layout,
+                                                                  raw_image)
     fine = dict(steps=fine_tune_steps, lr=fine_tune_lr, workdir=fine_tune_dir, stream=train_stream)
     net, params, state = _transformed(source, src, out, report, say, prune=prune, prune_scope=prune_scope,
                                       prune_structure=prune_structure, fine_tune=fine, fold_bn=fold_bn,
                                       quantize=quantize, calibration_count=calibration_count)
     _write(format, out, net, params, state, src, report, batch=batch, layout=layout, opset=opset,
-           built_in=prep if in_graph else None)
+           built_in=prep if in_graph else None, raw_image=raw_image)
     say(f"wrote {format} to {out}")
-    say(_input_line(format, layout, src.image_shape, prep, in_graph, report, cfg is not None, batch))
+    say(_raw_image_line(prep) if raw_image else
+        _input_line(format, layout, src.image_shape, prep, in_graph, report, cfg is not None, batch))
     return report
 
 
@@ -460,10 +468,38 @@ def _check_run_needs(cfg, *, quantize, fine_tune_steps, prune, model_options, nu
                           f"out {arg('model_options')}, {arg('num_classes')} and {arg('image_shape')}")
 
 
-def _preprocessing_meta(src, preprocessing: bool, format: str, layout: str):
+def _check_raw_image_args(format: str, preprocessing: bool, layout: str, batch, opset) -> None:
+    """The arguments a raw-image export refuses, before any work: it is ONNX only, builds the
+    whole preprocessing in, and takes one ``(H, W, 3)`` image."""
+    raw = arg("raw_image=True")
+    if format != "onnx":
+        raise ExportError(f"{raw} is for {arg('format', repr('onnx'), cli_value='onnx')} (the "
+                          f"{format} export takes images at the model's size)")
+    if not preprocessing:
+        raise ExportError(f"{raw} builds the resize, crop and normalisation into the graph; "
+                          f"leave out {arg('preprocessing=False')}")
+    if layout != "nhwc":
+        raise ExportError(f"{raw} takes one image (H, W, 3) as decoded; leave out "
+                          f"{arg('layout', repr(layout), cli_value=layout)}")
+    if batch not in ("dynamic", 1):
+        raise ExportError(f"{raw} takes one image; leave out {arg('batch', repr(batch), cli_value=str(batch))}")
+    if opset is not None and opset < RAW_IMAGE_OPSET:
+        raise ExportError(f"{raw} needs {arg('opset', str(RAW_IMAGE_OPSET), cli_value=str(RAW_IMAGE_OPSET))} "
+                          f"or later (Resize with antialias), got {opset}")
+
+
+def _preprocessing_meta(src, preprocessing: bool, format: str, layout: str, raw_image: bool = False):
     """``(prep, in_graph, meta)``: the run's preprocessing at the export's image shape, whether
-    it is built into the exported graph, and the record of it the export carries."""
+    it is built into the exported graph, and the record of it the export carries (a
+    raw-image export's refused, in one line, for a run whose evaluation resizes nothing)."""
     prep = src.preprocessing
+    if raw_image and (prep is None or prep.resize_shorter_side is None):
+        raise ExportError(f"{arg('raw_image=True')} builds the run's evaluation resize "
+                          "into the graph, but " + (
+                              "a bare parameter file records no preprocessing; export the run directory"
+                              if prep is None else
+                              f"this run's {prep.dataset or 'data'} images come at the model's size "
+                              f"{tuple(prep.image_shape)} and its evaluation resizes none"))
     if prep is not None and tuple(prep.image_shape) != tuple(src.image_shape):
         if prep.image_shape[-1] != src.image_shape[-1] and preprocessing:
             raise ExportError(f"{arg('image_shape', repr(tuple(src.image_shape)), cli_value=str(tuple(src.image_shape)))}"
@@ -475,8 +511,10 @@ def _preprocessing_meta(src, preprocessing: bool, format: str, layout: str):
     if prep is not None:
         meta = {**prep.to_dict(), "in_graph": in_graph}
         if format in ("onnx", "stablehlo"):
-            meta.update(input_layout=layout.upper(),
+            meta.update(input_layout="HWC" if raw_image else layout.upper(),
                         input_dtype=prep.pixel_dtype if in_graph else "float32")
+        if raw_image:
+            meta["raw_image"] = True
     return prep, in_graph, meta
 
 
@@ -500,7 +538,8 @@ def _fine_tuned(source, out, report, say, has_data, *, sparsity, steps, scope, s
     return tuned.model, tuned.params, tuned.state
 
 
-def _write(format, out, net, params, state, src, report, *, batch, layout, opset, built_in):
+def _write(format, out, net, params, state, src, report, *, batch, layout, opset, built_in,
+           raw_image=False):
     """The model in ``format`` to ``out`` (StableHLO's preprocessing record beside it)."""
     meta = report["preprocessing"]
     if format == "stablehlo":
@@ -511,7 +550,7 @@ def _write(format, out, net, params, state, src, report, *, batch, layout, opset
             write_bytes_whole(report["preprocessing_file"], json.dumps(meta, indent=2).encode())
     elif format == "onnx":
         export_onnx(net, params, state, src.image_shape, path=out, batch=batch, layout=layout,
-                    opset=opset, model_name=src.name, preprocessing=built_in,
+                    opset=opset, model_name=src.name, preprocessing=built_in, raw_image=raw_image,
                     metadata=None if meta is None else {"jaxcnn.preprocessing": json.dumps(meta)})
     else:
         host = jax.device_get((params, state))
@@ -544,6 +583,16 @@ def _input_line(format, layout, image_shape, prep, in_graph, report, from_run, b
     return (f"input: float32 {layout.upper()} {dims}, already normalised: {prep.formula} of "
             f"{prep.pixel_dtype} pixels in [{lo}, {hi}]{_resize_note(prep, h, w)}, mean "
             f"{list(prep.mean)}, std {list(prep.std)} ({arg('preprocessing=False')}; recorded in {where})")
+
+
+def _raw_image_line(prep) -> str:
+    """What a raw-image ONNX export takes, for the command's output."""
+    h, w, c = prep.image_shape
+    return (f"input: raw uint8 image of any size (H, W, {c}): resized (shorter side "
+            f"{prep.resize_shorter_side}, bilinear antialiased), centre-cropped to {h}x{w} and "
+            f"normalised inside ({prep.formula}, mean {list(prep.mean)}, std {list(prep.std)}), as "
+            "the run's evaluation does; output (1, classes); recorded in its metadata_props "
+            "'jaxcnn.preprocessing'")
 
 
 def _resize_note(prep, h: int, w: int) -> str:

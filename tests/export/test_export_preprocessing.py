@@ -144,3 +144,23 @@ def test_eval_normalises_as_the_run_recorded(run_dir, eval_top1, tmp_path):
         "jaxcnn.preprocessing"])
     recorded = read_preprocessing(os.path.join(run_dir, PREPROCESSING_FILE))
     assert (meta["mean"], meta["std"]) == (list(recorded.mean), list(recorded.std))
+
+
+def test_raw_image_is_refused_in_one_line_where_it_makes_no_sense(run_dir, tmp_path, capsys):
+    """``--raw-image`` builds an image folder's evaluation resize into an ONNX graph: an MNIST
+    run resizes nothing, and StableHLO, ``--no-preprocessing``, ``--layout nchw``, a fixed
+    batch and opset 17 are refused before any work."""
+    out = str(tmp_path / "raw.onnx")
+    for extra, said in [
+            ([], "--raw-image builds the run's evaluation resize into the graph, but this run's mnist "
+                 "images come at the model's size (28, 28, 1)"),
+            (["--no-preprocessing"], "leave out --no-preprocessing"),
+            (["--layout", "nchw"], "leave out --layout nchw"),
+            (["--batch", "4"], "leave out --batch 4"),
+            (["--opset", "17"], "needs --opset 18 or later")]:
+        assert main([run_dir, "--format", "onnx", "--raw-image", "--out", out] + extra) == 2
+        err = capsys.readouterr().err
+        assert said in err and err.count("\n") == 1, err
+    assert main([run_dir, "--format", "stablehlo", "--raw-image", "--out", str(tmp_path / "m.stablehlo")]) == 2
+    assert "--raw-image is for --format onnx" in capsys.readouterr().err
+    assert not os.path.exists(out)

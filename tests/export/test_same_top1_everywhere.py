@@ -95,3 +95,29 @@ def test_eval_predict_and_onnx_give_the_same_top1_on_phone_photos_and_16_bit_ima
         assert right >= len(picked) - 1, (how, right, len(picked))
     predict_top1 = np.mean([t == y for t, y in zip(tops["run"], truth)])
     assert predict_top1 == pytest.approx(eval_top1), (predict_top1, eval_top1)
+
+
+def test_a_raw_image_onnx_export_gives_the_runs_predictions_on_images_of_any_size(run, tmp_path, capsys):
+    """``--raw-image``: the export takes each decoded image at its own size and resizes, crops
+    and normalises it inside; ``jaxcnn-predict`` feeds it so and gives the run's top-1 (and its
+    probabilities within 1e-3: onnxruntime's resize is within one uint8 step of Pillow's)."""
+    onnx = pytest.importorskip("onnx")
+    data, work, _ = run
+    raw = tmp_path / "raw.onnx"
+    assert export_main([str(work), "--format", "onnx", "--raw-image", "--out", str(raw)]) == 0
+    assert ("input: raw uint8 image of any size (H, W, 3): resized (shorter side 18, bilinear "
+            "antialiased), centre-cropped to 16x16 and normalised inside") in capsys.readouterr().out
+    meta = json.loads({p.key: p.value for p in onnx.load(str(raw)).metadata_props}["jaxcnn.preprocessing"])
+    assert (meta["raw_image"], meta["input_layout"], meta["resize"]) == (True, "HWC", {"shorter_side": 18})
+    files = image_files([str(data / "val")])[::4]  # phone JPEGs, 16-bit and RGB PNGs, 24x24
+    rng = np.random.default_rng(1)
+    for i, (h, w) in enumerate([(16, 16), (18, 18), (40, 31), (17, 50), (90, 120), (1, 30)]):
+        path = tmp_path / f"sized{i}.png"  # a bar picture of another size and aspect
+        Image.fromarray(np.round(_bar("hv"[i % 2], rng) * 255).astype(np.uint8)).resize((w, h)).save(path)
+        files.append(str(path))
+    by = {name: list(load_predictor(str(source)).predictions(files, top_k=1))
+          for name, source in (("run", work), ("raw", raw))}
+    assert [p.top_k[0].name for p in by["raw"]] == [p.top_k[0].name for p in by["run"]]
+    gap = np.abs(np.stack([p.probabilities for p in by["raw"]]) - np.stack([p.probabilities for p in by["run"]]))
+    print(f"raw-image ONNX vs the run: probabilities within {gap.max():.2e}")
+    assert gap.max() <= 1e-3
