@@ -556,7 +556,7 @@ def _raw_image(g, x: str, side: int, h: int, w: int, c: int) -> str:
 
     The resized shape is :func:`~jaxcnn.data.transforms.resized_shape`'s: ``side * (H_in, W_in)
     // min(H_in, W_in)`` in int64 is its ``int(side * H_in / W_in)`` (the float quotient never
-    rounds up to the next integer while ``side * H_in < 2**52``). The resize is Pillow's
+    rounds up to the next integer while ``side * H_in < 2**53``). The resize is Pillow's
     ``BILINEAR`` as ONNX ``Resize`` spells it: the triangle filter widened by the scale when
     shrinking (``antialias=1``), pixel centres at half-integers (``half_pixel``), weights
     renormalised at the borders (``exclude_outside=1``), and, as Pillow does, the width first, then
