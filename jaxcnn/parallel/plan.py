@@ -55,7 +55,7 @@ class ParallelPlan:
         sync_batch_norm: BatchNorm statistics over the global batch.
         pipeline: with a ``pipe`` axis: ``{"microbatches": M, "split": None | [blocks per
             stage], "balance": "macs" | "params" | "activations" | "memory", "schedule": "gpipe" |
-            "1f1b", "remat": bool, "engine": "spmd" | "mpmd"}``
+            "1f1b", "remat": bool, "engine": "spmd" | "mpmd" | "auto"}``
             (all optional; ``microbatches``
             defaults to twice the stages); the plan's :attr:`pipeline` (a
             :class:`~jaxcnn.parallel.pipeline.Pipeline`) then goes to
@@ -64,7 +64,8 @@ class ParallelPlan:
             (as ``fsdp`` splits them over ``data``), and the step's optimiser update is a
             global program over those shards.  With ``"engine": "mpmd"`` each stage's
             leaves live whole on its own devices instead and the step is one program per
-            stage (:attr:`mpmd`, :mod:`jaxcnn.parallel.mpmd`; one process).
+            stage (:attr:`mpmd`, :mod:`jaxcnn.parallel.mpmd`; one process); ``"auto"``: mpmd
+            in one process, spmd across processes; default ``"spmd"``.
         spatial_until: with a ``spatial`` axis: how far activations stay split along
             height, ``"auto"`` or a layer path (see :func:`jaxcnn.parallel.spatial.spatial_layout`).
             Parameters and optimiser moments of at least ``rules.FSDP_MIN_SIZE`` elements
@@ -302,9 +303,19 @@ def _pipeline(mesh, model, input_shape, strategy, fsdp, spec) -> Pipeline | None
         pipe = Pipeline(model, shard, stages, 2 * stages if microbatches is None else microbatches,
                         balance=spec.get("balance") or "macs", split=spec.get("split"),
                         schedule=spec.get("schedule") or "gpipe", remat=spec.get("remat", False),
-                        engine=spec.get("engine") or "spmd")
+                        engine=_engine(spec.get("engine") or "spmd"))
         pipe.check_batch(input_shape[0] // mesh.shape[DATA])
     return pipe
+
+
+def _engine(engine: str) -> str:
+    """A pipeline spec's ``engine``: ``"auto"`` is ``"mpmd"`` in one process (each device holds
+    its own stage's buffers and runs its own stage's program only: docs/BENCHMARKS.md measures
+    the steps) and ``"spmd"`` across processes (mpmd moves activations between stages by
+    ``jax.device_put``, within one process)."""
+    if engine == "auto":
+        return "mpmd" if jax.process_count() == 1 else "spmd"
+    return engine
 
 
 @contextlib.contextmanager

@@ -480,11 +480,12 @@ SCHEMA: dict[str, dict] = {
                         "stage (a block, or a run of single-layer blocks such as ResNet's stem) and "
                         "recomputes the unit once more (less activation memory, one more forward of "
                         "the stage)", trains=False),
-            "engine": _f("str", "spmd", "mesh.pipe > 1: spmd (one program every device runs: buffers "
+            "engine": _f("str", "auto", "mesh.pipe > 1: spmd (one program every device runs: buffers "
                          "sized by the widest boundary and largest stage on every device; across "
-                         "processes) or mpmd (one program per stage, driven from Python in the "
-                         "schedule's order: each device holds its own stage's buffers only; one process)",
-                         choices=("spmd", "mpmd"), trains=False),
+                         "processes), mpmd (one program per stage, driven from Python in the "
+                         "schedule's order: each device holds its own stage's buffers and runs its "
+                         "own stage only; one process) or auto (mpmd in one process, spmd across "
+                         "processes)", choices=("auto", "spmd", "mpmd"), trains=False),
         },
         "spatial": _not_training({
             "until": _f("str", "auto", "with mesh.spatial > 1: the last layer (a path such as layer3) whose "

@@ -471,14 +471,15 @@ def one_device_trainer_run(tmp_path_factory):
 
 
 def test_trainer_runs_pipelined_and_resumes_onto_other_layouts(tmp_path, one_device_trainer_run):
-    """jaxcnn-train with mesh.data=2 mesh.pipe=4 trains as one device with the same 4
-    micro-batches; its step-2 checkpoint resumes on data 1 x pipe 2 and on 8 data-parallel
-    devices (micro-batches as accumulation), each ending where the one-device run does."""
+    """jaxcnn-train with mesh.data=2 mesh.pipe=4 (the SPMD engine; one process's default is
+    mpmd: test_parallel_pipeline_mpmd.py) trains as one device with the same 4 micro-batches; its
+    step-2 checkpoint resumes on data 1 x pipe 2 and on 8 data-parallel devices (micro-batches as
+    accumulation), each ending where the one-device run does."""
     import shutil
 
-    micro = "parallel.pipeline.microbatches=4"
+    micro = "parallel.pipeline.microbatches=4 parallel.pipeline.engine=spmd".split()
     _, ref_params, ref_losses = one_device_trainer_run
-    code, out, err = _train(["mesh.data=2", "mesh.pipe=4", micro], tmp_path / "pipe")
+    code, out, err = _train(["mesh.data=2", "mesh.pipe=4", *micro], tmp_path / "pipe")
     assert code == 0, err
     assert "pipeline over 4 stages (4 micro-batches, bubble 43%" in out
     params, losses = _final(tmp_path / "pipe")
@@ -489,7 +490,7 @@ def test_trainer_runs_pipelined_and_resumes_onto_other_layouts(tmp_path, one_dev
         shutil.copytree(tmp_path / "pipe", work)
         shutil.rmtree(work / "checkpoints" / "4")
         (work / "params.npz").unlink()
-        code, out, err = _train(layout + [micro, "checkpoint.resume=must"], work)
+        code, out, err = _train(layout + [*micro, "checkpoint.resume=must"], work)
         assert code == 0, err
         assert "resumed from step 2" in out
         params, losses = _final(work)
@@ -774,7 +775,8 @@ def test_trainer_resumes_a_data_parallel_checkpoint_onto_split_stages(tmp_path, 
     shutil.copytree(ref_dir, work)
     shutil.rmtree(work / "checkpoints" / "4")
     (work / "params.npz").unlink()
-    code, out, err = _train(["mesh.data=2", "mesh.pipe=4", micro, "checkpoint.resume=must"], work)
+    code, out, err = _train(["mesh.data=2", "mesh.pipe=4", micro, "parallel.pipeline.engine=spmd",
+                             "checkpoint.resume=must"], work)
     assert code == 0, err
     assert "resumed from step 2" in out and "pipeline over 4 stages" in out
     params, losses = _final(work)

@@ -249,8 +249,8 @@ def test_trainer_dry_run_compiles_the_1f1b_step_and_refuses_a_bad_schedule(tmp_p
     the step; an unknown schedule is one line naming the key, exit 2."""
     from test_parallel_pipeline import _train
     micro = "parallel.pipeline.microbatches=4"
-    code, out, err = _train(["mesh.data=2", "mesh.pipe=4", micro, "parallel.pipeline.schedule=1f1b", "--dry-run"],
-                            tmp_path / "a")
+    code, out, err = _train(["mesh.data=2", "mesh.pipe=4", micro, "parallel.pipeline.schedule=1f1b",
+                             "parallel.pipeline.engine=spmd", "--dry-run"], tmp_path / "a")
     assert code == 0 and "dry run ok" in out and "mesh data 2 x pipe 4" in out, err
     code, out, err = _train(["mesh.pipe=4", micro, "parallel.pipeline.schedule=zigzag"], tmp_path / "b")
     lines = err.strip().splitlines()

@@ -185,6 +185,17 @@ def test_mpmd_errors_name_the_key():
         plan.wrap_step(lambda state, batch: (state, {}))
 
 
+def test_engine_auto_is_mpmd_in_one_process_and_spmd_across_processes(monkeypatch):
+    """``engine="auto"`` (the config's default) picks mpmd in one process; across processes,
+    where mpmd cannot run, spmd (the two-process trainer runs of test_parallel_distributed.py
+    run it so)."""
+    from jaxcnn.parallel import plan as plan_module
+    model = _model("resnet18")
+    assert _plan(model, MOMENTUM, SHAPE, 1, 2, microbatches=2, engine="auto").mpmd is not None
+    monkeypatch.setattr(plan_module.jax, "process_count", lambda: 2)
+    assert plan_module._engine("auto") == "spmd" and plan_module._engine("mpmd") == "mpmd"
+
+
 def test_clip_norm_is_clip_by_global_norm_first_in_the_chain():
     """``make_train_step(clip_norm=c)`` on one device: the step of ``optax.chain(clip_by_global_norm(c),
     tx)``, and the reported ``grad_norm`` is the norm before clipping."""
