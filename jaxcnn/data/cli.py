@@ -1,7 +1,8 @@
 """``jaxcnn-data``: image-folder tools.
 
 ``jaxcnn-data convert ROOT OUT`` writes the ``train`` and ``val`` splits of an image folder
-(``ROOT/<split>/<class>/<image>``) to ArrayRecord files in ``OUT`` with a progress bar,
+(``ROOT/<split>/<class>/<image>``; a folder of class folders only is one split, ``train``, that
+``data.val_split`` splits in code) to ArrayRecord files in ``OUT`` with a progress bar,
 decoding every image once to check it: a bad one is left out and listed
 (``--on-bad-image skip``, the default) or stops the conversion (``fail``). Bad input is one
 line on stderr and exit status 2. ``jaxcnn-data shapes OUT`` writes a small example folder of
@@ -58,10 +59,13 @@ def _parser():
                                          "record checksummed) to train from with data.source: records, "
                                          "decoding every image once to check it.")
     convert.add_argument("root", type=path_arg,
-                         help="image folder: ROOT/train/<class>/<image>, ROOT/val/<class>/<image>")
+                         help="image folder: ROOT/train/<class>/<image> and ROOT/val/<class>/<image>, or "
+                              "ROOT/<class>/<image> (converted as one split, train, for data.val_split)")
     convert.add_argument("out", type=path_arg,
                          help="directory for <split>-<token>.array_record and dataset.json (created; not inside ROOT)")
-    convert.add_argument("--splits", default="train,val", help="comma-separated splits (default train,val)")
+    convert.add_argument("--splits", default=None,
+                         help="comma-separated splits to convert, keeping the others OUT holds (default: "
+                              "train and val, or train alone when ROOT has no val/ or holds only class folders)")
     convert.add_argument("--on-bad-image", choices=("skip", "fail"), default="skip",
                          help="a file that does not decode: leave it out (skip) or stop (fail)")
     convert.add_argument("--workers", type=_count, default=0,
@@ -91,16 +95,23 @@ def _progress_bar(total, desc, enabled):
     return tqdm(total=total, desc=desc, unit="img", file=sys.stderr)
 
 
-def convert(root, out, *, splits=("train", "val"), on_bad_image="skip", workers=0, progress=True,
+def convert(root, out, *, splits=None, on_bad_image="skip", workers=0, progress=True,
             say=print, outside_links=False) -> dict:
     """Writes ``splits`` of the image folder ``root`` to ``out``; returns the sidecar's ``splits``.
+
+    ``splits=None`` converts what the folder holds: ``train`` and ``val``, or ``train`` alone
+    when it has no ``val`` folder, or, for a folder of class folders only (``ROOT/<class>/
+    <image>``), all its images as the one split ``train`` (`jaxcnn.data.folder.scan_unsplit`);
+    ``data.val_split`` then holds out validation records in code. Given ``splits`` (``--splits``)
+    are converted and the other splits an earlier conversion wrote to ``out`` are kept; with
+    ``None`` the new sidecar names only the splits converted.
 
     The records go to files of new names (`jaxcnn.data.records.record_file`); ``dataset.json``,
     renamed into place last, switches readers to them, and the record files it no longer names
     are then removed (`_remove_replaced`). A conversion that fails removes the files it wrote
     and leaves ``out`` as it was; one conversion at a time writes into ``out`` (a ``flock`` on
     it)."""
-    from jaxcnn.data.folder import scan_folder
+    from jaxcnn.data.folder import SPLITS, scan_folder, scan_unsplit
 
     if workers < 0:
         raise ValueError(f"--workers must be non-negative, got {workers}")
@@ -109,20 +120,25 @@ def convert(root, out, *, splits=("train", "val"), on_bad_image="skip", workers=
         raise ValueError(f"--workers {workers} is more than {most} processes (4 per core of this "
                          f"machine's {os.cpu_count()}, at least 16)")
     # every split is scanned before anything is written
-    indexes = scan_folder(root, splits, on_bad_image=on_bad_image, outside_links=outside_links)
-    names = indexes[splits[0]].class_names
+    if splits is None and os.path.isdir(root) and not os.path.isdir(os.path.join(root, "train")):
+        indexes = {"train": scan_unsplit(root, on_bad_image=on_bad_image, outside_links=outside_links)}
+    else:
+        found = splits or tuple(s for s in SPLITS if s == "train" or os.path.isdir(os.path.join(root, s)))
+        indexes = scan_folder(root, found, on_bad_image=on_bad_image, outside_links=outside_links)
+    names = next(iter(indexes.values())).class_names
     os.makedirs(out, exist_ok=True)
     with _only_conversion(out):
-        return _convert(indexes, out, names, on_bad_image, workers, progress, say)
+        return _convert(indexes, out, names, on_bad_image, workers, progress, say, keep=splits is not None)
 
 
-def _convert(indexes, out, names, on_bad_image, workers, progress, say) -> dict:
-    """:func:`convert`'s writing, with the scans done and ``out`` locked."""
+def _convert(indexes, out, names, on_bad_image, workers, progress, say, keep) -> dict:
+    """:func:`convert`'s writing, with the scans done and ``out`` locked; ``keep``: the splits
+    of an earlier conversion into ``out`` that are not converted now stay listed."""
     from jaxcnn.data.folder import FolderSource
     from jaxcnn.data.records import record_file, write_sidecar, write_split
 
     previous = _previous_sidecar(out)
-    info = _kept_splits(out, previous, names, set(indexes))
+    info = _kept_splits(out, previous, names, set(indexes)) if keep else {}
     token, written_files = secrets.token_hex(4), []
     try:
         for split, index in indexes.items():
@@ -130,7 +146,7 @@ def _convert(indexes, out, names, on_bad_image, workers, progress, say) -> dict:
             written_files.append(path)
             bar = _progress_bar(len(index), split, progress)
             try:
-                written, bad = write_split(index, path, on_bad_image=on_bad_image, workers=workers,
+                written, bad, per_class = write_split(index, path, on_bad_image=on_bad_image, workers=workers,
                                            progress=None if bar is None else bar.update)
             finally:
                 if bar is not None:
@@ -143,9 +159,11 @@ def _convert(indexes, out, names, on_bad_image, workers, progress, say) -> dict:
             # The folder's listing (jaxcnn.data.folder.FolderSource.fingerprint): a run on the
             # records tells one conversion from another by it (a changed folder converted again).
             info[split] = {"file": os.path.basename(path), "count": written, "skipped": len(bad),
-                           "sha256": FolderSource(index).fingerprint()["sha256"]}
+                           "sha256": FolderSource(index).fingerprint()["sha256"], "per_class": per_class}
             say(f"[jaxcnn-data] {split}: {written} images in {len(names)} classes -> {path} "
                 f"({len(bad)} skipped)")
+        if set(info) == {"train"}:
+            say("[jaxcnn-data] one split, train: data.val_split holds out a share of each class of it in code")
         write_sidecar(out, names, info)
     except BaseException:
         for path in written_files:  # not named by any dataset.json: nothing reads them
@@ -267,8 +285,8 @@ def main(argv=None) -> int:
             raise ValueError(f"jaxcnn-data convert needs {', '.join(missing)}, not installed: "
                              "pip install -e \".[data]\" (or pip install 'jaxcnn[data]')")
         _check_out_outside_root(args.root, args.out)
-        splits = tuple(dict.fromkeys(s for s in args.splits.split(",") if s))
-        if not splits:
+        splits = None if args.splits is None else tuple(dict.fromkeys(s for s in args.splits.split(",") if s))
+        if splits == ():
             raise ValueError("--splits names no split")
         convert(args.root, args.out, splits=splits, on_bad_image=args.on_bad_image, workers=args.workers,
                 outside_links=args.outside_links,

@@ -92,8 +92,11 @@ def split_dir(root, split: str) -> str:
             if name in SPLITS and os.path.isdir(os.path.join(parent, split)):
                 hint = f"; {root} is itself a split: the image folder is {parent or '.'}"
             else:  # ImageFolder's own layout, ROOT/<class>/<image>, has no split folders
-                hint = (f"; these look like class folders: put them under {os.path.join(root, 'train')} "
+                hint = (f"; these look like class folders: set data.val_split (e.g. 0.1) to hold out a "
+                        f"share of each class in code, or put them under {os.path.join(root, 'train')} "
                         f"and a validation share of each class under {os.path.join(root, 'val')}")
+        elif split == "val" and "train" in have:
+            hint = "; or set data.val_split (e.g. 0.1) to hold out a share of each class of train in code"
         raise DataError(f"{path}: missing split {split!r} (an image folder holds {root}/train/<class>/<image> "
                         f"and {root}/val/<class>/<image>; found folders {have[:20]}{hint})")
     return path
@@ -136,10 +139,41 @@ def scan_split(root, split: str, class_names=None, *, on_bad_image: str = "fail"
         of ``root``, a file or folder reached in two classes or in both splits.
     """
     path = split_dir(root, split)
+    listing = Listing(root, outside_links) if listing is None else listing
+    return _scan_classes(path, split, class_names, on_bad_image, listing)
+
+
+def scan_unsplit(root, *, on_bad_image: str = "fail", outside_links: bool = False) -> FolderIndex:
+    """Lists every image of an image folder whose validation split is made in code
+    (``data.val_split``, `jaxcnn.data.split`): ``ROOT/train/<class>/<image>`` when ``ROOT``
+    has a ``train`` folder, else ``ROOT/<class>/<image>`` (torchvision's ``ImageFolder``
+    layout; a class named ``train`` is then read as the split). The same guarantees as
+    :func:`scan_split` (one `Listing`, links followed once, a file reached in two classes
+    is an error).
+
+    Raises:
+        DataError naming the folder: as :func:`scan_split`, and a ``ROOT/val`` folder (a
+        validation split on disk already: one or the other).
+    """
+    root = os.fspath(root)
+    if not os.path.isdir(root):
+        raise DataError(f"{root}: image folder does not exist or is not a directory")
+    val = os.path.join(root, "val")
+    if os.path.isdir(val):
+        raise DataError(f"{val}: a validation split on disk, and data.val_split would make another in "
+                        f"code: use one (data.val_split: null validates on {val}; or move it into "
+                        f"{os.path.join(root, 'train')})")
+    if os.path.isdir(os.path.join(root, "train")):
+        return scan_split(root, "train", on_bad_image=on_bad_image, outside_links=outside_links)
+    return _scan_classes(root, "", None, on_bad_image, Listing(root, outside_links))
+
+
+def _scan_classes(path: str, split: str, class_names, on_bad_image: str, listing: "Listing") -> FolderIndex:
+    """:func:`scan_split`'s listing of the class folders under ``path`` (``split``: the name
+    the scan's errors give it; empty for an image folder of class folders only)."""
     classes = _class_folders(path, class_names)
     if on_bad_image not in ("skip", "fail"):
         raise ValueError(f"on_bad_image must be 'skip' or 'fail', got {on_bad_image!r}")
-    listing = Listing(root, outside_links) if listing is None else listing
     listing.claim_dir(path, os.path.realpath(path), (split, None), os.path.islink(path))
     paths, labels, skipped, unlisted = [], [], [], []
     for label, name in enumerate(classes):
@@ -187,7 +221,8 @@ class Listing:
 
     def _where(self, owner) -> str:
         split, name = owner
-        return f"split {split!r}" if name is None else f"class {name!r} of split {split!r}"
+        of_split = f"split {split!r}" if split else "the image folder"
+        return of_split if name is None else f"class {name!r} of {of_split}"
 
     def _claim(self, shown: str, real: str, owner, kind: str, linked: bool) -> bool:
         if not self.outside_links and os.path.commonpath([self.root, real]) != self.root:

@@ -1,6 +1,7 @@
 """An image folder or a record directory as the trainer uses it: ``data.source: folder|records``.
 
-`ImageData` opens both splits (``train`` and ``val``), names the classes, and makes the
+`ImageData` opens both splits (``train`` and ``val``, on disk or, with ``val_split``, held out
+of one split in code by `jaxcnn.data.split`), names the classes, and makes the
 batch makers the grain `jaxcnn.data.Loader` runs: `TrainBatches` (random-resized crop and
 flip, the batch for a step a pure function of the seed and the step) and `EvalBatches`
 (resize and centre crop, each validation image once). Images reach the device as ``uint8``
@@ -49,20 +50,30 @@ class ImageData:
         eval_resize: the shorter side before the evaluation centre crop; None:
             `default_eval_resize` (224 -> 256).
         outside_links: a folder: follow links that lead outside it (`jaxcnn.data.folder.Listing`).
+        val_split: None (the ``val`` split on disk), or the share of each class to hold out of
+            the one split there is (a folder of class folders ``PATH/<class>/<image>``, or
+            ``PATH/train`` without ``PATH/val``, or records converted from one) for validation:
+            `jaxcnn.data.split.stratified_split`.
+        seed: the data seed that chooses the held-out images (with ``val_split``).
 
     Raises:
-        DataError naming the folder or file (missing split, empty class folder, ...).
+        DataError naming the folder or file (missing split, empty class folder, a ``val``
+        split on disk as well as ``val_split``, a side left empty, ...).
 
     Attributes:
-        train, val: the splits' sources; class_names; ``skipped_at_open``: images left out
+        train, val: the splits' sources; class_names; ``split``: what ``val_split`` held out
+        (`split_record`; None without it); ``skipped_at_open``: images left out
         before training (non-image files of a folder, or the converter's skipped images; a
         folder's sub-folders that cannot be listed are named by `skipped_note` too).
     """
 
     def __init__(self, source: str, path, *, image_size, on_bad_image: str = "fail", eval_resize=None,
-                 outside_links: bool = False):
+                 outside_links: bool = False, val_split: float | None = None, seed: int = 0):
         if source not in SOURCES:
             raise ValueError(f"image source must be one of {list(SOURCES)}, got {source!r}")
+        if val_split is not None and not 0.0 < val_split < 1.0:
+            raise ValueError(f"val_split must be in (0, 1) or None, got {val_split!r}")
+        self.val_split, self.seed = val_split, int(seed)
         path = os.fspath(path)
         self.source, self.path = source, path
         self.image_size = (int(image_size[0]), int(image_size[1]))
@@ -70,22 +81,21 @@ class ImageData:
         self.eval_resize = default_eval_resize(self.image_size) if eval_resize is None else int(eval_resize)
         if self.eval_resize < max(self.image_size):
             raise ValueError(f"eval resize {self.eval_resize} is smaller than the crop {list(self.image_size)}")
+        self._outside_links = outside_links
         if source == "folder":
-            from jaxcnn.data.folder import FolderSource, scan_folder
-
-            self._outside_links = outside_links
-            index = scan_folder(path, on_bad_image=on_bad_image, outside_links=outside_links)
-            self.train, self.val = FolderSource(index["train"]), FolderSource(index["val"])
-            self.skipped_at_open = len(index["train"].skipped) + len(index["val"].skipped)
-            self._skipped_names = index["train"].skipped + index["val"].skipped
-            self._unlisted = index["train"].unlisted + index["val"].unlisted
+            self.train, self.val, index = _folder_sides(path, on_bad_image, outside_links, val_split, self.seed)
+            self.skipped_at_open = sum(len(i.skipped) for i in index)
+            self._skipped_names = sum((i.skipped for i in index), ())
+            self._unlisted = sum((i.unlisted for i in index), ())
         else:
-            self.train, self.val = _open_records(path)
-            self.skipped_at_open = self.train.skipped + self.val.skipped
+            self.train, self.val = _record_sides(path, val_split, self.seed)
+            self.skipped_at_open = (self.train.source.skipped if val_split is not None
+                                    else self.train.skipped + self.val.skipped)
             self._skipped_names = self._unlisted = ()  # named by jaxcnn-data convert when it ran
             if self.train.class_names != self.val.class_names:
                 raise DataError(f"{path}: train and val records name different classes")
         self.class_names = tuple(self.train.class_names)
+        self.split = None if val_split is None else split_record(self.train, self.val, val_split, self.seed)
         self._fingerprint = None
 
     def skipped_note(self) -> str | None:
@@ -115,7 +125,21 @@ class ImageData:
             self._fingerprint = {"source": self.source, "path": os.path.abspath(self.path),
                                  "classes": len(self.class_names), "train": self.train.fingerprint(),
                                  "val": self.val.fingerprint()}
+            if self.split is not None:
+                self._fingerprint["split"] = self.split
         return dict(self._fingerprint)
+
+    def split_note(self) -> str | None:
+        """The start-up line of a ``val_split`` (None without one): ``data: folder PATH, 4
+        classes, 900 train / 100 val (val_split 0.1, stratified, seed 0)``, and how many
+        classes of a single image have none held out."""
+        if self.split is None:
+            return None
+        single = sum(1 for _, val in self.split["per_class"].values() if val == 0)
+        alone = (f"; {single} class{'es' if single != 1 else ''} of one image, kept for training"
+                 if single else "")
+        return (f"data: {self.source} {self.path}, {self.num_classes} classes, {len(self.train)} train / "
+                f"{len(self.val)} val (val_split {self.val_split:g}, stratified, seed {self.seed}{alone})")
 
     def changes_since_opened(self) -> list[str]:
         """How the data differ now from when they were opened (`data_changes` phrases, or the
@@ -133,7 +157,7 @@ class ImageData:
         place under the same name is not seen."""
         try:
             if self.source == "records":
-                train, val = _open_records(self.path)
+                train, val = _record_sides(self.path, self.val_split, self.seed)
                 now = dict(self.fingerprint(), classes=len(train.class_names), train=train.fingerprint(),
                            val=val.fingerprint())
                 # The same folder converted again: the same examples, in files that replaced the
@@ -143,6 +167,8 @@ class ImageData:
                              for split, old, new in (("train", self.train, train), ("val", self.val, val))
                              if new.path != old.path]
                 return data_changes(self.fingerprint(), now) or rewritten
+            elif self.val_split is not None:
+                return []  # the held-out list is fixed when opened, as the training split's is
             else:
                 from jaxcnn.data.folder import FolderSource, scan_split
 
@@ -180,13 +206,75 @@ class ImageData:
                            process_count=process_count)
 
 
-def _open_records(path):
-    """The ``train`` and ``val`` `RecordSource` of a record directory, from one reading of its
-    ``dataset.json``: both splits of one conversion."""
-    from jaxcnn.data.records import RecordSource, read_sidecar
+def _folder_sides(path, on_bad_image, outside_links, val_split, seed):
+    """``(train, val, indexes)`` of an image folder: `FolderSource` of each side and the
+    `FolderIndex` of each scan (one with ``val_split``, which it splits)."""
+    from jaxcnn.data.folder import FolderIndex, FolderSource, scan_folder, scan_unsplit
+    from jaxcnn.data.split import per_class_counts, stratified_split
+
+    if val_split is None:
+        index = scan_folder(path, on_bad_image=on_bad_image, outside_links=outside_links)
+        return FolderSource(index["train"]), FolderSource(index["val"]), (index["train"], index["val"])
+    whole = scan_unsplit(path, on_bad_image=on_bad_image, outside_links=outside_links)
+    counts = per_class_counts(whole.labels, len(whole.class_names))
+    sides = [FolderIndex(whole.root, tuple(whole.paths[i] for i in side), tuple(whole.labels[i] for i in side),
+                         whole.class_names) for side in stratified_split(counts, val_split, seed)]
+    _check_sides(path, val_split, len(sides[0]), len(sides[1]), max(counts))
+    return FolderSource(sides[0]), FolderSource(sides[1]), (whole,)
+
+
+def _record_sides(path, val_split, seed):
+    """The ``train`` and ``val`` sources of a record directory, from one reading of its
+    ``dataset.json``: both splits of one conversion, or, with ``val_split``, the two sides of
+    its one split (`jaxcnn.data.split.Subset`)."""
+    from jaxcnn.data.records import SIDECAR, RecordSource, read_sidecar
+    from jaxcnn.data.split import Subset, stratified_split
 
     meta = read_sidecar(path)
-    return RecordSource(path, "train", meta), RecordSource(path, "val", meta)
+    sidecar = os.path.join(os.fspath(path), SIDECAR)
+    if val_split is None:
+        if "val" not in meta["splits"] and "train" in meta["splits"]:
+            raise DataError(f"{sidecar}: missing split 'val' (has {sorted(meta['splits'])}); set "
+                            "data.val_split (e.g. 0.1) to hold out a share of each class of train in code")
+        return RecordSource(path, "train", meta), RecordSource(path, "val", meta)
+    if "val" in meta["splits"]:
+        raise DataError(f"{sidecar}: has a 'val' split, and data.val_split would make another in code: "
+                        "use one (data.val_split: null validates on the val records; or convert the folder "
+                        "without its val/)")
+    whole = RecordSource(path, "train", meta)
+    if whole.per_class is None:
+        raise DataError(f"{sidecar}: does not count the records of each class (converted by an older "
+                        "jaxcnn-data convert), which data.val_split needs: convert the folder again")
+    train, val = stratified_split(whole.per_class, val_split, seed)
+    _check_sides(path, val_split, len(train), len(val), max(whole.per_class, default=0))
+    return Subset(whole, train, "train"), Subset(whole, val, "val")
+
+
+def _check_sides(path, val_split, train: int, val: int, largest_class: int) -> None:
+    """A :class:`DataError` when ``val_split`` leaves a side empty."""
+    if not train or not val:
+        why = ("every class has a single image (one needs 2, one for each side)" if largest_class == 1
+               else "there are no images")
+        raise DataError(f"{path}: data.val_split {val_split:g} leaves {'no' if train else 'no training'} "
+                        f"{'validation ' if train else ''}images: {why}")
+
+
+def split_record(train, val, val_split: float, seed: int) -> dict:
+    """What a ``val_split`` held out, as ``run_meta.json`` records it (in the data fingerprint):
+    ``{"val_split", "seed", "stratified": True, "per_class": {class: [train, val]}, "val_sha256"}``,
+    ``val_sha256`` being the held-out side's fingerprint hash (a folder's: SHA-256 over the
+    class names, each NUL-terminated, a NUL, and each held-out ``<class>/<file>``
+    NUL-terminated, in order; records': `jaxcnn.data.split.Subset.fingerprint`)."""
+    import numpy as np
+
+    def counts(side):
+        labels = side.index.labels if hasattr(side, "index") else np.repeat(
+            np.arange(len(side.class_names)), side.source.per_class)[side.indices]
+        return np.bincount(np.asarray(labels, np.int64), minlength=len(side.class_names)).tolist()
+
+    per_class = {name: [t, v] for name, t, v in zip(train.class_names, counts(train), counts(val))}
+    return {"val_split": val_split, "seed": seed, "stratified": True, "per_class": per_class,
+            "val_sha256": val.fingerprint()["sha256"]}
 
 
 def data_changes(saved: dict, now: dict) -> list[str]:
@@ -194,6 +282,9 @@ def data_changes(saved: dict, now: dict) -> list[str]:
     per split that changed (empty: the same, or nothing comparable recorded)."""
     if not isinstance(saved, dict) or saved.get("source") != now.get("source"):
         return []
+    was, held = _split_settings(saved.get("split")), _split_settings(now.get("split"))
+    if was != held:  # other sides follow from it: the one phrase
+        return [f"{held}, the run's had {was}"]
     changes = []
     if saved.get("classes") != now["classes"]:
         changes.append(f"{now['classes']} classes, the run's had {saved.get('classes')}")
@@ -207,3 +298,10 @@ def data_changes(saved: dict, now: dict) -> list[str]:
             what = "other file names" if now["source"] == "folder" else "other records"
             changes.append(f"{split}: {new['images']} images as before, but {what}")
     return changes
+
+
+def _split_settings(split) -> str:
+    """``"val_split 0.1 seed 0"`` of a fingerprint's ``split`` record; for none, the run's ``val`` split."""
+    if not isinstance(split, dict):
+        return "no val_split (a val split on disk)"
+    return f"val_split {split.get('val_split')} seed {split.get('seed')}"

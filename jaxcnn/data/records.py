@@ -106,6 +106,11 @@ def read_sidecar(out_dir) -> dict:
                 or not info["file"].endswith(".array_record")):
             raise DataError(f"{path}: key 'splits.{split}' must be {{'file': the name of an .array_record "
                             f"file beside it, 'count': an int}}")
+        counts = info.get("per_class")
+        if counts is not None and (not isinstance(counts, list) or len(counts) != len(names) or not all(
+                isinstance(n, int) and n >= 0 for n in counts) or sum(counts) != info["count"]):
+            raise DataError(f"{path}: key 'splits.{split}.per_class' must be {len(names)} counts, one per "
+                            f"class, that add up to its count {info['count']}")
     return meta
 
 
@@ -135,6 +140,8 @@ class RecordSource:
         if not os.path.isfile(self.path):
             raise DataError(f"{self.path}: record file missing")
         self.skipped = int(info.get("skipped", 0))
+        # records of each class, in order (None: converted before jaxcnn-data convert recorded it)
+        self.per_class = info.get("per_class")
         self._listing = info.get("sha256")
         from grain.sources import ArrayRecordDataSource
 
@@ -191,13 +198,14 @@ def write_split(index, path, *, on_bad_image: str = "skip", workers: int = 0, pr
         progress: called with the number of images done after each image, or None.
 
     Returns:
-        ``(written, bad)``: the record count and the list of bad images' messages.
+        ``(written, bad, per_class)``: the record count, the list of bad images' messages and
+        the records written of each class (in class order, as the records are).
     """
     from array_record.python.array_record_module import ArrayRecordWriter
 
     partial = os.fspath(path) + ".partial"
     writer = ArrayRecordWriter(partial, WRITER_OPTIONS)
-    bad, written = [], 0
+    bad, written, per_class = [], 0, [0] * len(index.class_names)
     items = [(os.path.join(index.root, p), int(label)) for p, label in zip(index.paths, index.labels)]
     pool = None
     try:
@@ -223,6 +231,7 @@ def write_split(index, path, *, on_bad_image: str = "skip", workers: int = 0, pr
                 with _writing(partial, path):
                     writer.write(encode_record(payload, label))
                 written += 1
+                per_class[label] += 1
             if progress is not None:
                 progress(1)
         with _writing(partial, path):
@@ -237,7 +246,7 @@ def write_split(index, path, *, on_bad_image: str = "skip", workers: int = 0, pr
                 writer.close()
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(partial)
-    return written, bad
+    return written, bad, per_class
 
 
 @contextlib.contextmanager
@@ -267,6 +276,7 @@ def _verified(item):
 
 def write_sidecar(out_dir, class_names, splits: dict) -> None:
     """Writes ``dataset.json`` whole or not at all (`write_bytes_whole`):
-    ``splits = {split: {"file", "count", "skipped", "sha256"}}``."""
+    ``splits = {split: {"file", "count", "skipped", "sha256", "per_class"}}`` (``per_class``: the
+    records of each class, which `jaxcnn.data.split` needs to split a split by class)."""
     meta = {"format": FORMAT, "version": VERSION, "class_names": list(class_names), "splits": splits}
     write_bytes_whole(os.path.join(os.fspath(out_dir), SIDECAR), (json.dumps(meta, indent=2) + "\n").encode())

@@ -157,6 +157,13 @@ def _crop_fits(resize, cfg):
                 "crop would not fit")
 
 
+def _val_split_source(val_split, cfg):
+    source = cfg["data"]["source"]
+    if val_split is not None and source not in _IMAGE_FILES:
+        return (f"{val_split:g} splits an image folder or records (data.source: folder or records); "
+                f"data.source={source!r} has its own test split: set data.val_split: null")
+
+
 def _classes_fit_model(classes, cfg):
     model_classes = cfg["model"]["num_classes"]
     if classes is not None and model_classes is not None and classes > model_classes:
@@ -284,6 +291,13 @@ SCHEMA: dict[str, dict] = {
         "outside_links": _f("bool", False, "folder: follow links (to class folders, sub-folders or "
                             "images) that lead outside data.path; false = such a link is an error "
                             "naming it", used_when=("data.source", ("folder",)), trains=False),
+        "val_split": _f("float", None, "folder/records: hold out this share of each class for validation "
+                        "(rounded; at least one image of a class of two or more, none of a class of one), "
+                        "chosen by data.seed, from a folder of class folders only (PATH/<class>/<image>, or "
+                        "PATH/train/<class>/<image> without PATH/val) or records converted from one; "
+                        "null = validate on PATH/val", nullable=True, low=0.0, high=1.0, open_low=True,
+                        open_high=True, used_when=("data.source", _IMAGE_FILES), rules=(_val_split_source,),
+                        aliases=("validation_split",), example="0.1"),
         "eval_resize": _f("int", None, "folder/records: resize the shorter side to this before the "
                           "evaluation centre crop; null = max(image_size) / 0.875 (224 -> 256)",
                           nullable=True, trains=False, used_when=("data.source", _IMAGE_FILES),

@@ -26,16 +26,18 @@ MAX_WORKERS_FLOOR = 16
 MAX_RESIZE_FACTOR = 8
 
 
-def open_images(cfg, default_hw) -> ImageData:
+def open_images(cfg, default_hw, data_seed: int) -> ImageData:
     """The `ImageData` of ``cfg.data`` (``source`` folder or records); ``default_hw`` is the
-    model's ``(H, W)`` used when ``data.image_size`` is null."""
+    model's ``(H, W)`` used when ``data.image_size`` is null; ``data_seed`` chooses the images
+    ``data.val_split`` holds out."""
     data = cfg.data
     if missing := missing_packages(data.source):
         raise ConfigError(f"data.source: {data.source!r} needs {', '.join(missing)}, which "
                           f"{'is' if len(missing) == 1 else 'are'} not installed: pip install -e \".[data]\" "
                           "(or pip install 'jaxcnn[data]')", path="data.source")
     if data.path is None or not os.path.exists(data.path):
-        make = ("an image folder (PATH/train/<class>/<image>, PATH/val/<class>/<image>); "
+        make = ("an image folder (PATH/train/<class>/<image>, PATH/val/<class>/<image>; or "
+                "PATH/<class>/<image> with data.val_split); "
                 f"jaxcnn-data shapes {data.path or 'PATH'} writes an example one"
                 if data.source == "folder" else
                 f"a record directory; jaxcnn-data convert IMAGE_FOLDER {data.path or 'PATH'} writes one")
@@ -56,7 +58,8 @@ def open_images(cfg, default_hw) -> ImageData:
                           f"{max(size)} (data.image_size={list(size)}) to {MAX_RESIZE_FACTOR} times it",
                           path="data.eval_resize")
     return ImageData(data.source, data.path, image_size=size, on_bad_image=data.on_bad_image,
-                     eval_resize=data.eval_resize, outside_links=data.outside_links)
+                     eval_resize=data.eval_resize, outside_links=data.outside_links,
+                     val_split=data.val_split, seed=data_seed)
 
 
 def image_norm(cfg):

@@ -260,6 +260,8 @@ def startup_lines(cfg, prepared: Prepared, workdir: str, prepare_s: float) -> li
     if cfg.data.eval_batch_size and prepared.eval_batch_size < cfg.data.eval_batch_size:
         lines.append(f"data.eval_batch_size {cfg.data.eval_batch_size} clipped to the "
                      f"{eval_set_size(run)} test images: eval batch {prepared.eval_batch_size}")
+    if run.images is not None and run.images.split_note() is not None:
+        lines.append(run.images.split_note())
     if run.images is not None and run.images.skipped_note() is not None:
         lines.append(run.images.skipped_note())
     lines.extend(unused_settings_lines(cfg))

@@ -168,7 +168,7 @@ def build_data(cfg, data_seed: int) -> DataSetup:
     if cfg.data.source == "synthetic":
         return _synthetic_data(cfg, data_seed)
     if cfg.data.source in ("folder", "records"):
-        return _image_data(cfg)
+        return _image_data(cfg, data_seed)
     path = cfg.data.path
     if path is not None and not os.path.exists(path):
         where = ("; CIFAR-10's binary version (data_batch_1.bin ... test_batch.bin) is cifar-10-binary.tar.gz "
@@ -188,12 +188,13 @@ def build_data(cfg, data_seed: int) -> DataSetup:
                      steps_per_epoch(len(dataset.x_train), batch_size))
 
 
-def _image_data(cfg) -> DataSetup:
-    """An image folder or record directory, opened (file lists, record counts, class names),
-    its images read by the loader's workers as batches need them."""
+def _image_data(cfg, data_seed: int) -> DataSetup:
+    """An image folder or record directory, opened (file lists, record counts, class names,
+    the ``data.val_split`` drawn from ``data_seed``), its images read by the loader's workers
+    as batches need them."""
     from jaxcnn.train.image_input import open_images
 
-    images = open_images(cfg, _model_defaults(cfg.model.name)[1:3])
+    images = open_images(cfg, _model_defaults(cfg.model.name)[1:3], data_seed)
     if cfg.model.num_classes is not None and cfg.model.num_classes < images.num_classes:
         raise ConfigError(f"model.num_classes: {cfg.model.num_classes} is smaller than the "
                           f"{images.num_classes} classes of {cfg.data.path}", path="model.num_classes")

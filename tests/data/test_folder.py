@@ -1,4 +1,5 @@
 """Image folders: scanning, decoding every mode to RGB, and one-line errors naming the bad file."""
+import json
 import os
 import shutil
 
@@ -263,7 +264,8 @@ def test_a_folder_of_class_folders_or_a_split_given_as_the_root_is_named_so(tmp_
     shutil.copytree(split, flat)
     with pytest.raises(DataError) as err:
         scan_folder(flat)
-    assert str(err.value).endswith(f"these look like class folders: put them under {flat / 'train'} and a "
+    assert str(err.value).endswith(f"these look like class folders: set data.val_split (e.g. 0.1) to hold "
+                                   f"out a share of each class in code, or put them under {flat / 'train'} and a "
                                    f"validation share of each class under {flat / 'val'})")
     for name in os.listdir(flat / "blue"):
         (flat / "blue" / name).unlink()
@@ -288,3 +290,149 @@ def test_pillows_warning_about_an_image_is_said_once_per_file():
     said = [str(w.message) for w in caught]
     assert len(said) == 2 and said[0].startswith("/data/a.jpg: Corrupt EXIF data") and \
         said[1].startswith("/data/b.jpg: "), said
+
+
+# ------------------------------------------------------------ data.val_split
+
+def _class_folders(root, counts, under=""):
+    """``root/under/c<i>/<nn>.png``: ``counts[i]`` tiny PNGs in class ``c<i>`` (ImageFolder's layout)."""
+    rng = np.random.default_rng(0)
+    for c, n in enumerate(counts):
+        for i in range(n):
+            _save(str(root / under / f"c{c}" / f"{i:02d}.png"), rng.integers(0, 255, (4, 5, 3), dtype=np.uint8))
+    return root
+
+
+def _split(root, source="folder", **kw):
+    from jaxcnn.data.images import ImageData
+    return ImageData(source, root, image_size=(4, 4), **{"val_split": 0.2, "seed": 3, **kw})
+
+
+def _paths(side):
+    return [side.index.paths[i] for i in range(len(side))]
+
+
+def test_held_out_count_rounds_halves_up_and_keeps_a_side_for_each_class():
+    from jaxcnn.data.split import held_out_count
+    assert [held_out_count(n, 0.25) for n in (0, 1, 2, 3, 4, 10, 12, 100)] == [0, 0, 1, 1, 1, 3, 3, 25]
+    assert held_out_count(2, 0.99) == 1 and held_out_count(50, 0.01) == 1 and held_out_count(50, 0.99) == 49
+
+
+def test_val_split_is_stratified_seeded_and_a_partition_of_the_folder(tmp_path):
+    root = _class_folders(tmp_path / "f", [1, 2, 5, 10, 21])
+    a = _split(root)
+    # round(0.2 * n), at least one of a class of two or more; a class of one image keeps it
+    assert a.split["per_class"] == {"c0": [1, 0], "c1": [1, 1], "c2": [4, 1], "c3": [8, 2], "c4": [17, 4]}
+    assert a.split_note() == (f"data: folder {root}, 5 classes, 31 train / 8 val (val_split 0.2, stratified, "
+                              f"seed 3; 1 class of one image, kept for training)")
+    train, val = _paths(a.train), _paths(a.val)
+    assert not set(train) & set(val)
+    on_disk = sorted(str(p.relative_to(root)) for p in root.rglob("*.png"))
+    assert sorted(train + val) == on_disk and train == sorted(train) and val == sorted(val)
+    assert all(a.class_names[label] == path.split("/")[0]
+               for side in (a.train, a.val) for path, label in zip(side.index.paths, side.index.labels))
+    assert _paths(_split(root).val) == val  # the same on a second scan
+    assert _paths(_split(root, seed=4).val) != val
+    # the split is a fixed function of (seed, class, position): here by hand, in Python ints
+    expect = []
+    for c, (name, (_, k)) in enumerate(a.split["per_class"].items()):
+        keys = _reference_keys(3, c, sum(a.split["per_class"][name]))
+        expect += [f"{name}/{i:02d}.png" for i in sorted(sorted(range(len(keys)), key=keys.__getitem__)[:k])]
+    assert val == expect
+
+
+def _splitmix64(x: int) -> int:
+    """SplitMix64's finaliser (Steele, Lea and Flood; Vigna's splitmix64.c), on Python ints."""
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) % 2**64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) % 2**64
+    return x ^ (x >> 31)
+
+
+def _reference_keys(seed, c, n):
+    golden = 0x9E3779B97F4A7C15
+    base = _splitmix64((seed * golden + c + 1) % 2**64)
+    return [_splitmix64(base ^ ((i + 1) * golden % 2**64)) for i in range(n)]
+
+
+def test_split_keys_are_splitmix64():
+    from jaxcnn.data.split import _mix, class_keys
+    # splitmix64.c's first output from state 0 (the state advanced by the golden gamma, then mixed)
+    assert int(_mix(np.array([0x9E3779B97F4A7C15], np.uint64))[0]) == 0xE220A8397B1DCDAF
+    for seed, c, n in ((0, 0, 5), (2**32 - 1, 999, 40), (7, 3, 1)):
+        assert class_keys(seed, c, n).tolist() == _reference_keys(seed, c, n)
+
+
+def test_val_split_does_not_depend_on_the_listing_order(tmp_path, monkeypatch):
+    import contextlib
+    root = _class_folders(tmp_path / "f", [6, 9])
+    before = _split(root)
+    real_scandir, real_listdir = os.scandir, os.listdir
+
+    @contextlib.contextmanager
+    def backwards(path):
+        with real_scandir(path) as entries:
+            yield iter(list(entries)[::-1])
+
+    monkeypatch.setattr(os, "scandir", backwards)
+    monkeypatch.setattr(os, "listdir", lambda path: real_listdir(path)[::-1])
+    after = _split(root)
+    assert _paths(after.train) == _paths(before.train) and _paths(after.val) == _paths(before.val)
+    assert after.fingerprint() == before.fingerprint()
+
+
+def test_val_split_of_both_layouts_and_of_their_records_is_the_same(tmp_path):
+    """PATH/<class>/<image> and PATH/train/<class>/<image> (no val/) split alike, and records
+    converted from either (one split, train) split by index into the same images."""
+    from jaxcnn.data.cli import main as data_main
+    flat = _class_folders(tmp_path / "flat", [3, 7, 4])
+    nested = _class_folders(tmp_path / "nested", [3, 7, 4], under="train")
+    a, b = _split(flat), _split(nested)
+    assert _paths(a.val) == _paths(b.val) and a.split == b.split and len(a.val) == 3
+    for folder, name in ((flat, "rf"), (nested, "rn")):
+        assert data_main(["convert", str(folder), str(tmp_path / name), "--no-progress"]) == 0
+        meta = json.loads((tmp_path / name / "dataset.json").read_text())
+        assert set(meta["splits"]) == {"train"} and meta["splits"]["train"]["per_class"] == [3, 7, 4]
+        records = _split(tmp_path / name, "records")
+        assert records.split["per_class"] == a.split["per_class"]
+        for folder_side, record_side in ((a.train, records.train), (a.val, records.val)):
+            assert len(record_side) == len(folder_side)
+            for i in range(len(folder_side)):
+                assert record_side[i][:2] == folder_side[i][:2]  # the same bytes and label
+        assert records.split_note().endswith("11 train / 3 val (val_split 0.2, stratified, seed 3)")
+
+
+def test_val_split_errors_are_one_line(tmp_path):
+    from jaxcnn.data.cli import main as data_main
+    from jaxcnn.data.images import data_changes
+    shapes = _bad_folder(tmp_path / "s")  # train/ and val/
+    with pytest.raises(DataError) as err:
+        _split(shapes)
+    assert str(err.value) == (f"{shapes / 'val'}: a validation split on disk, and data.val_split would make "
+                              f"another in code: use one (data.val_split: null validates on {shapes / 'val'}; "
+                              f"or move it into {shapes / 'train'})")
+    assert data_main(["convert", str(shapes), str(tmp_path / "r"), "--no-progress"]) == 0
+    with pytest.raises(DataError, match=r"dataset.json: has a 'val' split, and data.val_split would make "
+                                        r"another in code: use one \(data.val_split: null") as err:
+        _split(tmp_path / "r", "records")
+    singles = _class_folders(tmp_path / "one", [1, 1])
+    with pytest.raises(DataError) as err:
+        _split(singles)
+    assert str(err.value) == (f"{singles}: data.val_split 0.2 leaves no validation images: every class has a "
+                              "single image (one needs 2, one for each side)")
+    flat = _class_folders(tmp_path / "flat", [2, 3])
+    assert data_main(["convert", str(flat), str(tmp_path / "rf"), "--no-progress"]) == 0
+    with pytest.raises(DataError, match=r"missing split 'val' \(has \['train'\]\); set data.val_split"):
+        _split(tmp_path / "rf", "records", val_split=None)
+    with pytest.raises(DataError, match=r"these look like class folders: set data.val_split"):
+        _split(flat, val_split=None)
+    sidecar = tmp_path / "rf" / "dataset.json"
+    meta = json.loads(sidecar.read_text())
+    del meta["splits"]["train"]["per_class"]  # converted by an older jaxcnn-data convert
+    sidecar.write_text(json.dumps(meta))
+    with pytest.raises(DataError, match=r"does not count the records of each class .* convert the folder again"):
+        _split(tmp_path / "rf", "records")
+    # a resume compares the split's settings first: one phrase
+    a, b = _split(flat).fingerprint(), _split(flat, val_split=0.5).fingerprint()
+    assert data_changes(a, b) == ["val_split 0.5 seed 3, the run's had val_split 0.2 seed 3"]
+    assert data_changes(a, _split(shapes, val_split=None).fingerprint()) == [
+        "no val_split (a val split on disk), the run's had val_split 0.2 seed 3"]
