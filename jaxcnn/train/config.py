@@ -329,8 +329,8 @@ SCHEMA: dict[str, dict] = {
         "normalize": _f("bool", True, "subtract the per-channel mean and divide by the std of the dataset"),
         "prefetch": _f("int", 2, "batches prepared ahead on a background thread (0 = none)", low=0,
                        trains=False),
-        "seed": _f("int", None, "seed of shuffling and augmentation; null = train.seed", nullable=True, low=0,
-                   high=MAX_SEED),
+        "seed": _f("int", None, "seed of shuffling, augmentation and data.val_split's held-out images; "
+                   "null = train.seed", nullable=True, low=0, high=MAX_SEED),
     },
     "optim": {
         "name": _f("str", "adamw", "optimiser", choices=("sgd", "adam", "adamw", "lars", "lamb")),

@@ -345,7 +345,7 @@ def test_ctrl_c_while_the_convert_workers_start_is_no_worker_traceback(folder, t
         _wait_until_python_catches_sigint(worker.pid)
         os.kill(worker.pid, signal.SIGINT)
     writer.join(120)
-    assert result and result[0] == (len(index), [])
+    assert result and result[0][:2] == (len(index), [])
     err = capfd.readouterr().err
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
     assert not signal.pthread_sigmask(signal.SIG_BLOCK, [])
@@ -429,7 +429,7 @@ def test_convert_cli_errors_are_one_line(tmp_path, capsys):
     meta = read_sidecar(tmp_path / "out")
     sha = meta["splits"]["train"].pop("sha256")  # the folder's listing: a resume compares it
     assert re.fullmatch(r"train-[0-9a-f]{8}\.array_record", meta["splits"]["train"].pop("file"))
-    assert meta["splits"]["train"] == {"count": 1, "skipped": 1}
+    assert meta["splits"]["train"] == {"count": 1, "skipped": 1, "per_class": [1]}
     assert len(sha) == 64 and sha != meta["splits"]["val"]["sha256"]
     # The trainer's start-up line on them: a corrupt image is no "file that is not an image",
     # nor left out of the record directory (it said both), and a folder names its strays.

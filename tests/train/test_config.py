@@ -686,3 +686,19 @@ def test_a_leading_tilde_in_a_path_key_is_the_home_directory(tmp_path, monkeypat
         str(tmp_path / "d.npz"), str(tmp_path / "p.npz"), str(tmp_path / "runs" / "x"))
     cfg = load_config(cfg_file, ["data.path=d~.npz", "model.init_from=null"])
     assert cfg.data.path == "d~.npz" and cfg.model.init_from is None
+
+
+def test_val_split_is_a_share_of_an_image_folder_or_records():
+    folder = {**MINIMAL, "data": {"source": "folder", "path": "p", "val_split": 0.1}}
+    assert config_from_dict(folder).data.val_split == 0.1
+    assert config_from_dict(MINIMAL).data.val_split is None
+    for bad in (0, 1, 1.5, -0.1):
+        err = error_of(config_from_dict, {**MINIMAL, "data": {**folder["data"], "val_split": bad}})
+        assert str(err).startswith(f"data.val_split: expected a float > 0 and < 1 or null, got {float(bad)!r}"), err
+    for source in ("mnist", "cifar10", "npz", "synthetic"):
+        err = error_of(config_from_dict, {**MINIMAL, "data": {"source": source, "path": "p", "val_split": 0.2}})
+        assert str(err).startswith(f"data.val_split: 0.2 splits an image folder or records (data.source: folder "
+                                   f"or records); data.source={source!r} has its own test split: set "
+                                   "data.val_split: null"), err
+    err = error_of(config_from_dict, {**MINIMAL, "data": {"source": "folder", "path": "p", "validation_split": 0.2}})
+    assert "data.val_split" in str(err)

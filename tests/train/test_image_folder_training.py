@@ -500,3 +500,43 @@ def test_a_data_worker_killed_mid_run_is_one_line_and_a_checkpoint(shapes, tmp_p
     assert train_main(_args(folder, tmp_path / "w", "data.on_bad_image=skip")) == 0
     assert f"resumed from step {step}" in capsys.readouterr().out
     _assert_same_params(ref, tmp_path / "w")
+
+
+def test_a_val_split_run_records_resumes_refuses_another_split_and_evaluates_the_held_out_images(tmp_path, capsys):
+    """data.val_split on a folder of class folders (ImageFolder's layout, no train/ or val/): the
+    start-up says the split, run_meta.json records it (fraction, seed, counts per class, the hash
+    of the held-out files), the same command resumes, another val_split is refused in one line,
+    and jaxcnn-eval evaluates the images the run held out."""
+    import hashlib
+
+    from jaxcnn.train.cli import eval_main
+    write_shapes_folder(tmp_path / "s", per_class=(8, 1), classes=CLASSES[:2], size_range=(16, 20))
+    folder, work = tmp_path / "f", tmp_path / "w"
+    shutil.move(tmp_path / "s" / "train", folder)
+    args = _args(folder, work, "data.val_split=0.25", "train.steps=2", "optim.schedule.warmup=0",
+                 "checkpoint.every=2", "data.batch_size=4", "data.eval_batch_size=4")
+    assert train_main(args) == 0
+    out = capsys.readouterr().out
+    assert f"data: folder {folder}, 2 classes, 12 train / 4 val (val_split 0.25, stratified, seed 0)\n" in out, out
+    split = json.loads((work / "run_meta.json").read_text())["data"]["split"]
+    assert {k: v for k, v in split.items() if k != "val_sha256"} == {
+        "val_split": 0.25, "seed": 0, "stratified": True, "per_class": {"blue": [6, 2], "green": [6, 2]}}
+    from jaxcnn.data.images import ImageData
+    held = ImageData("folder", folder, image_size=(16, 16), val_split=0.25, seed=0).val.index.paths
+    names = b"".join(n.encode() + b"\0" for n in CLASSES[:2])
+    assert split["val_sha256"] == hashlib.sha256(names + b"\0" + b"".join(p.encode() + b"\0" for p in held)).hexdigest()
+    assert train_main(args) == 0  # the same command: the finished run is resumed
+    capsys.readouterr()
+    assert train_main(args[:-2] + ["data.val_split=0.5"] + args[-2:]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "data.val_split" in err, err
+    assert eval_main([str(work), "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["count"] == len(held) == 4 and err == "", (out, err)
+    # an image added to a class draws that class's split anew: the data fingerprint refuses it
+    added = folder / "blue" / "zz-added.png"
+    shutil.copy(sorted((folder / "blue").iterdir())[0], added)
+    assert train_main(args) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{work} was trained on other data than {folder} holds now (" in err, err
+    assert "train: 13 images, the run's had 12" in err, err
