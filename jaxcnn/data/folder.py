@@ -2,7 +2,9 @@
 
 Classes are indexed by their folder names in sorted order (as ``ImageFolder`` does); the
 examples of a split are ordered by ``(class, file name)``, so example ``i`` is the same file
-on every host and in every run. Scanning the folder only lists file names (1.28 million
+on every host and in every run. A folder of class folders only, ``ROOT/<class>/<image>`` (or
+``ROOT/train`` without ``ROOT/val``), is listed whole by :func:`scan_unsplit` for a validation
+split made in code (`jaxcnn.data.split`). Scanning the folder only lists file names (1.28 million
 ImageNet files take seconds); an image is read and decoded when a batch needs it, and a bad
 one (unreadable, not an image, corrupt or truncated) raises :class:`BadImageError` naming the
 file, which the loader counts and skips or stops on (``data.on_bad_image``).

@@ -267,7 +267,8 @@ SCHEMA: dict[str, dict] = {
     },
     "data": {
         "source": _f("str", "mnist", "dataset: mnist, cifar10, npz, synthetic, folder (an image folder "
-                     "PATH/{train,val}/<class>/<image>) or records (written by jaxcnn-data convert)",
+                     "PATH/{train,val}/<class>/<image>, or PATH/<class>/<image> with data.val_split) or records "
+                     "(written by jaxcnn-data convert)",
                      choices=("mnist", "cifar10", "npz", "synthetic", "folder", "records")),
         "path": _f("str", None, "dataset file/directory (relative to the working directory); "
                    "null = packaged MNIST sample for mnist", nullable=True, low=1, path="input",

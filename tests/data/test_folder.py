@@ -436,3 +436,20 @@ def test_val_split_errors_are_one_line(tmp_path):
     assert data_changes(a, b) == ["val_split 0.5 seed 3, the run's had val_split 0.2 seed 3"]
     assert data_changes(a, _split(shapes, val_split=None).fingerprint()) == [
         "no val_split (a val split on disk), the run's had val_split 0.2 seed 3"]
+
+
+def test_a_folder_of_class_folders_keeps_the_scans_guarantees(tmp_path):
+    """One listing: a file linked into a second class is an error naming both (so no file is on
+    both sides of the split), and files that are not images are counted as skipped."""
+    root = _class_folders(tmp_path / "f", [3, 3])
+    os.symlink(root / "c0" / "00.png", root / "c1" / "linked.png")
+    with pytest.raises(DataError) as err:
+        _split(root)
+    assert str(err.value) == (f"{root / 'c1' / 'linked.png'}: the same file as {root / 'c0' / '00.png'} "
+                              f"({root / 'c0' / '00.png'}): its images would be in class 'c0' of the image "
+                              "folder and in class 'c1' of the image folder")
+    (root / "c1" / "linked.png").unlink()
+    (root / "c1" / "notes.txt").write_text("x")
+    images = _split(root, on_bad_image="skip")
+    assert images.skipped_at_open == 1 and len(images.train) + len(images.val) == 6
+    assert "1 file left out of" in images.skipped_note()
