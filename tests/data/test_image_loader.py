@@ -794,3 +794,18 @@ def test_preprocessing_records_the_evaluation_resize():
     for bad in ({"shorter_side": 0}, {"shorter_side": True}, {"longer_side": 18}, 18):
         with pytest.raises(DataError, match="key 'resize' must be"):
             from_dict({**d, "resize": bad}, "p.json")
+
+
+@pytest.mark.filterwarnings("ignore:ResourceTracker called reentrantly:UserWarning")
+def test_a_val_split_gives_the_same_batches_for_any_workers_and_from_its_records(folder, tmp_path):
+    """data.val_split on a folder of class folders (here the shapes' train/, ImageFolder's layout)
+    and on its records (one split, train): the same training batches with 0 or 2 worker
+    processes (the split is drawn once, when the data are opened), and the same from both."""
+    from jaxcnn.data.images import ImageData
+    assert data_main(["convert", str(folder / "train"), str(tmp_path / "r"), "--no-progress"]) == 0
+    opened = [ImageData(source, path, image_size=SIZE, val_split=0.25, seed=5)
+              for source, path in (("folder", folder / "train"), ("records", tmp_path / "r"))]
+    assert [(len(i.train), len(i.val)) for i in opened] == [(12, 6), (12, 6)]
+    serial = _batches(opened[0].train, 4)
+    _same(_batches(opened[0].train, 4, workers=2), serial)
+    _same(_batches(opened[1].train, 4, workers=2), serial)
