@@ -153,8 +153,10 @@ class ImageData:
         ``val`` is listed again, which costs less than the evaluation that reads every file of
         it: the training split's file list is fixed when it is opened, and listing it again
         would cost in proportion to it at every evaluation (a file removed from it is a bad
-        image when its turn comes). Names are compared, not contents: a file rewritten in
-        place under the same name is not seen."""
+        image when its turn comes). With ``val_split`` an image folder is not listed again: the
+        held-out images are fixed when it is opened, as the training split's are (listing
+        them anew would list the whole folder). Names are compared, not contents: a file
+        rewritten in place under the same name is not seen."""
         try:
             if self.source == "records":
                 train, val = _record_sides(self.path, self.val_split, self.seed)
