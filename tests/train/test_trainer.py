@@ -295,7 +295,8 @@ def test_missing_cifar_data_says_what_to_fetch(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("source, make", [
-    ("folder", "an image folder (PATH/train/<class>/<image>, PATH/val/<class>/<image>); "
+    ("folder", "an image folder (PATH/train/<class>/<image>, PATH/val/<class>/<image>; or "
+               "PATH/<class>/<image> with data.val_split); "
                "jaxcnn-data shapes data/shapes writes an example one"),
     ("records", "a record directory; jaxcnn-data convert IMAGE_FOLDER data/shapes writes one")])
 def test_a_missing_image_folder_says_how_to_make_one(tmp_path, monkeypatch, capsys, source, make):
