@@ -806,6 +806,4 @@ def test_a_val_split_gives_the_same_batches_for_any_workers_and_from_its_records
     opened = [ImageData(source, path, image_size=SIZE, val_split=0.25, seed=5)
               for source, path in (("folder", folder / "train"), ("records", tmp_path / "r"))]
     assert [(len(i.train), len(i.val)) for i in opened] == [(12, 6), (12, 6)]
-    serial = _batches(opened[0].train, 4)
-    _same(_batches(opened[0].train, 4, workers=2), serial)
-    _same(_batches(opened[1].train, 4, workers=2), serial)
+    _same(_batches(opened[1].train, 4, workers=2), _batches(opened[0].train, 4))
