@@ -120,7 +120,7 @@ def convert(root, out, *, splits=None, on_bad_image="skip", workers=0, progress=
         raise ValueError(f"--workers {workers} is more than {most} processes (4 per core of this "
                          f"machine's {os.cpu_count()}, at least 16)")
     # every split is scanned before anything is written
-    if splits is None and os.path.isdir(root) and not os.path.isdir(os.path.join(root, "train")):
+    if splits is None and os.path.isdir(root) and not any(os.path.isdir(os.path.join(root, s)) for s in SPLITS):
         indexes = {"train": scan_unsplit(root, on_bad_image=on_bad_image, outside_links=outside_links)}
     else:
         found = splits or tuple(s for s in SPLITS if s == "train" or os.path.isdir(os.path.join(root, s)))

@@ -411,6 +411,8 @@ def test_val_split_errors_are_one_line(tmp_path):
                               f"another in code: use one (data.val_split: null validates on {shapes / 'val'}; "
                               f"or move it into {shapes / 'train'})")
     assert data_main(["convert", str(shapes), str(tmp_path / "r"), "--no-progress"]) == 0
+    shutil.copytree(shapes / "val", tmp_path / "valonly" / "val")  # not a folder of class folders
+    assert data_main(["convert", str(tmp_path / "valonly"), str(tmp_path / "r2"), "--no-progress"]) == 2
     with pytest.raises(DataError, match=r"dataset.json: has a 'val' split, and data.val_split would make "
                                         r"another in code: use one \(data.val_split: null") as err:
         _split(tmp_path / "r", "records")
