@@ -149,7 +149,7 @@ def scan_unsplit(root, *, on_bad_image: str = "fail", outside_links: bool = Fals
     """Lists every image of an image folder whose validation split is made in code
     (``data.val_split``, `jaxcnn.data.split`): ``ROOT/train/<class>/<image>`` when ``ROOT``
     has a ``train`` folder, else ``ROOT/<class>/<image>`` (torchvision's ``ImageFolder``
-    layout; a class named ``train`` is then read as the split). The same guarantees as
+    layout; classes named ``train`` or ``val`` are read as splits). The same guarantees as
     :func:`scan_split` (one `Listing`, links followed once, a file reached in two classes
     is an error).
 
