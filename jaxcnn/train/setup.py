@@ -198,7 +198,8 @@ def _image_data(cfg, data_seed: int) -> DataSetup:
     if cfg.model.num_classes is not None and cfg.model.num_classes < images.num_classes:
         raise ConfigError(f"model.num_classes: {cfg.model.num_classes} is smaller than the "
                           f"{images.num_classes} classes of {cfg.data.path}", path="model.num_classes")
-    if (cfg.model.num_classes or images.num_classes) > images.num_classes and not cfg.model.extra_outputs:
+    more = cfg.model.num_classes is not None and cfg.model.num_classes > images.num_classes
+    if more and not cfg.model.extra_outputs:
         raise ConfigError(f"model.num_classes: {cfg.model.num_classes} is more than the {images.num_classes} "
                           f"classes of {cfg.data.path} ({name_list(images.class_names)}): outputs "
                           f"{images.num_classes}-{cfg.model.num_classes - 1} would be classes no image has, "
