@@ -37,6 +37,9 @@ import yaml
 
 from jaxcnn.errors import ConfigError  # noqa: F401  (re-exported: defined here before)
 
+# The resize filters of data.augment.interpolation (jaxcnn.data.transforms.INTERPOLATIONS).
+INTERPOLATIONS = ("bilinear", "bicubic", "nearest")
+
 
 # --------------------------------------------------------------------- schema
 
@@ -155,6 +158,39 @@ def _crop_fits(resize, cfg):
     if resize is not None and size is not None and resize < max(size[:2]):
         return (f"{resize} is smaller than the crop data.image_size={list(size[:2])}: the centre "
                 "crop would not fit")
+
+
+def _ordered_pair(pair, cfg):
+    if pair is not None and pair[0] > pair[1]:
+        return f"expected [lo, hi] with lo <= hi, got {pair!r}"
+
+
+_AUGMENT_OFF = {"scale": None, "ratio": None, "hflip": None, "vflip": 0.0, "crop_padding": 0}
+
+
+def _no_aug_alone(no_aug, cfg):
+    augment = cfg["data"]["augment"]
+    if not no_aug:
+        return None
+    given = [f"data.augment.{k}={augment[k]!r}" for k, off in _AUGMENT_OFF.items() if augment[k] != off]
+    given += [f"data.augment.{k}.alpha={augment[k]['alpha']!r}" for k in ("mixup", "cutmix") if augment[k]["alpha"]]
+    if given:
+        return f"true (no augmentation at all) but {given[0]} is set: drop one"
+
+
+def _interpolation_resizes(interpolation, cfg):
+    augment, source = cfg["data"]["augment"], cfg["data"]["source"]
+    if (interpolation != "bilinear" and source not in _IMAGE_FILES
+            and augment["scale"] is None and augment["ratio"] is None):
+        return (f"{interpolation!r} is the filter of the random-resized crop (data.augment.scale/ratio), and "
+                f"data.source={source!r} has none: its images are used at their size; set data.augment.scale")
+
+
+def _one_eval_resize(crop_pct, cfg):
+    resize = cfg["data"]["eval_resize"]
+    if crop_pct is not None and resize is not None:
+        return (f"{crop_pct!r} and data.eval_resize={resize!r} both set the evaluation resize "
+                "(crop_pct: floor(max(image_size) / crop_pct)); set one")
 
 
 def _classes_fit_model(classes, cfg):
@@ -285,7 +321,8 @@ SCHEMA: dict[str, dict] = {
                             "images) that lead outside data.path; false = such a link is an error "
                             "naming it", used_when=("data.source", ("folder",)), trains=False),
         "eval_resize": _f("int", None, "folder/records: resize the shorter side to this before the "
-                          "evaluation centre crop; null = max(image_size) / 0.875 (224 -> 256)",
+                          "evaluation centre crop; null = data.augment.crop_pct's, else max(image_size) / 0.875 "
+                          "(224 -> 256)",
                           nullable=True, trains=False, used_when=("data.source", _IMAGE_FILES),
                           rules=(_crop_fits,), **_POS_INT),
         "num_train": _f("int", 1024, "synthetic: number of training images",
@@ -296,9 +333,34 @@ SCHEMA: dict[str, dict] = {
                           nullable=True, low=2, used_when=("data.source", ("synthetic",)),
                           rules=(_classes_fit_model,)),
         "augment": {
-            "crop_padding": _f("int", 0, "random crop: pad each side by this many pixels, crop back at a random "
-                                 "offset (0 = off)", low=0, used_when=("data.source", _ARRAY_SOURCES)),
-            "flip": _f("bool", False, "random horizontal flip", used_when=("data.source", _ARRAY_SOURCES)),
+            "no_aug": _f("bool", False, "no augmentation at all (data.augment: none is short for this, every "
+                         "other key of data.augment unset): folder/records train on evaluation's resize and centre "
+                         "crop, arrays as they are, no mixup/cutmix", rules=(_no_aug_alone,)),
+            "scale": _f("list", None, "random-resized crop (timm/torchvision scale): [lo, hi] range of the crop's "
+                        "area fraction; null = the source's recipe ([0.08, 1] for folder/records, no crop for "
+                        "arrays; arrays resize the crop back to their own size). [1, 1] with ratio [1, 1] is a "
+                        "plain resize of a square image (of a non-square one, its centred square)",
+                        nullable=True, length=2, rules=(_ordered_pair,), example="[0.8, 1.0]",
+                        item=_f("float", None, "area fraction", low=0.0, high=1.0, open_low=True)),
+            "ratio": _f("list", None, "random-resized crop: [lo, hi] range of the crop's aspect ratio (width / "
+                        "height, log-uniform); null = [3/4, 4/3]", nullable=True, length=2,
+                        rules=(_ordered_pair,), example="[0.75, 1.333]",
+                        item=_f("float", None, "aspect ratio", low=0.0, open_low=True)),
+            "interpolation": _f("str", "bilinear", "Pillow filter of the random-resized crop's resize and of "
+                                "folder/records evaluation resize", choices=INTERPOLATIONS,
+                                rules=(_interpolation_resizes,)),
+            "hflip": _f("float", None, "probability of a horizontal flip; null = the source's recipe (0.5 for "
+                        "folder/records, 0 for arrays; the old key flip: true reads as 0.5)", nullable=True,
+                        **_UNIT),
+            "vflip": _f("float", 0.0, "probability of a vertical flip", **_UNIT),
+            "crop_padding": _f("int", 0, "random crop: pad each side by this many zero pixels, crop back at a "
+                               "random offset (torchvision RandomCrop(padding=)); after the crop and flips; 0 = off",
+                               low=0),
+            "crop_pct": _f("float", None, "folder/records: evaluation resizes the shorter side to "
+                           "floor(max(image_size) / crop_pct) before the centre crop (timm); null = "
+                           "data.eval_resize, else 0.875 (224 -> 256); set one of the two",
+                           nullable=True, low=1 / 8, high=1.0, trains=False,  # at most 8x the crop
+                           used_when=("data.source", _IMAGE_FILES), rules=(_one_eval_resize,)),
             "mixup": {
                 "alpha": _f("float", 0.0, "mixup: Beta(alpha, alpha) weight of each image against "
                             "its partner (the batch reversed); 0 = off", low=0.0),
@@ -926,10 +988,48 @@ def _validate(raw: dict, sources: dict, default_source: str) -> Config:
         under = [s for p, s in sources.items() if p.startswith(path + ".")]
         return under[0] if under else default_source
 
+    _read_augment_shorthands(raw, source_of)
     resolved = _validate_section(raw, SCHEMA, "", source_of)
     _expand_home(resolved)
     _check_rules(resolved, source_of)
     return Config(resolved)
+
+
+def _read_augment_shorthands(raw: dict, source_of) -> None:
+    """In place: ``data.augment: none`` is ``{no_aug: true}``; ``data.augment.flip``, the key
+    ``hflip`` replaced (and which run directories recorded), is read as ``hflip: 0.5`` when true
+    and as unset (the source's recipe, the same as before) when false."""
+    data = raw.get("data")
+    augment = data.get("augment") if isinstance(data, dict) else None
+    if isinstance(augment, str) and not isinstance(augment, _Word):
+        if augment.lower() != "none":
+            raise ConfigError(f"data.augment: expected a mapping of keys or 'none' (no augmentation at all), "
+                              f"got {_short(augment)}", path="data.augment", source=source_of("data.augment"))
+        data["augment"] = {"no_aug": True}
+    elif isinstance(augment, dict) and "flip" in augment:
+        flip = augment.pop("flip")
+        flip = flip.boolean if isinstance(flip, _Word) else flip
+        if not isinstance(flip, bool):
+            raise ConfigError(f"data.augment.flip: expected a bool (true/false), got {_short(flip)} (flip is the "
+                              "old name of data.augment.hflip: true = 0.5)", path="data.augment.flip",
+                              source=source_of("data.augment.flip"))
+        if flip and augment.get("hflip") is not None:
+            raise ConfigError(f"data.augment.flip: true and data.augment.hflip={augment['hflip']!r} are both "
+                              "set; flip is hflip's old name (true = 0.5): keep hflip",
+                              path="data.augment.flip", source=source_of("data.augment.flip"))
+        if flip:
+            augment["hflip"] = 0.5
+
+
+def _renamed_keys(flat: dict) -> dict:
+    """A flattened config of an older jaxcnn with its renamed keys read as
+    :func:`_read_augment_shorthands` reads them (``data.augment.flip``)."""
+    if "data.augment.flip" not in flat:
+        return flat
+    flat = dict(flat)
+    if flat.pop("data.augment.flip") is True and flat.get("data.augment.hflip") is None:
+        flat["data.augment.hflip"] = 0.5
+    return flat
 
 
 def _expand_home(resolved: dict) -> None:
@@ -1320,7 +1420,7 @@ def _trains(key: str) -> bool:
 
 def training_config(config_dict: Mapping) -> dict:
     """``{dotted key: value}`` of the keys of a resolved config whose Field ``trains``."""
-    return {k: v for k, v in _flatten(config_dict).items() if _trains(k)}
+    return {k: v for k, v in _renamed_keys(_flatten(config_dict)).items() if _trains(k)}
 
 
 def config_digest(config_dict: Mapping) -> str:

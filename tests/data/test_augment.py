@@ -49,26 +49,26 @@ def test_extreme_offsets_shift_in_zero_rows_and_columns():
 
 
 def test_draws_are_deterministic_and_cover_the_range():
-    augment = Augment(crop_padding=4, flip=True)
-    offsets, flips = augment_draws(5, 11, 4096, augment)
+    augment = Augment(crop_padding=4, hflip=0.5)
+    offsets, flips, vflips = augment_draws(5, 11, 4096, augment)
     again = augment_draws(5, 11, 4096, augment)
     np.testing.assert_array_equal(offsets, again[0])
     np.testing.assert_array_equal(flips, again[1])
     assert offsets.min() == 0 and offsets.max() == 8
     assert 0.45 < flips.mean() < 0.55
     assert not np.array_equal(offsets, augment_draws(5, 12, 4096, augment)[0])
-    assert not augment_draws(5, 11, 64, Augment(crop_padding=4, flip=False))[1].any()
+    assert not augment_draws(5, 11, 64, Augment(crop_padding=4))[1].any() and not vflips.any()
 
 
 def test_train_batch_augmentation_is_reproducible_and_correct(rng):
     x = rng.integers(1, 256, (20, 8, 8, 3), dtype=np.uint8)
     dataset = Dataset(x, np.zeros(20, np.int32), x[:2], np.zeros(2, np.int32), 10, "toy").with_stats()
-    augment = Augment(crop_padding=4, flip=True)
+    augment = Augment(crop_padding=4, hflip=0.5)
     batch = train_batch(dataset, 3, seed=9, batch_size=8, augment=augment)
     again = train_batch(dataset, 3, seed=9, batch_size=8, augment=augment)
     np.testing.assert_array_equal(batch["image"], again["image"])
     indices = batch_indices(20, 8, 9, 3)
-    offsets, flips = augment_draws(9, 3, 8, augment)
+    offsets, flips, _ = augment_draws(9, 3, 8, augment)
     for b in range(8):
         raw = _reference(x[indices[b]], *offsets[b], flips[b], 4)
         expected = (raw / 255 - dataset.mean) / dataset.std
@@ -79,12 +79,23 @@ def test_train_batch_augmentation_is_reproducible_and_correct(rng):
 
 def test_as_augment():
     assert as_augment(None) == Augment() and not as_augment(False).active
-    assert as_augment({"crop_padding": 4, "flip": True}) == Augment(4, True)
+    assert as_augment({"crop_padding": 4, "hflip": 1}) == Augment(crop_padding=4, hflip=1)
+    assert as_augment({"scale": [0.5, 1], "ratio": [1, 1]}).scale == (0.5, 1)
     with pytest.raises(ValueError, match=r"unknown keys \['pad'\]"):
         as_augment({"pad": 4})
     with pytest.raises(ValueError, match="crop_padding must be a non-negative int"):
         as_augment(Augment(crop_padding=-1))
-    with pytest.raises(ValueError, match="flip must be a bool"):
-        as_augment({"flip": "yes"})
+    with pytest.raises(ValueError, match=r"hflip must be a probability in \[0, 1\], got 'yes'"):
+        as_augment({"hflip": "yes"})
+    with pytest.raises(ValueError, match=r"vflip must be a probability in \[0, 1\], got 1.5"):
+        as_augment({"vflip": 1.5})
+    with pytest.raises(ValueError, match="give scale and ratio together"):
+        as_augment({"scale": (0.5, 1)})
+    with pytest.raises(ValueError, match=r"scale must be \[lo, hi\] with 0 < lo <= hi <= 1"):
+        as_augment({"scale": (0.5, 1.5), "ratio": (1, 1)})
+    with pytest.raises(ValueError, match="ratio must be"):
+        as_augment({"scale": (0.5, 1), "ratio": (2, 1)})
+    with pytest.raises(ValueError, match="interpolation must be one of"):
+        as_augment({"interpolation": "lanczos"})
     with pytest.raises(ValueError, match="expected None, False, Augment or a mapping"):
         as_augment(True)

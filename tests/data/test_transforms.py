@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from jaxcnn.data.augment import FILE_RECIPE
 from jaxcnn.data.transforms import (center_crop_box, default_eval_resize, eval_transform, example_rng,
                                     random_resized_crop_box, resized_shape, train_transform)
 
@@ -83,7 +84,7 @@ def test_train_transform_is_crop_resize_flip():
         h, w = (int(v) for v in rng.integers(17, 90, size=2))
         pixels = rng.integers(0, 256, size=(h, w, 3), dtype=np.uint8)
         size = (int(rng.integers(8, 40)), int(rng.integers(8, 40)))
-        out = train_transform(Image.fromarray(pixels), size, example_rng(5, n, 7))
+        out = train_transform(Image.fromarray(pixels), size, example_rng(5, n, 7), FILE_RECIPE)
         assert out.shape == size + (3,) and out.dtype == np.uint8
         draws = example_rng(5, n, 7)
         top, left, ch, cw = reference_crop_box(draws, h, w)
@@ -130,7 +131,8 @@ def test_eval_transform_resize_and_centre_crop():
 
 def test_draws_depend_only_on_seed_step_position():
     image = Image.fromarray(np.random.default_rng(5).integers(0, 256, (50, 60, 3), dtype=np.uint8))
-    a = train_transform(image, (16, 16), example_rng(1, 2, 3))
-    np.testing.assert_array_equal(a, train_transform(image, (16, 16), example_rng(1, 2, 3)))
-    others = [train_transform(image, (16, 16), example_rng(*key)) for key in ((2, 2, 3), (1, 3, 3), (1, 2, 4))]
+    a = train_transform(image, (16, 16), example_rng(1, 2, 3), FILE_RECIPE)
+    np.testing.assert_array_equal(a, train_transform(image, (16, 16), example_rng(1, 2, 3), FILE_RECIPE))
+    others = [train_transform(image, (16, 16), example_rng(*key), FILE_RECIPE)
+              for key in ((2, 2, 3), (1, 3, 3), (1, 2, 4))]
     assert all(not np.array_equal(a, b) for b in others)

@@ -94,7 +94,7 @@ def test_base_include_nested_relative_paths_and_precedence(tmp_path):
     assert cfg.optim.lr == 0.1                 # top file beats its bases
     assert cfg.optim.nesterov is True          # from the middle file
     assert cfg.optim.momentum == 0.8           # from the innermost base
-    assert cfg.data.augment.flip is True and cfg.data.augment.crop_padding == 4  # deep merge
+    assert cfg.data.augment.hflip == 0.5 and cfg.data.augment.crop_padding == 4  # deep merge (flip: hflip's old name)
     assert cfg.train.epochs == 3.0
     cfg = load_config(top, ["optim.lr=0.05", "optim.lr=0.01", "data.batch_size=32"])
     assert cfg.optim.lr == 0.01 and cfg.data.batch_size == 32  # overrides last, in order
@@ -392,7 +392,7 @@ def test_yes_no_on_off_are_words_for_string_keys(tmp_path, where):
     assert load("distributed.mode", "Off").distributed.mode == "off"
     assert "got 'yes'" in str(error_of(load, "distributed.mode", "yes"))      # not a word mode takes
     assert "got true (a boolean)" in str(error_of(load, "distributed.mode", "true"))
-    assert load("data.augment", "{flip: yes}").data.augment.flip is True      # bool keys: YAML 1.1
+    assert load("data.augment", "{flip: yes}").data.augment.hflip == 0.5     # bool keys: YAML 1.1
     assert load("data.normalize", "off").data.normalize is False
     assert load("model.options", "{cifar_stem: on}").model.options.cifar_stem is True  # free-form data too
     assert "got 'no'" in str(error_of(load, "data.seed", "no"))
