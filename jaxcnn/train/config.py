@@ -1001,8 +1001,8 @@ def _read_augment_shorthands(raw: dict, source_of) -> None:
     and as unset (the source's recipe, the same as before) when false."""
     data = raw.get("data")
     augment = data.get("augment") if isinstance(data, dict) else None
-    if isinstance(augment, str) and not isinstance(augment, _Word):
-        if augment.lower() != "none":
+    if augment is not None and not isinstance(augment, dict):
+        if not isinstance(augment, str) or isinstance(augment, _Word) or augment.lower() != "none":
             raise ConfigError(f"data.augment: expected a mapping of keys or 'none' (no augmentation at all), "
                               f"got {_short(augment)}", path="data.augment", source=source_of("data.augment"))
         data["augment"] = {"no_aug": True}

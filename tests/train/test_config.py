@@ -686,3 +686,79 @@ def test_a_leading_tilde_in_a_path_key_is_the_home_directory(tmp_path, monkeypat
         str(tmp_path / "d.npz"), str(tmp_path / "p.npz"), str(tmp_path / "runs" / "x"))
     cfg = load_config(cfg_file, ["data.path=d~.npz", "model.init_from=null"])
     assert cfg.data.path == "d~.npz" and cfg.model.init_from is None
+
+
+# ------------------------------------------------------------------ data.augment
+
+def test_augment_none_is_no_aug_and_loads_back(tmp_path):
+    path = write(tmp_path, "c.yaml", """\
+        base: b.yaml
+        data: {augment: none}
+        """)
+    write(tmp_path, "b.yaml", """\
+        model: {name: mnist_cnn}
+        train: {steps: 10}
+        data: {augment: {crop_padding: 4, flip: true, mixup: {alpha: 0.2}}}
+        """)
+    cfg = load_config(path)  # none replaces the base's whole section, mixup included
+    augment = cfg.data.augment
+    assert augment.no_aug is True and augment.crop_padding == 0 and augment.hflip is None
+    assert augment.mixup.alpha == 0.0
+    assert config_from_dict(to_dict(cfg)) == cfg == config_from_dict(MINIMAL, ["data.augment=none"])
+    assert load_config(path, ["data.augment={scale: [0.8, 1]}"]).data.augment.no_aug is False
+
+
+def test_old_flip_key_reads_as_hflip_in_configs_and_resume_comparisons():
+    from jaxcnn.train.config import config_changes, config_digest
+    on = config_from_dict(MINIMAL, ["data.augment.flip=true", "data.augment.crop_padding=2"])
+    assert on.data.augment.hflip == 0.5 and "flip" not in on.data.augment
+    assert config_from_dict(MINIMAL, ["data.augment.flip=false"]) == config_from_dict(MINIMAL)
+    # A config recorded before hflip (flip: true, no new keys) compares equal to today's reading of it.
+    recorded = to_dict(on)
+    recorded["data"]["augment"] = {"crop_padding": 2, "flip": True, "mixup": {"alpha": 0.0, "prob": 1.0},
+                                   "cutmix": {"alpha": 0.0, "prob": 1.0}}
+    assert config_changes(recorded, to_dict(on)) == []
+    assert config_changes(dict(recorded, data=dict(recorded["data"], augment=dict(
+        recorded["data"]["augment"], flip=False))), to_dict(config_from_dict(MINIMAL, ["data.augment.crop_padding=2"]))) == []
+    assert config_changes(recorded, to_dict(config_from_dict(MINIMAL, ["data.augment.crop_padding=2"]))) == [
+        "data.augment.hflip: 0.5 -> None"]
+    assert config_digest(to_dict(on)) != config_digest(recorded)  # the checkpoints fall back to config_changes
+
+
+@pytest.mark.parametrize("overrides, path, fragment", [
+    (["data.augment=off"], "data.augment", "expected a mapping of keys or 'none' (no augmentation at all)"),
+    (["data.augment=sometimes"], "data.augment", "expected a mapping of keys or 'none'"),
+    (["data.augment.flip=1"], "data.augment.flip", "expected a bool (true/false), got 1 (flip is the old name"),
+    (["data.augment.flip=true", "data.augment.hflip=0.2"], "data.augment.flip", "keep hflip"),
+    (["data.augment.no_aug=true", "data.augment.crop_padding=2"], "data.augment.no_aug",
+     "true (no augmentation at all) but data.augment.crop_padding=2 is set: drop one"),
+    (["data.augment.no_aug=true", "data.augment.cutmix.alpha=1"], "data.augment.no_aug",
+     "but data.augment.cutmix.alpha=1.0 is set"),
+    (["data.augment.scale=[0.9, 0.5]"], "data.augment.scale", "expected [lo, hi] with lo <= hi, got [0.9, 0.5]"),
+    (["data.augment.scale=[0, 1]"], "data.augment.scale[0]", "expected a float > 0 and <= 1, got 0"),
+    (["data.augment.scale=0.5"], "data.augment.scale", "e.g. [0.8, 1.0]"),
+    (["data.augment.ratio=[1]"], "data.augment.ratio", "expected a list of 2 items"),
+    (["data.augment.hflip=1.5"], "data.augment.hflip", "expected a float >= 0 and <= 1 or null, got 1.5"),
+    (["data.augment.vflip=-0.1"], "data.augment.vflip", "expected a float >= 0 and <= 1, got -0.1"),
+    (["data.augment.interpolation=lanczos"], "data.augment.interpolation", "'bilinear', 'bicubic', 'nearest'"),
+    (["data.augment.interpolation=bicubic"], "data.augment.interpolation",
+     "data.source='mnist' has none: its images are used at their size; set data.augment.scale"),
+    (["data.source=folder", "data.path=x", "data.augment.crop_pct=0.9", "data.eval_resize=256"],
+     "data.augment.crop_pct", "0.9 and data.eval_resize=256 both set the evaluation resize"),
+    (["data.augment.crop_pct=0.1"], "data.augment.crop_pct", "expected a float >= 0.125 and <= 1 or null"),
+])
+def test_augment_errors_are_one_line_naming_the_key(overrides, path, fragment):
+    err = error_of(config_from_dict, MINIMAL, overrides)
+    assert err.path == path and str(err).startswith(path + ":") and fragment in str(err), str(err)
+
+
+def test_augment_keys_accepted_for_every_source():
+    for source in ("mnist", "folder"):
+        cfg = config_from_dict(MINIMAL, [f"data.source={source}", "data.path=x", "data.augment.scale=[0.8, 1]",
+                                         "data.augment.ratio=[1, 1]", "data.augment.hflip=0",
+                                         "data.augment.vflip=0.5", "data.augment.interpolation=bicubic",
+                                         "data.augment.crop_padding=2"])
+        assert cfg.data.augment.scale == (0.8, 1.0) and cfg.data.augment.interpolation == "bicubic"
+    from jaxcnn.data.transforms import INTERPOLATIONS
+    from jaxcnn.train.config import INTERPOLATIONS as SCHEMA_INTERPOLATIONS
+    assert SCHEMA_INTERPOLATIONS == INTERPOLATIONS

@@ -476,3 +476,31 @@ def test_a_data_worker_killed_mid_run_is_one_line_and_a_checkpoint(shapes, tmp_p
     assert train_main(_args(folder, tmp_path / "w", "data.on_bad_image=skip")) == 0
     assert f"resumed from step {step}" in capsys.readouterr().out
     _assert_same_params(ref, tmp_path / "w")
+
+
+def test_augment_keys_reach_the_trainers_batches_and_preprocessing(shapes, tmp_path):
+    """``data.augment`` as the trainer reads it for an image folder: no augmentation trains on
+    evaluation's resize (crop_pct's, with the interpolation) and centre crop, which
+    preprocessing.json records for jaxcnn-predict and the export."""
+    from jaxcnn.data.loader import load_rgb
+    from jaxcnn.data.preprocessing import from_run
+    from jaxcnn.data.transforms import eval_transform
+    from jaxcnn.train.config import load_config
+    from jaxcnn.train.setup import batch_fn, build_run
+
+    overrides = _args(shapes[0], tmp_path / "w")[1:-2] + ["data.on_bad_image=skip"]
+    cfg = load_config(CONFIG, overrides + ["data.augment.no_aug=true", "data.augment.interpolation=bicubic",
+                                           "data.augment.crop_pct=0.5"])
+    run = build_run(cfg)
+    assert run.images.eval_resize == 32 and run.images.eval_batches(batch_size=12).interpolation == "bicubic"
+    prep = from_run(run).to_dict()
+    assert prep["resize"] == {"shorter_side": 32, "interpolation": "bicubic"}
+    maker = run.images.train_batches(seed=run.data_seed, batch_size=12)
+    batch = maker(3)
+    for k, index in enumerate(batch["index"]):
+        want = eval_transform(load_rgb(run.images.train, int(index))[0], (16, 16), 32, "bicubic")
+        np.testing.assert_array_equal(batch["image"][k], want)
+    default = build_run(load_config(CONFIG, overrides))
+    assert default.images.augment.hflip == 0.5 and default.images.augment.scale == (0.08, 1.0)
+    flipped = build_run(load_config(CONFIG, overrides + ["data.augment.hflip=0", "data.augment.vflip=1"]))
+    assert not np.array_equal(batch_fn(flipped)(0)["image"], batch_fn(default)(0)["image"])
