@@ -900,7 +900,10 @@ def _merge(lower: dict, upper: dict, sources: dict, source: str | None, prefix: 
             lower.pop(other, None)
         if source is not None:
             sources[path] = source
-        if isinstance(value, dict) and isinstance(lower.get(key), dict):
+        none = path == "data.augment" and _says_none(value)  # the whole section, replaced
+        if none:
+            value = {"no_aug": True}
+        if isinstance(value, dict) and isinstance(lower.get(key), dict) and not none:
             _merge(lower[key], value, sources, source, path)
         else:
             lower[key] = _copy(value)
@@ -996,13 +999,14 @@ def _validate(raw: dict, sources: dict, default_source: str) -> Config:
 
 
 def _read_augment_shorthands(raw: dict, source_of) -> None:
-    """In place: ``data.augment: none`` is ``{no_aug: true}``; ``data.augment.flip``, the key
+    """In place: ``data.augment: none`` is ``{no_aug: true}`` (as `_merge` reads it, so that a later
+    layer or override may add ``interpolation``); ``data.augment.flip``, the key
     ``hflip`` replaced (and which run directories recorded), is read as ``hflip: 0.5`` when true
     and as unset (the source's recipe, the same as before) when false."""
     data = raw.get("data")
     augment = data.get("augment") if isinstance(data, dict) else None
     if augment is not None and not isinstance(augment, dict):
-        if not isinstance(augment, str) or isinstance(augment, _Word) or augment.lower() != "none":
+        if not _says_none(augment):
             raise ConfigError(f"data.augment: expected a mapping of keys or 'none' (no augmentation at all), "
                               f"got {_short(augment)}", path="data.augment", source=source_of("data.augment"))
         data["augment"] = {"no_aug": True}
@@ -1019,6 +1023,11 @@ def _read_augment_shorthands(raw: dict, source_of) -> None:
                               path="data.augment.flip", source=source_of("data.augment.flip"))
         if flip:
             augment["hflip"] = 0.5
+
+
+def _says_none(value) -> bool:
+    """Whether ``value`` is the word ``none`` (any case), as ``data.augment: none`` gives it."""
+    return isinstance(value, str) and not isinstance(value, _Word) and value.lower() == "none"
 
 
 def _renamed_keys(flat: dict) -> dict:

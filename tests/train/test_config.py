@@ -705,7 +705,11 @@ def test_augment_none_is_no_aug_and_loads_back(tmp_path):
     assert augment.no_aug is True and augment.crop_padding == 0 and augment.hflip is None
     assert augment.mixup.alpha == 0.0
     assert config_from_dict(to_dict(cfg)) == cfg == config_from_dict(MINIMAL, ["data.augment=none"])
-    assert load_config(path, ["data.augment={scale: [0.8, 1]}"]).data.augment.no_aug is False
+    assert load_config(path, ["data.augment.no_aug=false", "data.augment.scale=[0.8, 1]"]).data.augment.no_aug is False
+    bicubic = load_config(path, ["data.augment.interpolation=bicubic"]).data.augment  # none, then a key
+    assert bicubic.no_aug is True and bicubic.interpolation == "bicubic"
+    err = error_of(load_config, path, ["data.augment=None", "data.augment.hflip=0.5"])
+    assert str(err).startswith("data.augment.no_aug: true (no augmentation at all) but data.augment.hflip=0.5")
 
 
 def test_old_flip_key_reads_as_hflip_in_configs_and_resume_comparisons():
