@@ -706,7 +706,7 @@ def test_augment_none_is_no_aug_and_loads_back(tmp_path):
     assert augment.mixup.alpha == 0.0
     assert config_from_dict(to_dict(cfg)) == cfg == config_from_dict(MINIMAL, ["data.augment=none"])
     assert load_config(path, ["data.augment.no_aug=false", "data.augment.scale=[0.8, 1]"]).data.augment.no_aug is False
-    bicubic = load_config(path, ["data.augment.interpolation=bicubic"]).data.augment  # none, then a key
+    bicubic = load_config(path, ["data.source=folder", "data.path=x", "data.augment.interpolation=bicubic"]).data.augment
     assert bicubic.no_aug is True and bicubic.interpolation == "bicubic"
     err = error_of(load_config, path, ["data.augment=None", "data.augment.hflip=0.5"])
     assert str(err).startswith("data.augment.no_aug: true (no augmentation at all) but data.augment.hflip=0.5")
