@@ -16,7 +16,8 @@ export's record of it, so nobody has to know the training mean and std:
    orientation applied, 16/32-bit grey scaled to 8 bits, alpha dropped), then convert to the
    model's channels (``L`` for one channel, ``RGB`` for three);
 2. if the preprocessing record holds ``"resize": {"shorter_side": S}`` (with its
-   ``"interpolation"`` when not bilinear), evaluation's own transform (:func:`jaxcnn.data.transforms.eval_transform`): the shorter side goes to ``S``
+   ``"interpolation"`` when not bilinear), evaluation's own transform
+   (:func:`jaxcnn.data.transforms.eval_transform`): the shorter side goes to ``S``
    (aspect ratio kept, torchvision's rounding) and the centre ``H x W`` is cropped, as
    torchvision's ``Resize(S)`` + ``CenterCrop``, for every image. Runs on an image folder or
    record files record their evaluation transform so (``data.eval_resize``). Other runs'

@@ -33,9 +33,11 @@ from jaxcnn.data.sources import load_dataset
 from jaxcnn.data.synthetic import SyntheticSpec, synthetic_batch, synthetic_dataset
 
 __all__ = [
-    "FILE_RECIPE", "Augment", "DataError", "Dataset", "EvalBatches", "FolderSource", "ImageData", "Loader", "MNIST_FILES",
+    "FILE_RECIPE", "Augment", "DataError", "Dataset", "EvalBatches", "FolderSource", "ImageData", "Loader",
+    "MNIST_FILES",
     "Prefetcher", "RecordSource", "SyntheticSpec", "TrainBatches", "scan_folder", "write_shapes_folder",
-    "as_augment", "augment_draws", "resolve_augment", "batch_indices", "channel_mean_std", "check_dataset", "check_regular_file",
+    "as_augment", "augment_draws", "resolve_augment", "batch_indices", "channel_mean_std", "check_dataset",
+    "check_regular_file",
     "crop_and_flip",
     "download_file", "download_mnist", "eval_batches", "load_cifar10", "load_dataset", "load_mnist",
     "load_npz", "normalize", "packaged_mnist_dir", "process_share", "read_cifar_bin", "read_idx",

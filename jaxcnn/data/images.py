@@ -3,10 +3,10 @@
 `ImageData` opens both splits (``train`` and ``val``), names the classes, and makes the
 batch makers the grain `jaxcnn.data.Loader` runs: `TrainBatches` (the `jaxcnn.data.Augment`
 steps, by default ImageNet's random-resized crop and flip; the batch for a step a pure function
-of the seed and the step) and `EvalBatches` (resize and centre crop, each validation image once). Images reach the device as ``uint8``
-and are normalised there with the ImageNet channel statistics (`IMAGENET_MEAN`,
-`IMAGENET_STD`, the convention of torchvision's and timm's ImageNet models), which a run's
-``preprocessing.json`` records with the class names.
+of the seed and the step) and `EvalBatches` (resize and centre crop, each validation image
+once). Images reach the device as ``uint8`` and are normalised there with the ImageNet channel
+statistics (`IMAGENET_MEAN`, `IMAGENET_STD`, the convention of torchvision's and timm's ImageNet
+models), which a run's ``preprocessing.json`` records with the class names.
 """
 from __future__ import annotations
 

@@ -5,7 +5,8 @@ are `jaxcnn.data.pipeline.batch_indices` (an epoch is a permutation seeded by
 ``(seed, epoch)``; each example at most once per epoch, across all processes), this process
 takes its contiguous share of the global batch (`process_share`, as for in-memory data),
 and each example's augmentation (`jaxcnn.data.Augment`: crop, flips...) is drawn from
-``(seed, step, position in the global batch)``. `EvalBatches` covers a validation split once, in order, padded with a mask.
+``(seed, step, position in the global batch)``. `EvalBatches` covers a validation split once,
+in order, padded with a mask.
 
 `Loader` runs either over a range of steps with grain: ``MapDataset.range(start, stop)``
 mapped through the batch maker, then ``mp_prefetch`` with ``workers`` processes. grain hands

@@ -1,8 +1,9 @@
 """The trainer's input from an image folder or record files (``data.source: folder|records``).
 
 `open_images` opens the data a config names (`jaxcnn.data.ImageData`), with config errors
-naming the key; `augment_spec` is the augmentation ``data.augment`` asks of any source. `TrainInput` is the stream of training batches from a step on: grain
-`jaxcnn.data.Loader` workers (``data.workers``) make this process's share of each global batch
+naming the key; `augment_spec` is the augmentation ``data.augment`` asks of any source.
+`TrainInput` is the stream of training batches from a step on: grain `jaxcnn.data.Loader`
+workers (``data.workers``) make this process's share of each global batch
 (`jaxcnn.data.TrainBatches`: the batch for step ``s`` depends only on the data seed and ``s``,
 so a resumed run starts the stream at its step), each batch with the messages of the bad images
 skipped in it (``data.on_bad_image: skip``), which the loop counts into ``metrics.jsonl``.

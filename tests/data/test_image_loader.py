@@ -827,7 +827,8 @@ def test_default_training_batches_are_the_ones_of_before(train_source):
     for step, batch in enumerate(batches):
         for k, index in enumerate(batch["index"]):
             image = load_rgb(train_source, int(index))[0]
-            np.testing.assert_array_equal(batch["image"][k], _todays_train_transform(image, SIZE, example_rng(3, step, k)))
+            want = _todays_train_transform(image, SIZE, example_rng(3, step, k))
+            np.testing.assert_array_equal(batch["image"][k], want)
 
 
 def test_each_augment_key_changes_file_batches_as_documented(train_source):
