@@ -333,9 +333,9 @@ SCHEMA: dict[str, dict] = {
                           nullable=True, low=2, used_when=("data.source", ("synthetic",)),
                           rules=(_classes_fit_model,)),
         "augment": {
-            "no_aug": _f("bool", False, "no augmentation at all (data.augment: none is short for this, every "
-                         "other key of data.augment unset): folder/records train on evaluation's resize and centre "
-                         "crop, arrays as they are, no mixup/cutmix", rules=(_no_aug_alone,)),
+            "no_aug": _f("bool", False, "no augmentation at all (data.augment: none is short for this; only "
+                         "interpolation and crop_pct may be set with it): folder/records train on evaluation's "
+                         "resize and centre crop, arrays as they are, no mixup/cutmix", rules=(_no_aug_alone,)),
             "scale": _f("list", None, "random-resized crop (timm/torchvision scale): [lo, hi] range of the crop's "
                         "area fraction; null = the source's recipe ([0.08, 1] for folder/records, no crop for "
                         "arrays; arrays resize the crop back to their own size). [1, 1] with ratio [1, 1] is a "
@@ -357,8 +357,9 @@ SCHEMA: dict[str, dict] = {
                                "random offset (torchvision RandomCrop(padding=)); after the crop and flips; 0 = off",
                                low=0),
             "crop_pct": _f("float", None, "folder/records: evaluation resizes the shorter side to "
-                           "floor(max(image_size) / crop_pct) before the centre crop (timm); null = "
-                           "data.eval_resize, else 0.875 (224 -> 256); set one of the two",
+                           "floor(max(image_size) / crop_pct) before the centre crop (timm's rule; with "
+                           "no_aug, training too); null = data.eval_resize, else max(image_size) / 0.875 "
+                           "rounded (224 -> 256); set one of the two",
                            nullable=True, low=1 / 8, high=1.0, trains=False,  # at most 8x the crop
                            used_when=("data.source", _IMAGE_FILES), rules=(_one_eval_resize,)),
             "mixup": {
