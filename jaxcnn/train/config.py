@@ -684,7 +684,7 @@ def config_from_dict(data: Mapping, overrides: Sequence[str] = (), *, source: st
         raise ConfigError(f"config must be a mapping, got {type(data).__name__}", source=source)
     if "base" in data:
         raise ConfigError("'base' includes are only supported in files", path="base", source=source)
-    raw = _copy(data)
+    raw = _flip_as_hflip(_copy(data), "", source)
     sources: dict[str, str] = {}
     _record_sources(raw, "", source, sources)
     _apply_overrides(raw, overrides, sources)
@@ -893,6 +893,7 @@ def _record_sources(tree, prefix, source, sources):
 def _merge(lower: dict, upper: dict, sources: dict, source: str | None, prefix: str = ""):
     """Deep-merge ``upper`` into ``lower`` in place: mappings merge, anything
     else replaces.  ``source`` (when not None) is recorded for upper's keys."""
+    upper = _flip_as_hflip(upper, prefix, source)
     for key, value in upper.items():
         path = _join(prefix, str(key))
         spec = schema_field(path)
@@ -1000,10 +1001,8 @@ def _validate(raw: dict, sources: dict, default_source: str) -> Config:
 
 
 def _read_augment_shorthands(raw: dict, source_of) -> None:
-    """In place: ``data.augment: none`` is ``{no_aug: true}`` (as `_merge` reads it, so that a later
-    layer or override may add ``interpolation``); ``data.augment.flip``, the key
-    ``hflip`` replaced (and which run directories recorded), is read as ``hflip: 0.5`` when true
-    and as unset (the source's recipe, the same as before) when false."""
+    """In place: ``data.augment: none`` is ``{no_aug: true}`` (`_merge` reads it so too, so that
+    a later layer or override may add ``interpolation``)."""
     data = raw.get("data")
     augment = data.get("augment") if isinstance(data, dict) else None
     if augment is not None and not isinstance(augment, dict):
@@ -1011,19 +1010,34 @@ def _read_augment_shorthands(raw: dict, source_of) -> None:
             raise ConfigError(f"data.augment: expected a mapping of keys or 'none' (no augmentation at all), "
                               f"got {_short(augment)}", path="data.augment", source=source_of("data.augment"))
         data["augment"] = {"no_aug": True}
-    elif isinstance(augment, dict) and "flip" in augment:
-        flip = augment.pop("flip")
-        flip = flip.boolean if isinstance(flip, _Word) else flip
-        if not isinstance(flip, bool):
-            raise ConfigError(f"data.augment.flip: expected a bool (true/false), got {_short(flip)} (flip is the "
-                              "old name of data.augment.hflip: true = 0.5)", path="data.augment.flip",
-                              source=source_of("data.augment.flip"))
-        if flip and augment.get("hflip") is not None:
-            raise ConfigError(f"data.augment.flip: true and data.augment.hflip={augment['hflip']!r} are both "
-                              "set; flip is hflip's old name (true = 0.5): keep hflip",
-                              path="data.augment.flip", source=source_of("data.augment.flip"))
-        if flip:
-            augment["hflip"] = 0.5
+
+
+def _flip_as_hflip(layer: dict, prefix: str, source) -> dict:
+    """``layer`` (one file, override or recorded config, at dotted ``prefix``) with the key
+    ``data.augment.flip``, which ``hflip`` replaced and run directories recorded, read as
+    ``hflip: 0.5`` when true and as ``hflip: null`` (the source's recipe, the same as before:
+    none for arrays, and image files ignored flip) when false. Each layer is read so before it is
+    merged, so that a later one overrides it as it overrode flip."""
+    inner = {"": ("data", "augment"), "data": ("augment",), "data.augment": ()}.get(prefix)
+    node = layer
+    for part in inner or ():
+        node = node.get(part) if isinstance(node, dict) else None
+    if inner is None or not isinstance(node, dict) or "flip" not in node:
+        return layer
+    layer = _copy(layer)
+    node = layer
+    for part in inner:
+        node = node[part]
+    flip = node.pop("flip")
+    flip = flip.boolean if isinstance(flip, _Word) else flip
+    if not isinstance(flip, bool):
+        raise ConfigError(f"data.augment.flip: expected a bool (true/false), got {_short(flip)} (flip is the old "
+                          "name of data.augment.hflip: true = 0.5)", path="data.augment.flip", source=source)
+    if flip and node.get("hflip") is not None:
+        raise ConfigError(f"data.augment.flip: true and data.augment.hflip={node['hflip']!r} are both set; flip "
+                          "is hflip's old name (true = 0.5): keep hflip", path="data.augment.flip", source=source)
+    node.setdefault("hflip", 0.5 if flip else None)
+    return layer
 
 
 def _says_none(value) -> bool:
@@ -1033,7 +1047,7 @@ def _says_none(value) -> bool:
 
 def _renamed_keys(flat: dict) -> dict:
     """A flattened config of an older jaxcnn with its renamed keys read as
-    :func:`_read_augment_shorthands` reads them (``data.augment.flip``)."""
+    :func:`_flip_as_hflip` reads them (``data.augment.flip``)."""
     if "data.augment.flip" not in flat:
         return flat
     flat = dict(flat)

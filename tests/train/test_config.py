@@ -734,7 +734,7 @@ def test_old_flip_key_reads_as_hflip_in_configs_and_resume_comparisons():
     (["data.augment=off"], "data.augment", "expected a mapping of keys or 'none' (no augmentation at all)"),
     (["data.augment=sometimes"], "data.augment", "expected a mapping of keys or 'none'"),
     (["data.augment.flip=1"], "data.augment.flip", "expected a bool (true/false), got 1 (flip is the old name"),
-    (["data.augment.flip=true", "data.augment.hflip=0.2"], "data.augment.flip", "keep hflip"),
+    (["data.augment={flip: true, hflip: 0.2}"], "data.augment.flip", "keep hflip"),
     (["data.augment.no_aug=true", "data.augment.crop_padding=2"], "data.augment.no_aug",
      "true (no augmentation at all) but data.augment.crop_padding=2 is set: drop one"),
     (["data.augment.no_aug=true", "data.augment.cutmix.alpha=1"], "data.augment.no_aug",
@@ -767,3 +767,24 @@ def test_augment_keys_accepted_for_every_source():
     from jaxcnn.data.transforms import INTERPOLATIONS
     from jaxcnn.train.config import INTERPOLATIONS as SCHEMA_INTERPOLATIONS
     assert SCHEMA_INTERPOLATIONS == INTERPOLATIONS
+
+
+def test_a_layer_with_the_old_flip_key_is_overridden_as_flip_was(tmp_path):
+    """Each file and override reads flip as hflip before it is merged: a later layer's hflip
+    overrides a base's flip: true, and a later flip: false a base's hflip."""
+    write(tmp_path, "b.yaml", """\
+        model: {name: mnist_cnn}
+        train: {steps: 10}
+        data: {augment: {crop_padding: 4, flip: true}}
+        """)
+    path = write(tmp_path, "c.yaml", "base: b.yaml\ndata: {augment: {hflip: 0.2}}\n")
+    assert load_config(path).data.augment.hflip == 0.2
+    assert load_config(path, ["data.augment.flip=false"]).data.augment.hflip is None
+    assert load_config(path, ["data.augment={flip: true}"]).data.augment.hflip == 0.5
+    assert load_config(write(tmp_path, "d.yaml", "base: b.yaml\n"), ["data.augment.hflip=0"]).data.augment.hflip == 0
+    err = error_of(load_config, write(tmp_path, "e.yaml", "base: b.yaml\ndata: {augment: {flip: true, hflip: 1}}\n"))
+    assert err.path == "data.augment.flip" and "keep hflip" in str(err) and "e.yaml" in str(err)
+    recorded = to_dict(load_config(path))
+    recorded["data"]["augment"]["flip"] = True
+    del recorded["data"]["augment"]["hflip"]
+    assert config_from_dict(recorded, ["data.augment.hflip=0"]).data.augment.hflip == 0
