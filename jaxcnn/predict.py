@@ -15,8 +15,9 @@ export's record of it, so nobody has to know the training mean and std:
 1. decode as training decodes (:func:`jaxcnn.data.folder.decode_image`: Pillow, EXIF
    orientation applied, 16/32-bit grey scaled to 8 bits, alpha dropped), then convert to the
    model's channels (``L`` for one channel, ``RGB`` for three);
-2. if the preprocessing record holds ``"resize": {"shorter_side": S}``, evaluation's own
-   transform (:func:`jaxcnn.data.transforms.eval_transform`): the shorter side goes to ``S``
+2. if the preprocessing record holds ``"resize": {"shorter_side": S}`` (with its
+   ``"interpolation"`` when not bilinear), evaluation's own transform
+   (:func:`jaxcnn.data.transforms.eval_transform`): the shorter side goes to ``S``
    (aspect ratio kept, torchvision's rounding) and the centre ``H x W`` is cropped, as
    torchvision's ``Resize(S)`` + ``CenterCrop``, for every image. Runs on an image folder or
    record files record their evaluation transform so (``data.eval_resize``). Other runs'
@@ -86,19 +87,19 @@ class Resize(NamedTuple):
 
     shorter_side: Optional[int] = None   # None: resize to H x W directly
     in_model: bool = False
+    interpolation: str = "bilinear"      # the shorter-side resize's filter
 
 
 def resize_rule(record: dict, where: str) -> Resize:
     """The ``"resize"`` entry of a preprocessing record (absent: resize to ``H x W``)."""
-    value = record.get("resize")
-    if value is None:
-        return Resize()
-    side = value.get("shorter_side") if isinstance(value, dict) else None
-    if not (isinstance(side, int) and not isinstance(side, bool) and side > 0) or set(value) != {
-            "shorter_side"}:
-        raise PredictError(f"{where}: key 'resize' must be {{\"shorter_side\": positive int}} or "
-                           f"null, got {str(value)[:80]}")
-    return Resize(side)
+    from jaxcnn.data.preprocessing import read_resize
+    from jaxcnn.errors import DataError
+
+    try:
+        side, interpolation = read_resize(record.get("resize"), where)
+    except DataError as err:
+        raise PredictError(str(err)) from None
+    return Resize() if side is None else Resize(side, interpolation=interpolation)
 
 
 class Predictor(NamedTuple):
@@ -246,7 +247,7 @@ def to_pixels(img, image_shape: tuple, resize: Resize = Resize()) -> np.ndarray:
         if side < max(h, w):
             raise PredictError(f"resize.shorter_side {side} is smaller than the model's {w}x{h} "
                                "images: the centre crop would not fit")
-        pixels = eval_transform(img, (h, w), side)
+        pixels = eval_transform(img, (h, w), side, resize.interpolation)
     else:
         pixels = np.asarray(img if img.size == (w, h) else img.resize((w, h), Image.BILINEAR),
                             np.uint8)

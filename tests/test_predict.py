@@ -276,6 +276,21 @@ def test_a_raw_image_record_is_read_only_whole():
             _export_record({**base, **change}, "m.onnx")
 
 
+
+def test_the_recorded_interpolation_is_the_resize_filter():
+    """A run trained with data.augment.interpolation=bicubic records it with its resize, and
+    jaxcnn-predict resizes with it (evaluation's own transform)."""
+    from jaxcnn.data.transforms import eval_transform
+    from jaxcnn.predict import PredictError, resize_rule
+    assert resize_rule({"resize": {"shorter_side": 20}}, "p") == Resize(20, "bilinear")
+    rule = resize_rule({"resize": {"shorter_side": 20, "interpolation": "bicubic"}}, "p")
+    assert rule == Resize(20, "bicubic") and resize_rule({}, "p") == Resize()
+    img = Image.fromarray(np.random.default_rng(1).integers(0, 256, (30, 50, 3), dtype=np.uint8))
+    np.testing.assert_array_equal(to_pixels(img, (16, 16, 3), rule), eval_transform(img, (16, 16), 20, "bicubic"))
+    assert not np.array_equal(to_pixels(img, (16, 16, 3), rule), to_pixels(img, (16, 16, 3), Resize(20)))
+    with pytest.raises(PredictError, match="key 'resize' must be"):
+        resize_rule({"resize": {"shorter_side": 20, "interpolation": "area"}}, "p")
+
 def test_predict_decodes_a_chunk_at_a_time_in_bounded_memory(run_dir, tmp_path):
     """Every image was decoded before the model ran: 2.0 GB for 200 photos, OOM-killed under
     1.2 GB. 64 copies of a 3-megapixel JPEG (9 MB each, decoded) now add a fraction of what

@@ -14,7 +14,7 @@ step's batch (ImageNet crop and flip, or resize and centre crop) and `Loader` ru
 grain worker processes. `write_shapes_folder` writes a small example folder.
 `download_mnist` is the only function that touches the network, and only when called.
 """
-from jaxcnn.data.augment import Augment, as_augment, augment_draws, crop_and_flip
+from jaxcnn.data.augment import FILE_RECIPE, Augment, as_augment, augment_draws, crop_and_flip, resolve_augment
 from jaxcnn.data.cifar import load_cifar10, read_cifar_bin
 from jaxcnn.data.dataset import DataError, Dataset, channel_mean_std, check_dataset, normalize, to_unit_scale
 from jaxcnn.data.download import download_file, download_mnist, sha256_of
@@ -33,9 +33,11 @@ from jaxcnn.data.sources import load_dataset
 from jaxcnn.data.synthetic import SyntheticSpec, synthetic_batch, synthetic_dataset
 
 __all__ = [
-    "Augment", "DataError", "Dataset", "EvalBatches", "FolderSource", "ImageData", "Loader", "MNIST_FILES",
+    "FILE_RECIPE", "Augment", "DataError", "Dataset", "EvalBatches", "FolderSource", "ImageData", "Loader",
+    "MNIST_FILES",
     "Prefetcher", "RecordSource", "SyntheticSpec", "TrainBatches", "scan_folder", "write_shapes_folder",
-    "as_augment", "augment_draws", "batch_indices", "channel_mean_std", "check_dataset", "check_regular_file",
+    "as_augment", "augment_draws", "resolve_augment", "batch_indices", "channel_mean_std", "check_dataset",
+    "check_regular_file",
     "crop_and_flip",
     "download_file", "download_mnist", "eval_batches", "load_cifar10", "load_dataset", "load_mnist",
     "load_npz", "normalize", "packaged_mnist_dir", "process_share", "read_cifar_bin", "read_idx",

@@ -2,17 +2,18 @@
 
 `ImageData` opens both splits (``train`` and ``val``, on disk or, with ``val_split``, held out
 of one split in code by `jaxcnn.data.split`), names the classes, and makes the
-batch makers the grain `jaxcnn.data.Loader` runs: `TrainBatches` (random-resized crop and
-flip, the batch for a step a pure function of the seed and the step) and `EvalBatches`
-(resize and centre crop, each validation image once). Images reach the device as ``uint8``
-and are normalised there with the ImageNet channel statistics (`IMAGENET_MEAN`,
-`IMAGENET_STD`, the convention of torchvision's and timm's ImageNet models), which a run's
-``preprocessing.json`` records with the class names.
+batch makers the grain `jaxcnn.data.Loader` runs: `TrainBatches` (the `jaxcnn.data.Augment`
+steps, by default ImageNet's random-resized crop and flip; the batch for a step a pure function
+of the seed and the step) and `EvalBatches` (resize and centre crop, each validation image
+once). Images reach the device as ``uint8`` and are normalised there with the ImageNet channel
+statistics (`IMAGENET_MEAN`, `IMAGENET_STD`, the convention of torchvision's and timm's ImageNet
+models), which a run's ``preprocessing.json`` records with the class names.
 """
 from __future__ import annotations
 
 import os
 
+from jaxcnn.data.augment import FILE_RECIPE, as_augment
 from jaxcnn.data.loader import EvalBatches, TrainBatches
 from jaxcnn.data.transforms import default_eval_resize
 from jaxcnn.errors import DataError
@@ -49,6 +50,8 @@ class ImageData:
         on_bad_image: ``"skip"`` (count and go on) or ``"fail"``.
         eval_resize: the shorter side before the evaluation centre crop; None:
             `default_eval_resize` (224 -> 256).
+        augment: the training images' `jaxcnn.data.Augment` (default ImageNet's); its
+            ``interpolation`` is the evaluation resize's too.
         outside_links: a folder: follow links that lead outside it (`jaxcnn.data.folder.Listing`).
         val_split: None (the ``val`` split on disk), or the share of each class to hold out of
             the one split there is (a folder of class folders ``PATH/<class>/<image>``, or
@@ -68,7 +71,8 @@ class ImageData:
     """
 
     def __init__(self, source: str, path, *, image_size, on_bad_image: str = "fail", eval_resize=None,
-                 outside_links: bool = False, val_split: float | None = None, seed: int = 0):
+                 outside_links: bool = False, val_split: float | None = None, seed: int = 0,
+                 augment=FILE_RECIPE):
         if source not in SOURCES:
             raise ValueError(f"image source must be one of {list(SOURCES)}, got {source!r}")
         if val_split is not None and not 0.0 < val_split < 1.0:
@@ -78,6 +82,7 @@ class ImageData:
         self.source, self.path = source, path
         self.image_size = (int(image_size[0]), int(image_size[1]))
         self.on_bad_image = on_bad_image
+        self.augment = as_augment(augment)
         self.eval_resize = default_eval_resize(self.image_size) if eval_resize is None else int(eval_resize)
         if self.eval_resize < max(self.image_size):
             raise ValueError(f"eval resize {self.eval_resize} is smaller than the crop {list(self.image_size)}")
@@ -199,13 +204,13 @@ class ImageData:
         """The training batch maker (``step -> batch``) for this process."""
         return TrainBatches(self.train, seed=seed, batch_size=batch_size, image_size=self.image_size,
                             on_bad_image=self.on_bad_image, process_index=process_index,
-                            process_count=process_count)
+                            process_count=process_count, augment=self.augment, resize=self.eval_resize)
 
     def eval_batches(self, *, batch_size: int, process_index: int = 0, process_count: int = 1) -> EvalBatches:
         """The evaluation batch maker (``batch number -> batch``) over the ``val`` split."""
         return EvalBatches(self.val, batch_size=batch_size, image_size=self.image_size, resize=self.eval_resize,
                            on_bad_image=self.on_bad_image, process_index=process_index,
-                           process_count=process_count)
+                           process_count=process_count, interpolation=self.augment.interpolation)
 
 
 def _folder_sides(path, on_bad_image, outside_links, val_split, seed):

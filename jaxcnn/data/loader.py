@@ -4,8 +4,9 @@
 are `jaxcnn.data.pipeline.batch_indices` (an epoch is a permutation seeded by
 ``(seed, epoch)``; each example at most once per epoch, across all processes), this process
 takes its contiguous share of the global batch (`process_share`, as for in-memory data),
-and each example's crop and flip are drawn from ``(seed, step, position in the global
-batch)``. `EvalBatches` covers a validation split once, in order, padded with a mask.
+and each example's augmentation (`jaxcnn.data.Augment`: crop, flips...) is drawn from
+``(seed, step, position in the global batch)``. `EvalBatches` covers a validation split once,
+in order, padded with a mask.
 
 `Loader` runs either over a range of steps with grain: ``MapDataset.range(start, stop)``
 mapped through the batch maker, then ``mp_prefetch`` with ``workers`` processes. grain hands
@@ -33,6 +34,7 @@ import numpy as np
 
 from jaxcnn.data.folder import decode_image
 from jaxcnn.data.handover import RingReader
+from jaxcnn.data.augment import FILE_RECIPE, as_augment
 from jaxcnn.data.pipeline import batch_indices, process_share, steps_per_epoch
 from jaxcnn.data.transforms import eval_transform, example_rng, train_transform
 from jaxcnn.data.workers import Fetcher, Roster, dead_worker_error, held_signals, start_worker
@@ -74,6 +76,10 @@ class TrainBatches:
         image_size: ``(H, W)`` of the crops.
         on_bad_image: ``"skip"`` or ``"fail"``.
         process_index, process_count: this process among those sharing each global batch.
+        augment: the `jaxcnn.data.Augment` each image gets (`jaxcnn.data.transforms.train_transform`);
+            one without a random crop (``scale`` None) is evaluation's resize to ``resize``
+            and centre crop.
+        resize: the evaluation resize (`EvalBatches`), needed only by such an ``augment``.
 
     A batch is ``{"image": (B, H, W, 3) uint8, "label": (B,) int32, "bad_images": () int32,
     "bad_files": tuple of messages, "index": (B,) int64 example numbers}`` with
@@ -82,13 +88,17 @@ class TrainBatches:
     """
 
     def __init__(self, source, *, seed: int, batch_size: int, image_size, on_bad_image: str = "fail",
-                 process_index: int = 0, process_count: int = 1):
+                 process_index: int = 0, process_count: int = 1, augment=FILE_RECIPE, resize: int | None = None):
         self.start, self.local = _check_common(source, batch_size, image_size, on_bad_image,
                                                process_index, process_count)
         self.steps_per_epoch = steps_per_epoch(len(source), batch_size)
         self.source, self.seed, self.batch_size = source, int(seed), int(batch_size)
         self.image_size = (int(image_size[0]), int(image_size[1]))
         self.on_bad_image = on_bad_image
+        self.augment, self.resize = as_augment(augment), resize
+        if self.augment.scale is None and (resize is None or int(resize) < max(self.image_size)):
+            raise ValueError(f"augment without a random crop takes evaluation's resize, which must be at least "
+                             f"the crop {list(self.image_size)}, got resize={resize!r}")
 
     def __call__(self, step: int) -> dict:
         step = int(step)
@@ -100,7 +110,8 @@ class TrainBatches:
         bad = []
         for k, index in enumerate(indices):
             image, labels[k], used[k] = self._load(int(index), bad)
-            train_transform(image, self.image_size, example_rng(self.seed, step, self.start + k), out=images[k])
+            train_transform(image, self.image_size, example_rng(self.seed, step, self.start + k), self.augment,
+                            resize=self.resize, out=images[k])
         return {"image": images, "label": labels, "bad_images": np.int32(len(bad)), "bad_files": tuple(bad),
                 "index": used}
 
@@ -125,6 +136,7 @@ class EvalBatches:
         batch_size: global batch size, divisible by ``process_count``.
         image_size: ``(H, W)`` of the centre crops.
         resize: the shorter side is resized to this before the crop (``>= max(H, W)``).
+        interpolation: the resize's filter (`jaxcnn.data.transforms.INTERPOLATIONS`).
         on_bad_image: ``"skip"`` (the row is masked out and counted) or ``"fail"``.
         process_index, process_count: as for `TrainBatches`.
 
@@ -134,7 +146,7 @@ class EvalBatches:
     """
 
     def __init__(self, source, *, batch_size: int, image_size, resize: int, on_bad_image: str = "fail",
-                 process_index: int = 0, process_count: int = 1):
+                 process_index: int = 0, process_count: int = 1, interpolation: str = "bilinear"):
         self.start, self.local = _check_common(source, batch_size, image_size, on_bad_image,
                                                process_index, process_count)
         self.source, self.batch_size = source, int(batch_size)
@@ -142,6 +154,7 @@ class EvalBatches:
         if int(resize) < max(self.image_size):
             raise ValueError(f"eval resize {resize} is smaller than the crop {list(self.image_size)}")
         self.resize, self.on_bad_image = int(resize), on_bad_image
+        self.interpolation = interpolation
 
     def __len__(self):
         return -(-len(self.source) // self.batch_size)
@@ -162,7 +175,7 @@ class EvalBatches:
                     raise
                 bad.append(str(err))
                 continue
-            images[k] = eval_transform(image, self.image_size, self.resize)
+            images[k] = eval_transform(image, self.image_size, self.resize, self.interpolation)
             labels[k], mask[k] = label, True
         return {"image": images, "label": labels, "mask": mask, "bad_images": np.int32(len(bad)),
                 "bad_files": tuple(bad)}

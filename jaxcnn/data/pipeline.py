@@ -8,7 +8,7 @@ import functools
 
 import numpy as np
 
-from jaxcnn.data.augment import as_augment, augment_draws, crop_and_flip
+from jaxcnn.data.augment import as_augment, augment_draws, crop_and_flip, resized_crops
 from jaxcnn.data.dataset import DataError, Dataset, normalize, to_unit_scale
 
 
@@ -81,7 +81,8 @@ def train_batch(dataset: Dataset, step: int, *, seed: int, batch_size: int, augm
         step: training step.
         seed: data seed; shuffling and augmentation are pure functions of ``(seed, step)``.
         batch_size: global batch size, divisible by ``process_count``.
-        augment: None/False, an `Augment`, or a mapping of its fields.
+        augment: None/False, an `Augment`, or a mapping of its fields: its random-resized crop
+            (each image resized back to its own size), then its padded crop and flips.
         process_index: this process, in ``[0, process_count)``.
         process_count: number of processes sharing the global batch.
 
@@ -96,9 +97,12 @@ def train_batch(dataset: Dataset, step: int, *, seed: int, batch_size: int, augm
     indices = batch_indices(len(dataset.x_train), batch_size, seed, step)[start:start + local]
     images = dataset.x_train[indices]
     if augment.active:
-        offsets, flips = augment_draws(seed, step, batch_size, augment)
+        if augment.scale is not None:
+            images = resized_crops(images, seed, step, start, augment)
+        offsets, hflips, vflips = augment_draws(seed, step, batch_size, augment)
         share = slice(start, start + local)
-        images = crop_and_flip(images, offsets[share], flips[share], augment.crop_padding)
+        images = crop_and_flip(images, offsets[share], hflips[share], augment.crop_padding)
+        images[vflips[share]] = images[vflips[share], ::-1]
     labels = dataset.y_train[indices].astype(np.int32, copy=False)
     return {"image": normalize(images, dataset.mean, dataset.std), "label": labels}
 

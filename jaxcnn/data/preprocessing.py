@@ -57,6 +57,8 @@ class Preprocessing(NamedTuple):
             then the centre ``H x W`` is cropped (the evaluation transform of an image folder,
             ``data.eval_resize``); None when the run's images all come at ``H x W``. Written as
             ``"resize": {"shorter_side": S}``, which ``jaxcnn-predict`` applies.
+        resize_interpolation: that resize's filter (``data.augment.interpolation``), written
+            into ``"resize"`` as ``"interpolation"`` unless it is ``"bilinear"``.
     """
 
     image_shape: tuple
@@ -67,6 +69,7 @@ class Preprocessing(NamedTuple):
     class_names: Optional[tuple] = None
     dataset: Optional[str] = None
     resize_shorter_side: Optional[int] = None
+    resize_interpolation: str = "bilinear"
 
     @property
     def pixel_range(self) -> tuple:
@@ -94,8 +97,12 @@ class Preprocessing(NamedTuple):
                 "std": [float(v) for v in self.std], "formula": self.formula,
                 "class_names": None if self.class_names is None else list(self.class_names),
                 "dataset": self.dataset,
-                **({} if self.resize_shorter_side is None
-                   else {"resize": {"shorter_side": int(self.resize_shorter_side)}})}
+                **({} if self.resize_shorter_side is None else {"resize": self._resize_dict()})}
+
+    def _resize_dict(self) -> dict:
+        interpolation = self.resize_interpolation
+        return {"shorter_side": int(self.resize_shorter_side),
+                **({} if interpolation == "bilinear" else {"interpolation": interpolation})}
 
     def describe(self) -> str:
         """One line for people: what raw input is and how it is normalised."""
@@ -138,7 +145,8 @@ def from_run(run) -> Preprocessing:
         std = IMAGENET_STD if norm else (1.0, 1.0, 1.0)
         return Preprocessing(tuple(int(d) for d in images.image_shape), "uint8",
                              tuple(float(np.float32(v)) for v in mean), tuple(float(np.float32(v)) for v in std),
-                             norm, tuple(images.class_names), cfg.data.source, int(images.eval_resize))
+                             norm, tuple(images.class_names), cfg.data.source, int(images.eval_resize),
+                             images.augment.interpolation)
     from jaxcnn.data.synthetic import NOISE_MEAN, NOISE_STD
     shape = tuple(int(d) for d in run.input_shape[1:])
     c = shape[-1]
@@ -150,14 +158,20 @@ def _fail(path, message):
     raise DataError(f"{path}: {message}")
 
 
-def _resize(value, path):
-    """The shorter side of a record's ``"resize": {"shorter_side": S}`` (absent or null: None)."""
+def read_resize(value, path):
+    """``(shorter side, interpolation)`` of a record's ``"resize": {"shorter_side": S}`` (with an
+    optional ``"interpolation"``, default bilinear; absent or null: ``(None, "bilinear")``)."""
+    from jaxcnn.data.transforms import INTERPOLATIONS
+
     if value is None:
-        return None
+        return None, "bilinear"
     side = value.get("shorter_side") if isinstance(value, dict) else None
-    if not (isinstance(side, int) and not isinstance(side, bool) and side > 0) or set(value) != {"shorter_side"}:
-        _fail(path, f"key 'resize' must be {{\"shorter_side\": positive int}} or null, got {str(value)[:80]}")
-    return side
+    interpolation = value.get("interpolation", "bilinear") if isinstance(value, dict) else None
+    if (not (isinstance(side, int) and not isinstance(side, bool) and side > 0)
+            or interpolation not in INTERPOLATIONS or not set(value) <= {"shorter_side", "interpolation"}):
+        _fail(path, f"key 'resize' must be {{\"shorter_side\": positive int, \"interpolation\": one of "
+                    f"{list(INTERPOLATIONS)} (optional)}} or null, got {str(value)[:80]}")
+    return side, interpolation
 
 
 def from_dict(d, path="preprocessing") -> Preprocessing:
@@ -195,7 +209,7 @@ def from_dict(d, path="preprocessing") -> Preprocessing:
     dataset = d.get("dataset")
     return Preprocessing(tuple(shape), d["pixel_dtype"], stats["mean"], stats["std"], normalize_,
                          None if names is None else tuple(names),
-                         dataset if isinstance(dataset, str) else None, _resize(d.get("resize"), path))
+                         dataset if isinstance(dataset, str) else None, *read_resize(d.get("resize"), path))
 
 
 def read_preprocessing(path) -> Preprocessing:

@@ -1,16 +1,20 @@
 """The standard ImageNet transforms, on the host with Pillow and NumPy, ``uint8`` out.
 
-Training (torchvision ``RandomResizedCrop(size, scale=(0.08, 1), ratio=(3/4, 4/3))`` then
-``RandomHorizontalFlip()``): pick a crop of a random area fraction and aspect ratio (ten
-tries, then torchvision's centre-crop fallback), resize it bilinearly (Pillow's, with its
-antialiasing) to ``(H, W)``, and mirror it with probability 1/2. Evaluation
-(``Resize(resize)`` then ``CenterCrop((H, W))``): resize the shorter side to ``resize`` and
-cut out the centre.
+Training (timm's ``transforms_imagenet_train`` order, torchvision's definitions): a random-resized
+crop (``RandomResizedCrop(size, scale, ratio)``: a crop of a random area fraction and aspect
+ratio, ten tries, then torchvision's centre-crop fallback) resized with Pillow's filter
+(``bilinear`` by default, antialiased) to ``(H, W)``; a horizontal and a vertical flip, each
+with its probability; then torchvision's ``RandomCrop(size, padding=p)`` (zero padding). The
+ImageNet recipe is ``scale=(0.08, 1)``, ``ratio=(3/4, 4/3)``, horizontal flip 1/2. Without a
+random crop (``scale`` None: no augmentation) training takes evaluation's transform.
+Evaluation (``Resize(resize)`` then ``CenterCrop((H, W))``): resize the shorter side to
+``resize`` and cut out the centre.
 
 Every random draw for an example comes from a generator seeded by ``(seed, step, position)``,
 where ``position`` is the example's place in the global batch: a batch is a pure function of
-the seed and the step, whichever process or worker makes it. Normalisation is left to the
-device, as the trainer does for ``uint8`` data.
+the seed and the step, whichever process or worker makes it. The draws come in the order of the
+steps (crop, horizontal flip, vertical flip, padded crop), a step with nothing to do drawing
+nothing. Normalisation is left to the device, as the trainer does for ``uint8`` data.
 """
 from __future__ import annotations
 
@@ -25,9 +29,14 @@ CROP_TRIES = 10
 _TRANSFORM_STREAM = 0x1A6E
 
 
-def example_rng(seed: int, step: int, position: int) -> np.random.Generator:
-    """The generator for the example at ``position`` of the global batch for ``step``."""
-    return np.random.default_rng([int(seed), int(step), int(position), _TRANSFORM_STREAM])
+# Pillow's filter for each ``interpolation`` (torchvision's PIL path uses the same ones).
+INTERPOLATIONS = ("bilinear", "bicubic", "nearest")
+
+
+def example_rng(seed: int, step: int, position: int, stream: int = _TRANSFORM_STREAM) -> np.random.Generator:
+    """The generator for the example at ``position`` of the global batch for ``step`` (``stream``
+    tells apart the uses that must not share draws)."""
+    return np.random.default_rng([int(seed), int(step), int(position), int(stream)])
 
 
 def random_resized_crop_box(rng: np.random.Generator, height: int, width: int, scale=SCALE, ratio=RATIO):
@@ -75,26 +84,65 @@ def _pil():
 _PIL_IMAGE = None
 
 
-def train_transform(image, size, rng: np.random.Generator, *, scale=SCALE, ratio=RATIO, flip: bool = True,
-                    out=None):
-    """Random-resized crop to ``size = (H, W)`` and random horizontal flip of an RGB ``PIL.Image``.
+def pil_filter(interpolation: str):
+    """Pillow's resampling filter for ``interpolation`` (one of `INTERPOLATIONS`)."""
+    if interpolation not in INTERPOLATIONS:
+        raise ValueError(f"interpolation must be one of {list(INTERPOLATIONS)}, got {interpolation!r}")
+    return getattr(_pil(), interpolation.upper())
+
+
+def train_transform(image, size, rng: np.random.Generator, augment, *, resize: int | None = None, out=None):
+    """One training example from an RGB ``PIL.Image``: the steps of `augment` in timm's order.
 
     Arguments:
+        image: the decoded image.
+        size: ``(H, W)`` of the output.
+        rng: the example's generator (`example_rng`).
+        augment: a `jaxcnn.data.Augment`: ``scale``/``ratio`` of the random-resized crop (None:
+            evaluation's `eval_transform` to ``resize``), ``interpolation``, ``hflip``/``vflip``
+            probabilities, ``crop_padding``.
+        resize: the evaluation resize, used when ``augment.scale`` is None.
         out: an ``(H, W, 3)`` ``uint8`` array to write into (a batch row), or None.
 
     Returns:
-        ``(H, W, 3)`` ``uint8`` array (``out`` when given).
+        ``(H, W, 3)`` ``uint8`` array (``out`` when given). Photometric steps (colour, auto
+        augmentation) would come after the flips, random erasing after the padded crop.
     """
-    out_h, out_w = size
-    top, left, h, w = random_resized_crop_box(rng, image.height, image.width, scale, ratio)
-    crop = image.crop((left, top, left + w, top + h)).resize((out_w, out_h), _pil().BILINEAR)
-    array = np.asarray(crop, np.uint8)
-    if flip and rng.random() < 0.5:
-        array = array[:, ::-1]
+    if augment.scale is None:
+        array = eval_transform(image, size, resize, augment.interpolation)
+    else:
+        out_h, out_w = size
+        top, left, h, w = random_resized_crop_box(rng, image.height, image.width, augment.scale, augment.ratio)
+        crop = image.crop((left, top, left + w, top + h)).resize((out_w, out_h), pil_filter(augment.interpolation))
+        array = np.asarray(crop, np.uint8)
+    array = random_flips(array, rng, augment.hflip, augment.vflip)
+    if augment.crop_padding:
+        array = random_padded_crop(array, rng, augment.crop_padding)
     if out is None:
         return np.ascontiguousarray(array)
     np.copyto(out, array)
     return out
+
+
+def random_flips(array: np.ndarray, rng: np.random.Generator, hflip: float, vflip: float) -> np.ndarray:
+    """torchvision's ``RandomHorizontalFlip(hflip)`` then ``RandomVerticalFlip(vflip)`` of an
+    ``(H, W, ...)`` array: each mirrors when a uniform draw is below its probability; a
+    probability of 0 draws nothing (timm leaves that transform out)."""
+    if hflip > 0 and rng.random() < hflip:
+        array = array[:, ::-1]
+    if vflip > 0 and rng.random() < vflip:
+        array = array[::-1]
+    return array
+
+
+def random_padded_crop(array: np.ndarray, rng: np.random.Generator, padding: int) -> np.ndarray:
+    """torchvision's ``RandomCrop((H, W), padding=padding)`` of an ``(H, W, C)`` array: zero-pad
+    each side by ``padding``, then cut ``H x W`` at a row and then a column offset drawn
+    uniformly from ``[0, 2 * padding]``."""
+    h, w = array.shape[:2]
+    top, left = (int(v) for v in rng.integers(0, 2 * padding + 1, size=2))
+    padded = np.pad(array, ((padding, padding), (padding, padding)) + ((0, 0),) * (array.ndim - 2))
+    return padded[top:top + h, left:left + w]
 
 
 def resized_shape(height: int, width: int, resize: int):
@@ -111,10 +159,11 @@ def center_crop_box(height: int, width: int, size):
     return int(round((height - out_h) / 2.0)), int(round((width - out_w) / 2.0))
 
 
-def eval_transform(image, size, resize: int):
+def eval_transform(image, size, resize: int, interpolation: str = "bilinear"):
     """Resize the shorter side of an RGB ``PIL.Image`` to ``resize``, then centre-crop ``size = (H, W)``.
 
-    ``resize`` must be at least ``max(H, W)`` so that the crop fits.
+    ``resize`` must be at least ``max(H, W)`` so that the crop fits; ``interpolation`` is one of
+    `INTERPOLATIONS` (torchvision's ``Resize(resize, interpolation)`` on a PIL image).
 
     Returns:
         ``(H, W, 3)`` ``uint8`` array.
@@ -124,11 +173,14 @@ def eval_transform(image, size, resize: int):
         raise ValueError(f"eval resize {resize} is smaller than the crop {tuple(size)}")
     new_h, new_w = resized_shape(image.height, image.width, resize)
     if (new_h, new_w) != (image.height, image.width):
-        image = image.resize((new_w, new_h), _pil().BILINEAR)
+        image = image.resize((new_w, new_h), pil_filter(interpolation))
     top, left = center_crop_box(new_h, new_w, size)
     return np.ascontiguousarray(np.asarray(image, np.uint8)[top:top + out_h, left:left + out_w])
 
 
-def default_eval_resize(size) -> int:
-    """The usual evaluation resize for a crop: ``max(H, W) / 0.875`` (224 -> 256)."""
+def default_eval_resize(size, crop_pct: float | None = None) -> int:
+    """The evaluation resize for a crop of ``size = (H, W)``: with ``crop_pct``, timm's
+    ``floor(max(H, W) / crop_pct)``; None: ``max(H, W) / 0.875`` rounded (224 -> 256)."""
+    if crop_pct is not None:
+        return int(math.floor(max(size) / crop_pct))
     return int(math.floor(max(size) / 0.875 + 0.5))

@@ -538,6 +538,10 @@ def _check_raw_image(preprocessing, layout: str, batch, opset: int, crop) -> Non
     if preprocessing.pixel_dtype != "uint8":
         raise ExportError(f"raw_image=True takes uint8 images, but the preprocessing's pixels are "
                           f"{preprocessing.pixel_dtype}")
+    if preprocessing.resize_interpolation != "bilinear":
+        raise ExportError(f"raw_image=True resizes as Pillow's bilinear filter does; the run resizes with "
+                          f"{preprocessing.resize_interpolation!r} (data.augment.interpolation), which the "
+                          f"graph does not reproduce: export without --raw-image")
     if layout != "nhwc":
         raise ExportError(f"raw_image=True takes one image (H, W, C) as decoded; layout={layout!r} does not apply")
     if batch not in ("dynamic", 1):

@@ -279,7 +279,7 @@ def _image_calibration_batches(run, cfg, count: int, batch_size: int):
     for index in picks:
         try:
             decoded.append(eval_transform(load_rgb(images.train, int(index))[0], images.image_size,
-                                          images.eval_resize))
+                                          images.eval_resize, images.augment.interpolation))
         except BadImageError:
             continue  # as data.on_bad_image: skip would; none at all is an error below
     if not decoded:
@@ -601,7 +601,7 @@ def _resize_note(prep, h: int, w: int) -> str:
     pixels than it was measured on."""
     if not prep.resize_shorter_side:
         return ""
-    return (f", each image first resized (bilinear) so that its shorter side is "
+    return (f", each image first resized ({prep.resize_interpolation}) so that its shorter side is "
             f"{prep.resize_shorter_side} px and centre-cropped to {h}x{w}, as evaluation does "
             "(jaxcnn-predict does it)")
 

@@ -37,6 +37,9 @@ import yaml
 
 from jaxcnn.errors import ConfigError  # noqa: F401  (re-exported: defined here before)
 
+# The resize filters of data.augment.interpolation (jaxcnn.data.transforms.INTERPOLATIONS).
+INTERPOLATIONS = ("bilinear", "bicubic", "nearest")
+
 
 # --------------------------------------------------------------------- schema
 
@@ -162,6 +165,39 @@ def _val_split_source(val_split, cfg):
     if val_split is not None and source not in _IMAGE_FILES:
         return (f"{val_split:g} splits an image folder or records (data.source: folder or records); "
                 f"data.source={source!r} has its own test split: set data.val_split: null")
+
+
+def _ordered_pair(pair, cfg):
+    if pair is not None and pair[0] > pair[1]:
+        return f"expected [lo, hi] with lo <= hi, got {pair!r}"
+
+
+_AUGMENT_OFF = {"scale": None, "ratio": None, "hflip": None, "vflip": 0.0, "crop_padding": 0}
+
+
+def _no_aug_alone(no_aug, cfg):
+    augment = cfg["data"]["augment"]
+    if not no_aug:
+        return None
+    given = [f"data.augment.{k}={augment[k]!r}" for k, off in _AUGMENT_OFF.items() if augment[k] != off]
+    given += [f"data.augment.{k}.alpha={augment[k]['alpha']!r}" for k in ("mixup", "cutmix") if augment[k]["alpha"]]
+    if given:
+        return f"true (no augmentation at all) but {given[0]} is set: drop one"
+
+
+def _interpolation_resizes(interpolation, cfg):
+    augment, source = cfg["data"]["augment"], cfg["data"]["source"]
+    if (interpolation != "bilinear" and source not in _IMAGE_FILES
+            and augment["scale"] is None and augment["ratio"] is None):
+        return (f"{interpolation!r} is the filter of the random-resized crop (data.augment.scale/ratio), and "
+                f"data.source={source!r} has none: its images are used at their size; set data.augment.scale")
+
+
+def _one_eval_resize(crop_pct, cfg):
+    resize = cfg["data"]["eval_resize"]
+    if crop_pct is not None and resize is not None:
+        return (f"{crop_pct!r} and data.eval_resize={resize!r} both set the evaluation resize "
+                "(crop_pct: floor(max(image_size) / crop_pct)); set one")
 
 
 def _classes_fit_model(classes, cfg):
@@ -300,7 +336,8 @@ SCHEMA: dict[str, dict] = {
                         open_high=True, used_when=("data.source", _IMAGE_FILES), rules=(_val_split_source,),
                         aliases=("validation_split",), example="0.1"),
         "eval_resize": _f("int", None, "folder/records: resize the shorter side to this before the "
-                          "evaluation centre crop; null = max(image_size) / 0.875 (224 -> 256)",
+                          "evaluation centre crop; null = data.augment.crop_pct's, else max(image_size) / 0.875 "
+                          "(224 -> 256)",
                           nullable=True, trains=False, used_when=("data.source", _IMAGE_FILES),
                           rules=(_crop_fits,), **_POS_INT),
         "num_train": _f("int", 1024, "synthetic: number of training images",
@@ -311,9 +348,35 @@ SCHEMA: dict[str, dict] = {
                           nullable=True, low=2, used_when=("data.source", ("synthetic",)),
                           rules=(_classes_fit_model,)),
         "augment": {
-            "crop_padding": _f("int", 0, "random crop: pad each side by this many pixels, crop back at a random "
-                                 "offset (0 = off)", low=0, used_when=("data.source", _ARRAY_SOURCES)),
-            "flip": _f("bool", False, "random horizontal flip", used_when=("data.source", _ARRAY_SOURCES)),
+            "no_aug": _f("bool", False, "no augmentation at all (data.augment: none is short for this; only "
+                         "interpolation and crop_pct may be set with it): folder/records train on evaluation's "
+                         "resize and centre crop, arrays as they are, no mixup/cutmix", rules=(_no_aug_alone,)),
+            "scale": _f("list", None, "random-resized crop (timm/torchvision scale): [lo, hi] range of the crop's "
+                        "area fraction; null = the source's recipe ([0.08, 1] for folder/records, no crop for "
+                        "arrays; arrays resize the crop back to their own size). [1, 1] with ratio [1, 1] is a "
+                        "plain resize of a square image (of a non-square one, its centred square)",
+                        nullable=True, length=2, rules=(_ordered_pair,), example="[0.8, 1.0]",
+                        item=_f("float", None, "area fraction", low=0.0, high=1.0, open_low=True)),
+            "ratio": _f("list", None, "random-resized crop: [lo, hi] range of the crop's aspect ratio (width / "
+                        "height, log-uniform); null = [3/4, 4/3]", nullable=True, length=2,
+                        rules=(_ordered_pair,), example="[0.75, 1.333]",
+                        item=_f("float", None, "aspect ratio", low=0.0, open_low=True)),
+            "interpolation": _f("str", "bilinear", "Pillow filter of the random-resized crop's resize and of "
+                                "folder/records evaluation resize", choices=INTERPOLATIONS,
+                                rules=(_interpolation_resizes,)),
+            "hflip": _f("float", None, "probability of a horizontal flip; null = the source's recipe (0.5 for "
+                        "folder/records, 0 for arrays; the old key flip: true reads as 0.5)", nullable=True,
+                        **_UNIT),
+            "vflip": _f("float", 0.0, "probability of a vertical flip", **_UNIT),
+            "crop_padding": _f("int", 0, "random crop: pad each side by this many zero pixels, crop back at a "
+                               "random offset (torchvision RandomCrop(padding=)); after the crop and flips; 0 = off",
+                               low=0),
+            "crop_pct": _f("float", None, "folder/records: evaluation resizes the shorter side to "
+                           "floor(max(image_size) / crop_pct) before the centre crop (timm's rule; with "
+                           "no_aug, training too); null = data.eval_resize, else max(image_size) / 0.875 "
+                           "rounded (224 -> 256); set one of the two",
+                           nullable=True, low=1 / 8, high=1.0, trains=False,  # at most 8x the crop
+                           used_when=("data.source", _IMAGE_FILES), rules=(_one_eval_resize,)),
             "mixup": {
                 "alpha": _f("float", 0.0, "mixup: Beta(alpha, alpha) weight of each image against "
                             "its partner (the batch reversed); 0 = off", low=0.0),
@@ -637,7 +700,7 @@ def config_from_dict(data: Mapping, overrides: Sequence[str] = (), *, source: st
         raise ConfigError(f"config must be a mapping, got {type(data).__name__}", source=source)
     if "base" in data:
         raise ConfigError("'base' includes are only supported in files", path="base", source=source)
-    raw = _copy(data)
+    raw = _flip_as_hflip(_copy(data), "", source)
     sources: dict[str, str] = {}
     _record_sources(raw, "", source, sources)
     _apply_overrides(raw, overrides, sources)
@@ -846,6 +909,7 @@ def _record_sources(tree, prefix, source, sources):
 def _merge(lower: dict, upper: dict, sources: dict, source: str | None, prefix: str = ""):
     """Deep-merge ``upper`` into ``lower`` in place: mappings merge, anything
     else replaces.  ``source`` (when not None) is recorded for upper's keys."""
+    upper = _flip_as_hflip(upper, prefix, source)
     for key, value in upper.items():
         path = _join(prefix, str(key))
         spec = schema_field(path)
@@ -854,7 +918,10 @@ def _merge(lower: dict, upper: dict, sources: dict, source: str | None, prefix: 
             lower.pop(other, None)
         if source is not None:
             sources[path] = source
-        if isinstance(value, dict) and isinstance(lower.get(key), dict):
+        none = path == "data.augment" and _says_none(value)  # the whole section, replaced
+        if none:
+            value = {"no_aug": True}
+        if isinstance(value, dict) and isinstance(lower.get(key), dict) and not none:
             _merge(lower[key], value, sources, source, path)
         else:
             lower[key] = _copy(value)
@@ -942,10 +1009,67 @@ def _validate(raw: dict, sources: dict, default_source: str) -> Config:
         under = [s for p, s in sources.items() if p.startswith(path + ".")]
         return under[0] if under else default_source
 
+    _read_augment_shorthands(raw, source_of)
     resolved = _validate_section(raw, SCHEMA, "", source_of)
     _expand_home(resolved)
     _check_rules(resolved, source_of)
     return Config(resolved)
+
+
+def _read_augment_shorthands(raw: dict, source_of) -> None:
+    """In place: ``data.augment: none`` is ``{no_aug: true}`` (`_merge` reads it so too, so that
+    a later layer or override may add ``interpolation``)."""
+    data = raw.get("data")
+    augment = data.get("augment") if isinstance(data, dict) else None
+    if augment is not None and not isinstance(augment, dict):
+        if not _says_none(augment):
+            raise ConfigError(f"data.augment: expected a mapping of keys or 'none' (no augmentation at all), "
+                              f"got {_short(augment)}", path="data.augment", source=source_of("data.augment"))
+        data["augment"] = {"no_aug": True}
+
+
+def _flip_as_hflip(layer: dict, prefix: str, source) -> dict:
+    """``layer`` (one file, override or recorded config, at dotted ``prefix``) with the key
+    ``data.augment.flip``, which ``hflip`` replaced and run directories recorded, read as
+    ``hflip: 0.5`` when true and as ``hflip: null`` (the source's recipe, the same as before:
+    none for arrays, and image files ignored flip) when false. Each layer is read so before it is
+    merged, so that a later one overrides it as it overrode flip."""
+    inner = {"": ("data", "augment"), "data": ("augment",), "data.augment": ()}.get(prefix)
+    node = layer
+    for part in inner or ():
+        node = node.get(part) if isinstance(node, dict) else None
+    if inner is None or not isinstance(node, dict) or "flip" not in node:
+        return layer
+    layer = _copy(layer)
+    node = layer
+    for part in inner:
+        node = node[part]
+    flip = node.pop("flip")
+    flip = flip.boolean if isinstance(flip, _Word) else flip
+    if not isinstance(flip, bool):
+        raise ConfigError(f"data.augment.flip: expected a bool (true/false), got {_short(flip)} (flip is the old "
+                          "name of data.augment.hflip: true = 0.5)", path="data.augment.flip", source=source)
+    if flip and node.get("hflip") is not None:
+        raise ConfigError(f"data.augment.flip: true and data.augment.hflip={node['hflip']!r} are both set; flip "
+                          "is hflip's old name (true = 0.5): keep hflip", path="data.augment.flip", source=source)
+    node.setdefault("hflip", 0.5 if flip else None)
+    return layer
+
+
+def _says_none(value) -> bool:
+    """Whether ``value`` is the word ``none`` (any case), as ``data.augment: none`` gives it."""
+    return isinstance(value, str) and not isinstance(value, _Word) and value.lower() == "none"
+
+
+def _renamed_keys(flat: dict) -> dict:
+    """A flattened config of an older jaxcnn with its renamed keys read as
+    :func:`_flip_as_hflip` reads them (``data.augment.flip``)."""
+    if "data.augment.flip" not in flat:
+        return flat
+    flat = dict(flat)
+    if flat.pop("data.augment.flip") is True and flat.get("data.augment.hflip") is None:
+        flat["data.augment.hflip"] = 0.5
+    return flat
 
 
 def _expand_home(resolved: dict) -> None:
@@ -1336,7 +1460,7 @@ def _trains(key: str) -> bool:
 
 def training_config(config_dict: Mapping) -> dict:
     """``{dotted key: value}`` of the keys of a resolved config whose Field ``trains``."""
-    return {k: v for k, v in _flatten(config_dict).items() if _trains(k)}
+    return {k: v for k, v in _renamed_keys(_flatten(config_dict)).items() if _trains(k)}
 
 
 def config_digest(config_dict: Mapping) -> str:

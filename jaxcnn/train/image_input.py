@@ -1,8 +1,9 @@
 """The trainer's input from an image folder or record files (``data.source: folder|records``).
 
 `open_images` opens the data a config names (`jaxcnn.data.ImageData`), with config errors
-naming the key. `TrainInput` is the stream of training batches from a step on: grain
-`jaxcnn.data.Loader` workers (``data.workers``) make this process's share of each global batch
+naming the key; `augment_spec` is the augmentation ``data.augment`` asks of any source.
+`TrainInput` is the stream of training batches from a step on: grain `jaxcnn.data.Loader`
+workers (``data.workers``) make this process's share of each global batch
 (`jaxcnn.data.TrainBatches`: the batch for step ``s`` depends only on the data seed and ``s``,
 so a resumed run starts the stream at its step), each batch with the messages of the bad images
 skipped in it (``data.on_bad_image: skip``), which the loop counts into ``metrics.jsonl``.
@@ -15,8 +16,10 @@ import os
 
 import numpy as np
 
-from jaxcnn.data.images import IMAGENET_MEAN, IMAGENET_STD, ImageData, missing_packages
+from jaxcnn.data.augment import Augment, resolve_augment
+from jaxcnn.data.images import IMAGENET_MEAN, IMAGENET_STD, SOURCES, ImageData, missing_packages
 from jaxcnn.data.loader import Loader, check_open_files, split_info
+from jaxcnn.data.transforms import default_eval_resize
 from jaxcnn.errors import ConfigError, DataError
 
 # data.workers is bounded by this many per core (and at least MAX_WORKERS_FLOOR in all).
@@ -57,9 +60,21 @@ def open_images(cfg, default_hw, data_seed: int) -> ImageData:
         raise ConfigError(f"data.eval_resize: {data.eval_resize} must be from the crop's longer side "
                           f"{max(size)} (data.image_size={list(size)}) to {MAX_RESIZE_FACTOR} times it",
                           path="data.eval_resize")
+    resize = data.eval_resize
+    if resize is None and data.augment.crop_pct is not None:
+        resize = default_eval_resize(size, data.augment.crop_pct)
     return ImageData(data.source, data.path, image_size=size, on_bad_image=data.on_bad_image,
-                     eval_resize=data.eval_resize, outside_links=data.outside_links,
-                     val_split=data.val_split, seed=data_seed)
+                     eval_resize=resize, outside_links=data.outside_links,
+                     val_split=data.val_split, seed=data_seed, augment=augment_spec(cfg))
+
+
+def augment_spec(cfg) -> Augment:
+    """The `jaxcnn.data.Augment` of ``cfg.data.augment`` for ``cfg.data.source``: the keys left
+    null take the source's recipe (`jaxcnn.data.resolve_augment`; the schema has checked them)."""
+    augment = cfg.data.augment
+    return resolve_augment(files=cfg.data.source in SOURCES, no_aug=augment.no_aug, scale=augment.scale,
+                           ratio=augment.ratio, hflip=augment.hflip, vflip=augment.vflip,
+                           interpolation=augment.interpolation, crop_padding=augment.crop_padding)
 
 
 def image_norm(cfg):

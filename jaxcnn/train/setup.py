@@ -290,7 +290,14 @@ def _too_small(cfg, image_shape: tuple, error) -> str:
             f"give larger images, or a model that takes these (model.name)")
 
 
-def _check_augment(cfg, image_shape: tuple) -> None:
+def _check_augment(cfg, data) -> None:
+    from jaxcnn.train.image_input import augment_spec
+    image_shape = data.image_shape
+    if data.synthetic is not None and augment_spec(cfg).active:
+        raise ConfigError(f"data.augment: synthetic images made per step (data.num_train={cfg.data.num_train} "
+                          f"of shape {image_shape}, more than the {_SYNTHETIC_IN_MEMORY_BYTES >> 20} MiB held "
+                          "in memory) are noise and never augmented; leave data.augment at its defaults",
+                          path="data.augment")
     pad = cfg.data.augment.crop_padding
     if pad and pad >= min(image_shape[0], image_shape[1]):  # padded batches grew to terabytes
         raise ConfigError(f"data.augment.crop_padding: {pad} must be smaller than the image side "
@@ -353,7 +360,7 @@ def build_run(cfg) -> Run:
     data_seed = cfg.train.seed if cfg.data.seed is None else cfg.data.seed
     data = build_data(cfg, data_seed)
     model = _build_model(cfg, data.num_classes, data.image_shape)
-    _check_augment(cfg, data.image_shape)
+    _check_augment(cfg, data)
     per_epoch = data.steps_per_epoch
     total = train_steps(cfg.train, per_epoch)
     for key in ("train.eval_every", "checkpoint.every", "logging.log_every"):  # epochs: checked here, before any compute
@@ -398,7 +405,8 @@ def batch_fn(run: Run, share=None):
         return lambda step: synthetic_batch(run.synthetic, step, seed=run.data_seed,
                                             batch_size=cfg.data.batch_size, image_dtype="uint8",
                                             **share)
-    augment = {"crop_padding": cfg.data.augment.crop_padding, "flip": cfg.data.augment.flip}
+    from jaxcnn.train.image_input import augment_spec
+    augment = augment_spec(cfg)
     dataset = run.dataset
     if not cfg.data.normalize:  # unit scale only, as in evaluate()
         channels = dataset.image_shape[-1]

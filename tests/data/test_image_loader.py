@@ -12,11 +12,13 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from jaxcnn.data.augment import FILE_RECIPE, Augment
 from jaxcnn.data.cli import main as data_main
 from jaxcnn.data.folder import FolderSource, scan_folder
-from jaxcnn.data.loader import EvalBatches, Loader, TrainBatches, split_info
+from jaxcnn.data.loader import EvalBatches, Loader, TrainBatches, load_rgb, split_info
 from jaxcnn.data.records import HEADER_BYTES, RecordSource, decode_record, encode_record, read_sidecar
 from jaxcnn.data.shapes import write_shapes_folder
+from jaxcnn.data.transforms import eval_transform, example_rng, random_resized_crop_box
 from jaxcnn.errors import BadImageError, DataError, DataWorkerDied
 
 SIZE = (16, 16)
@@ -125,6 +127,11 @@ def test_workers_give_the_same_batches_and_resume(folder, monkeypatch):
     images = np.concatenate([b["image"] for b in serial[:4]])
     assert images.shape == (16,) + SIZE + (3,) and images.dtype == np.uint8
     assert not np.array_equal(serial[0]["image"], serial[4]["image"])  # a new epoch, new order and crops
+    # Every augmentation step drawn: the same batches for any number of workers, and on resume.
+    custom = dict(augment=Augment((0.3, 1.0), (0.5, 2.0), "bicubic", hflip=0.3, vflip=0.6, crop_padding=2))
+    serial = _batches(source, 6, **custom)
+    _same(_batches(source, 6, workers=2, **custom), serial)
+    _same(_batches(source, 6, start=3, **custom), serial[3:])
 
 
 class _DiesAtStep2:
@@ -790,8 +797,12 @@ def test_preprocessing_records_the_evaluation_resize():
     prep = Preprocessing((16, 16, 3), "uint8", (0.5,) * 3, (0.25,) * 3, True, ("a", "b"), "folder", 18)
     d = prep.to_dict()
     assert d["resize"] == {"shorter_side": 18} and from_dict(d) == prep
+    bicubic = prep._replace(resize_interpolation="bicubic")
+    assert bicubic.to_dict()["resize"] == {"shorter_side": 18, "interpolation": "bicubic"}
+    assert from_dict(bicubic.to_dict()) == bicubic
     assert "resize" not in prep._replace(resize_shorter_side=None).to_dict()  # older records unchanged
-    for bad in ({"shorter_side": 0}, {"shorter_side": True}, {"longer_side": 18}, 18):
+    for bad in ({"shorter_side": 0}, {"shorter_side": True}, {"longer_side": 18}, 18,
+                {"shorter_side": 18, "interpolation": "lanczos"}):
         with pytest.raises(DataError, match="key 'resize' must be"):
             from_dict({**d, "resize": bad}, "p.json")
 
@@ -807,3 +818,51 @@ def test_a_val_split_gives_the_same_batches_for_any_workers_and_from_its_records
               for source, path in (("folder", folder / "train"), ("records", tmp_path / "r"))]
     assert [(len(i.train), len(i.val)) for i in opened] == [(12, 6), (12, 6)]
     _same(_batches(opened[1].train, 4, workers=2), _batches(opened[0].train, 4))
+
+
+def _todays_train_transform(image, size, rng):
+    """The training transform of an image before `Augment` (transcribed): ImageNet's crop box,
+    Pillow's bilinear resize, then a flip on a draw below 1/2."""
+    top, left, h, w = random_resized_crop_box(rng, image.height, image.width, (0.08, 1.0), (3 / 4, 4 / 3))
+    array = np.asarray(image.crop((left, top, left + w, top + h)).resize(size[::-1], Image.BILINEAR), np.uint8)
+    return array[:, ::-1] if rng.random() < 0.5 else array
+
+
+@pytest.fixture(params=["folder", "records"])
+def train_source(request, folder, records):
+    if request.param == "folder":
+        return FolderSource(scan_folder(folder)["train"])
+    return RecordSource(records, "train")
+
+
+def test_default_training_batches_are_the_ones_of_before(train_source):
+    batches = _batches(train_source, 5, batch_size=6)
+    for step, batch in enumerate(batches):
+        for k, index in enumerate(batch["index"]):
+            image = load_rgb(train_source, int(index))[0]
+            want = _todays_train_transform(image, SIZE, example_rng(3, step, k))
+            np.testing.assert_array_equal(batch["image"][k], want)
+
+
+def test_each_augment_key_changes_file_batches_as_documented(train_source):
+    def images(steps=3, seed=3, **keys):
+        maker = TrainBatches(train_source, seed=seed, batch_size=6, image_size=SIZE, resize=18,
+                             augment=FILE_RECIPE._replace(**keys))
+        return np.stack([maker(step)["image"] for step in range(steps)])
+
+    default = images()
+    # None: evaluation's resize and centre crop, whatever the seed.
+    none = images(seed=9, **Augment(interpolation="bilinear")._asdict())
+    order = np.stack([TrainBatches(train_source, seed=9, batch_size=6, image_size=SIZE)(s)["index"] for s in range(3)])
+    for step, row in enumerate(order):
+        for k, index in enumerate(row):
+            want = eval_transform(load_rgb(train_source, int(index))[0], SIZE, 18)
+            np.testing.assert_array_equal(none[step, k], want)
+    np.testing.assert_array_equal(images(vflip=1.0), default[:, :, ::-1])  # the same draws, then mirrored rows
+    for keys in ({"hflip": 0.0}, {"scale": (0.9, 1.0)}, {"ratio": (1.0, 1.0)}, {"interpolation": "bicubic"},
+                 {"crop_padding": 3}):
+        assert not np.array_equal(images(**keys), default), keys
+    padded = images(crop_padding=3)
+    assert (padded[..., :3, :, :] == 0).all(axis=(2, 3, 4)).any()  # some crops begin in the zero padding
+    with pytest.raises(ValueError, match="evaluation's resize, which must be at least the crop"):
+        TrainBatches(train_source, seed=1, batch_size=6, image_size=SIZE, augment=Augment())

@@ -71,7 +71,9 @@ def test_float_images_are_not_divided_by_255():
                                rtol=1e-6)
 
 
-@pytest.mark.parametrize("augment", [None, {"crop_padding": 2, "flip": True}])
+@pytest.mark.parametrize("augment", [None, {"crop_padding": 2, "hflip": 0.5},
+                                     {"crop_padding": 1, "hflip": 0.5, "vflip": 0.5, "scale": (0.3, 1),
+                                      "ratio": (0.5, 2), "interpolation": "bicubic"}])
 def test_process_shares_partition_the_global_batch(dataset, augment):
     whole = train_batch(dataset, 9, seed=2, batch_size=8, augment=augment)
     shares = [train_batch(dataset, 9, seed=2, batch_size=8, augment=augment, process_index=i, process_count=4)

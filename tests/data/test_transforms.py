@@ -1,13 +1,17 @@
-"""The ImageNet transforms against independent references: torchvision's crop rule written out
-as a plain loop, torch's antialiased bilinear resize on the CPU, and naive index arithmetic."""
+"""The ImageNet transforms against independent references: torchvision's own transforms fed the
+same random draws (pixel for pixel), timm's crop_pct rounding, torchvision's crop rule written out as
+a plain loop, torch's antialiased bilinear resize on the CPU, and naive index arithmetic."""
 import math
 
 import numpy as np
 import pytest
 from PIL import Image
 
-from jaxcnn.data.transforms import (center_crop_box, default_eval_resize, eval_transform, example_rng,
-                                    random_resized_crop_box, resized_shape, train_transform)
+from jaxcnn.data.augment import FILE_RECIPE, Augment
+from torchvision_ref import feed_draws, torchvision_transforms
+from jaxcnn.data.transforms import (INTERPOLATIONS, center_crop_box, default_eval_resize, eval_transform,
+                                    example_rng, random_flips, random_resized_crop_box, resized_shape,
+                                    train_transform)
 
 
 def reference_crop_box(draws, height, width, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3)):
@@ -83,7 +87,7 @@ def test_train_transform_is_crop_resize_flip():
         h, w = (int(v) for v in rng.integers(17, 90, size=2))
         pixels = rng.integers(0, 256, size=(h, w, 3), dtype=np.uint8)
         size = (int(rng.integers(8, 40)), int(rng.integers(8, 40)))
-        out = train_transform(Image.fromarray(pixels), size, example_rng(5, n, 7))
+        out = train_transform(Image.fromarray(pixels), size, example_rng(5, n, 7), FILE_RECIPE)
         assert out.shape == size + (3,) and out.dtype == np.uint8
         draws = example_rng(5, n, 7)
         top, left, ch, cw = reference_crop_box(draws, h, w)
@@ -130,7 +134,102 @@ def test_eval_transform_resize_and_centre_crop():
 
 def test_draws_depend_only_on_seed_step_position():
     image = Image.fromarray(np.random.default_rng(5).integers(0, 256, (50, 60, 3), dtype=np.uint8))
-    a = train_transform(image, (16, 16), example_rng(1, 2, 3))
-    np.testing.assert_array_equal(a, train_transform(image, (16, 16), example_rng(1, 2, 3)))
-    others = [train_transform(image, (16, 16), example_rng(*key)) for key in ((2, 2, 3), (1, 3, 3), (1, 2, 4))]
+    a = train_transform(image, (16, 16), example_rng(1, 2, 3), FILE_RECIPE)
+    np.testing.assert_array_equal(a, train_transform(image, (16, 16), example_rng(1, 2, 3), FILE_RECIPE))
+    others = [train_transform(image, (16, 16), example_rng(*key), FILE_RECIPE)
+              for key in ((2, 2, 3), (1, 3, 3), (1, 2, 4))]
     assert all(not np.array_equal(a, b) for b in others)
+
+
+# ------------------------------------------- against torchvision's own transforms (and timm)
+
+@pytest.mark.parametrize("scale, ratio", [((0.5, 1.0), (1.0, 1.0)), ((1.0, 1.0), (1.0, 1.0)),
+                                          ((0.25, 0.5), (0.5, 2.0)), ((0.9, 1.0), (2.0, 3.0))])
+def test_crop_box_is_torchvisions_get_params_fed_the_same_draws(monkeypatch, scale, ratio):
+    T = torchvision_transforms()
+    sizes = np.random.default_rng(1).integers(1, 300, size=(150, 2))
+    for n, (h, w) in enumerate(sizes):
+        feed_draws(monkeypatch, T, np.random.default_rng(n))
+        want = T.RandomResizedCrop.get_params(Image.new("RGB", (int(w), int(h))), list(scale), list(ratio))
+        got = random_resized_crop_box(np.random.default_rng(n), int(h), int(w), scale, ratio)
+        if 0 in want[2:]:  # torchvision's fallback can round a 1-pixel side to 0: ours keeps 1 pixel
+            continue
+        assert got == tuple(want), (h, w)
+
+
+@pytest.mark.parametrize("interpolation", INTERPOLATIONS)
+@pytest.mark.parametrize("hflip, vflip, padding", [(0.5, 0.0, 0), (0.0, 0.0, 0), (1.0, 0.3, 2), (0.2, 1.0, 3)])
+def test_train_transform_is_torchvisions_pipeline_fed_the_same_draws(monkeypatch, interpolation, hflip, vflip,
+                                                                      padding):
+    """RandomResizedCrop(scale, ratio, interpolation) -> RandomHorizontalFlip(p) -> RandomVerticalFlip(p)
+    -> RandomCrop(size, padding), a flip of probability 0 left out as timm does: pixel for pixel."""
+    T = torchvision_transforms()
+    mode = T.InterpolationMode(interpolation)
+    rng = np.random.default_rng(8)
+    augment = Augment(scale=(0.3, 1.0), ratio=(0.6, 1.6), interpolation=interpolation, hflip=hflip, vflip=vflip,
+                      crop_padding=padding)
+    for n in range(12):
+        h, w = (int(v) for v in rng.integers(12, 70, size=2))
+        image = Image.fromarray(rng.integers(0, 256, size=(h, w, 3), dtype=np.uint8))
+        size = (int(rng.integers(6, 30)), int(rng.integers(6, 30)))
+        steps = [T.RandomResizedCrop(size, scale=augment.scale, ratio=augment.ratio, interpolation=mode)]
+        steps += [T.RandomHorizontalFlip(hflip)] if hflip else []
+        steps += [T.RandomVerticalFlip(vflip)] if vflip else []
+        steps += [T.RandomCrop(size, padding=padding)] if padding else []
+        feed_draws(monkeypatch, T, example_rng(5, n, 7))
+        want = np.asarray(T.Compose(steps)(image))
+        got = train_transform(image, size, example_rng(5, n, 7), augment)
+        np.testing.assert_array_equal(got, want, err_msg=str(n))
+
+
+def test_scale_and_ratio_of_one_is_a_plain_resize_of_a_square_image():
+    rng = np.random.default_rng(2)
+    whole = Augment(scale=(1.0, 1.0), ratio=(1.0, 1.0))
+    square = Image.fromarray(rng.integers(0, 256, size=(40, 40, 3), dtype=np.uint8))
+    for position in range(5):
+        got = train_transform(square, (12, 16), example_rng(0, 0, position), whole)
+        np.testing.assert_array_equal(got, np.asarray(square.resize((16, 12), Image.BILINEAR)))
+    # A non-square image has no crop of its whole area with ratio 1: torchvision's fallback, the
+    # centred square (here rows 10..49 of 60), resized.
+    tall = Image.fromarray(rng.integers(0, 256, size=(60, 40, 3), dtype=np.uint8))
+    got = train_transform(tall, (12, 12), example_rng(0, 0, 0), whole)
+    np.testing.assert_array_equal(got, np.asarray(tall.crop((0, 10, 40, 50)).resize((12, 12), Image.BILINEAR)))
+
+
+def test_flips_draw_with_their_probabilities_and_nothing_at_zero():
+    image = np.arange(12).reshape(3, 4, 1)
+    rng = np.random.default_rng(0)
+    counts = np.zeros(2)
+    for _ in range(4000):
+        out = random_flips(image, rng, 0.3, 0.7)
+        counts += (out[0, 0, 0] in (3, 11), out[0, 0, 0] in (8, 11))  # mirrored width, height
+    assert abs(counts[0] / 4000 - 0.3) < 0.03 and abs(counts[1] / 4000 - 0.7) < 0.03
+    a, b = np.random.default_rng(1), np.random.default_rng(1)
+    np.testing.assert_array_equal(random_flips(image, a, 0.0, 0.0), image)
+    assert a.random() == b.random()  # a probability of 0 draws nothing
+    np.testing.assert_array_equal(random_flips(image, a, 1.0, 1.0), image[::-1, ::-1])
+
+
+@pytest.mark.parametrize("interpolation", INTERPOLATIONS)
+def test_eval_transform_is_torchvisions_resize_and_centre_crop(interpolation):
+    T = torchvision_transforms()
+    rng = np.random.default_rng(6)
+    for n, crop_pct in enumerate((None, 0.95, 0.875, 0.5, 1.0) * 3):
+        h, w = (int(v) for v in rng.integers(10, 120, size=2))
+        image = Image.fromarray(rng.integers(0, 256, size=(h, w, 3), dtype=np.uint8))
+        size = (int(rng.integers(4, 30)), int(rng.integers(4, 30)))
+        resize = default_eval_resize(size, crop_pct)
+        want = T.Compose([T.Resize(resize, interpolation=T.InterpolationMode(interpolation)), T.CenterCrop(size)])
+        np.testing.assert_array_equal(eval_transform(image, size, resize, interpolation),
+                                      np.asarray(want(image)), err_msg=str(n))
+
+
+def test_crop_pct_resize_is_timms_and_null_keeps_the_old_rounding():
+    torchvision_transforms()
+    factory = pytest.importorskip("timm.data.transforms_factory")
+    for side in (224, 32, 28, 299, 384, 17):
+        for crop_pct in (0.875, 0.9, 0.95, 1.0, 0.5, 0.125, 0.8):
+            resize = factory.transforms_imagenet_eval(side, crop_pct=crop_pct).transforms[0]
+            assert default_eval_resize((side, side), crop_pct) == resize.size, (side, crop_pct)
+    # null is the default from before crop_pct (rounded, not timm's floor): 32 -> 37, not 36.
+    assert default_eval_resize((32, 32)) == 37 and default_eval_resize((32, 32), 0.875) == 36

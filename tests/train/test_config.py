@@ -94,7 +94,7 @@ def test_base_include_nested_relative_paths_and_precedence(tmp_path):
     assert cfg.optim.lr == 0.1                 # top file beats its bases
     assert cfg.optim.nesterov is True          # from the middle file
     assert cfg.optim.momentum == 0.8           # from the innermost base
-    assert cfg.data.augment.flip is True and cfg.data.augment.crop_padding == 4  # deep merge
+    assert cfg.data.augment.hflip == 0.5 and cfg.data.augment.crop_padding == 4  # deep merge (flip: hflip's old name)
     assert cfg.train.epochs == 3.0
     cfg = load_config(top, ["optim.lr=0.05", "optim.lr=0.01", "data.batch_size=32"])
     assert cfg.optim.lr == 0.01 and cfg.data.batch_size == 32  # overrides last, in order
@@ -392,7 +392,7 @@ def test_yes_no_on_off_are_words_for_string_keys(tmp_path, where):
     assert load("distributed.mode", "Off").distributed.mode == "off"
     assert "got 'yes'" in str(error_of(load, "distributed.mode", "yes"))      # not a word mode takes
     assert "got true (a boolean)" in str(error_of(load, "distributed.mode", "true"))
-    assert load("data.augment", "{flip: yes}").data.augment.flip is True      # bool keys: YAML 1.1
+    assert load("data.augment", "{flip: yes}").data.augment.hflip == 0.5     # bool keys: YAML 1.1
     assert load("data.normalize", "off").data.normalize is False
     assert load("model.options", "{cifar_stem: on}").model.options.cifar_stem is True  # free-form data too
     assert "got 'no'" in str(error_of(load, "data.seed", "no"))
@@ -702,3 +702,105 @@ def test_val_split_is_a_share_of_an_image_folder_or_records():
                                    "data.val_split: null"), err
     err = error_of(config_from_dict, {**MINIMAL, "data": {"source": "folder", "path": "p", "validation_split": 0.2}})
     assert "data.val_split" in str(err)
+
+
+# ------------------------------------------------------------------ data.augment
+
+def test_augment_none_is_no_aug_and_loads_back(tmp_path):
+    path = write(tmp_path, "c.yaml", """\
+        base: b.yaml
+        data: {augment: none}
+        """)
+    write(tmp_path, "b.yaml", """\
+        model: {name: mnist_cnn}
+        train: {steps: 10}
+        data: {augment: {crop_padding: 4, flip: true, mixup: {alpha: 0.2}}}
+        """)
+    cfg = load_config(path)  # none replaces the base's whole section, mixup included
+    augment = cfg.data.augment
+    assert augment.no_aug is True and augment.crop_padding == 0 and augment.hflip is None
+    assert augment.mixup.alpha == 0.0
+    assert config_from_dict(to_dict(cfg)) == cfg == config_from_dict(MINIMAL, ["data.augment=none"])
+    assert load_config(path, ["data.augment.no_aug=false", "data.augment.scale=[0.8, 1]"]).data.augment.no_aug is False
+    bicubic = load_config(path, ["data.source=folder", "data.path=x",
+                                 "data.augment.interpolation=bicubic"]).data.augment  # none, then a key
+    assert bicubic.no_aug is True and bicubic.interpolation == "bicubic"
+    err = error_of(load_config, path, ["data.augment=None", "data.augment.hflip=0.5"])
+    assert str(err).startswith("data.augment.no_aug: true (no augmentation at all) but data.augment.hflip=0.5")
+
+
+def test_old_flip_key_reads_as_hflip_in_configs_and_resume_comparisons():
+    from jaxcnn.train.config import config_changes, config_digest
+    on = config_from_dict(MINIMAL, ["data.augment.flip=true", "data.augment.crop_padding=2"])
+    assert on.data.augment.hflip == 0.5 and "flip" not in on.data.augment
+    assert config_from_dict(MINIMAL, ["data.augment.flip=false"]) == config_from_dict(MINIMAL)
+    # A config recorded before hflip (flip: true, no new keys) compares equal to today's reading of it.
+    recorded = to_dict(on)
+    recorded["data"]["augment"] = {"crop_padding": 2, "flip": True, "mixup": {"alpha": 0.0, "prob": 1.0},
+                                   "cutmix": {"alpha": 0.0, "prob": 1.0}}
+    assert config_changes(recorded, to_dict(on)) == []
+    unflipped = to_dict(config_from_dict(MINIMAL, ["data.augment.crop_padding=2"]))
+    off = dict(recorded, data=dict(recorded["data"], augment=dict(recorded["data"]["augment"], flip=False)))
+    assert config_changes(off, unflipped) == []
+    assert config_changes(recorded, unflipped) == ["data.augment.hflip: 0.5 -> None"]
+    assert config_digest(to_dict(on)) != config_digest(recorded)  # the checkpoints fall back to config_changes
+
+
+@pytest.mark.parametrize("overrides, path, fragment", [
+    (["data.augment=off"], "data.augment", "expected a mapping of keys or 'none' (no augmentation at all)"),
+    (["data.augment=sometimes"], "data.augment", "expected a mapping of keys or 'none'"),
+    (["data.augment.flip=1"], "data.augment.flip", "expected a bool (true/false), got 1 (flip is the old name"),
+    (["data.augment={flip: true, hflip: 0.2}"], "data.augment.flip", "keep hflip"),
+    (["data.augment.no_aug=true", "data.augment.crop_padding=2"], "data.augment.no_aug",
+     "true (no augmentation at all) but data.augment.crop_padding=2 is set: drop one"),
+    (["data.augment.no_aug=true", "data.augment.cutmix.alpha=1"], "data.augment.no_aug",
+     "but data.augment.cutmix.alpha=1.0 is set"),
+    (["data.augment.scale=[0.9, 0.5]"], "data.augment.scale", "expected [lo, hi] with lo <= hi, got [0.9, 0.5]"),
+    (["data.augment.scale=[0, 1]"], "data.augment.scale[0]", "expected a float > 0 and <= 1, got 0"),
+    (["data.augment.scale=0.5"], "data.augment.scale", "e.g. [0.8, 1.0]"),
+    (["data.augment.ratio=[1]"], "data.augment.ratio", "expected a list of 2 items"),
+    (["data.augment.hflip=1.5"], "data.augment.hflip", "expected a float >= 0 and <= 1 or null, got 1.5"),
+    (["data.augment.vflip=-0.1"], "data.augment.vflip", "expected a float >= 0 and <= 1, got -0.1"),
+    (["data.augment.interpolation=lanczos"], "data.augment.interpolation", "'bilinear', 'bicubic', 'nearest'"),
+    (["data.augment.interpolation=bicubic"], "data.augment.interpolation",
+     "data.source='mnist' has none: its images are used at their size; set data.augment.scale"),
+    (["data.source=folder", "data.path=x", "data.augment.crop_pct=0.9", "data.eval_resize=256"],
+     "data.augment.crop_pct", "0.9 and data.eval_resize=256 both set the evaluation resize"),
+    (["data.augment.crop_pct=0.1"], "data.augment.crop_pct", "expected a float >= 0.125 and <= 1 or null"),
+])
+def test_augment_errors_are_one_line_naming_the_key(overrides, path, fragment):
+    err = error_of(config_from_dict, MINIMAL, overrides)
+    assert err.path == path and str(err).startswith(path + ":") and fragment in str(err), str(err)
+
+
+def test_augment_keys_accepted_for_every_source():
+    for source in ("mnist", "folder"):
+        cfg = config_from_dict(MINIMAL, [f"data.source={source}", "data.path=x", "data.augment.scale=[0.8, 1]",
+                                         "data.augment.ratio=[1, 1]", "data.augment.hflip=0",
+                                         "data.augment.vflip=0.5", "data.augment.interpolation=bicubic",
+                                         "data.augment.crop_padding=2"])
+        assert cfg.data.augment.scale == (0.8, 1.0) and cfg.data.augment.interpolation == "bicubic"
+    from jaxcnn.data.transforms import INTERPOLATIONS
+    from jaxcnn.train.config import INTERPOLATIONS as SCHEMA_INTERPOLATIONS
+    assert SCHEMA_INTERPOLATIONS == INTERPOLATIONS
+
+
+def test_a_layer_with_the_old_flip_key_is_overridden_as_flip_was(tmp_path):
+    """Each file and override reads flip as hflip before it is merged: a later layer's hflip
+    overrides a base's flip: true, and a later flip: false a base's hflip."""
+    write(tmp_path, "b.yaml", """\
+        model: {name: mnist_cnn}
+        train: {steps: 10}
+        data: {augment: {crop_padding: 4, flip: true}}
+        """)
+    path = write(tmp_path, "c.yaml", "base: b.yaml\ndata: {augment: {hflip: 0.2}}\n")
+    assert load_config(path).data.augment.hflip == 0.2
+    assert load_config(path, ["data.augment.flip=false"]).data.augment.hflip is None
+    assert load_config(path, ["data.augment={flip: true}"]).data.augment.hflip == 0.5
+    assert load_config(write(tmp_path, "d.yaml", "base: b.yaml\n"), ["data.augment.hflip=0"]).data.augment.hflip == 0
+    err = error_of(load_config, write(tmp_path, "e.yaml", "base: b.yaml\ndata: {augment: {flip: true, hflip: 1}}\n"))
+    assert err.path == "data.augment.flip" and "keep hflip" in str(err) and "e.yaml" in str(err)
+    recorded = to_dict(load_config(path))
+    recorded["data"]["augment"]["flip"] = True
+    del recorded["data"]["augment"]["hflip"]
+    assert config_from_dict(recorded, ["data.augment.hflip=0"]).data.augment.hflip == 0

@@ -321,3 +321,14 @@ def test_python_runs_the_trainer_from_a_mapping_a_file_or_a_config(tiny, tmp_pat
     out = io.StringIO()
     again = T.run(T.load_config(tiny), workdir=tmp_path / "a", stream=out)
     assert again["step"] == 2 and "resum" in out.getvalue().lower(), out.getvalue()
+
+
+def test_augmenting_synthetic_batches_made_per_step_is_refused(tiny):
+    """Synthetic data too large to hold in memory is noise made per step, which no augmentation
+    ever touched: a data.augment key set for it was dropped without a word."""
+    per_step = ["data.source=synthetic", "data.image_size=[32,32,3]", "data.num_train=300000"]
+    assert setup.build_run(load_config(tiny, per_step)).synthetic is not None
+    err = one_line(*cli([tiny, *per_step, "data.augment.hflip=0.5", "--dry-run"])[::2])
+    assert err.startswith("jaxcnn-train: error: data.augment: synthetic images made per step"), err
+    held = ["data.source=synthetic", "data.image_size=[12,12,1]", "data.num_train=64"]
+    assert setup.build_run(load_config(tiny, held + ["data.augment.vflip=1"])).dataset is not None

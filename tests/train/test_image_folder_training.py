@@ -540,3 +540,31 @@ def test_a_val_split_run_records_resumes_refuses_another_split_and_evaluates_the
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"{work} was trained on other data than {folder} holds now (" in err, err
     assert "train: 13 images, the run's had 12" in err, err
+
+
+def test_augment_keys_reach_the_trainers_batches_and_preprocessing(shapes, tmp_path):
+    """``data.augment`` as the trainer reads it for an image folder: no augmentation trains on
+    evaluation's resize (crop_pct's, with the interpolation) and centre crop, which
+    preprocessing.json records for jaxcnn-predict and the export."""
+    from jaxcnn.data.loader import load_rgb
+    from jaxcnn.data.preprocessing import from_run
+    from jaxcnn.data.transforms import eval_transform
+    from jaxcnn.train.config import load_config
+    from jaxcnn.train.setup import batch_fn, build_run
+
+    overrides = _args(shapes[0], tmp_path / "w")[1:-2] + ["data.on_bad_image=skip"]
+    cfg = load_config(CONFIG, overrides + ["data.augment.no_aug=true", "data.augment.interpolation=bicubic",
+                                           "data.augment.crop_pct=0.5"])
+    run = build_run(cfg)
+    assert run.images.eval_resize == 32 and run.images.eval_batches(batch_size=12).interpolation == "bicubic"
+    prep = from_run(run).to_dict()
+    assert prep["resize"] == {"shorter_side": 32, "interpolation": "bicubic"}
+    maker = run.images.train_batches(seed=run.data_seed, batch_size=12)
+    batch = maker(3)
+    for k, index in enumerate(batch["index"]):
+        want = eval_transform(load_rgb(run.images.train, int(index))[0], (16, 16), 32, "bicubic")
+        np.testing.assert_array_equal(batch["image"][k], want)
+    default = build_run(load_config(CONFIG, overrides))
+    assert default.images.augment.hflip == 0.5 and default.images.augment.scale == (0.08, 1.0)
+    flipped = build_run(load_config(CONFIG, overrides + ["data.augment.hflip=0", "data.augment.vflip=1"]))
+    assert not np.array_equal(batch_fn(flipped)(0)["image"], batch_fn(default)(0)["image"])

@@ -660,3 +660,36 @@ def test_a_second_trainer_on_the_same_run_directory_is_refused(tmp_path, capsys)
                        "wait for it to end, or give another --workdir\n"), err
     assert {p.name: p.stat().st_mtime_ns for p in work.rglob("*")} == before
     assert train_main(args) == 0  # released: the run is resumed (finished) as usual
+
+
+def test_a_run_recorded_with_the_old_flip_key_resumes_and_evaluates(tmp_path, capsys):
+    """Run directories record their config, and before data.augment.hflip they held ``flip: true``
+    and none of the new keys, in config.resolved.yaml and in every checkpoint. Such a run resumes
+    (flip: true is hflip 0.5: the same training) and jaxcnn-eval reads it."""
+    import json
+
+    import yaml
+    work = tmp_path / "w"
+    args = [os.path.join(CONFIGS, "mnist_cnn.yaml"), *FAST, "checkpoint.every=1", "--workdir", str(work)]
+    assert train_main(args + ["train.steps=2", "data.augment.flip=true"]) == 0  # the old key still loads
+
+    def as_recorded_before(config):
+        augment = config["data"]["augment"]
+        config["data"]["augment"] = {"crop_padding": augment["crop_padding"], "flip": True,
+                                     "mixup": augment["mixup"], "cutmix": augment["cutmix"]}
+        return config
+
+    recorded = work / "config.resolved.yaml"
+    recorded.write_text(yaml.safe_dump(as_recorded_before(yaml.safe_load(recorded.read_text())), sort_keys=False))
+    for meta in work.glob("checkpoints/*/meta/metadata"):
+        manifest = json.loads(meta.read_text())
+        manifest["config"] = as_recorded_before(manifest["config"])
+        manifest["config_digest"] = "0" * 64  # a digest of the old keys: compared key by key instead
+        meta.write_text(json.dumps(manifest))
+    capsys.readouterr()
+    assert train_main(args + ["train.steps=2", "data.augment.hflip=0.5"]) == 0
+    out = capsys.readouterr()
+    assert "resumed from step 2" in out.out and "warning" not in out.out + out.err, out
+    assert eval_main([str(work)]) == 0
+    assert train_main(args + ["train.steps=2", "data.augment.hflip=0"]) == 2  # a real change is still one
+    assert "data.augment.hflip: 0.5 -> 0.0" in capsys.readouterr().err
