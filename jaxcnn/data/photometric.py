@@ -1,10 +1,17 @@
-"""Colour jitter and random erasing on the host, in timm's vocabulary (``color_jitter``, ``reprob``).
+"""Colour jitter, auto-augmentation and random erasing on the host, in timm's vocabulary
+(``color_jitter``, ``auto_augment``, ``reprob``): the photometric steps of the training pipeline.
 
 `color_jitter` is torchvision's ``ColorJitter`` on a ``PIL.Image`` (its PIL path: Pillow's
 ``ImageEnhance`` for brightness, contrast and saturation, a shift of the HSV hue channel for
-hue), the four adjustments in a random order. `random_erase` is timm's ``RandomErasing``
-geometry on the ``uint8`` image before the device normalises it, so its fills are stated in
-pixel values: timm's zero of the normalised image is the dataset mean.
+hue), the four adjustments in a random order. `parse_auto_augment` reads timm's RandAugment,
+TrivialAugment and AugMix strings (`rand_augment`, `augmix`) and `auto_augment` applies them.
+`random_erase` is timm's ``RandomErasing`` geometry on the ``uint8`` image before the device
+normalises it, so its fills are stated in pixel values: timm's zero of the normalised image is
+the dataset mean.
+
+timm's order (``transforms_factory.create_transform``): crop and flips; then `auto_augment`, or
+`color_jitter` when there is no ``auto_augment`` (timm turns colour jitter off under it unless
+the string contains ``3a``); `random_erase` last.
 
 Every draw comes from the ``np.random.Generator`` passed in (`transforms.example_rng`'s), never
 from Python's ``random`` or torch's generator.
@@ -16,6 +23,9 @@ import numbers
 
 import numpy as np
 from PIL import Image, ImageEnhance
+
+from jaxcnn.data.augmix import AugMix, augmix, parse_augmix
+from jaxcnn.data.rand_augment import DEFAULT_FILL, auto_augment_error, parse_rand_augment, rand_augment
 
 COLOR_JITTER_EXAMPLE = "0.4 or [0.4, 0.4, 0.4, 0.1]"
 ERASE_MODES = ("const", "rand", "pixel")
@@ -96,6 +106,39 @@ def color_jitter(image, rng: np.random.Generator, brightness, contrast, saturati
         if factors[i] is not None:
             image = ADJUSTMENTS[i](image, factors[i])
     return image
+
+
+def parse_auto_augment(value: str, *, fill=DEFAULT_FILL, interpolation: str = "random"):
+    """timm's ``auto_augment`` string as a policy for `auto_augment`.
+
+    ``rand-...`` and ``trivialaugment``: `rand_augment.parse_rand_augment`; ``augmix-...``:
+    `augmix.parse_augmix`. timm's AutoAugment policies (``original``, ``v0``, ...) are not
+    supported.
+
+    Arguments:
+        fill: RGB ``uint8`` fill of geometric ops: `mean_fill` of the dataset mean, as timm's.
+        interpolation: ``'random'`` (bilinear or bicubic per op, as timm) or one of them, or
+            ``'nearest'``.
+
+    Raises:
+        ValueError: one line naming the string and showing a valid one.
+    """
+    if not isinstance(value, str):
+        raise auto_augment_error(value, "not a string")
+    name = value.split("-")[0]
+    if name == "augmix":
+        return parse_augmix(value, fill=fill, interpolation=interpolation)
+    if name == "rand" or value == "trivialaugment":
+        return parse_rand_augment(value, fill=fill, interpolation=interpolation)
+    raise auto_augment_error(value, "unknown policy (RandAugment 'rand-...', 'trivialaugment' and AugMix "
+                                    "'augmix-...' are supported, not AutoAugment's 'original', 'v0', ...)")
+
+
+def auto_augment(image, policy, rng: np.random.Generator):
+    """Applies a `parse_auto_augment` policy to an RGB ``PIL.Image``; returns a ``PIL.Image``."""
+    if isinstance(policy, AugMix):
+        return augmix(image, policy, rng)
+    return rand_augment(image, policy, rng)
 
 
 def mean_fill(mean) -> tuple:

@@ -12,7 +12,8 @@ or with a random one of the two (timm's ``interpolation: random``).
 
 Every draw comes from the ``np.random.Generator`` passed in, never from Python's ``random``:
 `draw_layers` makes all of an image's draws, `apply_op` applies one op, so the same generator
-state gives the same image whichever process makes it.
+state gives the same image whichever process makes it. `photometric.parse_auto_augment` reads
+any ``auto_augment`` string (this module's and `augmix`'s); `photometric.auto_augment` applies it.
 """
 from __future__ import annotations
 
@@ -50,46 +51,48 @@ _RESAMPLE = {"nearest": Image.Resampling.NEAREST, "bilinear": Image.Resampling.B
              "bicubic": Image.Resampling.BICUBIC}
 
 
-def _enhance(fraction, sign):
+def _enhance(fraction, sign, pct):
     return fraction * 1.8 + 0.1
 
 
-def _enhance_increasing(fraction, sign):
+def _enhance_increasing(fraction, sign, pct):
     return max(0.1, 1.0 + sign * (fraction * 0.9))
 
 
 def _clamped(low, high):
-    def argument(fraction, sign):
+    def argument(fraction, sign, pct):
         return max(low, min(high, low + (high - low) * fraction))
     return argument
 
 
-# Op name -> its argument as a function of (m / 10, sign = +1 or -1); None: the op takes none.
+# Op name -> its argument as a function of (m / 10, sign = +1 or -1, translate range); None: the op
+# takes none.
 _ARGUMENT = {
     "AutoContrast": None, "Equalize": None, "Invert": None,
-    "Rotate": lambda fraction, sign: sign * (fraction * 30.0),
-    "Posterize": lambda fraction, sign: int(fraction * 4),
-    "PosterizeIncreasing": lambda fraction, sign: 4 - int(fraction * 4),
-    "Solarize": lambda fraction, sign: min(256, int(fraction * 256)),
-    "SolarizeIncreasing": lambda fraction, sign: 256 - min(256, int(fraction * 256)),
-    "SolarizeAdd": lambda fraction, sign: min(128, int(fraction * 110)),
+    "Rotate": lambda fraction, sign, pct: sign * (fraction * 30.0),
+    "Posterize": lambda fraction, sign, pct: int(fraction * 4),
+    "PosterizeIncreasing": lambda fraction, sign, pct: 4 - int(fraction * 4),
+    "Solarize": lambda fraction, sign, pct: min(256, int(fraction * 256)),
+    "SolarizeIncreasing": lambda fraction, sign, pct: 256 - min(256, int(fraction * 256)),
+    "SolarizeAdd": lambda fraction, sign, pct: min(128, int(fraction * 110)),
     "Color": _enhance, "Contrast": _enhance, "Brightness": _enhance, "Sharpness": _enhance,
     "ColorIncreasing": _enhance_increasing, "ContrastIncreasing": _enhance_increasing,
     "BrightnessIncreasing": _enhance_increasing, "SharpnessIncreasing": _enhance_increasing,
-    "ShearX": lambda fraction, sign: sign * (fraction * 0.3),
-    "ShearY": lambda fraction, sign: sign * (fraction * 0.3),
-    "TranslateXRel": lambda fraction, sign: sign * (fraction * TRANSLATE_PCT),
-    "TranslateYRel": lambda fraction, sign: sign * (fraction * TRANSLATE_PCT),
+    "ShearX": lambda fraction, sign, pct: sign * (fraction * 0.3),
+    "ShearY": lambda fraction, sign, pct: sign * (fraction * 0.3),
+    "TranslateXRel": lambda fraction, sign, pct: sign * (fraction * pct),
+    "TranslateYRel": lambda fraction, sign, pct: sign * (fraction * pct),
     "Desaturate": _clamped(0.5, 1.0),
     "GaussianBlur": _clamped(0.1, 2.0),
 }
 
 
-def op_argument(name: str, magnitude: float, sign: int = 1):
+def op_argument(name: str, magnitude: float, sign: int = 1, translate_pct: float = TRANSLATE_PCT):
     """timm's argument for op ``name`` at ``magnitude`` (0-10 scale, already clipped); ``sign``
-    (+1 or -1) is the random negation of the signed ops. None for ops without an argument."""
+    (+1 or -1) is the random negation of the signed ops; ``translate_pct`` the translate range
+    (RandAugment's 0.45, AugMix's 0.3). None for ops without an argument."""
     level = _ARGUMENT[name]
-    return None if level is None else level(magnitude / LEVEL_DENOM, sign)
+    return None if level is None else level(magnitude / LEVEL_DENOM, sign, translate_pct)
 
 
 def _affine(image, coefficients, fill, resample):
@@ -138,7 +141,7 @@ OP_NAMES = tuple(_ARGUMENT)
 
 
 def apply_op(image, name: str, magnitude: float, sign: int = 1, *, fill=DEFAULT_FILL,
-             resample=Image.Resampling.BILINEAR):
+             resample=Image.Resampling.BILINEAR, translate_pct: float = TRANSLATE_PCT):
     """Applies timm's op ``name`` at ``magnitude`` to an RGB ``PIL.Image``; returns a ``PIL.Image``.
 
     Arguments:
@@ -147,8 +150,9 @@ def apply_op(image, name: str, magnitude: float, sign: int = 1, *, fill=DEFAULT_
         fill: the RGB ``uint8`` colour that geometric ops leave where no pixel maps (timm's
             ``img_mean``; `photometric.mean_fill` makes it from the dataset mean).
         resample: the Pillow filter of geometric ops.
+        translate_pct: the range of the translations, a fraction of the image side.
     """
-    return _OPS[name](image, op_argument(name, magnitude, sign), tuple(fill), resample)
+    return _OPS[name](image, op_argument(name, magnitude, sign, translate_pct), tuple(fill), resample)
 
 
 class RandAugment(NamedTuple):
@@ -187,15 +191,19 @@ class Layer(NamedTuple):
     resample: int
 
 
-def _bad(value, why: str) -> ValueError:
-    return ValueError(f"auto_augment {value!r}: {why}; expected e.g. {EXAMPLE!r} or 'trivialaugment'")
+def auto_augment_error(value, why: str) -> ValueError:
+    """The one-line error for a bad ``auto_augment`` string ``value``."""
+    return ValueError(f"auto_augment {value!r}: {why}; expected e.g. {EXAMPLE!r}, 'trivialaugment' "
+                      f"or 'augmix-m5-w4-d2'")
 
 
-def _resample_choices(value, interpolation) -> tuple:
+def resample_choices(value, interpolation) -> tuple:
+    """The Pillow filters of geometric ops for the ``interpolation`` name (``'random'``: timm's
+    bilinear or bicubic per op); ``value`` is the ``auto_augment`` string named in the error."""
     if interpolation == "random":
         return _RESAMPLE["bilinear"], _RESAMPLE["bicubic"]
     if interpolation not in _RESAMPLE:
-        raise _bad(value, f"geometric ops resample with 'random' or one of {sorted(_RESAMPLE)}, "
+        raise auto_augment_error(value, f"geometric ops resample with 'random' or one of {sorted(_RESAMPLE)}, "
                           f"not interpolation {interpolation!r}")
     return (_RESAMPLE[interpolation],)
 
@@ -208,32 +216,33 @@ def _transform_set(value, name: str, increasing: bool):
         return UNIFORM_TRANSFORMS[name], None
     if name not in WEIGHTED_TRANSFORMS:
         known = sorted([*WEIGHTED_TRANSFORMS, *UNIFORM_TRANSFORMS])
-        raise _bad(value, f"unknown transform set 't{name}' (known: {known})")
+        raise auto_augment_error(value, f"unknown transform set 't{name}' (known: {known})")
     ops, weights = zip(*WEIGHTED_TRANSFORMS[name].items())
     weights = np.asarray(weights, np.float64)
     return tuple(ops), tuple((weights / weights.sum()).tolist())
 
 
-def _rand_sections(value: str) -> dict:
-    """The ``key -> value`` sections of ``rand-...`` (timm's keys and number formats)."""
-    parsers = {"m": int, "n": int, "p": float, "mstd": float, "mmax": int, "inc": int}
+def policy_sections(value: str, parsers: dict) -> dict:
+    """The ``key -> value`` sections after the policy name of an ``auto_augment`` string, each
+    ``<key><number>`` parsed by ``parsers[key]`` (timm's formats), or ``t<name>`` when ``parsers``
+    has ``t``."""
     fields = {}
     for section in value.split("-")[1:]:
-        if section.startswith("t"):
+        if section.startswith("t") and "t" in parsers:
             fields["t"] = section[1:]
             continue
         match = re.fullmatch(r"([a-z]+)(.*)", section)
         if match is None or match.group(1) not in parsers:
-            raise _bad(value, f"unknown section {section!r} (known: m, n, p, mstd, mmax, inc, t)")
+            raise auto_augment_error(value, f"unknown section {section!r} (known: {', '.join(parsers)})")
         try:
             fields[match.group(1)] = parsers[match.group(1)](match.group(2))
         except ValueError:
-            raise _bad(value, f"section {section!r} needs a number") from None
+            raise auto_augment_error(value, f"section {section!r} needs a number") from None
     return fields
 
 
-def parse_auto_augment(value: str, *, fill=DEFAULT_FILL, interpolation: str = "random") -> RandAugment:
-    """Parses timm's ``auto_augment`` string.
+def parse_rand_augment(value: str, *, fill=DEFAULT_FILL, interpolation: str = "random") -> RandAugment:
+    """Parses timm's RandAugment ``auto_augment`` string, or ``trivialaugment``.
 
     ``rand-<sections>``: RandAugment with timm's sections, in any order: ``m`` (int magnitude,
     default 10), ``n`` (int layers, 2), ``p`` (float probability per layer, 0.5), ``mstd``
@@ -249,31 +258,43 @@ def parse_auto_augment(value: str, *, fill=DEFAULT_FILL, interpolation: str = "r
     Raises:
         ValueError: one line naming the string and showing a valid one.
     """
-    if not isinstance(value, str):
-        raise _bad(value, "not a string")
-    resample = _resample_choices(value, interpolation)
+    resample = resample_choices(value, interpolation)
     fill = tuple(int(c) for c in fill)
     if value == "trivialaugment":
         return RandAugment(RAND_TRANSFORMS, None, 1, 10.0, 1.0, float("inf"), LEVEL_DENOM, fill, resample)
     if value.split("-")[0] != "rand":
-        raise _bad(value, "unknown policy (only RandAugment 'rand-...' and 'trivialaugment' are supported)")
-    fields = _rand_sections(value)
+        raise auto_augment_error(value, "not a RandAugment string 'rand-...'")
+    fields = policy_sections(value, {"m": int, "n": int, "p": float, "mstd": float, "mmax": int, "inc": int,
+                                     "t": str})
     ops, weights = _transform_set(value, fields.get("t"), bool(fields.get("inc", 0)))
     mstd = fields.get("mstd", 0.0)
     num_layers = fields.get("n", 2)
     if weights is not None and num_layers > len(ops):
-        raise _bad(value, f"n{num_layers} distinct ops drawn from a set of {len(ops)}")
+        raise auto_augment_error(value, f"n{num_layers} distinct ops drawn from a set of {len(ops)}")
     return RandAugment(ops, weights, num_layers, float(fields.get("m", LEVEL_DENOM)), fields.get("p", 0.5),
                        float("inf") if mstd > 100 else mstd, float(fields.get("mmax", 0) or LEVEL_DENOM),
                        fill, resample)
 
 
+def draw_op(rng: np.random.Generator, name: str, magnitude: float, magnitude_std: float, magnitude_max: float,
+            resample: tuple) -> Layer:
+    """One op's draws, in this order: its magnitude (``N(magnitude, magnitude_std)``, or uniform in
+    ``[0, magnitude]`` when ``magnitude_std`` is ``inf``) clipped to ``[0, magnitude_max]``, its
+    sign (-1 with probability 1/2) and its filter (uniform over ``resample``)."""
+    if magnitude_std == float("inf"):
+        drawn = rng.uniform(0.0, magnitude)
+    else:
+        drawn = magnitude + magnitude_std * rng.standard_normal()
+    sign = -1 if rng.random() < 0.5 else 1
+    filter_ = resample[int(rng.integers(0, len(resample)))]
+    return Layer(name, max(0.0, min(float(drawn), magnitude_max)), sign, filter_)
+
+
 def draw_layers(policy: RandAugment, rng: np.random.Generator) -> list[Layer]:
     """All of one image's draws: the layers applied, in order (skipped layers are left out).
 
-    Each of the ``num_layers`` layers draws, whether applied or not: its op, a uniform for
-    ``prob``, its magnitude noise, its sign and its resample filter, so the number of draws is
-    fixed by the policy.
+    The ops of the ``num_layers`` layers are drawn first; then each layer, applied or not, draws
+    a uniform for ``prob`` and `draw_op`'s draws, so the number of draws is fixed by the policy.
     """
     if policy.weights is None:
         picks = rng.integers(0, len(policy.ops), size=policy.num_layers)
@@ -282,19 +303,14 @@ def draw_layers(policy: RandAugment, rng: np.random.Generator) -> list[Layer]:
     layers = []
     for pick in picks:
         applied = rng.random() < policy.prob
-        if policy.magnitude_std == float("inf"):
-            magnitude = rng.uniform(0.0, policy.magnitude)
-        else:
-            magnitude = policy.magnitude + policy.magnitude_std * rng.standard_normal()
-        sign = -1 if rng.random() < 0.5 else 1
-        resample = policy.resample[int(rng.integers(0, len(policy.resample)))]
+        layer = draw_op(rng, policy.ops[int(pick)], policy.magnitude, policy.magnitude_std, policy.magnitude_max,
+                        policy.resample)
         if applied:
-            magnitude = max(0.0, min(float(magnitude), policy.magnitude_max))
-            layers.append(Layer(policy.ops[int(pick)], magnitude, sign, resample))
+            layers.append(layer)
     return layers
 
 
-def auto_augment(image, policy: RandAugment, rng: np.random.Generator):
+def rand_augment(image, policy: RandAugment, rng: np.random.Generator):
     """Applies `draw_layers`'s layers to an RGB ``PIL.Image``; returns a ``PIL.Image``."""
     for layer in draw_layers(policy, rng):
         image = apply_op(image, layer.name, layer.magnitude, layer.sign, fill=policy.fill,

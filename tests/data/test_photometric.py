@@ -14,10 +14,10 @@ import pytest
 from PIL import Image
 
 from jaxcnn.data import photometric
-from jaxcnn.data.photometric import (color_jitter, color_jitter_draws, erase_box, mean_fill, parse_color_jitter,
-                                     random_erase)
-from jaxcnn.data.rand_augment import (OP_NAMES, apply_op, auto_augment, draw_layers, op_argument,
-                                      parse_auto_augment)
+from jaxcnn.data.augmix import AUGMIX_TRANSFORMS, draw_augmix
+from jaxcnn.data.photometric import (auto_augment, color_jitter, color_jitter_draws, erase_box, mean_fill,
+                                     parse_auto_augment, parse_color_jitter, random_erase)
+from jaxcnn.data.rand_augment import OP_NAMES, apply_op, draw_layers, op_argument
 from jaxcnn.data.transforms import example_rng
 
 from photometric_references import references
@@ -124,7 +124,9 @@ def test_trivialaugment_is_timms_one_op_uniform_magnitude_form():
 
 @pytest.mark.parametrize("string, why", [
     ("rand-m9-x1", "unknown section 'x1'"), ("randaugment", "unknown policy"), ("v0", "unknown policy"),
-    ("augmix-m5", "unknown policy"), ("rand-tfoo", "unknown transform set 'tfoo'"),
+    ("augmixx-m5", "unknown policy"), ("augmix-m5-x1", "unknown section 'x1'"),
+    ("augmix-w0", "AugMix needs w >= 1"), ("augmix-m5-tweights", "unknown section 'tweights'"),
+    ("rand-tfoo", "unknown transform set 'tfoo'"),
     ("rand-m", "section 'm' needs a number"), ("rand-m9.5", "section 'm9.5' needs a number"),
     ("rand-tweights-n16", "n16 distinct ops drawn from a set of 15"), ("", "unknown policy"), (None, "not a string"),
 ])
@@ -133,6 +135,7 @@ def test_bad_strings_are_one_line_naming_the_string_and_an_example(string, why):
         parse_auto_augment(string)
     message = str(error.value)
     assert repr(string) in message and why in message and "rand-m9-n2-mstd0.5-inc1" in message
+    assert "augmix-m5-w4-d2" in message
     assert "\n" not in message
 
 
@@ -193,6 +196,113 @@ def test_probability_zero_and_one():
     assert all(image == [] for image in draws)
     _, draws = _layers("rand-n3-p1", images=100)
     assert all(len(image) == 3 for image in draws)
+
+
+# ---- AugMix against timm's ------------------------------------------------------------------------
+
+AUGMIX_STRINGS = ("augmix", "augmix-m5-w4-d2", "augmix-m3-mstd0.5-a0.5-b1", "augmix-d0-w2-b1", "augmix-m9-d3-w1")
+
+
+def _timm_augmix(aa, string):
+    """timm's AugMix as its transforms factory builds it (translations up to 0.3 of the side)."""
+    return aa.augment_and_mix_transform(string, dict(img_mean=FILL, translate_const=100, translate_pct=0.3))
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("string", AUGMIX_STRINGS)
+def test_augmix_parser_agrees_with_timm(string):
+    aa, _, _ = references()
+    theirs = _timm_augmix(aa, string)
+    ours = parse_auto_augment(string, fill=FILL)
+    assert (ours.width, ours.depth, ours.alpha, ours.blended) == (theirs.width, theirs.depth, theirs.alpha,
+                                                                  theirs.blended)
+    assert tuple(op.name for op in theirs.ops) == AUGMIX_TRANSFORMS
+    assert {(op.magnitude, op.magnitude_std, op.prob) for op in theirs.ops} == {
+        (ours.magnitude, ours.magnitude_std, 1.0)}
+
+
+class _ScriptedNumpy:
+    """numpy, but ``numpy.random`` hands timm's AugMixAugment the draws of one `draw_augmix`."""
+
+    def __init__(self, draws, ops):
+        self.random = self
+        self.draws, self.ops, self.chain = draws, {op.name: op for op in ops}, 0
+
+    def __getattr__(self, name):
+        return getattr(np, name)
+
+    def dirichlet(self, alphas):
+        return self.draws.weights.astype(np.float64)
+
+    def beta(self, a, b):
+        return self.draws.blend
+
+    def randint(self, low, high):
+        return len(self.draws.chains[self.chain])
+
+    def choice(self, ops, depth, replace=True):
+        chain = self.draws.chains[self.chain]
+        self.chain += 1
+        assert depth == len(chain) and replace
+        return [self.ops[layer.name] for layer in chain]
+
+
+class _ScriptedRandom:
+    """Python's ``random`` as timm's AugmentOp calls it, answering with given layers' draws."""
+
+    def __init__(self, layers):
+        self.layers, self.layer = iter(layers), None
+
+    def uniform(self, low, high):
+        self.layer = next(self.layers)
+        return self.layer.magnitude
+
+    def gauss(self, mu, sigma):
+        return self.uniform(mu, sigma)
+
+    def random(self):  # timm negates when random() > 0.5
+        return 0.9 if self.layer.sign == -1 else 0.1
+
+    def choice(self, options):
+        assert self.layer.resample in options
+        return self.layer.resample
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("string", AUGMIX_STRINGS)
+def test_augmix_equals_timms_with_the_same_draws(string, monkeypatch):
+    aa, _, _ = references()
+    image = structured_image()
+    policy = parse_auto_augment(string, fill=FILL)
+    theirs = _timm_augmix(aa, string)
+    for seed in range(8):
+        draws = draw_augmix(policy, np.random.default_rng(seed))
+        scripted_numpy = _ScriptedNumpy(draws, theirs.ops)
+        scripted_random = _ScriptedRandom([layer for chain in draws.chains for layer in chain])
+        monkeypatch.setattr(aa, "np", scripted_numpy)
+        monkeypatch.setattr(aa, "random", scripted_random)
+        want = theirs(image)
+        assert scripted_numpy.chain == len(draws.chains) and next(scripted_random.layers, None) is None
+        got = auto_augment(image, policy, np.random.default_rng(seed))
+        np.testing.assert_array_equal(pixels(got), pixels(want), err_msg=f"{string} seed {seed}")
+
+
+def test_augmix_draws_follow_the_definition():
+    policy = parse_auto_augment("augmix-m6")
+    rng = np.random.default_rng(0)
+    draws = [draw_augmix(policy, rng) for _ in range(2000)]
+    weights = np.array([d.weights for d in draws])
+    assert weights.dtype == np.float32 and np.allclose(weights.sum(1), 1, atol=1e-6) and weights.min() >= 0
+    assert abs(weights.mean() - 1 / 3) < 0.01  # Dirichlet(1, 1, 1): each weight has mean 1/3
+    blends = np.array([d.blend for d in draws])
+    assert 0 <= blends.min() and blends.max() <= 1  # Beta(1, 1) is uniform: mean 1/2, variance 1/12
+    assert abs(blends.mean() - 0.5) < 0.02 and abs(blends.var() - 1 / 12) < 0.01
+    depths = np.array([len(chain) for d in draws for chain in d.chains])
+    assert set(depths) == {1, 2, 3} and all(abs(np.mean(depths == k) - 1 / 3) < 0.02 for k in (1, 2, 3))
+    magnitudes = np.array([layer.magnitude for d in draws for chain in d.chains for layer in chain])
+    assert magnitudes.min() >= 0 and magnitudes.max() <= 6 and abs(magnitudes.mean() - 3) < 0.1
+    names = [layer.name for d in draws for chain in d.chains for layer in chain]
+    assert set(names) == set(AUGMIX_TRANSFORMS)
 
 
 # ---- colour jitter against torchvision -------------------------------------------------------------
