@@ -1,13 +1,15 @@
 """Colour jitter, RandAugment/TrivialAugment and random erasing against timm and torchvision.
 
 Each op at a fixed magnitude and sign is compared pixel for pixel with timm's own op (the same
-Pillow calls, so exactly equal); the colour adjustments with torchvision's PIL functional; the
-parser with timm's ``rand_augment_transform``; random erasing's geometry with timm's
-``RandomErasing`` driven draw for draw by the same numpy generator. The random draws are checked
-over many images against the definitions.
+Pillow calls, so exactly equal); whole RandAugment and AugMix images with timm's transforms fed
+our draws (timm's ``random`` and ``np.random`` scripted); the colour adjustments with
+torchvision's PIL functional; the parsers with timm's; random erasing's geometry with timm's
+``RandomErasing`` driven draw for draw by the same numpy generator. The random draws themselves
+are checked over many images against the definitions.
 """
 import math
 import re
+import types
 
 import numpy as np
 import pytest
@@ -196,6 +198,65 @@ def test_probability_zero_and_one():
     assert all(image == [] for image in draws)
     _, draws = _layers("rand-n3-p1", images=100)
     assert all(len(image) == 3 for image in draws)
+
+
+class _OpWithDraws:
+    """One of timm's AugmentOps, called with a given layer's draws (timm's own prob check, noise,
+    clip, level function and op run; the scripted ``random`` answers with the layer's draws)."""
+
+    def __init__(self, op, layer, random):
+        self.op, self.layer, self.random = op, layer, random
+
+    def __call__(self, image):
+        self.random.layer, self.random.prob_check = self.layer, self.op.prob < 1.0
+        return self.op(image)
+
+
+class _ScriptedLayerRandom:
+    """Python's ``random`` as timm's AugmentOp calls it: the prob check passes, then the current
+    layer's magnitude, sign and filter."""
+
+    layer = None
+    prob_check = False
+
+    def random(self):
+        if self.prob_check:  # timm skips the op when random() > prob: applied layers pass
+            self.prob_check = False
+            return 0.0
+        return 0.9 if self.layer.sign == -1 else 0.1  # timm negates when random() > 0.5
+
+    def uniform(self, low, high):
+        return self.layer.magnitude
+
+    def gauss(self, mu, sigma):
+        return self.layer.magnitude
+
+    def choice(self, options):
+        assert self.layer.resample in options
+        return self.layer.resample
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("string", ["rand-m9-n2-mstd0.5-inc1", "rand-m7-n3-p0.7", "trivialaugment",
+                                    "rand-m9-tweights-n2-mstd1", "rand-t3a-n2-m6"])
+def test_rand_augment_equals_timms_with_the_same_draws(string, monkeypatch):
+    aa, _, _ = references()
+    image = structured_image()
+    policy = parse_auto_augment(string, fill=FILL)
+    theirs = aa.rand_augment_transform("rand-n1-m10-mstd101-p1" if string == "trivialaugment" else string,
+                                       dict(img_mean=FILL, translate_const=100))
+    by_name = {op.name: op for op in theirs.ops}
+    scripted = _ScriptedLayerRandom()
+    monkeypatch.setattr(aa, "random", scripted)
+    for seed in range(12):
+        layers = draw_layers(policy, np.random.default_rng(seed))
+        ops = [_OpWithDraws(by_name[layer.name], layer, scripted) for layer in layers]
+        monkeypatch.setattr(theirs, "ops", ops)
+        monkeypatch.setattr(aa, "np", types.SimpleNamespace(random=types.SimpleNamespace(
+            choice=lambda ops, n, replace, p: ops)))  # the applied layers, in order
+        want = theirs(image)
+        got = auto_augment(image, policy, np.random.default_rng(seed))
+        np.testing.assert_array_equal(pixels(got), pixels(want), err_msg=f"{string} seed {seed} {layers}")
 
 
 # ---- AugMix against timm's ------------------------------------------------------------------------
