@@ -183,7 +183,7 @@ class RandAugment(NamedTuple):
 
 
 class Layer(NamedTuple):
-    """One applied layer: `apply_op`'s arguments."""
+    """One op with its draws (a RandAugment layer or an AugMix chain step): `apply_op`'s arguments."""
 
     name: str
     magnitude: float
