@@ -86,8 +86,8 @@ class Resize(NamedTuple):
     decoded, at its own size, one per run."""
 
     shorter_side: Optional[int] = None   # None: resize to H x W directly
-    in_model: bool = False
     interpolation: str = "bilinear"      # the shorter-side resize's filter
+    in_model: bool = False
 
 
 def resize_rule(record: dict, where: str) -> Resize:

@@ -38,6 +38,12 @@ class Augment(NamedTuple):
         hflip, vflip: probabilities of mirroring the width and the height axis.
         crop_padding: pad each side by this many zero pixels, then crop back to ``H x W`` at a
             uniformly random offset (torchvision ``RandomCrop(size, padding=p)``); 0 disables.
+        color_jitter, auto_augment: image files only, after the flips: timm's RandAugment /
+            TrivialAugment / AugMix string (`jaxcnn.data.photometric.parse_auto_augment`), then
+            torchvision ``ColorJitter`` factors ``(brightness, contrast, saturation, hue)``;
+            None disables.
+        reprob, remode: image files only, last: timm's random erasing with this probability
+            and fill (`jaxcnn.data.photometric.random_erase`); 0 disables.
     """
 
     scale: tuple | None = None
@@ -46,6 +52,15 @@ class Augment(NamedTuple):
     hflip: float = 0.0
     vflip: float = 0.0
     crop_padding: int = 0
+    color_jitter: tuple | None = None
+    auto_augment: str | None = None
+    reprob: float = 0.0
+    remode: str = "pixel"
+
+    @property
+    def photometric(self) -> bool:
+        """Whether a photometric step (image files only) is on."""
+        return self.color_jitter is not None or self.auto_augment is not None or self.reprob > 0
 
     @property
     def active(self) -> bool:
@@ -58,7 +73,8 @@ FILE_RECIPE = Augment(scale=SCALE, ratio=RATIO, hflip=0.5)
 
 
 def resolve_augment(*, files: bool, no_aug: bool = False, scale=None, ratio=None, hflip=None, vflip=0.0,
-                    interpolation="bilinear", crop_padding=0) -> Augment:
+                    interpolation="bilinear", crop_padding=0, color_jitter=None, auto_augment=None,
+                    reprob=0.0, remode="pixel") -> Augment:
     """The `Augment` of a source from the config's ``data.augment`` keys (None: the source's own).
 
     Arguments:
@@ -66,7 +82,8 @@ def resolve_augment(*, files: bool, no_aug: bool = False, scale=None, ratio=None
         no_aug: no augmentation at all (``data.augment: none``); the other keys must be unset.
         scale, ratio: the random-resized crop; for arrays one given alone takes torchvision's
             default for the other.
-        hflip, vflip, interpolation, crop_padding: as `Augment`'s fields.
+        hflip, vflip, interpolation, crop_padding, color_jitter, auto_augment, reprob, remode:
+            as `Augment`'s fields (the photometric ones for image files only).
     """
     if no_aug:
         return as_augment(Augment(interpolation=interpolation))
@@ -75,7 +92,13 @@ def resolve_augment(*, files: bool, no_aug: bool = False, scale=None, ratio=None
         ratio = RATIO if ratio is None else tuple(ratio)
     if hflip is None:
         hflip = FILE_RECIPE.hflip if files else 0.0
-    return as_augment(Augment(scale, ratio, interpolation, float(hflip), float(vflip), int(crop_padding)))
+    augment = as_augment(Augment(scale, ratio, interpolation, float(hflip), float(vflip), int(crop_padding),
+                                 None if color_jitter is None else tuple(color_jitter), auto_augment,
+                                 float(reprob), remode))
+    if augment.photometric and not files:
+        raise ValueError("augment: color_jitter, auto_augment and reprob work on decoded image files, "
+                         "not on in-memory arrays")
+    return augment
 
 
 def _check_range(name, pair, low_open_zero, high):
@@ -120,6 +143,22 @@ def as_augment(value) -> Augment:
             raise ValueError(f"augment: {name} must be a probability in [0, 1], got {p!r}")
     if not isinstance(augment.crop_padding, (int, np.integer)) or augment.crop_padding < 0:
         raise ValueError(f"augment: crop_padding must be a non-negative int, got {augment.crop_padding!r}")
+    return _checked_photometric(augment) if augment.photometric else augment
+
+
+def _checked_photometric(augment: Augment) -> Augment:
+    """``augment`` with its photometric fields checked (`jaxcnn.data.photometric`'s parsers)."""
+    from jaxcnn.data import photometric
+
+    if augment.color_jitter is not None:
+        augment = augment._replace(color_jitter=photometric.parse_color_jitter(
+            list(augment.color_jitter), "augment: color_jitter"))
+    if augment.auto_augment is not None:
+        photometric.parse_auto_augment(augment.auto_augment)
+    if isinstance(augment.reprob, bool) or not isinstance(augment.reprob, (int, float)) or not 0 <= augment.reprob <= 1:
+        raise ValueError(f"augment: reprob must be a probability in [0, 1], got {augment.reprob!r}")
+    if augment.remode not in photometric.ERASE_MODES:
+        raise ValueError(f"augment: remode must be one of {list(photometric.ERASE_MODES)}, got {augment.remode!r}")
     return augment
 
 

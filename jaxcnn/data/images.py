@@ -6,8 +6,9 @@ batch makers the grain `jaxcnn.data.Loader` runs: `TrainBatches` (the `jaxcnn.da
 steps, by default ImageNet's random-resized crop and flip; the batch for a step a pure function
 of the seed and the step) and `EvalBatches` (resize and centre crop, each validation image
 once). Images reach the device as ``uint8`` and are normalised there with the ImageNet channel
-statistics (`IMAGENET_MEAN`, `IMAGENET_STD`, the convention of torchvision's and timm's ImageNet
-models), which a run's ``preprocessing.json`` records with the class names.
+statistics (`jaxcnn.data.transforms.IMAGENET_MEAN`, `IMAGENET_STD`, the convention of
+torchvision's and timm's ImageNet models), which a run's ``preprocessing.json`` records with the
+class names.
 """
 from __future__ import annotations
 
@@ -19,8 +20,6 @@ from jaxcnn.data.transforms import default_eval_resize
 from jaxcnn.errors import DataError
 
 SOURCES = ("folder", "records")
-IMAGENET_MEAN = (0.485, 0.456, 0.406)
-IMAGENET_STD = (0.229, 0.224, 0.225)
 
 
 def missing_packages(source: str, *, loader: bool = True) -> list[str]:

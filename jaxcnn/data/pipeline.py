@@ -91,6 +91,9 @@ def train_batch(dataset: Dataset, step: int, *, seed: int, batch_size: int, augm
         images are ``(x/255 - mean) / std`` (``(x - mean) / std`` for float datasets).
     """
     augment = as_augment(augment)
+    if augment.photometric:
+        raise ValueError("augment: color_jitter, auto_augment and reprob work on decoded image files, "
+                         "not on in-memory arrays")
     if dataset.mean is None or dataset.std is None:
         raise DataError(f"{dataset.name}: dataset has no mean/std for normalisation; use dataset.with_stats()")
     start, local = process_share(batch_size, process_index, process_count)

@@ -139,7 +139,7 @@ def from_run(run) -> Preprocessing:
         return from_dataset(run.dataset, normalize=cfg.data.normalize, source=cfg.data.source)
     images = getattr(run, "images", None)
     if images is not None:  # an image folder or records: uint8 crops, ImageNet statistics
-        from jaxcnn.data.images import IMAGENET_MEAN, IMAGENET_STD
+        from jaxcnn.data.transforms import IMAGENET_MEAN, IMAGENET_STD
         norm = bool(cfg.data.normalize)
         mean = IMAGENET_MEAN if norm else (0.0, 0.0, 0.0)
         std = IMAGENET_STD if norm else (1.0, 1.0, 1.0)

@@ -18,10 +18,15 @@ nothing. Normalisation is left to the device, as the trainer does for ``uint8`` 
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
 
+# ImageNet's channel statistics on the unit scale: the device normalises image files with them
+# (torchvision's and timm's ImageNet convention), and the photometric steps fill with them.
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
 SCALE = (0.08, 1.0)
 RATIO = (3.0 / 4.0, 4.0 / 3.0)
 CROP_TRIES = 10
@@ -100,13 +105,15 @@ def train_transform(image, size, rng: np.random.Generator, augment, *, resize: i
         rng: the example's generator (`example_rng`).
         augment: a `jaxcnn.data.Augment`: ``scale``/``ratio`` of the random-resized crop (None:
             evaluation's `eval_transform` to ``resize``), ``interpolation``, ``hflip``/``vflip``
-            probabilities, ``crop_padding``.
+            probabilities, ``auto_augment`` and ``color_jitter``, ``crop_padding``, ``reprob``.
         resize: the evaluation resize, used when ``augment.scale`` is None.
         out: an ``(H, W, 3)`` ``uint8`` array to write into (a batch row), or None.
 
     Returns:
-        ``(H, W, 3)`` ``uint8`` array (``out`` when given). Photometric steps (colour, auto
-        augmentation) would come after the flips, random erasing after the padded crop.
+        ``(H, W, 3)`` ``uint8`` array (``out`` when given). The steps draw from ``rng`` in
+        timm's order: crop, flips, auto augmentation, colour jitter, padded crop, random erasing
+        (`jaxcnn.data.photometric`; its fills are the ImageNet mean and std the device
+        normalises with).
     """
     if augment.scale is None:
         array = eval_transform(image, size, resize, augment.interpolation)
@@ -116,12 +123,45 @@ def train_transform(image, size, rng: np.random.Generator, augment, *, resize: i
         crop = image.crop((left, top, left + w, top + h)).resize((out_w, out_h), pil_filter(augment.interpolation))
         array = np.asarray(crop, np.uint8)
     array = random_flips(array, rng, augment.hflip, augment.vflip)
+    if augment.auto_augment is not None or augment.color_jitter is not None:
+        array = _colour_steps(array, rng, augment)
     if augment.crop_padding:
         array = random_padded_crop(array, rng, augment.crop_padding)
     if out is None:
-        return np.ascontiguousarray(array)
-    np.copyto(out, array)
+        out = np.array(array, np.uint8)
+    else:
+        np.copyto(out, array)
+    if augment.reprob:
+        from jaxcnn.data.photometric import random_erase
+        mean, std = _imagenet_pixels()
+        random_erase(out, rng, augment.reprob, mean=mean, std=std, mode=augment.remode)
     return out
+
+
+def _colour_steps(array: np.ndarray, rng: np.random.Generator, augment) -> np.ndarray:
+    """``augment.auto_augment`` then ``augment.color_jitter`` of an ``(H, W, 3)`` ``uint8`` array."""
+    from jaxcnn.data import photometric
+
+    image = _pil().fromarray(np.ascontiguousarray(array))
+    if augment.auto_augment is not None:
+        image = photometric.auto_augment(image, _policy(augment.auto_augment, augment.interpolation), rng)
+    if augment.color_jitter is not None:
+        image = photometric.color_jitter(image, rng, *augment.color_jitter)
+    return np.asarray(image, np.uint8)
+
+
+@functools.lru_cache(maxsize=16)
+def _policy(auto_augment: str, interpolation: str):
+    """The parsed ``auto_augment`` policy (parsed once per process), its geometric ops filling
+    with the ImageNet mean and resampling with the crop's filter, as timm's do."""
+    from jaxcnn.data.photometric import mean_fill, parse_auto_augment
+
+    return parse_auto_augment(auto_augment, fill=mean_fill(IMAGENET_MEAN), interpolation=interpolation)
+
+
+def _imagenet_pixels():
+    """The ImageNet channel mean and std in pixel units (``255 *`` the ``[0, 1]`` ones)."""
+    return 255.0 * np.asarray(IMAGENET_MEAN), 255.0 * np.asarray(IMAGENET_STD)
 
 
 def random_flips(array: np.ndarray, rng: np.random.Generator, hflip: float, vflip: float) -> np.ndarray:

@@ -172,7 +172,8 @@ def _ordered_pair(pair, cfg):
         return f"expected [lo, hi] with lo <= hi, got {pair!r}"
 
 
-_AUGMENT_OFF = {"scale": None, "ratio": None, "hflip": None, "vflip": 0.0, "crop_padding": 0}
+_AUGMENT_OFF = {"scale": None, "ratio": None, "hflip": None, "vflip": 0.0, "crop_padding": 0,
+                "color_jitter": None, "auto_augment": None, "reprob": 0.0}
 
 
 def _no_aug_alone(no_aug, cfg):
@@ -191,6 +192,34 @@ def _interpolation_resizes(interpolation, cfg):
             and augment["scale"] is None and augment["ratio"] is None):
         return (f"{interpolation!r} is the filter of the random-resized crop (data.augment.scale/ratio), and "
                 f"data.source={source!r} has none: its images are used at their size; set data.augment.scale")
+
+
+def _decoded_images_only(value, cfg):
+    """The photometric steps run on decoded image files (Pillow), not on in-memory arrays."""
+    source = cfg["data"]["source"]
+    if value not in (None, 0, 0.0) and source not in _IMAGE_FILES:
+        return (f"{_short(value)} works on decoded image files (data.source: folder or records); "
+                f"data.source={source!r} is in-memory arrays, which it does not augment")
+
+
+def _color_jitter_factors(factors, cfg):
+    if factors is not None and (len(factors) not in (3, 4) or (len(factors) == 4 and factors[3] > 0.5)):
+        return (f"expected [brightness, contrast, saturation] or [..., hue] with hue <= 0.5 (timm's and "
+                f"torchvision's factors), got {list(factors)!r}")
+
+
+def _auto_augment_policy(value, cfg):
+    """timm's RandAugment / TrivialAugment / AugMix string, parsed as training will parse it."""
+    if value is None:
+        return None
+    from jaxcnn.data.photometric import parse_auto_augment
+    try:
+        parse_auto_augment(value)
+    except ValueError as err:
+        return str(err).removeprefix(f"auto_augment {value!r}: ")
+    if cfg["data"]["augment"]["color_jitter"] is not None and "3a" not in value:
+        return (f"{value!r} with data.augment.color_jitter: timm turns colour jitter off under auto_augment "
+                f"(unless its string has '3a'); set one of them")
 
 
 def _one_eval_resize(crop_pct, cfg):
@@ -371,6 +400,24 @@ SCHEMA: dict[str, dict] = {
             "crop_padding": _f("int", 0, "random crop: pad each side by this many zero pixels, crop back at a "
                                "random offset (torchvision RandomCrop(padding=)); after the crop and flips; 0 = off",
                                low=0),
+            "color_jitter": _f("list", None, "folder/records: torchvision ColorJitter factors [brightness, "
+                               "contrast, saturation] or [..., hue] (timm's color_jitter; hue at most 0.5), "
+                               "each adjustment's factor uniform in [1 - f, 1 + f] (hue: [-h, h]), in a random "
+                               "order, after the flips; null = off", nullable=True,
+                               rules=(_color_jitter_factors, _decoded_images_only),
+                               example="[0.4, 0.4, 0.4] or [0.4, 0.4, 0.4, 0.1]",
+                               item=_f("float", None, "factor", low=0.0)),
+            "auto_augment": _f("str", None, "folder/records: timm's RandAugment ('rand-m9-mstd0.5-inc1'), "
+                               "TrivialAugment ('trivialaugment') or AugMix ('augmix-m5-w4-d2') string, after "
+                               "the flips, filling with the ImageNet mean; null = off", nullable=True, low=1,
+                               rules=(_auto_augment_policy, _decoded_images_only)),
+            "reprob": _f("float", 0.0, "folder/records: probability of timm's random erasing (a box of 2-33% "
+                         "of the image, aspect 0.3-3.3) on the finished uint8 crop; 0 = off",
+                         rules=(_decoded_images_only,), **_UNIT),
+            "remode": _f("str", "pixel", "random erasing's fill: const (the ImageNet mean: timm's zero after "
+                         "normalisation), rand (one colour of the mean + std * N(0, 1) per box) or pixel (that "
+                         "noise per pixel; clipped to 0-255, where timm's normalised noise is not)",
+                         choices=("const", "rand", "pixel")),
             "crop_pct": _f("float", None, "folder/records: evaluation resizes the shorter side to "
                            "floor(max(image_size) / crop_pct) before the centre crop (timm's rule; with "
                            "no_aug, training too); null = data.eval_resize, else max(image_size) / 0.875 "

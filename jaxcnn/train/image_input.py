@@ -17,7 +17,8 @@ import os
 import numpy as np
 
 from jaxcnn.data.augment import Augment, resolve_augment
-from jaxcnn.data.images import IMAGENET_MEAN, IMAGENET_STD, SOURCES, ImageData, missing_packages
+from jaxcnn.data.images import SOURCES, ImageData, missing_packages
+from jaxcnn.data.transforms import IMAGENET_MEAN, IMAGENET_STD
 from jaxcnn.data.loader import Loader, check_open_files, split_info
 from jaxcnn.data.transforms import default_eval_resize
 from jaxcnn.errors import ConfigError, DataError
@@ -74,7 +75,9 @@ def augment_spec(cfg) -> Augment:
     augment = cfg.data.augment
     return resolve_augment(files=cfg.data.source in SOURCES, no_aug=augment.no_aug, scale=augment.scale,
                            ratio=augment.ratio, hflip=augment.hflip, vflip=augment.vflip,
-                           interpolation=augment.interpolation, crop_padding=augment.crop_padding)
+                           interpolation=augment.interpolation, crop_padding=augment.crop_padding,
+                           color_jitter=augment.color_jitter, auto_augment=augment.auto_augment,
+                           reprob=augment.reprob, remode=augment.remode)
 
 
 def image_norm(cfg):

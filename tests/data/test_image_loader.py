@@ -128,7 +128,9 @@ def test_workers_give_the_same_batches_and_resume(folder, monkeypatch):
     assert images.shape == (16,) + SIZE + (3,) and images.dtype == np.uint8
     assert not np.array_equal(serial[0]["image"], serial[4]["image"])  # a new epoch, new order and crops
     # Every augmentation step drawn: the same batches for any number of workers, and on resume.
-    custom = dict(augment=Augment((0.3, 1.0), (0.5, 2.0), "bicubic", hflip=0.3, vflip=0.6, crop_padding=2))
+    custom = dict(augment=Augment((0.3, 1.0), (0.5, 2.0), "bicubic", hflip=0.3, vflip=0.6, crop_padding=2,
+                                  color_jitter=(0.4, 0.4, 0.4, 0.1), auto_augment="rand-m9-n2-mstd0.5-inc1-t3a",
+                                  reprob=0.5))
     serial = _batches(source, 6, **custom)
     _same(_batches(source, 6, workers=2, **custom), serial)
     _same(_batches(source, 6, start=3, **custom), serial[3:])

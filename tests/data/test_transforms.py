@@ -233,3 +233,31 @@ def test_crop_pct_resize_is_timms_and_null_keeps_the_old_rounding():
             assert default_eval_resize((side, side), crop_pct) == resize.size, (side, crop_pct)
     # null is the default from before crop_pct (rounded, not timm's floor): 32 -> 37, not 36.
     assert default_eval_resize((32, 32)) == 37 and default_eval_resize((32, 32), 0.875) == 36
+
+
+def test_photometric_steps_come_in_timms_order_from_the_examples_generator():
+    """auto_augment, then color_jitter after the flips, random erasing last on the finished crop,
+    every draw from the example's generator in that order (each step is tested against timm's or
+    torchvision's own in tests/data/test_photometric.py)."""
+    from jaxcnn.data import photometric
+    from jaxcnn.data.transforms import IMAGENET_MEAN, IMAGENET_STD
+    from jaxcnn.data.transforms import pil_filter, random_padded_crop
+    rng = np.random.default_rng(0)
+    image = Image.fromarray(rng.integers(0, 256, (30, 26, 3), np.uint8), "RGB")
+    augment = Augment((0.3, 1.0), (0.75, 1.33), "bicubic", hflip=0.5, vflip=0.5, crop_padding=2,
+                      color_jitter=(0.4, 0.3, 0.2, 0.1), auto_augment="rand-m9-n2-mstd0.5-t3a", reprob=1.0,
+                      remode="const")
+    policy = photometric.parse_auto_augment(augment.auto_augment, fill=photometric.mean_fill(IMAGENET_MEAN),
+                                            interpolation="bicubic")
+    mean, std = 255.0 * np.asarray(IMAGENET_MEAN), 255.0 * np.asarray(IMAGENET_STD)
+    for position in range(6):
+        got = train_transform(image, (16, 12), example_rng(3, 1, position), augment)
+        draws = example_rng(3, 1, position)
+        top, left, h, w = random_resized_crop_box(draws, 30, 26, augment.scale, augment.ratio)
+        want = image.crop((left, top, left + w, top + h)).resize((12, 16), pil_filter("bicubic"))
+        want = Image.fromarray(np.ascontiguousarray(random_flips(np.asarray(want), draws, 0.5, 0.5)))
+        want = photometric.color_jitter(photometric.auto_augment(want, policy, draws), draws, 0.4, 0.3, 0.2, 0.1)
+        want = np.array(random_padded_crop(np.asarray(want), draws, 2))
+        photometric.random_erase(want, draws, 1.0, mean=mean, std=std, mode="const")
+        np.testing.assert_array_equal(got, want)
+        assert (got == np.rint(mean).astype(np.uint8)).all(-1).any()  # the erased box, in the mean colour

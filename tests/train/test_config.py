@@ -804,3 +804,35 @@ def test_a_layer_with_the_old_flip_key_is_overridden_as_flip_was(tmp_path):
     recorded["data"]["augment"]["flip"] = True
     del recorded["data"]["augment"]["hflip"]
     assert config_from_dict(recorded, ["data.augment.hflip=0"]).data.augment.hflip == 0
+
+
+@pytest.mark.parametrize("overrides, path, fragment", [
+    (["data.augment.color_jitter=[0.4, 0.4, 0.4]"], "data.augment.color_jitter",
+     "works on decoded image files (data.source: folder or records); data.source='mnist' is in-memory arrays"),
+    (["data.augment.reprob=0.25"], "data.augment.reprob", "data.source='mnist' is in-memory arrays"),
+    (["data.source=folder", "data.path=x", "data.augment.color_jitter=0.4"], "data.augment.color_jitter",
+     "e.g. [0.4, 0.4, 0.4] or [0.4, 0.4, 0.4, 0.1]"),
+    (["data.source=folder", "data.path=x", "data.augment.color_jitter=[0.4, 0.4]"], "data.augment.color_jitter",
+     "expected [brightness, contrast, saturation] or [..., hue]"),
+    (["data.source=folder", "data.path=x", "data.augment.auto_augment=rand-q9"], "data.augment.auto_augment",
+     "expected e.g. 'rand-m9-n2-mstd0.5-inc1'"),
+    (["data.source=folder", "data.path=x", "data.augment.auto_augment=rand-m9",
+      "data.augment.color_jitter=[0.4, 0.4, 0.4]"], "data.augment.auto_augment",
+     "timm turns colour jitter off under auto_augment (unless its string has '3a'); set one of them"),
+    (["data.augment=none", "data.source=folder", "data.path=x", "data.augment.reprob=0.5"], "data.augment.no_aug",
+     "but data.augment.reprob=0.5 is set"),
+])
+def test_photometric_augment_errors_are_one_line_naming_the_key(overrides, path, fragment):
+    err = error_of(config_from_dict, MINIMAL, overrides)
+    assert err.path == path and str(err).startswith(path + ":") and fragment in str(err), str(err)
+    assert "\n" not in str(err)
+
+
+def test_photometric_augment_keys_reach_the_image_files_augment():
+    from jaxcnn.train.image_input import augment_spec
+    cfg = config_from_dict(MINIMAL, ["data.source=folder", "data.path=x", "data.augment.color_jitter=[0.4, 0.3, 0.2]",
+                                     "data.augment.auto_augment=rand-m9-mstd0.5-t3a", "data.augment.reprob=0.25",
+                                     "data.augment.remode=const"])
+    augment = augment_spec(cfg)
+    assert augment.color_jitter == (0.4, 0.3, 0.2, 0.0) and augment.auto_augment == "rand-m9-mstd0.5-t3a"
+    assert (augment.reprob, augment.remode, augment.hflip) == (0.25, "const", 0.5)
