@@ -6,7 +6,8 @@
 decoding every image once to check it: a bad one is left out and listed
 (``--on-bad-image skip``, the default) or stops the conversion (``fail``). Bad input is one
 line on stderr and exit status 2. ``jaxcnn-data shapes OUT`` writes a small example folder of
-coloured shapes (`jaxcnn.data.shapes`).
+coloured shapes (`jaxcnn.data.shapes`), ``jaxcnn-data digits OUT`` one of coloured handwritten
+digits in class folders (`jaxcnn.data.digits`).
 """
 from __future__ import annotations
 
@@ -52,7 +53,7 @@ def _parser():
     parser = OneLineParser(prog="jaxcnn-data",
                            description="Image-folder tools: convert an image folder to ArrayRecord "
                                        "files, or write a small example folder of coloured shapes.")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{convert,shapes}",
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{convert,shapes,digits}",
                                 parser_class=OneLineParser)
     convert = sub.add_parser("convert", help="write an image folder's splits as ArrayRecord files",
                              description="Write the splits of an image folder to ArrayRecord files (each "
@@ -82,6 +83,16 @@ def _parser():
     shapes.add_argument("--val", type=_per_class, default=50,
                         help=f"validation images per class (default 50, at most {MAX_SHAPES_PER_CLASS:,})")
     shapes.add_argument("--seed", type=_count, default=0, help="seed of the shapes, sizes and colours (default 0)")
+    digits = sub.add_parser("digits", help="write an image folder of coloured handwritten digits (an example)",
+                            description="Write OUT/<digit>/<n>.{png,jpg}: MNIST digits of the packaged sample "
+                                        "in random colours, 20-71 pixels a side, class folders only (train with "
+                                        "data.val_split), for a task that must not be mirrored or cropped hard.")
+    digits.add_argument("out", type=path_arg, help="the image folder to write")
+    digits.add_argument("--digits", type=_digit_list, default=(0, 1, 2, 3),
+                        help="comma-separated classes (default 0,1,2,3)")
+    digits.add_argument("--per-class", type=_per_class, default=200,
+                        help="images per digit (default 200; the packaged sample has 690 to 902 of each)")
+    digits.add_argument("--seed", type=_count, default=0, help="seed of the colours and sizes (default 0)")
     return parser
 
 
@@ -264,21 +275,46 @@ def _check_out_outside_root(root: str, out: str) -> None:
                          "give a directory outside it")
 
 
+def _digit_list(text: str):
+    try:
+        digits = tuple(int(d) for d in text.split(","))
+    except ValueError:
+        digits = ()
+    if not digits or len(set(digits)) != len(digits) or not all(0 <= d <= 9 for d in digits):
+        raise argparse.ArgumentTypeError(f"expected distinct digits 0-9 separated by commas, got {text!r}")
+    return digits
+
+
+def _write_example(args) -> None:
+    """``jaxcnn-data shapes|digits OUT``: a new example folder (one over a folder already holding
+    images would mix its images in among them, some replacing them)."""
+    if args.command == "shapes":
+        from jaxcnn.data.shapes import write_shapes_folder
+
+        for split in ("train", "val"):
+            folder = os.path.join(args.out, split)
+            if os.path.isdir(folder) and os.listdir(folder):
+                raise ValueError(f"{folder} already holds files; jaxcnn-data shapes writes a new example "
+                                 "folder: give a directory without train/ and val/ (created if missing)")
+        written = write_shapes_folder(args.out, per_class=(args.train, args.val), seed=args.seed)
+        print(f"[jaxcnn-data] wrote {len(written['train'])} training and {len(written['val'])} "
+              f"validation images to {args.out}")
+        return
+    from jaxcnn.data.digits import write_digits_folder
+
+    if os.path.isdir(args.out) and os.listdir(args.out):
+        raise ValueError(f"{args.out} already holds files; jaxcnn-data digits writes a new example folder")
+    written = write_digits_folder(args.out, digits=args.digits, per_class=args.per_class, seed=args.seed)
+    print(f"[jaxcnn-data] wrote {sum(map(len, written.values()))} images of the digits "
+          f"{', '.join(written)} to {args.out} (class folders: train with data.val_split)")
+
+
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     try:
         _check_out_dir(args.out)
-        if args.command == "shapes":
-            from jaxcnn.data.shapes import write_shapes_folder
-
-            for split in ("train", "val"):  # its images went in among the ones there, some replacing them
-                folder = os.path.join(args.out, split)
-                if os.path.isdir(folder) and os.listdir(folder):
-                    raise ValueError(f"{folder} already holds files; jaxcnn-data shapes writes a new example "
-                                     "folder: give a directory without train/ and val/ (created if missing)")
-            written = write_shapes_folder(args.out, per_class=(args.train, args.val), seed=args.seed)
-            print(f"[jaxcnn-data] wrote {len(written['train'])} training and {len(written['val'])} "
-                  f"validation images to {args.out}")
+        if args.command in ("shapes", "digits"):
+            _write_example(args)
             return 0
         from jaxcnn.data.images import missing_packages
         if missing := missing_packages("records", loader=False):
