@@ -37,29 +37,43 @@ def test_the_digits_folder_is_class_folders_of_coloured_digits(tmp_path):
         write_digits_folder(tmp_path / "f", digits=(5,), per_class=691)
 
 
+
+def test_jaxcnn_data_digits_writes_a_new_folder_only(tmp_path, capsys):
+    from jaxcnn.data.cli import main as data_main
+    assert data_main(["digits", str(tmp_path / "d"), "--digits", "7,1", "--per-class", "3"]) == 0
+    assert sorted(os.listdir(tmp_path / "d")) == ["1", "7"]
+    capsys.readouterr()
+    assert data_main(["digits", str(tmp_path / "d")]) == 2  # over images already there
+    assert capsys.readouterr().err == (f"jaxcnn-data: error: {tmp_path / 'd'} already holds files; jaxcnn-data "
+                                       "digits writes a new example folder\n")
+    with pytest.raises(SystemExit):
+        data_main(["digits", str(tmp_path / "e"), "--digits", "1,10"])
+    assert "expected distinct digits 0-9 separated by commas, got '1,10'" in capsys.readouterr().err
+
 def _held_out_accuracy(workdir) -> float:
     return [r for r in read_metrics(str(workdir)) if r["kind"] == "eval"][-1]["top1"]
 
 
 @pytest.mark.slow  # two 10-epoch trainings; the keys they use are tested fast elsewhere
 def test_a_digits_folder_trained_with_val_split_reaches_its_npz_accuracy(tmp_path, capsys):
-    """The folder: data.val_split 0.2, no flips, crops of 80-100% of the area. The .npz: the same
-    images, each as evaluation sees it (shorter side to 32, centre 28x28), the same held-out
-    ones as its test split, trained with a 2-pixel shift. Held-out top-1 within a point."""
+    """The folder: data.val_split 0.2, no flips, crops of 80-100% of the area, evaluated whole
+    (crop_pct 1). The .npz: the same images, each as evaluation sees it (resized to 28x28), the
+    same held-out ones as its test split, trained with a 2-pixel shift. Held-out top-1 within a
+    point."""
     folder = tmp_path / "digits"
     write_digits_folder(folder, per_class=400)
     common = ["train.epochs=10", "train.eval_every=null", "logging.progress=none", "data.batch_size=64"]
     assert train_main([CONFIG, f"data.path={folder}", "data.val_split=0.2", "data.image_size=[28,28]",
-                       "data.augment.hflip=0", "data.augment.scale=[0.8,1]", *common,
+                       "data.augment.hflip=0", "data.augment.scale=[0.8,1]", "data.augment.crop_pct=1", *common,
                        "--workdir", str(tmp_path / "folder")]) == 0
     images = ImageData("folder", str(folder), image_size=(28, 28), val_split=0.2, seed=0)
     arrays = {}
     for side, name in ((images.train, "train"), (images.val, "test")):
-        pixels = [eval_transform(load_rgb(side, i)[0], (28, 28), 32) for i in range(len(side))]
+        pixels = [eval_transform(load_rgb(side, i)[0], (28, 28), 28) for i in range(len(side))]
         arrays[f"x_{name}"] = np.stack(pixels)
         arrays[f"y_{name}"] = np.asarray(side.index.labels, np.int64)
     np.savez(tmp_path / "digits.npz", **arrays)
-    assert train_main([CONFIG, "data.source=npz", f"data.path={tmp_path / 'digits.npz'}",
+    assert train_main([CONFIG, "data.source=npz", f"data.path={tmp_path / 'digits.npz'}", "data.image_size=null",
                        "data.augment.crop_padding=2", *common, "--workdir", str(tmp_path / "npz")]) == 0
     from_folder, from_npz = _held_out_accuracy(tmp_path / "folder"), _held_out_accuracy(tmp_path / "npz")
     print(json.dumps({"folder_top1": from_folder, "npz_top1": from_npz, "held_out": len(images.val)}))

@@ -155,7 +155,7 @@ def test_a_data_worker_killed_by_the_stop_signal_is_that_stop(tmp_path, capsys, 
         raise RuntimeError("Worker process was terminated unexpectedly with exit code -2.")
 
     if where == "eval":
-        monkeypatch.setattr(loop.Training, "evaluate", lambda self, state: signal_then_dead_worker())
+        monkeypatch.setattr(loop.Training, "evaluate", lambda self, state, per_class=False: signal_then_dead_worker())
     else:
         batches = loop.Training._batches
 
