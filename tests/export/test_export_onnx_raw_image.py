@@ -106,6 +106,7 @@ def test_what_a_raw_image_export_refuses_is_one_line(case):
             (dict(preprocessing=PREP._replace(resize_shorter_side=None)), "its images come at the model's size"),
             (dict(preprocessing=None), "there is no preprocessing"),
             (dict(preprocessing=PREP._replace(pixel_dtype="float32")), "takes uint8 images"),
+            (dict(preprocessing=PREP._replace(resize_interpolation="bicubic")), "resizes with 'bicubic'"),
             (dict(preprocessing=PREP, layout="nchw"), "layout='nchw' does not apply"),
             (dict(preprocessing=PREP, batch=4), "batch=4 does not apply"),
             (dict(preprocessing=PREP, opset=17), "needs opset 18"),
