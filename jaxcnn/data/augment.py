@@ -40,8 +40,8 @@ class Augment(NamedTuple):
             uniformly random offset (torchvision ``RandomCrop(size, padding=p)``); 0 disables.
         color_jitter, auto_augment: image files only, after the flips: timm's RandAugment /
             TrivialAugment / AugMix string (`jaxcnn.data.photometric.parse_auto_augment`), then
-            torchvision ``ColorJitter`` factors ``(brightness, contrast, saturation, hue)``;
-            None disables.
+            torchvision ``ColorJitter`` factors ``(brightness, contrast, saturation, hue)`` (given
+            as timm's number or list, `jaxcnn.data.photometric.parse_color_jitter`); None disables.
         reprob, remode: image files only, last: timm's random erasing with this probability
             and fill (`jaxcnn.data.photometric.random_erase`); 0 disables.
     """
@@ -93,12 +93,18 @@ def resolve_augment(*, files: bool, no_aug: bool = False, scale=None, ratio=None
     if hflip is None:
         hflip = FILE_RECIPE.hflip if files else 0.0
     augment = as_augment(Augment(scale, ratio, interpolation, float(hflip), float(vflip), int(crop_padding),
-                                 None if color_jitter is None else tuple(color_jitter), auto_augment,
-                                 float(reprob), remode))
-    if augment.photometric and not files:
+                                 color_jitter, auto_augment, float(reprob), remode))
+    if not files:
+        check_for_arrays(augment)
+    return augment
+
+
+def check_for_arrays(augment: Augment) -> None:
+    """A ValueError for the steps in-memory arrays do not take (the photometric ones run on
+    decoded image files)."""
+    if augment.photometric:
         raise ValueError("augment: color_jitter, auto_augment and reprob work on decoded image files, "
                          "not on in-memory arrays")
-    return augment
 
 
 def _check_range(name, pair, low_open_zero, high):
@@ -152,7 +158,7 @@ def _checked_photometric(augment: Augment) -> Augment:
 
     if augment.color_jitter is not None:
         augment = augment._replace(color_jitter=photometric.parse_color_jitter(
-            list(augment.color_jitter), "augment: color_jitter"))
+            augment.color_jitter, "augment: color_jitter"))
     if augment.auto_augment is not None:
         photometric.parse_auto_augment(augment.auto_augment)
     if isinstance(augment.reprob, bool) or not isinstance(augment.reprob, (int, float)) or not 0 <= augment.reprob <= 1:

@@ -8,7 +8,7 @@ import functools
 
 import numpy as np
 
-from jaxcnn.data.augment import as_augment, augment_draws, crop_and_flip, resized_crops
+from jaxcnn.data.augment import as_augment, augment_draws, check_for_arrays, crop_and_flip, resized_crops
 from jaxcnn.data.dataset import DataError, Dataset, normalize, to_unit_scale
 
 
@@ -91,9 +91,7 @@ def train_batch(dataset: Dataset, step: int, *, seed: int, batch_size: int, augm
         images are ``(x/255 - mean) / std`` (``(x - mean) / std`` for float datasets).
     """
     augment = as_augment(augment)
-    if augment.photometric:
-        raise ValueError("augment: color_jitter, auto_augment and reprob work on decoded image files, "
-                         "not on in-memory arrays")
+    check_for_arrays(augment)
     if dataset.mean is None or dataset.std is None:
         raise DataError(f"{dataset.name}: dataset has no mean/std for normalisation; use dataset.with_stats()")
     start, local = process_share(batch_size, process_index, process_count)

@@ -10,9 +10,11 @@ validation example). Which positions: those of the smallest keys ``mix(seed, c, 
 fixed 64-bit integer hash (SplitMix64's finaliser), so the split is a seeded permutation of
 each class with exact counts. It depends only on the seed and the per-class counts: the same on
 every host, for any number of workers or processes, in a resumed run and in ``jaxcnn-eval``,
-and for a folder and its records (which have only indices). A keyed hash of each file's path
-would keep a file on its side when others are added, but records hold no paths, and an added
-file changes the run's fingerprint anyway (a resume refuses it); exact counts won.
+and for a folder and its records (which have only indices) when the conversion left no image
+out (``jaxcnn-data convert`` skips undecodable ones, which moves the positions after them). A
+keyed hash of each file's path would keep a file on its side when others are added, but records
+hold no paths, and an added file changes the run's fingerprint anyway (a resume refuses it);
+exact counts won.
 """
 from __future__ import annotations
 

@@ -500,6 +500,10 @@ def _preprocessing_meta(src, preprocessing: bool, format: str, layout: str, raw_
                               if prep is None else
                               f"this run's {prep.dataset or 'data'} images come at the model's size "
                               f"{tuple(prep.image_shape)} and its evaluation resizes none"))
+    if raw_image and prep.resize_interpolation != "bilinear":
+        raise ExportError(f"{arg('raw_image=True')} resizes as Pillow's bilinear filter does; this run "
+                          f"resizes with {prep.resize_interpolation!r} (data.augment.interpolation), which "
+                          "the graph does not reproduce")
     if prep is not None and tuple(prep.image_shape) != tuple(src.image_shape):
         if prep.image_shape[-1] != src.image_shape[-1] and preprocessing:
             raise ExportError(f"{arg('image_shape', repr(tuple(src.image_shape)), cli_value=str(tuple(src.image_shape)))}"

@@ -172,15 +172,16 @@ def _ordered_pair(pair, cfg):
         return f"expected [lo, hi] with lo <= hi, got {pair!r}"
 
 
-_AUGMENT_OFF = {"scale": None, "ratio": None, "hflip": None, "vflip": 0.0, "crop_padding": 0,
-                "color_jitter": None, "auto_augment": None, "reprob": 0.0}
+# Each augmenting key's values that augment nothing (remode's default: it fills nothing without reprob).
+_AUGMENT_OFF = {"scale": (None,), "ratio": (None,), "hflip": (None, 0.0), "vflip": (0.0,), "crop_padding": (0,),
+                "color_jitter": (None,), "auto_augment": (None,), "reprob": (0.0,), "remode": ("pixel",)}
 
 
 def _no_aug_alone(no_aug, cfg):
     augment = cfg["data"]["augment"]
     if not no_aug:
         return None
-    given = [f"data.augment.{k}={augment[k]!r}" for k, off in _AUGMENT_OFF.items() if augment[k] != off]
+    given = [f"data.augment.{k}={augment[k]!r}" for k, off in _AUGMENT_OFF.items() if augment[k] not in off]
     given += [f"data.augment.{k}.alpha={augment[k]['alpha']!r}" for k in ("mixup", "cutmix") if augment[k]["alpha"]]
     if given:
         return f"true (no augmentation at all) but {given[0]} is set: drop one"
@@ -401,11 +402,12 @@ SCHEMA: dict[str, dict] = {
                                "random offset (torchvision RandomCrop(padding=)); after the crop and flips; 0 = off",
                                low=0),
             "color_jitter": _f("list", None, "folder/records: torchvision ColorJitter factors [brightness, "
-                               "contrast, saturation] or [..., hue] (timm's color_jitter; hue at most 0.5), "
+                               "contrast, saturation] or [..., hue], or one number for the first three "
+                               "(timm's color_jitter; hue at most 0.5), "
                                "each adjustment's factor uniform in [1 - f, 1 + f] (hue: [-h, h]), in a random "
                                "order, after the flips; null = off", nullable=True,
                                rules=(_color_jitter_factors, _decoded_images_only),
-                               example="[0.4, 0.4, 0.4] or [0.4, 0.4, 0.4, 0.1]",
+                               example="0.4 (= [0.4, 0.4, 0.4]) or [0.4, 0.4, 0.4, 0.1]",
                                item=_f("float", None, "factor", low=0.0)),
             "auto_augment": _f("str", None, "folder/records: timm's RandAugment ('rand-m9-mstd0.5-inc1'), "
                                "TrivialAugment ('trivialaugment') or AugMix ('augmix-m5-w4-d2') string, after "
@@ -747,7 +749,7 @@ def config_from_dict(data: Mapping, overrides: Sequence[str] = (), *, source: st
         raise ConfigError(f"config must be a mapping, got {type(data).__name__}", source=source)
     if "base" in data:
         raise ConfigError("'base' includes are only supported in files", path="base", source=source)
-    raw = _flip_as_hflip(_copy(data), "", source)
+    raw = _augment_spellings(_copy(data), "", source)
     sources: dict[str, str] = {}
     _record_sources(raw, "", source, sources)
     _apply_overrides(raw, overrides, sources)
@@ -956,7 +958,7 @@ def _record_sources(tree, prefix, source, sources):
 def _merge(lower: dict, upper: dict, sources: dict, source: str | None, prefix: str = ""):
     """Deep-merge ``upper`` into ``lower`` in place: mappings merge, anything
     else replaces.  ``source`` (when not None) is recorded for upper's keys."""
-    upper = _flip_as_hflip(upper, prefix, source)
+    upper = _augment_spellings(upper, prefix, source)
     for key, value in upper.items():
         path = _join(prefix, str(key))
         spec = schema_field(path)
@@ -1075,22 +1077,28 @@ def _read_augment_shorthands(raw: dict, source_of) -> None:
         data["augment"] = {"no_aug": True}
 
 
-def _flip_as_hflip(layer: dict, prefix: str, source) -> dict:
-    """``layer`` (one file, override or recorded config, at dotted ``prefix``) with the key
-    ``data.augment.flip``, which ``hflip`` replaced and run directories recorded, read as
-    ``hflip: 0.5`` when true and as ``hflip: null`` (the source's recipe, the same as before:
-    none for arrays, and image files ignored flip) when false. Each layer is read so before it is
-    merged, so that a later one overrides it as it overrode flip."""
+def _augment_spellings(layer: dict, prefix: str, source) -> dict:
+    """``layer`` (one file, override or recorded config, at dotted ``prefix``) with
+    ``data.augment``'s other spellings read as the schema's: a number ``v`` for ``color_jitter``
+    (timm's form) as ``[v, v, v]``, and the key ``flip``, which ``hflip`` replaced and run
+    directories recorded, as ``hflip: 0.5`` when true and as ``hflip: null`` (the source's recipe,
+    the same as before: none for arrays, and image files ignored flip) when false. Each layer is
+    read so before it is merged, so that a later one overrides it as it overrode flip."""
     inner = {"": ("data", "augment"), "data": ("augment",), "data.augment": ()}.get(prefix)
     node = layer
     for part in inner or ():
         node = node.get(part) if isinstance(node, dict) else None
-    if inner is None or not isinstance(node, dict) or "flip" not in node:
+    if inner is None or not isinstance(node, dict) or not {"flip", "color_jitter"} & set(node):
         return layer
     layer = _copy(layer)
     node = layer
     for part in inner:
         node = node[part]
+    jitter = node.get("color_jitter")
+    if isinstance(jitter, (int, float)) and not isinstance(jitter, bool):
+        node["color_jitter"] = [jitter] * 3
+    if "flip" not in node:
+        return layer
     flip = node.pop("flip")
     flip = flip.boolean if isinstance(flip, _Word) else flip
     if not isinstance(flip, bool):
@@ -1505,9 +1513,18 @@ def _trains(key: str) -> bool:
     return True
 
 
+# An image folder or records run without augmentation trains on evaluation's resize and crop.
+_TRAIN_ON_THE_EVAL_RESIZE = ("data.eval_resize", "data.augment.crop_pct")
+
+
 def training_config(config_dict: Mapping) -> dict:
-    """``{dotted key: value}`` of the keys of a resolved config whose Field ``trains``."""
-    return {k: v for k, v in _renamed_keys(_flatten(config_dict)).items() if _trains(k)}
+    """``{dotted key: value}`` of the keys of a resolved config whose Field ``trains``, and the
+    evaluation resize's keys when training uses that resize (``data.augment: none`` on an image
+    folder or records)."""
+    flat = _renamed_keys(_flatten(config_dict))
+    eval_resize_trains = bool(flat.get("data.augment.no_aug")) and flat.get("data.source") in _IMAGE_FILES
+    return {k: v for k, v in flat.items()
+            if _trains(k) or (eval_resize_trains and k in _TRAIN_ON_THE_EVAL_RESIZE)}
 
 
 def config_digest(config_dict: Mapping) -> str:

@@ -467,6 +467,9 @@ def make_eval_step(model, *, policy=None, choices: Choices | None = None,
         return out
 
     def prepare(images):
+        if image_norm is None and images.dtype == jnp.uint8:  # an image folder's batch: bytes
+            raise TypeError("make_eval_step: uint8 images are normalised on the device, which needs "
+                            "image_norm=(mean, std); got image_norm=None")
         return device_normalize(images, image_norm)
 
     def eval_step(params, model_state, batch):

@@ -114,3 +114,14 @@ def test_what_a_raw_image_export_refuses_is_one_line(case):
         with pytest.raises(ExportError, match=match) as e:
             export_onnx(model, params, state, CROP + (3,), raw_image=True, **kwargs)
         assert "\n" not in str(e.value)
+
+
+def test_the_export_refuses_a_run_with_another_filter_before_any_work():
+    """A run resized with bicubic (data.augment.interpolation) is refused when the export reads
+    its preprocessing, before loading, pruning or quantising anything."""
+    from types import SimpleNamespace
+    from jaxcnn.export.pipeline import _preprocessing_meta
+    src = SimpleNamespace(preprocessing=PREP._replace(resize_interpolation="bicubic"), image_shape=CROP + (3,))
+    with pytest.raises(ExportError, match=r"this run resizes with 'bicubic' \(data.augment.interpolation\)") as e:
+        _preprocessing_meta(src, True, "onnx", "nhwc", raw_image=True)
+    assert "\n" not in str(e.value)

@@ -810,8 +810,8 @@ def test_a_layer_with_the_old_flip_key_is_overridden_as_flip_was(tmp_path):
     (["data.augment.color_jitter=[0.4, 0.4, 0.4]"], "data.augment.color_jitter",
      "works on decoded image files (data.source: folder or records); data.source='mnist' is in-memory arrays"),
     (["data.augment.reprob=0.25"], "data.augment.reprob", "data.source='mnist' is in-memory arrays"),
-    (["data.source=folder", "data.path=x", "data.augment.color_jitter=0.4"], "data.augment.color_jitter",
-     "e.g. [0.4, 0.4, 0.4] or [0.4, 0.4, 0.4, 0.1]"),
+    (["data.source=folder", "data.path=x", "data.augment.color_jitter=strong"], "data.augment.color_jitter",
+     "0.4 (= [0.4, 0.4, 0.4]) or [0.4, 0.4, 0.4, 0.1]"),
     (["data.source=folder", "data.path=x", "data.augment.color_jitter=[0.4, 0.4]"], "data.augment.color_jitter",
      "expected [brightness, contrast, saturation] or [..., hue]"),
     (["data.source=folder", "data.path=x", "data.augment.auto_augment=rand-q9"], "data.augment.auto_augment",
@@ -836,3 +836,27 @@ def test_photometric_augment_keys_reach_the_image_files_augment():
     augment = augment_spec(cfg)
     assert augment.color_jitter == (0.4, 0.3, 0.2, 0.0) and augment.auto_augment == "rand-m9-mstd0.5-t3a"
     assert (augment.reprob, augment.remode, augment.hflip) == (0.25, "const", 0.5)
+
+
+def test_without_augmentation_the_evaluation_resize_is_a_training_key():
+    """data.augment: none on an image folder trains on evaluation's resize, so a resume that
+    changes crop_pct or eval_resize changes training; with augmentation it changes only the
+    evaluation."""
+    from jaxcnn.train.config import config_changes
+    folder = ["data.source=folder", "data.path=x"]
+    for base, key, a, b in ((["data.augment=none"], "data.augment.crop_pct", "0.9", "0.5"),
+                            (["data.augment=none"], "data.eval_resize", "40", "48")):
+        old, new = (to_dict(config_from_dict(MINIMAL, folder + base + [f"{key}={v}"])) for v in (a, b))
+        assert config_changes(old, new) == [f"{key}: {float(a) if 'pct' in key else int(a)!r} -> "
+                                            f"{float(b) if 'pct' in key else int(b)!r}"]
+        augmented = [to_dict(config_from_dict(MINIMAL, folder + [f"{key}={v}"])) for v in (a, b)]
+        assert config_changes(*augmented) == []
+
+
+def test_a_number_for_color_jitter_is_timms_form_and_none_takes_what_augments_nothing():
+    folder = ["data.source=folder", "data.path=x"]
+    assert config_from_dict(MINIMAL, folder + ["data.augment.color_jitter=0.4"]).data.augment.color_jitter == \
+        (0.4, 0.4, 0.4)
+    assert config_from_dict(MINIMAL, folder + ["data.augment=none", "data.augment.hflip=0"]).data.augment.no_aug
+    err = error_of(config_from_dict, MINIMAL, folder + ["data.augment=none", "data.augment.remode=const"])
+    assert str(err).startswith("data.augment.no_aug: true (no augmentation at all) but data.augment.remode='const'")

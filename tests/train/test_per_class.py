@@ -4,6 +4,7 @@ from types import SimpleNamespace
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from jaxcnn.train import metrics
 from jaxcnn.train.step import make_eval_step
@@ -61,3 +62,5 @@ def test_the_eval_step_normalises_uint8_images_as_the_host_did():
     for key in want:
         np.testing.assert_allclose(np.asarray(got[key]), np.asarray(want[key]), rtol=1e-5, atol=1e-6, err_msg=key)
     assert float(want["loss_sum"]) > 1.0  # an untrained head: the loss is far from 0
+    with pytest.raises(TypeError, match=r"uint8 images are normalised on the device, which needs image_norm"):
+        make_eval_step(model).step(params, state, {"image": pixels, "label": labels})
