@@ -74,3 +74,41 @@ def test_readme_example_runs_as_written(index, tmp_path):
     done = subprocess.run([sys.executable, "-c", _runnable_blocks()[index]], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+def _shell_blocks():
+    """The README's shell blocks marked ``<!-- runs in tests/test_readme.py -->``."""
+    with open(README, encoding="utf-8") as f:
+        text = f.read()
+    return re.findall(r"^<!-- runs in tests/test_readme\.py -->\n```bash\n(.*?)^```", text, flags=re.S | re.M)
+
+
+def test_the_readmes_predict_and_export_commands_run_as_written(tmp_path, monkeypatch, capsys):
+    """The Predict section's commands, as written, in an empty directory holding the main job's
+    run directory (here trained for 2 steps): the images made by its one-liner, predicted from
+    the run and from its ONNX export."""
+    import json
+    import shlex
+    import subprocess
+    import sys
+
+    pytest.importorskip("onnxruntime")
+    from jaxcnn._console import export, predict
+    from jaxcnn.train.cli import train_main
+    [block] = _shell_blocks()
+    commands = [shlex.split(line) for line in block.strip().splitlines()]
+    assert [c[0] for c in commands] == ["python", "jaxcnn-predict", "jaxcnn-export", "jaxcnn-predict"]
+    monkeypatch.chdir(tmp_path)
+    root = os.path.dirname(README)
+    assert train_main([os.path.join(root, "configs", "mnist_cnn.yaml"), "train.epochs=null", "train.steps=2",
+                       "train.compilation_cache=null", "logging.progress=none", "--workdir", "runs/mnist_cnn"]) == 0
+    env = dict(os.environ, PYTHONPATH=root)
+    done = subprocess.run([sys.executable] + commands[0][1:], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and sorted(os.listdir()) == ["digit0.png", "digit1.png", "digit2.png", "runs"], done.stderr
+    capsys.readouterr()
+    for command, main in zip(commands[1:], (predict, export, predict)):
+        assert main(command[1:]) == 0, command
+    out = capsys.readouterr().out
+    assert out.startswith("digit0.png\n") and "digit2.png\n" in out
+    last = json.loads(out.strip().splitlines()[-1])  # the ONNX export's prediction, with --json
+    assert last["source"] == "mnist.onnx" and [p["image"] for p in last["predictions"]] == ["digit0.png"]
