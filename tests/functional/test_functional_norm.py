@@ -332,8 +332,9 @@ def test_norms_match_torch_with_gradients():
                        lambda xt, st, bt: tf.group_norm(xt, 3, st, bt)),
     }
     for name, (ours, theirs) in cases.items():
-        y, vjp = jax.vjp(ours, x, s, b)
-        grads = vjp(jnp.asarray(g))
+        # value and vjp as one compiled program, not an eager op at a time
+        y, grads = jax.jit(lambda x, s, b, g: (lambda y, vjp: (y, vjp(g)))(
+            *jax.vjp(ours, x, s, b)))(x, s, b, jnp.asarray(g))
         xt, st, bt = to_nchw(x), torch.tensor(s, requires_grad=True), torch.tensor(b, requires_grad=True)
         yt = theirs(xt, st, bt)
         yt.backward(torch.tensor(g.transpose(0, 3, 1, 2)))
