@@ -364,15 +364,17 @@ def test_max_pool_reshape_matches_reduce_window_and_first_max_gradient(g):
     y_ref, where = first_max_pool_ref(x, k)
     gy = rng.standard_normal(y_ref.shape).astype(np.float32)
 
-    def forward_backward(x):
-        y, vjp = jax.vjp(pool("auto"), x)
-        return y, vjp(gy)[0]
+    def forward_backward(impl):  # one compiled program per lowering
+        def run(x):
+            y, vjp = jax.vjp(pool(impl), x)
+            return y, vjp(gy)[0]
+        return jax.jit(run)
 
-    y, dx = jax.jit(forward_backward)(x)
-    y_xla, vjp_xla = jax.vjp(jax.jit(pool("xla")), x)
+    y, dx = forward_backward("auto")(x)
+    y_xla, dx_xla = forward_backward("xla")(x)
     np.testing.assert_array_equal(y, y_xla)
     np.testing.assert_array_equal(y, y_ref)
-    np.testing.assert_array_equal(dx, vjp_xla(gy)[0])
+    np.testing.assert_array_equal(dx, dx_xla)
     want = np.zeros(x.shape)
     n, oh, ow, c = y.shape
     for b in range(n):
@@ -384,6 +386,11 @@ def test_max_pool_reshape_matches_reduce_window_and_first_max_gradient(g):
     np.testing.assert_array_equal(dx, want)
 
 
+def jvp(fn):
+    """fn's value and jvp as one compiled program (not an eager op at a time)."""
+    return jax.jit(lambda x, t: jax.jvp(fn, (x,), (t,)))
+
+
 def test_max_pool_reshape_forward_mode_and_second_order():
     rng = np.random.default_rng(12)
     x = jnp.asarray(rng.integers(-2, 3, (2, 6, 4, 3)), jnp.float32)  # ties in most windows
@@ -392,8 +399,8 @@ def test_max_pool_reshape_forward_mode_and_second_order():
     def pool(impl):
         return lambda x: F.max_pool2d(x, (2, 2), impl=impl)
 
-    y, ty = jax.jvp(pool("auto"), (x,), (t,))
-    y_ref, ty_ref = jax.jvp(pool("xla"), (x,), (t,))
+    y, ty = jvp(pool("auto"))(x, t)
+    y_ref, ty_ref = jvp(pool("xla"))(x, t)
     np.testing.assert_array_equal(y, y_ref)
     np.testing.assert_array_equal(ty, ty_ref)
     xs = x + 0.01 * t  # distinct values, so second derivatives are well defined
@@ -401,7 +408,8 @@ def test_max_pool_reshape_forward_mode_and_second_order():
     def curvature(impl):
         return lambda x: jnp.sum(jax.grad(lambda x: jnp.sum(jnp.sin(pool(impl)(x))))(x) * x)
 
-    assert_close(jax.grad(curvature("auto"))(xs), jax.grad(curvature("xla"))(xs), RTOL[jnp.float32])
+    assert_close(jax.jit(jax.grad(curvature("auto")))(xs),
+                 jax.jit(jax.grad(curvature("xla")))(xs), RTOL[jnp.float32])
 
 
 def test_max_pool_reshape_propagates_nan_and_inf():
@@ -468,13 +476,15 @@ def test_max_pool_overlapping_matches_reduce_window_value_and_gradient(geometry,
     for fn in (pool("auto"), jax.grad(lambda x: jnp.sum(pool("auto")(x)))):
         jaxpr = str(jax.make_jaxpr(fn)(x))
         assert "reduce_window" not in jaxpr and "select_and" not in jaxpr  # the taps ran
-    y, vjp = jax.vjp(jax.jit(pool("auto")), x)
-    y_xla, vjp_xla = jax.vjp(jax.jit(pool("xla")), x)
+    def value_and_pullback(impl):  # one compiled program per lowering, forward and vjp
+        return jax.jit(lambda x, ct: (lambda y, vjp: (y, vjp(ct)[0]))(*jax.vjp(pool(impl), x)))
+
+    ct = jnp.asarray(rng.integers(1, 9, jax.eval_shape(pool("auto"), x).shape), dtype)
+    y, dx = value_and_pullback("auto")(x, ct)
+    y_xla, dx_xla = value_and_pullback("xla")(x, ct)
     assert y.dtype == dtype and y.shape == y_xla.shape
     np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(y_xla, np.float32))
-    ct = jnp.asarray(rng.integers(1, 9, y.shape), dtype)
-    np.testing.assert_array_equal(np.asarray(vjp(ct)[0], np.float32),
-                                  np.asarray(vjp_xla(ct)[0], np.float32))
+    np.testing.assert_array_equal(np.asarray(dx, np.float32), np.asarray(dx_xla, np.float32))
 
 
 def test_max_pool_overlapping_bf16_gradient_rounds_once():
@@ -506,24 +516,25 @@ def test_max_pool_overlapping_forward_mode_and_second_order():
 
     xs = jnp.asarray(rng.permutation(2 * 7 * 6 * 3).reshape(2, 7, 6, 3) - 100.0, jnp.float32)
     t = jnp.asarray(rng.integers(-4, 5, xs.shape), jnp.float32)
-    y, ty = jax.jvp(pool("auto"), (xs,), (t,))
-    y_ref, ty_ref = jax.jvp(pool("xla"), (xs,), (t,))
+    auto_jvp = jvp(pool("auto"))  # compiled once, run on distinct values and on ties
+    y, ty = auto_jvp(xs, t)
+    y_ref, ty_ref = jvp(pool("xla"))(xs, t)
     np.testing.assert_array_equal(y, y_ref)
     np.testing.assert_array_equal(ty, ty_ref)
 
     x = jnp.asarray(rng.integers(-2, 3, xs.shape), jnp.float32)
-    _, ty = jax.jvp(pool("auto"), (x,), (t,))
-    y, vjp = jax.vjp(pool("xla"), x)
-    c = jnp.asarray(rng.integers(-4, 5, y.shape), jnp.float32)
-    assert float(jnp.sum(ty * c)) == float(jnp.sum(t * vjp(c)[0]))
+    _, ty = auto_jvp(x, t)
+    c = jnp.asarray(rng.integers(-4, 5, jax.eval_shape(pool("xla"), x).shape), jnp.float32)
+    xla_pullback = jax.jit(lambda x, c: jax.vjp(pool("xla"), x)[1](c)[0])
+    assert float(jnp.sum(ty * c)) == float(jnp.sum(t * xla_pullback(x, c)))
 
     smooth = xs / 50.0
 
     def curvature(impl):
         return lambda x: jnp.sum(jax.grad(lambda x: jnp.sum(jnp.sin(pool(impl)(x))))(x) * x)
 
-    assert_close(jax.grad(curvature("auto"))(smooth), jax.grad(curvature("xla"))(smooth),
-                 RTOL[jnp.float32])
+    assert_close(jax.jit(jax.grad(curvature("auto")))(smooth),
+                 jax.jit(jax.grad(curvature("xla")))(smooth), RTOL[jnp.float32])
 
 
 def test_max_pool_stem_dispatch_drops_select_and_scatter():
