@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from export_cases import init_model, random_init
+from export_cases import random_init
 
 from jaxcnn import interop
 from jaxcnn import layers as L
@@ -32,14 +32,18 @@ def _train(tx, opt_state, params, steps=5):
     def loss(p):
         return jnp.sum(_MODEL.apply(p, {}, x)[0] ** 2)
 
-    for _ in range(steps):
+    @jax.jit                 # one compilation per optimiser instead of every op eagerly
+    def step(params, opt_state):
         updates, opt_state = tx.update(jax.grad(loss)(params), opt_state, params)
-        params = optax.apply_updates(params, updates)
+        return optax.apply_updates(params, updates), opt_state
+
+    for _ in range(steps):
+        params, opt_state = step(params, opt_state)
     return jax.device_get(params)
 
 
 def test_mask_updates_hold_pruned_weights_at_zero():
-    params, _ = init_model(_MODEL, (6, 6, 2))
+    params, _ = random_init(_MODEL, (6, 6, 2))
     pruned, masks = magnitude_prune(_MODEL, params, 0.6)
     adamw = optax.adamw(0.05, weight_decay=0.5)
     # Without the mask, momentum brings the pruned weights back (the test can fail) ...
