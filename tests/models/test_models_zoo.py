@@ -204,23 +204,27 @@ def _random_variables(params, state, seed=0):
     return tuple(jax.tree_util.tree_map_with_path(fill, tree) for tree in (params, state))
 
 
-# Small but complete forward passes: (name, options, input shape).
+# Small but complete forward passes: (name, options, input shape).  VGG-11 and ResNet-34 only
+# repeat the layers of VGG-16 and ResNet-18 (its basic blocks; ResNet-50 has the 7x7 stem and
+# max-pool) in other numbers: they run in the slow run (-m slow), 9 and 28 s each on 2 busy cores.
 JIT_CASES = [
     ("mnist_cnn", {}, (2, 28, 28, 1)),
     ("lenet5", {"activation": "tanh", "pooling": "avg"}, (2, 28, 28, 1)),
     ("alexnet", {"num_classes": 10, "classifier_width": 32}, (2, 64, 64, 3)),
-    ("vgg11", {"num_classes": 10, "classifier_width": 32}, (2, 32, 32, 3)),
+    pytest.param("vgg11", {"num_classes": 10, "classifier_width": 32}, (2, 32, 32, 3),
+                 marks=pytest.mark.slow),
     ("vgg16", {"num_classes": 10, "classifier_width": 32}, (2, 32, 32, 3)),
     ("vgg16_bn", {"num_classes": 10, "classifier_width": 32}, (2, 32, 32, 3)),
     ("resnet18", {"num_classes": 10, "cifar_stem": True}, (2, 32, 32, 3)),
-    ("resnet34", {"num_classes": 10}, (2, 32, 32, 3)),
+    pytest.param("resnet34", {"num_classes": 10}, (2, 32, 32, 3), marks=pytest.mark.slow),
     ("resnet50", {"num_classes": 10}, (2, 32, 32, 3)),
     ("resnext50_32x4d", {"num_classes": 10}, (2, 32, 32, 3)),   # grouped 3x3 convolutions
     ("mobilenet_v2", {"num_classes": 10}, (2, 32, 32, 3)),
 ]
 
 
-@pytest.mark.parametrize("name, options, shape", JIT_CASES, ids=[c[0] for c in JIT_CASES])
+@pytest.mark.parametrize("name, options, shape", JIT_CASES,
+                         ids=[(c.values if hasattr(c, "values") else c)[0] for c in JIT_CASES])
 def test_jitted_eval_and_train_forward(name, options, shape):
     model = models.get(name, **options)
     params, state = _random_variables(*_abstract_init(model, shape))
