@@ -9,15 +9,12 @@ import pytest
 def torchvision_transforms():
     """torchvision, imported for its PIL transforms only: its compiled ops need the torch it was
     built for, and a stand-in for ``torchvision._meta_registrations`` lets it import without
-    them (skipped where torchvision is not installed)."""
+    them (skipped where torch or torchvision is not installed; one installed that does not
+    import is a failure)."""
     pytest.importorskip("torch")
     if "torchvision" not in sys.modules:
         sys.modules.setdefault("torchvision._meta_registrations", types.ModuleType("torchvision._meta_registrations"))
-    try:
-        import torchvision.transforms
-    except Exception as err:  # noqa: BLE001  (not installed, or built for another torch)
-        pytest.skip(f"torchvision does not import: {err}")
-    return torchvision.transforms
+    return pytest.importorskip("torchvision.transforms")
 
 
 class _TorchDrawingFrom:
