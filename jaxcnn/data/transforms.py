@@ -133,7 +133,7 @@ def train_transform(image, size, rng: np.random.Generator, augment, *, resize: i
         np.copyto(out, array)
     if augment.reprob:
         from jaxcnn.data.photometric import random_erase
-        mean, std = _imagenet_pixels()
+        mean, std = _IMAGENET_PIXELS
         random_erase(out, rng, augment.reprob, mean=mean, std=std, mode=augment.remode)
     return out
 
@@ -159,9 +159,8 @@ def _policy(auto_augment: str, interpolation: str):
     return parse_auto_augment(auto_augment, fill=mean_fill(IMAGENET_MEAN), interpolation=interpolation)
 
 
-def _imagenet_pixels():
-    """The ImageNet channel mean and std in pixel units (``255 *`` the ``[0, 1]`` ones)."""
-    return 255.0 * np.asarray(IMAGENET_MEAN), 255.0 * np.asarray(IMAGENET_STD)
+# The ImageNet channel mean and std in pixel units (random erasing's fills), computed once.
+_IMAGENET_PIXELS = (255.0 * np.asarray(IMAGENET_MEAN), 255.0 * np.asarray(IMAGENET_STD))
 
 
 def random_flips(array: np.ndarray, rng: np.random.Generator, hflip: float, vflip: float) -> np.ndarray:
