@@ -114,3 +114,17 @@ def pytest_terminal_summary(terminalreporter):
         counts = collections.Counter(_skip_reason(r) for r in skipped)
         terminalreporter.write_line(f"skipped {len(skipped)}: " + "; ".join(
             f"{reason} ({n})" for reason, n in counts.most_common()))
+
+
+@pytest.fixture(scope="session")
+def mnist_run(tmp_path_factory):
+    """A short ``configs/mnist_cnn.yaml`` run (60 steps, a checkpoint at the end, its params and
+    preprocessing.json) that the export and predict tests read; they must not write into it
+    (copy it first).  Their modules are one xdist group, ``mnist_run`` (pyproject's ``--dist
+    loadgroup``), so one worker trains it once for all of them."""
+    from jaxcnn.train.cli import train_main
+    path = str(tmp_path_factory.mktemp("mnist_run"))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    assert train_main([os.path.join(root, "configs", "mnist_cnn.yaml"), "train.steps=60",
+                       "train.eval_every=null", "logging.progress=none", "--workdir", path]) == 0
+    return path

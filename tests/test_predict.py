@@ -19,20 +19,15 @@ import jaxcnn  # noqa: E402
 from jaxcnn.data import load_mnist  # noqa: E402
 from jaxcnn.export import export, load_source  # noqa: E402
 from jaxcnn.predict import PredictError, Resize, load_predictor, main, to_pixels  # noqa: E402
-from jaxcnn.train.cli import train_main  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TRAIN_STEPS = 40
 N_DIGITS = 8
+pytestmark = pytest.mark.xdist_group("mnist_run")  # conftest's mnist_run
 
 
 @pytest.fixture(scope="module")
-def run_dir(tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("predict_run") / "run")
-    rc = train_main([os.path.join(ROOT, "configs", "mnist_cnn.yaml"), f"train.steps={TRAIN_STEPS}",
-                     "checkpoint.enabled=false", "train.eval_every=null", "--workdir", path])
-    assert rc == 0
-    return path
+def run_dir(mnist_run):
+    return mnist_run
 
 
 @pytest.fixture(scope="module")

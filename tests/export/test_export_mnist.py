@@ -19,18 +19,13 @@ from jaxcnn.export import (calibration_batches, evaluate_model, fold_batch_norm,
                            load_stablehlo, magnitude_prune, quantize_int8, sparsity_report)
 from jaxcnn.export.cli import main
 from jaxcnn.models import registry
-from jaxcnn.train.cli import train_main
 
-TRAIN_STEPS = 60
+pytestmark = pytest.mark.xdist_group("mnist_run")  # conftest's mnist_run
 
 
 @pytest.fixture(scope="module")
-def run_dir(tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("mnist_run"))
-    rc = train_main(["configs/mnist_cnn.yaml", f"train.steps={TRAIN_STEPS}",
-                     "checkpoint.enabled=false", "train.eval_every=null", "--workdir", path])
-    assert rc == 0
-    return path
+def run_dir(mnist_run):
+    return mnist_run
 
 
 @pytest.fixture(scope="module")

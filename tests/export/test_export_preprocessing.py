@@ -17,17 +17,15 @@ from jaxcnn.data import load_mnist
 from jaxcnn.data.preprocessing import PREPROCESSING_FILE, read_preprocessing
 from jaxcnn.export import load_stablehlo
 from jaxcnn.export.cli import main
-from jaxcnn.train.cli import eval_main, train_main
+from jaxcnn.train.cli import eval_main
 
 TOLERANCE = 3 / 2000   # three test digits
+pytestmark = pytest.mark.xdist_group("mnist_run")  # conftest's mnist_run
 
 
 @pytest.fixture(scope="module")
-def run_dir(tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("mnist_prep_run"))
-    assert train_main(["configs/mnist_cnn.yaml", "train.steps=30", "train.eval_every=null",
-                       "logging.progress=none", "--workdir", path]) == 0
-    return path
+def run_dir(mnist_run):
+    return mnist_run
 
 
 def _eval(run_dir):
