@@ -142,3 +142,12 @@ def test_guide_commands_run_as_written(page, code, tmp_path):
     done = subprocess.run(["bash", "-euo", "pipefail", "-c", code], cwd=tmp_path, env=_environment(),
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, f"{page}:\n{done.stderr[-3000:]}"
+
+
+def test_the_guides_figures_are_the_benchmarks():
+    """A guide links to its figures in docs/BENCHMARKS.md; any it quotes are there."""
+    from test_readme import BENCHMARKS, FIGURE, _prose
+    with open(BENCHMARKS, encoding="utf-8") as f:
+        benchmarks = f.read()
+    quoted = {(os.path.relpath(page, ROOT), figure) for page in _pages() for figure in FIGURE.findall(_prose(page))}
+    assert {q for q in quoted if q[1] not in benchmarks} == set()
