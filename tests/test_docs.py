@@ -70,10 +70,21 @@ def _runnable(language):
     return [(page, code) for page, marker, lang, code in _blocks() if marker == RUNS and lang == language]
 
 
+def _runs_elsewhere(page, marker):
+    """``<!-- runs in tests/x/test_y.py -->``: that test runs the block, read from the page."""
+    m = re.fullmatch(r"<!-- runs in (tests/\S+\.py) -->", marker)
+    if m and os.path.isfile(os.path.join(ROOT, m.group(1))):
+        with open(os.path.join(ROOT, m.group(1)), encoding="utf-8") as f:
+            return f'"{os.path.basename(page)}"' in f.read()
+    return False
+
+
 def test_every_guide_block_says_whether_it_runs():
-    """A block runs here, or its marker says why not (``<!-- not run: needs a GPU -->``)."""
+    """A block runs here or in a test that reads it, or its marker says why not
+    (``<!-- not run: needs a GPU -->``)."""
     unmarked = [(page, code.splitlines()[0]) for page, marker, _, code in _blocks()
-                if marker != RUNS and not re.fullmatch(r"<!-- not run: \S.*-->", marker)]
+                if marker != RUNS and not _runs_elsewhere(page, marker)
+                and not re.fullmatch(r"<!-- not run: \S.*-->", marker)]
     assert not unmarked, unmarked
     assert len(_runnable("python")) >= 5 and _runnable("bash")
 
