@@ -162,3 +162,36 @@ def test_the_guides_figures_are_the_benchmarks():
         benchmarks = f.read()
     quoted = {(os.path.relpath(page, ROOT), figure) for page in _pages() for figure in FIGURE.findall(_prose(page))}
     assert {q for q in quoted if q[1] not in benchmarks} == set()
+
+
+# ------------------------------------------------------------------ the API reference
+
+PUBLIC = ("functional", "layers", "models", "precision", "train", "parallel", "data", "export", "interop",
+          "predict", "cpu")
+
+
+def test_every_public_package_has_an_api_page_in_the_site():
+    with open(os.path.join(ROOT, "mkdocs.yml"), encoding="utf-8") as f:
+        nav = f.read()
+    for name in PUBLIC:
+        page = f"reference/api/{name}.md"
+        with open(os.path.join(DOCS, page), encoding="utf-8") as f:
+            assert re.search(rf"^::: jaxcnn\.{name}$", f.read(), flags=re.M), page
+        assert f" {page}\n" in nav, page
+
+
+def test_the_hook_points_griffe_at_names_loaded_on_first_use():
+    """``jaxcnn.train.run`` (PEP 562) and ``jaxcnn.functional.linear`` (a function named like its
+    module) are documented from their defining modules; modules and unknown names stay."""
+    path = os.path.join(ROOT, "scripts", "mkdocs_hooks.py")
+    spec = importlib.util.spec_from_file_location("mkdocs_hooks", path)
+    hooks = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hooks)
+    import jaxcnn.functional
+    import jaxcnn.train
+    run = hooks.defining_path("jaxcnn.train.run")
+    assert run.endswith(".run") and run != "jaxcnn.train.run" and jaxcnn.train.run.__module__ in run
+    assert hooks.defining_path("jaxcnn.functional.linear") == "jaxcnn.functional.linear.linear"
+    assert hooks.defining_path("jaxcnn.functional") == "jaxcnn.functional"
+    assert hooks.defining_path("jaxcnn.functional.no_such_name") == "jaxcnn.functional.no_such_name"
+    assert jaxcnn.functional.linear.__name__ == "linear"
