@@ -47,11 +47,14 @@ def _number(x) -> str:
 
 
 def _bounds(spec) -> str:
+    """The range the schema checks; ints and step counts stop at ``MAX_INT`` (int32 steps)."""
+    from jaxcnn.train.config import MAX_INT
+    high = MAX_INT if spec.high is None and spec.type in ("int", "duration") else spec.high
     parts = []
     if spec.low is not None:
         parts.append(f"{'>' if spec.open_low else '≥'} {_number(spec.low)}")
-    if spec.high is not None:
-        parts.append(f"{'<' if spec.open_high else '≤'} {_number(spec.high)}")
+    if high is not None:
+        parts.append(f"{'<' if spec.open_high else '≤'} {_number(high)}")
     return ", ".join(parts)
 
 
