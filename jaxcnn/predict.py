@@ -396,8 +396,8 @@ def load_predictor(source) -> Predictor:
     ``.preprocessing.json``) for :meth:`Predictor.predict`.
 
     Raises:
-        PredictError (or another ``ValueError``: ``ExportError``, ``DataError``,
-        ``ConfigError``) naming the file at fault.
+        PredictError: (or another ``ValueError``: ``ExportError``, ``DataError``,
+            ``ConfigError``) naming the file at fault.
     """
     path = os.fspath(source)
     if os.path.isdir(path):
@@ -443,7 +443,7 @@ def predict(source, images: Sequence[Any], top_k: int = 5) -> list[Prediction]:
         file before the model is loaded.
 
     Raises:
-        PredictError (a ``ValueError``) naming the bad image or source.
+        PredictError: (a ``ValueError``) naming the bad image or source.
     """
     _check_top_k(top_k)
     images = _as_list(images)

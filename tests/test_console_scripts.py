@@ -178,3 +178,13 @@ def test_no_arguments_names_only_what_is_required(name, missing, capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert f"the following arguments are required: {missing} (" in err and "key=value" not in err, err
+
+
+def test_train_help_points_to_print_config_and_the_config_reference(capsys):
+    """``jaxcnn-train --help`` says where the config keys are listed."""
+    with pytest.raises(SystemExit) as e:
+        _entry("jaxcnn-train")(["--help"])
+    assert e.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "--print-config` prints every key" in out and "docs/reference/config.md" in out
+    assert (ROOT / "docs" / "reference" / "config.md").is_file()

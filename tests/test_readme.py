@@ -9,6 +9,9 @@ import re
 import pytest
 
 README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
+BENCHMARKS = os.path.join(os.path.dirname(README), "docs", "BENCHMARKS.md")
+# A measured figure: a ratio (2.2x, not 3x3) or a percentage with decimals (98.75%), or seconds.
+FIGURE = re.compile(r"(?<![\w.])(\d[\d,]*(?:\.\d+)?x(?!\w)|\d[\d,]*\.\d+%|\d+ s\b)")
 
 
 def _names():
@@ -35,6 +38,34 @@ def _resolve(name):
     for part in parts[1:]:
         obj = getattr(obj, part)
     return obj
+
+
+def _prose(path):
+    """The text of ``path`` outside its code blocks."""
+    with open(path, encoding="utf-8") as f:
+        return re.sub(r"^```[^\n]*\n.*?^```", "", f.read(), flags=re.S | re.M)
+
+
+def test_the_readme_is_short_and_keeps_its_two_commands():
+    """Under about 150 lines (the rest is in docs/); the set-up command and the test command that
+    .ci/run runs, character for character."""
+    with open(README, encoding="utf-8") as f:
+        text = f.read()
+    assert len(text.splitlines()) <= 150
+    with open(os.path.join(os.path.dirname(README), ".ci", "run"), encoding="utf-8") as f:
+        [ci_command] = re.findall(r"^TEST_CMD='(.*)'$", f.read(), flags=re.M)
+    assert f"```bash\n{ci_command}\n```" in text
+    assert ('```bash\npython3 -m venv .venv && . .venv/bin/activate && pip install -e ".[test]" && '
+            'jaxcnn-train configs/mnist_cnn.yaml\n```') in text
+
+
+def test_the_readmes_figures_are_the_benchmarks():
+    """Each figure lives in docs/BENCHMARKS.md; the README quotes it from there."""
+    figures = FIGURE.findall(_prose(README))
+    assert {"98.85%", "35 s", "2.2x"} <= set(figures)
+    with open(BENCHMARKS, encoding="utf-8") as f:
+        benchmarks = f.read()
+    assert [f for f in figures if f not in benchmarks] == []
 
 
 def test_the_readme_names_something():

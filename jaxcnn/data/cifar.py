@@ -30,8 +30,8 @@ def read_cifar_bin(path, *, num_classes=10):
         ``(images, labels)``: ``(N, 32, 32, 3)`` uint8 NHWC images and ``(N,)`` int32 labels.
 
     Raises:
-        DataError naming the file: missing, empty, size not a whole number of records,
-        too large, label out of range.
+        DataError: naming the file: missing, empty, size not a whole number of records,
+            too large, label out of range.
     """
     path = check_regular_file(path)  # a FIFO or device has no size to check: refused
     try:
@@ -78,7 +78,7 @@ def load_cifar10(path) -> Dataset:
         10 classes, mean/std measured on the training images.
 
     Raises:
-        DataError naming the file and what is wrong with it.
+        DataError: naming the file and what is wrong with it.
     """
     directory = os.fspath(path)
     if os.path.isdir(os.path.join(directory, ARCHIVE_DIR)):

@@ -128,7 +128,7 @@ def check_dataset(dataset: Dataset) -> Dataset:
         dataset: the dataset to check.
 
     Raises:
-        DataError naming the field and the problem.
+        DataError: naming the field and the problem.
     """
     name = dataset.name
     for split in ("train", "test"):

@@ -144,9 +144,9 @@ def download_file(url: str, path, *, sha256: str, timeout: float = 60.0, max_byt
         ``path``.
 
     Raises:
-        DataError naming the URL: unsupported scheme (or a redirect to one), HTTP or network
-        error, response too large, deadline passed, or checksum mismatch (expected and
-        received digests both shown).
+        DataError: naming the URL: unsupported scheme (or a redirect to one), HTTP or network
+            error, response too large, deadline passed, or checksum mismatch (expected and
+            received digests both shown).
     """
     scheme = urllib.parse.urlsplit(url).scheme
     if not deadline > 0:
@@ -210,8 +210,8 @@ def download_mnist(dest, *, base_url: str, sha256: dict, files=MNIST_FILES, time
         The list of paths written or kept, in the order of ``files``.
 
     Raises:
-        ValueError when a file has no digest or is not a plain file name; DataError naming the
-        URL on a failed download or a checksum mismatch.
+        ValueError: when a file has no digest or is not a plain file name.
+        DataError: naming the URL on a failed download or a checksum mismatch.
     """
     files = list(files)
     for name in files:

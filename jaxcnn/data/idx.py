@@ -78,8 +78,8 @@ def read_idx(path, *, expected_magic=None, max_bytes=DEFAULT_MAX_BYTES) -> np.nd
         An array of the declared shape in native byte order (``uint8`` for MNIST).
 
     Raises:
-        DataError naming the file: bad magic, truncated data, trailing bytes, sizes that
-        disagree with the header, payload over ``max_bytes``, corrupt gzip stream.
+        DataError: naming the file: bad magic, truncated data, trailing bytes, sizes that
+            disagree with the header, payload over ``max_bytes``, corrupt gzip stream.
     """
     path = check_regular_file(path)  # opening a FIFO blocks; a device never ends
     try:

@@ -59,14 +59,14 @@ class ImageData:
         seed: the data seed that chooses the held-out images (with ``val_split``).
 
     Raises:
-        DataError naming the folder or file (missing split, empty class folder, a ``val``
-        split on disk as well as ``val_split``, a side left empty, ...).
+        DataError: naming the folder or file (missing split, empty class folder, a ``val``
+            split on disk as well as ``val_split``, a side left empty, ...).
 
     Attributes:
         train, val: the splits' sources; class_names; ``split``: what ``val_split`` held out
-        (`split_record`; None without it); ``skipped_at_open``: images left out
-        before training (non-image files of a folder, or the converter's skipped images; a
-        folder's sub-folders that cannot be listed are named by `skipped_note` too).
+            (`split_record`; None without it); ``skipped_at_open``: images left out
+            before training (non-image files of a folder, or the converter's skipped images; a
+            folder's sub-folders that cannot be listed are named by `skipped_note` too).
     """
 
     def __init__(self, source: str, path, *, image_size, on_bad_image: str = "fail", eval_resize=None,

@@ -54,7 +54,7 @@ def load_mnist(path=None, *, max_bytes=DEFAULT_MAX_BYTES) -> Dataset:
         10 classes, mean/std measured on the training images.
 
     Raises:
-        DataError naming the file and what is wrong with it.
+        DataError: naming the file and what is wrong with it.
     """
     if path is not None:
         return _load_directory(os.fspath(path), max_bytes)

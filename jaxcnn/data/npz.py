@@ -143,8 +143,8 @@ def load_npz(path, *, num_classes=None, name=None, max_bytes=DEFAULT_MAX_BYTES) 
         on the training images.
 
     Raises:
-        DataError naming the file and array: not a regular file, missing arrays, pickled/object arrays, bad
-        shapes or dtypes, mismatched lengths, labels out of range, non-finite pixels.
+        DataError: naming the file and array: not a regular file, missing arrays, pickled/object arrays,
+            bad shapes or dtypes, mismatched lengths, labels out of range, non-finite pixels.
     """
     path = check_regular_file(path)  # /dev/zero was read until the OOM killer came; a FIFO hung
     _check_headers(path, max_bytes)

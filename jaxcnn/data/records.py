@@ -125,8 +125,8 @@ class RecordSource:
             readings gave one split of each.
 
     Raises:
-        DataError naming the file: missing sidecar or split, a record count that differs from
-        the sidecar's, a file grain cannot open.
+        DataError: naming the file: missing sidecar or split, a record count that differs from
+            the sidecar's, a file grain cannot open.
     """
 
     def __init__(self, out_dir, split: str, meta: dict | None = None):

@@ -362,9 +362,9 @@ def export(source, out, *, format: str, model: str | None = None, num_classes=No
         ``accuracy`` entries (before/after, when a run directory gives test data).
 
     Raises:
-        ExportError (or ``ValueError`` from the file readers) naming the argument at fault as
-        this function's (``model='x'``, ``image_shape=...``); ``jaxcnn-export`` names its flags
-        (``--model 'x'``) instead.
+        ExportError: (or ``ValueError`` from the file readers) naming the argument at fault as
+            this function's (``model='x'``, ``image_shape=...``); ``jaxcnn-export`` names its flags
+            (``--model 'x'``) instead.
     """
     say = log or (lambda _: None)
     out = _checked_out(source, out, format, quantize, calibration_count)

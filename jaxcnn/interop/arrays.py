@@ -214,8 +214,8 @@ def save_npz(path, params, state=None) -> str:
         The path written.
 
     Raises:
-        OSError (a full disk): a file already at the path is left as it was and no partial
-        file is left behind (`jaxcnn.data.files.write_whole`).
+        OSError: (a full disk) a file already at the path is left as it was and no partial
+            file is left behind (`jaxcnn.data.files.write_whole`).
     """
     path = os.fspath(path)
     path = path if path.endswith(".npz") else path + ".npz"

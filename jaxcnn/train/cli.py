@@ -89,7 +89,9 @@ def _train_parser() -> argparse.ArgumentParser:
     p = OneLineParser(
         prog="jaxcnn-train",
         description="Train a jaxcnn model from a YAML config, e.g. "
-                    "`jaxcnn-train configs/mnist_cnn.yaml train.epochs=2 optim.lr=3e-4`.")
+                    "`jaxcnn-train configs/mnist_cnn.yaml train.epochs=2 optim.lr=3e-4`.",
+        epilog="Config keys: `jaxcnn-train CONFIG --print-config` prints every key of a config with "
+               "its value; docs/reference/config.md lists each key's type, default and choices.")
     p.add_argument("config", type=path_arg, help="YAML run config (may name a `base:` config)")
     p.add_argument("overrides", nargs="*", default=[], metavar="key=value",
                    help="dotted overrides applied after the file, e.g. data.batch_size=64")

@@ -80,21 +80,21 @@ def test_a_digits_folder_trained_with_val_split_reaches_its_npz_accuracy(tmp_pat
     assert from_folder >= from_npz - 0.01, (from_folder, from_npz)
 
 
-def _readme_commands():
-    """The README's shell block marked to run here, one command a line."""
+def _guide_commands():
+    """The models guide's shell block marked to run here, one command a line."""
     import re
-    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+    with open(os.path.join(ROOT, "docs", "guides", "models.md"), encoding="utf-8") as f:
         text = f.read()
     [block] = re.findall(r"^<!-- runs in tests/train/test_digits_folder\.py -->\n```bash\n(.*?)^```", text,
                          flags=re.S | re.M)
     return [line.split() for line in block.strip().splitlines()]
 
 
-def test_the_readmes_offline_fine_tune_example_runs(tmp_path, monkeypatch, capsys):
-    """The README's offline fine-tune commands, as written but on fewer images and steps: the
+def test_the_guides_offline_fine_tune_example_runs(tmp_path, monkeypatch, capsys):
+    """The models guide's offline fine-tune commands, as written but on fewer images and steps: the
     second run starts from the first one's weights (its head re-initialised) and trains."""
     from jaxcnn.data.cli import main as data_main
-    commands = _readme_commands()
+    commands = _guide_commands()
     assert [c[:2] for c in commands] == [["jaxcnn-data", "digits"], ["jaxcnn-train", CONFIG[len(ROOT) + 1:]]] * 2
     monkeypatch.chdir(tmp_path)
     os.symlink(os.path.join(ROOT, "configs"), tmp_path / "configs")
