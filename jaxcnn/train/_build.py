@@ -32,7 +32,10 @@ from jaxcnn.train.state import MasterCopyState, TrainState, create_train_state
 
 
 class Run(NamedTuple):
-    """Everything a run builds from its config before the first step."""
+    """Everything a run builds from its config before the first step (`build_run`): in the run
+    function its local ``run``. A bundle because others build it without training and read it
+    whole: ``jaxcnn-eval`` and ``jaxcnn-export`` (evaluation, preprocessing), the per-step
+    evaluation helpers (`jaxcnn.train._loop.evaluate`) and the tests."""
 
     cfg: Any
     model: Any

@@ -56,7 +56,8 @@ def _model_defaults(name: str):
 
 
 class DataSetup(NamedTuple):
-    """The training data a config asks for (:func:`build_data`)."""
+    """The training data a config asks for (:func:`build_data`): the run function's local
+    ``data``, which `jaxcnn.train._build.build_run` takes."""
 
     dataset: Any            # a jaxcnn.data.Dataset, or None for on-the-fly synthetic batches
     synthetic: Any          # SyntheticSpec when batches are generated per step, else None

@@ -1,6 +1,7 @@
-"""``jaxcnn-train --dry-run`` checks what the real run checks, with the same setup
-(the run function, ``jaxcnn.train.run.train``, stopped after its steps): mesh and plan, the wrapped train and eval steps (traced, lowered and
-compiled from abstract inputs), sizes against the data and memory, and the workdir."""
+"""``jaxcnn-train --dry-run`` checks what the real run checks, with the same function (the run
+function, ``jaxcnn.train.run.train``, stopped after its steps): mesh and plan, the wrapped train
+and eval steps (traced, lowered and compiled from abstract inputs), sizes against the data and
+memory, and the workdir."""
 import errno
 import importlib
 import os
