@@ -2,7 +2,7 @@
 
 Each is re-exported where it was first defined (``jaxcnn.train.config.ConfigError``,
 ``jaxcnn.data.dataset.DataError``, ``jaxcnn.train.checkpoint.CheckpointError``,
-``jaxcnn.export.ExportError``, ``jaxcnn.predict.PredictError``, ``jaxcnn.train.loop.WorkdirError`` and ``TrainingStopped``,
+``jaxcnn.export.ExportError``, ``jaxcnn.predict.PredictError``, ``WorkdirError`` and ``TrainingStopped`` in ``jaxcnn/train/run.py``,
 ``jaxcnn.parallel.distributed.DistributedError``, ``jaxcnn.data.loader.DataWorkerDied``), so any layer can raise them without
 importing the layer that reports them.
 """

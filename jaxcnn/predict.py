@@ -265,7 +265,7 @@ def _run_predictor(path: str) -> Predictor:
     from jaxcnn.export.pipeline import load_source
     from jaxcnn.layers import Choices
     from jaxcnn.train.rundir import RunDir
-    from jaxcnn.train.setup import matmul_precision
+    from jaxcnn.train._build import matmul_precision
 
     src = load_source(path)
     prep = src.preprocessing

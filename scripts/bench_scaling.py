@@ -127,7 +127,7 @@ def main(argv=None) -> int:
     from jaxcnn import models
     from jaxcnn import precision as P
     from jaxcnn.parallel import ParallelPlan, make_mesh
-    from jaxcnn.train.memory import _step_bytes, fmt_bytes
+    from jaxcnn.train._memory import _step_bytes, fmt_bytes
     from jaxcnn.train.state import create_train_state
     from jaxcnn.train.step import make_train_step
 

@@ -1,9 +1,9 @@
 """mkdocs hook (mkdocs.yml ``hooks:``): API pages name public names where users reach them.
 
 A page of ``docs/reference/api/`` says ``::: jaxcnn.train.run``, the name a user types. griffe
-reads source without running it, so it cannot see a name that a package loads on first use
-(``jaxcnn.train.run``, PEP 562) or that shares its name with a submodule
-(``jaxcnn.functional.linear``, the function, not the module). Before the page is rendered, each
+reads source without running it, so it cannot see that such a name is a function sharing its
+name with a submodule (``jaxcnn.train.run`` and ``jaxcnn.functional.linear``: the functions,
+not the modules) or one a package loads on first use (PEP 562). Before the page is rendered, each
 such directive is pointed at the object's own module, found by importing the name (the page sets
 ``show_root_full_path: false`` so the heading keeps the short name). A name that does not import
 is left as written, for griffe to report.

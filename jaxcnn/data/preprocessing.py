@@ -131,7 +131,7 @@ def from_dataset(dataset, *, normalize: bool = True, source: str | None = None) 
 
 
 def from_run(run) -> Preprocessing:
-    """The preprocessing of a :class:`jaxcnn.train.setup.Run`, as its trainer applies it:
+    """The preprocessing of a :class:`jaxcnn.train._build.Run`, as its trainer applies it:
     the dataset's statistics (per ``data.normalize``), or for synthetic batches made per
     step the uniform-noise statistics the train step normalises ``uint8`` bytes with."""
     cfg = run.cfg

@@ -199,7 +199,7 @@ def _torch_source(path: str, model: str, num_classes, options: dict, image_shape
 
 
 def _build_run(cfg):
-    from jaxcnn.train.setup import build_run
+    from jaxcnn.train._build import build_run
     return build_run(cfg)
 
 
@@ -271,7 +271,7 @@ def _image_calibration_batches(run, cfg, count: int, batch_size: int):
     from jaxcnn.data.loader import load_rgb
     from jaxcnn.data.transforms import eval_transform
     from jaxcnn.errors import BadImageError
-    from jaxcnn.train.image_input import image_norm
+    from jaxcnn.train._data import image_norm
     images, (mean, std) = run.images, image_norm(cfg)
     total = len(images.train)
     picks = np.unique(np.linspace(0, total - 1, min(total, count * batch_size)).astype(np.int64))
@@ -290,8 +290,9 @@ def _image_calibration_batches(run, cfg, count: int, batch_size: int):
 
 def evaluate_model(cfg, model, params, state) -> dict:
     """Loss, top-1 and top-5 of ``model`` on the run's test set (eval mode)."""
-    from jaxcnn.train.loop import evaluate
-    from jaxcnn.train.setup import matmul_precision, train_image_norm
+    from jaxcnn.train._loop import evaluate
+    from jaxcnn.train._build import matmul_precision
+    from jaxcnn.train._data import train_image_norm
     from jaxcnn.train.step import make_eval_step
     run = _dataset(cfg)
     with matmul_precision(cfg):

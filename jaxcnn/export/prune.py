@@ -19,7 +19,7 @@ def fine_tune(run_dir, workdir, *, sparsity: float, steps: int, scope: str = "gl
     The run's resolved config is reused with ``model.init_from`` set to the
     run, ``prune.{amount,scope,structure}`` to the arguments, ``train.steps``
     to ``steps`` (the learning-rate schedule spans the fine-tune) and
-    ``optim.lr`` to ``lr``; :func:`jaxcnn.train.loop.train` then prunes the
+    ``optim.lr`` to ``lr``; :func:`jaxcnn.train.run.train` then prunes the
     run's parameters exactly as :func:`magnitude_prune` does and trains with
     pruned weights held at zero, with the trainer's data pipeline, logging,
     evaluation, checkpoints and parallel plan.
@@ -39,7 +39,7 @@ def fine_tune(run_dir, workdir, *, sparsity: float, steps: int, scope: str = "gl
         fine-tuned parameters are in ``workdir``.
     """
     from jaxcnn.train.config import config_from_dict, load_config, to_dict
-    from jaxcnn.train.loop import train
+    from jaxcnn.train.run import train
     from jaxcnn.train.rundir import RunDir
 
     if not isinstance(steps, int) or steps < 1:

@@ -106,20 +106,21 @@ def _train_parser() -> argparse.ArgumentParser:
 
 
 def dry_run(cfg, stream=None) -> None:
-    """Build and check everything a real run does before its first step (``setup.prepare``: data,
-    model, ``model.init_from``, the mesh and parallel plan, the wrapped train and eval steps
-    compiled from abstract inputs, the memory they need), print the model summary and exit:
-    no parameter or batch is allocated and no step runs."""
+    """Build and check everything a real run does before its first step (the run function
+    itself, :func:`jaxcnn.train.run.train` with ``dry_run=True``, which stops after its steps
+    section: data, model, ``model.init_from``, the mesh and parallel plan, the wrapped train and
+    eval steps compiled from abstract inputs, the memory they need), print the model summary
+    and exit: no parameter or batch is allocated and no step runs."""
     from jaxcnn import summary
-    from jaxcnn.train.memory import fmt_bytes
-    from jaxcnn.train.setup import prepare
+    from jaxcnn.train._loop import unused_settings_lines
+    from jaxcnn.train._memory import fmt_bytes
+    from jaxcnn.train.run import train
 
     stream = stream or sys.stdout
     # Single process: the distributed section is not joined (its peers are not dry-running).
-    prepared = prepare(cfg)
+    prepared = train(cfg, dry_run=True)
     run, plan, memory = prepared.run, prepared.plan, prepared.memory
     print(summary(run.model, (1,) + tuple(run.input_shape[1:])), file=stream)
-    from jaxcnn.train.loop import unused_settings_lines
     for line in unused_settings_lines(cfg):
         print(line, file=stream)
     metrics = prepared.train_out[1]
@@ -159,8 +160,8 @@ def train_main(argv=None) -> int:
             return 0
         from jaxcnn.parallel.distributed import report_errors_as
         from jaxcnn.train._orbax_noise import quiet_abandoned_orbax_coroutines
-        from jaxcnn.errors import DataWorkerDied
-        from jaxcnn.train.loop import TrainingStopped, train
+        from jaxcnn.errors import DataWorkerDied, TrainingStopped
+        from jaxcnn.train.run import train
         from jaxcnn.train.rundir import RunDir, check_workdir, default_workdir
         report_errors_as("jaxcnn-train")  # a lost peer ends the process with our line, on any thread
         if argv is None:
@@ -235,7 +236,7 @@ def _final_params(run, run_dir, path):
     step is the last one ``metrics.jsonl`` records (None without one)."""
     from jaxcnn import interop
     from jaxcnn.train.metrics import read_metrics
-    from jaxcnn.train.setup import abstract_state
+    from jaxcnn.train._build import abstract_state
     like = abstract_state(run)
     load = interop.load_npz if path.endswith(".npz") else interop.load_safetensors
     params, model_state = load(path, like=(like.params, like.state))
@@ -297,9 +298,10 @@ def eval_main(argv=None) -> int:
         quiet_abandoned_orbax_coroutines()  # read-only: the one line per checkpoint is the report
         from jaxcnn.train.config import ConfigError
         from jaxcnn.train.ema import eval_params
-        from jaxcnn.train.loop import evaluate
+        from jaxcnn.train._loop import evaluate
         from jaxcnn.train.rundir import RunDir
-        from jaxcnn.train.setup import abstract_state, matmul_precision, train_image_norm
+        from jaxcnn.train._build import abstract_state, matmul_precision
+        from jaxcnn.train._data import train_image_norm
         from jaxcnn.layers import Choices
         from jaxcnn.train.step import make_eval_step
 
@@ -371,7 +373,7 @@ def _eval_run(run_dir, cfg, trained, *, check_classes: bool):
     against the trained ones (``check_classes``) and compared with what the run recorded."""
     from jaxcnn.data.preprocessing import run_preprocessing, with_preprocessing
     from jaxcnn.errors import ConfigError, DataError
-    from jaxcnn.train.setup import build_run
+    from jaxcnn.train._build import build_run
     try:
         run = build_run(cfg)
     except ConfigError as e:

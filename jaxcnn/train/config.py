@@ -319,7 +319,7 @@ SCHEMA: dict[str, dict] = {
                              item=_f("str", None, "layer path", low=1), rules=(_skip_has_source,)),
         "impl": _f("str", "auto", "convolution/pooling kernels of the layers: auto (XLA, or a Pallas "
                    "kernel where the autotuner measured it faster on this GPU), xla, or pallas "
-                   "(see README, Pallas kernels)", choices=("auto", "xla", "pallas"), trains=False),
+                   "(see docs/guides/kernels.md)", choices=("auto", "xla", "pallas"), trains=False),
         "batch_norm_grad": _f("str", "auto", "BatchNorm's training form: auto (explicit on the CPU "
                               "and GPUs, where it was measured faster), explicit (the fewest passes "
                               "over the activation, a following ReLU folded in), autodiff, or "
@@ -328,7 +328,7 @@ SCHEMA: dict[str, dict] = {
         "conv_bn": _f("str", "auto", "Conv -> BatchNorm -> ReLU chains in training: auto (fused "
                       "into the Mosaic GPU convolution only where bench_mgpu.py --fused --tune "
                       "measured a win on this Hopper GPU), off, or mosaic (fused wherever the "
-                      "kernels run the convolution; see README, Pallas kernels)",
+                      "kernels run the convolution; see docs/guides/kernels.md)",
                       choices=("auto", "off", "mosaic"), trains=False),
     },
     "data": {

@@ -14,7 +14,7 @@ kept).  Training a pruned model is the trainer's job: its ``prune:`` config
 section calls :func:`magnitude_prune` on the run's initial parameters
 (``model.init_from``) and chains :func:`mask_updates` after the optimiser, so
 pruned weights stay at exactly zero; :func:`jaxcnn.export.prune.fine_tune` sets that
-up for a trained run directory and calls :func:`jaxcnn.train.loop.train`.  Pruning and
+up for a trained run directory and calls :func:`jaxcnn.train.run.train`.  Pruning and
 masks belong to training; export re-exports these names from :mod:`jaxcnn.export.prune`.
 """
 from __future__ import annotations

@@ -30,7 +30,7 @@ from jaxcnn.data.files import write_bytes_whole
 from jaxcnn.data.preprocessing import PREPROCESSING_FILE
 from jaxcnn.errors import WorkdirError
 from jaxcnn.train.config import path_keys
-from jaxcnn.train.memory import fmt_bytes
+from jaxcnn.train._memory import fmt_bytes
 
 PARAM_FORMATS = ("npz", "safetensors")
 

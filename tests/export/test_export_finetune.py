@@ -19,7 +19,7 @@ from jaxcnn.export import magnitude_prune
 from jaxcnn.export.prune import keep_tree, mask_updates, with_keep
 from jaxcnn.train.cli import train_main
 from jaxcnn.train.config import load_config
-from jaxcnn.train.setup import build_run, initial_params
+from jaxcnn.train._build import build_run, initial_params
 
 
 _MODEL = L.serial(("c", L.Conv2D(4, 3)), L.Flatten(), ("fc", L.Linear(3)))

@@ -118,8 +118,8 @@ def _fails(argv, capsys, match):
 def test_a_fine_tune_stopped_by_a_signal_says_so(run_dir, tmp_path, capsys, monkeypatch):
     """Ctrl-C in the fine-tune: the trainer saves and stops; the export then failed on the
     fine-tune directory's missing params.npz (exit 2) instead of saying it stopped."""
-    from jaxcnn.train import loop
-    monkeypatch.setattr(loop, "train", lambda cfg, workdir, stream=None: {"step": 3, "stopped_by": "SIGINT"})
+    import sys
+    monkeypatch.setattr(sys.modules["jaxcnn.train.run"], "train", lambda cfg, workdir, stream=None: {"step": 3, "stopped_by": "SIGINT"})
     out = tmp_path / "p.onnx"
     assert main([run_dir, "--format", "onnx", "--prune", "0.5", "--fine-tune-steps", "10", "--out", str(out)]) == 1
     err = capsys.readouterr().err

@@ -120,7 +120,7 @@ def test_a_non_contiguous_layout_is_refused_in_one_line():
         "lay the devices out (mesh.order, mesh.pipe, mesh.data) so that each process's data shards are "
         "neighbours")
     from jaxcnn.errors import ConfigError
-    from jaxcnn.train.setup import parallel_config_errors  # the trainer: exit 2 naming the key
+    from jaxcnn.train._plan import parallel_config_errors  # the trainer: exit 2 naming the key
     with pytest.raises(ConfigError) as err, parallel_config_errors():
         batch_shares(types.SimpleNamespace(devices=grid[..., None], axis_names=("data", "pipe", "model")))
     assert err.value.path == "mesh.data"
@@ -167,7 +167,8 @@ def test_make_mesh_order_fills_the_axes_in_that_order():
 
 def test_setup_reads_mesh_order_from_the_config():
     from jaxcnn.train.config import load_config
-    from jaxcnn.train.setup import abstract_state, build_run, make_plan
+    from jaxcnn.train._build import abstract_state, build_run
+    from jaxcnn.train._plan import make_plan
     import os
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     cfg = load_config(os.path.join(root, "configs", "lenet5_mnist.yaml"),

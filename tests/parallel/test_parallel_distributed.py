@@ -136,7 +136,7 @@ def test_modes_and_settings(monkeypatch):
     monkeypatch.setenv("JAX_PROCESS_ID", "5")
     with pytest.raises(ValueError, match=r"^process_id: 5 is not in \[0, num_processes=2\)"):
         parallel.initialize(**auto)
-    from jaxcnn.train.setup import parallel_config_errors  # the trainer's calls: ConfigErrors
+    from jaxcnn.train._plan import parallel_config_errors  # the trainer's calls: ConfigErrors
     with pytest.raises(ConfigError, match=r"distributed.process_id: 5 is not") as err, parallel_config_errors():
         parallel.initialize(**auto)
     assert err.value.path == "distributed.process_id"

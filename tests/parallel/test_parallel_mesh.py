@@ -5,7 +5,7 @@ import pytest
 
 from jaxcnn import parallel
 from jaxcnn.train.config import ConfigError, config_from_dict
-from jaxcnn.train.setup import parallel_config_errors
+from jaxcnn.train._plan import parallel_config_errors
 
 
 def test_minus_one_fills_the_data_axis():
@@ -80,7 +80,7 @@ def test_mesh_from_config_and_default_strategy():
     cfg = config_from_dict({"model": {"name": "mnist_cnn"}, "train": {"steps": 1},
                             "data": {"source": "synthetic"}}, ["mesh.model=2"])
     assert cfg.parallel.strategy == "shard_map"
-    from jaxcnn.train.setup import config_mesh
+    from jaxcnn.train._plan import config_mesh
     assert dict(config_mesh(cfg).shape) == {"data": 4, "model": 2}
 
 

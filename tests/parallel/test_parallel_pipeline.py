@@ -349,7 +349,7 @@ def test_memory_balance_config_key_and_its_error():
     naming the key."""
     import os
 
-    from jaxcnn.train.setup import pipeline_spec
+    from jaxcnn.train._plan import pipeline_spec
     from jaxcnn.train.config import load_config
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     config = os.path.join(root, "configs", "mnist_cnn.yaml")
@@ -975,7 +975,7 @@ def test_remat_recomputes_each_block_and_matches_one_device():
 
     import os
 
-    from jaxcnn.train.setup import pipeline_spec
+    from jaxcnn.train._plan import pipeline_spec
     from jaxcnn.train.config import load_config
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     config = os.path.join(root, "configs", "mnist_cnn.yaml")

@@ -176,7 +176,7 @@ def test_schedule_key_and_its_errors():
     """Python: Pipeline(schedule=...) and ParallelPlan(pipeline={"schedule": ...}); config:
     parallel.pipeline.schedule with gpipe the default; a bad value is one line naming the key."""
     from jaxcnn.parallel import make_mesh
-    from jaxcnn.train.setup import pipeline_spec
+    from jaxcnn.train._plan import pipeline_spec
     from jaxcnn.train.config import load_config
     model = _model("resnet18")
     assert Pipeline(model, SHAPE, 4, 8).schedule == "gpipe"

@@ -21,7 +21,7 @@ from jaxcnn.train.checkpoint import CheckpointManager
 from jaxcnn.train.cli import train_main
 from jaxcnn.train.config import load_config
 from jaxcnn.train.metrics import read_metrics
-from jaxcnn.train.setup import abstract_state, build_run, init_state
+from jaxcnn.train._build import abstract_state, build_run, init_state
 from reliability_lib import (CHECKPOINTED_STEPS, ORBAX_LEFTOVER_WARNINGS, assert_params_bitwise_equal,
                              checkpointed_args, step_dirs, tiny_args, tiny_npz)
 

@@ -473,7 +473,7 @@ def test_boundary_values_exit_2_naming_the_key_or_dry_run(tmp_path):
     with one line that names the key, or builds: the run (data, model, step count, schedule,
     durations in steps) and its abstract state (the PRNG key from the seed) as the dry run does;
     one real dry run takes the valid extremes together (tracing a step per case would take minutes)."""
-    from jaxcnn.train.setup import abstract_state, build_run
+    from jaxcnn.train._build import abstract_state, build_run
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(VALID))
     outcomes = {}

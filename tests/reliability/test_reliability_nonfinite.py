@@ -38,7 +38,7 @@ def checkpoint_params_finite(workdir):
     """{step: whether every floating array of the checkpoint is finite}."""
     import jax
     from jaxcnn.train.config import load_config
-    from jaxcnn.train.setup import abstract_state, build_run
+    from jaxcnn.train._build import abstract_state, build_run
     run = build_run(load_config(os.path.join(workdir, "config.resolved.yaml")))
     target = abstract_state(run)
     with CheckpointManager(os.path.join(workdir, "checkpoints")) as mgr:
@@ -123,7 +123,8 @@ def test_training_batches_follow_data_normalize_like_evaluation(tmp_path, normal
     which also hid the poisoned image above behind normalisation statistics."""
     from jaxcnn.data import normalize as normalise, to_unit_scale
     from jaxcnn.train.config import load_config
-    from jaxcnn.train.setup import batch_fn, build_run
+    from jaxcnn.train._data import batch_fn
+    from jaxcnn.train._build import build_run
     from reliability_lib import tiny_npz
     args = tiny_args(tiny_npz(tmp_path / "d.npz"), f"data.normalize={str(normalize).lower()}", "train.steps=4",
                      "data.augment.crop_padding=0")

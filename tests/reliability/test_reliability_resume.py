@@ -23,11 +23,11 @@ import pytest
 import yaml
 
 import xla_cache
-from jaxcnn.train import setup
+from jaxcnn.train import _data
 from jaxcnn.train.checkpoint import CheckpointManager
 from jaxcnn.train.cli import train_main
 from jaxcnn.train.config import load_config, to_dict
-from jaxcnn.train.setup import build_run, init_state
+from jaxcnn.train._build import build_run, init_state
 from jaxcnn.train.metrics import read_metrics
 from reliability_lib import (CHECKPOINTED_STEPS, ORBAX_LEFTOVER_WARNINGS, checkpointed_args,
                              assert_params_bitwise_equal, resumed_step, step_dirs, subprocess_env,
@@ -98,9 +98,9 @@ def test_rerun_with_changed_config_stops_before_compute_and_changes_nothing(refe
     work = copy_run(ref, tmp_path)
     before = tree_digest(work)
 
-    def no_compute(cfg):
-        raise AssertionError("build_run was reached: the config check must come first")
-    monkeypatch.setattr(setup, "build_run", no_compute)
+    def no_compute(cfg, seed):
+        raise AssertionError("the data were opened: the config check must come first")
+    monkeypatch.setattr(_data, "build_data", no_compute)
     capsys.readouterr()
     code = train_main(run_args(data, work, "optim.lr=0.01", "train.steps=16"))
     err = capsys.readouterr().err.strip().splitlines()

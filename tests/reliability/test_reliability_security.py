@@ -18,7 +18,7 @@ from jaxcnn.data.cifar import TEST_FILES, TRAIN_FILES
 from jaxcnn.train.checkpoint import CheckpointManager
 from jaxcnn.train.cli import train_main
 from jaxcnn.train.config import load_config
-from jaxcnn.train.setup import build_run, init_state
+from jaxcnn.train._build import build_run, init_state
 from reliability_lib import ROOT, step_dirs, tiny_args, tiny_npz
 
 # ------------------------------------------------------------------ source scan

@@ -16,8 +16,7 @@ import jax
 import numpy as np
 import pytest
 
-import jaxcnn.train.loop as loop
-import jaxcnn.train.setup as setup
+from jaxcnn.train import _build, _plan
 from jaxcnn.train.cli import train_main
 from jaxcnn.train.metrics import MetricsWriter
 from reliability_lib import subprocess_env, tiny_args, tiny_npz
@@ -51,7 +50,8 @@ def soak(workdir, steps, log_every, ckpt_every):
 
     data = tiny_npz(os.path.join(workdir, "d.npz"))
     threads = threading.active_count()
-    original, loop.MetricsWriter = loop.MetricsWriter, Sampling
+    runner = sys.modules["jaxcnn.train.run"]  # the module (jaxcnn.train.run is the function)
+    original, runner.MetricsWriter = runner.MetricsWriter, Sampling
     jax.monitoring.register_event_duration_secs_listener(on_duration)
     try:
         code = train_main(tiny_args(data, f"train.steps={steps}", f"logging.log_every={log_every}",
@@ -59,7 +59,7 @@ def soak(workdir, steps, log_every, ckpt_every):
                                     "data.prefetch=2", "--workdir", os.path.join(workdir, "w")))
     finally:
         jax.monitoring.unregister_event_duration_listener(on_duration)
-        loop.MetricsWriter = original
+        runner.MetricsWriter = original
     assert code == 0
     return samples, threads, threading.active_count()
 
@@ -110,9 +110,9 @@ def test_checkpoint_save_compiles_nothing_and_restores_onto_the_shardings(tmp_pa
 
     args = tiny_args(tiny_npz(tmp_path / "d.npz"))
     cfg = load_config(args[0], args[1:])
-    run = setup.build_run(cfg)
-    plan = setup.make_plan(cfg, run.model, run.input_shape, setup.abstract_state(run))
-    state = jax.jit(lambda: setup.init_state(run), out_shardings=plan.state_shardings)()
+    run = _build.build_run(cfg)
+    plan = _plan.make_plan(cfg, run.model, run.input_shape, _build.abstract_state(run))
+    state = jax.jit(lambda: _build.init_state(run), out_shardings=plan.state_shardings)()
     assert len(state.params["fc1"]["w"].sharding.device_set) == 8
     compiles = []
 

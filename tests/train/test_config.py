@@ -634,7 +634,7 @@ TINY = ["model.name=mnist_cnn", "data.source=synthetic", "data.image_size=[12, 1
 def test_startup_output_describes_precision_in_the_configs_words(policy, extra, text):
     """The start-up line said 'policy p=f32,c=f32,o=f32  loss scale NoOpLossScale'."""
     from jaxcnn.train.metrics import describe_precision
-    from jaxcnn.train.setup import build_run
+    from jaxcnn.train._build import build_run
     cfg = load_config(os.path.join(REPO, "configs", "mnist_cnn.yaml"), TINY + [f"precision.policy={policy}"] + extra)
     assert describe_precision(cfg, build_run(cfg)) == text
 
@@ -829,7 +829,7 @@ def test_photometric_augment_errors_are_one_line_naming_the_key(overrides, path,
 
 
 def test_photometric_augment_keys_reach_the_image_files_augment():
-    from jaxcnn.train.image_input import augment_spec
+    from jaxcnn.train._data import augment_spec
     cfg = config_from_dict(MINIMAL, ["data.source=folder", "data.path=x", "data.augment.color_jitter=[0.4, 0.3, 0.2]",
                                      "data.augment.auto_augment=rand-m9-mstd0.5-t3a", "data.augment.reprob=0.25",
                                      "data.augment.remode=const"])

@@ -10,7 +10,7 @@ from jaxcnn import models
 from jaxcnn import precision as P
 from jaxcnn.data import SyntheticSpec, synthetic_batch
 from jaxcnn.data.synthetic import NOISE_MEAN, NOISE_STD
-from jaxcnn.train import setup
+from jaxcnn.train import _build, _data
 from jaxcnn.train.config import load_config
 from jaxcnn.train.state import create_train_state
 from jaxcnn.train.step import device_normalize, make_train_step
@@ -46,11 +46,11 @@ def test_train_step_on_bytes_matches_the_float_step():
 
 
 def test_on_the_fly_synthetic_batches_are_bytes(monkeypatch):
-    monkeypatch.setattr(setup, "_SYNTHETIC_IN_MEMORY_BYTES", 0)  # force per-step generation
+    monkeypatch.setattr(_data, "_SYNTHETIC_IN_MEMORY_BYTES", 0)  # force per-step generation
     cfg = load_config(os.path.join(CONFIGS, "mnist_cnn.yaml"), [
         "data.source=synthetic", "data.image_size=[8,8,3]", "data.num_classes=4",
         "model.num_classes=4", "data.batch_size=4", "data.augment.crop_padding=0"])  # noise: never augmented
-    run = setup.build_run(cfg)
+    run = _build.build_run(cfg)
     assert run.dataset is None and run.synthetic is not None
-    batch = setup.batch_fn(run)(0)
+    batch = _data.batch_fn(run)(0)
     assert batch["image"].dtype == np.uint8 and batch["image"].shape == (4, 8, 8, 3)

@@ -1,7 +1,9 @@
-"""``jaxcnn-train --dry-run`` checks what the real run checks, with the same setup
-(``setup.prepare``): mesh and plan, the wrapped train and eval steps (traced, lowered and
-compiled from abstract inputs), sizes against the data and memory, and the workdir."""
+"""``jaxcnn-train --dry-run`` checks what the real run checks, with the same function (the run
+function, ``jaxcnn.train.run.train``, stopped after its steps): mesh and plan, the wrapped train
+and eval steps (traced, lowered and compiled from abstract inputs), sizes against the data and
+memory, and the workdir."""
 import errno
+import importlib
 import os
 import subprocess
 import sys
@@ -11,10 +13,12 @@ import numpy as np
 import pytest
 import yaml
 
-from jaxcnn.train import loop, memory, rundir, setup
+from jaxcnn.train import _build, _data, _memory, _plan, rundir
 from jaxcnn.train.config import load_config
 
 from train_cli import cli, one_line
+
+runner = importlib.import_module("jaxcnn.train.run")  # the module; jaxcnn.train.run is the function
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIG = os.path.join(ROOT, "configs", "mnist_cnn.yaml")
@@ -93,10 +97,10 @@ def test_abstract_batch_is_what_the_loop_feeds(tiny, strategy, source):
     if source == "synthetic":  # per-step bytes (uint8), as throughput runs make them
         overrides += ["data.num_train=4000000"]
     cfg = load_config(tiny, overrides)
-    run = setup.build_run(cfg)
-    plan = setup.make_plan(cfg, run.model, run.input_shape, setup.abstract_state(run))
-    real = plan.put_batch(setup.batch_fn(run)(0))
-    abstract = setup.abstract_batch(run, plan)
+    run = _build.build_run(cfg)
+    plan = _plan.make_plan(cfg, run.model, run.input_shape, _build.abstract_state(run))
+    real = plan.put_batch(_data.batch_fn(run)(0))
+    abstract = _plan.abstract_batch(run, plan)
 
     def describe(x):
         return (tuple(x.shape), np.dtype(x.dtype), getattr(x, "sharding", None) if strategy != "pmap" else None)
@@ -114,7 +118,7 @@ def test_abstract_batch_is_what_the_loop_feeds(tiny, strategy, source):
 def test_sizes_that_cannot_fit_fail_dry_run_and_real_run(tiny, tmp_path, override, needle, monkeypatch):
     """Both exit 2 with the same line naming the key, before anything is allocated."""
     dry = one_line(*cli([tiny, override, "--dry-run"])[::2])
-    monkeypatch.setattr(loop, "initial_params", lambda *a, **k: pytest.fail("allocation started"))
+    monkeypatch.setattr(_build, "initial_params", lambda *a, **k: pytest.fail("allocation started"))
     real = one_line(*cli([tiny, override, "--workdir", tmp_path / "w"])[::2])
     assert needle in dry and dry.split("; this machine")[0] == real.split("; this machine")[0], (dry, real)
 
@@ -122,13 +126,13 @@ def test_sizes_that_cannot_fit_fail_dry_run_and_real_run(tiny, tmp_path, overrid
 def test_state_and_step_memory_are_checked_against_what_is_available(tiny, monkeypatch):
     """The training state from its shapes, then the compiled step's memory_analysis, against the
     memory available; the message names the keys that size it."""
-    prepared = setup.prepare(load_config(tiny, []))
+    prepared = runner.train(load_config(tiny, []), dry_run=True)
     state, step = prepared.memory["state"], prepared.memory["train_step"]
     assert 0 < state < step < prepared.memory["available"]
-    monkeypatch.setattr(setup, "available_memory", lambda devices: (state - 1, "host"))
+    monkeypatch.setattr(_memory, "available_memory", lambda devices: (state - 1, "host"))
     line = one_line(*cli([tiny, "--dry-run"])[::2])
     assert "parameters and their optimiser state need" in line and "data.image_size=[12, 12, 1]" in line
-    monkeypatch.setattr(setup, "available_memory", lambda devices: ((state + step) // 2, "host"))
+    monkeypatch.setattr(_memory, "available_memory", lambda devices: ((state + step) // 2, "host"))
     line = one_line(*cli([tiny, "--dry-run"])[::2])
     assert "data.batch_size=8" in line and "one train step needs" in line, line
 
@@ -148,7 +152,7 @@ def test_eval_batch_larger_than_the_test_set_is_clipped(tiny, tmp_path):
 # ---------------------------------------------------------------- the workdir
 
 def _no_compute(monkeypatch):
-    monkeypatch.setattr(loop, "prepare", lambda cfg: pytest.fail("compute started"), raising=False)
+    monkeypatch.setattr(_data, "build_data", lambda cfg, seed: pytest.fail("compute started"))
 
 
 def test_workdir_that_is_a_file(tiny, tmp_path, monkeypatch):
@@ -234,14 +238,14 @@ def test_available_memory_on_an_accelerator_is_the_least_free_device():
     gb = 10**9
     devices = [Device({"bytes_limit": 80 * gb, "bytes_in_use": 10 * gb}),
                Device({"bytes_limit": 80 * gb, "bytes_in_use": 30 * gb})]
-    assert memory.available_memory(devices) == (50 * gb, "per device")
-    assert memory.available_memory([Device(None)]) is None
-    free, scope = memory.available_memory(jax.devices("cpu")[:1])
+    assert _memory.available_memory(devices) == (50 * gb, "per device")
+    assert _memory.available_memory([Device(None)]) is None
+    free, scope = _memory.available_memory(jax.devices("cpu")[:1])
     assert scope == "host" and 0 < free
 
 
 def _fake_host(root, cgroup, mountinfo, files, meminfo_kb=16_000_000):
-    """A made-up /proc and /sys under ``root`` for :func:`memory.host_available`."""
+    """A made-up /proc and /sys under ``root`` for :func:`_memory.host_available`."""
     (root / "proc" / "self").mkdir(parents=True)
     (root / "proc" / "meminfo").write_text(f"MemTotal: 32000000 kB\nMemAvailable: {meminfo_kb} kB\n")
     (root / "proc" / "self" / "cgroup").write_text(cgroup)
@@ -266,7 +270,7 @@ def test_host_memory_reads_the_processs_own_cgroup_v1_and_v2_limits(tmp_path):
                      "sys/fs/cgroup/memory/memory.usage_in_bytes": "9000000000\n",
                      "sys/fs/cgroup/memory/jobs/job7/memory.limit_in_bytes": f"{int(1.2 * GB)}\n",
                      "sys/fs/cgroup/memory/jobs/job7/memory.usage_in_bytes": f"{int(0.2 * GB)}\n"})
-    assert memory.host_available(v1) == 1 * GB
+    assert _memory.host_available(v1) == 1 * GB
     v2 = _fake_host(tmp_path / "v2", "0::/user.slice/run-1.scope\n",
                     "30 23 0:26 / /sys/fs/cgroup rw - cgroup2 cgroup2 rw\n",
                     {"sys/fs/cgroup/memory.current": "1\n",
@@ -274,21 +278,21 @@ def test_host_memory_reads_the_processs_own_cgroup_v1_and_v2_limits(tmp_path):
                      "sys/fs/cgroup/user.slice/memory.current": f"{1 * GB}\n",
                      "sys/fs/cgroup/user.slice/run-1.scope/memory.max": "max\n",
                      "sys/fs/cgroup/user.slice/run-1.scope/memory.current": f"{GB // 2}\n"})
-    assert memory.host_available(v2) == 2 * GB  # the slice's limit, above the process's own cgroup
+    assert _memory.host_available(v2) == 2 * GB  # the slice's limit, above the process's own cgroup
     # a namespaced mount shows the process's cgroup as its root: the mount point's files count
     ns = _fake_host(tmp_path / "ns", "0::/kubepods/pod1\n",
                     "30 23 0:26 /kubepods/pod1 /sys/fs/cgroup rw - cgroup2 cgroup2 rw\n",
                     {"sys/fs/cgroup/memory.max": f"{4 * GB}\n", "sys/fs/cgroup/memory.current": "0\n"})
-    assert memory.host_available(ns) == 4 * GB
+    assert _memory.host_available(ns) == 4 * GB
     free = _fake_host(tmp_path / "free", "0::/\n", "", {}, meminfo_kb=7_000_000)
-    assert memory.host_available(free) == 7_000_000 * 1024
+    assert _memory.host_available(free) == 7_000_000 * 1024
 
 
 def test_host_memory_counts_what_ulimit_v_leaves():
     """``ulimit -v`` ended in SIGABRT (std::bad_alloc) or a RESOURCE_EXHAUSTED traceback; the
     address space it leaves is now part of what the size check reads."""
     code = ("import resource; resource.setrlimit(resource.RLIMIT_AS, (8 << 30, 8 << 30)); "
-            "from jaxcnn.train import memory; print(memory.host_available())")
+            "from jaxcnn.train import _memory; print(_memory.host_available())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          check=True).stdout
     assert 0 < int(out) < 8 << 30
@@ -323,12 +327,27 @@ def test_python_runs_the_trainer_from_a_mapping_a_file_or_a_config(tiny, tmp_pat
     assert again["step"] == 2 and "resum" in out.getvalue().lower(), out.getvalue()
 
 
+def test_jaxcnn_train_run_is_the_function_whatever_is_imported_first():
+    """The module jaxcnn/train/run.py shares its name with the function ``jaxcnn.train.run``:
+    importing the module by name (first, in a fresh interpreter, or again) leaves the package's
+    attribute the function, and the module reachable in ``sys.modules``."""
+    code = ("import sys, types\n"
+            "import jaxcnn.train.run\n"
+            "import jaxcnn.train.run as again\n"
+            "import jaxcnn.train as T\n"
+            "from jaxcnn.train import run\n"
+            "assert isinstance(T.run, types.FunctionType) and run is T.run is again, T.run\n"
+            "module = sys.modules['jaxcnn.train.run']\n"
+            "assert isinstance(module, types.ModuleType) and module.run is T.run and callable(module.train)\n")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
 def test_augmenting_synthetic_batches_made_per_step_is_refused(tiny):
     """Synthetic data too large to hold in memory is noise made per step, which no augmentation
     ever touched: a data.augment key set for it was dropped without a word."""
     per_step = ["data.source=synthetic", "data.image_size=[32,32,3]", "data.num_train=300000"]
-    assert setup.build_run(load_config(tiny, per_step)).synthetic is not None
+    assert _build.build_run(load_config(tiny, per_step)).synthetic is not None
     err = one_line(*cli([tiny, *per_step, "data.augment.hflip=0.5", "--dry-run"])[::2])
     assert err.startswith("jaxcnn-train: error: data.augment: synthetic images made per step"), err
     held = ["data.source=synthetic", "data.image_size=[12,12,1]", "data.num_train=64"]
-    assert setup.build_run(load_config(tiny, held + ["data.augment.vflip=1"])).dataset is not None
+    assert _build.build_run(load_config(tiny, held + ["data.augment.vflip=1"])).dataset is not None

@@ -264,7 +264,7 @@ def test_eval_on_changed_or_other_data_warns_and_goes_on(tmp_path, capsys):
     from jaxcnn.train.cli import eval_main
     from jaxcnn.train.config import load_config, to_dict
     from jaxcnn.train.rundir import RunDir
-    from jaxcnn.train.setup import build_run, init_state
+    from jaxcnn.train._build import build_run, init_state
     folder, work = tmp_path / "f", tmp_path / "w"
     write_shapes_folder(folder, per_class=(4, 2), classes=CLASSES[:2], size_range=(16, 20))
     # A finished run directory as the trainer leaves it, without the training (its final
@@ -369,7 +369,7 @@ def test_evaluation_normalises_uint8_batches_on_the_device_as_predict_does_on_th
     from jaxcnn.data.images import ImageData
     from jaxcnn.predict import predict
     from jaxcnn.train.cli import eval_main
-    from jaxcnn.train.image_input import eval_image_batches
+    from jaxcnn.train._data import eval_image_batches
     folder, ref, _ = shapes
     images = ImageData("folder", str(folder), image_size=(16, 16))
     (batch, _), *_ = list(eval_image_batches(images, 8, workers=0))
@@ -446,7 +446,7 @@ def test_a_data_change_one_process_saw_stops_every_process(monkeypatch):
     import jax
     from jax.experimental import multihost_utils
 
-    from jaxcnn.train.loop import changes_on_any_process
+    from jaxcnn.train._loop import changes_on_any_process
     assert changes_on_any_process(["val: 5 images, the run's had 4"]) == ["val: 5 images, the run's had 4"]
     assert changes_on_any_process([]) == []  # one process: no collective
     gathered = []
@@ -550,7 +550,8 @@ def test_augment_keys_reach_the_trainers_batches_and_preprocessing(shapes, tmp_p
     from jaxcnn.data.preprocessing import from_run
     from jaxcnn.data.transforms import eval_transform
     from jaxcnn.train.config import load_config
-    from jaxcnn.train.setup import batch_fn, build_run
+    from jaxcnn.train._data import batch_fn
+    from jaxcnn.train._build import build_run
 
     overrides = _args(shapes[0], tmp_path / "w")[1:-2] + ["data.on_bad_image=skip"]
     cfg = load_config(CONFIG, overrides + ["data.augment.no_aug=true", "data.augment.interpolation=bicubic",

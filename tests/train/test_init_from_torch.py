@@ -11,7 +11,7 @@ import safetensors.numpy
 import yaml
 
 from jaxcnn import interop, models
-from jaxcnn.train import setup
+from jaxcnn.train import _build
 from jaxcnn.train.config import ConfigError, load_config
 
 from train_cli import cli, one_line
@@ -71,11 +71,11 @@ def test_a_1000_class_file_starts_a_10_class_run_bit_for_bit(pretrained, tiny, s
     without init_from. Skip entries in torch's or our naming alike."""
     path, sd = pretrained
     cfg = load_config(tiny, [f"model.init_from={path}", f"model.init_from_skip=[{skip}]"])
-    run = setup.build_run(cfg)
-    loaded = setup.load_init_from(run)
+    run = _build.build_run(cfg)
+    loaded = _build.load_init_from(run)
     assert "fc" not in loaded[0]
-    state = jax.jit(lambda t: setup.init_state(run, t))(setup.initial_params(run, loaded)[0])
-    fresh = jax.jit(lambda: setup.init_state(run))()
+    state = jax.jit(lambda t: _build.init_state(run, t))(_build.initial_params(run, loaded)[0])
+    fresh = jax.jit(lambda: _build.init_state(run))()
     got = to_torch(*jax.device_get((state.params, state.state)), num_classes=10)
     # The head as the seed makes it, in the 10-class model; the rest as in the file.
     fc_fresh = to_torch(*jax.device_get((fresh.params, fresh.state)), num_classes=10)
@@ -133,27 +133,27 @@ def test_skip_in_a_jaxcnn_parameter_file(tiny, tmp_path):
     """The same option for jaxcnn's own files: a 4-class run's parameters start a 10-class run."""
     small = ["model.name=mnist_cnn", "data.image_size=[12,12,1]"]
     cfg4 = load_config(tiny, small + ["model.num_classes=4", "data.num_classes=4"])
-    run4 = setup.build_run(cfg4)
-    p4 = jax.device_get(jax.jit(lambda: setup.init_state(run4))())
+    run4 = _build.build_run(cfg4)
+    p4 = jax.device_get(jax.jit(lambda: _build.init_state(run4))())
     path = str(tmp_path / "p4.npz")
     interop.save_npz(path, p4.params, p4.state)
     cfg = load_config(tiny, small + [f"model.init_from={path}", "model.init_from_skip=[fc2]"])
-    run = setup.build_run(cfg)
-    start, _ = setup.initial_params(run, setup.load_init_from(run))
+    run = _build.build_run(cfg)
+    start, _ = _build.initial_params(run, _build.load_init_from(run))
     for layer in ("conv1", "conv2", "fc1"):
         assert np.array_equal(start[0][layer]["w"], p4.params[layer]["w"]), layer
-    fresh = jax.device_get(jax.jit(lambda: setup.init_state(run))())
+    fresh = jax.device_get(jax.jit(lambda: _build.init_state(run))())
     assert np.array_equal(start[0]["fc2"]["w"], fresh.params["fc2"]["w"])
     assert start[0]["fc2"]["w"].shape == (128, 10)
     with pytest.raises(ConfigError) as mismatch:
-        setup.load_init_from(setup.build_run(load_config(tiny, small + [f"model.init_from={path}"])))
+        _build.load_init_from(_build.build_run(load_config(tiny, small + [f"model.init_from={path}"])))
     # One line, the problems apart (the trainer's one-line error ran them together).
     assert str(mismatch.value) == (
         f"model.init_from: {path}: does not match the expected parameters: key 'params/fc2.b' "
         "has shape (4,), expected (10,); key 'params/fc2.w' has shape (128, 4), expected "
         "(128, 10) (model.init_from_skip: [LAYER] re-initialises a layer instead of loading it)")
     with pytest.raises(ConfigError, match=r"model.init_from_skip: \['fc3'\] names no layer"):
-        setup.load_init_from(setup.build_run(load_config(
+        _build.load_init_from(_build.build_run(load_config(
             tiny, small + [f"model.init_from={path}", "model.init_from_skip=[fc3]"])))
 
 

@@ -1,6 +1,7 @@
 """``model.impl``, ``model.batch_norm_grad`` and ``model.conv_bn``: the train and eval steps
 trace the layers with the chosen kernels and BatchNorm backward, and the trainer passes the
 config's choice on."""
+import importlib
 import os
 
 import jax
@@ -10,7 +11,6 @@ import pytest
 
 from jaxcnn import layers as L
 from jaxcnn import precision as P
-from jaxcnn.train import loop, setup
 from jaxcnn.train.config import load_config
 from jaxcnn.train.state import create_train_state
 from jaxcnn.train.step import make_eval_step, make_train_step
@@ -118,14 +118,15 @@ def test_bad_names_fail_when_the_step_is_made():
 
 def test_trainer_passes_the_config_choices(monkeypatch):
     seen = {}
-    real = setup.make_train_step
+    runner = importlib.import_module("jaxcnn.train.run")  # the module (jaxcnn.train.run is the function)
+    real = runner.make_train_step
 
     def spy(*args, **kwargs):
         choices = kwargs["choices"]
         seen.update(impl=choices.impl, bn=choices.batch_norm_grad, conv_bn=choices.conv_bn)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(setup, "make_train_step", spy)
+    monkeypatch.setattr(runner, "make_train_step", spy)
     cfg = load_config(os.path.join(CONFIGS, "mnist_cnn.yaml"), [
         "model.impl=xla", "model.batch_norm_grad=closed_form", "model.conv_bn=off",
         "train.steps=1",
@@ -137,5 +138,5 @@ def test_trainer_passes_the_config_choices(monkeypatch):
         "auto", "auto", "auto")
     import tempfile
     with tempfile.TemporaryDirectory() as work:
-        loop.train(cfg, work)
+        runner.train(cfg, work)
     assert seen == {"impl": "xla", "bn": "closed_form", "conv_bn": "off"}

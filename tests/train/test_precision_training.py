@@ -12,7 +12,7 @@ from jaxcnn import precision as P
 from jaxcnn.train.checkpoint import CheckpointManager
 from jaxcnn.train.cli import train_main
 from jaxcnn.train.config import load_config
-from jaxcnn.train.setup import build_run, init_state
+from jaxcnn.train._build import build_run, init_state
 from jaxcnn.train.metrics import read_metrics
 from jaxcnn.train.state import MasterCopyState
 from jaxcnn.train.step import make_train_step

@@ -119,12 +119,12 @@ def _flatten(tree, prefix=""):
 
 _INTERRUPTED_COMPILE = """
 import os, signal, sys, threading
-from jaxcnn.train import setup
-real = setup._compile
+from jaxcnn.train import _plan
+real = _plan._compile
 def compile_interrupted(lowered):  # Ctrl-C a moment into XLA's compilation of the train step
     threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT)).start()
     return real(lowered)
-setup._compile = compile_interrupted
+_plan._compile = compile_interrupted
 from jaxcnn.train.cli import train_main
 sys.argv[0] = "jaxcnn-train"
 sys.exit(train_main())
@@ -148,26 +148,26 @@ def test_a_data_worker_killed_by_the_stop_signal_is_that_stop(tmp_path, capsys, 
     """Ctrl-C in a terminal reaches the image loader's worker processes too; one still starting
     (an evaluation's, or the training batches') dies of it. The run stopped on grain's
     RuntimeError with a traceback; it now saves and stops as the signal asked."""
-    from jaxcnn.train import loop
+    from jaxcnn.train import _loop
 
     def signal_then_dead_worker():
         signal.raise_signal(signal.SIGINT)  # the trainer's handler takes it: a stop at the next boundary
         raise RuntimeError("Worker process was terminated unexpectedly with exit code -2.")
 
     if where == "eval":
-        monkeypatch.setattr(loop.Training, "evaluate", lambda self, state, per_class=False: signal_then_dead_worker())
+        monkeypatch.setattr(_loop, "evaluate_state", lambda *args, **kwargs: signal_then_dead_worker())
     else:
-        batches = loop.Training._batches
+        batches = _loop.train_batches
 
-        def dying_batches(self, start):
-            made, close = batches(self, start)
+        def dying_batches(cfg, run, plan, start):
+            made, close = batches(cfg, run, plan, start)
 
             def gen():
                 for step in range(start, start + 3):
                     yield next(made)
                 signal_then_dead_worker()
             return gen(), close
-        monkeypatch.setattr(loop.Training, "_batches", dying_batches)
+        monkeypatch.setattr(_loop, "train_batches", dying_batches)
     work = tmp_path / "w"
     code = train_main([os.path.join(CONFIGS, "mnist_cnn.yaml"), *FAST, "train.steps=6", "train.eval_every=3",
                        "checkpoint.every=10", "--workdir", str(work)])
@@ -388,8 +388,8 @@ def test_every_shipped_config_dry_runs(config, cifar_dir, image_folder, capsys, 
     # Traced and lowered as the real run would (the same wrapped steps), but not compiled by
     # XLA: that takes minutes for the ImageNet models on a 2-core CPU, and their memory depends
     # on the machine (tests/train/test_dry_run.py checks the compiled memory check).
-    from jaxcnn.train import setup
-    monkeypatch.setattr(setup, "_compile", lambda lowered: None)
+    from jaxcnn.train import _plan
+    monkeypatch.setattr(_plan, "_compile", lambda lowered: None)
     args = [os.path.join(CONFIGS, config), "--dry-run"]
     if "cifar10" in config:
         args.append(f"data.path={cifar_dir}")

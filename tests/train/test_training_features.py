@@ -21,7 +21,7 @@ from jaxcnn import precision as P
 from jaxcnn.data import mix as mixing
 from jaxcnn.train.cli import train_main
 from jaxcnn.train.ema import ema, eval_params, find_ema
-from jaxcnn.train.loop import EarlyStopping
+from jaxcnn.train._loop import EarlyStopping
 from jaxcnn.train.metrics import read_metrics
 from jaxcnn.train.state import create_train_state
 from jaxcnn.train.step import make_train_step
@@ -284,7 +284,7 @@ def test_a_resumed_run_ends_bitwise_equal(data, tmp_path, capsys, name):
         from jaxcnn.interop import load_npz
         from jaxcnn.train.checkpoint import CheckpointManager
         from jaxcnn.train.config import load_config
-        from jaxcnn.train.setup import abstract_state, build_run
+        from jaxcnn.train._build import abstract_state, build_run
         run = build_run(load_config(str(ref / "config.resolved.yaml")))
         manager = CheckpointManager(str(ref / "checkpoints"), read_only=True, step_leaf="step")
         _, state = manager.restore(12, target=abstract_state(run))

@@ -1,5 +1,5 @@
 """Will the run fit? The memory a run has and the memory its state and compiled steps need,
-checked before anything is allocated (:func:`jaxcnn.train.setup.prepare`)."""
+checked before anything is allocated (the steps section of :func:`jaxcnn.train.run.train`)."""
 from __future__ import annotations
 
 import math
