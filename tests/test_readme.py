@@ -6,6 +6,7 @@ import importlib
 import os
 import re
 
+import numpy as np
 import pytest
 
 README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
@@ -143,3 +144,95 @@ def test_the_readmes_predict_and_export_commands_run_as_written(tmp_path, monkey
     assert out.startswith("digit0.png\n") and "digit2.png\n" in out
     last = json.loads(out.strip().splitlines()[-1])  # the ONNX export's prediction, with --json
     assert last["source"] == "mnist.onnx" and [p["image"] for p in last["predictions"]] == ["digit0.png"]
+
+
+SMALLER = ["train.epochs=null", "train.steps=2", "data.batch_size=8", "data.eval_batch_size=8",
+           "data.workers=0", "logging.progress=none", "train.compilation_cache=null",
+           "optim.schedule.warmup=0", "train.eval_every=null", "checkpoint.every=2"]
+
+
+def _smaller_blocks():
+    """The README's shell blocks marked to run here on fewer images and steps, a command a line."""
+    import shlex
+    with open(README, encoding="utf-8") as f:
+        text = f.read()
+    blocks = re.findall(r"^<!-- runs in tests/test_readme\.py, on fewer images and steps -->\n```bash\n(.*?)^```",
+                        text, flags=re.S | re.M)
+    return [[shlex.split(line) for line in block.strip().splitlines()] for block in blocks]
+
+
+def _in_a_checkout(tmp_path, monkeypatch):
+    """``tmp_path`` as the current directory, its ``configs`` the repository's (the README's
+    commands run from the repository root; what they write lands here)."""
+    monkeypatch.chdir(tmp_path)
+    os.symlink(os.path.join(os.path.dirname(README), "configs"), tmp_path / "configs")
+
+
+def test_the_readmes_own_folder_commands_run(tmp_path, monkeypatch):
+    """Train on your own folder, as written, with :data:`SMALLER`'s overrides (the README's run
+    takes minutes): the folder the first command writes trains."""
+    from jaxcnn.data.cli import main as data_main
+    from jaxcnn.train.cli import train_main
+    folder, _ = _smaller_blocks()
+    assert [c[0] for c in folder] == ["jaxcnn-data", "jaxcnn-train"]
+    _in_a_checkout(tmp_path, monkeypatch)
+    assert data_main(folder[0][1:] + ["--train", "4", "--val", "2"]) == 0
+    assert train_main(folder[1][1:] + SMALLER + ["--workdir", "runs/shapes"]) == 0
+    assert os.path.isfile(tmp_path / "runs" / "shapes" / "params.npz")
+
+
+def _convert_a_stand_in(fine_tune):
+    """The README's conversion one-liner run on a stand-in for torchvision's
+    ``resnet18-f37072fd.pth`` (this library's ResNet-18 saved by ``torch.save``: the same keys and
+    shapes), in the current directory; returns its ``state_dict``."""
+    import subprocess
+    import sys
+
+    import jax
+    from jaxcnn import interop, models
+    torch = pytest.importorskip("torch")
+    net = models.get("resnet18", num_classes=1000)
+    like = jax.eval_shape(lambda: net.init(jax.random.PRNGKey(0), (1, 64, 64, 3))[:2])
+    rng = np.random.default_rng(0)
+    params, state = (jax.tree_util.tree_map(
+        lambda v: rng.normal(0, 0.05, v.shape).astype(v.dtype) + (1 if v.ndim == 1 else 0), t) for t in like)
+    state_dict = interop.to_torch_state_dict("resnet18", params, state)
+    torch.save(state_dict, "resnet18-f37072fd.pth")
+    assert fine_tune[0][0] == "python"
+    done = subprocess.run([sys.executable] + fine_tune[0][1:], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and os.path.isfile("resnet18.safetensors"), done.stderr[-2000:]
+    return state_dict
+
+
+def test_the_readmes_torch_conversion_one_liner_runs(tmp_path, monkeypatch):
+    """The fine-tune section's first command, as written: the ``.pth`` becomes a safetensors file
+    holding the same tensors (the trainer's use of such a file: the slow test below, and
+    tests/train/test_init_from_torch.py::test_the_fine_tune_trains in the default run)."""
+    import safetensors.numpy
+    _, fine_tune = _smaller_blocks()
+    monkeypatch.chdir(tmp_path)
+    state_dict = _convert_a_stand_in(fine_tune)
+    converted = safetensors.numpy.load_file("resnet18.safetensors")
+    assert set(converted) == set(state_dict)
+    for name, tensor in state_dict.items():
+        assert np.array_equal(converted[name], tensor.numpy()), name
+
+
+@pytest.mark.slow  # the trainer from such a file: tests/train/test_init_from_torch.py::test_the_fine_tune_trains
+def test_the_readmes_fine_tune_commands_run(tmp_path, monkeypatch, capsys):
+    """Fine-tune from torchvision's weights, as written, with :data:`SMALLER`'s overrides: the
+    converted stand-in starts the fine-tune, its 1000-class head re-initialised for the folder's
+    4 classes."""
+    from jaxcnn import interop
+    from jaxcnn.data.cli import main as data_main
+    from jaxcnn.train.cli import train_main
+    folder, fine_tune = _smaller_blocks()
+    assert [c[0] for c in fine_tune] == ["python", "jaxcnn-train"]
+    _in_a_checkout(tmp_path, monkeypatch)
+    assert data_main(folder[0][1:] + ["--train", "2", "--val", "2"]) == 0
+    _convert_a_stand_in(fine_tune)
+    capsys.readouterr()
+    assert train_main(fine_tune[1][1:] + SMALLER) == 0
+    assert "parameters from resnet18.safetensors" in capsys.readouterr().out
+    loaded, _ = interop.load_npz(tmp_path / "runs" / "shapes_resnet18" / "params.npz")
+    assert loaded["fc"]["w"].shape == (512, 4)
