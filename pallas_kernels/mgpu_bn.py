@@ -17,8 +17,8 @@ partial per channel, and the few partials are combined in XLA in a fixed order.
   from ``x``, nothing more read), else ``dy``.
 
 Tails (``M`` and ``C`` not multiples of the tile) are TMA's zero fill, masked by row.
-Tiles come from :func:`candidates` (at most three, from a shared-memory model) or a
-tuned :class:`BnConfig`.  What they cannot run (jax < 0.11, other dtypes, rows that are not
+Tiles: a tuned :class:`BnConfig` per launch (:class:`BnCall`, chosen by the GPU check among
+:func:`candidates`: at most three, from a shared-memory model), else the first candidate.  What they cannot run (jax < 0.11, other dtypes, rows that are not
 a multiple of 16 bytes) raises :class:`~jaxcnn.errors.KernelUnsupported`.  Not
 differentiable themselves: ``jaxcnn.functional.norm.batch_norm_train`` uses them inside its
 custom VJPs.  Unmeasured until the GPU check races them (``docs/batch_norm.md``).
@@ -207,9 +207,49 @@ def _launch(kind, streams, table, *, m, c, cfg, combine, interpret, detect_races
     return kernel(*streams, *([] if table is None else [table]))
 
 
-def _config(op, c, dtype, config, streams, table_rows) -> BnConfig:
+@dataclasses.dataclass(frozen=True)
+class BnCall:
+    """One launch of a BatchNorm reduction kernel as the tuner sees it (the Mosaic call
+    protocol of :mod:`pallas_kernels.autotune`): its tiles are cached under :attr:`key`.
+
+    Attributes:
+        kernel: ``"mgpu_bn_stats"`` or ``"mgpu_bn_grad_sums"``.
+        m, c: the ``(M, C)`` view of the reduced arrays.
+        dtype: their dtype's name.
+        streams, table_rows: input arrays read tile by tile; rows of the per-channel table.
+    """
+    kernel: str
+    m: int
+    c: int
+    dtype: str
+    streams: int = 1
+    table_rows: int = 0
+
+    @property
+    def key(self) -> str:
+        return (f"{self.kernel}|m={self.m},c={self.c},streams={self.streams},"
+                f"table={self.table_rows}|{self.dtype}")
+
+    def fit(self, cfg: BnConfig) -> BnConfig:
+        """``cfg`` as this launch runs it (its channel block clamped to ``C``)."""
+        return dataclasses.replace(cfg, block_c=block_c(self.c, cfg))
+
+    def smem_bytes(self, cfg: BnConfig) -> int:
+        return smem_bytes(cfg, self.c, self.dtype, streams=self.streams,
+                          table_rows=self.table_rows)
+
+    def candidates(self, limit: int | None = None) -> list:
+        """:func:`candidates` (the default first), within ``limit`` bytes if given."""
+        return [k for k in candidates(self.c, self.dtype, streams=self.streams,
+                                      table_rows=self.table_rows)
+                if limit is None or self.smem_bytes(k) <= limit]
+
+
+def _config(op, call: BnCall, config) -> BnConfig:
+    """``config``, else the tiles tuned for ``call`` on this device kind, else the default."""
     if config is None:
-        return candidates(c, dtype, streams=streams, table_rows=table_rows)[0]
+        from pallas_kernels import autotune
+        return autotune.mosaic_config(call, BnConfig) or call.candidates()[0]
     if not isinstance(config, BnConfig):
         raise ValueError(f"{op}: config must be a BnConfig, got {type(config).__name__}")
     return config
@@ -229,14 +269,15 @@ def channel_stats(x, *, config: BnConfig | None = None, interpret: bool = False,
 
     Arguments:
         x: bfloat16, float16 or float32, ``C * itemsize`` a multiple of 16 bytes.
-        config: tiles (:class:`BnConfig`); None takes :func:`candidates`' first.
+        config: tiles (:class:`BnConfig`); None takes the tuned ones for this launch
+            (:class:`BnCall`), else :func:`candidates`' first.
         interpret, detect_races: Mosaic GPU interpret mode and its race detector.
     """
     op = "Mosaic GPU channel_stats"
     check_supported(op, x.shape, x.dtype)
     c = x.shape[-1]
     x2 = x.reshape(-1, c)
-    cfg = _config(op, c, x.dtype, config, 1, 0)
+    cfg = _config(op, BnCall("mgpu_bn_stats", x2.shape[0], c, jnp.dtype(x.dtype).name), config)
     partial = _launch(op, [x2], None, m=x2.shape[0], c=c, cfg=cfg, combine=_stats_tile,
                       interpret=interpret, detect_races=detect_races,
                       name="jaxcnn_mgpu_bn_stats")
@@ -285,7 +326,9 @@ def channel_grad_sums(dy, x, mean, invstd, *, relu_out=None, relu_affine=None,
     if relu_out is not None:
         streams.append(relu_out.reshape(-1, c))
     vecs = [mean, invstd, *(relu_affine or ())]
-    cfg = _config(op, c, x.dtype, config, len(streams), len(vecs))
+    call = BnCall("mgpu_bn_grad_sums", streams[0].shape[0], c, jnp.dtype(x.dtype).name,
+                  len(streams), len(vecs))
+    cfg = _config(op, call, config)
     cp = mc.pl_cdiv(c, block_c(c, cfg)) * block_c(c, cfg)
     table = jnp.pad(jnp.stack([jnp.asarray(v, F32) for v in vecs]), ((0, 0), (0, cp - c)))
     combine = _grad_tile(relu_out is not None, relu_affine is not None)

@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 from jaxcnn.errors import KernelUnsupported
-from mgpu_testlib import H100, assert_tma_pipeline, inspect_kernels, needs_mgpu, races  # noqa: F401
+from mgpu_testlib import (H100, assert_tma_pipeline, inspect_kernels, needs_mgpu, races,  # noqa: F401
+                          shipped)
 from pallas_kernels import mgpu_bn as mb
 
 BF16 = jnp.bfloat16
@@ -110,3 +111,114 @@ def test_every_candidate_lowers_for_hopper_with_tma():
     reports = ik.inspect_mosaic(lambda dy, x, m, i: mb.channel_grad_sums(
         dy, x, m, i, relu_affine=(m, i)), x, x, v, v, kind=H100)
     assert_tma_pipeline(reports, "relu_affine")
+
+
+# --- batch_norm_train(impl=...): the explicit form with the kernels' reductions ---------------
+
+def _bn_outputs_and_grads(impl, relu, cts, **kw):
+    """``jit`` of ``(x, scale, bias) -> (outputs, VJP at cts)`` of the explicit form."""
+    from jaxcnn import functional as F
+
+    def run(x, scale, bias):
+        out, pull = jax.vjp(lambda *a: F.batch_norm_train(*a, grad="explicit", relu=relu,
+                                                          impl=impl, **kw), x, scale, bias)
+        return out, pull(cts)
+    return jax.jit(run)
+
+
+@needs_mgpu
+@pytest.mark.parametrize("dtype, relu", [(BF16, True), (jnp.float32, False)])
+def test_batch_norm_train_with_kernels_equals_xla_with_gradients(dtype, relu, monkeypatch):
+    """Outputs and gradients (the statistics' cotangents included) equal the XLA form's to
+    float32 rounding: 1e-5 of the largest value (16-bit outputs within a step of theirs)."""
+    launched = []
+    launch = mb._launch
+    monkeypatch.setattr(mb, "_launch", lambda *a, **k: launched.append(k["name"]) or launch(*a, **k))
+    shape = (2, 9, 11, 24)
+    x, _ = _data(shape, dtype)
+    rng = np.random.default_rng(3)
+    scale, bias, dmean, dvar = (jnp.asarray(rng.standard_normal(24), jnp.float32) for _ in range(4))
+    cts = (_data(shape, dtype, seed=4, offset=0.0)[0], dmean, dvar)
+    got = _bn_outputs_and_grads("pallas", relu, cts)(x, scale, bias)
+    assert sorted(set(launched)) == ["jaxcnn_mgpu_bn_grad_sums", "jaxcnn_mgpu_bn_stats"]
+    want = _bn_outputs_and_grads("xla", relu, cts)(x, scale, bias)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        # A 16-bit array may round the other way where the statistics differ in their last
+        # float32 bit: one step of its type (bfloat16: 2**-7 relative).
+        ulp = 2.0 ** -7 * np.abs(np.asarray(b, np.float32)) if a.dtype == BF16 else 0.0
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        assert np.all(np.abs(a - b) <= 1e-5 * np.abs(b).max() + ulp), np.abs(a - b).max()
+
+
+@needs_mgpu
+def test_synced_under_shard_map_and_vmap_with_kernels(monkeypatch):
+    """SyncBatchNorm (``axis_name``): under ``shard_map`` the kernels reduce each device's
+    shard and the collectives stay outside; under ``vmap`` the reductions are XLA's (the
+    kernels cannot take part).  Both equal the whole batch's XLA form, gradients included."""
+    from jax.sharding import PartitionSpec as P
+
+    from jaxcnn import functional as F
+    launched = []
+    launch = mb._launch
+    monkeypatch.setattr(mb, "_launch", lambda *a, **k: launched.append(k["name"]) or launch(*a, **k))
+    x, _ = _data((4, 3, 5, 8), jnp.float32)
+    g, _ = _data((4, 3, 5, 8), jnp.float32, seed=2, offset=0.0)
+    # One device: GPU interpret mode cannot run a kernel on several host devices at once
+    # (its shared-memory model then finds a barrier left allocated); the types under
+    # check_vma and the collectives around the kernels are the same on one.
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
+
+    def loss(fn):
+        return jax.jit(jax.value_and_grad(lambda x: jnp.sum(fn(x) * g)))
+
+    def bn(x, impl):
+        return F.batch_norm_train(x, axis_name="data", grad="explicit", relu=True, impl=impl)[0]
+
+    sharded = loss(jax.shard_map(lambda x: bn(x, "pallas"), mesh=mesh, in_specs=P("data"),
+                                 out_specs=P("data")))
+    mapped = loss(lambda x: jax.vmap(lambda x: bn(x, "pallas"), axis_name="data")(
+        x.reshape(2, 2, 3, 5, 8)).reshape(x.shape))
+    whole = loss(lambda x: F.batch_norm_train(x, grad="explicit", relu=True, impl="xla")[0])
+    want = whole(x)
+    for fn in (sharded, mapped):
+        for a, b in zip(fn(x), want):
+            np.testing.assert_allclose(a, b, rtol=0, atol=1e-5 * np.abs(b).max())
+    assert set(launched) == {"jaxcnn_mgpu_bn_grad_sums", "jaxcnn_mgpu_bn_stats"}
+
+
+def test_auto_takes_the_kernels_only_where_a_verdict_says_so(monkeypatch):
+    """``impl="auto"``: XLA off a GPU and on a GPU without a measurement; each reduction
+    from its kernel where the ``batch_norm`` verdict at this shape says it won."""
+    from jaxcnn.functional import _dispatch
+    from pallas_kernels import autotune
+    from pallas_kernels import mgpu_window as mw
+    x = jnp.zeros((2, 4, 4, 64), BF16)
+    assert _dispatch.batch_norm_kernels("auto", x) == (False, False)  # the CPU
+    assert _dispatch.batch_norm_kernels("xla", x) == (False, False)
+    monkeypatch.setattr(_dispatch, "_platform", lambda: "gpu")
+    monkeypatch.setattr(mw, "on_hopper", lambda device_kind=None: True)
+    monkeypatch.setattr(mb, "check_supported", lambda *a: None)  # any jax
+    asked = []
+    for found in (None, (False, True), (True, True)):
+        monkeypatch.setattr(autotune, "verdict", lambda *a, found=found: asked.append(a) or found)
+        assert _dispatch.batch_norm_kernels("auto", x) == (found or (False, False))
+    assert asked[0] == ("batch_norm", (x,), {"backend": "mosaic"})
+    monkeypatch.setattr(mw, "on_hopper", lambda device_kind=None: False)
+    assert _dispatch.batch_norm_kernels("pallas", x) == (False, False)  # not a Hopper GPU
+
+
+def test_tuned_tiles_are_looked_up_per_launch(shipped, monkeypatch):
+    """The tiles the GPU check keeps for a launch (``tuned.json``, the device kind's entry
+    under :attr:`BnCall.key`) are the ones the kernel runs with; others take the default."""
+    from pallas_kernels import autotune
+    monkeypatch.setattr(mb.mc, "unavailable_reason", lambda: None)  # any jax: nothing runs
+    seen = []
+    monkeypatch.setattr(mb, "_launch", lambda *a, cfg, **k: seen.append(cfg) or jnp.zeros(
+        (1, 2, 128), jnp.float32))
+    x = jnp.zeros((2, 4, 8, 64), BF16)
+    stats = mb.BnCall("mgpu_bn_stats", 64, 64, "bfloat16")
+    sums = mb.BnCall("mgpu_bn_grad_sums", 64, 64, "bfloat16", 2, 2)
+    shipped(autotune.device_kind(), {stats.key: {"block_c": 32, "stages": 3}})
+    mb.channel_stats(x)
+    mb.channel_grad_sums(x, x, jnp.zeros(64), jnp.ones(64))
+    assert seen == [mb.BnConfig(32, 3), sums.candidates()[0]]
