@@ -2,15 +2,16 @@
 
 An NHWC activation is viewed as ``(M, C)``, ``M = N * H * W``; bfloat16, float16 or float32
 in, float32 out.  Each kernel reads its inputs once, in ``(64, block_c)`` tiles that TMA
-copies into a ring of ``stages`` shared-memory slots (mbarrier pipeline); a CTA reduces
-``tiles_per_cta`` consecutive row tiles of one channel block in registers and writes one
-partial per channel, and the few partials are combined in XLA in a fixed order.
+copies into a ring of ``stages`` shared-memory slots (mbarrier pipeline).  A CTA reduces
+:func:`tiles_per_cta` consecutive row tiles of one channel block into one float32
+accumulator pair per element position of the tile, in registers (no reduction across
+threads in the loop), reduces those over the tile's 64 rows once at the end and writes one
+partial pair per channel; XLA combines the CTAs' few partials in a fixed order.
 
-* :func:`channel_stats` ``(x) -> (mean, biased var)``: each tile's sum and sum of squares
-  about the tile's own mean, merged into the CTA's running ones by Chan's parallel
-  formula; the CTAs' partials are merged the same way by
-  :func:`pallas_kernels.mgpu_conv.combine_tile_stats` (the fused Conv+BN kernel's
-  combine).  No ``E[x^2] - E[x]^2`` cancellation, whatever the data's offset.
+* :func:`channel_stats` ``(x) -> (mean, biased var)``: per position, Welford's running mean
+  and sum of squared deviations; per CTA, Chan's parallel formula over the positions; across
+  CTAs, the same formula in :func:`pallas_kernels.mgpu_conv.combine_tile_stats` (the fused
+  Conv+BN kernel's combine).  No ``E[x^2] - E[x]^2`` cancellation, whatever the offset.
 * :func:`channel_grad_sums` ``(dy, x, mean, invstd) -> (sum dy', sum dy' * xhat)``,
   ``xhat = (x - mean) * invstd``, ``dy'`` = ``dy`` where the ReLU passed it
   (``relu_out > 0``, a third input read once; or ``x * a + c > 0``, the mask recomputed
@@ -18,14 +19,16 @@ partial per channel, and the few partials are combined in XLA in a fixed order.
 
 Tails (``M`` and ``C`` not multiples of the tile) are TMA's zero fill, masked by row.
 Tiles: a tuned :class:`BnConfig` per launch (:class:`BnCall`, chosen by the GPU check among
-:func:`candidates`: at most three, from a shared-memory model), else the first candidate.  What they cannot run (jax < 0.11, other dtypes, rows that are not
-a multiple of 16 bytes) raises :class:`~jaxcnn.errors.KernelUnsupported`.  Not
-differentiable themselves: ``jaxcnn.functional.norm.batch_norm_train`` uses them inside its
-custom VJPs.  Unmeasured until the GPU check races them (``docs/batch_norm.md``).
+:func:`candidates`: at most three), else the first candidate.  What the kernels cannot run
+(jax < 0.11, other dtypes, rows not a multiple of 16 bytes) raises
+:class:`~jaxcnn.errors.KernelUnsupported`.  Not differentiable themselves:
+``jaxcnn.functional.norm.batch_norm_train`` calls them inside its custom VJPs.  Unmeasured
+until the GPU check races them (``docs/batch_norm.md``).
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -38,8 +41,9 @@ from pallas_kernels import mgpu_conv as mc
 F32 = jnp.float32
 TILE_M = mc.TILE_M  # rows per tile: the WGMMA register layout's 64
 DTYPES = (*mc.DTYPES, jnp.dtype(F32))
-SMS = 132  # H100/H200 streaming multiprocessors: the grid aims at a few waves of them
-WAVES = 4
+SMS = 132  # H100/H200 streaming multiprocessors: the grid aims at many CTAs a multiprocessor,
+WAVES = 16  # so that the last, partial wave of CTAs is a small share of the time
+IN_FLIGHT = 32 * 1024  # bytes of each input a CTA's slots hold: a few CTAs fit a multiprocessor
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,7 +54,7 @@ class BnConfig:
         block_c: channels per CTA (multiple of 16, <= 256); wider than ``C`` reads zeros.
         stages: row tiles in flight per CTA (shared-memory slots per input, >= 2).
     """
-    block_c: int = 128
+    block_c: int = 64
     stages: int = 4
 
     def __post_init__(self):
@@ -99,14 +103,16 @@ def smem_bytes(cfg: BnConfig, c: int, dtype, *, streams: int = 1, table_rows: in
 
 
 def candidates(c: int, dtype, *, streams: int = 1, table_rows: int = 0) -> list:
-    """At most three configs for ``C = c``: 128, 64 and 256 channels a CTA, each with as
-    many slots as keep about 64 KiB of each input in flight (2 to 8), dropping any over
-    the shared memory limit and duplicates; the first is the default."""
+    """At most three configs for ``C = c``: 64, 128 and 32 channels a CTA (its 128 threads
+    hold two float32 accumulators per element of a ``(64, block_c)`` tile: 64 channels
+    keep them at 64 registers a thread, 128 at 128), each with the slots that keep about
+    :data:`IN_FLIGHT` bytes of each input in flight (2 to 8), dropping any over the shared
+    memory limit and duplicates; the first is the default."""
     out = []
     it = jnp.dtype(dtype).itemsize
-    for want in (128, 64, 256):
+    for want in (64, 128, 32):
         bc = block_c(c, BnConfig(block_c=want))
-        stages = int(min(8, max(2, (64 * 1024) // (TILE_M * bc * it))))
+        stages = int(min(8, max(2, IN_FLIGHT // (TILE_M * bc * it))))
         cfg = BnConfig(block_c=bc, stages=stages)
         if cfg not in out and smem_bytes(cfg, c, dtype, streams=streams,
                                          table_rows=table_rows) <= mc.MAX_SMEM:
@@ -115,22 +121,24 @@ def candidates(c: int, dtype, *, streams: int = 1, table_rows: int = 0) -> list:
 
 
 def tiles_per_cta(m: int, c: int, cfg: BnConfig) -> int:
-    """Row tiles one CTA reduces: enough CTAs for :data:`WAVES` waves over :data:`SMS`
-    (never fewer tiles than slots), a multiple of ``stages`` so the loop is static."""
+    """Row tiles one CTA reduces: about :data:`WAVES` CTAs per multiprocessor over both grid
+    axes (never fewer tiles than slots), a multiple of ``stages`` so the loop is static."""
     tiles = mc.pl_cdiv(m, TILE_M)
     ctas_m = max(1, (WAVES * SMS) // mc.pl_cdiv(c, block_c(c, cfg)))
     per = max(cfg.stages, mc.pl_cdiv(tiles, ctas_m))
     return mc.pl_cdiv(per, cfg.stages) * cfg.stages
 
 
-def _launch(kind, streams, table, *, m, c, cfg, combine, interpret, detect_races, name):
+def _launch(kind, streams, table, *, m, c, cfg, reducer, interpret, detect_races, name):
     """The reduction kernel over ``streams`` (``(m, c)`` arrays read tile by tile) with an
     optional ``(rows, cp)`` float32 per-channel ``table``: returns the ``(ctas_m, 2, cp)``
-    float32 partials, where ``combine(vals, table_rows, valid, counts, carry)`` folds a
-    tile (``vals``: the streams' float32 ``(64, block_c)`` tiles; ``table_rows``: the
-    table's rows as ``(block_c,)`` vectors; ``valid``: its rows inside ``m``; ``counts``:
-    the CTA's rows before it and the tile's valid rows, float32 scalars) into the carry
-    of two ``(block_c,)`` vectors that becomes the CTA's partial."""
+    float32 partials.  ``reducer = (step, finish)``: ``step(vals, table_rows, valid, t,
+    carry)`` folds the CTA's ``t``-th tile (``vals``: the streams' float32 ``(64, block_c)``
+    tiles; ``table_rows``: the table's rows as ``(block_c,)`` vectors; ``valid``: its rows
+    inside ``m``) into a carry of two ``(64, block_c)`` float32 arrays, one accumulator per
+    element position (no reduction across threads in the loop); ``finish(carry, left)``
+    (``left``: the CTA's rows inside ``m``) reduces them to the CTA's two ``(block_c,)``
+    partials."""
     plgpu = mc._plgpu()
     from jax.experimental import pallas as pl
     bc, stages = block_c(c, cfg), cfg.stages
@@ -170,8 +178,9 @@ def _launch(kind, streams, table, *, m, c, cfg, combine, interpret, detect_races
             plgpu.barrier_wait(t_bar)
             rows = [plgpu.load(t_smem.at[r], layout=lane) for r in range(table.shape[0])]
         row = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, (TILE_M, bc), 0), wg)
-        zero = plgpu.layout_cast(jnp.zeros((bc,), F32), lane)
+        zero = plgpu.layout_cast(jnp.zeros((TILE_M, bc), F32), wg)
         left = m - first * TILE_M  # the CTA's rows inside m (>= 1)
+        step, finish = reducer
 
         def group(g, carry):
             for slot in range(stages):
@@ -181,13 +190,10 @@ def _launch(kind, streams, table, *, m, c, cfg, combine, interpret, detect_races
                         for b in bufs]
                 plgpu.commit_smem()  # every thread has read the slot: refill it
                 pl.when(t + stages < per)(lambda t=t, slot=slot: issue(t + stages, slot))
-                valid = row < left - t * TILE_M
-                counts = (jnp.clip(left, 0, t * TILE_M).astype(F32),
-                          jnp.clip(left - t * TILE_M, 0, TILE_M).astype(F32))
-                carry = combine(vals, rows, valid, counts, carry)
+                carry = step(vals, rows, row < left - t * TILE_M, t, carry)
             return carry
 
-        s1, s2 = lax.fori_loop(0, per // stages, group, (zero, zero))
+        s1, s2 = finish(lax.fori_loop(0, per // stages, group, (zero, zero)), row, left)
         mc.smem_store(plgpu, st_smem.at[0], s1, swizzled=False)
         mc.smem_store(plgpu, st_smem.at[1], s2, swizzled=False)
         plgpu.commit_smem()
@@ -278,22 +284,34 @@ def channel_stats(x, *, config: BnConfig | None = None, interpret: bool = False,
     c = x.shape[-1]
     x2 = x.reshape(-1, c)
     cfg = _config(op, BnCall("mgpu_bn_stats", x2.shape[0], c, jnp.dtype(x.dtype).name), config)
-    partial = _launch(op, [x2], None, m=x2.shape[0], c=c, cfg=cfg, combine=_stats_tile,
+    partial = _launch(op, [x2], None, m=x2.shape[0], c=c, cfg=cfg,
+                      reducer=(_stats_step, functools.partial(_stats_finish, cfg, x2.shape[0], c)),
                       interpret=interpret, detect_races=detect_races,
                       name="jaxcnn_mgpu_bn_stats")
     return mc.combine_tile_stats(partial[:, :, :c], cta_rows(x2.shape[0], c, cfg))
 
 
-def _stats_tile(vals, _, valid, counts, carry):
-    """Chan's merge of a tile's (sum, sum of squares about its mean) into the running ones."""
-    (x,), (n_a, n_b), (sum_a, m2_a) = vals, counts, carry
-    xv = jnp.where(valid, x, 0.0)
-    total = jnp.sum(xv, axis=0)
-    mean_b = total / jnp.maximum(n_b, 1.0)
-    d = jnp.where(valid, x - lax.broadcast_in_dim(mean_b, x.shape, [1]), 0.0)
-    delta = mean_b - sum_a / jnp.maximum(n_a, 1.0)
-    weight = n_a * n_b / jnp.maximum(n_a + n_b, 1.0)
-    return sum_a + total, m2_a + jnp.sum(d * d, axis=0) + delta * delta * weight
+def _stats_step(vals, _, valid, t, carry):
+    """Welford's update of each element position's running mean and sum of squared
+    deviations: a position inside ``m`` in the CTA's tile ``t`` was inside in all ``t``
+    before it, so its count is ``t + 1`` (one scalar reciprocal for the tile)."""
+    (x,), (mean, m2) = vals, carry
+    delta = jnp.where(valid, x - mean, 0.0)
+    mean = mean + delta * (1.0 / (t + 1).astype(F32))
+    return mean, m2 + delta * (x - mean)
+
+
+def _stats_finish(cfg, m, c, carry, row, left):
+    """The CTA's ``(sum, sum of squares about its mean)`` from its 64 positions' running
+    pairs, by Chan's formula (each position holds ``ceil((left - row) / 64)`` rows)."""
+    mean_r, m2_r = carry
+    per = tiles_per_cta(m, c, cfg)
+    full = (left // TILE_M).astype(F32)  # scalars; then the positions of a last part tile
+    n_r = jnp.minimum(jnp.where(row < left % TILE_M, full + 1.0, full), float(per))
+    total = jnp.sum(n_r * mean_r, axis=0)
+    mean = total / jnp.minimum(left, per * TILE_M).astype(F32)
+    d = mean_r - lax.broadcast_in_dim(mean, mean_r.shape, [1])
+    return total, jnp.sum(m2_r, axis=0) + jnp.sum(n_r * d * d, axis=0)
 
 
 def channel_grad_sums(dy, x, mean, invstd, *, relu_out=None, relu_affine=None,
@@ -331,24 +349,28 @@ def channel_grad_sums(dy, x, mean, invstd, *, relu_out=None, relu_affine=None,
     cfg = _config(op, call, config)
     cp = mc.pl_cdiv(c, block_c(c, cfg)) * block_c(c, cfg)
     table = jnp.pad(jnp.stack([jnp.asarray(v, F32) for v in vecs]), ((0, 0), (0, cp - c)))
-    combine = _grad_tile(relu_out is not None, relu_affine is not None)
+    reducer = (_grad_step(relu_out is not None, relu_affine is not None), _sum_rows)
     partial = _launch(op, streams, table, m=streams[0].shape[0], c=c, cfg=cfg,
-                      combine=combine, interpret=interpret, detect_races=detect_races,
+                      reducer=reducer, interpret=interpret, detect_races=detect_races,
                       name="jaxcnn_mgpu_bn_grad_sums")
     sums = mc.fixed_order_sum(partial[:, :, :c])
     return sums[0], sums[1]
 
 
-def _grad_tile(relu_out: bool, relu_affine: bool):
-    """The tile step of :func:`channel_grad_sums`: the zero fill of the tails adds nothing
-    (``dy`` reads zero there), so no row mask."""
-    def combine(vals, rows, _, __, carry):
+def _grad_step(relu_out: bool, relu_affine: bool):
+    """The tile step of :func:`channel_grad_sums`, accumulating ``dy'`` and ``dy' * xhat``
+    per element position: the zero fill of the tails adds nothing (``dy`` reads zero
+    there), so no row mask."""
+    def step(vals, rows, _, __, carry):
         dy, x = vals[0], vals[1]
         wide = [lax.broadcast_in_dim(r, x.shape, [1]) for r in rows]
         if relu_out:
             dy = jnp.where(vals[2] > 0, dy, 0.0)
         elif relu_affine:
             dy = jnp.where(x * wide[2] + wide[3] > 0, dy, 0.0)
-        xhat = (x - wide[0]) * wide[1]
-        return carry[0] + jnp.sum(dy, axis=0), carry[1] + jnp.sum(dy * xhat, axis=0)
-    return combine
+        return carry[0] + dy, carry[1] + dy * ((x - wide[0]) * wide[1])
+    return step
+
+
+def _sum_rows(carry, _, __):
+    return jnp.sum(carry[0], axis=0), jnp.sum(carry[1], axis=0)
