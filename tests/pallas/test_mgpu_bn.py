@@ -222,3 +222,25 @@ def test_tuned_tiles_are_looked_up_per_launch(shipped, monkeypatch):
     mb.channel_stats(x)
     mb.channel_grad_sums(x, x, jnp.zeros(64), jnp.ones(64))
     assert seen == [mb.BnConfig(32, 3), sums.candidates()[0]]
+
+
+@needs_mgpu
+def test_shared_memory_count_is_mosaics(monkeypatch):
+    """Past the limit Mosaic refuses a kernel, naming the bytes its scratch needs: the
+    model's count (:func:`mb.smem_bytes`), exactly, for both kernels."""
+    import re
+    ik = inspect_kernels()
+    monkeypatch.setattr(mb.mc, "MAX_SMEM", 10 ** 9)  # past the model's own refusal
+    S = jax.ShapeDtypeStruct
+    x, v = S((2, 7, 9, 256), BF16), S((256,), jnp.float32)
+    big = mb.BnConfig(256, 8)
+    cases = [(lambda x: mb.channel_stats(x, config=big), (x,), 1, 0),
+             (lambda dy, x, m, i: mb.channel_grad_sums(dy, x, m, i, relu_affine=(m, i),
+                                                       config=big), (x, x, v, v), 2, 4)]
+    for fn, args, streams, rows in cases:
+        need = mb.smem_bytes(big, 256, BF16, streams=streams, table_rows=rows)
+        assert need > 232448
+        with pytest.raises(ValueError) as e:
+            ik.inspect_mosaic(fn, *args, kind=H100)
+        got = re.search(r"smem_bytes=(\d+)", str(e.value))
+        assert got and int(got.group(1)) == need, str(e.value)[:300]
