@@ -187,8 +187,8 @@ def _moments(x, kernel=False):
     """Per-channel mean and biased variance of ``x`` ``(..., C)`` from one read of it, in
     float32 (float64 for float64 ``x``) whatever ``x``'s dtype.
 
-    With ``kernel`` the Mosaic GPU kernel takes them (:func:`_kernel_moments`: centred
-    per-tile sums merged by Chan's formula); otherwise:
+    With ``kernel`` the Mosaic GPU kernel takes them (``mgpu_bn.channel_stats``: Welford's
+    running sums per element position, merged by Chan's formula); otherwise:
 
     The sums are taken about a per-channel shift (the mean of the first
     :data:`SHIFT_ROWS` rows), which keeps ``E[d**2] - E[d]**2`` clear of
