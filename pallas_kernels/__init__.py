@@ -27,6 +27,8 @@ kernels and an XLA backward selectable with ``backward="xla"``.
   pooling and depthwise convolution (forward and gradients) in Mosaic GPU, on the TMA
   window kernel of :mod:`pallas_kernels.mgpu_window`; :func:`max_pool2d`,
   :func:`avg_pool2d` and :func:`conv2d` (depthwise) choose them the same way.
+- :mod:`pallas_kernels.mgpu_bn`: training BatchNorm's statistics and backward sums in Mosaic
+  GPU, one read of each input (``jaxcnn.functional.batch_norm_train(impl=...)``).
 
 Kernels never import :mod:`jaxcnn.functional` or :mod:`jaxcnn.layers` (which
 sit above them); argument forms, padding and output sizes come from the leaf

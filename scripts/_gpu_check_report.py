@@ -7,7 +7,8 @@ Each line of ``gpu_check.jsonl`` is one JSON record with ``stage``, ``kind`` and
 - ``stage``: a stage's end: ``status`` ``ok``, ``failed`` (with the exit status and the
   log's tail) or ``timeout``, its ``seconds`` and ``limit_s``, and its ``launches``;
 - ``unit``: a unit ``started``, ``done``, ``failed`` (with the error) or ``crashed``;
-- ``env``, ``correct``, ``step``, ``conv``, ``fused``, ``window``, ``bandwidth``: figures;
+- ``env``, ``correct``, ``step``, ``conv``, ``fused``, ``window``, ``batchnorm``,
+  ``bandwidth``: figures;
 - ``skip``: a unit not run, and why.
 
 A figure or finished unit carried over from an earlier check (``--resume``) has
@@ -25,7 +26,7 @@ JSONL = "gpu_check.jsonl"
 RELAUNCH = 3  # a stage's exit status asking the parent to start it again
 
 
-FIGURES = ("correct", "step", "conv", "fused", "window", "bandwidth")
+FIGURES = ("correct", "step", "conv", "fused", "window", "batchnorm", "bandwidth")
 # What must be equal for an earlier check's figures to stand for this one's.
 SAME_RUN = ("device_kind", "compute_capability", "jax", "jaxlib", "triton", "torch")
 
@@ -141,12 +142,15 @@ def _race_lines(records, kind) -> list:
         label = _label(r, " ".join(str(r[k]) for k in ("name", "form") if k in r))
         extra = (f"{_f(r.get('mosaic_tflops'), '.0f')} / {_f(r.get('mosaic_grad_tflops'), '.0f')}"
                  if kind == "conv" else
-                 _f(r.get("mosaic_bandwidth_fraction")) if kind == "window" else "")
+                 _f(r.get("mosaic_bandwidth_fraction")) if kind == "window" else
+                 f"{_f(r.get('mosaic_gb_s'), ',.0f')} / {_f(r.get('mosaic_grad_gb_s'), ',.0f')}"
+                 if kind == "batchnorm" else "")
         rows.append((label, _f(r["mosaic_ms"], ".3f"), _f(r["xla_ms"], ".3f"),
                      _f(r["fwd_ratio"]), _f(r.get("mosaic_grad_ms"), ".3f"),
                      _f(r.get("xla_grad_ms"), ".3f"), _f(r.get("grad_ratio")), extra,
                      "; ".join(f"{k.split('|')[0]} {v}" for k, v in r.get("tiles", {}).items())))
-    extra = {"conv": "TFLOP/s fwd / fwd+bwd", "window": "of bandwidth", "fused": ""}[kind]
+    extra = {"conv": "TFLOP/s fwd / fwd+bwd", "window": "of bandwidth", "fused": "",
+             "batchnorm": "GB/s stats / sums"}[kind]
     return _table(("shape", "fwd ms", "XLA ms", "XLA/ours", "fwd+bwd ms", "XLA ms",
                    "XLA/ours", extra, "tiles"), rows)
 
@@ -179,5 +183,7 @@ def summary(records, date: str | None = None) -> str:
     parts += ["", "### BatchNorm fused into the convolution against the unfused XLA chain", ""]
     parts += _race_lines(records, "fused")
     parts += ["", "### Pooling and depthwise against XLA", ""] + _race_lines(records, "window")
+    parts += ["", "### Training BatchNorm's reductions against XLA (fwd: statistics; "
+              "fwd+bwd columns: the backward's sums)", ""] + _race_lines(records, "batchnorm")
     parts += ["", "### Failures, timeouts and skips", ""] + _problem_lines(records) + [""]
     return "\n".join(parts)

@@ -240,6 +240,11 @@ def _families(dry: bool) -> list:
                 fused, _, xla = load_script("bench_mgpu")._fused_fns(p, form != "stats")
                 out.append((f"mosaic_fused_{form}", lambda x, w, f=fused: f(x, w, scale, shift),
                             lambda x, w, f=xla: f(x, w, scale, shift), (x, w)))
+    out.append(("mosaic_batch_norm",
+                lambda x: F.batch_norm_train(x, scale, shift, grad="explicit", relu=True,
+                                             impl="pallas"),
+                lambda x: F.batch_norm_train(x, scale, shift, grad="explicit", relu=True,
+                                             impl="xla"), (x,)))
     out.append(("triton_bn_relu_conv",
                 lambda x, w: pk.bn_relu_conv2d(x, w, scale=scale, shift=shift, **p),
                 lambda x, w: F.conv2d(jax.nn.relu(x * scale + shift), w, **p, impl="xla"),
@@ -515,6 +520,80 @@ def stage_window(ctx: Context) -> int:
                            _shapes("bench_mgpu_window", WINDOW, WINDOW_DRY if ctx.dry else None)])
 
 
+# ResNet-50's BatchNorm inputs (batch 256), most activation read per step first (layers x
+# size: 4 x 56x56x256, 5 x 28x28x512, 7 x 14x14x1024, 6 x 56x56x64, the stem, 7 x 28x28x128,
+# 11 x 14x14x256, 4 x 7x7x2048): a check cut short has measured the ones that weigh most.
+BATCH_NORM = ((56, 56, 256), (28, 28, 512), (14, 14, 1024), (56, 56, 64), (112, 112, 64),
+              (28, 28, 128), (14, 14, 256), (7, 7, 2048))
+BATCH_NORM_DRY = ((8, 8, 16),)
+
+
+def _batch_norm_fns(relu: bool = True) -> dict:
+    """The explicit BatchNorm's two reductions, the Mosaic kernels' and XLA's:
+    ``{"stats": (kernel, xla)}`` of ``x`` and ``{"sums": (kernel, xla)}`` of
+    ``(dy, x, a, c)``."""
+    from jaxcnn.functional import norm
+    return {"stats": tuple(jax.jit(lambda x, k=k: norm.moments(x, kernel=k))
+                           for k in (True, False)),
+            "sums": tuple(jax.jit(lambda dy, x, a, c, k=k: norm.affine_relu_sums(
+                dy, x, a, c, relu=relu, kernel=k)) for k in (True, False))}
+
+
+def _fastest_tiles(ctx: Context, call, fn, args):
+    """Times ``fn`` with each kept candidate of ``call`` (at most ``ctx.max_candidates``),
+    stores the fastest in the autotune cache and returns ``(seconds, tiles)``."""
+    best = None
+    for cfg in call.candidates(mc.MAX_SMEM)[:ctx.max_candidates]:
+        with autotune.override({call.key: cfg}):
+            t = ctx.timer(jax.jit(lambda *a: fn(*a)), *args)  # traced under the override
+        if best is None or t < best[0]:
+            best = (t, cfg)
+    autotune.store_kernels({call.key: best[1]})
+    return best
+
+
+def _batch_norm_unit(ctx: Context, hwc):
+    def unit():
+        from pallas_kernels import mgpu_bn as mb
+        if ctx.family_failed("mosaic_batch_norm"):
+            ctx.emit("skip", unit=f"batch_norm {hwc}", reason="mosaic_batch_norm failed `correct`")
+            return
+        batch = 2 if ctx.dry else 256
+        x = _normal(6, (batch, *hwc), 2.0) + 1
+        dy = _normal(7, x.shape)
+        a = 1 + 0.1 * jax.random.normal(jax.random.key(8), (hwc[2],))
+        c = 0.1 * jax.random.normal(jax.random.key(9), (hwc[2],))
+        fns, m, dtype = _batch_norm_fns(), x.size // hwc[2], BF16.name
+        stats_s, stats_cfg = _fastest_tiles(ctx, mb.BnCall("mgpu_bn_stats", m, hwc[2], dtype),
+                                            fns["stats"][0], (x,))
+        sums_s, sums_cfg = _fastest_tiles(
+            ctx, mb.BnCall("mgpu_bn_grad_sums", m, hwc[2], dtype, 2, 4), fns["sums"][0],
+            (dy, x, a, c))
+        entry = {"pallas_s": stats_s, "xla_s": ctx.timer(fns["stats"][1], x),
+                 "pallas_grad_s": sums_s, "xla_grad_s": ctx.timer(fns["sums"][1], dy, x, a, c)}
+        entry.update(fwd_faster=entry["pallas_s"] < entry["xla_s"],
+                     grad_faster=entry["pallas_grad_s"] < entry["xla_grad_s"],
+                     measures="fwd: the statistics pass; grad: the backward's two sums (ReLU)")
+        autotune.store_op_entry("batch_norm", (x,), {"backend": "mosaic"}, entry)
+        nbytes = x.size * BF16.itemsize
+        ctx.emit("batchnorm", name=f"{hwc[0]}x{hwc[1]}x{hwc[2]}", x_shape=list(x.shape),
+                 **_race_fields(entry, 0, 0), mosaic_gb_s=nbytes / stats_s / 1e9,
+                 mosaic_grad_gb_s=2 * nbytes / sums_s / 1e9,
+                 tiles={"mgpu_bn_stats": f"c{stats_cfg.block_c}s{stats_cfg.stages}",
+                        "mgpu_bn_grad_sums": f"c{sums_cfg.block_c}s{sums_cfg.stages}"})
+    return unit
+
+
+def stage_batchnorm(ctx: Context) -> int:
+    """Training BatchNorm's reductions at ResNet-50's shapes (batch 256): the Mosaic kernels
+    (their fastest kept tiles) against XLA's, each verdict stored where ``impl="auto"``
+    reads it (op ``"batch_norm"``)."""
+    if _mosaic_skip(ctx, "batchnorm"):
+        return 0
+    return run_units(ctx, [(f"batch_norm {'x'.join(map(str, hwc))}", _batch_norm_unit(ctx, hwc))
+                           for hwc in (BATCH_NORM_DRY if ctx.dry else BATCH_NORM)])
+
+
 def tile_plan_calls() -> list:
     """Every Mosaic launch the ``dense``, ``fused`` and ``window`` stages time on the GPU
     (what ``gpu_check_tiles.json`` keeps a shortlist for)."""
@@ -542,6 +621,7 @@ def tile_plan_calls() -> list:
 # The stages by name; their order and shares of the budget are scripts/gpu_check.py's.
 FUNCTIONS = {"env": stage_env, "correct": stage_correct, "resnet50": stage_resnet50,
              "torch": stage_torch, "dense": stage_dense, "resnet50_more": stage_resnet50_more,
-             "fused": stage_fused, "window": stage_window, "resnet50_auto": stage_resnet50_auto}
+             "fused": stage_fused, "window": stage_window, "batchnorm": stage_batchnorm,
+             "resnet50_auto": stage_resnet50_auto}
 
 __all__ = ["Context", "FUNCTIONS", "RELAUNCH", "run_units", "tile_plan_calls"]

@@ -105,6 +105,10 @@ def test_a_torn_last_line_is_left_out_and_the_summary_shows_every_kind(tmp_path)
         {"stage": "torch", "kind": "step", "model": "resnet50", "framework": "torch.compile",
          "batch": 256, "step_ms": 45.0, "img_s": 5689.0, "mfu": 0.139},
         {"stage": "dense", "kind": "skip", "unit": "dense", "reason": "failed `correct`"},
+        {"stage": "batchnorm", "kind": "batchnorm", "name": "56x56x256", "mosaic_ms": 0.1,
+         "xla_ms": 0.2, "fwd_ratio": 2.0, "mosaic_grad_ms": 0.3, "xla_grad_ms": 0.3,
+         "grad_ratio": 1.0, "mosaic_gb_s": 4000.0, "mosaic_grad_gb_s": 3000.0,
+         "tiles": {"mgpu_bn_stats": "c128s4"}},
         {"stage": "torch", "kind": "stage", "status": "timeout", "seconds": 85, "limit_s": 85},
         {"stage": "resnet50_more", "kind": "unit", "unit": "x", "status": "failed",
          "error": "XlaRuntimeError: out of memory\nmore"},
@@ -118,6 +122,8 @@ def test_a_torn_last_line_is_left_out_and_the_summary_shows_every_kind(tmp_path)
     assert "| mosaic_dense | **WRONG** | 5.0e-01 | 1.0e-01, 2.0e-01 |" in md
     assert "| torch.compile | 45.00 | 5,689 | 13.9% | 0.90 |" in md
     assert "- dense / dense: skipped: failed `correct`" in md
+    assert ("| 56x56x256 | 0.100 | 0.200 | 2.00 | 0.300 | 0.300 | 1.00 | 4,000 / 3,000 | "
+            "mgpu_bn_stats c128s4 |") in md
     assert "- stage torch: timeout" in md
     assert "- resnet50_more / x: failed: XlaRuntimeError: out of memory" in md
 
@@ -223,7 +229,7 @@ def test_dry_run_goes_through_every_stage(tmp_path):
     assert {f for f in families if f.startswith("triton")} == {
         "triton_dense", "triton_dense_stride2", "triton_depthwise", "triton_max_pool2d",
         "triton_avg_pool2d", "triton_bn_relu_conv"}
-    assert len([f for f in families if f.startswith("mosaic")]) == (7 if mosaic else 0)
+    assert len([f for f in families if f.startswith("mosaic")]) == (8 if mosaic else 0)
     steps = _records(out, "step")
     frameworks = {r["framework"] for r in steps}
     assert "jaxcnn" in frameworks and all(r["step_ms"] > 0 for r in steps)
@@ -233,7 +239,7 @@ def test_dry_run_goes_through_every_stage(tmp_path):
         assert "torch.compile" in frameworks
     except ImportError:
         assert "torch.compile" in skipped
-    for kind in ("conv", "fused", "window"):
+    for kind in ("conv", "fused", "window", "batchnorm"):
         assert bool(_records(out, kind)) == mosaic, kind
     devices = json.load(open(os.path.join(out, "autotune.json")))["devices"]
     assert bool(devices) == mosaic

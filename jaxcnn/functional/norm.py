@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxcnn import _geometry as geo
-from jaxcnn.functional import _halo
+from jaxcnn.functional import _dispatch, _halo
 from jaxcnn.functional._channels import channel_broadcast, channel_mean, channel_sum
 
 #: The ways :func:`batch_norm_train` can be differentiated (``grad=``).
@@ -96,7 +96,7 @@ def resolve_batch_norm_grad(grad: str) -> str:
 
 
 def batch_norm_train(x, scale=None, bias=None, *, eps=1e-5, axis_name=None, grad="auto",
-                     relu=False):
+                     relu=False, impl="auto"):
     """Batch normalisation with the batch's own statistics (training form).
 
     The statistics are taken per channel over every axis but the last.  With
@@ -114,19 +114,17 @@ def batch_norm_train(x, scale=None, bias=None, *, eps=1e-5, axis_name=None, grad
       (sums about a per-channel shift), then one read and one write for
       ``y = x * a + c`` (``a``, ``c`` per channel).  Backward: one read of ``x`` and
       ``dy`` for the two sums ``Σ dy`` and ``Σ dy·x``, then one more of each and one
-      write for ``dx``.  Both passes are custom VJPs on the shard's own data; the
+      write for ``dx``.  Both passes are custom VJPs on the shard's own data (the
+      reductions XLA's or the kernels', ``impl``; under ``vmap`` XLA's); the
       per-channel arithmetic between them (the collectives included) is
       differentiated by JAX, so ``pmap``, ``shard_map`` (with or without
       ``check_vma``) and ``vmap``, differentiated inside or out, behave as with
       autodiff.  Only ``x`` is kept for the backward, in its own dtype.
-    * ``"autodiff"``: the mean, then the variance about it (two reads of ``x``),
-      all differentiated by JAX.
-    * ``"closed_form"``: the one-pass statistics with their closed-form VJP, the
-      rest differentiated by JAX.
+    * ``"autodiff"``: the mean, then the variance about it (two reads), all by JAX.
+    * ``"closed_form"``: the one-pass statistics with their closed-form VJP, the rest by JAX.
 
     ``"auto"`` is ``"explicit"`` on the CPU and GPUs and ``"autodiff"`` elsewhere
-    (:func:`resolve_batch_norm_grad`).  The older two forms stay selectable for one
-    release.
+    (:func:`resolve_batch_norm_grad`); the older two forms stay for one release.
 
     Arguments:
         x: input ``(..., C)``, e.g. NHWC.
@@ -139,6 +137,10 @@ def batch_norm_train(x, scale=None, bias=None, *, eps=1e-5, axis_name=None, grad
             into it by ``"explicit"`` (its backward recomputes the mask from ``x``,
             so neither ``y`` nor a mask is kept or read); the other forms apply it
             after.
+        impl: the explicit form's two reductions: ``"xla"``, ``"pallas"`` (the Mosaic
+            GPU kernels of :mod:`pallas_kernels.mgpu_bn` where they run, else XLA) or
+            ``"auto"`` (the kernels where a measured win is cached:
+            :func:`~jaxcnn.functional._dispatch.batch_norm_kernels`; ``docs/batch_norm.md``).
 
     Returns:
         ``(y, mean, var)``: ``y`` like ``x``; ``mean`` and ``var`` of shape
@@ -151,9 +153,10 @@ def batch_norm_train(x, scale=None, bias=None, *, eps=1e-5, axis_name=None, grad
     for name, v in (("scale", scale), ("bias", bias)):
         _check_channel_vector(op, name, v, x_shape[-1], x_shape)
     form = resolve_batch_norm_grad(grad)
+    kernels = _dispatch.batch_norm_kernels(impl, x) if form == "explicit" else (False, False)
     acc = _acc_dtype(x)
     if form in ("explicit", "closed_form"):
-        mean, var = _moments(x)
+        mean, var = _moments(x, kernels[0])
     else:
         xa = x.astype(acc)
         mean = channel_mean(xa)
@@ -166,7 +169,7 @@ def batch_norm_train(x, scale=None, bias=None, *, eps=1e-5, axis_name=None, grad
     if form == "explicit":
         a = factor if scale is None else factor * scale.astype(acc)
         c = -mean * a if bias is None else bias.astype(acc) - mean * a
-        return _affine_relu(x, *_varying_like(x, a, c), relu=relu), mean, var
+        return _affine_relu(x, *_varying_like(x, a, c), relu, kernels[1]), mean, var
     centred = x.astype(acc) - channel_broadcast(mean, x_shape)
     y = _scale_shift(centred, factor, scale, bias)
     if relu:
@@ -179,10 +182,13 @@ def batch_norm_train(x, scale=None, bias=None, *, eps=1e-5, axis_name=None, grad
 SHIFT_ROWS = 256
 
 
-@jax.custom_vjp
-def _moments(x):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _moments(x, kernel=False):
     """Per-channel mean and biased variance of ``x`` ``(..., C)`` from one read of it, in
     float32 (float64 for float64 ``x``) whatever ``x``'s dtype.
+
+    With ``kernel`` the Mosaic GPU kernel takes them (``mgpu_bn.channel_stats``: Welford's
+    running sums per element position, merged by Chan's formula); otherwise:
 
     The sums are taken about a per-channel shift (the mean of the first
     :data:`SHIFT_ROWS` rows), which keeps ``E[d**2] - E[d]**2`` clear of
@@ -193,10 +199,15 @@ def _moments(x):
     cotangent, as one would in autodiff of ``mean((x - mean(x))**2)``.  Only ``x``
     is kept for it, in its own dtype.
     """
-    return _moments_fwd(x)[0]
+    return _moments_fwd(x, kernel)[0]
 
 
-def _moments_fwd(x):
+def _moments_fwd(x, kernel=False):
+    mean, var = _kernel_or_xla(_kernel_moments, _xla_moments)(x) if kernel else _xla_moments(x)
+    return (mean, var), (x, mean)
+
+
+def _xla_moments(x):
     shape, acc = x.shape, _acc_dtype(x)
     rows = x.reshape(-1, shape[-1])
     shift = lax.stop_gradient(jnp.mean(rows[:SHIFT_ROWS].astype(acc), axis=0))
@@ -204,11 +215,10 @@ def _moments_fwd(x):
     m1 = channel_mean(xa) - shift  # the mean of d = x - shift, without storing d
     var = jnp.maximum(channel_mean(jnp.square(xa - channel_broadcast(shift, shape)))
                       - jnp.square(m1), 0.0)
-    mean = shift + m1
-    return (mean, var), (x, mean)
+    return shift + m1, var
 
 
-def _moments_bwd(res, cts):
+def _moments_bwd(_, res, cts):
     x, mean = res
     dmean, dvar = cts
     shape = x.shape
@@ -240,33 +250,99 @@ def _varying_like(x, *vs):
                  lax.pcast(v, tuple(sorted(varying - _varying(v))), to="varying") for v in vs)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _affine_relu(x, a, c, relu):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _affine_relu(x, a, c, relu, kernel=False):
     """``x * a + c`` per channel, then ``max(., 0)`` with ``relu``: one read of ``x`` and one
     write of the result, in ``x``'s dtype (computed in ``a``'s).  The VJP reads ``x`` and
     the output's cotangent twice: once for the two per-channel sums (the cotangents of
-    ``a`` and ``c``, with the ReLU's mask recomputed from ``x``), once for ``dx``."""
-    return _affine_relu_fwd(x, a, c, relu)[0]
+    ``a`` and ``c``, with the ReLU's mask recomputed from ``x``: :func:`affine_relu_sums`,
+    the Mosaic GPU kernel's with ``kernel``), once for ``dx``."""
+    return _affine_relu_fwd(x, a, c, relu, kernel)[0]
 
 
-def _affine_relu_fwd(x, a, c, relu):
+def _affine_relu_fwd(x, a, c, relu, kernel=False):
     z = x.astype(a.dtype) * channel_broadcast(a, x.shape) + channel_broadcast(c, x.shape)
     y = jnp.maximum(z, 0) if relu else z
     return y.astype(x.dtype), (x, a, c)
 
 
-def _affine_relu_bwd(relu, res, dy):
+def _affine_relu_bwd(relu, kernel, res, dy):
     x, a, c = res
-    g = dy.astype(a.dtype)
-    xa = x.astype(a.dtype)
-    if relu:
-        z = xa * channel_broadcast(a, x.shape) + channel_broadcast(c, x.shape)
-        g = jnp.where(z > 0, g, jnp.zeros_like(g))
-    da, dc = channel_sum(g * xa), channel_sum(g)
+    g = _masked(dy, x, a, c, relu)
+    da, dc = affine_relu_sums(dy, x, a, c, relu=relu, kernel=kernel)
     return (g * channel_broadcast(a, x.shape)).astype(x.dtype), da, dc
 
 
 _affine_relu.defvjp(_affine_relu_fwd, _affine_relu_bwd)
+
+
+def _masked(dy, x, a, c, relu):
+    """``dy`` in ``a``'s dtype, zero where ``relu`` and ``x * a + c <= 0``."""
+    g = dy.astype(a.dtype)
+    if not relu:
+        return g
+    z = x.astype(a.dtype) * channel_broadcast(a, x.shape) + channel_broadcast(c, x.shape)
+    return jnp.where(z > 0, g, jnp.zeros_like(g))
+
+
+def affine_relu_sums(dy, x, a, c, *, relu, kernel):
+    """``(Σ g·x, Σ g)`` per channel (the cotangents of ``a`` and ``c`` in the explicit
+    form's backward), ``g = dy`` masked by ``x * a + c > 0`` with ``relu``: XLA's
+    (:func:`channel_sum`) or, with ``kernel``, the Mosaic GPU kernel's
+    (``mgpu_bn.channel_grad_sums`` about a zero mean with unit scale, which is
+    ``Σ g·x``).  One read of ``dy`` and ``x`` either way."""
+    xla = functools.partial(_xla_sums, relu=relu)
+    if not kernel:
+        return xla(dy, x, a, c)
+    return _kernel_or_xla(functools.partial(_kernel_sums, relu=relu), xla)(dy, x, a, c)
+
+
+def _xla_sums(dy, x, a, c, *, relu):
+    g = _masked(dy, x, a, c, relu)
+    return channel_sum(g * x.astype(a.dtype)), channel_sum(g)
+
+
+def _kernel_sums(dy, x, a, c, *, relu):
+    mgpu_bn, interpret = _mosaic_bn()
+    zero = jnp.zeros_like(a)
+    dc, da = mgpu_bn.channel_grad_sums(dy, x, zero, zero + 1, interpret=interpret,
+                                       relu_affine=(a, c) if relu else None)
+    # A kernel's outputs vary over no mapped axis (shard_map(check_vma=True)): cast them.
+    return _varying_like(x, da.astype(a.dtype), dc.astype(a.dtype))
+
+
+def _kernel_or_xla(kernel, xla):
+    """``kernel`` (a function of arrays), except under ``vmap``, where the Mosaic GPU kernels
+    cannot take part (a kernel would see one example): there ``xla``, the same function in
+    XLA, vmapped over the batched arguments."""
+    run = jax.custom_batching.custom_vmap(kernel)
+
+    @run.def_vmap
+    def _rule(axis_size, in_batched, *args):
+        out = jax.vmap(xla, in_axes=[0 if b else None for b in in_batched],
+                       axis_size=axis_size)(*args)
+        return out, jax.tree.map(lambda _: True, out)
+    return run
+
+
+def _kernel_moments(x):
+    """``(mean, var)`` of ``x`` by ``mgpu_bn.channel_stats``."""
+    mgpu_bn, interpret = _mosaic_bn()
+    return _varying_like(x, *mgpu_bn.channel_stats(x, interpret=interpret))
+
+
+def _mosaic_bn():
+    """:mod:`pallas_kernels.mgpu_bn` (imported only where a kernel runs) and whether it runs
+    in GPU interpret mode (off a GPU)."""
+    from pallas_kernels import mgpu_bn
+    return mgpu_bn, jax.default_backend() != "gpu"
+
+
+def moments(x, *, kernel: bool = False):
+    """The explicit form's statistics pass, ``(mean, biased var)`` of ``x`` ``(..., C)``:
+    XLA's shifted one-pass sums, or with ``kernel`` the Mosaic GPU kernel's (what the GPU
+    check races against each other)."""
+    return _moments(x, kernel)
 
 
 def layer_norm(x, scale=None, bias=None, *, axes=-1, eps=1e-5):

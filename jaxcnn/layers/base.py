@@ -73,9 +73,9 @@ class Choices:
     every default.
 
     Arguments:
-        impl: kernels of the convolution and pooling layers: ``"auto"`` (the
-            ops' own choice), ``"xla"`` (never a Pallas kernel; on the CPU the
-            ops' CPU lowerings stay) or ``"pallas"``.
+        impl: kernels of the convolution and pooling layers and of the training
+            BatchNorm's reductions: ``"auto"`` (the ops' own choice), ``"xla"`` (never
+            a Pallas kernel; on the CPU the ops' CPU lowerings stay) or ``"pallas"``.
         batch_norm_grad: BatchNorm's training form (``F.batch_norm_train``'s
             ``grad``): ``"auto"`` (``"explicit"`` on the CPU, ``"autodiff"`` elsewhere),
             ``"explicit"``, ``"autodiff"`` or ``"closed_form"``.

@@ -10,7 +10,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxcnn import functional as F
-from jaxcnn.layers._common import cast_in, cast_out, check_min_rank, prod, whole_images_only
+from jaxcnn.layers._common import (cast_in, cast_out, check_min_rank, layer_impl, prod,
+                                   whole_images_only)
 from jaxcnn.layers.base import Layer, choices_or_default, leaf
 
 
@@ -73,7 +74,7 @@ def _batch_norm_apply(name, momentum, eps, axis_name, *, relu: bool):
             cx = x  # it computes in float32 whatever it is given: no float32 copy of x
         y, mean, var = F.batch_norm_train(cx, params["scale"], params["bias"], eps=eps,
                                           axis_name=axis, grad=choices.batch_norm_grad,
-                                          relu=relu)
+                                          relu=relu, impl=layer_impl(choices))
         new_state = running_stats(state, mean, var, n, momentum)
         return cast_out(policy, "batch_norm", y, in_dtype), new_state
     return apply
@@ -107,7 +108,7 @@ def BatchNorm(*, momentum: float | None = 0.1, eps: float = 1e-5, axis_name=None
             None takes ``apply``'s ``choices.axis_name``, if any.
 
     ``apply``'s ``choices.batch_norm_grad`` picks the backward form (``F.batch_norm_train``'s
-    ``grad``).  A 16-bit input under a policy that computes BatchNorm in float32 goes in
+    ``grad``), and ``choices.impl`` where its explicit form's reductions run (its ``impl``).  A 16-bit input under a policy that computes BatchNorm in float32 goes in
     as it is: the op computes in float32 and returns the input's dtype, as the cast would.
 
     Returns:
