@@ -317,8 +317,9 @@ SCHEMA: dict[str, dict] = {
                              "or layer4.1, the same in torchvision's and jaxcnn's naming, or full parameter "
                              "names as the file names them (fc.weight, fc.w)",
                              item=_f("str", None, "layer path", low=1), rules=(_skip_has_source,)),
-        "impl": _f("str", "auto", "convolution/pooling kernels of the layers: auto (XLA, or a Pallas "
-                   "kernel where the autotuner measured it faster on this GPU), xla, or pallas "
+        "impl": _f("str", "auto", "kernels of the convolution/pooling layers and of training "
+                   "BatchNorm's reductions: auto (XLA, or a Pallas kernel where the autotuner or "
+                   "the GPU check measured it faster on this GPU), xla, or pallas "
                    "(see docs/guides/kernels.md)", choices=("auto", "xla", "pallas"), trains=False),
         "batch_norm_grad": _f("str", "auto", "BatchNorm's training form: auto (explicit on the CPU "
                               "and GPUs, where it was measured faster), explicit (the fewest passes "
