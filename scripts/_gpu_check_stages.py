@@ -531,12 +531,12 @@ BATCH_NORM_DRY = ((8, 8, 16),)
 def _batch_norm_fns(relu: bool = True) -> dict:
     """The explicit BatchNorm's two reductions, the Mosaic kernels' and XLA's:
     ``{"stats": (kernel, xla)}`` of ``x`` and ``{"sums": (kernel, xla)}`` of
-    ``(dy, x, a, c)``."""
+    ``(dy, x, a, c)``.  Not jitted: a kernel's tiles are chosen when it is traced, so each
+    timing traces it afresh under its own override (:func:`_fastest_tiles`)."""
     from jaxcnn.functional import norm
-    return {"stats": tuple(jax.jit(lambda x, k=k: norm.moments(x, kernel=k))
-                           for k in (True, False)),
-            "sums": tuple(jax.jit(lambda dy, x, a, c, k=k: norm.affine_relu_sums(
-                dy, x, a, c, relu=relu, kernel=k)) for k in (True, False))}
+    return {"stats": tuple(lambda x, k=k: norm.moments(x, kernel=k) for k in (True, False)),
+            "sums": tuple(lambda dy, x, a, c, k=k: norm.affine_relu_sums(
+                dy, x, a, c, relu=relu, kernel=k) for k in (True, False))}
 
 
 def _fastest_tiles(ctx: Context, call, fn, args):
@@ -569,8 +569,9 @@ def _batch_norm_unit(ctx: Context, hwc):
         sums_s, sums_cfg = _fastest_tiles(
             ctx, mb.BnCall("mgpu_bn_grad_sums", m, hwc[2], dtype, 2, 4), fns["sums"][0],
             (dy, x, a, c))
-        entry = {"pallas_s": stats_s, "xla_s": ctx.timer(fns["stats"][1], x),
-                 "pallas_grad_s": sums_s, "xla_grad_s": ctx.timer(fns["sums"][1], dy, x, a, c)}
+        entry = {"pallas_s": stats_s, "xla_s": ctx.timer(jax.jit(fns["stats"][1]), x),
+                 "pallas_grad_s": sums_s,
+                 "xla_grad_s": ctx.timer(jax.jit(fns["sums"][1]), dy, x, a, c)}
         entry.update(fwd_faster=entry["pallas_s"] < entry["xla_s"],
                      grad_faster=entry["pallas_grad_s"] < entry["xla_grad_s"],
                      measures="fwd: the statistics pass; grad: the backward's two sums (ReLU)")

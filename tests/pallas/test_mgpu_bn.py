@@ -244,3 +244,42 @@ def test_shared_memory_count_is_mosaics(monkeypatch):
             ik.inspect_mosaic(fn, *args, kind=H100)
         got = re.search(r"smem_bytes=(\d+)", str(e.value))
         assert got and int(got.group(1)) == need, str(e.value)[:300]
+
+
+def test_the_gpu_check_times_each_candidate_with_its_own_tiles(tmp_path, monkeypatch):
+    """``scripts/_gpu_check_stages.py``'s tile race traces the kernel afresh for every
+    candidate, so each timing runs the tiles it is stored under (a jitted function traced
+    once would have timed the first candidate's tiles again), and the fastest is stored."""
+    import importlib.util
+    import os
+    import sys
+    from types import SimpleNamespace
+
+    from pallas_kernels import autotune
+    scripts = os.path.join(os.path.dirname(__file__), "..", "..", "scripts")
+    sys.path.insert(0, scripts)
+    try:
+        spec = importlib.util.spec_from_file_location("_gpu_check_stages",
+                                                      os.path.join(scripts, "_gpu_check_stages.py"))
+        stages = sys.modules["_gpu_check_stages"] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(stages)
+    finally:
+        sys.path.remove(scripts)
+    monkeypatch.setenv("JAXCNN_AUTOTUNE_CACHE", str(tmp_path / "cache.json"))
+    monkeypatch.setattr(mb.mc, "unavailable_reason", lambda: None)  # any jax: nothing runs
+    traced = []
+    monkeypatch.setattr(mb, "_launch", lambda *a, cfg, **k: traced.append(cfg) or jnp.zeros(
+        (1, 2, 128), jnp.float32))
+    call = mb.BnCall("mgpu_bn_stats", 64, 64, "bfloat16")
+    candidates = call.candidates(stages.mc.MAX_SMEM)[:3]
+    assert len(candidates) >= 2
+    times = iter([3.0, 1.0, 2.0])
+
+    def timer(fn, *args):
+        jax.block_until_ready(fn(*args))
+        return next(times)
+    ctx = SimpleNamespace(timer=timer, max_candidates=3)
+    fn = stages._batch_norm_fns()["stats"][0]
+    seconds, best = stages._fastest_tiles(ctx, call, fn, (jnp.zeros((2, 4, 8, 64), BF16),))
+    assert traced == candidates and (seconds, best) == (1.0, candidates[1])
+    assert autotune.mosaic_config(call, mb.BnConfig) == candidates[1]
