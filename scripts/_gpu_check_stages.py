@@ -530,22 +530,36 @@ BATCH_NORM_DRY = ((8, 8, 16),)
 
 def _batch_norm_fns(relu: bool = True) -> dict:
     """The explicit BatchNorm's two reductions, the Mosaic kernels' and XLA's:
-    ``{"stats": (kernel, xla)}`` of ``x`` and ``{"sums": (kernel, xla)}`` of
-    ``(dy, x, a, c)``.  Not jitted: a kernel's tiles are chosen when it is traced, so each
-    timing traces it afresh under its own override (:func:`_fastest_tiles`)."""
+    ``{"stats": (kernel, xla)}`` of ``x`` and ``{"sums": (kernel, xla)}`` of ``(dy, x, a, c)``
+    (the backward's ``Σ g·x, Σ g``, ``g = dy`` masked by ``x·a + c > 0`` with ``relu``, as
+    ``norm.affine_relu_sums`` takes them).  A ``kernel`` is ``kernel(config)`` -> the function
+    with those tiles: passed, not looked up while tracing, so no cached trace can run other
+    tiles than the ones a timing is stored under (:func:`_fastest_tiles`)."""
     from jaxcnn.functional import norm
-    return {"stats": tuple(lambda x, k=k: norm.moments(x, kernel=k) for k in (True, False)),
-            "sums": tuple(lambda dy, x, a, c, k=k: norm.affine_relu_sums(
-                dy, x, a, c, relu=relu, kernel=k) for k in (True, False))}
+    from pallas_kernels import mgpu_bn as mb
+    interpret = jax.default_backend() != "gpu"  # the dry run
+
+    def stats(config):
+        return lambda x: mb.channel_stats(x, config=config, interpret=interpret)
+
+    def sums(config):
+        def fn(dy, x, a, c):
+            zero = jnp.zeros_like(a)
+            return mb.channel_grad_sums(dy, x, zero, zero + 1, relu_affine=(a, c) if relu else None,
+                                        config=config, interpret=interpret)
+        return fn
+    return {"stats": (stats, lambda x: norm.moments(x, kernel=False)),
+            "sums": (sums, lambda dy, x, a, c: norm.affine_relu_sums(dy, x, a, c, relu=relu,
+                                                                     kernel=False))}
 
 
-def _fastest_tiles(ctx: Context, call, fn, args):
-    """Times ``fn`` with each kept candidate of ``call`` (at most ``ctx.max_candidates``),
-    stores the fastest in the autotune cache and returns ``(seconds, tiles)``."""
+def _fastest_tiles(ctx: Context, call, kernel, args):
+    """Times ``kernel(config)`` for each kept candidate of ``call`` (at most
+    ``ctx.max_candidates``), stores the fastest in the autotune cache (where the kernels
+    look their tiles up) and returns ``(seconds, tiles)``."""
     best = None
     for cfg in call.candidates(mc.MAX_SMEM)[:ctx.max_candidates]:
-        with autotune.override({call.key: cfg}):
-            t = ctx.timer(jax.jit(lambda *a: fn(*a)), *args)  # traced under the override
+        t = ctx.timer(jax.jit(kernel(cfg)), *args)
         if best is None or t < best[0]:
             best = (t, cfg)
     autotune.store_kernels({call.key: best[1]})
@@ -563,25 +577,29 @@ def _batch_norm_unit(ctx: Context, hwc):
         dy = _normal(7, x.shape)
         a = 1 + 0.1 * jax.random.normal(jax.random.key(8), (hwc[2],))
         c = 0.1 * jax.random.normal(jax.random.key(9), (hwc[2],))
-        fns, m, dtype = _batch_norm_fns(), x.size // hwc[2], BF16.name
+        m, dtype = x.size // hwc[2], BF16.name
+        stats_fn, stats_xla = _batch_norm_fns()["stats"]
         stats_s, stats_cfg = _fastest_tiles(ctx, mb.BnCall("mgpu_bn_stats", m, hwc[2], dtype),
-                                            fns["stats"][0], (x,))
-        sums_s, sums_cfg = _fastest_tiles(
-            ctx, mb.BnCall("mgpu_bn_grad_sums", m, hwc[2], dtype, 2, 4), fns["sums"][0],
-            (dy, x, a, c))
-        entry = {"pallas_s": stats_s, "xla_s": ctx.timer(jax.jit(fns["stats"][1]), x),
-                 "pallas_grad_s": sums_s,
-                 "xla_grad_s": ctx.timer(jax.jit(fns["sums"][1]), dy, x, a, c)}
-        entry.update(fwd_faster=entry["pallas_s"] < entry["xla_s"],
-                     grad_faster=entry["pallas_grad_s"] < entry["xla_grad_s"],
-                     measures="fwd: the statistics pass; grad: the backward's two sums (ReLU)")
-        autotune.store_op_entry("batch_norm", (x,), {"backend": "mosaic"}, entry)
-        nbytes = x.size * BF16.itemsize
-        ctx.emit("batchnorm", name=f"{hwc[0]}x{hwc[1]}x{hwc[2]}", x_shape=list(x.shape),
-                 **_race_fields(entry, 0, 0), mosaic_gb_s=nbytes / stats_s / 1e9,
-                 mosaic_grad_gb_s=2 * nbytes / sums_s / 1e9,
-                 tiles={"mgpu_bn_stats": f"c{stats_cfg.block_c}s{stats_cfg.stages}",
-                        "mgpu_bn_grad_sums": f"c{sums_cfg.block_c}s{sums_cfg.stages}"})
+                                            stats_fn, (x,))
+        xla_s = ctx.timer(jax.jit(stats_xla), x)
+        for relu in (True, False):  # the sums with the ReLU's mask (4 table rows) and without (2)
+            sums_fn, sums_xla = _batch_norm_fns(relu)["sums"]
+            sums_s, sums_cfg = _fastest_tiles(
+                ctx, mb.BnCall("mgpu_bn_grad_sums", m, hwc[2], dtype, 2, 4 if relu else 2),
+                sums_fn, (dy, x, a, c))
+            entry = {"pallas_s": stats_s, "xla_s": xla_s, "pallas_grad_s": sums_s,
+                     "xla_grad_s": ctx.timer(jax.jit(sums_xla), dy, x, a, c)}
+            entry.update(fwd_faster=entry["pallas_s"] < entry["xla_s"],
+                         grad_faster=entry["pallas_grad_s"] < entry["xla_grad_s"],
+                         measures="fwd: the statistics pass; grad: the backward's two sums"
+                                  + (" with the ReLU's mask" if relu else ""))
+            autotune.store_op_entry("batch_norm", (x,), {"backend": "mosaic", "relu": relu}, entry)
+            nbytes = x.size * BF16.itemsize
+            ctx.emit("batchnorm", name=f"{hwc[0]}x{hwc[1]}x{hwc[2]}" + (" relu" if relu else ""),
+                     x_shape=list(x.shape), **_race_fields(entry, 0, 0),
+                     mosaic_gb_s=nbytes / stats_s / 1e9, mosaic_grad_gb_s=2 * nbytes / sums_s / 1e9,
+                     tiles={"mgpu_bn_stats": f"c{stats_cfg.block_c}s{stats_cfg.stages}",
+                            "mgpu_bn_grad_sums": f"c{sums_cfg.block_c}s{sums_cfg.stages}"})
     return unit
 
 

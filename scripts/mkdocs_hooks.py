@@ -34,5 +34,4 @@ def on_page_markdown(markdown, page, **kwargs):
     """Rewrite the API pages' directives to the objects' defining modules."""
     if not page.file.src_uri.startswith("reference/api/"):
         return markdown
-
     return _DIRECTIVE.sub(lambda match: f"::: {defining_path(match.group(1))}", markdown)

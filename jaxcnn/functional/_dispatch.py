@@ -162,23 +162,26 @@ def _cpu_rewrite(op: str, arrays, static: dict):
     return None
 
 
-def batch_norm_kernels(impl: str, x) -> tuple[bool, bool]:
+def batch_norm_kernels(impl: str, x, *, relu: bool = False) -> tuple[bool, bool]:
     """Whether training BatchNorm's explicit form takes ``(its statistics, its backward
     sums)`` of ``x`` from the Mosaic GPU kernels (:mod:`pallas_kernels.mgpu_bn`).
 
-    ``"xla"``: neither.  ``"pallas"``: both wherever the kernels can run this call (a
-    Hopper GPU, or GPU interpret mode off a GPU; jax >= 0.11, a supported dtype and row
-    width), else neither.  ``"auto"``: on a GPU, each where the tuned verdict for op
-    ``"batch_norm"`` at ``x``'s shape and dtype (keyed ``backend="mosaic"``) says the kernel
-    was measured faster (forward: the statistics; training: the sums), else neither.  A
-    pure lookup, safe inside any trace; nothing is recorded for tuning (the GPU check
-    measures these calls, ``scripts/_gpu_check_stages.py``).
+    Only on a Hopper GPU with jax >= 0.11, for a supported dtype and row width; elsewhere
+    neither, whatever ``impl`` (off a GPU the Mosaic GPU interpreter cannot run them under
+    ``jax.checkpoint`` or on several devices at once, both of which a model's BatchNorm
+    meets; :mod:`pallas_kernels.mgpu_bn` runs them in interpret mode when called directly).
+    There, ``"xla"``: neither; ``"pallas"``: both; ``"auto"``: each where the tuned verdict
+    for op ``"batch_norm"`` at ``x``'s shape and dtype (keyed ``backend="mosaic"`` and
+    ``relu``: the backward's sums differ with the mask) says the kernel was measured faster
+    (forward: the statistics; training: the sums).  A pure lookup, safe inside any trace;
+    nothing is recorded for tuning (the GPU check measures these calls,
+    ``scripts/_gpu_check_stages.py``).
     """
-    if check_impl("batch_norm_train", impl) == "xla" or (impl == "auto" and _platform() != "gpu"):
+    if check_impl("batch_norm_train", impl) == "xla" or _platform() != "gpu":
         return False, False
     from jaxcnn.errors import KernelUnsupported
     from pallas_kernels import mgpu_bn, mgpu_window  # only here: where a kernel may run
-    if _platform() == "gpu" and not mgpu_window.on_hopper():
+    if not mgpu_window.on_hopper():
         return False, False
     try:
         mgpu_bn.check_supported("batch_norm_train", jnp.shape(x), x.dtype)
@@ -187,4 +190,5 @@ def batch_norm_kernels(impl: str, x) -> tuple[bool, bool]:
     if impl == "pallas":
         return True, True
     from pallas_kernels import autotune
-    return autotune.verdict("batch_norm", (x,), {"backend": "mosaic"}) or (False, False)
+    return autotune.verdict("batch_norm", (x,), {"backend": "mosaic", "relu": bool(relu)}) \
+        or (False, False)

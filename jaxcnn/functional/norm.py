@@ -138,7 +138,7 @@ def batch_norm_train(x, scale=None, bias=None, *, eps=1e-5, axis_name=None, grad
             so neither ``y`` nor a mask is kept or read); the other forms apply it
             after.
         impl: the explicit form's two reductions: ``"xla"``, ``"pallas"`` (the Mosaic
-            GPU kernels of :mod:`pallas_kernels.mgpu_bn` where they run, else XLA) or
+            GPU kernels of :mod:`pallas_kernels.mgpu_bn` on a Hopper GPU, else XLA) or
             ``"auto"`` (the kernels where a measured win is cached:
             :func:`~jaxcnn.functional._dispatch.batch_norm_kernels`; ``docs/batch_norm.md``).
 
@@ -152,8 +152,8 @@ def batch_norm_train(x, scale=None, bias=None, *, eps=1e-5, axis_name=None, grad
         raise ValueError(f"{op}: x must have rank >= 2 (batch..., C), got shape {x_shape}")
     for name, v in (("scale", scale), ("bias", bias)):
         _check_channel_vector(op, name, v, x_shape[-1], x_shape)
-    form = resolve_batch_norm_grad(grad)
-    kernels = _dispatch.batch_norm_kernels(impl, x) if form == "explicit" else (False, False)
+    form, impl = resolve_batch_norm_grad(grad), _dispatch.check_impl(op, impl)
+    kernels = _dispatch.batch_norm_kernels(impl, x, relu=relu) if form == "explicit" else (False, False)
     acc = _acc_dtype(x)
     if form in ("explicit", "closed_form"):
         mean, var = _moments(x, kernels[0])

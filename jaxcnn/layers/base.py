@@ -77,7 +77,7 @@ class Choices:
             BatchNorm's reductions: ``"auto"`` (the ops' own choice), ``"xla"`` (never
             a Pallas kernel; on the CPU the ops' CPU lowerings stay) or ``"pallas"``.
         batch_norm_grad: BatchNorm's training form (``F.batch_norm_train``'s
-            ``grad``): ``"auto"`` (``"explicit"`` on the CPU, ``"autodiff"`` elsewhere),
+            ``grad``): ``"auto"`` (``"explicit"`` on the CPU and GPUs, ``"autodiff"`` elsewhere),
             ``"explicit"``, ``"autodiff"`` or ``"closed_form"``.
         axis_name: the mapped axis (``shard_map``/``pmap``) that BatchNorm layers
             built without ``axis_name`` sync their statistics over, or None.

@@ -108,8 +108,9 @@ def BatchNorm(*, momentum: float | None = 0.1, eps: float = 1e-5, axis_name=None
             None takes ``apply``'s ``choices.axis_name``, if any.
 
     ``apply``'s ``choices.batch_norm_grad`` picks the backward form (``F.batch_norm_train``'s
-    ``grad``), and ``choices.impl`` where its explicit form's reductions run (its ``impl``).  A 16-bit input under a policy that computes BatchNorm in float32 goes in
-    as it is: the op computes in float32 and returns the input's dtype, as the cast would.
+    ``grad``), and ``choices.impl`` where its explicit form's reductions run (its ``impl``).
+    A 16-bit input under a policy that computes BatchNorm in float32 goes in as it is: the
+    op computes in float32 and returns the input's dtype, as the cast would.
 
     Returns:
         A Layer of kind ``"batch_norm"``: input ``(N, ..., C)``, output of the same

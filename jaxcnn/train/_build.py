@@ -53,7 +53,6 @@ class Run(NamedTuple):
     images: Any = None      # a jaxcnn.data.ImageData for data.source folder/records, else None
 
 
-
 def _check_model_name(cfg) -> None:
     if cfg.model.name not in models.names():
         from difflib import get_close_matches
@@ -107,7 +106,6 @@ def _too_small(cfg, image_shape: tuple, error) -> str:
             f"give larger images, or a model that takes these (model.name)")
 
 
-
 def _loss_scale(cfg, policy):
     kind = cfg.precision.loss_scale
     if kind == "auto":
@@ -137,7 +135,6 @@ def micro_batches(cfg) -> int:
     ``train.accumulate_steps`` (the schema has checked that they do not disagree)."""
     k, m = cfg.train.accumulate_steps, cfg.parallel.pipeline.microbatches
     return k if m is None else m
-
 
 
 def check_names(cfg) -> None:
@@ -181,7 +178,6 @@ def build_run(cfg, data: DataSetup | None = None) -> Run:
     return Run(cfg, model, data.dataset, data.synthetic, (cfg.data.batch_size,) + data.image_shape,
                data.num_classes, per_epoch, total, tx, schedule, policy, _loss_scale(cfg, policy),
                data_seed(cfg), data.images)
-
 
 
 def init_state(run: Run, start=None, keep=None) -> TrainState:
@@ -329,7 +325,6 @@ def initial_params(run: Run, loaded=None):
 def abstract_state(run: Run):
     """Shapes and dtypes of the :class:`TrainState`, without allocating it."""
     return jax.eval_shape(lambda: init_state(run))
-
 
 
 def matmul_precision(cfg):

@@ -161,8 +161,6 @@ class EarlyStopping:
                 self.update(record)
 
 
-
-
 def data_changes(cfg, run_dir, run) -> list[str]:
     """``"data: ..."`` for each way a resumed run's image data changed (`check_resume_data`)."""
     if run.images is None:
@@ -171,7 +169,6 @@ def data_changes(cfg, run_dir, run) -> list[str]:
                                 resume=cfg.checkpoint.resume if cfg.checkpoint.enabled else "never",
                                 on_change=cfg.checkpoint.on_config_change)
     return [f"data: {c}" for c in changes]
-
 
 
 def startup_lines(cfg, run, plan, eval_size: int, workdir: str, prepare_s: float) -> list[str]:
@@ -204,7 +201,6 @@ def unused_settings_lines(cfg) -> list[str]:
     a word: ``data.image_size`` set for ``npz`` data trained at the stored size)."""
     unused = set_but_unused(cfg)
     return [f"not applied: {'; '.join(unused)}"] if unused else []
-
 
 
 def say(stream, text: str) -> None:

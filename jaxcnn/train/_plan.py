@@ -96,7 +96,6 @@ def pipeline_spec(cfg) -> dict:
     return spec
 
 
-
 def check_accumulate(cfg, plan) -> None:
     """The micro-batches (`micro_batches`) divide each device's batch; no mixup/CutMix with
     pipeline stages."""
@@ -110,7 +109,6 @@ def check_accumulate(cfg, plan) -> None:
         raise ConfigError(f"{key}: {k} does not divide the {per_device} examples of "
                           f"each device's batch (data.batch_size={cfg.data.batch_size} over "
                           f"{plan.mesh.shape['data']} devices)", path=key)
-
 
 
 def size_keys(run, shape=None) -> list:
@@ -157,7 +155,6 @@ def abstract_eval_batch(run, plan, batch_size: int):
                                           sharding=sharding),
             "label": jax.ShapeDtypeStruct((rows,), np.int32, sharding=sharding),
             "mask": jax.ShapeDtypeStruct((rows,), np.bool_, sharding=sharding)}
-
 
 
 def measure_steps(cfg, run, plan, train_step, eval_step, eval_size: int, available):

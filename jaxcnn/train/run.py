@@ -101,10 +101,18 @@ def run(config, *, overrides=(), workdir=None, stream=None) -> dict:
 def train(cfg, workdir=None, *, argv=None, config_path=None, stream=None, dry_run=False):
     """Run training as ``cfg`` says, writing everything under ``workdir``.
 
+    Arguments:
+        cfg: a loaded :class:`~jaxcnn.train.config.Config`.
+        workdir: the run directory (resumed from its checkpoints); required unless ``dry_run``.
+        argv, config_path: the command line and config file recorded in the run's metadata.
+        stream: where progress is printed (default ``sys.stdout``).
+        dry_run: stop after the steps section (below).
+
     Returns the final evaluation metrics and ``step`` (and ``stopped_by`` when a signal
     ended the run early). Raises ``ConfigError``/``DataError``/``CheckpointError`` for bad
     input, before any compute where possible; ``TrainingStopped`` at a non-finite loss under
-    ``nan_policy: stop``; ``WorkdirError`` when the final parameters cannot be written.
+    ``nan_policy: stop``; ``WorkdirError`` when the final parameters cannot be written;
+    ``ValueError`` without a ``workdir`` (and not ``dry_run``).
 
     With ``dry_run`` (``jaxcnn-train --dry-run``) it stops when its steps section ends and
     returns what it built (:class:`Prepared`): data, model, ``model.init_from``, the mesh and
@@ -117,6 +125,8 @@ def train(cfg, workdir=None, *, argv=None, config_path=None, stream=None, dry_ru
     stream = stream or sys.stdout
     changes = []  # what changed since the run's checkpoints (checkpoint.on_config_change=continue)
     if not dry_run:
+        if workdir is None:
+            raise ValueError("train: workdir is needed (a run directory) unless dry_run=True")
         run_dir = RunDir(workdir)
         with _plan.parallel_config_errors():
             d = cfg.distributed  # before anything touches a device

@@ -386,3 +386,11 @@ def test_explicit_batch_norm_moves_the_activation_fewest_times():
     assert moved["explicit", False] < moved["closed_form", False], moved
     for r in (False, True):
         assert moved["explicit", r] < moved["autodiff", r], moved
+
+
+@pytest.mark.parametrize("grad", ["explicit", "autodiff", "closed_form"])
+def test_a_bad_impl_is_one_line_whatever_the_form(grad):
+    """``impl`` chooses the explicit form's reductions; every form checks it (a typo given
+    with ``grad="autodiff"`` was accepted silently)."""
+    with pytest.raises(ValueError, match=r"^batch_norm_train: impl must be one of .*, got 'bogus'$"):
+        F.batch_norm_train(jnp.ones((4, 3)), grad=grad, impl="bogus")

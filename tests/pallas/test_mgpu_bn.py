@@ -115,6 +115,15 @@ def test_every_candidate_lowers_for_hopper_with_tma():
 
 # --- batch_norm_train(impl=...): the explicit form with the kernels' reductions ---------------
 
+def _as_if_on_hopper(monkeypatch):
+    """``batch_norm_train`` takes the kernels only on a Hopper GPU: here, it is told it is on
+    one, and the kernels run in GPU interpret mode (off a GPU, ``mgpu_bn``'s own choice)."""
+    from jaxcnn.functional import _dispatch
+    from pallas_kernels import mgpu_window as mw
+    monkeypatch.setattr(_dispatch, "_platform", lambda: "gpu")
+    monkeypatch.setattr(mw, "on_hopper", lambda device_kind=None: True)
+
+
 def _bn_outputs_and_grads(impl, relu, cts, **kw):
     """``jit`` of ``(x, scale, bias) -> (outputs, VJP at cts)`` of the explicit form."""
     from jaxcnn import functional as F
@@ -134,6 +143,7 @@ def test_batch_norm_train_with_kernels_equals_xla_with_gradients(dtype, relu, mo
     launched = []
     launch = mb._launch
     monkeypatch.setattr(mb, "_launch", lambda *a, **k: launched.append(k["name"]) or launch(*a, **k))
+    _as_if_on_hopper(monkeypatch)
     shape = (2, 9, 11, 24)
     x, _ = _data(shape, dtype)
     rng = np.random.default_rng(3)
@@ -161,6 +171,7 @@ def test_synced_under_shard_map_and_vmap_with_kernels(monkeypatch):
     launched = []
     launch = mb._launch
     monkeypatch.setattr(mb, "_launch", lambda *a, **k: launched.append(k["name"]) or launch(*a, **k))
+    _as_if_on_hopper(monkeypatch)
     x, _ = _data((4, 3, 5, 8), jnp.float32)
     g, _ = _data((4, 3, 5, 8), jnp.float32, seed=2, offset=0.0)
     # One device: GPU interpret mode cannot run a kernel on several host devices at once
@@ -187,22 +198,23 @@ def test_synced_under_shard_map_and_vmap_with_kernels(monkeypatch):
 
 
 def test_auto_takes_the_kernels_only_where_a_verdict_says_so(monkeypatch):
-    """``impl="auto"``: XLA off a GPU and on a GPU without a measurement; each reduction
-    from its kernel where the ``batch_norm`` verdict at this shape says it won."""
+    """Off a GPU: XLA whatever ``impl``.  On a Hopper GPU, ``impl="auto"``: XLA without a
+    measurement; each reduction from its kernel where the ``batch_norm`` verdict at this
+    shape (and ``relu``) says it won."""
     from jaxcnn.functional import _dispatch
     from pallas_kernels import autotune
     from pallas_kernels import mgpu_window as mw
     x = jnp.zeros((2, 4, 4, 64), BF16)
-    assert _dispatch.batch_norm_kernels("auto", x) == (False, False)  # the CPU
-    assert _dispatch.batch_norm_kernels("xla", x) == (False, False)
+    for impl in ("auto", "xla", "pallas"):  # the CPU: never (the interpreter cannot run them
+        assert _dispatch.batch_norm_kernels(impl, x) == (False, False)  # under remat/shard_map)
     monkeypatch.setattr(_dispatch, "_platform", lambda: "gpu")
     monkeypatch.setattr(mw, "on_hopper", lambda device_kind=None: True)
     monkeypatch.setattr(mb, "check_supported", lambda *a: None)  # any jax
     asked = []
     for found in (None, (False, True), (True, True)):
         monkeypatch.setattr(autotune, "verdict", lambda *a, found=found: asked.append(a) or found)
-        assert _dispatch.batch_norm_kernels("auto", x) == (found or (False, False))
-    assert asked[0] == ("batch_norm", (x,), {"backend": "mosaic"})
+        assert _dispatch.batch_norm_kernels("auto", x, relu=True) == (found or (False, False))
+    assert asked[0] == ("batch_norm", (x,), {"backend": "mosaic", "relu": True})
     monkeypatch.setattr(mw, "on_hopper", lambda device_kind=None: False)
     assert _dispatch.batch_norm_kernels("pallas", x) == (False, False)  # not a Hopper GPU
 
@@ -247,9 +259,10 @@ def test_shared_memory_count_is_mosaics(monkeypatch):
 
 
 def test_the_gpu_check_times_each_candidate_with_its_own_tiles(tmp_path, monkeypatch):
-    """``scripts/_gpu_check_stages.py``'s tile race traces the kernel afresh for every
-    candidate, so each timing runs the tiles it is stored under (a jitted function traced
-    once would have timed the first candidate's tiles again), and the fastest is stored."""
+    """``scripts/_gpu_check_stages.py``'s tile race runs each candidate's own tiles, so each
+    timing is of the tiles it is stored under (tiles looked up while tracing under an
+    override timed the first traced candidate again: jax reuses the trace), and the fastest
+    is stored where the kernels look their tiles up."""
     import importlib.util
     import os
     import sys
@@ -279,7 +292,10 @@ def test_the_gpu_check_times_each_candidate_with_its_own_tiles(tmp_path, monkeyp
         jax.block_until_ready(fn(*args))
         return next(times)
     ctx = SimpleNamespace(timer=timer, max_candidates=3)
-    fn = stages._batch_norm_fns()["stats"][0]
-    seconds, best = stages._fastest_tiles(ctx, call, fn, (jnp.zeros((2, 4, 8, 64), BF16),))
+    kernel = stages._batch_norm_fns()["stats"][0]
+    seconds, best = stages._fastest_tiles(ctx, call, kernel, (jnp.zeros((2, 4, 8, 64), BF16),))
     assert traced == candidates and (seconds, best) == (1.0, candidates[1])
     assert autotune.mosaic_config(call, mb.BnConfig) == candidates[1]
+    traced.clear()  # and the library, which looks them up, runs the stored ones
+    jax.jit(lambda x: mb.channel_stats(x))(jnp.zeros((2, 4, 8, 64), BF16))
+    assert traced == [candidates[1]]

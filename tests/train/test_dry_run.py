@@ -351,3 +351,11 @@ def test_augmenting_synthetic_batches_made_per_step_is_refused(tiny):
     assert err.startswith("jaxcnn-train: error: data.augment: synthetic images made per step"), err
     held = ["data.source=synthetic", "data.image_size=[12,12,1]", "data.num_train=64"]
     assert _build.build_run(load_config(tiny, held + ["data.augment.vflip=1"])).dataset is not None
+
+
+def test_a_real_run_without_a_run_directory_is_one_line(tiny):
+    """``train(cfg)`` from Python without ``workdir`` (only a dry run goes without one): a
+    ValueError naming ``workdir`` before anything is read, not a TypeError from deep inside."""
+    with pytest.raises(ValueError, match=r"^train: workdir is needed") as err:
+        runner.train(load_config(tiny))
+    assert "\n" not in str(err.value)
