@@ -73,8 +73,8 @@ def test_forward_matches_lax(case):
     stride = stride[0] if stride else (1, 1)
     rng = np.random.default_rng(0)
     x, w = _normal(rng, xs, dtype), _normal(rng, ws, dtype)
-    y = mc.conv_forward(x, w, stride=stride, pads=pads, dilation=dil, config=cfg,
-                        interpret=True)
+    y = jax.jit(lambda x, w: mc.conv_forward(x, w, stride=stride, pads=pads, dilation=dil,
+                                             config=cfg, interpret=True))(x, w)
     assert y.dtype == dtype
     _assert_16bit_close(y, _ref_conv(x, w, pads, dil, stride), dtype, name)
 
@@ -99,9 +99,21 @@ def test_forward_with_fused_epilogue_has_no_race(races, warp_specialized):
 
 
 def _loss_grads(fn, x, w, b, res, ct):
-    def loss(x, w, b, res):
+    """The four gradients, as one jitted program (forward, gradient kernels and glue)."""
+    def loss(x, w, b, res, ct):
         return jnp.sum(fn(x, w, b, res).astype(jnp.float32) * ct)
-    return jax.grad(loss, argnums=(0, 1, 2, 3))(x, w, b, res)
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(x, w, b, res, ct)
+
+
+def _out_and_loss_grads(fn, x, w, b, res, ct):
+    """``fn``'s output and :func:`_loss_grads`'s gradients, as one jitted program."""
+    def run(x, w, b, res, ct):
+        def out(*a):
+            y = fn(*a)
+            return y.astype(jnp.float32), y
+        _, vjp, y = jax.vjp(out, x, w, b, res, has_aux=True)
+        return y, vjp(ct)
+    return jax.jit(run)(x, w, b, res, ct)
 
 
 @needs_mgpu
@@ -176,7 +188,8 @@ def test_strided_input_gradient_matches_lax(xs, ws, stride, pads):
     y_shape = _ref_conv(jnp.zeros(xs), w, pads, stride=stride).shape
     dy = _normal(rng, y_shape, jnp.bfloat16)
     _, vjp = jax.vjp(lambda x: _ref_conv(x, w, pads, stride=stride), jnp.zeros(xs, jnp.float32))
-    dx = mc.conv_dgrad(dy, w, x_hw=xs[1:3], stride=stride, pads=pads, interpret=True)
+    dx = jax.jit(lambda dy, w: mc.conv_dgrad(dy, w, x_hw=xs[1:3], stride=stride, pads=pads,
+                                             interpret=True))(dy, w)
     _assert_16bit_close(dx, vjp(dy.astype(jnp.float32))[0], jnp.bfloat16, "strided dgrad")
 
 
@@ -191,8 +204,8 @@ def test_input_gradient_falls_back_to_xla_where_it_would_need_negative_padding()
         mc.conv_dgrad(jnp.zeros((1, 3, 9, 16), jnp.bfloat16), w, x_hw=(1, 7), pads=pads,
                       interpret=True)
     ct = _normal(rng, (1, 3, 9, 16), jnp.bfloat16).astype(jnp.float32)
-    got = jax.grad(lambda x, w: jnp.sum(mc.conv2d(x, w, padding=pads, interpret=True)
-                                        .astype(jnp.float32) * ct), argnums=(0, 1))(x, w)
+    got = jax.jit(jax.grad(lambda x, w: jnp.sum(mc.conv2d(x, w, padding=pads, interpret=True)
+                                                .astype(jnp.float32) * ct), argnums=(0, 1)))(x, w)
     want = jax.grad(lambda x, w: jnp.sum(_ref_conv(x, w, pads) * ct), argnums=(0, 1))(
         x.astype(jnp.float32), w.astype(jnp.float32))
     _assert_16bit_close(got[0], want[0], jnp.bfloat16, "dx")
@@ -372,7 +385,8 @@ def test_narrow_small_channel_conv_matches_lax():
                 + res.astype(jnp.float32))
 
     f32 = [a.astype(jnp.float32) for a in (x, w, b, res)]
-    _assert_16bit_close(kernel(x, w, b, res), reference(*f32), jnp.bfloat16, "forward")
-    got, want = _loss_grads(kernel, x, w, b, res, ct), _loss_grads(reference, *f32, ct)
+    y, got = _out_and_loss_grads(kernel, x, w, b, res, ct)
+    want_y, want = _out_and_loss_grads(reference, *f32, ct)
+    _assert_16bit_close(y, want_y, jnp.bfloat16, "forward")
     for name, g, r in zip(("dx", "dw", "db", "dresidual"), got, want):
         _assert_16bit_close(g, r, jnp.bfloat16, name)

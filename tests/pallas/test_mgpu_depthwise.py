@@ -78,10 +78,18 @@ def test_forward_and_gradients_match_lax(case):
     def reference(x, w, b):
         return _ref(x, w, stride, pads, dil) + b.astype(F32)
 
-    y, vjp = jax.vjp(kernel, x, w, b)
-    got = vjp(ct.astype(dtype))
-    want_y, want_vjp = jax.vjp(reference, *(a.astype(F32) for a in (x, w, b)))
-    want = want_vjp(ct)
+    @jax.jit  # one program: the forward, the three gradient kernels and the glue
+    def kernel_and_grads(x, w, b, ct):
+        y, vjp = jax.vjp(kernel, x, w, b)
+        return y, vjp(ct)
+
+    @jax.jit
+    def reference_and_grads(x, w, b, ct):
+        want_y, want_vjp = jax.vjp(reference, x, w, b)
+        return want_y, want_vjp(ct)
+
+    y, got = kernel_and_grads(x, w, b, ct.astype(dtype))
+    want_y, want = reference_and_grads(*(a.astype(F32) for a in (x, w, b)), ct)
     assert y.dtype == dtype and all(g.dtype == dtype for g in got)
     assert_16bit_close(y, want_y, dtype, "y")
     for name, g, r in zip(("dx", "dw", "db"), got, want):
@@ -95,7 +103,8 @@ def test_forward_7x7_with_relu_matches_lax():
     x, w = normal(rng, (1, 6, 5, 16), BF16), normal(rng, (7, 7, 1, 16), BF16)
     b = normal(rng, (16,), BF16)
     pads = ((3, 3), (3, 3))
-    y = md.depthwise_forward(x, w, b, relu=True, pads=pads, interpret=True)
+    y = jax.jit(lambda x, w, b: md.depthwise_forward(x, w, b, relu=True, pads=pads,
+                                                     interpret=True))(x, w, b)
     want = jnp.maximum(_ref(x, w, (1, 1), pads) + b.astype(F32), 0.0)
     assert_16bit_close(y, want, BF16, "7x7 relu")
 
@@ -120,14 +129,18 @@ def test_all_three_kernels_are_race_free(races):
     stride, pads = (1, 1), ((1, 1), (1, 1))
     cfg = mw.WindowConfig(block_c=8, tile_w=8, stages=2, split=2)
     kw = dict(stride=stride, pads=pads, config=cfg, interpret=True, detect_races=races)
-    y = md.depthwise_forward(x, w, **kw)
+    dy = normal(rng, _ref(x, w, stride, pads).shape, BF16)
+
+    @jax.jit  # the three kernels in one program, one race-detector run
+    def kernels(x, w, dy):
+        return (md.depthwise_forward(x, w, **kw),
+                md.depthwise_dgrad(dy, w, x_shape=x.shape, **kw),
+                md.depthwise_wgrad(x, dy, kernel_hw=(3, 3), **kw))
+    y, dx, dw = kernels(x, w, dy)
     assert_16bit_close(y, _ref(x, w, stride, pads), BF16, "forward")
-    dy = normal(rng, y.shape, BF16)
     _, vjp = jax.vjp(lambda x, w: _ref(x, w, stride, pads), x.astype(F32), w.astype(F32))
     want_dx, want_dw = vjp(dy.astype(F32))
-    dx = md.depthwise_dgrad(dy, w, x_shape=x.shape, **kw)
     assert_16bit_close(dx, want_dx, BF16, "dgrad")
-    dw = md.depthwise_wgrad(x, dy, kernel_hw=(3, 3), **kw)
     assert dw.dtype == F32
     assert_f32_close(dw, want_dw, "wgrad")
 

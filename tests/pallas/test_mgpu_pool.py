@@ -38,16 +38,29 @@ def _ties(shape, dtype, seed=0):
     return jnp.asarray(np.maximum(np.round(rng.standard_normal(shape) * 1.5), 0), dtype)
 
 
+def _kernel_and_grad(op, kw, races=False):
+    """One jitted program: the kernel's output and its input gradient at a cotangent (one
+    compilation for the forward and backward launches and the glue between them)."""
+    def run(x, ct):
+        y, vjp = jax.vjp(lambda x: getattr(mp, op)(x, **kw, interpret=True, detect_races=races),
+                         x)
+        return y, vjp(ct)[0]
+    return jax.jit(run)
+
+
 def _check(op, x, kw, races=False):
     """Forward and input gradient (random cotangent) of the kernel against XLA in float32."""
     dtype = x.dtype
-    y, vjp = jax.vjp(lambda x: getattr(mp, op)(x, **kw, interpret=True, detect_races=races), x)
-    ct = normal(np.random.default_rng(1), y.shape, dtype)
-    (dx,) = vjp(ct)
     ref_kw = {k: v for k, v in kw.items() if k not in ("config", "backward")}
-    want_y, want_vjp = jax.vjp(lambda x: getattr(F, op)(x, **ref_kw, impl="xla"),
-                               x.astype(jnp.float32))
-    (want_dx,) = want_vjp(ct.astype(jnp.float32))
+    y_shape = jax.eval_shape(lambda x: getattr(F, op)(x, **ref_kw, impl="xla"), x).shape
+    ct = normal(np.random.default_rng(1), y_shape, dtype)
+    y, dx = _kernel_and_grad(op, kw, races)(x, ct)
+
+    @jax.jit
+    def reference(x, ct):
+        want_y, want_vjp = jax.vjp(lambda x: getattr(F, op)(x, **ref_kw, impl="xla"), x)
+        return want_y, want_vjp(ct)[0]
+    want_y, want_dx = reference(x.astype(jnp.float32), ct.astype(jnp.float32))
     assert y.dtype == dtype and dx.dtype == dtype
     if op == "max_pool2d":
         np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(want_y))
@@ -71,17 +84,39 @@ def test_max_pool_with_ties_matches_xla(name, shape, kw, dtype):
 
 
 @needs_mgpu
-def test_max_pool_3x3_2_with_tails_is_race_free_and_records_the_first_maximum(races):
+def test_max_pool_3x3_2_with_tails_is_race_free_and_records_the_first_maximum(races,
+                                                                             monkeypatch):
     """7x9 -> 4x5 outputs (ceil_mode overhang): tile_w 4 (4 + 1 columns), channels 16 + 8,
-    9 taps through 2 slots; the backward's 4 phases with 4, 2, 2 and 1 taps."""
+    9 taps through 2 slots; the backward's 4 phases with 4, 2, 2 and 1 taps.
+
+    The custom VJP's own forward (with the recorded tap index) and backward run once, in one
+    jitted program under the race detector, with the static arguments ``max_pool2d`` passes
+    them (its VJP wiring is checked through ``jax.vjp`` by the tests above)."""
     x = _ties((1, 7, 9, 24), BF16, seed=2)
     cfg = mw.WindowConfig(block_c=16, stages=2)
     kw = dict(kernel_size=3, stride=2, padding=1, ceil_mode=True, config=cfg)
-    _check("max_pool2d", x, kw, races=races)
+    with monkeypatch.context() as m:  # the static arguments of the public call
+        seen = []
+        m.setattr(mp, "_max_pool", lambda static, x: seen.append(static) or x)
+        mp.max_pool2d(x, **kw, interpret=True, detect_races=races)
+    (static,) = seen
     kernel, stride, dilation, _, run_pads, out_hw = geo.pool_geometry(
         "t", x.shape, 3, 2, 1, 1, True)
-    static = (kernel, stride, dilation, run_pads, out_hw, "mosaic", (cfg, cfg), True, True)
-    _, idx = mp._max_forward(static, x, with_index=True)
+    assert static == (kernel, stride, dilation, run_pads, out_hw, "mosaic", (cfg, cfg), True,
+                      True)
+    ct = normal(np.random.default_rng(1), (1, *out_hw, 24), BF16)
+
+    @jax.jit
+    def fwd_and_bwd(x, ct):
+        y, saved = mp._max_pool_fwd(static, x)
+        return y, saved[1], mp._max_pool_bwd(static, saved, ct)[0]
+    y, idx, dx = fwd_and_bwd(x, ct)
+    want_y, want_vjp = jax.vjp(lambda x: F.max_pool2d(x, 3, stride=2, padding=1, ceil_mode=True,
+                                                      impl="xla"), x.astype(jnp.float32))
+    (want_dx,) = want_vjp(ct.astype(jnp.float32))
+    assert y.dtype == BF16 and dx.dtype == BF16
+    np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(want_y))
+    assert_16bit_close(dx, want_dx, BF16, "max_pool2d dx")
     assert idx.dtype == jnp.int16
     # numpy: the taps of every window (row-major), -inf outside the input; first argmax.
     xp = np.pad(np.asarray(x, np.float32), ((0, 0), *run_pads, (0, 0)), constant_values=-np.inf)
