@@ -157,10 +157,13 @@ def test_batch_norm_net_1f1b_on_data_and_pipe_over_steps():
     _compare_schedules("bn_net", 2, 8, steps=2)
 
 
-def test_vgg11_dropout_1f1b_matches_one_device():
-    """VGG-11 with dropout (p=0.5) on 4 stages, M = S = 4 (one data shard: the reference
+# VGG-11 itself with the slow tests (test_parallel_pipeline.py's small_vgg: its layers, dropout
+# p=0.5 twice, at half the compilation).
+@pytest.mark.parametrize("name", ["small_vgg", pytest.param("vgg11", marks=pytest.mark.slow)])
+def test_vgg_dropout_1f1b_matches_one_device(name):
+    """A VGG with dropout (p=0.5) on 4 stages, M = S = 4 (one data shard: the reference
     draws the keys of data shard 0): each micro-batch's masks are the reference's."""
-    _compare_schedules("vgg11", 1, 4, against_gpipe=False)
+    _compare_schedules(name, 1, 4, against_gpipe=False)
 
 
 def test_bf16_1f1b_matches_gpipe():

@@ -19,15 +19,16 @@ from test_parallel_pipeline import (SHAPE, _abstract, _assert_run_matches, _mode
 # programs, which the schedule does not change: it is the driver's order) under 1F1B's order, on
 # small_resnet (test_parallel_pipeline.py: the zoo's stem, an identity and a projection block, 8
 # blocks; ResNet-18's 14 through the same code at three times the compilation run with the slow
-# tests).  One data shard under 1F1B is VGG-11's case; the GPipe order is checked against one device on bn_net
+# tests).  One data shard under 1F1B is the VGG's case (small_vgg; VGG-11 slow); the GPipe order is checked against one device on bn_net
 # (2 steps: test_mpmd_splits_an_optimiser_state_that_holds_the_parameters_tree_under_its_own_keys)
 # and against the SPMD engine on data 2 (test_mpmd_mixed_precision_and_loss_scaling_give_the_spmd_engines_numbers).
 @pytest.mark.parametrize("name,data_axis,schedule", [
     ("small_resnet", 2, "1f1b"), pytest.param("resnet18", 2, "1f1b", marks=pytest.mark.slow),
     pytest.param("resnet18", 1, "1f1b", marks=pytest.mark.slow),
-    pytest.param("resnet18", 2, "gpipe", marks=pytest.mark.slow), ("vgg11", 1, "1f1b")])
+    pytest.param("resnet18", 2, "gpipe", marks=pytest.mark.slow), ("small_vgg", 1, "1f1b"),
+    pytest.param("vgg11", 1, "1f1b", marks=pytest.mark.slow)])
 def test_mpmd_matches_one_device_on_the_same_micro_batches(name, data_axis, schedule):
-    """A ResNet and VGG-11 (dropout) on 4 stages, one program per stage (x 2 data shards): loss,
+    """A ResNet and a VGG (dropout) on 4 stages, one program per stage (x 2 data shards): loss,
     accuracy, gradients, BatchNorm statistics and parameters of one step as one device with
     accumulate=2; each leaf of the state stays on its stage's devices."""
     model, tx, shape = _model(name), MOMENTUM, shape_of(name)
@@ -39,9 +40,10 @@ def test_mpmd_matches_one_device_on_the_same_micro_batches(name, data_axis, sche
 
 
 def test_mpmd_gives_the_spmd_engines_numbers_with_dropout_on_data_shards():
-    """VGG-11 with dropout on 2 data shards x 4 stages, 2 steps: each data shard draws its own
-    masks (the one-device run cannot); both engines draw the same ones."""
-    model, tx, shape = _model("vgg11"), MOMENTUM, shape_of("vgg11")
+    """A VGG with dropout (small_vgg: VGG-11's layers at half the compilation) on 2 data shards x
+    4 stages, 2 steps: each data shard draws its own masks (the one-device run cannot); both
+    engines draw the same ones."""
+    model, tx, shape = _model("small_vgg"), MOMENTUM, shape_of("small_vgg")
     data = batches(shape, 2, seed=2)
     runs = {engine: _pipelined(_plan(model, tx, shape, 2, 4, microbatches=2, schedule="1f1b", engine=engine),
                                model, tx, shape, data) for engine in ("spmd", "mpmd")}
