@@ -49,11 +49,20 @@ def _model(name):
     return _MODELS[name]
 
 
+def _abstract_state(model, tx, shape):
+    """The TrainState as ShapeDtypeStructs, traced only: a plan needs no initialised weights
+    (ResNet-18's eager initialisation was seconds of per-shape compilation, paid by tests that
+    only trace or read shardings)."""
+    from jaxcnn import precision as P
+    from jaxcnn.train.state import create_train_state
+    return jax.eval_shape(lambda: create_train_state(model, tx, jax.random.PRNGKey(0), shape,
+                                                     loss_scale=P.make_loss_scale("none")))
+
+
 def _plan(model, tx, shape, data, spatial, until="auto", devices=None):
     mesh = make_mesh(data, 1, spatial=spatial, devices=devices)
-    abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype),
-                                      init(model, tx, shape))
-    return ParallelPlan(mesh, model, shape, abstract, strategy="jit", spatial_until=until)
+    return ParallelPlan(mesh, model, shape, _abstract_state(model, tx, shape), strategy="jit",
+                        spatial_until=until)
 
 
 def _run(plan, tx, shape, data, model):
@@ -359,7 +368,7 @@ def test_activations_are_height_sharded_until_the_gather():
     assert plan.spatial.split[:4] == ("conv1", "bn1", "relu", "maxpool")
     assert plan.spatial.gather_after == "layer2.1"  # layer3.0's 2-row output does not divide by 4
     assert "layer3.0" in plan.spatial.stop
-    state0 = init(model, LR1, shape)
+    state0 = plan.abstract_state  # traced only: shapes are all the jaxpr needs
     x = plan.put_batch(batches(shape, 1)[0])["image"]
     # Which layers carry constraints: read them back from the jaxpr.
     jaxpr = jax.make_jaxpr(lambda p, s, x: plan.step_model.apply(p, s, x))(
@@ -657,7 +666,7 @@ def test_no_fused_chain_walks_past_the_split_units(monkeypatch):
     monkeypatch.setattr(fusion, "apply_chain", walk)
     model, shape = _model("resnet18")
     plan = _plan(model, LR1, shape, 2, 4)
-    state0 = init(model, LR1, shape)
+    state0 = plan.abstract_state  # traced only: shapes are all the jaxpr needs
     x = plan.put_batch(batches(shape, 1)[0])["image"]
     jax.make_jaxpr(lambda p, s, x: plan.step_model.apply(
         p, s, x, train=True, rng=jax.random.PRNGKey(0), choices=Choices(conv_bn="mosaic")))(
