@@ -41,10 +41,17 @@ def small_resnet():
 def _model(name):
     """resnet18 on 32x32 (7x7/2 stem, 3x3/2 max-pool, strided blocks), small_resnet (its geometry,
     one block per stage, narrow: the default suite's ResNet) and vgg11 on 32x32 (3x3
-    convolutions, 2x2 pools, a small classifier with dropout), 10 classes."""
+    convolutions, 2x2 pools, a small classifier with dropout; small_vgg: its layers with 3
+    convolutions, the default suite's VGG), 10 classes."""
     if name not in _MODELS:
         kw = dict(classifier_width=32) if name == "vgg11" else {}
-        model = small_resnet() if name == "small_resnet" else get_model(name, num_classes=10, **kw)
+        if name == "small_resnet":
+            model = small_resnet()
+        elif name == "small_vgg":  # VGG-11's layers (3x3 convolutions, 2x2 pools, the dropout classifier), 3 convolutions
+            from jaxcnn.models.vgg import vgg
+            model = vgg((16, "M", 32, "M", 64, "M"), batch_norm=False, num_classes=10, classifier_width=32)
+        else:
+            model = get_model(name, num_classes=10, **kw)
         _MODELS[name] = (model, (4, 32, 32, 3))
     return _MODELS[name]
 
@@ -83,17 +90,17 @@ def _rel(a, b):
 
 
 # The data 2 x spatial 4 cases run with the slow tests: the data x spatial layout is checked on
-# small_resnet (ResNet-18's strided blocks, BatchNorm statistics over both axes) and vgg11 (2x2 pools,
-# the dropout classifier) by test_remat_matches_one_device, the same layout and assertions with each
+# small_resnet (ResNet-18's strided blocks, BatchNorm statistics over both axes) and small_vgg (2x2
+# pools, the dropout classifier) by test_remat_matches_one_device, the same layout and assertions with each
 # unit recomputed; the two other cases check both models on spatial 4 without recomputation.
-# ResNet-18 itself (twice small_resnet's compilation, the same layers and geometry) runs with the
-# slow tests.
+# ResNet-18 and VGG-11 themselves (twice small_resnet's and small_vgg's compilation, the same kinds
+# of layers) run with the slow tests.
 @pytest.mark.parametrize("name,data,spatial", [
     ("small_resnet", 1, 4), pytest.param("resnet18", 1, 4, marks=pytest.mark.slow),
-    pytest.param("resnet18", 2, 4, marks=pytest.mark.slow), ("vgg11", 1, 4),
-    pytest.param("vgg11", 2, 4, marks=pytest.mark.slow)],
-    ids=["small_resnet-spatial4", "resnet18-spatial4", "resnet18-data2_spatial4", "vgg11-spatial4",
-         "vgg11-data2_spatial4"])
+    pytest.param("resnet18", 2, 4, marks=pytest.mark.slow), ("small_vgg", 1, 4),
+    pytest.param("vgg11", 1, 4, marks=pytest.mark.slow), pytest.param("vgg11", 2, 4, marks=pytest.mark.slow)],
+    ids=["small_resnet-spatial4", "resnet18-spatial4", "resnet18-data2_spatial4", "small_vgg-spatial4",
+         "vgg11-spatial4", "vgg11-data2_spatial4"])
 def test_same_loss_gradients_and_statistics_as_one_device(name, data, spatial):
     model, shape = _model(name)
     (batch,) = batches(shape, 1, seed=3)
@@ -766,8 +773,10 @@ def test_gathered_unit_under_a_16_bit_policy_has_the_plain_units_gradients(which
         assert any("conv" in n for n in cast), (names, casts)
 
 
-# ResNet-18 with the slow tests: small_resnet has its layers and geometry at half the compilation.
-@pytest.mark.parametrize("name", ["small_resnet", pytest.param("resnet18", marks=pytest.mark.slow), "vgg11"])
+# ResNet-18 and VGG-11 with the slow tests: small_resnet and small_vgg have their layers at half the
+# compilation.
+@pytest.mark.parametrize("name", ["small_resnet", pytest.param("resnet18", marks=pytest.mark.slow), "small_vgg",
+                                  pytest.param("vgg11", marks=pytest.mark.slow)])
 def test_remat_matches_one_device(name):
     """parallel.spatial.remat: every unit computed again in the backward from its input (the
     same dropout masks: vgg11's classifier) gives one device's step."""
