@@ -464,8 +464,7 @@ def test_refused_before_compute():
         spatial_layout(model, (4, 32, 32, 3), 2, until="layer3")
     # Only the jit strategy partitions a global program.
     shape = (4, 32, 32, 3)
-    abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype),
-                                      init(model, LR1, shape))
+    abstract = _abstract_state(model, LR1, shape)
     with pytest.raises(ValueError, match=r"^strategy: mesh.spatial=4 needs strategy jit"):
         ParallelPlan(make_mesh(2, 1, spatial=4), model, shape, abstract, strategy="shard_map")
     # Not with a model axis: XLA's partitioner got spatial x model wrong (0.02-0.2 off).
