@@ -11,6 +11,8 @@ import pytest
 
 from jaxcnn import layers as L
 from jaxcnn.models import get as get_model
+from jaxcnn.models.resnet import basic_block
+from jaxcnn.models.vgg import vgg
 from jaxcnn.parallel import ParallelPlan, Pipeline, make_mesh, pipeline_blocks
 from jaxcnn.parallel.pipeline import balanced_split
 from jaxcnn.train.step import make_train_step
@@ -32,14 +34,33 @@ VGG_SHAPE = (4, 32, 32, 3)
 
 def shape_of(name):
     """The batch shape the model ``name`` runs on in these tests."""
-    return VGG_SHAPE if name.startswith("vgg11") else SHAPE
+    return VGG_SHAPE if name.startswith(("vgg11", "small_vgg")) else SHAPE
 _MODELS = {}
+
+
+def small_resnet(num_classes=10):
+    """ResNet-18's pieces at a fraction of its compilation (a third of its pipelined step's and
+    one-device reference's), for the tests of the pipeline's mechanism rather than of the zoo
+    model: the zoo's stem (7x7/2 convolution, BatchNorm, ReLU, max-pool), ``layer1`` of one
+    identity basic block and ``layer2`` of one strided block with a projection shortcut (nested
+    serials, BatchNorm inside blocks and on the shortcut), pooling and ``fc``: 8 blocks, the
+    zoo's names.  ResNet-18 itself runs the same checks with the slow tests."""
+    return L.serial(("conv1", L.Conv2D(16, 7, stride=2, padding=3, use_bias=False)), ("bn1", L.BatchNorm()),
+                    ("relu", L.Relu()), ("maxpool", L.MaxPool2D(3, stride=2, padding=1)),
+                    ("layer1", L.serial(basic_block(16, 16))), ("layer2", L.serial(basic_block(16, 32, stride=2))),
+                    ("avgpool", L.GlobalAvgPool2D()), ("fc", L.Linear(num_classes)))
 
 
 def _model(name):
     if name not in _MODELS:
         _MODELS[name] = {"resnet18": lambda: get_model("resnet18", num_classes=10),
+                         "small_resnet": small_resnet,
                          "vgg11": lambda: get_model("vgg11", num_classes=10, classifier_width=16),
+                         # VGG-11's pieces at half its compilation (the zoo's builder: 3x3 convolutions,
+                         # 2x2 pools, the adaptive pool, flatten, the classifier with dropout p=0.5 twice),
+                         # 3 convolutions instead of 8: the default suite's VGG for the pipeline's mechanism
+                         "small_vgg": lambda: vgg((16, "M", 32, "M", 64, "M"), batch_norm=False, num_classes=10,
+                                                  classifier_width=16),
                          "vgg11_nodrop": lambda: get_model("vgg11", num_classes=10, classifier_width=16,
                                                            dropout=0.0),
                          "bn_net": bn_net}[name]()
@@ -169,24 +190,30 @@ def _assert_run_matches(got_m, got, ref_m, ref, steps):
     assert int(got.step) == steps and np.array_equal(got.rng, ref.rng)
 
 
-# data 2 is also the GPipe leg of test_parallel_pipeline_1f1b.py::test_resnet18_1f1b_matches_gpipe_and_one_device
-# (pipelined_run: the same run, cached).  data 1 runs with the slow tests: ResNet-18 on 4 stages, 2
-# micro-batches and one data shard is test_remat_recomputes_each_block_and_matches_one_device's layout
-# (GPipe with each unit recomputed, checked against the same one-device run with the same assertions).
-@pytest.mark.parametrize("data_axis", [pytest.param(1, marks=pytest.mark.slow), 2])
-def test_resnet18_pipelined_matches_one_device_on_the_same_micro_batches(data_axis):
-    """ResNet-18 on 4 stages (x 2 data shards): loss, accuracy, gradients, BatchNorm
+# small_resnet on data 2 is also the GPipe leg of
+# test_parallel_pipeline_1f1b.py::test_resnet_1f1b_matches_gpipe_and_one_device (pipelined_run: the
+# same run, cached).  ResNet-18 itself runs with the slow tests: the zoo model's 14 blocks through
+# the same pipeline code as small_resnet's 8 (stem, identity and projection blocks, pooling, fc),
+# at three times the compilation; on one data shard it is also the remat test's layout (GPipe with
+# each unit recomputed, against the same one-device run with the same assertions).
+@pytest.mark.parametrize("name,data_axis", [("small_resnet", 2), pytest.param("resnet18", 2, marks=pytest.mark.slow),
+                                            pytest.param("resnet18", 1, marks=pytest.mark.slow)])
+def test_resnet_pipelined_matches_one_device_on_the_same_micro_batches(name, data_axis):
+    """A ResNet on 4 stages (x 2 data shards): loss, accuracy, gradients, BatchNorm
     statistics and parameters of one step as one device with accumulate=2."""
-    plan, _, _ = _compare("resnet18", data_axis, 4, 2)
-    assert plan.pipeline.stages == 4 and sum(plan.pipeline.split) == 14
+    plan, _, _ = _compare(name, data_axis, 4, 2)
+    assert plan.pipeline.stages == 4 and sum(plan.pipeline.split) == len(pipeline_blocks(_model(name)))
+    assert sum(plan.pipeline.split) == {"small_resnet": 8, "resnet18": 14}[name]
 
 
-# VGG-11 without dropout on 2 data shards runs with the slow tests: 2 data shards x 4 stages against
-# one device is ResNet-18's case above; VGG-11 (with dropout) on 2 data shards x 4 stages is
+# VGG-11 itself runs with the slow tests (small_vgg: its layers with dropout through the same code, at
+# half the compilation).  Without dropout on 2 data shards too: 2 data shards x 4 stages against
+# one device is the ResNet case above; a VGG with dropout on 2 data shards x 4 stages is
 # test_parallel_pipeline_mpmd.py::test_mpmd_gives_the_spmd_engines_numbers_with_dropout_on_data_shards.
-@pytest.mark.parametrize("name,data_axis", [("vgg11", 1), pytest.param("vgg11_nodrop", 2, marks=pytest.mark.slow)])
-def test_vgg11_pipelined_matches_one_device_on_the_same_micro_batches(name, data_axis):
-    """VGG-11 on 4 stages; with dropout (p=0.5) on one data shard, whose masks are the
+@pytest.mark.parametrize("name,data_axis", [("small_vgg", 1), pytest.param("vgg11", 1, marks=pytest.mark.slow),
+                                            pytest.param("vgg11_nodrop", 2, marks=pytest.mark.slow)])
+def test_vgg_pipelined_matches_one_device_on_the_same_micro_batches(name, data_axis):
+    """A VGG on 4 stages; with dropout (p=0.5) on one data shard, whose masks are the
     reference's: each block draws the key ``serial`` would give it for its micro-batch."""
     _compare(name, data_axis, 4, 2)
 
@@ -939,11 +966,19 @@ def test_packing_gives_each_stage_its_parameters_and_each_device_its_gradient_bl
                                       np.asarray((r / M).astype(p.dtype), np.float32))
 
 
+# small_resnet split by hand: the stem cut after bn1 (a run of single-layer blocks is cut at the
+# stage's edges), a stage of a run (relu, maxpool) and a block (layer1.0), a stage of one block,
+# and the tail run (avgpool, fc): 5 units on 4 stages, so counting per unit is not per stage.
+REMAT_SPLIT = [2, 3, 1, 2]
+REMAT_UNITS = [["conv1", "bn1"], ["relu", "maxpool"], ["layer1.0"], ["layer2.0"], ["avgpool", "fc"]]
+
+
 def _remat_step_jaxpr_counts(model, tx, data, remat):
-    """ResNet-18's pipelined step (data 1 x pipe 4, 2 micro-batches) traced on the first batch:
-    ``((custom VJPs named run, conds) in its jaxpr, (plan, the jax.stages.Traced))``.  The
-    recomputed units are the custom VJPs named ``run`` (BatchNorm has its own)."""
-    plan = _plan(model, tx, SHAPE, 1, 4, microbatches=2, remat=remat)
+    """small_resnet's pipelined step (data 1 x pipe 4, 2 micro-batches, REMAT_SPLIT) traced on
+    the first batch: ``((custom VJPs named run, conds) in its jaxpr, (plan, the
+    jax.stages.Traced))``.  The recomputed units are the custom VJPs named ``run`` (BatchNorm has
+    its own)."""
+    plan = _plan(model, tx, SHAPE, 1, 4, microbatches=2, remat=remat, split=REMAT_SPLIT)
     step = plan.wrap_step(make_train_step(model, tx, axis_name=plan.step_axis_name, pipeline=plan.pipeline),
                           donate=False)
     step = getattr(step, "step", step)  # the jitted step under CPU's bounded dispatch (strategies._Bounded)
@@ -955,22 +990,22 @@ def _remat_step_jaxpr_counts(model, tx, data, remat):
 
 def test_remat_recomputes_each_block_and_matches_one_device():
     """parallel.pipeline.remat: every unit of a stage (a block with inner layers, or a run
-    of consecutive single-layer blocks: ResNet's stem is one) is recomputed in the backward
-    (the step's jaxpr has one custom_vjp call per unit in the forward branches and one more
-    conditional per unit, the recomputation's stored input, none without remat), and
-    ResNet-18 on 4 stages still gives one device's loss, gradients, BatchNorm statistics and
-    parameters; the config key reaches the plan, a bad value is one line."""
-    model, tx = _model("resnet18"), MOMENTUM
+    of consecutive single-layer blocks, cut at the stage's edges: ResNet's stem is one) is
+    recomputed in the backward (the step's jaxpr has one custom_vjp call per unit in the forward
+    branches and one more conditional per unit, the recomputation's stored input, none without
+    remat), and a ResNet on 4 stages (small_resnet; ResNet-18 is the slow GPipe test's
+    layout) still gives one device's loss, gradients, BatchNorm statistics and parameters; the
+    config key reaches the plan, a bad value is one line."""
+    model, tx = _model("small_resnet"), MOMENTUM
     data = batches(SHAPE, 1, seed=1)
     (calls, conds), _ = _remat_step_jaxpr_counts(model, tx, data, remat=False)
     (calls_remat, conds_remat), (plan, traced) = _remat_step_jaxpr_counts(model, tx, data, remat=True)
-    # the step run is the one traced for the counts: one trace of ResNet-18's pipelined step
+    # the step run is the one traced for the counts: one trace of the pipelined step
     state, m = traced.lower().compile()(plan.shard_state(init(model, tx, SHAPE)), plan.put_batch(data[0]))
     _assert_run_matches([jax.device_get(m)], jax.device_get(state), *_reference(model, tx, SHAPE, data, 2), 1)
-    assert plan.pipeline.remat
+    assert plan.pipeline.remat and plan.pipeline.split == REMAT_SPLIT
     units = [[b.name for b in u] for s in range(4) for u in plan.pipeline.remat_units(s)]
-    assert units[0] == ["conv1", "bn1", "relu", "maxpool"] and ["layer1.0"] in units
-    assert units[-1] == ["avgpool", "fc"] and sum(map(len, units)) == sum(plan.pipeline.split)
+    assert units == REMAT_UNITS and sum(map(len, units)) == sum(plan.pipeline.split)
     assert calls == 0 and calls_remat == len(units) and conds_remat == conds + len(units)
 
     import os

@@ -132,19 +132,22 @@ def _compare_schedules(name, data_axis, microbatches, steps=1, against_gpipe=Tru
             assert np.max(np.abs(a - b), initial=0.0) <= SAME_RTOL * max(np.max(np.abs(b), initial=0.0), 1e-6)
 
 
-def test_resnet18_1f1b_matches_gpipe_and_one_device():
-    """ResNet-18 on 2 data shards x 4 stages with 2 micro-batches (M < S; micro-batches of 8,
-    synced over data, as the GPipe tests: BatchNorm on layer4's 1x1 maps of fewer examples is
+# ResNet-18 itself with the slow tests: the zoo model's 14 blocks through the same schedule code as
+# small_resnet's 8 (test_parallel_pipeline.py's small_resnet), at three times the compilation.
+@pytest.mark.parametrize("name", ["small_resnet", pytest.param("resnet18", marks=pytest.mark.slow)])
+def test_resnet_1f1b_matches_gpipe_and_one_device(name):
+    """A ResNet on 2 data shards x 4 stages with 2 micro-batches (M < S; micro-batches of 8,
+    synced over data, as the GPipe tests: BatchNorm on small maps of fewer examples is
     ill-conditioned): loss, accuracy, gradients, BatchNorm statistics and parameters of one
     step as GPipe and as one device with accumulate=2 (and GPipe's as one device's: its run is
-    test_resnet18_pipelined_matches_one_device_on_the_same_micro_batches[2]'s, whose program
-    the compilation cache holds)."""
-    _compare_schedules("resnet18", 2, 2)
+    test_resnet_pipelined_matches_one_device_on_the_same_micro_batches[small_resnet-2]'s, whose
+    program the compilation cache holds)."""
+    _compare_schedules(name, 2, 2)
 
 
 # M = 8 (M > S) only: M < S on the same data 2 x pipe 4 layout (2 micro-batches, BatchNorm synced over
 # data, against GPipe and one device with the same assertions) is
-# test_resnet18_1f1b_matches_gpipe_and_one_device, and the M < S timetables are checked from the
+# test_resnet_1f1b_matches_gpipe_and_one_device, and the M < S timetables are checked from the
 # outside by the timetable tests; the running statistics carried from step to step are the same
 # code whatever M, checked here over 2 steps.
 def test_batch_norm_net_1f1b_on_data_and_pipe_over_steps():
@@ -154,10 +157,13 @@ def test_batch_norm_net_1f1b_on_data_and_pipe_over_steps():
     _compare_schedules("bn_net", 2, 8, steps=2)
 
 
-def test_vgg11_dropout_1f1b_matches_one_device():
-    """VGG-11 with dropout (p=0.5) on 4 stages, M = S = 4 (one data shard: the reference
+# VGG-11 itself with the slow tests (test_parallel_pipeline.py's small_vgg: its layers, dropout
+# p=0.5 twice, at half the compilation).
+@pytest.mark.parametrize("name", ["small_vgg", pytest.param("vgg11", marks=pytest.mark.slow)])
+def test_vgg_dropout_1f1b_matches_one_device(name):
+    """A VGG with dropout (p=0.5) on 4 stages, M = S = 4 (one data shard: the reference
     draws the keys of data shard 0): each micro-batch's masks are the reference's."""
-    _compare_schedules("vgg11", 1, 4, against_gpipe=False)
+    _compare_schedules(name, 1, 4, against_gpipe=False)
 
 
 def test_bf16_1f1b_matches_gpipe():

@@ -15,16 +15,20 @@ from test_parallel_pipeline import (SHAPE, _abstract, _assert_run_matches, _mode
                                     _reference, random_blocks, run_bn_net, shape_of)
 
 
-# One ResNet-18 case in the normal suite: 2 data shards (BatchNorm synced over data in the stage
-# programs, which the schedule does not change: it is the driver's order) under 1F1B's order.  One
-# data shard under 1F1B is VGG-11's case; the GPipe order is checked against one device on bn_net
+# One ResNet case in the normal suite: 2 data shards (BatchNorm synced over data in the stage
+# programs, which the schedule does not change: it is the driver's order) under 1F1B's order, on
+# small_resnet (test_parallel_pipeline.py: the zoo's stem, an identity and a projection block, 8
+# blocks; ResNet-18's 14 through the same code at three times the compilation run with the slow
+# tests).  One data shard under 1F1B is the VGG's case (small_vgg; VGG-11 slow); the GPipe order is checked against one device on bn_net
 # (2 steps: test_mpmd_splits_an_optimiser_state_that_holds_the_parameters_tree_under_its_own_keys)
 # and against the SPMD engine on data 2 (test_mpmd_mixed_precision_and_loss_scaling_give_the_spmd_engines_numbers).
 @pytest.mark.parametrize("name,data_axis,schedule", [
-    ("resnet18", 2, "1f1b"), pytest.param("resnet18", 1, "1f1b", marks=pytest.mark.slow),
-    pytest.param("resnet18", 2, "gpipe", marks=pytest.mark.slow), ("vgg11", 1, "1f1b")])
+    ("small_resnet", 2, "1f1b"), pytest.param("resnet18", 2, "1f1b", marks=pytest.mark.slow),
+    pytest.param("resnet18", 1, "1f1b", marks=pytest.mark.slow),
+    pytest.param("resnet18", 2, "gpipe", marks=pytest.mark.slow), ("small_vgg", 1, "1f1b"),
+    pytest.param("vgg11", 1, "1f1b", marks=pytest.mark.slow)])
 def test_mpmd_matches_one_device_on_the_same_micro_batches(name, data_axis, schedule):
-    """ResNet-18 and VGG-11 (dropout) on 4 stages, one program per stage (x 2 data shards): loss,
+    """A ResNet and a VGG (dropout) on 4 stages, one program per stage (x 2 data shards): loss,
     accuracy, gradients, BatchNorm statistics and parameters of one step as one device with
     accumulate=2; each leaf of the state stays on its stage's devices."""
     model, tx, shape = _model(name), MOMENTUM, shape_of(name)
@@ -36,9 +40,10 @@ def test_mpmd_matches_one_device_on_the_same_micro_batches(name, data_axis, sche
 
 
 def test_mpmd_gives_the_spmd_engines_numbers_with_dropout_on_data_shards():
-    """VGG-11 with dropout on 2 data shards x 4 stages, 2 steps: each data shard draws its own
-    masks (the one-device run cannot); both engines draw the same ones."""
-    model, tx, shape = _model("vgg11"), MOMENTUM, shape_of("vgg11")
+    """A VGG with dropout (small_vgg: VGG-11's layers at half the compilation) on 2 data shards x
+    4 stages, 2 steps: each data shard draws its own masks (the one-device run cannot); both
+    engines draw the same ones."""
+    model, tx, shape = _model("small_vgg"), MOMENTUM, shape_of("small_vgg")
     data = batches(shape, 2, seed=2)
     runs = {engine: _pipelined(_plan(model, tx, shape, 2, 4, microbatches=2, schedule="1f1b", engine=engine),
                                model, tx, shape, data) for engine in ("spmd", "mpmd")}
@@ -49,7 +54,7 @@ def test_mpmd_state_lives_on_its_stages_devices_and_evaluates_stage_by_stage():
     """Every parameter, optimiser moment and BatchNorm statistic on its own stage's devices (the
     step and key on every device); the evaluation sums are one device's, of ``uint8`` images
     normalised on the first stage's devices as one device normalises them."""
-    model, tx = _model("resnet18"), MOMENTUM
+    model, tx = _model("small_resnet"), MOMENTUM
     plan = _plan(model, tx, SHAPE, 2, 4, microbatches=2, engine="mpmd")
     state = plan.shard_state(init(model, tx, SHAPE))
     stage_devices = [set(m.devices.flat) for m in plan.mpmd.meshes]
@@ -175,7 +180,7 @@ def test_mpmd_errors_name_the_key():
     """An unknown engine is one line naming pipeline.engine, and an mpmd plan given a one-program
     step one naming train_step. An mpmd TrainStep has no one-program step: its stages are the
     programs."""
-    model = _model("resnet18")
+    model = _model("small_resnet")
     with pytest.raises(ValueError, match="^pipeline.engine: expected one of"):
         _plan(model, MOMENTUM, SHAPE, 1, 2, microbatches=2, engine="mimd")
     plan = _plan(model, MOMENTUM, SHAPE, 1, 2, microbatches=2, engine="mpmd")
@@ -190,7 +195,7 @@ def test_engine_auto_is_mpmd_in_one_process_and_spmd_across_processes(monkeypatc
     where mpmd cannot run, spmd (the two-process trainer runs of test_parallel_distributed.py
     run it so)."""
     from jaxcnn.parallel import plan as plan_module
-    model = _model("resnet18")
+    model = _model("small_resnet")
     assert _plan(model, MOMENTUM, SHAPE, 1, 2, microbatches=2, engine="auto").mpmd is not None
     monkeypatch.setattr(plan_module.jax, "process_count", lambda: 2)
     assert plan_module._engine("auto") == "spmd" and plan_module._engine("mpmd") == "mpmd"
@@ -273,7 +278,7 @@ def test_mpmd_splits_an_optimiser_state_that_holds_the_parameters_tree_under_its
 
 def test_mpmd_refuses_a_step_whose_batch_norm_sync_is_not_the_plans():
     """A plan without BatchNorm sync and a step built with it: refused, as the SPMD engine does."""
-    model = _model("resnet18")
+    model = _model("small_resnet")
     plan = ParallelPlan(make_mesh(2, 1, pipe=2), model, SHAPE, _abstract(init(model, MOMENTUM, SHAPE)),
                         sync_batch_norm=False, pipeline={"microbatches": 2, "engine": "mpmd"})
     step = make_train_step(model, MOMENTUM, axis_name=plan.step_axis_name, pipeline=plan.pipeline)

@@ -23,20 +23,53 @@ LR1 = optax.sgd(1.0)  # new params = params - grads: one step exposes the gradie
 _MODELS = {}
 
 
+def small_resnet():
+    """ResNet-18's geometry at half its compilation: the zoo's stem (7x7/2 convolution, BatchNorm,
+    ReLU, 3x3/2 max-pool) and one basic block per stage, layer1 identity and layer2-4 strided with
+    projection shortcuts, 16-32-64-64 channels; at 32x32 its layer3 runs on 2-row maps as
+    ResNet-18's does."""
+    from jaxcnn.models.resnet import basic_block
+    layers, width = [], 16
+    for i, planes in enumerate((16, 32, 64, 64)):
+        layers.append((f"layer{i + 1}", L.serial(basic_block(width, planes, 1 if i == 0 else 2))))
+        width = planes
+    return L.serial(("conv1", L.Conv2D(16, 7, stride=2, padding=3, use_bias=False)), ("bn1", L.BatchNorm()),
+                    ("relu", L.Relu()), ("maxpool", L.MaxPool2D(3, stride=2, padding=1)), *layers,
+                    ("avgpool", L.GlobalAvgPool2D()), ("fc", L.Linear(10)))
+
+
 def _model(name):
-    """resnet18 on 32x32 (7x7/2 stem, 3x3/2 max-pool, strided blocks) and vgg11 on 32x32
-    (3x3 convolutions, 2x2 pools, a small classifier with dropout), 10 classes."""
+    """resnet18 on 32x32 (7x7/2 stem, 3x3/2 max-pool, strided blocks), small_resnet (its geometry,
+    one block per stage, narrow: the default suite's ResNet) and vgg11 on 32x32 (3x3
+    convolutions, 2x2 pools, a small classifier with dropout; small_vgg: its layers with 3
+    convolutions, the default suite's VGG), 10 classes."""
     if name not in _MODELS:
         kw = dict(classifier_width=32) if name == "vgg11" else {}
-        _MODELS[name] = (get_model(name, num_classes=10, **kw), (4, 32, 32, 3))
+        if name == "small_resnet":
+            model = small_resnet()
+        elif name == "small_vgg":  # VGG-11's layers (3x3 convolutions, 2x2 pools, the dropout classifier), 3 convolutions
+            from jaxcnn.models.vgg import vgg
+            model = vgg((16, "M", 32, "M", 64, "M"), batch_norm=False, num_classes=10, classifier_width=32)
+        else:
+            model = get_model(name, num_classes=10, **kw)
+        _MODELS[name] = (model, (4, 32, 32, 3))
     return _MODELS[name]
+
+
+def _abstract_state(model, tx, shape):
+    """The TrainState as ShapeDtypeStructs, traced only: a plan needs no initialised weights
+    (ResNet-18's eager initialisation was seconds of per-shape compilation, paid by tests that
+    only trace or read shardings)."""
+    from jaxcnn import precision as P
+    from jaxcnn.train.state import create_train_state
+    return jax.eval_shape(lambda: create_train_state(model, tx, jax.random.PRNGKey(0), shape,
+                                                     loss_scale=P.make_loss_scale("none")))
 
 
 def _plan(model, tx, shape, data, spatial, until="auto", devices=None):
     mesh = make_mesh(data, 1, spatial=spatial, devices=devices)
-    abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype),
-                                      init(model, tx, shape))
-    return ParallelPlan(mesh, model, shape, abstract, strategy="jit", spatial_until=until)
+    return ParallelPlan(mesh, model, shape, _abstract_state(model, tx, shape), strategy="jit",
+                        spatial_until=until)
 
 
 def _run(plan, tx, shape, data, model):
@@ -57,13 +90,17 @@ def _rel(a, b):
 
 
 # The data 2 x spatial 4 cases run with the slow tests: the data x spatial layout is checked on
-# resnet18 (its strided blocks, BatchNorm statistics over both axes) and vgg11 (2x2 pools, the
-# dropout classifier) by test_remat_matches_one_device, the same layout and assertions with each unit
-# recomputed; the two other cases check both models on spatial 4 without recomputation.
+# small_resnet (ResNet-18's strided blocks, BatchNorm statistics over both axes) and small_vgg (2x2
+# pools, the dropout classifier) by test_remat_matches_one_device, the same layout and assertions with each
+# unit recomputed; the two other cases check both models on spatial 4 without recomputation.
+# ResNet-18 and VGG-11 themselves (twice small_resnet's and small_vgg's compilation, the same kinds
+# of layers) run with the slow tests.
 @pytest.mark.parametrize("name,data,spatial", [
-    ("resnet18", 1, 4), pytest.param("resnet18", 2, 4, marks=pytest.mark.slow), ("vgg11", 1, 4),
-    pytest.param("vgg11", 2, 4, marks=pytest.mark.slow)],
-    ids=["resnet18-spatial4", "resnet18-data2_spatial4", "vgg11-spatial4", "vgg11-data2_spatial4"])
+    ("small_resnet", 1, 4), pytest.param("resnet18", 1, 4, marks=pytest.mark.slow),
+    pytest.param("resnet18", 2, 4, marks=pytest.mark.slow), ("small_vgg", 1, 4),
+    pytest.param("vgg11", 1, 4, marks=pytest.mark.slow), pytest.param("vgg11", 2, 4, marks=pytest.mark.slow)],
+    ids=["small_resnet-spatial4", "resnet18-spatial4", "resnet18-data2_spatial4", "small_vgg-spatial4",
+         "vgg11-spatial4", "vgg11-data2_spatial4"])
 def test_same_loss_gradients_and_statistics_as_one_device(name, data, spatial):
     model, shape = _model(name)
     (batch,) = batches(shape, 1, seed=3)
@@ -248,24 +285,28 @@ def test_explicit_halo_ops_accept_every_window_the_plan_accepts():
 
 
 # data2_spatial2 alone runs with the slow tests: its halo exchange is the other two cases' (the same
-# layout with a model axis besides, and with each unit recomputed), with the same assertions.
-@pytest.mark.parametrize("data,spatial,model_axis,remat", [
-    pytest.param(2, 2, 1, False, marks=pytest.mark.slow), (2, 2, 2, False), (2, 2, 1, True)],
-    ids=["data2_spatial2", "data2_spatial2_model2", "data2_spatial2_remat"])
-def test_explicit_halos_match_one_device_where_the_partitioner_is_wrong(data, spatial, model_axis, remat):
-    """ResNet-18 with ``parallel.spatial.halo: explicit`` in the two layouts XLA's partitioner gets
+# layout with a model axis besides, and with each unit recomputed), with the same assertions; so do
+# ResNet-18's cases (small_resnet has its geometry: layer3 on 2-row maps, at half the compilation).
+@pytest.mark.parametrize("name,data,spatial,model_axis,remat", [
+    pytest.param("small_resnet", 2, 2, 1, False, marks=pytest.mark.slow), ("small_resnet", 2, 2, 2, False),
+    ("small_resnet", 2, 2, 1, True), pytest.param("resnet18", 2, 2, 2, False, marks=pytest.mark.slow),
+    pytest.param("resnet18", 2, 2, 1, True, marks=pytest.mark.slow)],
+    ids=["data2_spatial2", "data2_spatial2_model2", "data2_spatial2_remat", "resnet18-data2_spatial2_model2",
+         "resnet18-data2_spatial2_remat"])
+def test_explicit_halos_match_one_device_where_the_partitioner_is_wrong(name, data, spatial, model_axis, remat):
+    """A ResNet with ``parallel.spatial.halo: explicit`` in the two layouts XLA's partitioner gets
     wrong: a 3x3 window on 2-row images (layer3, split here; the partitioner stops before it) with
     data 2, and spatial x model; and with ``parallel.spatial.remat``.  Loss, gradients and
     BatchNorm statistics as on one device (tolerances as in
     test_same_loss_gradients_and_statistics_as_one_device)."""
-    model, shape = _model("resnet18")
+    model, shape = _model(name)
     (batch,) = batches(shape, 1, seed=3)
     mesh = make_mesh(data, model_axis, spatial=spatial, devices=jax.devices()[:data * spatial * model_axis])
     abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype),
                                       init(model, LR1, shape))
     plan = ParallelPlan(mesh, model, shape, abstract, strategy="jit", spatial_halo="explicit",
                         spatial_remat=remat)
-    assert plan.spatial.gather_after == "layer3.1"
+    assert plan.spatial.gather_after == {"resnet18": "layer3.1", "small_resnet": "layer3.0"}[name]
     assert plan.spatial.gather_after not in spatial_layout(model, shape, spatial).split
     _same_as_one_device(plan, model, shape, batch)
 
@@ -334,7 +375,7 @@ def test_activations_are_height_sharded_until_the_gather():
     assert plan.spatial.split[:4] == ("conv1", "bn1", "relu", "maxpool")
     assert plan.spatial.gather_after == "layer2.1"  # layer3.0's 2-row output does not divide by 4
     assert "layer3.0" in plan.spatial.stop
-    state0 = init(model, LR1, shape)
+    state0 = plan.abstract_state  # traced only: shapes are all the jaxpr needs
     x = plan.put_batch(batches(shape, 1)[0])["image"]
     # Which layers carry constraints: read them back from the jaxpr.
     jaxpr = jax.make_jaxpr(lambda p, s, x: plan.step_model.apply(p, s, x))(
@@ -423,8 +464,7 @@ def test_refused_before_compute():
         spatial_layout(model, (4, 32, 32, 3), 2, until="layer3")
     # Only the jit strategy partitions a global program.
     shape = (4, 32, 32, 3)
-    abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype),
-                                      init(model, LR1, shape))
+    abstract = _abstract_state(model, LR1, shape)
     with pytest.raises(ValueError, match=r"^strategy: mesh.spatial=4 needs strategy jit"):
         ParallelPlan(make_mesh(2, 1, spatial=4), model, shape, abstract, strategy="shard_map")
     # Not with a model axis: XLA's partitioner got spatial x model wrong (0.02-0.2 off).
@@ -632,7 +672,7 @@ def test_no_fused_chain_walks_past_the_split_units(monkeypatch):
     monkeypatch.setattr(fusion, "apply_chain", walk)
     model, shape = _model("resnet18")
     plan = _plan(model, LR1, shape, 2, 4)
-    state0 = init(model, LR1, shape)
+    state0 = plan.abstract_state  # traced only: shapes are all the jaxpr needs
     x = plan.put_batch(batches(shape, 1)[0])["image"]
     jax.make_jaxpr(lambda p, s, x: plan.step_model.apply(
         p, s, x, train=True, rng=jax.random.PRNGKey(0), choices=Choices(conv_bn="mosaic")))(
@@ -732,7 +772,10 @@ def test_gathered_unit_under_a_16_bit_policy_has_the_plain_units_gradients(which
         assert any("conv" in n for n in cast), (names, casts)
 
 
-@pytest.mark.parametrize("name", ["resnet18", "vgg11"])
+# ResNet-18 and VGG-11 with the slow tests: small_resnet and small_vgg have their layers at half the
+# compilation.
+@pytest.mark.parametrize("name", ["small_resnet", pytest.param("resnet18", marks=pytest.mark.slow), "small_vgg",
+                                  pytest.param("vgg11", marks=pytest.mark.slow)])
 def test_remat_matches_one_device(name):
     """parallel.spatial.remat: every unit computed again in the backward from its input (the
     same dropout masks: vgg11's classifier) gives one device's step."""
