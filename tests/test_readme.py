@@ -63,7 +63,7 @@ def test_the_readme_is_short_and_keeps_its_two_commands():
 def test_the_readmes_figures_are_the_benchmarks():
     """Each figure lives in docs/BENCHMARKS.md; the README quotes it from there."""
     figures = FIGURE.findall(_prose(README))
-    assert {"98.85%", "35 s", "2.2x"} <= set(figures)
+    assert {f[-1] for f in figures} >= {"%", "s", "x"}  # the accuracy, a time and a ratio
     with open(BENCHMARKS, encoding="utf-8") as f:
         benchmarks = f.read()
     assert [f for f in figures if f not in benchmarks] == []
