@@ -164,3 +164,35 @@ def fake_tuning_clock(monkeypatch, tmp_path):
         return 1.0 / cfg.stages
 
     return timer, timed
+
+
+# --- which tile candidates the default suite lowers --------------------------------------------
+
+def cover(candidates) -> list:
+    """A representative sample of a kernel's tile candidates (dataclass configs, the
+    default's first), in their order: every one with ``JAXCNN_TEST_ALL_EXAMPLES=1`` (the long
+    run, ``tests/sweep.py``); else the first (the default tiles, which the GPU check's and
+    ``tuned.json``'s untuned launches run), the last (the largest tiles: most pipeline slots,
+    the widest channel tile, warp specialisation where the grid has it), then, in order, each
+    candidate that brings a value of some field (tile row, channel tiles, slots, split, warp
+    specialisation) that none before it had: every value of every tile field is lowered at
+    least once, so every branch the tiles select (swizzle widths, pipeline depths, the
+    warp-specialised producer, the split reduction) is compiled."""
+    from sweep import all_examples
+    candidates = list(candidates)
+    if all_examples() or len(candidates) <= 2:
+        return candidates
+    picked = [candidates[0], candidates[-1]]
+    seen = field_values(picked)
+    for c in candidates[1:-1]:
+        values = field_values([c])
+        if not values <= seen:
+            picked.insert(-1, c)
+            seen |= values
+    return picked
+
+
+def field_values(configs) -> set:
+    """``{(field, value)}`` of every tile config in ``configs``."""
+    import dataclasses
+    return {(f.name, getattr(c, f.name)) for c in configs for f in dataclasses.fields(c)}

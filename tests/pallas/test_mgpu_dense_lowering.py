@@ -4,8 +4,11 @@ with TMA and multiplies with ``wgmma``.
 
 For two representative shapes (a 3x3 stride-1 convolution, 64 -> 64 channels with a
 padded 8x8 output; a 1x1 convolution, 64 -> 128, where the channel tiles vary), every
-candidate (every other one outside the long run: ``tests/sweep.py``) of every dense kernel (the forward plain and in its three fused forms, the input
-gradient, the weight gradient), within an H100's shared memory, is lowered by
+candidate of every dense kernel (the forward plain and in its three fused forms, the input
+gradient, the weight gradient) within an H100's shared memory (outside the long run,
+``tests/sweep.py``, a sample of them, ``mgpu_testlib.cover``: the default tiles, the
+largest, and each candidate bringing a value of a tile field none before it had, so every
+channel tile, K chunk, slot count, split and the warp-specialised form) is lowered by
 ``scripts/inspect_kernels.py``'s ``dense_candidates`` with only its kernel, each distinct
 configuration once, and each module must hold TMA loads and stores
 (``cp.async.bulk.tensor``), an mbarrier wait and ``wgmma.mma_async`` of the candidate's
@@ -26,10 +29,10 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from mgpu_testlib import H100, assert_tma_pipeline, inspect_kernels, needs_mgpu
+from mgpu_testlib import (H100, assert_tma_pipeline, cover, field_values, inspect_kernels,
+                          needs_mgpu)
 from pallas_kernels import autotune
 from pallas_kernels import mgpu_conv as mc
-from sweep import sample
 
 BF16 = jnp.bfloat16
 F32 = jnp.float32
@@ -64,12 +67,14 @@ def test_every_candidate_lowers_for_hopper_with_tma_and_wgmma(name):
                 input_shift=t if pro else None), x, w, ss, ss)
     assert {key: call for key, (_, call, _, _) in launched.items()} == {
         c.key: c for c in calls.values()}
-    found = ik.dense_candidates((x, w), stride=stride, pads=pads, kind=H100, pick=sample)
+    found = ik.dense_candidates((x, w), stride=stride, pads=pads, kind=H100, pick=cover)
     for kernel, call in calls.items():
         want = call.candidates(H100_SMEM)
         assert len(want) > 1
         lowered = [cfg for k, cfg, _ in found if k == kernel]
-        assert sorted(map(str, lowered)) == sorted(map(str, sample(want))), f"{kernel}: not lowered"
+        assert sorted(map(str, lowered)) == sorted(map(str, cover(want))), f"{kernel}: not lowered"
+        assert lowered[0] == want[0] and want[-1] in lowered, kernel
+        assert field_values(lowered) == field_values(want), f"{kernel}: a tile value not lowered"
     for kernel, cfg, r in found:
         assert_tma_pipeline([r], str(cfg))
         assert r.wgmma == (f"m64n{cfg.block_n}k16.f32.bf16.bf16",), f"{kernel} {cfg}: {r.wgmma}"

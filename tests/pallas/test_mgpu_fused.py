@@ -30,10 +30,10 @@ from jax import lax
 from jaxcnn.errors import KernelUnsupported
 from mgpu_testlib import HALF_STEP, S, inspect_kernels, needs_mgpu, races  # noqa: F401
 from mgpu_testlib import assert_16bit_close, assert_tma_pipeline, lower_with_grads, normal, ref_conv
+from mgpu_testlib import cover, field_values
 from pallas_kernels import mgpu_conv as mc
 from pallas_kernels import mgpu_fused as mf
 from pallas_testlib import assert_close, fast_run
-from sweep import sample
 
 F32 = jnp.float32
 pytestmark = needs_mgpu
@@ -270,8 +270,10 @@ def test_fused_chain_lowers_for_hopper_with_tma_and_wgmma():
 
 def test_every_tuner_config_of_the_fused_forward_lowers_or_is_refused_by_its_smem():
     """Each forward tile configuration of ``mgpu_conv.SWEEP`` (channel tiles up to 256, the
-    grid ``bench_mgpu.py --sweep`` timed before the tuner took over; those that fit, every other
-    one outside the long run: ``tests/sweep.py``), on the fused kernel
+    grid ``bench_mgpu.py --sweep`` timed before the tuner took over; of those that fit, outside
+    the long run (``tests/sweep.py``), a sample, ``mgpu_testlib.cover``: the first, the
+    largest (256-channel tiles) and each bringing a channel tile, K chunk, slot count or
+    warp specialisation none before it had), on the fused kernel
     with every option (prologue, bias, residual, ReLU, statistics): where :func:`smem_bytes`
     says it fits, it lowers for an abstract H100 with TMA loads and stores, mbarriers,
     ``wgmma`` of its ``block_n`` and ``setmaxnreg`` exactly when warp-specialised; where it does not, the kernel refuses it
@@ -285,8 +287,10 @@ def test_every_tuner_config_of_the_fused_forward_lowers_or_is_refused_by_its_sme
                              residual_dtype=jnp.bfloat16)
     refused = [cfg for cfg in mc.SWEEP if need(cfg) > mc.MAX_SMEM]
     assert len(refused) == 2  # block_n 256, block_k 64, 4 stages: over 227 KiB
-    fitted = 0
-    for cfg in refused + sample([cfg for cfg in mc.SWEEP if cfg not in refused]):
+    fitted, fits = 0, [cfg for cfg in mc.SWEEP if cfg not in refused]
+    picked = cover(fits)
+    assert field_values(picked) == field_values(fits) and fits[-1].block_n == 256
+    for cfg in refused + picked:
         def fwd(x, w, b, res, scale, shift, cfg=cfg):
             return mc.conv_forward(x, w, b, res, relu=True, pads=((1, 1), (1, 1)),
                                    input_scale=scale, input_shift=shift, stats=True,
@@ -305,4 +309,4 @@ def test_every_tuner_config_of_the_fused_forward_lowers_or_is_refused_by_its_sme
         assert_tma_pipeline([r], str(cfg))
         assert r.wgmma == (f"m64n{cfg.block_n}k16.f32.bf16.bf16",), f"{cfg}: {r.wgmma}"
         assert r.setmaxnreg == cfg.warp_specialized, f"{cfg}: setmaxnreg {r.setmaxnreg}"
-    assert fitted == len(sample(range(len(mc.SWEEP) - 2)))
+    assert fitted == len(picked)

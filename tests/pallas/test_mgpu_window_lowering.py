@@ -3,9 +3,13 @@ an H100 (sm_90a, offline: no GPU, no interpretation) into a kernel that moves it
 with TMA.
 
 For a few representative shapes (a 3x3 max pool, a 2x2/2 average pool read through the
-free phase view with 256 channels, a 3x3 depthwise convolution), every candidate (every
-other one outside the long run: ``tests/sweep.py``) of every kernel (pooling forward and backward; depthwise forward, input and weight gradient),
-within an H100's shared memory, is lowered by ``scripts/inspect_kernels.py``'s
+free phase view with 256 channels, a 3x3 depthwise convolution), every candidate of every
+kernel (pooling forward and backward; depthwise forward, input and weight gradient) within
+an H100's shared memory (outside the long run, ``tests/sweep.py``, a sample of them,
+``mgpu_testlib.cover``: the default tiles, the largest, and each candidate bringing a value
+of a tile field none before it had, so every tile row, channel tile, slot count and split;
+for the two 24-channel shapes, whose point is the widened rows, the default and the
+largest tiles) is lowered by ``scripts/inspect_kernels.py``'s
 ``window_candidates`` with only what its kernel needs, and each launched kernel's module
 must hold TMA loads and stores (``cp.async.bulk.tensor``) and an mbarrier wait.  The
 shared memory the tuner counts for a configuration is checked against Mosaic's own count,
@@ -17,10 +21,11 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from mgpu_testlib import H100, assert_tma_pipeline, inspect_kernels, needs_mgpu
+from mgpu_testlib import (H100, assert_tma_pipeline, cover, field_values, inspect_kernels,
+                          needs_mgpu)
 from pallas_kernels import autotune
 from pallas_kernels import mgpu_window as mw
-from sweep import sample
+from sweep import all_examples
 
 BF16 = jnp.bfloat16
 S = jax.ShapeDtypeStruct
@@ -49,6 +54,12 @@ def _launches(ik, op, kw, args):
     return {kernel: call for kernel, call, _, _ in launched.values()}
 
 
+def _ends(candidates) -> list:
+    """The default and the largest tiles (every candidate in the long run)."""
+    candidates = list(candidates)
+    return candidates if all_examples() else [candidates[0], candidates[-1]]
+
+
 @needs_mgpu
 @pytest.mark.parametrize("op, kw, args", SHAPES,
                          ids=[f"{s[0]} C={s[2][0].shape[3]}" for s in SHAPES])
@@ -56,12 +67,17 @@ def test_every_candidate_lowers_for_hopper_with_tma(op, kw, args):
     ik = inspect_kernels()
     calls = _launches(ik, op, kw, args)
     assert sorted(calls) == KERNELS[op]
-    found = ik.window_candidates(op, kw, args, kind=H100, pick=sample)
+    narrow = args[0].shape[3] == 24
+    pick = _ends if narrow else cover
+    found = ik.window_candidates(op, kw, args, kind=H100, pick=pick)
     for kernel, call in calls.items():
         want = call.candidates(H100_SMEM)
         assert len(want) > 1
         lowered = [cfg for k, cfg, _ in found if k == kernel]
-        assert set(lowered) == set(sample(want)), f"{kernel}: candidates not lowered"
+        assert set(lowered) == set(pick(want)), f"{kernel}: candidates not lowered"
+        assert want[0] in lowered and want[-1] in lowered, kernel
+        if not narrow:
+            assert field_values(lowered) == field_values(want), f"{kernel}: a tile value not lowered"
     for kernel, cfg, r in found:
         assert_tma_pipeline([r], str(cfg))
         assert not r.wgmma, f"{r.name} with {cfg}: wgmma in a window kernel"
