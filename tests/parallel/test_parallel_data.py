@@ -1,4 +1,6 @@
 """Data parallelism: every strategy trains like one device on the same global batch."""
+import functools
+
 import jax
 import numpy as np
 import pytest
@@ -109,13 +111,11 @@ def test_a_step_built_for_other_batch_norm_syncing_is_refused():
             plan.wrap_step(make_train_step(model, SGD, **built))
 
 
-@pytest.mark.parametrize("strategy", ["shard_map", "pmap"])
-def test_bf16_params_average_bf16_gradients_over_devices(strategy):
-    """bf16 parameters (fp32 master copy) over 8 CPU devices: the bf16 gradients are
-    averaged, not summed, and the run neither aborts (XLA:CPU's all-reduce promotion
-    used to, on shard_map's bf16 psum) nor drifts from one device beyond bf16 rounding."""
+@functools.lru_cache(maxsize=None)
+def _bf16_params_one_device():
+    """The BN net's bf16_params initial state (host arrays), 3 batches and the state after 3
+    one-device steps on them: computed once for both strategies of the test below."""
     from jaxcnn import precision as P
-    from jaxcnn.parallel import ParallelPlan, make_mesh
     from jaxcnn.train.state import create_train_state
     model, shape = model_and_shape("bn")
     policy = P.get_policy("bf16_params")
@@ -127,6 +127,17 @@ def test_bf16_params_average_bf16_gradients_over_devices(strategy):
     ref = state0
     for b in data:
         ref, _ = single(ref, b)
+    return policy, state0, data, jax.device_get(ref)
+
+
+@pytest.mark.parametrize("strategy", ["shard_map", "pmap"])
+def test_bf16_params_average_bf16_gradients_over_devices(strategy):
+    """bf16 parameters (fp32 master copy) over 8 CPU devices: the bf16 gradients are
+    averaged, not summed, and the run neither aborts (XLA:CPU's all-reduce promotion
+    used to, on shard_map's bf16 psum) nor drifts from one device beyond bf16 rounding."""
+    from jaxcnn.parallel import ParallelPlan, make_mesh
+    model, shape = model_and_shape("bn")
+    policy, state0, data, ref = _bf16_params_one_device()
     abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), state0)
     plan = ParallelPlan(make_mesh(-1, 1), model, shape, abstract, strategy=strategy)
     step = plan.wrap_step(make_train_step(model, SGD, policy=policy, axis_name=plan.step_axis_name))

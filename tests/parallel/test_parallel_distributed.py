@@ -265,12 +265,17 @@ PIPE_ACROSS = ["model.name=lenet5", "data.source=synthetic", "data.image_size=[2
                "distributed.timeout_s=60", "data.prefetch=1"]
 
 
+# each process's 4 devices, compiled at backend optimisation level 0 as in tests/conftest.py (no
+# HLO pass changes; the comparisons with the in-process run, itself at level 0, are at 2e-5)
+_FOUR_DEVICES = "--xla_force_host_platform_device_count=4 --xla_backend_optimization_level=0"
+
+
 def _pipe_across_two(workdir, *extra):
     port = _free_port()
     procs = []
     for pid in (0, 1):
         env = _env()
-        env.update({"XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+        env.update({"XLA_FLAGS": _FOUR_DEVICES,
                     "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "JAX_NUM_PROCESSES": "2",
                     "JAX_PROCESS_ID": str(pid)})
         procs.append(subprocess.Popen(
