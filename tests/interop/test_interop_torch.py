@@ -58,13 +58,24 @@ def test_default_parameter_count_matches_pytorch(name):
 
 
 # In the slow run only (-m slow): MobileNetV3-Small and ConvNeXt-T are checked in the default run
-# by test_interop_modern.py (the same inputs, eval and train logits, the exact round trip);
-# ResNet-34 and VGG-11 only repeat the state-dict names of ResNet-18 (7x7 stem and basic
-# blocks, the 64x64 case) and VGG-16 in other numbers.
-SLOW = {"mobilenet_v3_small", "convnext_tiny", "resnet34", "vgg11"}
+# by test_interop_modern.py (the same inputs, eval and train logits, the exact round trip), and
+# MobileNetV3-Large there too through MobileNetV3-Small (the same builder and block kinds:
+# hard-swish, hard-sigmoid squeeze-excitation, BatchNorm); ResNet-34 and VGG-11 only repeat the
+# state-dict names of ResNet-18 and VGG-16 in other numbers.  The 64x64 ResNet-18 (7x7 stem,
+# max-pool, basic blocks) is covered by ResNet-50 (the same stem and max-pool, at 64x64) and the
+# CIFAR ResNet-18 (the same basic blocks); VGG-16-BN by VGG-16 (configuration D) and
+# test_interop_torch_classic.py's BatchNorm VGGs (eval and train); the full-width MobileNetV2 by
+# the half-width one (the same builder and module names, with channel rounding on top).
+SLOW = {"mobilenet_v3_small", "convnext_tiny", "resnet34", "vgg11", "mobilenet_v3_large",
+        "vgg16_bn"}
+SLOW_CASES = {"resnet18", "mobilenet_v2-num_classes=10"}     # by id
 
 
-@pytest.mark.parametrize("case", [pytest.param(c, id=_id(c), marks=[pytest.mark.slow] if c[0] in SLOW else [])
+def _slow(case):
+    return case[0] in SLOW or _id(case) in SLOW_CASES
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, id=_id(c), marks=[pytest.mark.slow] if _slow(c) else [])
                                   for c in CASES])
 def test_logits_and_round_trip_match_pytorch(case):
     _check_against_pytorch(*case)

@@ -205,19 +205,23 @@ def _random_variables(params, state, seed=0):
 
 
 # Small but complete forward passes: (name, options, input shape).  VGG-11 and ResNet-34 only
-# repeat the layers of VGG-16 and ResNet-18 (its basic blocks; ResNet-50 has the 7x7 stem and
+# repeat the layers of VGG-16 and ResNet-18 (its basic blocks; ResNeXt-50 has the 7x7 stem and
 # max-pool) in other numbers: they run in the slow run (-m slow), 9 and 28 s each on 2 busy cores.
+# So do VGG-16, whose every layer VGG-16-BN runs too (the same builder and configuration, with
+# BatchNorm added; dropout checked there), and ResNet-50, whose stem, max-pool and bottlenecks
+# ResNeXt-50 32x4d runs too (the same builder, the 3x3 convolutions grouped).
 JIT_CASES = [
     ("mnist_cnn", {}, (2, 28, 28, 1)),
     ("lenet5", {"activation": "tanh", "pooling": "avg"}, (2, 28, 28, 1)),
     ("alexnet", {"num_classes": 10, "classifier_width": 32}, (2, 64, 64, 3)),
     pytest.param("vgg11", {"num_classes": 10, "classifier_width": 32}, (2, 32, 32, 3),
                  marks=pytest.mark.slow),
-    ("vgg16", {"num_classes": 10, "classifier_width": 32}, (2, 32, 32, 3)),
+    pytest.param("vgg16", {"num_classes": 10, "classifier_width": 32}, (2, 32, 32, 3),
+                 marks=pytest.mark.slow),
     ("vgg16_bn", {"num_classes": 10, "classifier_width": 32}, (2, 32, 32, 3)),
     ("resnet18", {"num_classes": 10, "cifar_stem": True}, (2, 32, 32, 3)),
     pytest.param("resnet34", {"num_classes": 10}, (2, 32, 32, 3), marks=pytest.mark.slow),
-    ("resnet50", {"num_classes": 10}, (2, 32, 32, 3)),
+    pytest.param("resnet50", {"num_classes": 10}, (2, 32, 32, 3), marks=pytest.mark.slow),
     ("resnext50_32x4d", {"num_classes": 10}, (2, 32, 32, 3)),   # grouped 3x3 convolutions
     ("mobilenet_v2", {"num_classes": 10}, (2, 32, 32, 3)),
 ]
