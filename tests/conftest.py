@@ -2,7 +2,7 @@
 
 Eight host CPU devices are requested before JAX is imported anywhere, so the
 multi-device tests can build meshes on a CPU-only machine, and XLA:CPU compiles
-without LLVM's optimisations (the reason is below).
+at LLVM optimisation level 1 (tests/xla_cache.py says why).
 """
 import collections
 import os
@@ -12,14 +12,9 @@ import tempfile
 
 import pytest
 
-# LLVM's optimisation of XLA:CPU's generated code is about a third of what the suite's
-# thousands of small programs cost (compiled, run once on tiny shapes): the suite compiles at
-# backend optimisation level 0 (measured: tests/functional + tests/layers 132 -> 107 s,
-# tests/train/test_precision_training.py 63 -> 43 s, on 2 cores).  It changes no HLO pass,
-# so what XLA does to our programs (fusions, buffers, the CPU lowerings the tests inspect)
-# is what users get; the speed figures come from the benchmark scripts, outside the suite.
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8 "
-                                   "--xla_backend_optimization_level=0")
+import xla_cache  # the suite's flags and cache (no JAX inside)
+
+os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count=8 {xla_cache.OPT_FLAG}")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # jaxcnn's glibc malloc settings keep each process's peak heap; the suite's workers run
 # many shapes, so they keep glibc's defaults.  tests/test_host_memory.py checks the
@@ -43,7 +38,6 @@ jax.config.update("jax_default_matmul_precision", "highest")
 # controller creates it and removes it at the end; a subprocess uses it when the test passes
 # it on (tests/xla_cache.py: subprocess_env).  JAXCNN_TEST_COMPILATION_CACHE=0 turns it off.
 import sweep  # noqa: E402
-import xla_cache  # noqa: E402
 
 _CACHE_ENV = xla_cache.CACHE_ENV
 

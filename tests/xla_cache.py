@@ -1,4 +1,13 @@
-"""The suite's persistent XLA compilation cache, for the subprocesses a test starts.
+"""How the suite compiles: its XLA:CPU flags and its persistent compilation cache, for the
+subprocesses a test starts too.
+
+The suite compiles at LLVM optimisation level 1 (:data:`OPT_FLAG`, tests/conftest.py): LLVM's
+optimisation of the generated code is a large share of what the suite's thousands of small
+programs cost (compiled, then run once on tiny shapes).  Level 1 keeps the arithmetic
+users get (the same HLO passes, fused multiply-adds), so comparisons between two programs hold
+at the suite's tolerances; level 0 (no fused multiply-adds) moved an Adam run on four pipeline
+stages 1.8e-4 away from one device's (7.6e-7 at levels 1 and 2).  A subprocess that sets its own
+device count takes the suite's other flags with it (:func:`with_devices`).
 
 tests/conftest.py makes one cache directory per test run, names it in
 ``JAXCNN_TEST_COMPILATION_CACHE`` (the xdist workers inherit it) and points this process's JAX
@@ -11,6 +20,9 @@ bits.  Tests that time or interrupt a compilation leave it out.
 """
 import os
 
+# tests/conftest.py's XLA_FLAGS: 8 host devices and this (measured on 2 cores against the
+# default level 2: tests/train/test_precision_training.py 57 -> 50 s; level 0 gave 46 s)
+OPT_FLAG = "--xla_backend_optimization_level=1"
 CACHE_ENV = "JAXCNN_TEST_COMPILATION_CACHE"  # the directory, or "0": no cache
 # the test process stores the programs that took longer than this to compile
 MIN_COMPILE_TIME_S = 0.5
@@ -37,3 +49,11 @@ def subprocess_env(env=None) -> dict:
     if path:
         env.update(jax_cache_vars(path))
     return env
+
+
+def with_devices(n: int, flags: str | None = None) -> str:
+    """``flags`` (default: this process's XLA_FLAGS) asking for ``n`` host CPU devices instead of
+    the suite's 8, its other flags kept (the optimisation level, jaxcnn.cpu.configure's flag)."""
+    flags = os.environ.get("XLA_FLAGS", "") if flags is None else flags
+    kept = [f for f in flags.split() if not f.startswith("--xla_force_host_platform_device_count")]
+    return " ".join(kept + [f"--xla_force_host_platform_device_count={n}"])

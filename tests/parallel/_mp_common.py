@@ -8,9 +8,8 @@ import json
 import os
 import sys
 
-# backend optimisation level 0 as in tests/conftest.py (LLVM's optimisation is a third of what
-# compiling costs; no HLO pass changes): the tests compare with in-process runs at 2e-5
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4 --xla_backend_optimization_level=0"
+# the suite's flags for 4 devices (tests/xla_cache.py's with_devices, from the test's _env)
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
 os.environ["JAX_PLATFORMS"] = "cpu"
 
 import jax  # noqa: E402

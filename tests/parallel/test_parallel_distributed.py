@@ -30,7 +30,7 @@ def _free_port() -> int:
 def _env():
     env = xla_cache.subprocess_env()  # the workers of later tests load the programs of earlier ones
     env["PYTHONPATH"] = os.pathsep.join([ROOT, HERE, env.get("PYTHONPATH", "")])
-    env.pop("XLA_FLAGS", None)  # the worker asks for 4 devices itself
+    env["XLA_FLAGS"] = xla_cache.with_devices(4)  # each worker's 4 devices, the suite's flags
     return env
 
 
@@ -174,12 +174,12 @@ def test_trainer_cli_two_processes_match_one(tmp_path):
     (process 0 only), one checkpoint (through orbax, both processes) and the same
     losses and final evaluation as one 8-device process."""
     port = _free_port()
-    two = [_cli(tmp_path / "two", {"XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+    two = [_cli(tmp_path / "two", {"XLA_FLAGS": xla_cache.with_devices(4),
                                    "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}",
                                    "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": str(pid)})
            for pid in (0, 1)]
     results = _finish(two, 600)
-    one = _finish([_cli(tmp_path / "one", {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"})], 600)
+    one = _finish([_cli(tmp_path / "one", {"XLA_FLAGS": xla_cache.with_devices(8)})], 600)
     for rc, out, err in results + one:
         assert rc == 0, err[-3000:]
     assert "2 processes" in results[0][1] and "[jaxcnn]" not in results[1][1]  # only process 0 prints
@@ -265,18 +265,12 @@ PIPE_ACROSS = ["model.name=lenet5", "data.source=synthetic", "data.image_size=[2
                "distributed.timeout_s=60", "data.prefetch=1"]
 
 
-# each process's 4 devices, compiled at backend optimisation level 0 as in tests/conftest.py (no
-# HLO pass changes; the comparisons with the in-process run, itself at level 0, are at 2e-5)
-_FOUR_DEVICES = "--xla_force_host_platform_device_count=4 --xla_backend_optimization_level=0"
-
-
 def _pipe_across_two(workdir, *extra):
     port = _free_port()
     procs = []
     for pid in (0, 1):
         env = _env()
-        env.update({"XLA_FLAGS": _FOUR_DEVICES,
-                    "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "JAX_NUM_PROCESSES": "2",
+        env.update({"JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "JAX_NUM_PROCESSES": "2",
                     "JAX_PROCESS_ID": str(pid)})
         procs.append(subprocess.Popen(
             [sys.executable, "-m", "jaxcnn.train.cli", os.path.join(ROOT, "configs", "lenet5_mnist.yaml"),

@@ -134,10 +134,12 @@ sys.exit(train_main())
 def test_ctrl_c_while_compiling_is_one_line_and_exit_130(tmp_path):
     """Ctrl-C before the first step (the loop's own handler is not yet in place): the command's
     line came, then the interpreter's exit crashed under XLA's still-running compilation
-    (SIGSEGV, exit 139)."""
+    (SIGSEGV, exit 139).  Without the compilation cache (the CLI's default one, in HOME, may
+    hold this program from an earlier run: then the compile ends before the Ctrl-C)."""
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run([sys.executable, "-c", _INTERRUPTED_COMPILE, os.path.join(CONFIGS, "mnist_cnn.yaml"),
-                           "model.name=mnist_cnn", "train.steps=2", "--workdir", str(tmp_path / "w")],
+                           "model.name=mnist_cnn", "train.steps=2", "train.compilation_cache=null",
+                           "--workdir", str(tmp_path / "w")],
                           env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 130, (proc.returncode, proc.stderr[-2000:])
     assert proc.stderr.strip().splitlines() == ["jaxcnn-train: interrupted"], proc.stderr[-2000:]
