@@ -2,8 +2,9 @@
 
 Lowering every tile configuration the tuner may choose, for every kernel of a call, takes
 minutes on two cores (each is a compilation for an abstract H100).  The default suite lowers
-every other one, the first and the last always among them (so the smallest and the largest
-tiles are there); ``JAXCNN_TEST_ALL_EXAMPLES=1``, which the scheduled long run sets, lowers
+a sample: :func:`sample` takes every other one, the first and the last always among them (so
+the smallest and the largest tiles are there), and ``mgpu_testlib.cover`` the configurations
+that bring a tile field's value not yet lowered; ``JAXCNN_TEST_ALL_EXAMPLES=1``, which the scheduled long run sets, lowers
 them all, as it runs all of the property tests' examples (``tests/conftest.py``).
 """
 import os

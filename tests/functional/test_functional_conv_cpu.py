@@ -96,8 +96,9 @@ def test_rewritten_conv_matches_lax_forward_and_gradients(conv, g):
     window = [(k - 1) * d + 1 for k, d in zip(g["k"], g["dilation"])]
     if any(n + sum(p) < win for n, p, win in zip((7, 6), g["pads"], window)):
         return  # kernel larger than the padded input: conv2d rejects it before lowering
-    # The lax reference stays eager (a few ops; XLA cannot fold its explicit pad into the
-    # convolution, see lax_conv).
+    # The lax reference stays eager (a few ops): run eagerly, its explicit pad stays apart from
+    # the convolution; jitted, XLA would fold it in and bring back the negative-pad gradient
+    # that lax_conv works around.
     y_ref, vjp_ref = jax.vjp(lambda x, w: lax_conv(x, w, *args), x, w)
     dy = jnp.asarray(np.random.default_rng(g["seed"] + 1).standard_normal(y_ref.shape),
                      jnp.float32)

@@ -59,8 +59,10 @@ def test_default_parameter_count_matches_pytorch(name):
 
 # In the slow run only (-m slow): MobileNetV3-Small and ConvNeXt-T are checked in the default run
 # by test_interop_modern.py (the same inputs, eval and train logits, the exact round trip), and
-# MobileNetV3-Large there too through MobileNetV3-Small (the same builder and block kinds:
-# hard-swish, hard-sigmoid squeeze-excitation, BatchNorm); ResNet-34 and VGG-11 only repeat the
+# MobileNetV3-Large there through MobileNetV3-Small (the same builder, hard-swish, hard-sigmoid
+# squeeze-excitation and BatchNorm; Large's own block forms, a stride-1 residual block without
+# expansion or squeeze-excitation and ReLU blocks with it, are checked by name, shape and
+# parameter count in tests/models/test_models_modern.py, their logits only in -m slow); ResNet-34 and VGG-11 only repeat the
 # state-dict names of ResNet-18 and VGG-16 in other numbers.  The 64x64 ResNet-18 (7x7 stem,
 # max-pool, basic blocks) is covered by ResNet-50 (the same stem and max-pool, at 64x64) and the
 # CIFAR ResNet-18 (the same basic blocks); VGG-16-BN by VGG-16 (configuration D) and

@@ -8,8 +8,9 @@ import json
 import os
 import sys
 
-# the suite's flags for 4 devices (tests/xla_cache.py's with_devices, from the test's _env)
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
+import xla_cache  # tests/, on the worker's PYTHONPATH (no JAX inside)
+
+os.environ["XLA_FLAGS"] = xla_cache.with_devices(4)  # the suite's flags, 4 devices
 os.environ["JAX_PLATFORMS"] = "cpu"
 
 import jax  # noqa: E402

@@ -111,7 +111,7 @@ def test_a_step_built_for_other_batch_norm_syncing_is_refused():
             plan.wrap_step(make_train_step(model, SGD, **built))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _bf16_params_one_device():
     """The BN net's bf16_params initial state (host arrays), 3 batches and the state after 3
     one-device steps on them: computed once for both strategies of the test below."""

@@ -29,7 +29,7 @@ def _free_port() -> int:
 
 def _env():
     env = xla_cache.subprocess_env()  # the workers of later tests load the programs of earlier ones
-    env["PYTHONPATH"] = os.pathsep.join([ROOT, HERE, env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join([ROOT, HERE, os.path.dirname(HERE), env.get("PYTHONPATH", "")])
     env["XLA_FLAGS"] = xla_cache.with_devices(4)  # each worker's 4 devices, the suite's flags
     return env
 
@@ -174,8 +174,7 @@ def test_trainer_cli_two_processes_match_one(tmp_path):
     (process 0 only), one checkpoint (through orbax, both processes) and the same
     losses and final evaluation as one 8-device process."""
     port = _free_port()
-    two = [_cli(tmp_path / "two", {"XLA_FLAGS": xla_cache.with_devices(4),
-                                   "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}",
+    two = [_cli(tmp_path / "two", {"JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}",
                                    "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": str(pid)})
            for pid in (0, 1)]
     results = _finish(two, 600)

@@ -9,6 +9,7 @@ import numpy as np
 import optax
 import pytest
 
+import xla_cache
 from jaxcnn import layers as L
 from jaxcnn.models import get as get_model
 from jaxcnn.models.resnet import basic_block
@@ -562,10 +563,9 @@ def test_two_processes_with_the_pipe_axis_across_them(tmp_path):
 
     from jaxcnn.interop import load_npz
     here = os.path.dirname(os.path.abspath(__file__))
-    env = dict(os.environ)
+    env = xla_cache.subprocess_env()  # the worker keeps the suite's flags with 4 devices
     env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(os.path.dirname(here)), here,
-                                         env.get("PYTHONPATH", "")])
-    env.pop("XLA_FLAGS", None)  # the worker asks for 4 devices itself
+                                         os.path.dirname(here), env.get("PYTHONPATH", "")])
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -51,10 +51,7 @@ def start(args, devices=1, cache_dir=None):
     tests)."""
     import os
     env_flags = os.environ.get("XLA_FLAGS", "")
-    flags = env_flags.replace("--xla_force_host_platform_device_count=8", "")
-    if devices > 1:
-        flags += f" --xla_force_host_platform_device_count={devices}"
-    os.environ["XLA_FLAGS"] = flags.strip()
+    os.environ["XLA_FLAGS"] = xla_cache.with_devices(devices)
     try:
         return Killable(args, cache_dir=cache_dir)
     finally:
