@@ -3,10 +3,10 @@ subprocesses a test starts too.
 
 The suite compiles at LLVM optimisation level 1 (:data:`OPT_FLAG`, tests/conftest.py): LLVM's
 optimisation of the generated code is a large share of what the suite's thousands of small
-programs cost (compiled, then run once on tiny shapes).  Level 1 keeps the HLO passes and forms
-fused multiply-adds as the default level 2 does, and the comparisons between two programs
-measured at both levels agreed (an Adam run on four mpmd pipeline stages against one device:
-7.6e-7 at either); level 0 (no fused multiply-adds) moved that run 1.8e-4 away.  A few
+programs cost (compiled, then run once on tiny shapes).  Level 1 keeps the HLO passes, and the
+comparisons between two programs measured at levels 1 and 2 agreed (an Adam run on four mpmd
+pipeline stages against one device: 7.6e-7 at either); level 0 moved that run 1.8e-4 away
+(most likely because its instruction selection forms no fused multiply-adds).  A few
 interpreted-kernel tests compile their own programs at level 0 (pallas_testlib), where the
 comparison is with a reference, not another program.  A subprocess that sets its own
 device count takes the suite's other flags with it (:func:`with_devices`).
