@@ -178,11 +178,10 @@ def cover(candidates) -> list:
     specialisation) that none before it had: every value of every tile field is lowered at
     least once, so every branch the tiles select (swizzle widths, pipeline depths, the
     warp-specialised producer, the split reduction) is compiled."""
-    from sweep import all_examples
     candidates = list(candidates)
-    if all_examples() or len(candidates) <= 2:
-        return candidates
-    picked = [candidates[0], candidates[-1]]
+    picked = ends(candidates)
+    if len(picked) == len(candidates):
+        return picked
     seen = field_values(picked)
     for c in candidates[1:-1]:
         values = field_values([c])
@@ -190,6 +189,13 @@ def cover(candidates) -> list:
             picked.insert(-1, c)
             seen |= values
     return picked
+
+
+def ends(candidates) -> list:
+    """The default (first) and the largest (last) tiles; every candidate in the long run."""
+    from sweep import all_examples
+    candidates = list(candidates)
+    return candidates if all_examples() or len(candidates) <= 2 else [candidates[0], candidates[-1]]
 
 
 def field_values(configs) -> set:

@@ -21,11 +21,10 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from mgpu_testlib import (H100, assert_tma_pipeline, cover, field_values, inspect_kernels,
-                          needs_mgpu)
+from mgpu_testlib import (H100, assert_tma_pipeline, cover, ends, field_values,
+                          inspect_kernels, needs_mgpu)
 from pallas_kernels import autotune
 from pallas_kernels import mgpu_window as mw
-from sweep import all_examples
 
 BF16 = jnp.bfloat16
 S = jax.ShapeDtypeStruct
@@ -54,12 +53,6 @@ def _launches(ik, op, kw, args):
     return {kernel: call for kernel, call, _, _ in launched.values()}
 
 
-def _ends(candidates) -> list:
-    """The default and the largest tiles (every candidate in the long run)."""
-    candidates = list(candidates)
-    return candidates if all_examples() else [candidates[0], candidates[-1]]
-
-
 @needs_mgpu
 @pytest.mark.parametrize("op, kw, args", SHAPES,
                          ids=[f"{s[0]} C={s[2][0].shape[3]}" for s in SHAPES])
@@ -68,7 +61,7 @@ def test_every_candidate_lowers_for_hopper_with_tma(op, kw, args):
     calls = _launches(ik, op, kw, args)
     assert sorted(calls) == KERNELS[op]
     narrow = args[0].shape[3] == 24
-    pick = _ends if narrow else cover
+    pick = ends if narrow else cover
     found = ik.window_candidates(op, kw, args, kind=H100, pick=pick)
     for kernel, call in calls.items():
         want = call.candidates(H100_SMEM)
