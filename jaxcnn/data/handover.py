@@ -78,6 +78,10 @@ def _room_for(nbytes: int) -> bool:
     return stat.f_bavail * stat.f_frsize >= nbytes + _SHM_MARGIN
 
 
+class _Stopping(Exception):
+    """The reader stopped while a worker waited for a block (`RingWriter._put`)."""
+
+
 class RingWriter:
     """Wraps a batch maker ``make(i) -> dict`` for grain's workers (picklable): its large
     arrays go into this worker's ring of blocks, and the batch carries `Slot`s in their place.
@@ -103,13 +107,23 @@ class RingWriter:
         return state
 
     def __call__(self, number: int) -> dict:
+        """The batch ``make(number)`` with `Slot`s for its large arrays; an empty dict, unmade,
+        once the reader is stopping. Nobody reads that batch, and a large array sent through
+        grain's pipe then would hold the worker's exit until grain gives up on it and kills it
+        (25 s per worker in grain 0.2.18: its queue's feeder thread waits on a pipe that
+        nobody empties any more)."""
+        if self._reader_state()[1]:
+            return {}
         batch = self.make(number)
         j = int(number) - self.start
         worker, k = j % self.workers, j // self.workers
         out = dict(batch)
         for position, (key, value) in enumerate(batch.items()):
             if isinstance(value, np.ndarray) and value.nbytes >= MIN_BYTES and position < MAX_KEYS:
-                slot = self._put(worker, k, position, value, free_after=j - self.workers * self.ring)
+                try:
+                    slot = self._put(worker, k, position, value, free_after=j - self.workers * self.ring)
+                except _Stopping:
+                    return {}
                 if slot is not None:
                     out[key] = slot
         return out
@@ -140,7 +154,7 @@ class RingWriter:
             if read > free_after:
                 break
             if stopping:  # the loader is closing: nobody will read this batch
-                return None
+                raise _Stopping
             time.sleep(_WAIT_S)
         np.ndarray(value.shape, value.dtype, buffer=block.buf)[...] = value
         return Slot(block.name, value.shape, value.dtype.str)
@@ -180,8 +194,8 @@ class RingReader:
         return out
 
     def stop(self) -> None:
-        """Tell the workers no more batches will be read, so none waits for a block (call it
-        before stopping them)."""
+        """Tell the workers no more batches will be read, so none waits for a block or makes
+        another batch (call it before stopping them)."""
         if self._counts is not None:
             self._counts[1] = 1
 

@@ -92,6 +92,28 @@ def test_a_worker_waits_while_the_reader_holds_its_block():
     assert _blocks(reader.token) == []
 
 
+def test_a_stopped_reader_gets_empty_batches_unmade_even_from_a_waiting_worker():
+    # After stop, nothing large may go through grain's pipe: nobody empties it any more, and a
+    # worker whose pipe is full does not exit until grain kills it (25 s per worker).
+    reader = RingReader(start=0, workers=1, ring=1)
+    try:
+        made = []
+        write = reader.writer(lambda step: made.append(step) or _Big()(step))
+        assert isinstance(write(0)["x"], Slot)
+        waiting = []
+        second = threading.Thread(target=lambda: waiting.append(write(1)), daemon=True)
+        second.start()
+        second.join(0.3)
+        assert not waiting  # batch 1 waits for batch 0's block
+        reader.stop()
+        second.join(10)
+        assert waiting == [{}]
+        assert write(2) == {} and made == [0, 1]  # batch 2 is not made
+    finally:
+        reader.close()
+    assert _blocks(reader.token) == []
+
+
 def test_no_room_or_a_larger_batch_goes_through_grain(monkeypatch):
     reader = RingReader(start=0, workers=1, ring=2)
     try:
