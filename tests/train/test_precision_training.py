@@ -123,8 +123,11 @@ def test_train_step_dtypes(preset):
     for before, after in zip(jax.tree_util.tree_leaves(state.params), jax.tree_util.tree_leaves(new.params)):
         assert after.dtype == before.dtype
     assert metrics["loss"].dtype == jnp.float32 and np.isfinite(float(metrics["loss"]))
-    logits, _ = run.model.apply(new.params, new.state, batch["image"], policy=policy)
-    assert logits.dtype == policy.output_dtype  # the whole model's output: float32 under every preset
+    # The whole model's output: float32 under every preset (a dtype from tracing: no compilation,
+    # where the eager forward compiled each of its operations for each preset's dtypes).
+    logits, _ = jax.eval_shape(lambda p, s, x: run.model.apply(p, s, x, policy=policy),
+                               new.params, new.state, batch["image"])
+    assert logits.dtype == policy.output_dtype
 
 
 def test_steps_take_a_policy_by_name():
