@@ -4,7 +4,9 @@ The kernels run in Mosaic GPU interpret mode, the race detector on for at least 
 configuration of each fused variant (statistics epilogue, BatchNorm+ReLU prologue, both,
 with one warpgroup and with a producer warpgroup).  References are ``jax.lax``
 convolutions in float32 of the same 16-bit values, rounded to the 16-bit type where the
-unfused chain stores an activation.
+unfused chain stores an activation.  Each case compiles its kernels' program with XLA's
+optimisations off (``pallas_testlib.fast_run``: an interpreted kernel's program compiles in
+about half the time; the comparison is with a reference).
 
 Tolerances:
 
@@ -93,9 +95,11 @@ def test_epilogue_statistics_match_lax(case, races):
     if "residual" in name:
         res = normal(rng, want.shape, dtype)
         want = jnp.maximum(want + res.astype(F32), 0.0)
-    y, mean, var = mc.conv_forward(x, w, b, res, relu=res is not None, stride=stride,
-                                   pads=pads, config=cfg, interpret=True,
-                                   detect_races=detect and races, stats=True)
+    y, mean, var = fast_run(
+        lambda x, w, b, res: mc.conv_forward(x, w, b, res, relu=res is not None, stride=stride,
+                                             pads=pads, config=cfg, interpret=True,
+                                             detect_races=detect and races, stats=True),
+        x, w, b, res)
     assert y.dtype == dtype and mean.dtype == var.dtype == F32
     assert_16bit_close(y, want, dtype, f"{name}: output")
     _assert_stats(mean, var, y, want, dtype, name)
@@ -144,9 +148,9 @@ def test_prologue_matches_the_unfused_chain(case, races):
     x, w = normal(rng, xs, dtype), normal(rng, ws, dtype)
     scale = normal(rng, xs[3:], F32)  # negative entries too
     shift = jnp.abs(normal(rng, xs[3:], F32)) + 0.5
-    y = mc.conv_forward(x, w, stride=stride, pads=pads, dilation=dil, config=cfg,
-                        interpret=True, detect_races=detect and races, input_scale=scale,
-                        input_shift=shift)
+    y = fast_run(lambda x, w, scale, shift: mc.conv_forward(
+        x, w, stride=stride, pads=pads, dilation=dil, config=cfg, interpret=True,
+        detect_races=detect and races, input_scale=scale, input_shift=shift), x, w, scale, shift)
     want = ref_conv(_bn_relu_ref(x, scale, shift, dtype), w, pads, dil, stride)
     assert_16bit_close(y, want, dtype, name)
     padded = jnp.pad(x.astype(F32), ((0, 0), *pads, (0, 0)))
@@ -162,10 +166,10 @@ def test_prologue_and_statistics_together_without_races(races):
     x, w = normal(rng, (1, 5, 6, 16), jnp.bfloat16), normal(rng, (3, 3, 16, 24), jnp.bfloat16)
     b = normal(rng, (24,), jnp.bfloat16)
     scale, shift = normal(rng, (16,), F32), normal(rng, (16,), F32)
-    y, mean, var = mc.conv_forward(
+    cfg = mc.MgpuConfig(block_n=16, stages=2, warp_specialized=True)
+    y, mean, var = fast_run(lambda x, w, b, scale, shift: mc.conv_forward(
         x, w, b, relu=True, pads=((1, 1), (1, 1)), input_scale=scale, input_shift=shift,
-        stats=True, config=mc.MgpuConfig(block_n=16, stages=2, warp_specialized=True),
-        interpret=True, detect_races=races)
+        stats=True, config=cfg, interpret=True, detect_races=races), x, w, b, scale, shift)
     want = jnp.maximum(ref_conv(_bn_relu_ref(x, scale, shift, jnp.bfloat16), w,
                                 ((1, 1), (1, 1))) + b.astype(F32), 0.0)
     assert_16bit_close(y, want, jnp.bfloat16, "output")

@@ -7,7 +7,9 @@ same 16-bit values, on random inputs and on inputs full of ties (ReLU'd small in
 with shapes whose sizes are not multiples of the tiles (output-row, column and channel
 tails), stride 1 and 2, padding, dilation, ``ceil_mode`` and both average divisors.  The
 race detector runs on a max and an average case, forward and backward.  The max pool's
-recorded tap index is checked against a numpy first-argmax.
+recorded tap index is checked against a numpy first-argmax.  Each case compiles its
+kernels' program with XLA's optimisations off (``pallas_testlib.fast_run``: an interpreted
+kernel's program compiles in about half the time; the comparison is with a reference).
 
 Tolerances (mgpu_testlib): max-pool outputs are exact (a maximum of 16-bit values);
 everything else is within half a step of its 16-bit type of the float32 reference.
@@ -28,6 +30,7 @@ from mgpu_testlib import (H100, REASON, assert_16bit_close, assert_tma_pipeline,
                           needs_mgpu, normal, races)  # noqa: F401 (races: a fixture)
 from pallas_kernels import mgpu_pool as mp
 from pallas_kernels import mgpu_window as mw
+from pallas_testlib import fast_run
 
 BF16, F16 = jnp.bfloat16, jnp.float16
 
@@ -39,13 +42,14 @@ def _ties(shape, dtype, seed=0):
 
 
 def _kernel_and_grad(op, kw, races=False):
-    """One jitted program: the kernel's output and its input gradient at a cotangent (one
-    compilation for the forward and backward launches and the glue between them)."""
+    """One program: the kernel's output and its input gradient at a cotangent (one
+    compilation, XLA's optimisations off (``pallas_testlib.fast_run``), for the forward and
+    backward launches and the glue between them)."""
     def run(x, ct):
         y, vjp = jax.vjp(lambda x: getattr(mp, op)(x, **kw, interpret=True, detect_races=races),
                          x)
         return y, vjp(ct)[0]
-    return jax.jit(run)
+    return lambda x, ct: fast_run(run, x, ct)
 
 
 def _check(op, x, kw, races=False):
@@ -106,11 +110,10 @@ def test_max_pool_3x3_2_with_tails_is_race_free_and_records_the_first_maximum(ra
                       True)
     ct = normal(np.random.default_rng(1), (1, *out_hw, 24), BF16)
 
-    @jax.jit
     def fwd_and_bwd(x, ct):
         y, saved = mp._max_pool_fwd(static, x)
         return y, saved[1], mp._max_pool_bwd(static, saved, ct)[0]
-    y, idx, dx = fwd_and_bwd(x, ct)
+    y, idx, dx = fast_run(fwd_and_bwd, x, ct)
     want_y, want_vjp = jax.vjp(lambda x: F.max_pool2d(x, 3, stride=2, padding=1, ceil_mode=True,
                                                       impl="xla"), x.astype(jnp.float32))
     (want_dx,) = want_vjp(ct.astype(jnp.float32))
