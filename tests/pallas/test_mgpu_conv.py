@@ -8,7 +8,9 @@ runs on one case of each kernel.  Every result is checked against
 on the same bfloat16/float16 values, on random inputs, with shapes whose
 sizes are not multiples of the tiles (output-row, column, input- and
 output-channel tails), 1x1/3x3/7x7 windows, symmetric, asymmetric and
-dilated padding.
+dilated padding.  Each case compiles its kernels' program with XLA's
+optimisations off (``pallas_testlib.fast_run``: an interpreted kernel's program
+compiles in about half the time, and the comparison is with a reference).
 
 Tolerances: forward and input-gradient outputs are 16-bit, rounded once after
 float32 accumulation, so each element is within half a step of its type
@@ -42,6 +44,7 @@ from mgpu_testlib import normal as _normal
 from mgpu_testlib import ref_conv as _ref_conv
 from pallas_kernels import conv_op
 from pallas_kernels import mgpu_conv as mc
+from pallas_testlib import fast_run
 
 
 # name, x shape, w shape, pads, dilation, config, dtype[, stride]
@@ -73,8 +76,8 @@ def test_forward_matches_lax(case):
     stride = stride[0] if stride else (1, 1)
     rng = np.random.default_rng(0)
     x, w = _normal(rng, xs, dtype), _normal(rng, ws, dtype)
-    y = jax.jit(lambda x, w: mc.conv_forward(x, w, stride=stride, pads=pads, dilation=dil,
-                                             config=cfg, interpret=True))(x, w)
+    y = fast_run(lambda x, w: mc.conv_forward(x, w, stride=stride, pads=pads, dilation=dil,
+                                              config=cfg, interpret=True), x, w)
     assert y.dtype == dtype
     _assert_16bit_close(y, _ref_conv(x, w, pads, dil, stride), dtype, name)
 
@@ -89,31 +92,31 @@ def test_forward_with_fused_epilogue_has_no_race(races, warp_specialized):
     x, w = _normal(rng, (1, 5, 7, 8), jnp.bfloat16), _normal(rng, (3, 3, 8, 24), jnp.bfloat16)
     b, res = _normal(rng, (24,), jnp.bfloat16), _normal(rng, (1, 5, 7, 24), jnp.bfloat16)
     pads = ((1, 1), (1, 1))
-    y = mc.conv_forward(x, w, b, res, relu=True, pads=pads,
-                        config=mc.MgpuConfig(block_n=16, stages=2,
-                                             warp_specialized=warp_specialized),
-                        interpret=True, detect_races=races)
+    cfg = mc.MgpuConfig(block_n=16, stages=2, warp_specialized=warp_specialized)
+    y = fast_run(lambda x, w, b, res: mc.conv_forward(x, w, b, res, relu=True, pads=pads,
+                                                      config=cfg, interpret=True,
+                                                      detect_races=races), x, w, b, res)
     want = jnp.maximum(_ref_conv(x, w, pads) + b.astype(jnp.float32)
                        + res.astype(jnp.float32), 0.0)
     _assert_16bit_close(y, want, jnp.bfloat16, "raced forward with epilogue")
 
 
 def _loss_grads(fn, x, w, b, res, ct):
-    """The four gradients, as one jitted program (forward, gradient kernels and glue)."""
+    """The four gradients, as one program (forward, gradient kernels and glue)."""
     def loss(x, w, b, res, ct):
         return jnp.sum(fn(x, w, b, res).astype(jnp.float32) * ct)
-    return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(x, w, b, res, ct)
+    return fast_run(jax.grad(loss, argnums=(0, 1, 2, 3)), x, w, b, res, ct)
 
 
 def _out_and_loss_grads(fn, x, w, b, res, ct):
-    """``fn``'s output and :func:`_loss_grads`'s gradients, as one jitted program."""
+    """``fn``'s output and :func:`_loss_grads`'s gradients, as one program."""
     def run(x, w, b, res, ct):
         def out(*a):
             y = fn(*a)
             return y.astype(jnp.float32), y
         _, vjp, y = jax.vjp(out, x, w, b, res, has_aux=True)
         return y, vjp(ct)
-    return jax.jit(run)(x, w, b, res, ct)
+    return fast_run(run, x, w, b, res, ct)
 
 
 @needs_mgpu
@@ -153,8 +156,9 @@ def test_weight_gradient_kernel_is_float32_exact_and_race_free(races):
     rng = np.random.default_rng(3)
     x, dy = _normal(rng, (2, 3, 5, 8), jnp.bfloat16), _normal(rng, (2, 3, 5, 16), jnp.bfloat16)
     pads = ((1, 1), (1, 1))
-    dw = mc.conv_wgrad(x, dy, kernel_hw=(3, 3), pads=pads, config=mc.MgpuConfig(split=2),
-                       interpret=True, detect_races=races)
+    dw = fast_run(lambda x, dy: mc.conv_wgrad(x, dy, kernel_hw=(3, 3), pads=pads,
+                                              config=mc.MgpuConfig(split=2), interpret=True,
+                                              detect_races=races), x, dy)
     _, vjp = jax.vjp(lambda w: _ref_conv(x, w, pads), jnp.zeros((3, 3, 8, 16), jnp.float32))
     _assert_f32_close(dw, vjp(dy.astype(jnp.float32))[0], "wgrad")
 
@@ -188,8 +192,8 @@ def test_strided_input_gradient_matches_lax(xs, ws, stride, pads):
     y_shape = _ref_conv(jnp.zeros(xs), w, pads, stride=stride).shape
     dy = _normal(rng, y_shape, jnp.bfloat16)
     _, vjp = jax.vjp(lambda x: _ref_conv(x, w, pads, stride=stride), jnp.zeros(xs, jnp.float32))
-    dx = jax.jit(lambda dy, w: mc.conv_dgrad(dy, w, x_hw=xs[1:3], stride=stride, pads=pads,
-                                             interpret=True))(dy, w)
+    dx = fast_run(lambda dy, w: mc.conv_dgrad(dy, w, x_hw=xs[1:3], stride=stride, pads=pads,
+                                              interpret=True), dy, w)
     _assert_16bit_close(dx, vjp(dy.astype(jnp.float32))[0], jnp.bfloat16, "strided dgrad")
 
 
@@ -204,8 +208,9 @@ def test_input_gradient_falls_back_to_xla_where_it_would_need_negative_padding()
         mc.conv_dgrad(jnp.zeros((1, 3, 9, 16), jnp.bfloat16), w, x_hw=(1, 7), pads=pads,
                       interpret=True)
     ct = _normal(rng, (1, 3, 9, 16), jnp.bfloat16).astype(jnp.float32)
-    got = jax.jit(jax.grad(lambda x, w: jnp.sum(mc.conv2d(x, w, padding=pads, interpret=True)
-                                                .astype(jnp.float32) * ct), argnums=(0, 1)))(x, w)
+    def loss(x, w):
+        return jnp.sum(mc.conv2d(x, w, padding=pads, interpret=True).astype(jnp.float32) * ct)
+    got = fast_run(jax.grad(loss, argnums=(0, 1)), x, w)
     want = jax.grad(lambda x, w: jnp.sum(_ref_conv(x, w, pads) * ct), argnums=(0, 1))(
         x.astype(jnp.float32), w.astype(jnp.float32))
     _assert_16bit_close(got[0], want[0], jnp.bfloat16, "dx")
@@ -216,7 +221,7 @@ def test_input_gradient_falls_back_to_xla_where_it_would_need_negative_padding()
 def test_pallas_conv2d_backend_mosaic_runs_the_mosaic_kernels():
     rng = np.random.default_rng(6)
     x, w = _normal(rng, (1, 4, 4, 8), jnp.bfloat16), _normal(rng, (3, 3, 8, 16), jnp.bfloat16)
-    y = pk.conv2d(x, w, padding=1, backend="mosaic", interpret=True)
+    y = fast_run(lambda x, w: pk.conv2d(x, w, padding=1, backend="mosaic", interpret=True), x, w)
     _assert_16bit_close(y, _ref_conv(x, w, ((1, 1), (1, 1))), jnp.bfloat16, "pk.conv2d mosaic")
     jaxpr = str(jax.make_jaxpr(lambda x, w: pk.conv2d(x, w, padding=1, backend="mosaic",
                                                       interpret=True))(x, w))
