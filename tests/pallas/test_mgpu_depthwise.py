@@ -6,7 +6,9 @@ fill and store clipping, mbarriers): forward, input gradient and weight gradient
 computed in float32 on the same 16-bit values, on random inputs, with shapes whose sizes
 are not multiples of the tiles (output-row, column and channel tails), stride 1 and 2,
 symmetric, asymmetric and dilated padding, 3x3 and 7x7 windows.  The race detector runs
-on all three kernels.
+on all three kernels.  Each case compiles its kernels' program with XLA's optimisations off
+(``pallas_testlib.fast_run``: an interpreted kernel's program compiles in about half the
+time, and the comparison is with a reference, not another program).
 
 Tolerances (mgpu_testlib): 16-bit results within half a step of their type of the float32
 reference; the float32 weight gradient within 1e-4 (summation order only: products of
@@ -27,6 +29,7 @@ from mgpu_testlib import (H100, REASON, assert_16bit_close, assert_f32_close,
 from pallas_kernels import conv_op
 from pallas_kernels import mgpu_depthwise as md
 from pallas_kernels import mgpu_window as mw
+from pallas_testlib import fast_run
 
 BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
 DIMS = ("NHWC", "HWIO", "NHWC")
@@ -78,8 +81,7 @@ def test_forward_and_gradients_match_lax(case):
     def reference(x, w, b):
         return _ref(x, w, stride, pads, dil) + b.astype(F32)
 
-    @jax.jit  # one program: the forward, the three gradient kernels and the glue
-    def kernel_and_grads(x, w, b, ct):
+    def kernel_and_grads(x, w, b, ct):  # one program: forward, three gradient kernels, glue
         y, vjp = jax.vjp(kernel, x, w, b)
         return y, vjp(ct)
 
@@ -88,7 +90,7 @@ def test_forward_and_gradients_match_lax(case):
         want_y, want_vjp = jax.vjp(reference, x, w, b)
         return want_y, want_vjp(ct)
 
-    y, got = kernel_and_grads(x, w, b, ct.astype(dtype))
+    y, got = fast_run(kernel_and_grads, x, w, b, ct.astype(dtype))
     want_y, want = reference_and_grads(*(a.astype(F32) for a in (x, w, b)), ct)
     assert y.dtype == dtype and all(g.dtype == dtype for g in got)
     assert_16bit_close(y, want_y, dtype, "y")
@@ -103,8 +105,8 @@ def test_forward_7x7_with_relu_matches_lax():
     x, w = normal(rng, (1, 6, 5, 16), BF16), normal(rng, (7, 7, 1, 16), BF16)
     b = normal(rng, (16,), BF16)
     pads = ((3, 3), (3, 3))
-    y = jax.jit(lambda x, w, b: md.depthwise_forward(x, w, b, relu=True, pads=pads,
-                                                     interpret=True))(x, w, b)
+    y = fast_run(lambda x, w, b: md.depthwise_forward(x, w, b, relu=True, pads=pads,
+                                                      interpret=True), x, w, b)
     want = jnp.maximum(_ref(x, w, (1, 1), pads) + b.astype(F32), 0.0)
     assert_16bit_close(y, want, BF16, "7x7 relu")
 
@@ -131,12 +133,11 @@ def test_all_three_kernels_are_race_free(races):
     kw = dict(stride=stride, pads=pads, config=cfg, interpret=True, detect_races=races)
     dy = normal(rng, _ref(x, w, stride, pads).shape, BF16)
 
-    @jax.jit  # the three kernels in one program, one race-detector run
-    def kernels(x, w, dy):
+    def kernels(x, w, dy):  # the three kernels in one program, one race-detector run
         return (md.depthwise_forward(x, w, **kw),
                 md.depthwise_dgrad(dy, w, x_shape=x.shape, **kw),
                 md.depthwise_wgrad(x, dy, kernel_hw=(3, 3), **kw))
-    y, dx, dw = kernels(x, w, dy)
+    y, dx, dw = fast_run(kernels, x, w, dy)
     assert_16bit_close(y, _ref(x, w, stride, pads), BF16, "forward")
     _, vjp = jax.vjp(lambda x, w: _ref(x, w, stride, pads), x.astype(F32), w.astype(F32))
     want_dx, want_dw = vjp(dy.astype(F32))
@@ -182,7 +183,8 @@ def test_pallas_conv2d_backend_mosaic_runs_the_depthwise_kernels():
     rng = np.random.default_rng(4)
     x, w = normal(rng, (1, 5, 6, 16), BF16), normal(rng, (3, 3, 1, 16), BF16)
     b = normal(rng, (16,), BF16)
-    y = pk.conv2d(x, w, b, padding=1, groups=16, relu=True, backend="mosaic", interpret=True)
+    y = fast_run(lambda x, w, b: pk.conv2d(x, w, b, padding=1, groups=16, relu=True,
+                                           backend="mosaic", interpret=True), x, w, b)
     want = jnp.maximum(_ref(x, w, (1, 1), ((1, 1), (1, 1))) + b.astype(F32), 0.0)
     assert_16bit_close(y, want, BF16, "pk.conv2d depthwise mosaic")
     grad = str(jax.make_jaxpr(jax.grad(
@@ -202,7 +204,8 @@ def test_float16_through_pallas_conv2d_runs_on_mosaic_only():
     rng = np.random.default_rng(5)
     x = normal(rng, (1, 4, 5, 8), F16)
     for w, groups in ((normal(rng, (3, 3, 1, 8), F16), 8), (normal(rng, (3, 3, 8, 16), F16), 1)):
-        y = pk.conv2d(x, w, padding=1, groups=groups, backend="mosaic", interpret=True)
+        y = fast_run(lambda x, w, g=groups: pk.conv2d(x, w, padding=1, groups=g,
+                                                      backend="mosaic", interpret=True), x, w)
         assert y.dtype == F16
         ref = lax.conv_general_dilated(x.astype(F32), w.astype(F32), (1, 1), ((1, 1), (1, 1)),
                                        dimension_numbers=DIMS, feature_group_count=groups,
