@@ -7,6 +7,9 @@ both grid axes (so the in-kernel and the cross-CTA merges both run).  Data sits 
 offset of 50 with standard deviation 3: a plain ``E[x^2] - E[x]^2`` in float32 would lose
 the variance's leading digits there.
 
+Each kernel call compiles with XLA's optimisations off (``pallas_testlib.fast_run``: an
+interpreted kernel's program compiles in about half the time; the checks are tolerances).
+
 Tolerances (float32 accumulation of exact inputs): means within 2e-6 of the largest |x|,
 variances within 1e-4 relative, sums within 1e-5 of the sum of the terms' magnitudes.
 """
@@ -19,6 +22,7 @@ from jaxcnn.errors import KernelUnsupported
 from mgpu_testlib import (H100, assert_tma_pipeline, inspect_kernels, needs_mgpu, races,  # noqa: F401
                           shipped)
 from pallas_kernels import mgpu_bn as mb
+from pallas_testlib import fast_run
 
 BF16 = jnp.bfloat16
 SMALL = mb.BnConfig(block_c=16, stages=2)  # C=24: two channel blocks; 198 rows: two CTAs
@@ -36,7 +40,7 @@ def _data(shape, dtype, seed=0, offset=50.0):
 def test_channel_stats_matches_float64_with_offset(dtype, c, config):
     assert mb.cta_rows(198, c, SMALL).tolist() == [128, 70]
     x, ref = _data((2, 9, 11, c), dtype)
-    mean, var = mb.channel_stats(x, config=config, interpret=True)
+    mean, var = fast_run(lambda x: mb.channel_stats(x, config=config, interpret=True), x)
     assert mean.dtype == var.dtype == jnp.float32 and mean.shape == var.shape == (c,)
     np.testing.assert_allclose(mean, ref.mean(0), rtol=0, atol=2e-6 * np.abs(ref).max())
     np.testing.assert_allclose(var, ref.var(0), rtol=1e-4)
@@ -59,7 +63,8 @@ def test_channel_grad_sums_match_float64(dtype, relu):
         keep, kw = np.asarray(y.astype(jnp.float32)).reshape(x64.shape) > 0, dict(relu_out=y)
     elif relu == "affine":
         keep, kw = x64 * a + b > 0, dict(relu_affine=(a, b))
-    s1, s2 = mb.channel_grad_sums(dy, x, mean, invstd, config=SMALL, interpret=True, **kw)
+    s1, s2 = fast_run(lambda dy, x, mean, invstd, kw: mb.channel_grad_sums(
+        dy, x, mean, invstd, config=SMALL, interpret=True, **kw), dy, x, mean, invstd, kw)
     g = np.where(keep, dy64, 0.0)
     xhat = (x64 - mean.astype(np.float64)) * invstd.astype(np.float64)
     for got, terms, what in ((s1, g, "sum dy"), (s2, g * xhat, "sum dy*xhat")):
@@ -71,9 +76,10 @@ def test_channel_grad_sums_match_float64(dtype, relu):
 def test_no_races(races):
     x, x64 = _data((1, 10, 13, 32), BF16)
     mean, invstd = x64.mean(0).astype(np.float32), np.ones(32, np.float32)
-    mb.channel_stats(x, config=SMALL, interpret=True, detect_races=races)
-    mb.channel_grad_sums(x, x, mean, invstd, relu_out=x, config=SMALL, interpret=True,
-                         detect_races=races)
+    fast_run(lambda x, mean, invstd: (
+        mb.channel_stats(x, config=SMALL, interpret=True, detect_races=races),
+        mb.channel_grad_sums(x, x, mean, invstd, relu_out=x, config=SMALL, interpret=True,
+                             detect_races=races)), x, mean, invstd)
 
 
 def test_refuses_what_it_cannot_run():
@@ -125,14 +131,14 @@ def _as_if_on_hopper(monkeypatch):
 
 
 def _bn_outputs_and_grads(impl, relu, cts, **kw):
-    """``jit`` of ``(x, scale, bias) -> (outputs, VJP at cts)`` of the explicit form."""
+    """``(x, scale, bias) -> (outputs, VJP at cts)`` of the explicit form, as one program."""
     from jaxcnn import functional as F
 
     def run(x, scale, bias):
         out, pull = jax.vjp(lambda *a: F.batch_norm_train(*a, grad="explicit", relu=relu,
                                                           impl=impl, **kw), x, scale, bias)
         return out, pull(cts)
-    return jax.jit(run)
+    return lambda *args: fast_run(run, *args)
 
 
 @needs_mgpu
