@@ -18,13 +18,22 @@ def _ties(shape, dtype, seed=0):
 
 
 def _check(op, x, dtype, **kw):
-    got_y, got_g = fast_run(lambda x: vjp_all(lambda x: getattr(pk, op)(x, **kw), (x,)), x)
+    """Output and input gradient (vjp_all's random cotangent) of the kernel against XLA's;
+    returns the kernel's program ``(x, ct) -> (y, dx)``, compiled once (optimisations off,
+    as pallas_testlib.fast_run), for other cotangents."""
     ref_kw = {k: v for k, v in kw.items() if k not in ("config", "backward")}
     want_y, want_g = vjp_all(lambda x: getattr(F, op)(x, **ref_kw, impl="xla"), (x,))
+    ct = normal(np.random.default_rng(0), want_y.shape).astype(dtype)  # vjp_all's
+
+    def kernel(x, ct):
+        y, vjp = jax.vjp(lambda x: getattr(pk, op)(x, **kw), x)
+        return y, vjp(ct)[0]
+    run = jax.jit(kernel).trace(x, ct).lower().compile({"xla_backend_optimization_level": 0})
+    got_y, got_dx = run(x, ct)
     assert got_y.dtype == dtype
     assert_close(got_y, want_y, dtype, "output")
-    assert_close(got_g[0], want_g[0], dtype, "dx")
-    return got_g[0]
+    assert_close(got_dx, want_g[0], dtype, "dx")
+    return run
 
 
 @pytest.mark.parametrize("shape, kw, dtype", [
@@ -36,13 +45,13 @@ def _check(op, x, dtype, **kw):
 ])
 def test_max_pool_ties_first_max_wins(shape, kw, dtype):
     x = _ties(shape, dtype)
-    dx = _check("max_pool2d", x, dtype, **kw)
-    # With a cotangent of ones, each window's 1 lands on exactly one input.
-    kw = {k: v for k, v in kw.items() if k not in ("config", "backward")}
-    ones = fast_run(jax.grad(lambda x: jnp.sum(pk.max_pool2d(x, **kw).astype(F32))), x)
-    windows = F.max_pool2d(x, **kw).size
-    assert float(jnp.sum(ones.astype(F32))) == windows
-    assert dx.shape == x.shape
+    run = _check("max_pool2d", x, dtype, **kw)
+    # With a cotangent of ones, each window's 1 lands on exactly one input (the same
+    # program, compiled once, with the case's tiles and backward).
+    y_shape = jax.eval_shape(lambda x: pk.max_pool2d(x, **kw), x).shape
+    y, ones = run(x, jnp.ones(y_shape, dtype))
+    assert float(jnp.sum(ones.astype(F32))) == y.size
+    assert ones.shape == x.shape
 
 
 def test_max_pool_integers():
