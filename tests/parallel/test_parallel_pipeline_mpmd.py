@@ -100,8 +100,12 @@ def test_mpmd_clips_by_the_whole_models_norm():
 def test_trainer_runs_the_mpmd_engine_and_resumes_across_engines(tmp_path):
     """jaxcnn-train with mesh.data=2 mesh.pipe=4 parallel.pipeline.engine=mpmd (and global-norm
     clipping that acts) trains and evaluates as one device with the same 4 micro-batches; its
-    step-2 checkpoint resumes on 8 data-parallel devices, and the one-device run's on the mpmd
-    engine over 2 stages, each ending where the one-device run does."""
+    step-2 checkpoint resumes on one device without stages, and the one-device run's on the mpmd
+    engine, each ending where the one-device run does.  Each resumed run takes the other run's
+    layout and config, so its programs are the ones that run compiled (the persistent cache):
+    the engine changes under the checkpoint, not the programs under test (the SPMD engine's
+    checkpoints onto other stage counts and onto 8 data-parallel devices:
+    test_parallel_pipeline.py::test_trainer_runs_pipelined_and_resumes_onto_other_layouts)."""
     import shutil
 
     from test_parallel_pipeline import LOSS_RTOL, _final, _train
@@ -117,8 +121,8 @@ def test_trainer_runs_the_mpmd_engine_and_resumes_across_engines(tmp_path):
     params, losses = _final(tmp_path / "mpmd")
     np.testing.assert_allclose(losses, ref_losses, rtol=LOSS_RTOL)
     assert max_diff(params, ref_params) < 1e-5
-    for source, layout in (("mpmd", ["mesh.data=8"]),
-                           ("ref", ["mesh.data=1", "mesh.pipe=2", "parallel.pipeline.engine=mpmd"])):
+    for source, layout in (("mpmd", ["mesh.data=1"]),
+                           ("ref", ["mesh.data=2", "mesh.pipe=4", "parallel.pipeline.engine=mpmd"])):
         work = tmp_path / ("moved_" + source)
         shutil.copytree(tmp_path / source, work)
         shutil.rmtree(work / "checkpoints" / "4")
@@ -126,6 +130,7 @@ def test_trainer_runs_the_mpmd_engine_and_resumes_across_engines(tmp_path):
         code, out, err = _train(layout + common + ["checkpoint.resume=must"], work)
         assert code == 0, err
         assert "resumed from step 2" in out
+        assert ("one program per stage (mpmd)" in out) == (source == "ref"), out
         params, losses = _final(work)
         np.testing.assert_allclose(losses, ref_losses, rtol=LOSS_RTOL)
         assert max_diff(params, ref_params) < 1e-5
