@@ -519,7 +519,10 @@ def test_train_cli_spatial_run_resumes_onto_data_only_and_back(tmp_path, capsys)
     pool1 and gathers before conv2 (whose 5x5 window needs 3 rows of a 2-row shard).  A spatial run
     resumed at step 4 as data-parallel, and that run resumed at step 6 as spatial again, and the
     spatial run resumed at step 4 on pipeline stages (data 2 x pipe 4) end where the spatial run
-    ends (float32: 1e-5; the layout is not a config change)."""
+    ends (float32: 1e-5; the layout is not a config change).  The run back on spatial 4 takes
+    the first run's config, so its programs are the ones that run compiled (the persistent
+    cache): the layout changes under the checkpoint, not the program (parallel.spatial.until
+    from the config: test_train_cli_refuses_an_impossible_split_before_compute)."""
     import shutil
 
     from jaxcnn.interop import load_npz
@@ -539,8 +542,9 @@ def test_train_cli_spatial_run_resumes_onto_data_only_and_back(tmp_path, capsys)
     back = tmp_path / "back"
     shutil.copytree(flat, back)
     _keep_until(back, 6)
-    assert train_main(_cli_args(data, back, *SPATIAL4, "parallel.spatial.until=act1")) == 0
-    assert "resumed from step 6" in capsys.readouterr().out
+    assert train_main(_cli_args(data, back, *SPATIAL4)) == 0
+    out = capsys.readouterr().out
+    assert "resumed from step 6" in out and "images split along height over 4 (through pool1)" in out, out
     # and onto pipeline stages (lenet5 has no BatchNorm: micro-batches change nothing, but the
     # micro-batch count is a config change the user accepts)
     piped = tmp_path / "piped"
