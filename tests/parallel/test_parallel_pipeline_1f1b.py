@@ -149,7 +149,8 @@ def test_resnet_1f1b_matches_gpipe_and_one_device(name):
 # data, against GPipe and one device with the same assertions) is
 # test_resnet_1f1b_matches_gpipe_and_one_device, and the M < S timetables are checked from the
 # outside by the timetable tests; the running statistics carried from step to step are the same
-# code whatever M, checked here over 2 steps.
+# code whatever M, checked here over 2 steps.  Its GPipe run and one-device reference are
+# test_parallel_pipeline.py::test_batch_norm_per_micro_batch_over_steps's (pipelined_run, _reference).
 def test_batch_norm_net_1f1b_on_data_and_pipe_over_steps():
     """The small BatchNorm net on 2 data shards x 4 stages, 8 micro-batches (M > S), 2 steps
     of momentum SGD: running statistics updated per micro-batch in order, synced over data,
