@@ -70,6 +70,11 @@ def _unlink(name: str) -> None:
     block.unlink()
 
 
+def _large(value) -> bool:
+    """Whether ``value`` is an array worth a block (and too large for grain's pipe once stopping)."""
+    return isinstance(value, np.ndarray) and value.nbytes >= MIN_BYTES
+
+
 def _room_for(nbytes: int) -> bool:
     try:
         stat = os.statvfs("/dev/shm")
@@ -107,11 +112,12 @@ class RingWriter:
         return state
 
     def __call__(self, number: int) -> dict:
-        """The batch ``make(number)`` with `Slot`s for its large arrays; an empty dict, unmade,
-        once the reader is stopping. Nobody reads that batch, and a large array sent through
-        grain's pipe then would hold the worker's exit until grain gives up on it and kills it
-        (25 s per worker in grain 0.2.18: its queue's feeder thread waits on a pipe that
-        nobody empties any more)."""
+        """The batch ``make(number)`` with `Slot`s for its large arrays; an empty dict once the
+        reader is stopping (looked at before making the batch, while waiting for a block, and
+        before returning a batch that still holds a large array). Nobody reads that batch, and a
+        large array sent through grain's pipe then would hold the worker's exit until grain gives
+        up on it and kills it (25 s per worker in grain 0.2.18: its queue's feeder thread waits
+        on a pipe that nobody empties any more)."""
         if self._reader_state()[1]:
             return {}
         batch = self.make(number)
@@ -119,13 +125,15 @@ class RingWriter:
         worker, k = j % self.workers, j // self.workers
         out = dict(batch)
         for position, (key, value) in enumerate(batch.items()):
-            if isinstance(value, np.ndarray) and value.nbytes >= MIN_BYTES and position < MAX_KEYS:
+            if _large(value) and position < MAX_KEYS:
                 try:
                     slot = self._put(worker, k, position, value, free_after=j - self.workers * self.ring)
                 except _Stopping:
                     return {}
                 if slot is not None:
                     out[key] = slot
+        if any(_large(value) for value in out.values()) and self._reader_state()[1]:
+            return {}  # the reader stopped while this batch was made: no large array for the pipe
         return out
 
     def _reader_state(self) -> tuple[int, bool]:
@@ -136,6 +144,10 @@ class RingWriter:
         return int(read), bool(stopping)
 
     def _put(self, worker: int, k: int, position: int, value: np.ndarray, free_after: int):
+        """The `Slot` of ``value`` written into this worker's block for its ``k``-th batch, once
+        batch ``free_after`` (the block's last user) has been read; None: ``value`` goes through
+        grain instead (no room in ``/dev/shm``, or the block is smaller than ``value``). Raises
+        `_Stopping` when the reader stops while it waits."""
         index = (k % self.ring, position)
         block = self._blocks.get(index)
         if block is None:

@@ -264,6 +264,8 @@ class Loader:
                     lambda cause=None: dead_worker_error(self._roster, self._next_batch, cause),
                     lambda: self._closed)
                 self._roster.track()
+                if self._closed:  # closed from another thread meanwhile: a stopped worker's batch
+                    raise StopIteration
             self._next_batch += 1
             return self._ring.take(batch) if self._ring is not None else batch
         except DataWorkerDied:

@@ -114,6 +114,25 @@ def test_a_stopped_reader_gets_empty_batches_unmade_even_from_a_waiting_worker()
     assert _blocks(reader.token) == []
 
 
+def test_a_batch_made_while_the_reader_stops_sends_no_large_array(monkeypatch):
+    # /dev/shm without room (a container's 64 MB): every large array would go through grain's
+    # pipe; one made while the reader stops is dropped instead.
+    monkeypatch.setattr(handover, "_room_for", lambda nbytes: False)
+    reader = RingReader(start=0, workers=1, ring=2)
+    try:
+        def make(step):
+            if step == 1:
+                reader.stop()  # the loader closes while the worker makes batch 1
+            return _Big()(step)
+        write = reader.writer(make)
+        first = write(0)
+        assert isinstance(first["x"], np.ndarray)  # through grain, as before
+        _same([reader.take(first)], [_Big()(0)])
+        assert write(1) == {}
+    finally:
+        reader.close()
+
+
 def test_no_room_or_a_larger_batch_goes_through_grain(monkeypatch):
     reader = RingReader(start=0, workers=1, ring=2)
     try:
