@@ -6,9 +6,9 @@ optimisation of the generated code is a large share of what the suite's thousand
 programs cost (compiled, then run once on tiny shapes).  Level 1 keeps the HLO passes, and the
 comparisons between two programs measured at levels 1 and 2 agreed (an Adam run on four mpmd
 pipeline stages against one device: 7.6e-7 at either); level 0 moved that run 1.8e-4 away
-(most likely because its instruction selection forms no fused multiply-adds).  A few
-interpreted-kernel tests compile their own programs at level 0 (pallas_testlib), where the
-comparison is with a reference, not another program.  A subprocess that sets its own
+(most likely because its instruction selection forms no fused multiply-adds).  The
+interpreted-kernel tests compile their programs at level 0 (pallas_testlib.fast_compile), where
+the results are compared within a stated tolerance, never bit for bit.  A subprocess that sets its own
 device count takes the suite's other flags with it (:func:`with_devices`).
 
 tests/conftest.py makes one cache directory per test run, names it in

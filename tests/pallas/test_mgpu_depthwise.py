@@ -8,7 +8,7 @@ are not multiples of the tiles (output-row, column and channel tails), stride 1 
 symmetric, asymmetric and dilated padding, 3x3 and 7x7 windows.  The race detector runs
 on all three kernels.  Each case compiles its kernels' program with XLA's optimisations off
 (``pallas_testlib.fast_run``: an interpreted kernel's program compiles in about half the
-time, and the comparison is with a reference, not another program).
+time, and its results are compared within a tolerance, never bit for bit).
 
 Tolerances (mgpu_testlib): 16-bit results within half a step of their type of the float32
 reference; the float32 weight gradient within 1e-4 (summation order only: products of

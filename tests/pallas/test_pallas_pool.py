@@ -6,7 +6,7 @@ import pytest
 
 import pallas_kernels as pk
 from jaxcnn import functional as F
-from pallas_testlib import assert_close, fast_run, normal, vjp_all
+from pallas_testlib import assert_close, fast_compile, fast_run, normal, vjp_all
 
 BF16, F32 = jnp.bfloat16, jnp.float32
 
@@ -19,8 +19,8 @@ def _ties(shape, dtype, seed=0):
 
 def _check(op, x, dtype, **kw):
     """Output and input gradient (vjp_all's random cotangent) of the kernel against XLA's;
-    returns the kernel's program ``(x, ct) -> (y, dx)``, compiled once (optimisations off,
-    as pallas_testlib.fast_run), for other cotangents."""
+    returns the kernel's program ``(x, ct) -> (y, dx)``, compiled once (pallas_testlib.fast_compile),
+    for other cotangents."""
     ref_kw = {k: v for k, v in kw.items() if k not in ("config", "backward")}
     want_y, want_g = vjp_all(lambda x: getattr(F, op)(x, **ref_kw, impl="xla"), (x,))
     ct = normal(np.random.default_rng(0), want_y.shape).astype(dtype)  # vjp_all's
@@ -28,7 +28,7 @@ def _check(op, x, dtype, **kw):
     def kernel(x, ct):
         y, vjp = jax.vjp(lambda x: getattr(pk, op)(x, **kw), x)
         return y, vjp(ct)[0]
-    run = jax.jit(kernel).trace(x, ct).lower().compile({"xla_backend_optimization_level": 0})
+    run = fast_compile(kernel, x, ct)
     got_y, got_dx = run(x, ct)
     assert got_y.dtype == dtype
     assert_close(got_y, want_y, dtype, "output")
@@ -47,7 +47,9 @@ def test_max_pool_ties_first_max_wins(shape, kw, dtype):
     x = _ties(shape, dtype)
     run = _check("max_pool2d", x, dtype, **kw)
     # With a cotangent of ones, each window's 1 lands on exactly one input (the same
-    # program, compiled once, with the case's tiles and backward).
+    # program, compiled once, with the case's tiles and backward: for backward="xla" that is
+    # XLA's gradient; the kernel's backward picks the first maximum of overlapping tied windows
+    # in _check's comparison above, on every case but that one).
     y_shape = jax.eval_shape(lambda x: pk.max_pool2d(x, **kw), x).shape
     y, ones = run(x, jnp.ones(y_shape, dtype))
     assert float(jnp.sum(ones.astype(F32))) == y.size

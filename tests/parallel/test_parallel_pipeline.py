@@ -123,6 +123,7 @@ def run_bn_net(policy, loss_scale="none", steps=2, **pipeline):
     batches.  Cached per arguments: the bfloat16 GPipe run is both
     test_mixed_precision_pipelined_matches_one_device's and test_bf16_1f1b_matches_gpipe's."""
     pipeline.setdefault("schedule", "gpipe")
+    pipeline.setdefault("engine", "spmd")
     key = (policy, loss_scale, steps, tuple(sorted(pipeline.items())))
     if key not in _BN_RUNS:
         _BN_RUNS[key] = _run_bn_net(policy, loss_scale, steps, **pipeline)
@@ -857,8 +858,8 @@ def test_per_shard_batch_norm_pipelined_matches_data_parallel(monkeypatch):
 
 
 def test_bench_scaling_pipe_reports_args_temporaries_and_total(capsys):
-    """scripts/bench_scaling.py --pipe 1,2 on lenet5 (compile only): a row per stage count with
-    XLA's argument, temporary and total bytes per device; the arguments (parameters, momentum,
+    """scripts/bench_scaling.py --pipe 1,2 --engine spmd,mpmd on lenet5 (compile only): a row per
+    stage count and engine with XLA's argument, temporary and total bytes per device; the arguments (parameters, momentum,
     batch) fall with 2 stages, as fc1's 48,000 weights and their momentum are split over pipe.
     --split and --precision reach the plan and the step; bad ones exit 2 with one line."""
     import importlib.util
@@ -875,14 +876,16 @@ def test_bench_scaling_pipe_reports_args_temporaries_and_total(capsys):
     environ = dict(os.environ)  # the script sets XLA_FLAGS as a command-line tool does
     try:
         assert bench.main(["--model", "lenet5", "--pipe", "1,2", "--per-device-batch", "8",
-                           "--microbatches", "2", "--steps", "0", "--json"]) == 0
+                           "--microbatches", "2", "--steps", "0", "--json", "--engine", "spmd,mpmd"]) == 0
     finally:
         os.environ.clear()
         os.environ.update(environ)
     out = capsys.readouterr().out
     rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
-    assert [(r["pipe"], r["split"]) for r in rows] == [(1, None), (2, rows[1]["split"])]
-    one, two = rows
+    # each engine for each stage count above 1 (one stage has no pipeline: one row, no engine)
+    assert [(r["pipe"], r["engine"]) for r in rows] == [(1, "-"), (2, "spmd"), (2, "mpmd")]
+    assert rows[0]["split"] is None and rows[2]["split"] == rows[1]["split"]
+    one, two = rows[:2]
     assert two["bubble"] == pytest.approx(1 / 3) and sum(two["split"]) == len(pipeline_blocks(get_model("lenet5")))
     for r in rows:
         total = r["args_mib"] + r["out_mib"] + r["temp_mib"] - r["alias_mib"]
@@ -892,8 +895,7 @@ def test_bench_scaling_pipe_reports_args_temporaries_and_total(capsys):
     assert "args" in out and "temp" in out and "total" in out
 
     # --engine mpmd: the largest stage's peak (its state and batch, then the rest), one step run;
-    # the same split as the SPMD engine's row above (the default engine; running an SPMD step here
-    # too compiled its initialisation and ran it for nothing the test reads)
+    # the same split as the SPMD engine's row above (its programs are the first call's mpmd row's)
     try:
         assert bench.main(["--model", "lenet5", "--pipe", "2", "--per-device-batch", "8", "--microbatches", "2",
                            "--steps", "1", "--warmup", "0", "--json", "--engine", "mpmd"]) == 0

@@ -521,8 +521,10 @@ def test_train_cli_spatial_run_resumes_onto_data_only_and_back(tmp_path, capsys)
     spatial run resumed at step 4 on pipeline stages (data 2 x pipe 4) end where the spatial run
     ends (float32: 1e-5; the layout is not a config change).  The run back on spatial 4 takes
     the first run's config, so its programs are the ones that run compiled (the persistent
-    cache): the layout changes under the checkpoint, not the program (parallel.spatial.until
-    from the config: test_train_cli_refuses_an_impossible_split_before_compute)."""
+    cache): the layout changes under the checkpoint, not the program.  No default test trains
+    with another ``parallel.spatial.until``: the key reaches the layout from the config
+    (test_train_cli_refuses_an_impossible_split_before_compute) and the layout stops where it
+    says (test_until_stops_the_split_where_asked)."""
     import shutil
 
     from jaxcnn.interop import load_npz
