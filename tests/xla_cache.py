@@ -7,9 +7,11 @@ programs cost (compiled, then run once on tiny shapes).  Level 1 keeps the HLO p
 comparisons between two programs measured at levels 1 and 2 agreed (an Adam run on four mpmd
 pipeline stages against one device: 7.6e-7 at either); level 0 moved that run 1.8e-4 away
 (most likely because its instruction selection forms no fused multiply-adds).  The
-interpreted-kernel tests compile their programs at level 0 (pallas_testlib.fast_compile), where
-the results are compared within a stated tolerance, never bit for bit.  A subprocess that sets its own
-device count takes the suite's other flags with it (:func:`with_devices`).
+interpreted-kernel tests compile their programs at level 0 (pallas_testlib.fast_compile): their
+results are compared with a reference within a stated tolerance, or exactly where nothing
+rounds (a maximum, an index), never bit for bit with arithmetic compiled otherwise.  A
+subprocess that sets its own device count takes the suite's other flags with it
+(:func:`with_devices`).
 
 tests/conftest.py makes one cache directory per test run, names it in
 ``JAXCNN_TEST_COMPILATION_CACHE`` (the xdist workers inherit it) and points this process's JAX
@@ -29,9 +31,10 @@ CACHE_ENV = "JAXCNN_TEST_COMPILATION_CACHE"  # the directory, or "0": no cache
 # The test process stores every program it compiles, however quick: most of the suite's are
 # small (a test's own jit of a layer, an eager operation) and compiled again by the other worker
 # or under another closure.  Counted with jax.monitoring over tests/layers + tests/models
-# (-n 2, jax 0.11.2): at 0 (this), 209 of 1,133 compilations came from the cache and the
-# workers spent 119 s in compilation; storing only those over 0.5 s, 2 hits and 160 s.  The
-# 902 entries took 6.7 MB.
+# (-n 2, jax 0.11.2): at 0 (this), 209 of 1,133 compilations came from the cache, against 2
+# when only those over 0.5 s were stored; the 902 entries took 6.7 MB.  The wall time gained
+# is small on a quiet machine (72-75 s against 75-77 s, tests/functional/test_functional_norm.py
+# included) and larger on a busy one, where compiling is slower.
 MIN_COMPILE_TIME_S = 0
 
 
