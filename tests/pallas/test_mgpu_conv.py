@@ -10,7 +10,7 @@ sizes are not multiples of the tiles (output-row, column, input- and
 output-channel tails), 1x1/3x3/7x7 windows, symmetric, asymmetric and
 dilated padding.  Each case compiles its kernels' program with XLA's
 optimisations off (``pallas_testlib.fast_run``: an interpreted kernel's program
-compiles in about half the time, and the comparison is with a reference).
+compiles in about half the time, and its results are compared within a tolerance).
 
 Tolerances: forward and input-gradient outputs are 16-bit, rounded once after
 float32 accumulation, so each element is within half a step of its type

@@ -6,7 +6,7 @@ with one warpgroup and with a producer warpgroup).  References are ``jax.lax``
 convolutions in float32 of the same 16-bit values, rounded to the 16-bit type where the
 unfused chain stores an activation.  Each case compiles its kernels' program with XLA's
 optimisations off (``pallas_testlib.fast_run``: an interpreted kernel's program compiles in
-about half the time; the comparison is with a reference).
+about half the time; its results are compared within a tolerance).
 
 Tolerances:
 

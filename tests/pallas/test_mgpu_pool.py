@@ -9,7 +9,8 @@ tails), stride 1 and 2, padding, dilation, ``ceil_mode`` and both average diviso
 race detector runs on a max and an average case, forward and backward.  The max pool's
 recorded tap index is checked against a numpy first-argmax.  Each case compiles its
 kernels' program with XLA's optimisations off (``pallas_testlib.fast_run``: an interpreted
-kernel's program compiles in about half the time; the comparison is with a reference).
+kernel's program compiles in about half the time; its results are compared within a
+tolerance, or exactly where nothing rounds).
 
 Tolerances (mgpu_testlib): max-pool outputs are exact (a maximum of 16-bit values);
 everything else is within half a step of its 16-bit type of the float32 reference.
