@@ -348,7 +348,8 @@ def _script(name):
 @needs_mgpu
 def test_bench_mgpu_tunes_then_times_with_the_tuned_tiles(tmp_path, monkeypatch, capsys):
     """scripts/bench_mgpu.py --tune (and its old name --sweep): each shape's kernels are tuned
-    (a fake clock, one candidate a kernel: two-slot tiles, not the defaults) before it is
+    (a fake clock, one candidate a kernel: two-slot tiles, not the defaults; for time, the
+    candidates are not compiled) before it is
     timed, the rows name the tiles each part ran with, and a resumed run tunes nothing
     already tuned unless --retune.  --fused --tune tunes the fused op's kernels the same
     way (through autotune.tune_kernels), its forward keyed by its form.  (On a CPU the
@@ -370,6 +371,10 @@ def test_bench_mgpu_tunes_then_times_with_the_tuned_tiles(tmp_path, monkeypatch,
         return real_kernels(run, arrays, timer=lambda fn, *a: 1.0, candidate_fn=one)
 
     monkeypatch.setattr(autotune, "tune_op", fake_tune)
+    # Nothing compiled for the fake clock, which times nothing: that tune_op compiles and
+    # times real candidates is test_tune_op_times_the_dense_candidates_and_...'s point.
+    monkeypatch.setattr(autotune, "_compile_candidates",
+                        lambda kernel, key, cfgs, *a: [(cfg, None) for cfg in cfgs])
     assert not bm.tiles_tunable()  # the CPU: tiles are tuned on a GPU only, unless told
     monkeypatch.setattr(bm, "tiles_tunable", lambda: True)
     monkeypatch.setattr(bm, "SHAPES", [("mnist", "tiny", (4, 4, 16), dict(padding=1),
@@ -385,11 +390,9 @@ def test_bench_mgpu_tunes_then_times_with_the_tuned_tiles(tmp_path, monkeypatch,
     x, w = jnp.zeros((1, 4, 4, 16), BF16), jnp.zeros((3, 3, 16, 16), BF16)
     assert not bm.tune(x, w, dict(padding=1)) and tuned == ["conv2d"]  # resumed: cached
     assert bm.tune(x, w, dict(padding=1), retune=True) and tuned == ["conv2d"] * 2
-    # --fused --tune: each form's kernels tuned, then timed with those tiles (for time,
-    # nothing compiled for the fake clock, nothing timed: the forms' results are compared).
+    # --fused --tune: each form's kernels tuned, then timed with those tiles (nothing timed
+    # for time: the forms' results are compared).
     monkeypatch.setattr(autotune, "tune_kernels", fake_kernels)
-    monkeypatch.setattr(autotune, "_compile_candidates",
-                        lambda kernel, key, cfgs, *a: [(cfg, None) for cfg in cfgs])
     monkeypatch.setattr(bm, "_time_fused", lambda *a: 1.0)
     assert bm.main(argv + ["--fused", "--tune"]) == 0
     rows = json.loads(out.read_text())["rows"]
