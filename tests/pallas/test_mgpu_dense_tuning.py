@@ -309,8 +309,9 @@ def test_tune_op_times_the_dense_candidates_and_the_op_then_runs_the_fastest(tmp
     benched = []
     real_loss_grad = autotune._loss_grad
 
-    def loss_grad(fn, args):
-        benched.append(str(jax.make_jaxpr(real_loss_grad(fn, args))(*args)))
+    def loss_grad(fn, args):  # the first two gradient benches traced once more, as text
+        if len(benched) < 2:
+            benched.append(str(jax.make_jaxpr(real_loss_grad(fn, args))(*args)))
         return real_loss_grad(fn, args)
 
     monkeypatch.setattr(autotune, "_loss_grad", loss_grad)
