@@ -253,9 +253,11 @@ def report(name: str, num_warps: int, num_stages: int, text: str,
         st_vector=sum(bool(vec.search(op + ".")) for op in stores))
 
 
-def inspect(fn, *args, kind: str = H100, capability: int = 90) -> list:
-    """A :class:`KernelReport` for every kernel ``jit(fn)`` launches on ``kind``."""
-    return [report(*k, capability=capability) for k in lower_kernels(fn, *args, kind=kind)]
+def inspect(fn, *args, kind: str = H100, capability: int = 90, names=None) -> list:
+    """A :class:`KernelReport` for every kernel ``jit(fn)`` launches on ``kind`` (of those
+    named in ``names`` if given: only they are compiled, each a Triton compilation)."""
+    return [report(*k, capability=capability) for k in lower_kernels(fn, *args, kind=kind)
+            if names is None or k[0] in names]
 
 
 def _row(shape: str, r: KernelReport, cfg: str = "") -> str:
@@ -354,10 +356,11 @@ def _candidates(fn, args, kind, kernels=None) -> list:
             if limit is not None and autotune.shared_memory_estimate(kernel, cfg, dtype) > limit:
                 continue  # the tuner skips it too
             with autotune.override({key: cfg}):
-                reports = inspect(fn, *args, kind=kind)
+                # only the tuned kernel's launches: the others keep their configs
+                reports = inspect(fn, *args, kind=kind, names=launch_names(kernel))
             text = f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k}" + (
                 f"/{cfg.split}" if cfg.split > 1 else "")
-            out += [(r, text) for r in reports if r.name in launch_names(kernel)]
+            out += [(r, text) for r in reports]
     return out
 
 
