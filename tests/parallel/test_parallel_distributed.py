@@ -69,6 +69,13 @@ def test_two_processes_train_like_one_process_with_eight_devices(tmp_path):
     assert max_diff(params, ref.params) < 2e-5
 
 
+# The long form: tests/reliability/test_reliability_multihost.py::
+# test_peer_killed_mid_run_ends_the_other_process[1-2] checks the same in the default run (process
+# 1 of two, each with several CPU devices, SIGKILLed while both train; the survivor ended by the
+# library's liveness watch within distributed.timeout_s, exit 1, one line naming the lost
+# process and the timeout, no XLA abort), through jaxcnn-train (its line begins with the
+# program name report_errors_as gives; this one, a program that never calls it, with "jaxcnn").
+@pytest.mark.slow
 def test_killing_one_process_stops_the_other_within_the_timeout(tmp_path):
     timeout_s = 5
     port = _free_port()

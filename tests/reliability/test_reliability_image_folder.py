@@ -50,6 +50,18 @@ def _running(pid):
         return False
 
 
+# The long form (25-30 s on 2 cores): each of its parts stays checked in the default run by a
+# faster test of the same code:
+# * kill -9 of jaxcnn-train, then resume bitwise equal to an uninterrupted run:
+#   tests/reliability/test_reliability_kill.py (kills during a checkpoint write and after a commit);
+# * grain workers ending when the process that owns them is SIGKILLed:
+#   tests/data/test_image_loader.py::test_workers_end_when_their_process_is_killed;
+# * the image folder's batches the same for any number of workers and on resume (the step is
+#   the position): tests/data/test_image_loader.py::test_workers_give_the_same_batches_and_resume;
+# * the trainer on an image folder with workers and data.on_bad_image=skip, stopped, resumed
+#   from its checkpoint bitwise equal to an uninterrupted run: tests/train/
+#   test_image_folder_training.py::test_a_data_worker_killed_mid_run_is_one_line_and_a_checkpoint.
+@pytest.mark.slow
 @pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs /proc")
 def test_kill_minus_9_with_workers_then_resume_is_bitwise(tmp_path, capsys):
     import time

@@ -21,7 +21,7 @@ from reliability_lib import Killable, tiny_args, tiny_npz, wait_for
 
 TIMEOUT_S = 10
 # A peer that never joins: the other process waits out the whole timeout, so a shorter one.
-JOIN_TIMEOUT_S = 5
+JOIN_TIMEOUT_S = 3
 # Start-up (imports, a first compilation on a loaded 2-core machine) on top of the timeout.
 SLACK_S = 60
 # Repetitions of the slow suite's kill test, per victim.

@@ -2,7 +2,7 @@
 (three classes, JPEG and PNG, mixed sizes and Pillow modes, one corrupt file) is learnt above
 chance, the corrupt file is skipped and counted in metrics.jsonl, the class names reach
 preprocessing.json, and records train bit for bit like the folder (with grain workers). Kill -9
-and resume: tests/reliability/test_reliability_image_folder.py."""
+and resume: tests/reliability/test_reliability_image_folder.py (with -m slow)."""
 import json
 import re
 import os
@@ -111,7 +111,7 @@ def test_bad_folder_is_one_line_exit_2(tmp_path, capsys):
 def test_records_train_bit_for_bit_like_the_folder(shapes, tmp_path):
     """The same images, so the same training, bit for bit (the corrupt file is left out by the
     converter, so a copy of the folder without it is the reference). Kill and resume with
-    workers: tests/reliability/test_reliability_image_folder.py."""
+    workers: tests/reliability/test_reliability_image_folder.py (with -m slow)."""
     folder = shapes[0]
     clean = tmp_path / "clean"
     shutil.copytree(folder, clean)
