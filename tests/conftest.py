@@ -81,15 +81,13 @@ def pytest_runtest_teardown(item, nextitem):
     return result
 
 
-# Property tests (hypothesis) run half their max_examples, at least 10, in the normal suite:
-# most of them compile a program per example.  JAXCNN_TEST_ALL_EXAMPLES=1 runs them all
-# (the scheduled long run sets it together with -m slow; tests/sweep.py reads it too).
 # Python's cyclic garbage collector: each full collection walks every live object, and a worker
 # holds hundreds of thousands (JAX's caches of traced and lowered programs, the imported
 # modules).  After collection, what the imports and test modules made is frozen (never walked
-# again), and a young collection waits for 10,000 new objects instead of 700 (tracing makes and
-# drops many).  Measured over tests/train + tests/layers (-n 2, jax 0.11.2), the collector's time
-# per worker: 26-28 s as Python sets it, 17-19 s frozen, 4-6 s frozen with this threshold.
+# again), and a young collection waits for 10,000 new objects instead of 700 (Python 3.11's and
+# 3.12's default; tracing makes and drops many).  Measured over tests/train + tests/layers (-n 2,
+# jax 0.11.2), the collector's time per worker: 26-28 s as Python sets it, 17-19 s frozen, 4-6 s
+# frozen with this threshold.
 @pytest.hookimpl(trylast=True)
 def pytest_collection_finish(session):
     gc.collect()
@@ -97,6 +95,9 @@ def pytest_collection_finish(session):
     gc.set_threshold(10_000, *gc.get_threshold()[1:])
 
 
+# Property tests (hypothesis) run half their max_examples, at least 10, in the normal suite:
+# most of them compile a program per example.  JAXCNN_TEST_ALL_EXAMPLES=1 runs them all
+# (the scheduled long run sets it together with -m slow; tests/sweep.py reads it too).
 def pytest_collection_modifyitems(config, items):
     if sweep.all_examples():
         return

@@ -105,7 +105,7 @@ def test_readme_example_runs_as_written(index, tmp_path):
     env = xla_cache.subprocess_env({k: v for k, v in os.environ.items() if k != "XLA_FLAGS"})
     # The suite's optimisation level only (one device, as a fresh process has; an example that
     # sets XLA_FLAGS replaces it) and its compilation cache: both change how fast XLA:CPU
-    # compiles, not what runs.
+    # compiles, not what the example does.
     env["XLA_FLAGS"] = xla_cache.OPT_FLAG
     env["PYTHONPATH"] = root
     done = subprocess.run([sys.executable, "-c", _runnable_blocks()[index]], cwd=tmp_path, env=env,

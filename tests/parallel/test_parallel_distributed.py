@@ -73,8 +73,10 @@ def test_two_processes_train_like_one_process_with_eight_devices(tmp_path):
 # test_peer_killed_mid_run_ends_the_other_process[1-2] checks the same in the default run (process
 # 1 of two, each with several CPU devices, SIGKILLed while both train; the survivor ended by the
 # library's liveness watch within distributed.timeout_s, exit 1, one line naming the lost
-# process and the timeout, no XLA abort), through jaxcnn-train (its line begins with the
-# program name report_errors_as gives; this one, a program that never calls it, with "jaxcnn").
+# process and the timeout, no XLA abort), through jaxcnn-train, whose line begins with the
+# program name it gives report_errors_as.  What only this test checks: the library's own
+# shard_map step (not the trainer's) with 4 devices per process.  The default name of a program
+# that never calls report_errors_as: test_a_lost_peer_line_begins_with_the_default_program_name.
 @pytest.mark.slow
 def test_killing_one_process_stops_the_other_within_the_timeout(tmp_path):
     timeout_s = 5
@@ -213,6 +215,21 @@ def test_exit_now_writes_one_line_whichever_thread_comes_first():
     p = subprocess.run([sys.executable, "-c", code], env=_env(), capture_output=True, text=True, timeout=120)
     assert p.returncode == 1, p.stderr[-3000:]
     assert len(p.stderr.splitlines()) == 1 and p.stderr.startswith("jaxcnn: error: line "), p.stderr
+
+
+def test_a_lost_peer_line_begins_with_the_default_program_name():
+    """A program that never calls report_errors_as ends on a lost peer with a line that begins
+    ``jaxcnn: error:`` and names both processes and the timeout (a fresh process: the suite's
+    in-process trainer runs set the name to jaxcnn-train)."""
+    code = ("from jax._src import distributed as jd\nfrom jaxcnn.parallel import distributed as d\n"
+            "d.exit_now = lambda line, code=1: print(line)\n"
+            "jd.global_state.process_id, jd.global_state.num_processes = 0, 2\n"
+            "d._exit_lost(1, 'its liveness connection closed', 5)\n")
+    p = subprocess.run([sys.executable, "-c", code], env=_env(), capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stdout.startswith("jaxcnn: error: process 0 of 2 lost process 1: its liveness connection "
+                               "closed;"), p.stdout
+    assert "distributed.timeout_s=5 s" in p.stdout, p.stdout
 
 
 def test_relay_holds_a_closed_coordinator_connection_until_the_process_ends(monkeypatch):

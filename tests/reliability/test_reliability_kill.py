@@ -30,20 +30,23 @@ class Setup(NamedTuple):
     data: str
     cache: str
     reference: str      # params.npz of the uninterrupted run
-    window_s: float     # how long an uninterrupted run trains after start-up (time-based kills)
+    window_s: float     # how long the uninterrupted run took in process (time-based kills)
 
 
 def run_args(setup_or_data, workdir):
     data = setup_or_data if isinstance(setup_or_data, str) else setup_or_data.data
+    # matmul precision highest in every run: the in-process reference has it from tests/conftest.py
+    # (a jax.config setting no subprocess inherits), so the runs compile the same programs
     return tiny_args(data, f"train.steps={TOTAL_STEPS}", "checkpoint.every=1", "checkpoint.keep=3",
-                     "--workdir", str(workdir))
+                     "precision.matmul_precision=highest", "--workdir", str(workdir))
 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    """The uninterrupted run, in this process (the killed runs' programs: they load them from the
-    suite's compilation cache, which other modules' tiny runs fill too). Its whole length bounds
-    the time-based kills, which wait from the killed run's precision line, before it compiles."""
+    """The uninterrupted run, in this process: it compiles the killed runs' programs, which they
+    load from the suite's compilation cache.  Its whole length (configuration to saved parameters,
+    without a fresh interpreter's start) bounds the time-based kills, which wait from the killed
+    run's precision line, before it loads its programs."""
     from jaxcnn.train.cli import train_main
     base = tmp_path_factory.mktemp("kill")
     data = tiny_npz(base / "d.npz")
