@@ -13,6 +13,7 @@ import threading
 import time
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 
@@ -59,9 +60,14 @@ def checkpointed_args(data, workdir, *extra):
 
 
 def subprocess_env(cache_dir=None):
-    """Environment of a trainer subprocess: this checkout first on the path, unbuffered output."""
+    """Environment of a trainer subprocess: this checkout first on the path, unbuffered output, and
+    the suite's matmul precision (tests/conftest.py sets it with jax.config, which no subprocess
+    inherits): a run in this process and one in a subprocess compile the same programs, so the
+    subprocess loads them from a shared cache and their parameters compare bit for bit."""
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
                PYTHONUNBUFFERED="1")
+    if jax.config.jax_default_matmul_precision is not None:
+        env["JAX_DEFAULT_MATMUL_PRECISION"] = str(jax.config.jax_default_matmul_precision)
     if cache_dir is not None:
         env.update(xla_cache.jax_cache_vars(cache_dir))
     return env

@@ -35,10 +35,8 @@ class Setup(NamedTuple):
 
 def run_args(setup_or_data, workdir):
     data = setup_or_data if isinstance(setup_or_data, str) else setup_or_data.data
-    # matmul precision highest in every run: the in-process reference has it from tests/conftest.py
-    # (a jax.config setting no subprocess inherits), so the runs compile the same programs
     return tiny_args(data, f"train.steps={TOTAL_STEPS}", "checkpoint.every=1", "checkpoint.keep=3",
-                     "precision.matmul_precision=highest", "--workdir", str(workdir))
+                     "--workdir", str(workdir))
 
 
 @pytest.fixture(scope="module")
