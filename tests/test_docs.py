@@ -131,10 +131,7 @@ def _environment():
     """A fresh process's environment: the suite's compilation cache (the guides' examples
     initialise the same small models, so only the first compiles), this tree first on the
     path, the console scripts of this Python."""
-    env = xla_cache.subprocess_env({k: v for k, v in os.environ.items() if k != "XLA_FLAGS"})
-    # The suite's optimisation level only (one device, as a fresh process has; an example or
-    # command that sets XLA_FLAGS replaces it): XLA:CPU compiles the examples' programs faster.
-    env["XLA_FLAGS"] = xla_cache.OPT_FLAG
+    env = xla_cache.fresh_process_env()
     env["PYTHONPATH"] = ROOT
     env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")  # the console scripts
     return env

@@ -102,11 +102,7 @@ def test_readme_example_runs_as_written(index, tmp_path):
     import sys
     root = os.path.dirname(README)
     import xla_cache
-    env = xla_cache.subprocess_env({k: v for k, v in os.environ.items() if k != "XLA_FLAGS"})
-    # The suite's optimisation level only (one device, as a fresh process has; an example that
-    # sets XLA_FLAGS replaces it) and its compilation cache: both change how fast XLA:CPU
-    # compiles, not what the example does.
-    env["XLA_FLAGS"] = xla_cache.OPT_FLAG
+    env = xla_cache.fresh_process_env()
     env["PYTHONPATH"] = root
     done = subprocess.run([sys.executable, "-c", _runnable_blocks()[index]], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=300)

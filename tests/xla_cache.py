@@ -61,6 +61,17 @@ def subprocess_env(env=None) -> dict:
     return env
 
 
+
+def fresh_process_env(env=None) -> dict:
+    """``env`` (default: this process's environment) for a process that starts as a user's would,
+    with one device: XLA_FLAGS holds the suite's optimisation level alone (an example or command
+    that sets XLA_FLAGS replaces it), and the suite's compilation cache.  Both change how fast
+    XLA:CPU compiles, not what the process does."""
+    env = subprocess_env({k: v for k, v in (os.environ if env is None else env).items()
+                          if k != "XLA_FLAGS"})
+    env["XLA_FLAGS"] = OPT_FLAG
+    return env
+
 def with_devices(n: int) -> str:
     """This process's XLA_FLAGS asking for ``n`` host CPU devices instead of the suite's 8, its
     other flags kept (the optimisation level, jaxcnn.cpu.configure's flag)."""

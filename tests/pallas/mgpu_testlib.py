@@ -166,6 +166,14 @@ def fake_tuning_clock(monkeypatch, tmp_path):
     return timer, timed
 
 
+
+def compile_no_candidates(monkeypatch) -> None:
+    """The tuner compiles no candidate (each config paired with no program): for a fake clock
+    that times nothing.  That tune_op compiles and times real candidates is the
+    ``test_tune_op_times_*`` tests' point."""
+    monkeypatch.setattr(autotune, "_compile_candidates",
+                        lambda kernel, key, cfgs, *a: [(cfg, None) for cfg in cfgs])
+
 # --- which tile candidates the default suite lowers --------------------------------------------
 
 def cover(candidates) -> list:

@@ -25,8 +25,8 @@ import numpy as np
 import pytest
 
 import pallas_kernels as pk
-from mgpu_testlib import (H100, assert_16bit_close, fake_tuning_clock, needs_mgpu, normal, ref_conv,
-                          seen_configs)
+from mgpu_testlib import (H100, assert_16bit_close, compile_no_candidates, fake_tuning_clock, needs_mgpu,
+                          normal, ref_conv, seen_configs)
 from mgpu_testlib import shipped  # noqa: F401 (a fixture)
 from pallas_kernels import autotune
 from pallas_kernels import mgpu_conv as mc
@@ -374,10 +374,7 @@ def test_bench_mgpu_tunes_then_times_with_the_tuned_tiles(tmp_path, monkeypatch,
         return real_kernels(run, arrays, timer=lambda fn, *a: 1.0, candidate_fn=one)
 
     monkeypatch.setattr(autotune, "tune_op", fake_tune)
-    # Nothing compiled for the fake clock, which times nothing: that tune_op compiles and
-    # times real candidates is test_tune_op_times_the_dense_candidates_and_...'s point.
-    monkeypatch.setattr(autotune, "_compile_candidates",
-                        lambda kernel, key, cfgs, *a: [(cfg, None) for cfg in cfgs])
+    compile_no_candidates(monkeypatch)  # the fake clock times nothing
     assert not bm.tiles_tunable()  # the CPU: tiles are tuned on a GPU only, unless told
     monkeypatch.setattr(bm, "tiles_tunable", lambda: True)
     monkeypatch.setattr(bm, "SHAPES", [("mnist", "tiny", (4, 4, 16), dict(padding=1),

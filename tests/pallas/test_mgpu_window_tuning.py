@@ -21,7 +21,7 @@ import pytest
 
 import pallas_kernels as pk
 from jaxcnn import _geometry as geo
-from mgpu_testlib import H100, fake_tuning_clock, needs_mgpu, seen_configs
+from mgpu_testlib import H100, compile_no_candidates, fake_tuning_clock, needs_mgpu, seen_configs
 from mgpu_testlib import shipped  # noqa: F401 (a fixture)
 from pallas_kernels import autotune
 from pallas_kernels import mgpu_conv as mc
@@ -272,10 +272,7 @@ def test_bench_mgpu_window_tunes_then_times_with_the_tuned_tiles(tmp_path, monke
                         dataclasses.replace(call.candidates()[0], stages=1)])
 
     monkeypatch.setattr(autotune, "tune_op", fake_tune)
-    # Nothing compiled for the fake clock, which times nothing: that tune_op compiles and
-    # times real candidates is test_tune_op_times_the_window_candidates_and_...'s point.
-    monkeypatch.setattr(autotune, "_compile_candidates",
-                        lambda kernel, key, cfgs, *a: [(cfg, None) for cfg in cfgs])
+    compile_no_candidates(monkeypatch)  # the fake clock times nothing
     out = tmp_path / "w.json"
     argv = ["--force", "--batch", "1", "--groups", "mnist", "--repeats", "1", "--no-grad",
             "--tune", "--json", str(out)]
