@@ -183,7 +183,12 @@ def _triton():
 
 
 def compile_ttir(text: str, num_warps: int, num_stages: int, capability: int = 90):
-    """Triton's ``CompiledKernel`` for one kernel's IR, built for ``sm_{capability}``."""
+    """Triton's ``CompiledKernel`` for one kernel's IR, built for ``sm_{capability}``.
+
+    Parsing a file puts its path in the module's locations; the cleaned module is written
+    with this call's temporary path replaced by a fixed name, so its text (which Triton's
+    cache is keyed on) depends on ``text`` alone: a kernel compiled before, by this process
+    or another, is read back from Triton's cache instead of compiled again."""
     triton, ir, GPUTarget, CUDABackend = _triton()
     target = GPUTarget("cuda", capability, 32)
     with tempfile.TemporaryDirectory() as tmp:
@@ -199,7 +204,7 @@ def compile_ttir(text: str, num_warps: int, num_stages: int, capability: int = 9
         # dot+add, CSE) before lowering; compiling from a .ttir file skips that stage.
         module = CUDABackend.make_ttir(module, {}, None, capability)
         with open(src, "w", encoding="utf-8") as f:
-            f.write(str(module))
+            f.write(str(module).replace(src, "kernel.ttir"))
         return triton.compile(src, target=target,
                               options=dict(num_warps=num_warps, num_stages=num_stages))
 

@@ -15,6 +15,7 @@ GPUs' versions) and skip, saying why, where it or the jax hook is missing.
 import importlib.util
 import os
 import sys
+import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -177,6 +178,19 @@ def test_pool_kernels_load_and_store_vectors(op, kw):
         (signature,) = [line for line in ttir.splitlines()
                         if "tt.func" in line and "@jaxcnn_max_pool_fwd" in line]
         assert "!tt.ptr<i8>" in signature and "!tt.ptr<i32>" not in signature
+
+
+def test_a_kernel_compiled_again_has_the_same_triton_cache_key():
+    """compile_ttir's source text depends on the kernel's IR alone (its temporary file's
+    path, which parsing puts in every location, is replaced by a fixed name), so Triton's
+    cache serves a kernel compiled before: each compilation keyed by a fresh path made every
+    key new.  (The forward-only max pool: its kernel is the pool test's, compiled there.)"""
+    def fn(x):
+        return pk.max_pool2d(x, kernel_size=3, stride=2, padding=1, config=TILE, **GPU)
+    ((_, warps, stages, text),) = ik.lower_kernels(fn, S((2, 16, 16, 64), jnp.bfloat16))
+    first, again = (ik.compile_ttir(text, warps, stages) for _ in range(2))
+    assert first.hash == again.hash
+    assert first.asm["ttir"] == again.asm["ttir"] and tempfile.gettempdir() not in first.asm["ttir"]
 
 
 def test_inspect_script_prints_every_benchmark_kernel(capsys):
