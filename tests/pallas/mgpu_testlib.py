@@ -34,7 +34,10 @@ def ref_conv(x, w, pads, dilation=(1, 1), stride=(1, 1)):
 
 
 def normal(rng, shape, dtype):
-    return jnp.asarray(rng.standard_normal(shape).astype(np.float32)).astype(dtype)
+    """Standard-normal values in float32 rounded to ``dtype`` on the host: ml_dtypes rounds to
+    nearest even, as XLA's convert does (the same bits), without an eager conversion
+    compiled per shape."""
+    return jnp.asarray(rng.standard_normal(shape).astype(np.float32).astype(jnp.dtype(dtype)))
 
 
 def assert_16bit_close(got, want, dtype, what):
