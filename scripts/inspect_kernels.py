@@ -234,15 +234,16 @@ def _bits(opcode_suffix: str) -> int:
 
 
 def report(name: str, num_warps: int, num_stages: int, text: str,
-           capability: int = 90) -> KernelReport:
-    """Compiles one kernel and counts what matters for its speed."""
+           capability: int = 90, usage: bool = True) -> KernelReport:
+    """Compiles one kernel and counts what matters for its speed; without ``usage``, its
+    registers and spills are not asked of ``ptxas -v`` (a second assembly) and read None."""
     kernel = compile_ttir(text, num_warps, num_stages, capability)
     ptx = kernel.asm["ptx"]
     loads = re.findall(r"^\s*(?:@%p\d+\s+)?ld\.global(\S*)", ptx, re.M)
     stores = re.findall(r"^\s*(?:@%p\d+\s+)?st\.global(\S*)", ptx, re.M)
     copies = re.findall(r"cp\.async\.c[ag]\.shared\.global\S*\s+\[[^\]]+\],\s*\[[^\]]+\],\s*(0x[0-9a-fA-F]+|\d+)",
                         ptx)
-    regs, spill = _ptxas_usage(ptx, capability)
+    regs, spill = _ptxas_usage(ptx, capability) if usage else (None, None)
     vec = re.compile(r"\.v[248]\.")
     return KernelReport(
         name=name, num_warps=num_warps, num_stages=num_stages, regs=regs, spill_bytes=spill,
@@ -258,11 +259,13 @@ def report(name: str, num_warps: int, num_stages: int, text: str,
         st_vector=sum(bool(vec.search(op + ".")) for op in stores))
 
 
-def inspect(fn, *args, kind: str = H100, capability: int = 90, names=None) -> list:
+def inspect(fn, *args, kind: str = H100, capability: int = 90, names=None,
+            usage: bool = True) -> list:
     """A :class:`KernelReport` for every kernel ``jit(fn)`` launches on ``kind`` (of those
-    named in ``names`` if given: only they are compiled, each a Triton compilation)."""
-    return [report(*k, capability=capability) for k in lower_kernels(fn, *args, kind=kind)
-            if names is None or k[0] in names]
+    named in ``names`` if given: only they are compiled, each a Triton compilation);
+    ``usage`` as :func:`report`'s."""
+    return [report(*k, capability=capability, usage=usage)
+            for k in lower_kernels(fn, *args, kind=kind) if names is None or k[0] in names]
 
 
 def _row(shape: str, r: KernelReport, cfg: str = "") -> str:

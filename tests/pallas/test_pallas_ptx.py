@@ -236,6 +236,6 @@ def test_shared_memory_estimate_bounds_what_triton_allocates(dtype):
 
         def fn(x, w, cfg=cfg):
             return pk.conv2d(x, w, padding=1, config=cfg, precision=lax.Precision.DEFAULT, **GPU)
-        for r in ik.inspect(_grad(fn, (0, 1)), *args):
+        for r in ik.inspect(_grad(fn, (0, 1)), *args, usage=False):  # no spill count read
             estimate = autotune.shared_memory_estimate(names[r.name], cfg, dtype)
             assert r.shared_bytes <= estimate, (tile, r.name, r.shared_bytes, estimate)
