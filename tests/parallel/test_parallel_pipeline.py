@@ -481,6 +481,11 @@ def test_a_step_built_without_the_plans_pipeline_is_refused():
 # ----- the trainer: config keys, checkpoints, resume onto another layout --------------------
 
 def _train(args, workdir):
+    """jaxcnn-train in this process on lenet5 (4 steps of 32 images, checkpoints at 2 and 4), with
+    global-norm clipping that acts: the one-device run with 4 micro-batches is then the same
+    programs as test_parallel_pipeline_mpmd.py::test_trainer_runs_the_mpmd_engine_and_resumes_across_engines's
+    reference run, which the compilation cache compiles once for both modules
+    (``train.eval_every`` changes no program).  ``(exit code, stdout, stderr)``."""
     import contextlib
     import io
     import os
@@ -490,7 +495,8 @@ def _train(args, workdir):
     common = [os.path.join(root, "configs", "mnist_cnn.yaml"), "model.name=lenet5", "data.batch_size=32",
               "data.eval_batch_size=500", "data.prefetch=1", "logging.log_every=1",
               "logging.progress=lines", "optim.name=adam", "optim.lr=0.002", "optim.schedule.name=constant",
-              "train.eval_every=null", "train.steps=4", "checkpoint.every=2", "checkpoint.keep=3"]
+              "optim.grad_clip_norm=0.05", "train.eval_every=null", "train.steps=4", "checkpoint.every=2",
+              "checkpoint.keep=3"]
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         code = train_main(common + list(args) + ["--workdir", str(workdir)])
