@@ -95,7 +95,7 @@ def _rel(a, b):
 # small_resnet (ResNet-18's strided blocks, BatchNorm statistics over both axes) and small_vgg (2x2
 # pools, the dropout classifier) by test_remat_matches_one_device, the same layout and assertions with each
 # unit recomputed; the two other cases check both models on spatial 4 without recomputation.
-# ResNet-18 and VGG-11 themselves (twice small_resnet's and small_vgg's compilation, the same kinds
+# ResNet-18 and VGG-11 themselves (several times small_resnet's and twice small_vgg's compilation, the same kinds
 # of layers) run with the slow tests.
 @pytest.mark.parametrize("name,data,spatial", [
     ("small_resnet", 1, 4), pytest.param("resnet18", 1, 4, marks=pytest.mark.slow),
@@ -288,7 +288,7 @@ def test_explicit_halo_ops_accept_every_window_the_plan_accepts():
 
 # data2_spatial2 alone runs with the slow tests: its halo exchange is the other two cases' (the same
 # layout with a model axis besides, and with each unit recomputed), with the same assertions; so do
-# ResNet-18's cases (small_resnet has its geometry: layer3 on 2-row maps, at half the compilation).
+# ResNet-18's cases (small_resnet has its geometry to layer3, on 2-row maps there, at a fraction of the compilation).
 @pytest.mark.parametrize("name,data,spatial,model_axis,remat", [
     pytest.param("small_resnet", 2, 2, 1, False, marks=pytest.mark.slow), ("small_resnet", 2, 2, 2, False),
     ("small_resnet", 2, 2, 1, True), pytest.param("resnet18", 2, 2, 2, False, marks=pytest.mark.slow),
