@@ -95,10 +95,30 @@ def pytest_collection_finish(session):
     gc.set_threshold(10_000, *gc.get_threshold()[1:])
 
 
+# The order the tests are handed out in.  xdist gives its workers the tests in collection order,
+# and a worker that has run out of tests waits for the other to finish its last one: the GPU
+# check's dry run (one test of about 90 s) goes first, and the directories whose tests all take
+# a few seconds at most go last, so the run ends on short tests.  Within a directory the order
+# stays the collection's.
+_TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+_FIRST = ("test_gpu_check.py",)
+_LAST = ("functional", "interop")
+
+
+def _schedule_rank(item) -> int:
+    top = os.path.relpath(str(item.path), _TESTS_DIR).split(os.sep)[0]
+    return 0 if top in _FIRST else 2 if top in _LAST else 1
+
+
+def pytest_collection_modifyitems(config, items):
+    items.sort(key=_schedule_rank)  # stable: each directory keeps its order
+    _halve_examples(items)
+
+
 # Property tests (hypothesis) run half their max_examples, at least 10, in the normal suite:
 # most of them compile a program per example.  JAXCNN_TEST_ALL_EXAMPLES=1 runs them all
 # (the scheduled long run sets it together with -m slow; tests/sweep.py reads it too).
-def pytest_collection_modifyitems(config, items):
+def _halve_examples(items):
     if sweep.all_examples():
         return
     import hypothesis

@@ -1,5 +1,5 @@
-"""The suite hooks of tests/conftest.py: the one-line summary of why tests were skipped, and
-property tests running half their examples."""
+"""The suite hooks of tests/conftest.py: the one-line summary of why tests were skipped,
+property tests running half their examples, and the order the tests are handed out in."""
 import importlib.util
 import pathlib
 
@@ -62,7 +62,23 @@ def test_property_tests_run_half_their_examples(monkeypatch):
             self.obj = obj
 
     monkeypatch.delenv("JAXCNN_TEST_ALL_EXAMPLES", raising=False)
-    conftest.pytest_collection_modifyitems(None, [Item(many), Item(many), Item(few), Item(len)])
+    conftest._halve_examples([Item(many), Item(many), Item(few), Item(len)])
     assert many._hypothesis_internal_use_settings.max_examples == 20  # halved once, not per item
     assert few._hypothesis_internal_use_settings.max_examples == 10
     assert many._hypothesis_internal_use_settings.deadline is None  # the rest kept
+
+
+def test_the_long_dry_run_goes_first_and_the_short_directories_last():
+    class Item:
+        def __init__(self, path):
+            self.path = pathlib.Path(__file__).parent / path
+            self.obj = None
+
+    paths = ["data/test_a.py", "functional/test_b.py", "interop/test_c.py", "test_gpu_check.py",
+             "train/test_d.py", "functional/test_a.py", "test_readme.py", "data/test_0.py"]
+    items = [Item(p) for p in paths]
+    conftest.pytest_collection_modifyitems(None, items)
+    tests = pathlib.Path(__file__).parent
+    assert [str(i.path.relative_to(tests)) for i in items] == [
+        "test_gpu_check.py", "data/test_a.py", "train/test_d.py", "test_readme.py", "data/test_0.py",
+        "functional/test_b.py", "interop/test_c.py", "functional/test_a.py"]
