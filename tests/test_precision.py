@@ -540,7 +540,11 @@ def test_bf16_first_moment_keeps_its_dtype():
 
 # --- a policy name given to apply ------------------------------------------------------
 
+@functools.cache
 def _lenet():
+    """LeNet-5, its initial variables and an input, made once for the module's tests (JAX arrays
+    are immutable: no test can change them for another); each call traced and lowered the init
+    program again."""
     from jaxcnn import models
     model = models.get("lenet5")
     params, state = jax.jit(lambda k: model.init(k, (2, 28, 28, 1))[:2])(jax.random.key(0))

@@ -59,8 +59,12 @@ def test_closing_early_unlinks_the_blocks_made_ahead():
     loader = Loader(_Big(), 0, 20, workers=2, buffer=2)
     token = loader._ring.token
     _same([next(loader), next(loader)], [_Big()(0), _Big()(1)])
-    time.sleep(0.5)  # the workers fill their buffers meanwhile
-    assert _blocks(token)
+    # Until the workers have made batches ahead: blocks beyond the two of the batches read (it
+    # slept 0.5 s and asked only for some block; the workers fill their rings within ~0.1 s).
+    deadline = time.monotonic() + 30
+    while len(_blocks(token)) <= 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(_blocks(token)) > 2
     loader.close()
     assert _blocks(token) == []
 

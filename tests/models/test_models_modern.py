@@ -107,12 +107,12 @@ def test_initial_values_follow_torchvision():
 def _random_variables(model, shape, seed=0):
     rng = np.random.default_rng(seed)
 
-    def fill(path, a):
+    def fill(path, a):  # NumPy, in the leaf's dtype, put as it is: no program compiled per shape
         if path[-1].key == "count":
-            return jnp.zeros(a.shape, a.dtype)
+            return jax.device_put(np.zeros(a.shape, a.dtype))
         if path[-1].key == "var":
-            return jnp.asarray(rng.uniform(0.5, 1.5, a.shape), a.dtype)
-        return jnp.asarray(0.5 * rng.standard_normal(a.shape), a.dtype)
+            return jax.device_put(np.asarray(rng.uniform(0.5, 1.5, a.shape), a.dtype))
+        return jax.device_put(np.asarray(0.5 * rng.standard_normal(a.shape), a.dtype))
 
     return tuple(jax.tree_util.tree_map_with_path(fill, t) for t in _abstract_init(model, shape))
 

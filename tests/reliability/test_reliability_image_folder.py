@@ -97,13 +97,20 @@ def test_a_worker_killed_mid_send_ends_jaxcnn_train_with_one_line(tmp_path):
     """SIGKILL (the OOM killer) to one of jaxcnn-train's 2 grain workers while its 400 KB
     batches go through grain's pipe left the trainer asleep at 0% CPU, deaf to SIGTERM (3 runs
     in 3). Now it exits 1 within seconds: one line naming the worker and its signal, and a
-    checkpoint of the steps done."""
+    checkpoint of the steps done.
+
+    The batches here are 32 images of 32x32x3 bytes, 98 KB: under the shared-memory handover's
+    1 MB, so they go through grain's pipe, and over the pipe's 64 KB, so a worker that runs
+    ahead of the trainer waits half-way through sending one, as the 400 KB batches did (at
+    64x64 each of the ~13 steps before and after the kill took 0.3 s instead of 0.1 s).  The
+    loader's own test kills a worker it has seen blocked mid-send, at three points:
+    tests/data/test_image_loader.py::test_a_worker_killed_while_it_sends_a_large_batch_is_an_error_within_seconds."""
     import signal
     import time
     folder = tmp_path / "shapes"
     write_shapes_folder(folder, per_class=(12, 2), classes=["blue", "green", "red"], size_range=(64, 80))
     work = tmp_path / "w"
-    proc = Killable(_args(folder, work, "data.workers=2", "data.image_size=[64,64]", "data.batch_size=32",
+    proc = Killable(_args(folder, work, "data.workers=2", "data.image_size=[32,32]", "data.batch_size=32",
                           "train.steps=1000", "checkpoint.every=1000", "logging.log_every=1"),
                     cache_dir=xla_cache.directory())
     try:
