@@ -5,7 +5,6 @@ eval-mode block with the same per-example mask.  (Parameter counts are in
 test_models_zoo.py's table; logits against PyTorch twins in
 tests/interop/test_interop_modern.py.)"""
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
