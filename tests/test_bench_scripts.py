@@ -160,12 +160,32 @@ def test_profile_step_sums_device_kernels_per_step(tmp_path):
     assert ps.kind_of("jaxcnn_conv_fwd") == "pallas"
 
 
-def test_bench_train_times_each_batch_norm_form(tmp_path):
+def _tiny_bn_case(monkeypatch, bt):
+    """A case ``tiny_bn`` in ``bt``'s CASES: convolution, BatchNorm, ReLU, a strided convolution,
+    BatchNorm, pooling, fc on 8x8x3 images, registered in the zoo for this test only. The
+    script's jaxcnn path (zoo model, train state, jitted step under the chosen Choices) is the
+    same for every case; ResNet-18's 20 BatchNorms compiled twice took most of the test's time
+    and exercised no more of the script."""
+    from jaxcnn import layers as L
+    from jaxcnn.models import registry
+
+    def tiny_bn(*, num_classes=10):
+        return L.serial(("conv1", L.Conv2D(8, 3, padding=1, use_bias=False)), ("bn1", L.BatchNorm()),
+                        ("relu1", L.Relu()), ("conv2", L.Conv2D(8, 3, stride=2, padding=1, use_bias=False)),
+                        ("bn2", L.BatchNorm()), ("relu2", L.Relu()), ("pool", L.GlobalAvgPool2D()),
+                        ("fc", L.Linear(num_classes)))
+
+    monkeypatch.setitem(registry._MODELS, "tiny_bn", registry._Entry(tiny_bn, (1, 8, 8, 3)))
+    monkeypatch.setitem(bt.CASES, "tiny_bn", ("tiny_bn", {}, 2, (8, 8, 3), 10, False))
+
+
+def test_bench_train_times_each_batch_norm_form(tmp_path, monkeypatch):
     """``--bn-grads`` times the same step with each BatchNorm backward, the first as the
     reference row; ``--batch`` shrinks the case for a smoke run."""
     bt = _load("bench_train")
+    _tiny_bn_case(monkeypatch, bt)
     out = tmp_path / "t.json"
-    bt.main(["--models", "resnet18_cifar", "--batch", "2", "--frameworks", "jaxcnn",
+    bt.main(["--models", "tiny_bn", "--batch", "2", "--frameworks", "jaxcnn",
              "--bn-grads", "autodiff,closed_form", "--steps", "1", "--reps", "1",
              "--warmup", "0", "--pipeline-seconds", "0.01", "--json", str(out)])
     result = json.loads(out.read_text())

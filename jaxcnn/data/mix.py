@@ -50,15 +50,24 @@ class MixDraw(NamedTuple):
 
 
 def draw(key, spec: MixSpec, image_hw: tuple[int, int]) -> MixDraw:
-    """The batch's choices (:class:`MixDraw`) from ``key``."""
+    """The batch's choices (:class:`MixDraw`) from ``key``.
+
+    ``lam`` is one Beta draw whose parameter the batch's kind picks (``mixup_alpha`` from the
+    ``mixup`` key, ``cutmix_alpha`` from the ``cutmix`` key): a batch uses one of the two, and
+    each Beta draw is two Gamma rejection loops, most of a small step's kernels."""
     k_pick, k_mix, k_cut, k_row, k_col = jax.random.split(key, 5)
     u = jax.random.uniform(k_pick)
     cut_p = spec.cutmix_prob if spec.cutmix_alpha > 0 else 0.0
     mix_p = spec.mixup_prob if spec.mixup_alpha > 0 else 0.0
     kind = jnp.where(u < cut_p, 2, jnp.where(u < cut_p + mix_p, 1, 0)).astype(jnp.int32)
-    lam_mix = jax.random.beta(k_mix, spec.mixup_alpha, spec.mixup_alpha) if spec.mixup_alpha > 0 else 1.0
-    lam_cut = jax.random.beta(k_cut, spec.cutmix_alpha, spec.cutmix_alpha) if spec.cutmix_alpha > 0 else 1.0
-    lam = jnp.where(kind == 1, lam_mix, jnp.where(kind == 2, lam_cut, 1.0)).astype(jnp.float32)
+    lam = 1.0
+    if spec.enabled:  # an alpha that is off stands in as 1: its kind is never drawn
+        alpha = jnp.where(kind == 2, spec.cutmix_alpha or 1.0, spec.mixup_alpha or 1.0)
+        k_lam = jax.random.wrap_key_data(jnp.where(kind == 2, jax.random.key_data(k_cut),
+                                                   jax.random.key_data(k_mix)),
+                                         impl=jax.random.key_impl(k_mix))
+        lam = jnp.where(kind == 0, 1.0, jax.random.beta(k_lam, alpha, alpha))
+    lam = jnp.asarray(lam, jnp.float32)
     h, w = image_hw
     centre = jnp.stack([jax.random.randint(k_row, (), 0, h), jax.random.randint(k_col, (), 0, w)])
     return MixDraw(kind, lam, centre)

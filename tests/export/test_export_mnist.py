@@ -3,6 +3,7 @@ on the packaged 10,000-digit sample), then folded, int8-quantised and pruned
 with a fine-tune through the trainer; accuracy is measured on the 2,000 test digits (one digit =
 0.05 percentage points).  Also the ``jaxcnn-export`` command line and its
 bad-input errors (exit code 2, one line on stderr)."""
+import hashlib
 import json
 import os
 import shutil
@@ -15,8 +16,8 @@ from export_cases import onnx_run
 from jaxcnn import interop
 from jaxcnn import layers as L
 from jaxcnn.data import load_mnist
-from jaxcnn.export import (calibration_batches, evaluate_model, fold_batch_norm, load_source,
-                           load_stablehlo, magnitude_prune, quantize_int8, sparsity_report)
+from jaxcnn.export import (calibration_batches, fold_batch_norm, load_source, load_stablehlo,
+                           magnitude_prune, pipeline, quantize_int8, sparsity_report)
 from jaxcnn.export.cli import main
 from jaxcnn.models import registry
 
@@ -26,6 +27,40 @@ pytestmark = pytest.mark.xdist_group("mnist_run")  # conftest's mnist_run
 @pytest.fixture(scope="module")
 def run_dir(mnist_run):
     return mnist_run
+
+
+def _digest(*trees):
+    """A hash of ``trees``' structure and every leaf's dtype, shape and bytes."""
+    h = hashlib.sha256(str(jax.tree_util.tree_structure(trees)).encode())
+    for leaf in jax.tree_util.tree_leaves(trees):
+        leaf = np.asarray(leaf)
+        h.update(f"{leaf.dtype}{leaf.shape}".encode() + leaf.tobytes())
+    return h.hexdigest()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def each_evaluation_once():
+    """``evaluate_model`` (the tests' and the export command's) runs once per distinct program and
+    inputs in this module: the same config (data, precision), the same eval-mode jaxpr and the
+    same parameters and state give the same accuracy, so a repeat is served from a memo. The
+    exports' "original" accuracy of the run, and the int8 model the command calibrates as
+    test_fold_and_int8_accuracy does, were each a 2,000-digit evaluation again (~2.5 s each)."""
+    real, memo = pipeline.evaluate_model, {}
+
+    def evaluate_once(cfg, model, params, state):
+        program = jax.make_jaxpr(lambda p, s: model.apply(p, s, np.zeros((1, 28, 28, 1), np.float32),
+                                                          train=False))(params, state)
+        key = (repr(cfg), str(program), _digest(params, state))
+        if key not in memo:
+            memo[key] = real(cfg, model, params, state)
+        return memo[key]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(pipeline, "evaluate_model", evaluate_once)
+        yield
+
+
+def evaluate_model(cfg, model, params, state):
+    return pipeline.evaluate_model(cfg, model, params, state)
 
 
 @pytest.fixture(scope="module")

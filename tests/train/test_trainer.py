@@ -1,4 +1,6 @@
 """End-to-end tests of the trainer: tiny real runs of the CLI on every data source."""
+import contextlib
+import io
 import json
 import os
 import shutil
@@ -49,12 +51,23 @@ def _losses(workdir):
     return [r["loss"] for r in read_metrics(workdir) if r["kind"] == "train"]
 
 
-def test_same_seed_same_losses_and_loss_falls(tmp_path, capsys):
-    args = [os.path.join(CONFIGS, "mnist_cnn.yaml"), *FAST, "train.steps=24",
-            "checkpoint.enabled=false"]
-    assert train_main(args + ["--workdir", str(tmp_path / "a")]) == 0
-    assert train_main(args + ["--workdir", str(tmp_path / "b")]) == 0
-    a, b = _losses(tmp_path / "a"), _losses(tmp_path / "b")
+# A 24-step run without checkpoints, shared (read only) by the two tests below: the first run of
+# the same-seed pair and the uninterrupted reference of the SIGTERM test (which trained its own).
+UNINTERRUPTED = [os.path.join(CONFIGS, "mnist_cnn.yaml"), *FAST, "train.steps=24", "checkpoint.enabled=false"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    work = tmp_path_factory.mktemp("uninterrupted") / "a"
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert train_main(UNINTERRUPTED + ["--workdir", str(work)]) == 0
+    return work
+
+
+@pytest.mark.xdist_group("trainer_uninterrupted")
+def test_same_seed_same_losses_and_loss_falls(uninterrupted, tmp_path, capsys):
+    assert train_main(UNINTERRUPTED + ["--workdir", str(tmp_path / "b")]) == 0
+    a, b = _losses(uninterrupted), _losses(tmp_path / "b")
     assert len(a) == 24 and a == b
     assert np.mean(a[-4:]) < np.mean(a[:4]) - 0.25  # from ~2.30 (chance) after 24 small steps
     out = capsys.readouterr().out
@@ -64,20 +77,20 @@ def test_same_seed_same_losses_and_loss_falls(tmp_path, capsys):
     assert "[jaxcnn] precision fp32  loss scaling off  optimiser " in out and "[jaxcnn] devices " in out
     assert not any(word in out for word in ("NoOpLossScale", "p=f32", "fsdp", "False")), out
     for name in ("config.resolved.yaml", "run_meta.json", "metrics.jsonl", "params.npz"):
-        assert (tmp_path / "a" / name).is_file()
-    meta = json.loads((tmp_path / "a" / "run_meta.json").read_text())
+        assert (tmp_path / "b" / name).is_file()
+    meta = json.loads((tmp_path / "b" / "run_meta.json").read_text())
     assert meta["versions"]["jax"] and meta["devices"]
     # The suite keeps glibc's defaults (tests/conftest.py), and the run says so.
     assert meta["host_malloc"] == "JAXCNN_CPU_MALLOC=0"
-    final = [r for r in read_metrics(tmp_path / "a") if r["kind"] == "eval"][-1]
+    final = [r for r in read_metrics(tmp_path / "b") if r["kind"] == "eval"][-1]
     assert final["count"] == 2000 and final["top1"] > 0.3  # chance is 0.1
 
 
-def test_sigterm_then_resume_is_bitwise_equal_to_uninterrupted(tmp_path):
-    common = [os.path.join(CONFIGS, "mnist_cnn.yaml"), *FAST, "train.steps=14",
+@pytest.mark.xdist_group("trainer_uninterrupted")
+def test_sigterm_then_resume_is_bitwise_equal_to_uninterrupted(uninterrupted, tmp_path):
+    common = [os.path.join(CONFIGS, "mnist_cnn.yaml"), *FAST, "train.steps=24",
               "checkpoint.every=2", "checkpoint.keep=2"]
-    # Uninterrupted reference, in process, without checkpoints (they change no step).
-    assert train_main(common + ["checkpoint.enabled=false", "--workdir", str(tmp_path / "ref")]) == 0
+    # The uninterrupted reference: the same run, in process, without checkpoints (they change no step).
 
     # The same run in a subprocess, stopped by SIGTERM once a checkpoint exists (it loads the
     # reference's compiled programs from the suite's compilation cache: the same executables).
@@ -98,7 +111,7 @@ def test_sigterm_then_resume_is_bitwise_equal_to_uninterrupted(tmp_path):
 
     # Resume (checkpoint.resume=must) and finish in process.
     assert train_main(common + ["checkpoint.resume=must", "--workdir", str(work)]) == 0
-    ref_params, ref_state = load_npz(tmp_path / "ref" / "params.npz")
+    ref_params, ref_state = load_npz(uninterrupted / "params.npz")
     params, state = load_npz(work / "params.npz")
     flat_ref = dict(_flatten(ref_params))
     flat = dict(_flatten(params))
@@ -106,7 +119,7 @@ def test_sigterm_then_resume_is_bitwise_equal_to_uninterrupted(tmp_path):
     for k in flat_ref:
         np.testing.assert_array_equal(flat[k], flat_ref[k], err_msg=k)
     steps = [r["step"] for r in read_metrics(work) if r["kind"] == "train"]
-    assert steps[-1] == 14
+    assert steps[-1] == 24
 
 
 def _flatten(tree, prefix=""):

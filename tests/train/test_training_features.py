@@ -182,18 +182,28 @@ def test_mixing_matches_the_reference(kind, lam, centre):
 
 
 def test_draws_pick_each_kind_at_its_probability_and_the_box_area_is_one_minus_lam():
+    """Also: draw makes one Beta draw, its parameter and key picked by the batch's kind, and lam
+    is bit for bit what separate draws give, Beta(mixup_alpha) from the mixup key on a mixup
+    batch and Beta(cutmix_alpha) from the cutmix key on a CutMix batch."""
     spec = mixing.MixSpec(mixup_alpha=0.4, mixup_prob=0.3, cutmix_alpha=1.0, cutmix_prob=0.5)
     keys = jax.random.split(jax.random.PRNGKey(0), 4000)
-    draws = jax.vmap(lambda k: mixing.draw(k, spec, (32, 32)))(keys)
+
+    def with_references(key):
+        _, k_mix, k_cut, _, _ = jax.random.split(key, 5)
+        return (mixing.draw(key, spec, (32, 32)), jax.random.beta(k_mix, 0.4, 0.4),
+                jax.random.beta(k_cut, 1.0, 1.0))
+    draws, lam_mix, lam_cut = jax.jit(jax.vmap(with_references))(keys)  # eager: 26 compilations
     kinds = np.asarray(draws.kind)
     for kind, p in ((0, 0.2), (1, 0.3), (2, 0.5)):
         assert abs(np.mean(kinds == kind) - p) < 0.03, (kind, np.mean(kinds == kind))
     lam = np.asarray(draws.lam)
     assert np.all(lam[kinds == 0] == 1.0)
+    np.testing.assert_array_equal(lam[kinds == 1], np.asarray(lam_mix)[kinds == 1])
+    np.testing.assert_array_equal(lam[kinds == 2], np.asarray(lam_cut)[kinds == 2])
     assert abs(lam[kinds == 1].mean() - 0.5) < 0.03  # Beta(a, a) has mean 1/2
     # Unclipped boxes (centre far from the border, small boxes) cover 1 - lam of the image, up to
     # the rounding of their sides to whole, even pixels.
-    box = jax.vmap(lambda l, c: mixing.cutmix_box(l, c, (32, 32)))(draws.lam, draws.centre)
+    box = jax.jit(jax.vmap(lambda l, c: mixing.cutmix_box(l, c, (32, 32))))(draws.lam, draws.centre)
     top, bottom, left, right = (np.asarray(b) for b in box)
     ratio = np.sqrt(1 - lam)
     sides = (np.floor(32 * ratio) // 2) * 2
