@@ -52,17 +52,23 @@ class MixDraw(NamedTuple):
 def draw(key, spec: MixSpec, image_hw: tuple[int, int]) -> MixDraw:
     """The batch's choices (:class:`MixDraw`) from ``key``.
 
-    ``lam`` is one Beta draw whose parameter the batch's kind picks (``mixup_alpha`` from the
-    ``mixup`` key, ``cutmix_alpha`` from the ``cutmix`` key): a batch uses one of the two, and
-    each Beta draw is two Gamma rejection loops, most of a small step's kernels."""
+    ``lam`` is ``Beta(alpha, alpha)`` of the batch's kind, drawn from that kind's key (the second
+    of ``split(key, 5)`` for mixup, the third for CutMix); 1 for a batch left unmixed.  With both
+    kinds on it is one draw whose parameter and key the kind picks: a batch uses one of the two,
+    and each Beta draw is two Gamma rejection loops, most of a small step's kernels."""
     k_pick, k_mix, k_cut, k_row, k_col = jax.random.split(key, 5)
     u = jax.random.uniform(k_pick)
     cut_p = spec.cutmix_prob if spec.cutmix_alpha > 0 else 0.0
     mix_p = spec.mixup_prob if spec.mixup_alpha > 0 else 0.0
     kind = jnp.where(u < cut_p, 2, jnp.where(u < cut_p + mix_p, 1, 0)).astype(jnp.int32)
+    on = [(k, a, k_lam) for k, a, k_lam in ((1, spec.mixup_alpha, k_mix), (2, spec.cutmix_alpha, k_cut))
+          if a > 0]
     lam = 1.0
-    if spec.enabled:  # an alpha that is off stands in as 1: its kind is never drawn
-        alpha = jnp.where(kind == 2, spec.cutmix_alpha or 1.0, spec.mixup_alpha or 1.0)
+    if len(on) == 1:
+        (one, alpha, k_lam), = on
+        lam = jnp.where(kind == one, jax.random.beta(k_lam, alpha, alpha), 1.0)
+    elif on:
+        alpha = jnp.where(kind == 2, spec.cutmix_alpha, spec.mixup_alpha)
         k_lam = jax.random.wrap_key_data(jnp.where(kind == 2, jax.random.key_data(k_cut),
                                                    jax.random.key_data(k_mix)),
                                          impl=jax.random.key_impl(k_mix))

@@ -181,10 +181,42 @@ def test_mixing_matches_the_reference(kind, lam, centre):
     np.testing.assert_allclose(got[3], want[3], rtol=1e-6)
 
 
+# Typed keys with both kinds on only: that branch alone turns keys into data and back.
+@pytest.mark.parametrize("make_key, mixup_alpha, cutmix_alpha", [
+    (jax.random.PRNGKey, 0.4, 0.7), (jax.random.key, 0.4, 0.7), (jax.random.PRNGKey, 0.4, 0.0),
+    (jax.random.PRNGKey, 0.0, 0.7), (jax.random.PRNGKey, 0.0, 0.0)],
+    ids=["both", "both-typed-key", "mixup", "cutmix", "off"])
+def test_lam_is_the_chosen_kinds_beta_draw_from_its_key(make_key, mixup_alpha, cutmix_alpha):
+    """``lam`` is Beta(alpha, alpha) of the batch's kind from that kind's key (mixup's the second
+    of the five keys, CutMix's the third); 1 when nothing is mixed; with either kind off or both,
+    with raw and typed keys.  With one kind on, bit for bit the draw of that kind's constant
+    alpha; with both, one draw whose alpha is picked at run time, which XLA does not fold as it
+    folds a constant's: to float32 rounding (a wrong key or alpha gives another value)."""
+    spec = mixing.MixSpec(mixup_alpha=mixup_alpha, mixup_prob=0.5, cutmix_alpha=cutmix_alpha, cutmix_prob=0.3)
+    keys = jax.random.split(make_key(1), 64)
+
+    def with_references(key):
+        _, k_mix, k_cut, _, _ = jax.random.split(key, 5)
+        mix = jax.random.beta(k_mix, mixup_alpha, mixup_alpha) if mixup_alpha else jnp.float32(1)
+        cut = jax.random.beta(k_cut, cutmix_alpha, cutmix_alpha) if cutmix_alpha else jnp.float32(1)
+        return mixing.draw(key, spec, (8, 8)), mix, cut
+    draws, lam_mix, lam_cut = jax.jit(jax.vmap(with_references))(keys)
+    kinds, lam = np.asarray(draws.kind), np.asarray(draws.lam)
+    assert lam.dtype == np.float32 and set(np.unique(kinds)) <= (
+        {0} | ({1} if mixup_alpha else set()) | ({2} if cutmix_alpha else set()))
+    assert np.all(lam[kinds == 0] == 1.0)
+    check = (np.testing.assert_array_equal if not (mixup_alpha and cutmix_alpha) else
+             lambda got, want: np.testing.assert_allclose(got, want, rtol=2e-6, atol=0))
+    check(lam[kinds == 1], np.asarray(lam_mix)[kinds == 1])
+    check(lam[kinds == 2], np.asarray(lam_cut)[kinds == 2])
+    if mixup_alpha or cutmix_alpha:
+        assert np.any(kinds != 0) and np.all((lam[kinds != 0] > 0) & (lam[kinds != 0] < 1))
+
+
 def test_draws_pick_each_kind_at_its_probability_and_the_box_area_is_one_minus_lam():
-    """Also: draw makes one Beta draw, its parameter and key picked by the batch's kind, and lam
-    is bit for bit what separate draws give, Beta(mixup_alpha) from the mixup key on a mixup
-    batch and Beta(cutmix_alpha) from the cutmix key on a CutMix batch."""
+    """Also: with both kinds on, lam is what separate draws give (to float32 rounding: see the
+    test above), Beta(mixup_alpha) from the mixup key on a mixup batch and Beta(cutmix_alpha)
+    from the cutmix key on a CutMix batch."""
     spec = mixing.MixSpec(mixup_alpha=0.4, mixup_prob=0.3, cutmix_alpha=1.0, cutmix_prob=0.5)
     keys = jax.random.split(jax.random.PRNGKey(0), 4000)
 
@@ -198,8 +230,8 @@ def test_draws_pick_each_kind_at_its_probability_and_the_box_area_is_one_minus_l
         assert abs(np.mean(kinds == kind) - p) < 0.03, (kind, np.mean(kinds == kind))
     lam = np.asarray(draws.lam)
     assert np.all(lam[kinds == 0] == 1.0)
-    np.testing.assert_array_equal(lam[kinds == 1], np.asarray(lam_mix)[kinds == 1])
-    np.testing.assert_array_equal(lam[kinds == 2], np.asarray(lam_cut)[kinds == 2])
+    np.testing.assert_allclose(lam[kinds == 1], np.asarray(lam_mix)[kinds == 1], rtol=2e-6, atol=0)
+    np.testing.assert_allclose(lam[kinds == 2], np.asarray(lam_cut)[kinds == 2], rtol=2e-6, atol=0)
     assert abs(lam[kinds == 1].mean() - 0.5) < 0.03  # Beta(a, a) has mean 1/2
     # Unclipped boxes (centre far from the border, small boxes) cover 1 - lam of the image, up to
     # the rounding of their sides to whole, even pixels.
