@@ -95,14 +95,15 @@ def pytest_collection_finish(session):
     gc.set_threshold(10_000, *gc.get_threshold()[1:])
 
 
-# The order the tests are handed out in.  xdist gives its workers the tests in collection order,
-# and a worker that has run out of tests waits for the other to finish its last one: the GPU
-# check's dry run (one test of about 90 s) goes first, and the directories whose tests all take
-# a few seconds at most go last, so the run ends on short tests.  Within a directory the order
-# stays the collection's.
+# The order the tests are handed out in.  xdist (--dist loadgroup) gives its workers the
+# xdist_group groups first, largest first, then the other tests in collection order, and a worker
+# that has run out of tests waits for the other to finish its last one: the GPU check's dry run
+# (one test of about 90 s) comes first among the others, and tests/functional (JAX's and
+# PyTorch's small ops, a few seconds a test at most) last, so the run ends on short tests.
+# Within a directory the order stays the collection's.
 _TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 _FIRST = ("test_gpu_check.py",)
-_LAST = ("functional", "interop")
+_LAST = ("functional",)
 
 
 def _schedule_rank(item) -> int:

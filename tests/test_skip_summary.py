@@ -68,7 +68,7 @@ def test_property_tests_run_half_their_examples(monkeypatch):
     assert many._hypothesis_internal_use_settings.deadline is None  # the rest kept
 
 
-def test_the_long_dry_run_goes_first_and_the_short_directories_last():
+def test_the_long_dry_run_goes_first_and_the_short_functional_tests_last():
     class Item:
         def __init__(self, path):
             self.path = pathlib.Path(__file__).parent / path
@@ -80,5 +80,5 @@ def test_the_long_dry_run_goes_first_and_the_short_directories_last():
     conftest.pytest_collection_modifyitems(None, items)
     tests = pathlib.Path(__file__).parent
     assert [str(i.path.relative_to(tests)) for i in items] == [
-        "test_gpu_check.py", "data/test_a.py", "train/test_d.py", "test_readme.py", "data/test_0.py",
-        "functional/test_b.py", "interop/test_c.py", "functional/test_a.py"]
+        "test_gpu_check.py", "data/test_a.py", "interop/test_c.py", "train/test_d.py", "test_readme.py",
+        "data/test_0.py", "functional/test_b.py", "functional/test_a.py"]
