@@ -121,15 +121,18 @@ class _Seen(Exception):
 
 
 def test_trainer_passes_the_config_choices(monkeypatch):
-    """The trainer makes its step with the config's choices. The spy stops the run there,
-    before anything is compiled: what the step does with each choice is the tests above (the
-    full 1-step run compiled and ran mnist_cnn, which has no BatchNorm, for nothing more)."""
+    """The trainer makes its step with the config's choices (the real make_train_step takes
+    them, checking every argument the trainer passes). The spy then stops the run, before
+    anything is compiled: what the step does with each choice is the tests above (the full
+    1-step run compiled and ran mnist_cnn, which has no BatchNorm, for nothing more)."""
     seen = {}
     runner = importlib.import_module("jaxcnn.train.run")  # the module (jaxcnn.train.run is the function)
+    real = runner.make_train_step
 
     def spy(*args, **kwargs):
         choices = kwargs["choices"]
         seen.update(impl=choices.impl, bn=choices.batch_norm_grad, conv_bn=choices.conv_bn)
+        real(*args, **kwargs)
         raise _Seen
 
     monkeypatch.setattr(runner, "make_train_step", spy)
