@@ -85,50 +85,41 @@ def assert_ended_clearly(proc: Killable, since: float, what: str, expected: str,
     return elapsed
 
 
-def free_ports(n: int) -> list[int]:
-    """``n`` distinct free ports (all bound at once, so no two are the same)."""
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
 def test_peer_that_never_joins_ends_the_other_process(tmp_path):
     """Process 0 alone (its peer 1 never starts) and process 1 alone (coordinator 0 never starts):
-    two runs on ports of their own, started together, so that their idle waits for the join
-    timeout overlap (one test each, they ran one after the other). Each is checked as it ends,
-    so its time is its own."""
+    two runs started together, so that their idle waits for the join timeout overlap (one test
+    each, they ran one after the other). Each is checked as it ends, so its time is its own.
+    Process 1's coordinator port stays bound here, never listening, for the whole test: its
+    connections are refused, and no other process (process 0's listeners among them) can take it."""
     data = tiny_npz(tmp_path / "d.npz")
     runs = []
-    for present, port in zip((0, 1), free_ports(2)):
-        started = time.monotonic()
-        runs.append((present, port, started,
-                     start(process_args(data, tmp_path / f"w{present}", port, present, timeout_s=JOIN_TIMEOUT_S))))
-    try:
-        deadline = time.monotonic() + JOIN_TIMEOUT_S + SLACK_S + 60
-        while runs:
-            ended = [run for run in runs if not run[3].alive()]
-            if not ended:
-                assert time.monotonic() < deadline, [run[3].output for run in runs]
-                time.sleep(0.01)
-                continue
-            present, port, started, proc = ended[0]
-            runs.remove(ended[0])
-            expected = (rf"^jaxcnn-train: error: process 0 of 2: process 1 never joined within {JOIN_TIMEOUT_S} s"
-                        if present == 0 else
-                        rf"^jaxcnn-train: error: process 1 of 2 could not reach coordinator 127\.0\.0\.1:{port} "
-                        rf"within {JOIN_TIMEOUT_S} s")
-            elapsed = assert_ended_clearly(proc, started, f"process {present} alone", expected,
-                                           JOIN_TIMEOUT_S + SLACK_S, timeout_s=JOIN_TIMEOUT_S)
-            assert elapsed >= JOIN_TIMEOUT_S, f"process {present}: gave up after {elapsed:.1f} s, before the timeout"
-    finally:
-        for *_, proc in runs:
-            if proc.alive():
-                proc.kill()
+    with socket.socket() as unserved:
+        unserved.bind(("127.0.0.1", 0))
+        ports = (free_port(), unserved.getsockname()[1])  # process 0 serves the first
+        try:
+            for present, port in zip((0, 1), ports):
+                runs.append((present, port, time.monotonic(), start(process_args(
+                    data, tmp_path / f"w{present}", port, present, timeout_s=JOIN_TIMEOUT_S))))
+            deadline = time.monotonic() + JOIN_TIMEOUT_S + SLACK_S + 60
+            while runs:
+                ended = [run for run in runs if not run[3].alive()]
+                if not ended:
+                    assert time.monotonic() < deadline, [run[3].output for run in runs]
+                    time.sleep(0.01)
+                    continue
+                present, port, started, proc = ended[0]
+                runs.remove(ended[0])
+                expected = (rf"^jaxcnn-train: error: process 0 of 2: process 1 never joined within {JOIN_TIMEOUT_S} s"
+                            if present == 0 else
+                            rf"^jaxcnn-train: error: process 1 of 2 could not reach coordinator 127\.0\.0\.1:{port} "
+                            rf"within {JOIN_TIMEOUT_S} s")
+                elapsed = assert_ended_clearly(proc, started, f"process {present} alone", expected,
+                                               JOIN_TIMEOUT_S + SLACK_S, timeout_s=JOIN_TIMEOUT_S)
+                assert elapsed >= JOIN_TIMEOUT_S, f"process {present}: gave up after {elapsed:.1f} s, before the timeout"
+        finally:
+            for *_, proc in runs:
+                if proc.alive():
+                    proc.kill()
 
 
 def kill_one(tmp_path, cache, victim, devices):
