@@ -94,8 +94,8 @@ def test_kill_minus_9_with_workers_then_resume_is_bitwise(tmp_path, capsys):
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs /proc")
 def test_a_worker_killed_mid_send_ends_jaxcnn_train_with_one_line(tmp_path):
-    """SIGKILL (the OOM killer) to one of jaxcnn-train's 2 grain workers while its 400 KB
-    batches go through grain's pipe left the trainer asleep at 0% CPU, deaf to SIGTERM (3 runs
+    """SIGKILL (the OOM killer) to one of jaxcnn-train's 2 grain workers while its batches (400 KB
+    in the report) go through grain's pipe left the trainer asleep at 0% CPU, deaf to SIGTERM (3 runs
     in 3). Now it exits 1 within seconds: one line naming the worker and its signal, and a
     checkpoint of the steps done.
 

@@ -51,8 +51,8 @@ def _losses(workdir):
     return [r["loss"] for r in read_metrics(workdir) if r["kind"] == "train"]
 
 
-# A 24-step run without checkpoints, shared (read only) by the two tests below: the first run of
-# the same-seed pair and the uninterrupted reference of the SIGTERM test (which trained its own).
+# A 24-step run without checkpoints, shared (read only) by the two tests below (one xdist group):
+# the first run of the same-seed pair and the uninterrupted reference of the SIGTERM test.
 UNINTERRUPTED = [os.path.join(CONFIGS, "mnist_cnn.yaml"), *FAST, "train.steps=24", "checkpoint.enabled=false"]
 
 
@@ -90,7 +90,8 @@ def test_same_seed_same_losses_and_loss_falls(uninterrupted, tmp_path, capsys):
 def test_sigterm_then_resume_is_bitwise_equal_to_uninterrupted(uninterrupted, tmp_path):
     common = [os.path.join(CONFIGS, "mnist_cnn.yaml"), *FAST, "train.steps=24",
               "checkpoint.every=2", "checkpoint.keep=2"]
-    # The uninterrupted reference: the same run, in process, without checkpoints (they change no step).
+    # The uninterrupted reference is the module's `uninterrupted` run: this config without
+    # checkpoints (they change no step), in process.
 
     # The same run in a subprocess, stopped by SIGTERM once a checkpoint exists (it loads the
     # reference's compiled programs from the suite's compilation cache: the same executables).
