@@ -56,7 +56,8 @@ def draw(key, spec: MixSpec, image_hw: tuple[int, int]) -> MixDraw:
     of ``split(key, 5)`` for mixup, the third for CutMix); 1 for a batch left unmixed.  With both
     kinds on it is one draw whose parameter and key the kind picks: a batch uses one of the two,
     and each Beta draw is two Gamma rejection loops, most of a small step's kernels."""
-    k_pick, k_mix, k_cut, k_row, k_col = jax.random.split(key, 5)
+    keys = jax.random.split(key, 5)
+    k_pick, k_mix, k_cut, k_row, k_col = keys
     u = jax.random.uniform(k_pick)
     cut_p = spec.cutmix_prob if spec.cutmix_alpha > 0 else 0.0
     mix_p = spec.mixup_prob if spec.mixup_alpha > 0 else 0.0
@@ -69,9 +70,7 @@ def draw(key, spec: MixSpec, image_hw: tuple[int, int]) -> MixDraw:
         lam = jnp.where(kind == one, jax.random.beta(k_lam, alpha, alpha), 1.0)
     elif on:
         alpha = jnp.where(kind == 2, spec.cutmix_alpha, spec.mixup_alpha)
-        k_lam = jax.random.wrap_key_data(jnp.where(kind == 2, jax.random.key_data(k_cut),
-                                                   jax.random.key_data(k_mix)),
-                                         impl=jax.random.key_impl(k_mix))
+        k_lam = keys[jnp.where(kind == 2, 2, 1)]  # k_cut or k_mix
         lam = jnp.where(kind == 0, 1.0, jax.random.beta(k_lam, alpha, alpha))
     lam = jnp.asarray(lam, jnp.float32)
     h, w = image_hw
