@@ -9,8 +9,9 @@ pipeline stages against one device: 7.6e-7 at either); level 0 moved that run 1.
 (most likely because its instruction selection forms no fused multiply-adds).  The
 interpreted-kernel tests compile their programs at level 0 (pallas_testlib.fast_compile): their
 results are compared with a reference within a stated tolerance, or exactly where nothing
-rounds (a maximum, an index), never bit for bit with arithmetic compiled otherwise.  A
-subprocess that sets its own device count takes the suite's other flags with it
+rounds (a maximum, an index), never bit for bit with arithmetic compiled otherwise; so does the gpu_check dry run
+(:func:`at_level`), which interprets every kernel family and compares within the GPU's
+tolerances.  A subprocess that sets its own device count takes the suite's other flags with it
 (:func:`with_devices`).
 
 tests/conftest.py makes one cache directory per test run, names it in
@@ -61,7 +62,6 @@ def subprocess_env(env=None) -> dict:
     return env
 
 
-
 def fresh_process_env(env=None) -> dict:
     """``env`` (default: this process's environment) for a process that starts as a user's would,
     with one device: XLA_FLAGS holds the suite's optimisation level alone (an example or command
@@ -72,9 +72,19 @@ def fresh_process_env(env=None) -> dict:
     env["XLA_FLAGS"] = OPT_FLAG
     return env
 
+
 def with_devices(n: int) -> str:
     """This process's XLA_FLAGS asking for ``n`` host CPU devices instead of the suite's 8, its
     other flags kept (the optimisation level, jaxcnn.cpu.configure's flag)."""
-    flags = os.environ.get("XLA_FLAGS", "")
-    kept = [f for f in flags.split() if not f.startswith("--xla_force_host_platform_device_count")]
-    return " ".join(kept + [f"--xla_force_host_platform_device_count={n}"])
+    return _replaced("--xla_force_host_platform_device_count", n)
+
+
+def at_level(level: int) -> str:
+    """This process's XLA_FLAGS with LLVM optimisation level ``level`` instead of the suite's
+    (:data:`OPT_FLAG`), its other flags kept."""
+    return _replaced("--xla_backend_optimization_level", level)
+
+
+def _replaced(flag: str, value) -> str:
+    kept = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith(flag)]
+    return " ".join(kept + [f"{flag}={value}"])
