@@ -107,9 +107,19 @@ def _tiny_run(policy, extra=()):
     return build_run(cfg)
 
 
+# The settings test_fp16_overflow_step_is_skipped_and_scale_round_trips and
+# test_master_copy_keeps_small_updates need (a scale that halves to 512 and does not grow in
+# their 12 steps; an update bf16 would round away), taken by test_train_step_dtypes under the
+# same presets: each of those tests' steps is one program of the dtypes test (compiled once,
+# then served by the suite's compilation cache), where each compiled its own.
+SMALL_SCALE = ["precision.loss_scale_init=1024", "precision.growth_interval=1000"]
+SMALL_SGD = ["optim.name=sgd", "optim.lr=1e-4", "optim.momentum=0"]
+PRESET_SETTINGS = {"fp16": SMALL_SCALE, "bf16_params": SMALL_SGD}
+
+
 @pytest.mark.parametrize("preset", PRESETS)
 def test_train_step_dtypes(preset):
-    run = _tiny_run(preset)
+    run = _tiny_run(preset, PRESET_SETTINGS.get(preset, ()))
     state = init_state(run)
     policy = run.policy
     for leaf in jax.tree_util.tree_leaves(state.params):
@@ -153,9 +163,9 @@ def test_steps_take_a_policy_by_name():
 
 def test_master_copy_keeps_small_updates():
     """bf16 params updated directly would round a 1e-4 relative update away; the master keeps it."""
-    run = _tiny_run("bf16_params", ["optim.name=sgd", "optim.lr=1e-4", "optim.momentum=0"])
+    run = _tiny_run("bf16_params", SMALL_SGD)
     state = init_state(run)
-    step = jax.jit(make_train_step(run.model, run.tx, policy=run.policy).step)
+    step = jax.jit(make_train_step(run.model, run.tx, policy=run.policy, schedule=run.schedule).step)
     batch = {"image": jnp.ones((16, 28, 28, 1)), "label": jnp.arange(16) % 10}
     master0 = state.opt_state.master
     for _ in range(3):
@@ -168,7 +178,7 @@ def test_master_copy_keeps_small_updates():
 
 
 def test_fp16_overflow_step_is_skipped_and_scale_round_trips(tmp_path):
-    run = _tiny_run("fp16", ["precision.loss_scale_init=1024", "precision.growth_interval=1000"])
+    run = _tiny_run("fp16", SMALL_SCALE)
     assert isinstance(run.loss_scale, P.DynamicLossScale)
     state = init_state(run)
     step = jax.jit(make_train_step(run.model, run.tx, policy=run.policy, schedule=run.schedule).step)
