@@ -29,6 +29,16 @@ def lax_conv(x, w, stride, pads, dilation):
                                     dimension_numbers=DIMS)
 
 
+def fenced_lax_conv(x, w, stride, pads, dilation):
+    """:func:`lax_conv` for a jitted program: its padded input behind an optimization barrier,
+    so XLA cannot fold the pad into the convolution (which would bring back the negative low
+    pad in the input gradient, openxla/xla#48713); the barrier's transpose fences the
+    cotangent in the same way, so the gradient's slice stays apart as the eager ops keep it."""
+    x = lax.optimization_barrier(jnp.pad(x, ((0, 0), *pads, (0, 0))))
+    return lax.conv_general_dilated(x, w, stride, ((0, 0), (0, 0)), rhs_dilation=dilation,
+                                    dimension_numbers=DIMS)
+
+
 def _as_conv2d_calls(rewrite):
     """A rewrite called as conv2d calls it: pads wider than the window less one applied first."""
     def conv(x, w, stride, pads, dilation):
@@ -81,8 +91,10 @@ def test_patches_against_a_loop():
 
 @jax.jit(static_argnames=("conv", "args"))
 def _value_and_pullback(x, w, dy, *, conv, args):
-    """A rewrite's value and VJP of ``dy``, as one compiled program per geometry (as in a
-    jitted model) instead of a compile for each of its many eager ops."""
+    """A convolution's value and VJP of ``dy``, as one compiled program per geometry (as in a
+    jitted model) instead of a compile for each of its many eager ops.  The rewrite and its
+    reference are compiled apart: in one program XLA shares (CSEs) their identical
+    convolutions, even behind optimization barriers, and would compare one with itself."""
     y, vjp = jax.vjp(lambda x, w: conv(x, w, *args), x, w)
     return y, vjp(dy)
 
@@ -96,16 +108,15 @@ def test_rewritten_conv_matches_lax_forward_and_gradients(conv, g):
     window = [(k - 1) * d + 1 for k, d in zip(g["k"], g["dilation"])]
     if any(n + sum(p) < win for n, p, win in zip((7, 6), g["pads"], window)):
         return  # kernel larger than the padded input: conv2d rejects it before lowering
-    # The lax reference stays eager (a few ops): run eagerly, its explicit pad stays apart from
-    # the convolution; jitted, XLA would fold it in and bring back the negative-pad gradient
-    # that lax_conv works around.
-    y_ref, vjp_ref = jax.vjp(lambda x, w: lax_conv(x, w, *args), x, w)
-    dy = jnp.asarray(np.random.default_rng(g["seed"] + 1).standard_normal(y_ref.shape),
-                     jnp.float32)
+    # The lax reference as one compiled program too (its pad fenced off: fenced_lax_conv),
+    # instead of a compilation for each of its eager ops and their gradients.
+    y_shape = jax.eval_shape(lambda: lax_conv(x, w, *args)).shape
+    dy = jnp.asarray(np.random.default_rng(g["seed"] + 1).standard_normal(y_shape), jnp.float32)
+    y_ref, grads_ref = _value_and_pullback(x, w, dy, conv=fenced_lax_conv, args=args)
     y, grads = _value_and_pullback(x, w, dy, conv=conv, args=args)
     assert y.shape == y_ref.shape
     assert_close(y, y_ref, RTOL[jnp.float32])
-    for got, want in zip(grads, vjp_ref(dy)):
+    for got, want in zip(grads, grads_ref):
         assert_close(got, want, RTOL[jnp.float32])
 
 
