@@ -196,19 +196,16 @@ def test_batch_norm_then_relu_runs_as_one_in_training(grad):
                 new_state[name] = s
         return jnp.sum(jnp.sin(h)), new_state
 
-    # Each side jitted: one compilation each instead of one per eager op (91 for "explicit").
-    # Two programs, so XLA cannot share a computation between the fused and the unfused forms.
-    (value, st), grads = jax.jit(jax.value_and_grad(lambda p: loss(p, net), has_aux=True))(
-        params)
-    (ref, st_ref), grads_ref = jax.jit(jax.value_and_grad(stepwise, has_aux=True))(params)
+    (value, st), grads = jax.value_and_grad(loss, has_aux=True)(params, net)
+    (ref, st_ref), grads_ref = jax.value_and_grad(stepwise, has_aux=True)(params)
     np.testing.assert_allclose(value, ref, rtol=1e-6)
     for a, b in zip(jax.tree.leaves((st, grads)), jax.tree.leaves((st_ref, grads_ref))):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
     folded = str(jax.make_jaxpr(lambda p: loss(p, net)[0])(params))
     assert "name=relu" not in folded  # no separate ReLU: it is inside BatchNorm's op
     assert "name=relu" in str(jax.make_jaxpr(lambda p: loss(p, net, train=False)[0])(params))
-    np.testing.assert_allclose(jax.jit(lambda p: loss(p, net, train=False)[0])(params),
-                               jax.jit(lambda p: stepwise(p, train=False)[0])(params), rtol=1e-6)
+    np.testing.assert_allclose(loss(params, net, train=False)[0],
+                               stepwise(params, train=False)[0], rtol=1e-6)
 
 
 def test_batch_norm_keeps_a_16_bit_input_for_its_backward():
