@@ -9,6 +9,17 @@ from jaxcnn import functional as F
 from jaxcnn.functional import _channels as ch
 
 
+@jax.jit(static_argnames="shape")
+def _channel_ops(x, v, g, *, shape):
+    """The channel sum and mean of ``x``, the broadcast of ``v`` to ``shape``, the broadcast's
+    VJP of ``g`` and the sum's VJP of ``v``: one compiled program per example instead of a
+    compile for each eager op (their gradients' too)."""
+    _, broadcast_vjp = jax.vjp(lambda v: ch.channel_broadcast(v, shape), v)
+    _, sum_vjp = jax.vjp(ch.channel_sum, x)
+    return (ch.channel_sum(x), ch.channel_mean(x), ch.channel_broadcast(v, shape),
+            broadcast_vjp(g)[0], sum_vjp(v)[0])
+
+
 @settings(max_examples=12, deadline=None)
 @given(shape=st.lists(st.integers(1, 9), min_size=1, max_size=3).map(tuple),
        c=st.sampled_from([1, 3, 64, 600, 1500]), seed=st.integers(0, 2**31 - 1))
@@ -17,20 +28,19 @@ def test_channel_sum_mean_broadcast_against_numpy(shape, c, seed):
     shape = shape + (c,)
     x = rng.standard_normal(shape).astype(np.float32)
     v = rng.standard_normal(c).astype(np.float32)
+    g = rng.standard_normal(shape).astype(np.float32)
+    total, mean, broadcast, broadcast_grad, sum_grad = _channel_ops(x, v, g, shape=shape)
     axes = tuple(range(len(shape) - 1))
     scale = np.abs(x).sum(axes) + 1.0  # a sum's rounding error grows with the sum of |terms|
-    np.testing.assert_allclose(ch.channel_sum(jnp.asarray(x)), x.astype(np.float64).sum(axes),
+    np.testing.assert_allclose(total, x.astype(np.float64).sum(axes),
                                rtol=0, atol=float(np.max(scale)) * 1e-6)
-    np.testing.assert_allclose(ch.channel_mean(jnp.asarray(x)), x.astype(np.float64).mean(axes),
+    np.testing.assert_allclose(mean, x.astype(np.float64).mean(axes),
                                rtol=0, atol=float(np.max(scale)) * 1e-6 / max(1, x.size // c))
-    np.testing.assert_array_equal(ch.channel_broadcast(jnp.asarray(v), shape), np.broadcast_to(v, shape))
+    np.testing.assert_array_equal(broadcast, np.broadcast_to(v, shape))
     # the gradient of the broadcast is the channel sum; of the sum, the broadcast
-    g = rng.standard_normal(shape).astype(np.float32)
-    _, vjp = jax.vjp(lambda v: ch.channel_broadcast(v, shape), jnp.asarray(v))
-    np.testing.assert_allclose(vjp(jnp.asarray(g))[0], g.astype(np.float64).sum(axes),
+    np.testing.assert_allclose(broadcast_grad, g.astype(np.float64).sum(axes),
                                rtol=0, atol=float(np.max(np.abs(g).sum(axes) + 1)) * 1e-6)
-    _, vjp = jax.vjp(ch.channel_sum, jnp.asarray(x))
-    np.testing.assert_array_equal(vjp(jnp.asarray(v))[0], np.broadcast_to(v, shape))
+    np.testing.assert_array_equal(sum_grad, np.broadcast_to(v, shape))
 
 
 def test_channel_fold_choice():

@@ -29,6 +29,16 @@ def lax_conv(x, w, stride, pads, dilation):
                                     dimension_numbers=DIMS)
 
 
+def fenced_lax_conv(x, w, stride, pads, dilation):
+    """:func:`lax_conv` for a jitted program: its padded input behind an optimization barrier,
+    so XLA cannot fold the pad into the convolution (which would bring back the negative low
+    pad in the input gradient, openxla/xla#48713); the barrier's transpose fences the
+    cotangent in the same way, so the gradient's slice stays apart as the eager ops keep it."""
+    x = lax.optimization_barrier(jnp.pad(x, ((0, 0), *pads, (0, 0))))
+    return lax.conv_general_dilated(x, w, stride, ((0, 0), (0, 0)), rhs_dilation=dilation,
+                                    dimension_numbers=DIMS)
+
+
 def _as_conv2d_calls(rewrite):
     """A rewrite called as conv2d calls it: pads wider than the window less one applied first."""
     def conv(x, w, stride, pads, dilation):
@@ -81,8 +91,10 @@ def test_patches_against_a_loop():
 
 @jax.jit(static_argnames=("conv", "args"))
 def _value_and_pullback(x, w, dy, *, conv, args):
-    """A rewrite's value and VJP of ``dy``, as one compiled program per geometry (as in a
-    jitted model) instead of a compile for each of its many eager ops."""
+    """A convolution's value and VJP of ``dy``, as one compiled program per geometry (as in a
+    jitted model) instead of a compile for each of its many eager ops.  The rewrite and its
+    reference are compiled apart: in one program XLA shares (CSEs) their identical
+    convolutions, even behind optimization barriers, and would compare one with itself."""
     y, vjp = jax.vjp(lambda x, w: conv(x, w, *args), x, w)
     return y, vjp(dy)
 
@@ -96,16 +108,15 @@ def test_rewritten_conv_matches_lax_forward_and_gradients(conv, g):
     window = [(k - 1) * d + 1 for k, d in zip(g["k"], g["dilation"])]
     if any(n + sum(p) < win for n, p, win in zip((7, 6), g["pads"], window)):
         return  # kernel larger than the padded input: conv2d rejects it before lowering
-    # The lax reference stays eager (a few ops): run eagerly, its explicit pad stays apart from
-    # the convolution; jitted, XLA would fold it in and bring back the negative-pad gradient
-    # that lax_conv works around.
-    y_ref, vjp_ref = jax.vjp(lambda x, w: lax_conv(x, w, *args), x, w)
-    dy = jnp.asarray(np.random.default_rng(g["seed"] + 1).standard_normal(y_ref.shape),
-                     jnp.float32)
+    # The lax reference as one compiled program too (its pad fenced off: fenced_lax_conv),
+    # instead of a compilation for each of its eager ops and their gradients.
+    y_shape = jax.eval_shape(lambda: lax_conv(x, w, *args)).shape
+    dy = jnp.asarray(np.random.default_rng(g["seed"] + 1).standard_normal(y_shape), jnp.float32)
+    y_ref, grads_ref = _value_and_pullback(x, w, dy, conv=fenced_lax_conv, args=args)
     y, grads = _value_and_pullback(x, w, dy, conv=conv, args=args)
     assert y.shape == y_ref.shape
     assert_close(y, y_ref, RTOL[jnp.float32])
-    for got, want in zip(grads, vjp_ref(dy)):
+    for got, want in zip(grads, grads_ref):
         assert_close(got, want, RTOL[jnp.float32])
 
 
@@ -128,15 +139,20 @@ def test_forward_mode_and_second_order(conv):
     x, w = random_case(2, 2, (8, 8), 3, 4, (3, 3))
     tx, tw = random_case(3, 2, (8, 8), 3, 4, (3, 3))
     args = ((2, 2), ((1, 0), (0, 1)), (1, 1))
-    _, t = jax.jvp(lambda x, w: conv(x, w, *args), (x, w), (tx, tw))
-    _, t_ref = jax.jvp(lambda x, w: lax_conv(x, w, *args), (x, w), (tx, tw))
-    assert_close(t, t_ref, RTOL[jnp.float32])
+
+    # Each derivative of each convolution is one jitted program (the reference's pad fenced
+    # off: fenced_lax_conv), instead of a compilation per eager op; the rewrite and the
+    # reference are compiled apart, so XLA cannot share a convolution between them.
+    def tangent(conv):
+        return jax.jit(lambda x, w: jax.jvp(lambda x, w: conv(x, w, *args), (x, w), (tx, tw))[1])
+
+    assert_close(tangent(conv)(x, w), tangent(fenced_lax_conv)(x, w), RTOL[jnp.float32])
 
     def gw_norm(conv):
         return lambda x: jnp.sum(jax.grad(lambda w: jnp.sum(conv(x, w, *args) ** 2))(w) ** 2)
 
-    assert_close(jax.grad(gw_norm(conv))(x), jax.grad(gw_norm(lax_conv))(x),
-                 RTOL[jnp.float32])
+    assert_close(jax.jit(jax.grad(gw_norm(conv)))(x),
+                 jax.jit(jax.grad(gw_norm(fenced_lax_conv)))(x), RTOL[jnp.float32])
 
 
 def test_bfloat16_gradients_close_to_float32():
@@ -507,10 +523,10 @@ def test_max_pool_overlapping_bf16_gradient_rounds_once():
     x = jnp.asarray(rng.integers(-2, 3, (2, 9, 9, 4)), jnp.bfloat16)
     ct = np.asarray(jnp.asarray(rng.standard_normal((2, 5, 5, 4)), jnp.bfloat16), np.float32)
 
-    def grad(impl, dtype):
-        y, vjp = jax.vjp(lambda x: F.max_pool2d(x, 3, stride=2, padding=1, impl=impl),
-                         x.astype(dtype))
-        return np.asarray(vjp(jnp.asarray(ct, dtype))[0], np.float32)
+    def grad(impl, dtype):  # one jitted program per lowering and dtype, not one per eager op
+        pullback = jax.jit(lambda x, ct: jax.vjp(
+            lambda x: F.max_pool2d(x, 3, stride=2, padding=1, impl=impl), x)[1](ct)[0])
+        return np.asarray(pullback(x.astype(dtype), jnp.asarray(ct, dtype)), np.float32)
 
     exact = grad("xla", jnp.float32)  # the same choices: x is exact in float32
     np.testing.assert_array_equal(grad("auto", jnp.bfloat16),

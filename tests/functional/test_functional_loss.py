@@ -46,17 +46,19 @@ def test_cross_entropy_where_mask_and_extra_axes():
     logits, labels = batch(1, n=12)
     mask = np.arange(12) % 3 != 0
     ref = ce_ref(logits, labels, 0.1)
-    got = F.cross_entropy(logits, labels, label_smoothing=0.1, where=mask)
+    # Each call jitted (its options static): one program per case, not an eager op at a time.
+    cross_entropy = jax.jit(F.cross_entropy, static_argnames=("label_smoothing", "reduction"))
+    got = cross_entropy(logits, labels, label_smoothing=0.1, where=mask)
     np.testing.assert_allclose(got, ref[mask].mean(), rtol=RTOL)
-    got = F.cross_entropy(logits, labels, label_smoothing=0.1, where=mask, reduction="sum")
+    got = cross_entropy(logits, labels, label_smoothing=0.1, where=mask, reduction="sum")
     np.testing.assert_allclose(got, ref[mask].sum(), rtol=RTOL)
-    got = F.cross_entropy(logits, labels, label_smoothing=0.1, where=mask, reduction="none")
+    got = cross_entropy(logits, labels, label_smoothing=0.1, where=mask, reduction="none")
     np.testing.assert_allclose(got, np.where(mask, ref, 0), rtol=RTOL, atol=1e-7)
     # Masked entries get no gradient.
-    g = jax.grad(lambda z: F.cross_entropy(z, labels, where=mask))(jnp.asarray(logits))
+    g = jax.jit(jax.grad(lambda z: F.cross_entropy(z, labels, where=mask)))(jnp.asarray(logits))
     assert np.all(np.asarray(g)[~mask] == 0) and np.all(np.abs(np.asarray(g)[mask]).sum(-1) > 0)
     # Leading axes: (2, 6, K) logits with (2, 6) labels.
-    got = F.cross_entropy(logits.reshape(2, 6, 10), labels.reshape(2, 6), reduction="none")
+    got = cross_entropy(logits.reshape(2, 6, 10), labels.reshape(2, 6), reduction="none")
     np.testing.assert_allclose(got, ce_ref(logits, labels, 0.0).reshape(2, 6), rtol=RTOL)
 
 

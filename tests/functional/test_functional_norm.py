@@ -65,8 +65,10 @@ def test_batch_norm_train_bf16_output_dtype_and_float32_stats(grad):
 @GRADS
 def test_batch_norm_train_synced_under_vmap_equals_whole_batch(grad):
     x = data(9, (4, 3, 5, 5, 2))           # 4 "devices" x 3 images each
-    per_device = jax.vmap(lambda xi: F.batch_norm_train(xi, axis_name="batch", grad=grad),
-                          axis_name="batch")
+    # jitted: one program each instead of a compilation per eager op; vmap's axis is traced
+    # the same way
+    per_device = jax.jit(jax.vmap(lambda xi: F.batch_norm_train(xi, axis_name="batch", grad=grad),
+                                  axis_name="batch"))
     y, mean, var = per_device(jnp.asarray(x))
     z, m, v = normalise_ref(x.reshape(12, 5, 5, 2), (0, 1, 2), 1e-5)
     for d in range(4):
@@ -74,7 +76,7 @@ def test_batch_norm_train_synced_under_vmap_equals_whole_batch(grad):
         assert_close(var[d], v.ravel(), RTOL[jnp.float32])
     assert_close(y.reshape(12, 5, 5, 2), z, RTOL[jnp.float32])
     # Without the axis name each device would normalise with its own statistics.
-    _, local_mean, _ = jax.vmap(F.batch_norm_train)(jnp.asarray(x))
+    _, local_mean, _ = jax.jit(jax.vmap(F.batch_norm_train))(jnp.asarray(x))
     assert np.max(np.abs(np.asarray(local_mean) - m.ravel())) > 1e-2
 
 
@@ -263,17 +265,19 @@ def test_batch_norm_grad_argument_picks_the_form():
 
 
 def test_layer_norm_axes_and_affine():
+    # Each call jitted (axes and eps static): one program per case, not an eager op at a time.
+    layer_norm = jax.jit(F.layer_norm, static_argnames=("axes", "eps"))
     x = data(13, (2, 4, 3, 5))
     scale, bias = data(14, (5,)), data(15, (5,))
     z, _, _ = normalise_ref(x, (3,), 1e-5)
-    assert_close(F.layer_norm(x, scale, bias), z * scale + bias, RTOL[jnp.float32])
+    assert_close(layer_norm(x, scale, bias), z * scale + bias, RTOL[jnp.float32])
     s3, b3 = data(16, (4, 3, 5)), data(17, (4, 3, 5))
     z, _, _ = normalise_ref(x, (1, 2, 3), 1e-6)
-    assert_close(F.layer_norm(x, s3, b3, axes=(1, 2, -1), eps=1e-6), z * s3 + b3, RTOL[jnp.float32])
+    assert_close(layer_norm(x, s3, b3, axes=(1, 2, -1), eps=1e-6), z * s3 + b3, RTOL[jnp.float32])
     # Non-trailing axes: the parameters broadcast over the others.
     s1 = data(18, (4, 3))
     z, _, _ = normalise_ref(x, (1, 2), 1e-5)
-    assert_close(F.layer_norm(x, s1, axes=(2, 1)), z * s1[None, :, :, None], RTOL[jnp.float32])
+    assert_close(layer_norm(x, s1, axes=(2, 1)), z * s1[None, :, :, None], RTOL[jnp.float32])
 
 
 def test_group_norm_matches_reference():

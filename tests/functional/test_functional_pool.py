@@ -127,17 +127,21 @@ def test_avg_pool2d_matches_loops(case, count_include_pad):
 
 
 def test_ceil_mode_output_sizes():
+    # Output shapes only: each pool is traced (jax.eval_shape), not compiled op by op.
+    def shape(pool, x, *args, **kwargs):
+        return jax.eval_shape(lambda x: pool(x, *args, **kwargs), x).shape
+
     # H=5, k=2, s=2: floor gives 2 windows; ceil_mode adds a partial one starting at row 4,
     # inside the input.
-    x5 = jnp.ones((1, 5, 5, 1))
-    assert F.max_pool2d(x5, 2).shape == (1, 2, 2, 1)
-    assert F.max_pool2d(x5, 2, ceil_mode=True).shape == (1, 3, 3, 1)
+    x5 = jax.ShapeDtypeStruct((1, 5, 5, 1), jnp.float32)
+    assert shape(F.max_pool2d, x5, 2) == (1, 2, 2, 1)
+    assert shape(F.max_pool2d, x5, 2, ceil_mode=True) == (1, 3, 3, 1)
     # H=6, k=3, s=4, pad=1: floor gives 2; rounding up would add a window starting at padded
     # index 8, i.e. input row 7, past the input and the right padding, so PyTorch drops it.
-    x6 = jnp.ones((1, 6, 6, 1))
-    assert F.avg_pool2d(x6, 3, stride=4, padding=1).shape == (1, 2, 2, 1)
-    assert F.avg_pool2d(x6, 3, stride=4, padding=1, ceil_mode=True).shape == (1, 2, 2, 1)
-    assert F.max_pool2d(x6, 3, stride=4, padding=1, ceil_mode=True).shape == (1, 2, 2, 1)
+    x6 = jax.ShapeDtypeStruct((1, 6, 6, 1), jnp.float32)
+    assert shape(F.avg_pool2d, x6, 3, stride=4, padding=1) == (1, 2, 2, 1)
+    assert shape(F.avg_pool2d, x6, 3, stride=4, padding=1, ceil_mode=True) == (1, 2, 2, 1)
+    assert shape(F.max_pool2d, x6, 3, stride=4, padding=1, ceil_mode=True) == (1, 2, 2, 1)
 
 
 def test_avg_pool_ceil_mode_divisor_counts_padding_not_overhang():
@@ -205,12 +209,14 @@ def test_max_pool_gradient_goes_to_first_max_on_ties(kernel, stride, padding, di
 
 def test_pool_gradients_numerically():
     x = jnp.asarray(np.random.default_rng(6).standard_normal((1, 6, 5, 2)), jnp.float32)
-    check_grads(lambda x: F.avg_pool2d(x, 3, stride=2, padding=1, ceil_mode=True,
-                                       count_include_pad=False),
+    # Each function jitted: its evaluations (x and x +- eps v) and its vjp run compiled
+    # programs, not an eager op at a time; the derivative checked is the same.
+    check_grads(jax.jit(lambda x: F.avg_pool2d(x, 3, stride=2, padding=1, ceil_mode=True,
+                                               count_include_pad=False)),
                 (x,), order=1, modes=("rev",), atol=NUMERIC_GRAD_TOL, rtol=NUMERIC_GRAD_TOL, eps=1e-2)
     # Distinct, well separated values keep finite differences away from max switches.
     xm = jnp.asarray(np.random.default_rng(7).permutation(60).reshape(1, 6, 5, 2), jnp.float32)
-    check_grads(lambda x: F.max_pool2d(x, 2, stride=1, padding=1), (xm,), order=1,
+    check_grads(jax.jit(lambda x: F.max_pool2d(x, 2, stride=1, padding=1)), (xm,), order=1,
                 modes=("rev",), atol=NUMERIC_GRAD_TOL, rtol=NUMERIC_GRAD_TOL, eps=1e-2)
 
 

@@ -187,9 +187,9 @@ def test_the_chain_walk_is_transparent_where_nothing_fuses():
     x = jnp.asarray(np.random.default_rng(2).standard_normal((2, 5, 5, 8)).astype(np.float32))
     params, state, _ = model.init(jax.random.PRNGKey(2), x.shape)
 
-    def run(fusion):
-        return model.apply(params, state, x, train=True, rng=jax.random.PRNGKey(3),
-                           choices=L.Choices(conv_bn=fusion))
+    def run(fusion):  # one jitted program per choice: two programs, nothing shared between them
+        return jax.jit(lambda p, x: model.apply(p, state, x, train=True, rng=jax.random.PRNGKey(3),
+                                                choices=L.Choices(conv_bn=fusion)))(params, x)
     (y, s), (y_ref, s_ref) = run("mosaic"), run("off")
     assert np.array_equal(np.asarray(y), np.asarray(y_ref))
     assert jax.tree.structure(s) == jax.tree.structure(s_ref)
@@ -214,7 +214,8 @@ def test_batch_norm_from_fused_statistics_syncs_like_the_layer():
 
     def layer(y):
         return bn.apply(params, state, y, train=True, choices=choices)
-    (z, new), (z_ref, new_ref) = (jax.vmap(f, axis_name="d")(y) for f in (fused, layer))
+    # jitted: one program each instead of a compilation per eager op
+    (z, new), (z_ref, new_ref) = (jax.jit(jax.vmap(f, axis_name="d"))(y) for f in (fused, layer))
     np.testing.assert_allclose(z, z_ref, rtol=1e-5, atol=1e-5)
     for k in ("mean", "var"):
         np.testing.assert_allclose(new[k], new_ref[k], rtol=1e-6, atol=1e-6)

@@ -239,18 +239,20 @@ def test_gradients_match_finite_differences():
 
 
 def test_policy_through_combinators():
+    """Output and state dtypes under a bfloat16 policy: traced only (jax.eval_shape gives the
+    dtypes the applies return, without compiling each of their eager ops)."""
     policy = Policy(compute_dtype=jnp.bfloat16)
     x = rand((2, 4, 4, 4))
     block = basic_block()
     params, state, _ = materialize(block, x.shape)
-    y, st = block.apply(params, state, x, train=True, policy=policy)
+    y, st = jax.eval_shape(lambda: block.apply(params, state, x, train=True, policy=policy))
     assert y.dtype == jnp.bfloat16  # identity shortcut (float32 x) cast before the sum
     assert st["bn1"]["mean"].dtype == jnp.float32
     par = L.parallel(L.BatchNorm(), L.Conv2D(2, 1))
     params, state, _ = materialize(par, x.shape)
-    y, _ = par.apply(params, state, x, policy=policy)
+    y, _ = jax.eval_shape(lambda: par.apply(params, state, x, policy=policy))
     assert y.dtype == jnp.bfloat16
-    y, _ = par.apply(params, state, x)
+    y, _ = jax.eval_shape(lambda: par.apply(params, state, x))
     assert y.dtype == jnp.float32
 
 

@@ -145,4 +145,6 @@ def test_stochastic_depth_drops_whole_examples_of_the_branch(make, p):
     np.testing.assert_allclose(y[kept] - x[kept], branch[kept] / (1 - p), rtol=1e-4, atol=1e-5)
     np.testing.assert_array_equal(y_eval, ref_eval)      # eval: the identity, no rng needed
     with pytest.raises(ValueError, match="StochasticDepth: apply.*needs an rng key"):
-        block.apply(params, state, x, train=True)
+        # traced only (the error is raised while tracing): eagerly, every op of the block
+        # before it compiled on its own
+        jax.eval_shape(lambda x: block.apply(params, state, x, train=True), x)
