@@ -303,6 +303,15 @@ def test_tune_op_times_the_dense_candidates_and_the_op_then_runs_the_fastest(tmp
     static = dict(stride=(1, 1), padding=P1, dilation=(1, 1), groups=1, backward="pallas",
                   backend="mosaic")
     timer, timed = fake_tuning_clock(monkeypatch, tmp_path)
+    # The candidates are compiled (the timer is handed each one's jax.stages.Compiled) but
+    # never run (the clock is fake): XLA's optimisations off, about half the compile time.
+    compile_lowered = jax.stages.Lowered.compile
+
+    def compile_at_level_0(self, compiler_options=None, **kw):
+        options = {**(compiler_options or {}), "xla_backend_optimization_level": 0}
+        return compile_lowered(self, options, **kw)
+
+    monkeypatch.setattr(jax.stages.Lowered, "compile", compile_at_level_0)
 
     def two(kernel, call, co):
         assert co is None and call.kernel == kernel
