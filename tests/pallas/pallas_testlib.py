@@ -28,6 +28,19 @@ def fast_run(fn, *args):
     return fast_compile(fn, *args)(*args)
 
 
+def compile_unoptimised(monkeypatch) -> None:
+    """Every ``jax.stages.Lowered.compile`` from now on (the test's) compiles with XLA's
+    optimisations off, whatever options it is given: for a tuner test whose fake clock reads
+    no value the candidates compute (the tuner still lowers and compiles each one)."""
+    compile_lowered = jax.stages.Lowered.compile
+
+    def compile_at_level_0(self, compiler_options=None, **kw):
+        options = {**(compiler_options or {}), "xla_backend_optimization_level": 0}
+        return compile_lowered(self, options, **kw)
+
+    monkeypatch.setattr(jax.stages.Lowered, "compile", compile_at_level_0)
+
+
 def assert_close(got, want, dtype, what):
     """Finite everywhere (nothing left unwritten) and within the dtype's tolerance."""
     got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)

@@ -31,7 +31,7 @@ from mgpu_testlib import shipped  # noqa: F401 (a fixture)
 from pallas_kernels import autotune
 from pallas_kernels import mgpu_conv as mc
 from pallas_kernels import mgpu_fused as mf
-from pallas_testlib import fast_run
+from pallas_testlib import compile_unoptimised, fast_run
 
 BF16 = jnp.bfloat16
 H100_SMEM = 227 * 1024  # what the tuner allows one CTA on sm_90
@@ -303,6 +303,9 @@ def test_tune_op_times_the_dense_candidates_and_the_op_then_runs_the_fastest(tmp
     static = dict(stride=(1, 1), padding=P1, dilation=(1, 1), groups=1, backward="pallas",
                   backend="mosaic")
     timer, timed = fake_tuning_clock(monkeypatch, tmp_path)
+    # The candidates are compiled (the timer is handed each one's jax.stages.Compiled) but
+    # never run (the clock is fake): XLA's optimisations off, about half the compile time.
+    compile_unoptimised(monkeypatch)
 
     def two(kernel, call, co):
         assert co is None and call.kernel == kernel

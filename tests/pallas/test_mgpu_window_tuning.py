@@ -28,6 +28,7 @@ from pallas_kernels import mgpu_conv as mc
 from pallas_kernels import mgpu_depthwise as md
 from pallas_kernels import mgpu_pool as mp
 from pallas_kernels import mgpu_window as mw
+from pallas_testlib import compile_unoptimised
 
 BF16 = jnp.bfloat16
 H100_SMEM = 227 * 1024  # what the tuner allows one CTA on sm_90
@@ -219,6 +220,7 @@ def test_tune_op_times_the_window_candidates_and_the_op_then_runs_the_fastest(tm
     static = dict(kernel_size=(2, 2), stride=(1, 1), padding=((0, 0), (0, 0)),
                   dilation=(1, 1), ceil_mode=False, backward="pallas", backend="mosaic")
     timer, timed = fake_tuning_clock(monkeypatch, tmp_path)
+    compile_unoptimised(monkeypatch)  # compiled, never run (a fake clock): level 0
 
     def two(kernel, call, co):
         assert co is None and call.kernel == kernel
