@@ -525,8 +525,12 @@ def one_device_trainer_run(tmp_path_factory):
 def test_trainer_runs_pipelined_and_resumes_onto_other_layouts(tmp_path, one_device_trainer_run):
     """jaxcnn-train with mesh.data=2 mesh.pipe=4 (the SPMD engine; one process's default is
     mpmd: test_parallel_pipeline_mpmd.py) trains as one device with the same 4 micro-batches; its
-    step-2 checkpoint resumes on data 1 x pipe 2 and on 8 data-parallel devices (micro-batches as
-    accumulation), each ending where the one-device run does."""
+    step-2 checkpoint resumes on data 1 x pipe 2 and on one device without stages (micro-batches as
+    accumulation), each ending where the one-device run does.  The run on one device takes
+    one_device_trainer_run's layout and config, so its programs are the ones that run compiled (the
+    persistent cache): a checkpoint holds host arrays whatever the layout that wrote it, so 8
+    data-parallel devices (replicated parameters, the programs of another data-parallel run)
+    would resume the same files onto another target sharding only."""
     import shutil
 
     micro = "parallel.pipeline.microbatches=4 parallel.pipeline.engine=spmd".split()
@@ -537,7 +541,7 @@ def test_trainer_runs_pipelined_and_resumes_onto_other_layouts(tmp_path, one_dev
     params, losses = _final(tmp_path / "pipe")
     np.testing.assert_allclose(losses, ref_losses, rtol=LOSS_RTOL)
     assert max_diff(params, ref_params) < 1e-5
-    for layout in (["mesh.data=1", "mesh.pipe=2"], ["mesh.data=8"]):
+    for layout in (["mesh.data=1", "mesh.pipe=2"], ["mesh.data=1"]):
         work = tmp_path / ("moved" + "_".join(layout))
         shutil.copytree(tmp_path / "pipe", work)
         shutil.rmtree(work / "checkpoints" / "4")
