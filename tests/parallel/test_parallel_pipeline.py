@@ -679,8 +679,11 @@ def test_16_bit_policies_send_and_stash_activations_in_their_compute_dtype():
     """The wire, stash and cotangent buffers take the stage boundaries' dtype: every ppermute
     of the step's jaxpr (activations forward, cotangents back) is float32 under float32,
     bfloat16 under bf16 and bf16_params, float16 under f16 (half the bytes of the float32
-    buffers the step used to send); a float16 step still matches one device with
-    accumulate=4 to float16 rounding (bfloat16: test_mixed_precision_pipelined_matches_one_device)."""
+    buffers the step used to send); float16 steps with dynamic loss scaling on data 2 x pipe 4
+    still match one device with accumulate=4 to float16 rounding (bfloat16:
+    test_mixed_precision_pipelined_matches_one_device).  The float16 run is run_bn_net's, the SPMD
+    leg of test_parallel_pipeline_mpmd.py::test_mpmd_mixed_precision_and_loss_scaling_give_the_spmd_engines_numbers
+    (one program, compiled once for both; a float16 step of its own on pipe 4 was another)."""
     from jaxcnn import precision as P
     from jaxcnn.train.state import create_train_state
     model, tx, shape = _model("bn_net"), MOMENTUM, (16, 8, 8, 3)
@@ -695,10 +698,17 @@ def test_16_bit_policies_send_and_stash_activations_in_their_compute_dtype():
         jaxpr = str(jax.make_jaxpr(step)(plan.abstract_state, plan.put_batch(batch)))
         sent = set(re.findall(r"(\w+)\[[\d,]+\] = ppermute", jaxpr))
         assert sent == {dtype}, (policy, sent)
-    got, m = step(plan.shard_state(state), plan.put_batch(batch))  # f16
+    # f16 numbers: run_bn_net's 2 steps from this state on these batches, against one device
+    state = jax.device_get(create_train_state(model, tx, jax.random.PRNGKey(0), shape, policy=pol,
+                                              loss_scale=P.make_loss_scale("dynamic")))
+    metrics, got = run_bn_net("f16", "dynamic", microbatches=4)
+    ref_step = jax.jit(make_train_step(model, tx, policy=pol, accumulate=4).step)
     folded = jax.random.key_data(jax.random.fold_in(jax.random.wrap_key_data(state.rng), 0))
-    ref, r = jax.jit(make_train_step(model, tx, policy=pol, accumulate=4).step)(state._replace(rng=folded), batch)
-    np.testing.assert_allclose(m["loss"], r["loss"], rtol=1e-3)
+    ref = state
+    for m, b in zip(metrics, batches(shape, 2, seed=6), strict=True):
+        ref, r = ref_step(ref._replace(rng=folded), b)
+        np.testing.assert_allclose(m["loss"], r["loss"], rtol=1e-3)
+        assert m["loss_scale"] == r["loss_scale"] and m["finite"] == r["finite"] == 1.0
     assert max_diff(got.params, ref.params) < 1e-3 and max_diff(got.state, ref.state) < 1e-3
 
 
