@@ -104,9 +104,8 @@ def test_trainer_runs_the_mpmd_engine_and_resumes_across_engines(tmp_path):
     engine, each ending where the one-device run does.  Each resumed run takes the other run's
     layout and config, so its programs are the ones that run compiled (the persistent cache):
     the engine changes under the checkpoint, not the programs under test.  No default test
-    resumes an mpmd checkpoint onto another stage count or onto 8 data-parallel devices; the
-    SPMD engine's checkpoints do (test_parallel_pipeline.py::
-    test_trainer_runs_pipelined_and_resumes_onto_other_layouts)."""
+    resumes an mpmd checkpoint onto another stage count; the SPMD engine's checkpoints do
+    (test_parallel_pipeline.py::test_trainer_runs_pipelined_and_resumes_onto_other_layouts)."""
     import shutil
 
     from test_parallel_pipeline import LOSS_RTOL, _final, _train
