@@ -699,6 +699,7 @@ def test_16_bit_policies_send_and_stash_activations_in_their_compute_dtype():
         sent = set(re.findall(r"(\w+)\[[\d,]+\] = ppermute", jaxpr))
         assert sent == {dtype}, (policy, sent)
     # f16 numbers: run_bn_net's 2 steps from this state on these batches, against one device
+    pol = P.get_policy("f16")
     state = jax.device_get(create_train_state(model, tx, jax.random.PRNGKey(0), shape, policy=pol,
                                               loss_scale=P.make_loss_scale("dynamic")))
     metrics, got = run_bn_net("f16", "dynamic", microbatches=4)
@@ -782,21 +783,34 @@ def _lowered_threshold(monkeypatch):
     monkeypatch.setattr(rules, "FSDP_MIN_SIZE", 64)
 
 
+def _norm(tree) -> float:
+    """The global L2 norm of a tree of arrays, in float64 on the host."""
+    return float(np.sqrt(sum(np.sum(np.square(np.asarray(x, np.float64)))
+                             for x in jax.tree_util.tree_leaves(tree))))
+
+
 def test_global_optimisers_on_parameters_split_over_pipe(monkeypatch):
     """bn_net on data 2 x pipe 4 with every leaf of 64+ elements split over pipe: one chain of
-    global-norm clipping (that clips: the gradients' norm is above the bound), LAMB (per-leaf
-    trust ratios, weight decay masked off the 1-D leaves) and an EMA of the parameters runs as
-    one global program over the shards (moments and EMA split like their parameters); 2 steps
-    equal one device with accumulate=4 (losses, gradient norms, params, optimiser state).  A
-    norm taken per shard, by the clip over the whole tree or by LAMB over a leaf, gives other
-    parameters.  (Clipping with momentum and LAMB were two cases, each compiling a pipelined step
-    and a one-device reference: one chain checks both reductions in one program.)"""
+    LAMB (per-leaf trust ratios, weight decay masked off the 1-D leaves), a clip of LAMB's
+    update by its global norm (that clips: the bound is a fifth of the update's norm) and an EMA
+    of the parameters runs as one global program over the shards (moments and EMA split like
+    their parameters); 2 steps equal one device with accumulate=4 (losses, gradient norms,
+    params, optimiser state).  Each reduction moves the parameters directly: a norm taken per
+    shard, by LAMB over a leaf or by the clip over the whole update, scales the step by another
+    factor.  (Clipping the gradients with momentum and LAMB were two cases, each compiling a
+    pipelined step and a one-device reference; a clip before LAMB would hardly show, since
+    Adam's direction and the trust ratio undo a gradient's scale.)"""
     _lowered_threshold(monkeypatch)
     model, shape = _model("bn_net"), (16, 8, 8, 3)
     from jaxcnn.train.ema import ema
-    tx = optax.chain(optax.clip_by_global_norm(0.05),
-                     optax.lamb(0.01, weight_decay=0.1, mask=lambda p: jax.tree_util.tree_map(
+    lr = 0.01
+    start = init(model, MOMENTUM, shape).params
+    # LAMB's update of each leaf is lr times the leaf's norm (lr times Adam's direction for a
+    # zero leaf), so the whole update's norm is at least lr * ||params||.
+    bound = 0.2 * lr * _norm(start)
+    tx = optax.chain(optax.lamb(lr, weight_decay=0.1, mask=lambda p: jax.tree_util.tree_map(
                          lambda x: x.ndim > 1, p)),
+                     optax.clip_by_global_norm(bound),
                      ema(0.9))
     data = batches(shape, 2, seed=7)
     plan = ParallelPlan(make_mesh(2, 1, pipe=4), model, shape, _abstract(init(model, tx, shape)),
@@ -811,7 +825,10 @@ def test_global_optimisers_on_parameters_split_over_pipe(monkeypatch):
     assert sum(d is not None for d in _pipe_dims(state.params)) >= 5
     _assert_split_over_pipe(state, 4)
     ref_m, ref = _reference(model, tx, shape, data, 4)
-    assert all(r["grad_norm"] > 0.1 for r in ref_m)  # the bound 0.05 clips every step
+    # Clipped every step: two steps of norm `bound` move the parameters at most 2 * bound (the
+    # unclipped updates would move them about 5 times as far).
+    moved = _norm(jax.tree_util.tree_map(lambda a, b: a - b, ref.params, start))
+    assert 0.5 * bound < moved <= 2 * bound * (1 + 1e-5), (moved, bound)
     for g, r in zip(got_m, ref_m):
         np.testing.assert_allclose(g["loss"], r["loss"], rtol=LOSS_RTOL)
         np.testing.assert_allclose(g["grad_norm"], r["grad_norm"], rtol=GRAD_RTOL)
@@ -819,7 +836,6 @@ def test_global_optimisers_on_parameters_split_over_pipe(monkeypatch):
     assert max_diff(got.params, ref.params) < STATE_TOL
     assert max_diff(got.opt_state, ref.opt_state) < 1e-4
     assert max_diff(got.state, ref.state) < STATE_TOL
-
 
 
 def test_trainer_resumes_a_data_parallel_checkpoint_onto_split_stages(tmp_path, one_device_trainer_run):
@@ -853,7 +869,9 @@ def test_per_shard_batch_norm_pipelined_matches_data_parallel(monkeypatch):
     """sync_batch_norm=False on data 2 x pipe 4 (leaves split over pipe): each data shard
     normalises with its own micro-batch statistics and the running statistics are averaged over
     data after the step, as 2-way data parallelism with accumulate=4 and the same setting does;
-    2 steps, and measurably not the synced statistics."""
+    2 steps, and measurably not the synced statistics.  The synced data-parallel run with
+    accumulate=4 (gradients averaged over data inside the accumulation) equals one device with
+    accumulate=4 on the same batches."""
     _lowered_threshold(monkeypatch)
     model, tx, shape = _model("bn_net"), MOMENTUM, (16, 8, 8, 3)
     data = batches(shape, 2, seed=8)
@@ -877,6 +895,10 @@ def test_per_shard_batch_norm_pipelined_matches_data_parallel(monkeypatch):
     assert max_diff(got.params, ref.params) < STATE_TOL
     assert max_diff(got.state, ref.state) < STATE_TOL
     assert max_diff(synced.state, ref.state) > 100 * STATE_TOL
+    one_m, one = _reference(model, tx, shape, data, 4)
+    np.testing.assert_allclose(synced_l, [float(m["loss"]) for m in one_m], rtol=LOSS_RTOL)
+    assert max_diff(synced.params, one.params) < STATE_TOL
+    assert max_diff(synced.state, one.state) < STATE_TOL
 
 
 def test_bench_scaling_pipe_reports_args_temporaries_and_total(capsys):
