@@ -7,11 +7,12 @@ programs cost (compiled, then run once on tiny shapes).  Level 1 keeps the HLO p
 comparisons between two programs measured at levels 1 and 2 agreed (an Adam run on four mpmd
 pipeline stages against one device: 7.6e-7 at either); level 0 moved that run 1.8e-4 away
 (most likely because its instruction selection forms no fused multiply-adds).  The
-interpreted-kernel tests compile their programs at level 0 (pallas_testlib.fast_compile): their
-results are compared with a reference within a stated tolerance, or exactly where nothing
-rounds (a maximum, an index), never bit for bit with arithmetic compiled otherwise; so does the gpu_check dry run
-(:func:`at_level`), which interprets every kernel family and compares within the GPU's
-tolerances.  A subprocess that sets its own device count takes the suite's other flags with it
+interpreted-kernel tests compile their programs at level 0 (pallas_testlib.fast_compile; the
+kernel tuners' tests with a fake clock, pallas_testlib.compile_unoptimised): their results are
+compared with a reference within a stated tolerance, or exactly where nothing rounds (a
+maximum, an index), never bit for bit with arithmetic compiled otherwise.  So does the
+gpu_check dry run (:func:`at_level`), which interprets every kernel family and compares within
+the GPU's tolerances.  A subprocess that sets its own device count takes the suite's other flags with it
 (:func:`with_devices`).
 
 tests/conftest.py makes one cache directory per test run, names it in

@@ -31,9 +31,10 @@ def lax_conv(x, w, stride, pads, dilation):
 
 def fenced_lax_conv(x, w, stride, pads, dilation):
     """:func:`lax_conv` for a jitted program: its padded input behind an optimization barrier,
-    so XLA cannot fold the pad into the convolution (which would bring back the negative low
-    pad in the input gradient, openxla/xla#48713); the barrier's transpose fences the
-    cotangent in the same way, so the gradient's slice stays apart as the eager ops keep it."""
+    so the reference stays the eager ops' computation, a pad and then a VALID convolution
+    (jitted without the barrier, XLA folds the pad into the convolution's padding, the form
+    under test); the barrier's transpose fences the cotangent in the same way, so the
+    gradient's slice stays apart as the eager ops keep it."""
     x = lax.optimization_barrier(jnp.pad(x, ((0, 0), *pads, (0, 0))))
     return lax.conv_general_dilated(x, w, stride, ((0, 0), (0, 0)), rhs_dilation=dilation,
                                     dimension_numbers=DIMS)

@@ -144,6 +144,7 @@ def test_gradients_match_lax(xs, ws, stride, pads, cfg):
     f32 = [a.astype(jnp.float32) for a in (x, w, b, res)]
     y, got = _out_and_loss_grads(kernel, x, w, b, res, ct)
     want_y, want = _out_and_loss_grads(reference, *f32, ct)
+    assert y.dtype == jnp.bfloat16
     _assert_16bit_close(y, want_y, jnp.bfloat16, "forward")
     _assert_16bit_close(got[0], want[0], jnp.bfloat16, "dx")
     # dw is computed in float32 and rounded to w's dtype once.

@@ -10,7 +10,9 @@ gradient, the weight gradient) within an H100's shared memory (outside the long 
 default tiles, the largest, and each candidate bringing a value of a tile field none before
 it had, so every channel tile, K chunk, slot count, split and the warp-specialised form;
 for the 3x3 shape, whose tile values are all among the 1x1 shape's, the default and the
-largest tiles, ``mgpu_testlib.ends``) is lowered by
+largest tiles, ``mgpu_testlib.ends``: both take 64-channel K chunks, so 9 taps of two
+32-channel chunks are lowered in the long run only, and interpreted in test_mgpu_conv.py's
+"3x3 tails") is lowered by
 ``scripts/inspect_kernels.py``'s ``dense_candidates`` with only its kernel, each distinct
 configuration once, and each module must hold TMA loads and stores
 (``cp.async.bulk.tensor``), an mbarrier wait and ``wgmma.mma_async`` of the candidate's
