@@ -28,7 +28,8 @@ import os
 
 # tests/conftest.py's XLA_FLAGS: 8 host devices and this (measured on 2 cores against the
 # default level 2: tests/train/test_precision_training.py 57 -> 50 s; level 0 gave 46 s)
-OPT_FLAG = "--xla_backend_optimization_level=1"
+_LEVEL = "--xla_backend_optimization_level"
+OPT_FLAG = f"{_LEVEL}=1"
 CACHE_ENV = "JAXCNN_TEST_COMPILATION_CACHE"  # the directory, or "0": no cache
 # The test process stores every program it compiles, however quick: most of the suite's are
 # small (a test's own jit of a layer, an eager operation) and compiled again by the other worker
@@ -83,7 +84,7 @@ def with_devices(n: int) -> str:
 def at_level(level: int) -> str:
     """This process's XLA_FLAGS with LLVM optimisation level ``level`` instead of the suite's
     (:data:`OPT_FLAG`), its other flags kept."""
-    return _replaced("--xla_backend_optimization_level", level)
+    return _replaced(_LEVEL, level)
 
 
 def _replaced(flag: str, value) -> str:

@@ -16,11 +16,14 @@ import numpy as np
 TOLERANCE = {jnp.dtype(jnp.float32): 2e-5, jnp.dtype(jnp.bfloat16): 2e-2}
 
 
+LEVEL_0 = {"xla_backend_optimization_level": 0}  # XLA's compiler options: optimisations off
+
+
 def fast_compile(fn, *args):
     """``jax.jit(fn)`` compiled for ``args`` with XLA optimisations off (interpret mode compiles
     slowly); for results compared with a reference within a tolerance, never bit for bit with a
     program compiled otherwise (level 0 forms no fused multiply-adds, for one)."""
-    return jax.jit(fn).trace(*args).lower().compile({"xla_backend_optimization_level": 0})
+    return jax.jit(fn).trace(*args).lower().compile(LEVEL_0)
 
 
 def fast_run(fn, *args):
@@ -35,7 +38,7 @@ def compile_unoptimised(monkeypatch) -> None:
     compile_lowered = jax.stages.Lowered.compile
 
     def compile_at_level_0(self, compiler_options=None, **kw):
-        options = {**(compiler_options or {}), "xla_backend_optimization_level": 0}
+        options = {**(compiler_options or {}), **LEVEL_0}
         return compile_lowered(self, options, **kw)
 
     monkeypatch.setattr(jax.stages.Lowered, "compile", compile_at_level_0)

@@ -783,12 +783,6 @@ def _lowered_threshold(monkeypatch):
     monkeypatch.setattr(rules, "FSDP_MIN_SIZE", 64)
 
 
-def _norm(tree) -> float:
-    """The global L2 norm of a tree of arrays, in float64 on the host."""
-    return float(np.sqrt(sum(np.sum(np.square(np.asarray(x, np.float64)))
-                             for x in jax.tree_util.tree_leaves(tree))))
-
-
 def test_global_optimisers_on_parameters_split_over_pipe(monkeypatch):
     """bn_net on data 2 x pipe 4 with every leaf of 64+ elements split over pipe: one chain of
     LAMB (per-leaf trust ratios, weight decay masked off the 1-D leaves), a clip of LAMB's
@@ -807,7 +801,7 @@ def test_global_optimisers_on_parameters_split_over_pipe(monkeypatch):
     start = init(model, MOMENTUM, shape).params
     # LAMB's update of each leaf is lr times the leaf's norm (lr times Adam's direction for a
     # zero leaf), so the whole update's norm is at least lr * ||params||.
-    bound = 0.2 * lr * _norm(start)
+    bound = 0.2 * lr * float(optax.tree.norm(start))
     tx = optax.chain(optax.lamb(lr, weight_decay=0.1, mask=lambda p: jax.tree_util.tree_map(
                          lambda x: x.ndim > 1, p)),
                      optax.clip_by_global_norm(bound),
@@ -827,7 +821,7 @@ def test_global_optimisers_on_parameters_split_over_pipe(monkeypatch):
     ref_m, ref = _reference(model, tx, shape, data, 4)
     # Clipped every step: two steps of norm `bound` move the parameters at most 2 * bound (the
     # unclipped updates would move them about 5 times as far).
-    moved = _norm(jax.tree_util.tree_map(lambda a, b: a - b, ref.params, start))
+    moved = float(optax.tree.norm(optax.tree.sub(ref.params, start)))
     assert 0.5 * bound < moved <= 2 * bound * (1 + 1e-5), (moved, bound)
     for g, r in zip(got_m, ref_m):
         np.testing.assert_allclose(g["loss"], r["loss"], rtol=LOSS_RTOL)
