@@ -131,11 +131,21 @@ def _custom_call_configs(operation, target: str):
                 yield from _custom_call_configs(o, target)
 
 
+def _lower_for_cuda(fn, args):
+    """``jit(fn)`` traced and lowered for CUDA afresh, so that what is looked up or captured
+    while tracing and lowering (tiles, launches, Triton modules) happens on every call: a new
+    function each time, with ``fn``'s own ``jax.jit`` (if it is jitted) taken off, so that
+    ``fn``'s body is traced again and the lowering runs again.  A function that ``fn`` calls
+    through ``jax.jit`` may still be served from JAX's trace cache: the kernels' ops have
+    none.  JAX's caches are left alone: they are the process's."""
+    body = fn.__wrapped__ if isinstance(fn, jax.stages.Wrapped) else fn
+    return jax.jit(lambda *a: body(*a)).trace(*args).lower(lowering_platforms=("cuda",))
+
+
 def lower_kernels(fn, *args, kind: str = H100) -> list:
     """``[(name, num_warps, num_stages, ttir_text)]`` of the kernels ``jit(fn)`` launches on ``kind``."""
-    jax.clear_caches()  # a cached lowering would skip the Pallas lowering we capture
     with _capturing() as seen, _abstract_gpu(kind), as_device_kind(kind):
-        lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+        lowered = _lower_for_cuda(fn, args)
     pending = list(seen)
     out = []
     for name, warps, stages in _launches(lowered.compiler_ir("stablehlo")):
@@ -354,7 +364,7 @@ def _candidates(fn, args, kind, kernels=None) -> list:
     """``[(report, config text)]`` for every candidate config of every kernel ``fn`` runs (of
     the autotune kernels named in ``kernels``, such as ``{"depthwise_wgrad"}``, if given)."""
     with as_device_kind(kind), autotune._recording() as rec, _abstract_gpu(kind):
-        jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+        _lower_for_cuda(fn, args)
     out = []
     limit = _SHARED_MEMORY_LIMITS.get(kind)
     for key, (kernel, g, co, dtype) in rec.items():
@@ -408,8 +418,7 @@ def lower_mosaic_kernels(fn, *args, kind: str = H100) -> list:
     lowered offline for CUDA in the abstract-mesh recipe (no GPU needed)."""
     from jax._src.lib.mlir import ir
     with _abstract_gpu(kind), as_device_kind(kind):
-        # A fresh function: never a cached trace (the tiles are looked up while tracing).
-        lowered = jax.jit(lambda *a: fn(*a)).trace(*args).lower(lowering_platforms=("cuda",))
+        lowered = _lower_for_cuda(fn, args)
     out = []
     for cfg in _custom_call_configs(lowered.compiler_ir("stablehlo").operation, MOSAIC_TARGET):
         module = ir.StringAttr(cfg["module"]).value_bytes

@@ -203,15 +203,20 @@ def test_inspect_script_prints_every_benchmark_kernel(capsys):
 
 
 def test_inspect_candidates_reports_each_kernel_under_each_of_its_configs(capsys):
+    """Each row is the kernel compiled with its own candidate: the launch column (warps and
+    pipeline slots, which differ between the candidates) is that candidate's.  The script
+    hands over its jitted gradient, whose trace JAX caches: each candidate's lowering must
+    trace it again under that candidate's tiles."""
     assert ik.main(["--groups", "pool", "--batch", "2", "--candidates"]) == 0
     rows = [line.split() for line in capsys.readouterr().out.splitlines()[2:]]
     from pallas_kernels import autotune
     from pallas_kernels._common import geometry
     g = geometry((2, 112, 112, 64), (3, 3), (2, 2), (1, 1), ((1, 1), (1, 1)), (56, 56))
-    want = {f"{c.block_m}x{c.block_n}x{c.block_k}"
+    want = {(f"{c.block_m}x{c.block_n}x{c.block_k}", f"{c.num_warps}w{c.num_stages}s")
             for c in autotune.candidates("max_pool2d_fwd", g, 64)}
+    assert len({launch for _, launch in want}) > 1
     for kernel in ("jaxcnn_max_pool_fwd", "jaxcnn_max_pool_bwd"):
-        assert {r[3] for r in rows if r[2] == kernel} == want
+        assert {(r[3], r[4]) for r in rows if r[2] == kernel} == want
     assert ik.launch_names("dense_wgrad") == {"jaxcnn_conv_wgrad"}
     assert ik.launch_names("max_pool2d_fwd") == {"jaxcnn_max_pool_fwd", "jaxcnn_max_pool_infer"}
 
