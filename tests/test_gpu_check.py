@@ -208,7 +208,12 @@ def test_kept_tile_plan_is_the_models_and_within_three_per_launch():
 
 
 def test_dry_run_goes_through_every_stage(tmp_path):
+    """Every stage where Mosaic GPU lowers (jax >= 0.11, as on the lent GPU machines, whose jax
+    the check runs on).  Without it (jax 0.10.2) only what such an environment adds: the
+    torch.compile stage where torch imports (CI's jax 0.11.2 environment has no torch)."""
     out = str(tmp_path)
+    mosaic = _mosaic_reason() is None
+    names = [s for s, _ in gc.STAGES] if mosaic else ["env", "torch"]
     # The suite's compilation cache: the stages that time the same step again (resnet50_more,
     # resnet50_auto) load its programs instead of compiling them (a fifth of the dry run).
     # LLVM level 0, as the interpreted-kernel tests compile (tests/xla_cache.py): every check
@@ -216,39 +221,39 @@ def test_dry_run_goes_through_every_stage(tmp_path):
     env = xla_cache.subprocess_env({**os.environ, "PYTHONPATH": ROOT,
                                     "XLA_FLAGS": xla_cache.at_level(0)})
     done = subprocess.run([sys.executable, os.path.join(SCRIPTS, "gpu_check.py"), "--dry-run",
-                           "--out", out, "--budget", "900"], env=env, capture_output=True,
-                          text=True, timeout=1200, check=False)
+                           "--out", out, "--budget", "900", "--stages", ",".join(names)],
+                          env=env, capture_output=True, text=True, timeout=1200, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     stages = {r["stage"]: r for r in _records(out, "stage")}
-    assert [s for s, _ in gc.STAGES] == list(stages)
+    assert names == list(stages)
     bad = {s: r for s, r in stages.items() if r["status"] != "ok"}
     assert not bad, bad
     failed = [r for r in _records(out, "unit") if r["status"] != "started" and
               r["status"] != "done"]
     assert not failed, failed
-    mosaic = _mosaic_reason() is None
-    families = {r["family"]: r for r in _records(out, "correct")}
-    assert all(r["ok"] for r in families.values()), families
-    assert {f for f in families if f.startswith("triton")} == {
-        "triton_dense", "triton_dense_stride2", "triton_depthwise", "triton_max_pool2d",
-        "triton_avg_pool2d", "triton_bn_relu_conv"}
-    assert len([f for f in families if f.startswith("mosaic")]) == (8 if mosaic else 0)
-    steps = _records(out, "step")
+    steps, skipped = _records(out, "step"), {r["unit"] for r in _records(out, "skip")}
     frameworks = {r["framework"] for r in steps}
-    assert "jaxcnn" in frameworks and all(r["step_ms"] > 0 for r in steps)
-    skipped = {r["unit"] for r in _records(out, "skip")}
-    try:
-        import torch  # noqa: F401
+    assert all(r["step_ms"] > 0 for r in steps)
+    if importlib.util.find_spec("torch") is not None:
         assert "torch.compile" in frameworks
-    except ImportError:
+    else:
         assert "torch.compile" in skipped
-    for kind in ("conv", "fused", "window", "batchnorm"):
-        assert bool(_records(out, kind)) == mosaic, kind
-    devices = json.load(open(os.path.join(out, "autotune.json")))["devices"]
-    assert bool(devices) == mosaic
     md = open(os.path.join(out, "gpu_check.md")).read()
     assert "### Training step" in md and "--dry-run" in md
     # A lent machine sends back at most 8 files: every stage logs into one.
     assert sorted(os.listdir(out)) == ["autotune.json", "gpu_check.jsonl", "gpu_check.log",
                                        "gpu_check.md"]
-    assert "=== stage resnet50_auto, process 1" in open(os.path.join(out, "gpu_check.log")).read()
+    assert f"=== stage {names[-1]}, process 1" in open(os.path.join(out, "gpu_check.log")).read()
+    devices = json.load(open(os.path.join(out, "autotune.json")))["devices"]
+    assert bool(devices) == mosaic  # the verdicts come from the Mosaic stages
+    if not mosaic:
+        return
+    families = {r["family"]: r for r in _records(out, "correct")}
+    assert all(r["ok"] for r in families.values()), families
+    assert {f for f in families if f.startswith("triton")} == {
+        "triton_dense", "triton_dense_stride2", "triton_depthwise", "triton_max_pool2d",
+        "triton_avg_pool2d", "triton_bn_relu_conv"}
+    assert len([f for f in families if f.startswith("mosaic")]) == 8
+    assert "jaxcnn" in frameworks
+    for kind in ("conv", "fused", "window", "batchnorm"):
+        assert _records(out, kind), kind
