@@ -2,10 +2,12 @@
 and run in a fresh Python process that never imports jaxcnn; its logits must
 equal (bit for bit) what the exported module gives in this process, and
 jaxcnn's own eval-mode logits to float32 rounding."""
+import contextlib
 import json
 import subprocess
 import sys
 
+import jax
 import numpy as np
 import pytest
 import xla_cache
@@ -37,6 +39,29 @@ assert not any(m.startswith("jaxcnn") for m in sys.modules), "the child imported
 BATCH1 = ("mnist_cnn", "resnet18", "mobilenet_v2")
 
 
+# Where a serialised module (almost all of it its weights) is larger than this, neither this
+# process nor the child stores its compiled program in the suite's persistent compilation
+# cache: the program holds the weights as constants, and JAX compresses each entry it writes
+# with zlib, which took longer than the compilation it would save the child (jax 0.11.2, 2
+# cores: resnet18's 45 MB, 4.5 s to compile and store against 2.0 s to compile; vgg16_bn's
+# 62 MB, 5.5 s against 1.2 s).  The smaller modules go through the cache: the child loads
+# what this process compiled.
+STORE_BELOW_BYTES = 20_000_000
+_MIN_COMPILE_TIME = "jax_persistent_cache_min_compile_time_secs"
+
+
+@contextlib.contextmanager
+def _cache_writes(store: bool):
+    """Within it, this process stores what it compiles in the persistent compilation cache only
+    if ``store``."""
+    before = getattr(jax.config, _MIN_COMPILE_TIME)
+    jax.config.update(_MIN_COMPILE_TIME, before if store else float("inf"))
+    try:
+        yield
+    finally:
+        jax.config.update(_MIN_COMPILE_TIME, before)
+
+
 # The normal suite reloads one model of each kind of layer (plain conv/pool, VGG with
 # BatchNorm, basic residual blocks, depthwise inverted residuals); -m slow the whole zoo.
 FAST_ZOO = ("lenet5", "mnist_cnn", "mobilenet_v2", "resnet18", "vgg16_bn")
@@ -47,22 +72,28 @@ FAST_ZOO = ("lenet5", "mnist_cnn", "mobilenet_v2", "resnet18", "vgg16_bn")
     pytest.param(tuple(sorted(ZOO)), id="whole-zoo", marks=pytest.mark.slow)])
 def test_zoo_models_reload_in_a_fresh_process(zoo_case, tmp_path, names):
     names = list(names)
-    exported = {}
+    exported, sizes = {}, {}
     for name in names:
         case = zoo_case(name)
         data = export_stablehlo(case.model, case.params, case.state, case.image_shape,
                                 path=tmp_path / f"{name}.stablehlo")
         np.save(tmp_path / f"{name}.npy", case.x)
-        exported[name] = load_stablehlo(data)
+        exported[name], sizes[name] = load_stablehlo(data), len(data)
         assert str(exported[name].in_avals[0].shape[0]) == "b"
-    # This process runs the exported modules first, at both batch sizes, and stores what it
-    # compiles in the suite's compilation cache; the child, given the cache, loads those
-    # executables instead of compiling the same programs again.  The child still deserialises
-    # and runs every module itself: what it computes must equal, bit for bit, what runs here.
-    here = {name: np.asarray(exported[name].call(zoo_case(name).x)) for name in names}
-    here.update({name + "_batch1": np.asarray(exported[name].call(zoo_case(name).x[:1]))
-                 for name in BATCH1 if name in names})
+    # This process runs the exported modules first, at both batch sizes; the child, given the
+    # suite's compilation cache, loads the executables of the smaller ones instead of compiling
+    # the same programs again, and compiles the larger ones itself (STORE_BELOW_BYTES; it stores
+    # nothing).  The child deserialises and runs every module: what it computes must equal, bit
+    # for bit, what runs here.
+    here = {}
+    for name in names:
+        x = zoo_case(name).x
+        with _cache_writes(sizes[name] < STORE_BELOW_BYTES):
+            here[name] = np.asarray(exported[name].call(x))
+            if name in BATCH1:
+                here[name + "_batch1"] = np.asarray(exported[name].call(x[:1]))
     env = {k: v for k, v in xla_cache.subprocess_env().items() if k != "PYTHONPATH"}
+    env[_MIN_COMPILE_TIME.upper()] = "inf"
     subprocess.run([sys.executable, "-c", _CHILD, str(tmp_path), json.dumps(names),
                     json.dumps(BATCH1)], env=env, cwd=tmp_path, check=True, timeout=600)
     with np.load(tmp_path / "out.npz") as out:
