@@ -42,10 +42,10 @@ BATCH1 = ("mnist_cnn", "resnet18", "mobilenet_v2")
 # Where a serialised module (almost all of it its weights) is larger than this, neither this
 # process nor the child stores its compiled program in the suite's persistent compilation
 # cache: the program holds the weights as constants, and JAX compresses each entry it writes
-# with zlib, which took longer than the compilation it would save the child (jax 0.11.2, 2
-# cores: resnet18's 45 MB, 4.5 s to compile and store against 2.0 s to compile; vgg16_bn's
-# 62 MB, 5.5 s against 1.2 s).  The smaller modules go through the cache: the child loads
-# what this process compiled.
+# (zlib, or zstandard where installed; zlib here), which took longer than the compilation it
+# would save the child (jax 0.11.2, 2 cores: resnet18's 45 MB, 4.5 s to compile and store
+# against 2.0 s to compile; vgg16_bn's 62 MB, 5.5 s against 1.2 s).  The smaller modules go
+# through the cache: the child loads what this process compiled.
 STORE_BELOW_BYTES = 20_000_000
 _MIN_COMPILE_TIME = "jax_persistent_cache_min_compile_time_secs"
 

@@ -91,7 +91,7 @@ def test_sigterm_then_resume_is_bitwise_equal_to_uninterrupted(uninterrupted, tm
     common = [os.path.join(CONFIGS, "mnist_cnn.yaml"), *FAST, "train.steps=24",
               "checkpoint.every=4", "checkpoint.keep=2"]
     # A checkpoint every 4 steps (about 0.3 s a save): the SIGTERM comes once the first, step
-    # 4's, exists, and keep=2 still deletes older ones.
+    # 4's, exists; keep=2 deletes the older ones in the resumed run.
     # The uninterrupted reference is the module's `uninterrupted` run: this config without
     # checkpoints (they change no step), in process.
 
