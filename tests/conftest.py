@@ -9,9 +9,17 @@ import gc
 import os
 import re
 import shutil
+import signal
 import tempfile
 
 import pytest
+
+# A run started with SIGINT ignored (under nohup, or as a background job of a non-interactive
+# shell) passes that on to every process it starts, and the Ctrl-C tests' children would never
+# see the SIGINT they are sent: this process (the controller and each xdist worker) takes
+# Python's own handler, as a run started from a terminal has it.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 import xla_cache  # the suite's flags and cache (no JAX inside)
 
